@@ -1,0 +1,807 @@
+"""Layouts: which parameter slices of a model form the GL(h) blocks of its attention layers.
+
+A :class:`Layout` is plain data built from a model without modifying or wrapping it
+(``geodesic-sharpness-math.md`` §6.2):
+
+* every attention layer and every head ``i`` gives two GL(d_head) blocks, with ``r_i = i*dh:(i+1)*dh``
+  and PyTorch ``Linear.weight`` of shape ``(out, in)``::
+
+      QK:  G = [W_q[r_i,:]^T ; b_q[r_i]]  (d+1, dh)     H = [W_k[r_i,:]^T ; b_k[r_i]]  (d+1, dh)
+      VO:  G = [W_v[r_i,:]^T ; b_v[r_i]]  (d+1, dh)     H = W_o[:, r_i]               (d, dh)
+
+  biases are an extra row because the input is ``[X 1]``; ``b_o`` is not in any block;
+* everything else (and the part of a parameter no block covers) is *adaptive* (elementwise).
+
+A block is a list of :class:`FactorPiece` objects (one piece = one parameter slice, for all heads at
+once) for ``G`` and for ``H``; blocks are read with :meth:`GLBlock.gather` and written back, out of
+place and differentiably, with :meth:`GLBlock.scatter`.  The GL action used throughout is
+``(G, H) -> (G A, H A^{-T})`` (``toolkit-apis.md`` convention; the paper's ``(G A^{-1}, H A^T)`` is the
+same action with ``A -> A^{-1}``).
+
+:meth:`Layout.verify` checks numerically that the declared/detected blocks really are symmetries of
+the model (random ill-conditioned per-head actions, model output unchanged), and names the block that
+is not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "FactorPiece", "GLBlock", "Layout", "Unsupported", "VerifyReport", "BlockCheck", "SymmetryError",
+    "declare_block", "default_tolerance", "primary_output", "PIECE_KINDS",
+]
+
+PIECE_KINDS = ("rows", "cols", "bias")
+
+
+# --------------------------------------------------------------------------------------------------
+# FactorPiece
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FactorPiece:
+    """One piece of a GL factor read from one parameter, for all heads at once.
+
+    ``kind``:
+
+    * ``"rows"``: ``W[offset + i*h : offset + (i+1)*h, :]^T`` -> ``(heads, in, h)``
+      (q/k/v weights in ``(out, in)`` layout; also the output projection of a ``Conv1D``);
+    * ``"cols"``: ``W[:, offset + i*h : offset + (i+1)*h]`` -> ``(heads, out, h)``
+      (output projection in ``(out, in)`` layout; also q/k/v of a ``Conv1D`` in ``(in, out)`` layout);
+    * ``"bias"``: ``b.flatten()[offset + i*h : offset + (i+1)*h]`` -> ``(heads, 1, h)`` (a bias row; the
+      parameter may have any shape, e.g. ``nn.MultiheadAttention.bias_k`` is ``(1, 1, E)``).
+    """
+
+    param: str
+    kind: str
+    offset: int
+    num_heads: int
+    head_dim: int
+
+    def __post_init__(self):
+        if self.kind not in PIECE_KINDS:
+            raise ValueError(f"FactorPiece.kind must be one of {PIECE_KINDS}, got {self.kind!r}")
+        if self.offset < 0 or self.num_heads < 1 or self.head_dim < 1:
+            raise ValueError(f"invalid FactorPiece {self}: need offset >= 0, num_heads >= 1, head_dim >= 1")
+
+    @property
+    def width(self) -> int:
+        """Number of rows/columns/entries of the parameter spanned by all heads (``num_heads*head_dim``)."""
+        return self.num_heads * self.head_dim
+
+    def rows_per_head(self, shape: Sequence[int]) -> int:
+        """Number of rows this piece contributes to the factor (``k`` in ``(heads, k, head_dim)``)."""
+        self.check_shape(shape)
+        if self.kind == "rows":
+            return int(shape[1])
+        if self.kind == "cols":
+            return int(shape[0])
+        return 1
+
+    def check_shape(self, shape: Sequence[int]) -> None:
+        """Raise ``ValueError`` if the piece does not fit into a parameter of this shape."""
+        shape = tuple(int(s) for s in shape)
+        if self.kind in ("rows", "cols"):
+            if len(shape) != 2:
+                raise ValueError(f"{self}: kind {self.kind!r} needs a 2-D parameter, {self.param!r} has shape {shape}")
+            dim = shape[0] if self.kind == "rows" else shape[1]
+        else:
+            dim = math.prod(shape)
+        if self.offset + self.width > dim:
+            raise ValueError(
+                f"{self}: slice [{self.offset}:{self.offset + self.width}] is out of range for parameter "
+                f"{self.param!r} of shape {shape} (kind {self.kind!r} slices a dimension of size {dim})"
+            )
+
+    # -- reading / writing -------------------------------------------------------------------------
+
+    def read(self, params: Mapping[str, Tensor]) -> Tensor:
+        """``(num_heads, k, head_dim)`` view of ``params[self.param]`` (differentiable)."""
+        return self.read_from(params[self.param])
+
+    def read_from(self, W: Tensor) -> Tensor:
+        o, w, nh, h = self.offset, self.width, self.num_heads, self.head_dim
+        if self.kind == "rows":
+            return W[o:o + w].reshape(nh, h, W.shape[1]).transpose(1, 2)
+        if self.kind == "cols":
+            return W[:, o:o + w].reshape(W.shape[0], nh, h).permute(1, 0, 2)
+        return W.reshape(-1)[o:o + w].reshape(nh, 1, h)
+
+    def write(self, param_value: Tensor, value: Tensor) -> Tensor:
+        """New full parameter equal to ``param_value`` except this piece, which becomes ``value``.
+
+        Out of place and differentiable in both arguments.  ``value`` is cast to the dtype/device of
+        ``param_value`` (so a block can be acted on in float64 and written back into float32 weights).
+        """
+        W = param_value
+        o, w, nh, h = self.offset, self.width, self.num_heads, self.head_dim
+        k = self.rows_per_head(W.shape)
+        if tuple(value.shape) != (nh, k, h):
+            raise ValueError(f"{self}: value has shape {tuple(value.shape)}, expected {(nh, k, h)}")
+        value = value.to(dtype=W.dtype, device=W.device)
+        if self.kind == "rows":
+            new = value.transpose(1, 2).reshape(w, W.shape[1])
+            return torch.cat([W[:o], new, W[o + w:]], dim=0)
+        if self.kind == "cols":
+            new = value.permute(1, 0, 2).reshape(W.shape[0], w)
+            return torch.cat([W[:, :o], new, W[:, o + w:]], dim=1)
+        flat = W.reshape(-1)
+        return torch.cat([flat[:o], value.reshape(w), flat[o + w:]]).reshape(W.shape)
+
+    def mask(self, param_value: Tensor) -> Tensor:
+        """Boolean tensor of the parameter's shape, True on the entries of this piece."""
+        W = param_value
+        self.check_shape(W.shape)
+        o, w = self.offset, self.width
+        m = torch.zeros(W.shape, dtype=torch.bool, device=W.device)
+        if self.kind == "rows":
+            m[o:o + w] = True
+        elif self.kind == "cols":
+            m[:, o:o + w] = True
+        else:
+            m.view(-1)[o:o + w] = True
+        return m
+
+    def describe(self, strip: str = "") -> str:
+        name = self.param[len(strip) + 1:] if strip and self.param.startswith(strip + ".") else self.param
+        sl = f"[{self.offset}:{self.offset + self.width}]"
+        if self.kind == "rows":
+            return f"{name}{sl}ᵀ"
+        if self.kind == "cols":
+            return f"{name}[:, {self.offset}:{self.offset + self.width}]"
+        return f"{name}{sl}"
+
+
+# --------------------------------------------------------------------------------------------------
+# GLBlock
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GLBlock:
+    """One GL(head_dim) symmetry per head: ``f(G, H) = g(G Hᵀ)`` for each head.
+
+    ``G = cat([p.read(params) for p in g_pieces], dim=-2)`` has shape ``(num_heads, n, head_dim)``,
+    ``H`` likewise ``(num_heads, m, head_dim)``.
+    """
+
+    name: str
+    kind: str
+    module: str
+    g_pieces: Tuple[FactorPiece, ...]
+    h_pieces: Tuple[FactorPiece, ...]
+    num_heads: int
+    head_dim: int
+    n: int
+    m: int
+    family: str = "declared"
+
+    def __post_init__(self):
+        object.__setattr__(self, "g_pieces", tuple(self.g_pieces))
+        object.__setattr__(self, "h_pieces", tuple(self.h_pieces))
+        if not self.g_pieces or not self.h_pieces:
+            raise ValueError(f"block {self.name!r}: needs at least one G piece and one H piece")
+        for p in self.pieces:
+            if p.num_heads != self.num_heads or p.head_dim != self.head_dim:
+                raise ValueError(
+                    f"block {self.name!r}: piece {p} has {p.num_heads} heads x {p.head_dim}, block has "
+                    f"{self.num_heads} x {self.head_dim}"
+                )
+
+    @property
+    def pieces(self) -> Tuple[FactorPiece, ...]:
+        return self.g_pieces + self.h_pieces
+
+    @property
+    def params(self) -> Tuple[str, ...]:
+        """Names of the parameters this block touches (in order of first appearance)."""
+        return tuple(dict.fromkeys(p.param for p in self.pieces))
+
+    @property
+    def num_scalars(self) -> int:
+        return self.num_heads * (self.n + self.m) * self.head_dim
+
+    def gather(self, params: Mapping[str, Tensor]) -> Tensor:
+        """``x = [G; H]`` of shape ``(num_heads, n + m, head_dim)``."""
+        return torch.cat([p.read(params) for p in self.pieces], dim=-2)
+
+    def split(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(G, H)`` from ``x = [G; H]``."""
+        return x[..., : self.n, :], x[..., self.n:, :]
+
+    def scatter(self, params: Mapping[str, Tensor], x: Tensor) -> Dict[str, Tensor]:
+        """New dict (shallow copy of ``params``) with the touched parameters replaced so that
+        ``gather(result) == x``.  Differentiable w.r.t. ``x``; pieces of several blocks that share one
+        parameter (packed ``in_proj_weight``) compose, because each write starts from the current value."""
+        expected = (self.num_heads, self.n + self.m, self.head_dim)
+        if tuple(x.shape) != expected:
+            raise ValueError(f"block {self.name!r}: x has shape {tuple(x.shape)}, expected {expected}")
+        out = dict(params)
+        start = 0
+        for p in self.pieces:
+            k = p.rows_per_head(out[p.param].shape)
+            out[p.param] = p.write(out[p.param], x[:, start:start + k, :])
+            start += k
+        return out
+
+    def validate(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """Check parameter names, slice ranges and ``n``/``m`` against parameter shapes."""
+        for p in self.pieces:
+            if p.param not in shapes:
+                raise ValueError(f"block {self.name!r}: unknown parameter {p.param!r}")
+            p.check_shape(shapes[p.param])
+        n = sum(p.rows_per_head(shapes[p.param]) for p in self.g_pieces)
+        m = sum(p.rows_per_head(shapes[p.param]) for p in self.h_pieces)
+        if (n, m) != (self.n, self.m):
+            raise ValueError(f"block {self.name!r}: declared n={self.n}, m={self.m} but the pieces give n={n}, m={m}")
+
+    def describe(self) -> str:
+        g = " + ".join(p.describe(self.module) for p in self.g_pieces)
+        h = " + ".join(p.describe(self.module) for p in self.h_pieces)
+        return (f"{self.kind}: {self.num_heads} heads x {self.head_dim}  "
+                f"G ({self.n}, {self.head_dim}) = {g}  |  H ({self.m}, {self.head_dim}) = {h}")
+
+
+def _apply_action(block: GLBlock, params: Mapping[str, Tensor], A: Tensor) -> Dict[str, Tensor]:
+    x = block.gather(params)
+    ct = torch.promote_types(x.dtype, A.dtype)
+    x = x.to(ct)
+    A = A.to(dtype=ct, device=x.device)
+    if tuple(A.shape) != (block.num_heads, block.head_dim, block.head_dim):
+        raise ValueError(
+            f"action for block {block.name!r} has shape {tuple(A.shape)}, expected "
+            f"{(block.num_heads, block.head_dim, block.head_dim)}"
+        )
+    G, H = block.split(x)
+    G2 = G @ A
+    H2 = torch.linalg.solve(A, H.transpose(-1, -2)).transpose(-1, -2)  # H A^{-T}
+    return block.scatter(params, torch.cat([G2, H2], dim=-2))
+
+
+# --------------------------------------------------------------------------------------------------
+# verification report
+# --------------------------------------------------------------------------------------------------
+
+
+class SymmetryError(AssertionError):
+    """A declared or detected GL block is not a symmetry of the model; ``.report`` has the details."""
+
+    def __init__(self, message: str, report: "VerifyReport"):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class BlockCheck:
+    name: str
+    kind: str
+    module: str
+    per_scale: Dict[float, float]
+    max_rel_dev: float
+    passed: bool
+
+
+@dataclass
+class VerifyReport:
+    """Result of :meth:`Layout.verify`.  Deviations are ``max|y' - y| / max|y|`` of the model output."""
+
+    joint: Dict[float, float]
+    joint_passed: bool
+    blocks: List[BlockCheck]
+    rtol: float
+    atol: float
+    dtype: torch.dtype
+    cond: Optional[float]
+    scales: Tuple[float, ...]
+    output_scale: float
+    per_block_checked: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.joint_passed and all(b.passed for b in self.blocks)
+
+    @property
+    def failing(self) -> List[str]:
+        return [b.name for b in self.blocks if not b.passed]
+
+    @property
+    def max_rel_dev(self) -> float:
+        vals = list(self.joint.values()) + [b.max_rel_dev for b in self.blocks]
+        return max(vals) if vals else 0.0
+
+    def __str__(self) -> str:
+        status = "PASSED" if self.passed else "FAILED"
+        thr = self.rtol + self.atol / max(self.output_scale, 1e-300)
+        lines = [
+            f"GL symmetry check {status}: compute dtype {str(self.dtype).replace('torch.', '')}, "
+            f"|y|max = {self.output_scale:.3g}, cond(A) = {self.cond}, "
+            f"scales {', '.join(f'{s:g}' for s in self.scales)}; tolerance rel {thr:.2e} "
+            f"(rtol {self.rtol:.1e}, atol {self.atol:.1e})",
+            "  all blocks at once: " + ", ".join(f"{s:g}: {d:.2e}" for s, d in self.joint.items())
+            + ("" if self.joint_passed else "   <-- FAIL"),
+        ]
+        if self.blocks:
+            w = max(len(b.name) for b in self.blocks)
+            for b in self.blocks:
+                lines.append(f"  {b.name:<{w}}  max rel dev {b.max_rel_dev:.2e}  {'ok' if b.passed else 'FAIL'}")
+        elif not self.per_block_checked:
+            lines.append("  (blocks not checked one by one)")
+        return "\n".join(lines)
+
+
+TOLERANCE_FACTOR = 30.0
+
+
+def default_tolerance(dtype: torch.dtype, cond: Optional[float] = 1e2) -> float:
+    """Default relative tolerance of :meth:`Layout.verify`: ``30 * eps(dtype) * max(cond, 10)``.
+
+    The action is computed in float64, so what remains is rounding: writing the acted factors back
+    in the model dtype perturbs the recomposed ``G Hᵀ`` by about ``eps * cond(A)`` relative to
+    ``|G||H|``, and the forward pass rounds in the amplified products ``(x G A)(x H A^{-T})ᵀ`` likewise.
+    Measured ``max|y' - y| / max|y|`` (real MiniLM-L6, 6 layers, 12 heads; tiny BERT/ViT/CLIP/GPT-2/MHA)
+    is about ``0.5 * eps * cond``: float32 ``3e-6`` at ``cond = 1e2``, ``3e-5`` at ``1e3``,
+    ``1.3e-4`` at ``1e4``; float64 ``5e-15`` at ``1e2``; the scale ``1e-2 .. 1e2`` does not matter
+    (the scalar part of ``A`` cancels exactly up to rounding).  So the default keeps a margin of about
+    100x (float32: ``3.6e-4`` at ``cond = 1e2``; float64: ``6.7e-13``), while a block that is not a
+    symmetry deviates by ``1e-2 .. 1`` (rotary QK, mis-declared heads, swapped k/v, missing bias_k).  Half-precision models are checked in float32 (see ``verify``).
+    """
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    c = 10.0 if cond is None else max(10.0, float(cond))
+    return TOLERANCE_FACTOR * eps * c
+
+
+def _max_cond(actions: Mapping[str, Tensor]) -> float:
+    worst = 1.0
+    for A in actions.values():
+        s = torch.linalg.svdvals(A.to(torch.float64))
+        c = float((s[..., 0] / s[..., -1]).max())
+        worst = max(worst, c if math.isfinite(c) else math.inf)
+    return worst
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout
+# --------------------------------------------------------------------------------------------------
+
+
+class Unsupported(NamedTuple):
+    """An attention-like module that could not be mapped to GL blocks."""
+
+    module: str
+    cls: str
+    reason: str
+
+
+def _fmt_int(n: int) -> str:
+    return f"{n:,}"
+
+
+def _split_inputs(example_inputs) -> Tuple[tuple, dict]:
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def primary_output(out) -> Tensor:
+    """The tensor compared by :meth:`Layout.verify`: the tensor itself, or ``logits`` /
+    ``last_hidden_state`` / the first tensor field of a (HF ``ModelOutput``) mapping / tuple."""
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, Mapping):
+        for key in ("logits", "last_hidden_state"):
+            v = out.get(key, None)
+            if isinstance(v, Tensor):
+                return v
+        for v in out.values():
+            if isinstance(v, Tensor):
+                return v
+            if isinstance(v, (tuple, list, Mapping)):
+                try:
+                    return primary_output(v)
+                except TypeError:
+                    pass
+    if isinstance(out, (tuple, list)):
+        for v in out:
+            if isinstance(v, Tensor):
+                return v
+        for v in out:
+            try:
+                return primary_output(v)
+            except TypeError:
+                pass
+    raise TypeError(f"cannot find an output tensor in a {type(out).__name__}; pass output_fn=")
+
+
+@dataclass(eq=False)
+class Layout:
+    """The GL blocks and elementwise (adaptive) parameters of a model.  Pure data: it holds parameter
+    names and slices, never the model or its tensors (only the boolean ``gl_masks``)."""
+
+    blocks: List[GLBlock]
+    adaptive: List[str]
+    gl_masks: Dict[str, Tensor]
+    frozen: List[str]
+    unsupported: List[Unsupported]
+    param_shapes: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    model_name: str = ""
+    notes: List[str] = field(default_factory=list)
+
+    # -- lookup ------------------------------------------------------------------------------------
+
+    def block(self, name: str) -> GLBlock:
+        for b in self.blocks:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    @property
+    def block_names(self) -> List[str]:
+        return [b.name for b in self.blocks]
+
+    @property
+    def gl_params(self) -> List[str]:
+        """Parameters touched by at least one block (keys of ``gl_masks``)."""
+        return list(self.gl_masks)
+
+    def counts(self) -> Dict[str, int]:
+        """Numbers of scalars: ``gl``, ``adaptive``, ``frozen``, ``total`` (parameters whose shape is
+        unknown, i.e. missing from ``param_shapes`` and ``gl_masks``, count as 0)."""
+        def numel(n: str) -> int:
+            if n in self.param_shapes:
+                return math.prod(self.param_shapes[n])
+            return int(self.gl_masks[n].numel()) if n in self.gl_masks else 0
+
+        gl = sum(int(m.sum()) for m in self.gl_masks.values())
+        frozen = sum(numel(n) for n in self.frozen)
+        adaptive = sum(int((~self.gl_masks[n]).sum()) if n in self.gl_masks else numel(n) for n in self.adaptive)
+        names = set(self.param_shapes) | set(self.gl_masks) | set(self.adaptive) | set(self.frozen)
+        total = sum(numel(n) for n in names)
+        return {"gl": gl, "adaptive": adaptive, "frozen": frozen, "total": total}
+
+    # -- printing ----------------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        modules: Dict[str, List[GLBlock]] = {}
+        for b in self.blocks:
+            modules.setdefault(b.module, []).append(b)
+        head = f"Layout of {self.model_name}" if self.model_name else "Layout"
+        lines = [f"{head}: {len(self.blocks)} GL blocks in {len(modules)} attention modules"]
+        for mod, bl in modules.items():
+            fam = ", ".join(dict.fromkeys(b.family for b in bl))
+            lines.append(f"  {mod or '<root>'}  [{fam}]")
+            for b in bl:
+                lines.append(f"      {b.describe()}")
+        c = self.counts()
+        partial = [n for n in self.adaptive if n in self.gl_masks]
+        n_gl_params = len(self.gl_masks)
+        lines.append(
+            f"Scalars: total {_fmt_int(c['total'])} | GL {_fmt_int(c['gl'])} (in {n_gl_params} parameters) | "
+            f"adaptive {_fmt_int(c['adaptive'])} (in {len(self.adaptive)} parameters, {len(partial)} of them "
+            f"partly GL) | frozen {_fmt_int(c['frozen'])} (in {len(self.frozen)} parameters)"
+        )
+        if partial:
+            shown = ", ".join(partial[:6]) + (", ..." if len(partial) > 6 else "")
+            lines.append(f"Partly GL parameters (rest adaptive): {shown}")
+        if self.unsupported:
+            lines.append(f"Unsupported attention-like modules (treated adaptively): {len(self.unsupported)}")
+            for u in self.unsupported:
+                lines.append(f"  {u.module} [{u.cls}]: {u.reason}")
+        else:
+            lines.append("Unsupported attention-like modules: none")
+        for note in self.notes:
+            lines.append(f"Note: {note}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        c = self.counts()
+        return (f"Layout(model={self.model_name!r}, blocks={len(self.blocks)}, gl_scalars={c['gl']}, "
+                f"adaptive={len(self.adaptive)}, frozen={len(self.frozen)}, unsupported={len(self.unsupported)})")
+
+    # -- actions -----------------------------------------------------------------------------------
+
+    def act(self, params: Mapping[str, Tensor], actions: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+        """Apply per-block per-head GL actions ``A`` (``(heads, h, h)``, keyed by block name):
+        ``(G, H) -> (G A, H A^{-T})``.  Blocks without an entry are left alone.  Computed in the
+        promoted dtype of the parameters and ``A`` (pass float64 ``A`` for an accurate action on float32
+        weights); written back in the parameters' dtype.  Returns a new dict."""
+        unknown = set(actions) - {b.name for b in self.blocks}
+        if unknown:
+            raise KeyError(f"actions for unknown blocks: {sorted(unknown)}")
+        out = dict(params)
+        for b in self.blocks:
+            A = actions.get(b.name)
+            if A is not None:
+                out = _apply_action(b, out, A)
+        return out
+
+    def random_actions(self, params: Optional[Mapping[str, Tensor]] = None, *, scale: float,
+                       cond: Optional[float] = 1e2, generator: Optional[torch.Generator] = None,
+                       dtype: torch.dtype = torch.float64) -> Dict[str, Tensor]:
+        """Per block a ``(heads, h, h)`` action: ``scale * U diag(s) Vᵀ`` with Haar-random orthogonal
+        ``U, V`` and singular values ``s`` log-spaced in ``[cond^{-1/2}, cond^{1/2}]`` (condition number
+        exactly ``cond``), or ``scale * N(0, 1)`` entries when ``cond is None`` (the paper's §6.2 check).
+        Sampled on the CPU with ``generator`` (reproducible), returned on the parameters' device."""
+        out: Dict[str, Tensor] = {}
+        for b in self.blocks:
+            nh, h = b.num_heads, b.head_dim
+            device = params[b.g_pieces[0].param].device if params is not None else torch.device("cpu")
+            if cond is None:
+                A = torch.randn(nh, h, h, generator=generator, dtype=torch.float64)
+            else:
+                U, _ = torch.linalg.qr(torch.randn(nh, h, h, generator=generator, dtype=torch.float64))
+                V, _ = torch.linalg.qr(torch.randn(nh, h, h, generator=generator, dtype=torch.float64))
+                s = torch.logspace(-0.5, 0.5, h, base=float(cond), dtype=torch.float64) if h > 1 else torch.ones(1, dtype=torch.float64)
+                A = U @ torch.diag_embed(s.expand(nh, h)) @ V.transpose(-1, -2)
+            out[b.name] = (scale * A).to(dtype=dtype, device=device)
+        return out
+
+    # -- symmetry self-check -----------------------------------------------------------------------
+
+    def verify(self, model: nn.Module, example_inputs, *, scales: Sequence[float] = (1e-2, 1e-1, 1.0, 1e1, 1e2),
+               cond: Optional[float] = 1e2, rtol: Optional[float] = None, atol: Optional[float] = None,
+               seed: int = 0, per_block: Union[bool, str] = True, raise_on_failure: bool = True,
+               output_fn: Optional[Callable[[Any], Tensor]] = None,
+               compute_dtype: Optional[torch.dtype] = None) -> VerifyReport:
+        """Check that every block is a symmetry of ``model``: the output must not change under random
+        per-head GL actions (see :meth:`random_actions`; ``cond=None`` for Gaussian actions) at each of
+        ``scales``.
+
+        The model is never modified: the acted parameters go through ``torch.func.functional_call``;
+        the model is put in eval mode for the check (every submodule's ``training`` flag is restored
+        afterwards) and no gradients are recorded.  The actions are computed in float64 and written
+        back in the compute dtype, which is the model's dtype, or float32 for float16/bfloat16 models
+        (whose own rounding, ~1e-2, would hide a broken block); ``compute_dtype=`` overrides it (all
+        floating parameters, buffers and inputs are then cast for the check).
+
+        ``example_inputs``: a tensor, a tuple/list of positional arguments, or a dict of keyword
+        arguments.  The compared tensor is ``output_fn(output)`` or :func:`primary_output` (``logits``,
+        ``last_hidden_state`` or the first tensor).
+
+        Deviation ``max|y' - y| / max|y|``; a check passes when ``max|y' - y| <= atol + rtol * max|y|``.
+        Defaults: ``rtol = default_tolerance(compute_dtype, cond)`` (with ``cond=None`` the largest
+        condition number of the sampled actions), ``atol = 0``.  All blocks are acted on together; with
+        ``per_block=True`` (default) each block is also checked on its own, with ``per_block="auto"``
+        only when the joint check fails; this is what names the culprit.  Raises
+        :class:`SymmetryError` naming the failing block(s) unless ``raise_on_failure=False``.
+        """
+        from torch.func import functional_call
+
+        fn = output_fn or primary_output
+        args, kwargs = _split_inputs(example_inputs)
+        flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
+        scales = tuple(float(s) for s in scales)
+        try:
+            model.eval()
+            with torch.no_grad():
+                params = {n: p.detach() for n, p in model.named_parameters()}
+                fdt = [p.dtype for p in params.values() if p.is_floating_point()]
+                model_dtype = fdt[0] if fdt else torch.get_default_dtype()
+                cdt = compute_dtype or (torch.float32 if model_dtype in (torch.float16, torch.bfloat16) else model_dtype)
+                extra: Dict[str, Tensor] = {}
+                if any(p.is_floating_point() and p.dtype != cdt for p in params.values()):
+                    params = {n: p.to(cdt) if p.is_floating_point() else p for n, p in params.items()}
+                    extra = {n: b.to(cdt) for n, b in model.named_buffers() if b.is_floating_point()}
+
+                    def cast(x):
+                        if isinstance(x, Tensor):
+                            return x.to(cdt) if x.is_floating_point() else x
+                        if isinstance(x, (tuple, list)):
+                            return type(x)(cast(v) for v in x)
+                        if isinstance(x, dict):
+                            return {k: cast(v) for k, v in x.items()}
+                        return x
+
+                    args, kwargs = cast(args), cast(kwargs)
+
+                def run(p):
+                    return fn(functional_call(model, {**p, **extra}, args, kwargs)).detach()
+
+                y0 = run(params)
+                ymax = float(y0.abs().max()) if y0.numel() else 0.0
+                tol_a = 0.0 if atol is None else float(atol)
+                denom = ymax if ymax > 0 else 1.0
+
+                def dev(p) -> float:
+                    y = run(p)
+                    if y.shape != y0.shape:
+                        return math.inf
+                    if not y.numel():
+                        return 0.0
+                    d = float((y.to(torch.float64) - y0.to(torch.float64)).abs().max())
+                    return math.inf if not math.isfinite(d) else d / denom
+
+                gen = torch.Generator().manual_seed(seed)
+                joint: Dict[float, float] = {}
+                tols: Dict[float, float] = {}
+                actions_by_scale = {}
+                for s in scales:
+                    actions = self.random_actions(params, scale=s, cond=cond, generator=gen)
+                    actions_by_scale[s] = actions
+                    eff = cond if cond is not None else _max_cond(actions)
+                    tols[s] = default_tolerance(cdt, eff) if rtol is None else float(rtol)
+                    joint[s] = dev(self.act(params, actions)) if self.blocks else 0.0
+
+                def ok(d: float, s: float) -> bool:
+                    return d * denom <= tol_a + tols[s] * ymax
+
+                joint_passed = all(ok(d, s) for s, d in joint.items())
+                check_blocks = per_block is True or (per_block == "auto" and not joint_passed)
+                checks: List[BlockCheck] = []
+                if check_blocks:
+                    for b in self.blocks:
+                        per = {s: dev(self.act(params, {b.name: actions_by_scale[s][b.name]})) for s in scales}
+                        mx = max(per.values()) if per else 0.0
+                        checks.append(BlockCheck(b.name, b.kind, b.module, per, mx,
+                                                 all(ok(d, s) for s, d in per.items())))
+        finally:
+            for name, mod in model.named_modules(remove_duplicate=False):
+                if name in flags:
+                    mod.training = flags[name]
+        tol_r = max(tols.values()) if tols else (float(rtol) if rtol is not None else default_tolerance(cdt, cond))
+        report = VerifyReport(joint=joint, joint_passed=joint_passed, blocks=checks, rtol=tol_r, atol=tol_a,
+                              dtype=cdt, cond=cond, scales=scales, output_scale=ymax,
+                              per_block_checked=check_blocks)
+        if raise_on_failure and not report.passed:
+            failing = report.failing
+            if failing:
+                worst = {b.name: b.max_rel_dev for b in report.blocks if not b.passed}
+                what = "; ".join(f"{n} (max rel dev {d:.2e})" for n, d in worst.items())
+                msg = f"GL symmetry broken by block(s): {what}"
+            elif not report.per_block_checked:
+                msg = "GL symmetry broken when all blocks act together (blocks not checked one by one)"
+            else:
+                msg = ("GL symmetry broken when all blocks act together, although no single block fails "
+                       "on its own (blocks interact: overlapping or coupled parameters?)")
+            raise SymmetryError(f"{msg}; tolerance rel {tol_r:.1e}.\n{report}", report)
+        return report
+
+
+# --------------------------------------------------------------------------------------------------
+# user-declared blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def _canonical_names(model: nn.Module) -> Tuple[Dict[int, str], Dict[str, str]]:
+    """``id(param) -> canonical name`` and ``any name (incl. tied aliases) -> canonical name``."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    alias = {n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    return by_id, alias
+
+
+def _get(model: nn.Module, path: str):
+    """Submodule or parameter at ``path`` ("" is the model itself)."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        pass
+    try:
+        return model.get_parameter(path)
+    except AttributeError:
+        raise ValueError(f"{path!r} is neither a submodule nor a parameter of {type(model).__name__}") from None
+
+
+def _common_prefix(paths: Iterable[str]) -> str:
+    split = [p.split(".") for p in paths]
+    if not split:
+        return ""
+    out = []
+    for parts in zip(*split):
+        if all(x == parts[0] for x in parts):
+            out.append(parts[0])
+        else:
+            break
+    return ".".join(out)
+
+
+def _proj_pieces(model: nn.Module, path: str, role: str, num_heads: int, head_dim: int, offset: int,
+                 bias: bool) -> Tuple[List[FactorPiece], str]:
+    """Pieces for a projection given by a module path (``nn.Linear`` or HF ``Conv1D``) or a weight
+    parameter path.  ``role`` is ``"in"`` (q/k/v: heads along the output features) or ``"out"``
+    (output projection: heads along the input features).  Returns pieces and the module path."""
+    by_id, _ = _canonical_names(model)
+    obj = _get(model, path)
+    if isinstance(obj, nn.Parameter) or isinstance(obj, Tensor):
+        if id(obj) not in by_id:
+            raise ValueError(f"{path!r} is not a parameter of the model")
+        if obj.dim() != 2:
+            raise ValueError(f"{path!r} must be a 2-D (out, in) weight, has shape {tuple(obj.shape)}")
+        kind = "rows" if role == "in" else "cols"
+        return [FactorPiece(by_id[id(obj)], kind, offset, num_heads, head_dim)], path.rsplit(".", 1)[0] if "." in path else ""
+    if not isinstance(obj, nn.Module):
+        raise ValueError(f"{path!r} is neither a module nor a parameter")
+    W = getattr(obj, "weight", None)
+    if not isinstance(W, Tensor) or W.dim() != 2 or id(W) not in by_id:
+        raise ValueError(f"{path!r} ({type(obj).__name__}) has no 2-D weight parameter")
+    transposed = type(obj).__name__ == "Conv1D" and not isinstance(obj, nn.Linear)  # HF Conv1D: (in, out)
+    if role == "in":
+        kind = "cols" if transposed else "rows"
+    else:
+        kind = "rows" if transposed else "cols"
+    pieces = [FactorPiece(by_id[id(W)], kind, offset, num_heads, head_dim)]
+    b = getattr(obj, "bias", None)
+    if role == "in" and bias and isinstance(b, Tensor) and id(b) in by_id:
+        pieces.append(FactorPiece(by_id[id(b)], "bias", offset, num_heads, head_dim))
+    return pieces, path
+
+
+def _out_features(model: nn.Module, path: str, role: str) -> int:
+    obj = _get(model, path)
+    W = obj if isinstance(obj, Tensor) else obj.weight
+    transposed = isinstance(obj, nn.Module) and type(obj).__name__ == "Conv1D" and not isinstance(obj, nn.Linear)
+    if role == "in":
+        return int(W.shape[1] if transposed else W.shape[0])
+    return int(W.shape[0] if transposed else W.shape[1])
+
+
+def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str] = None,
+                  v: Optional[str] = None, o: Optional[str] = None, num_heads: Optional[int] = None,
+                  head_dim: Optional[int] = None, bias: bool = True, offsets: Optional[Mapping[str, int]] = None,
+                  g: Optional[Sequence[FactorPiece]] = None, h: Optional[Sequence[FactorPiece]] = None,
+                  kind: Optional[str] = None, name: Optional[str] = None, module: Optional[str] = None) -> GLBlock:
+    """Declare a GL block by hand.
+
+    * ``declare_block(model, q="path.q_linear", k="path.k_linear", num_heads=4)`` -> QK block
+      ``G = [W_qᵀ; b_q]``, ``H = [W_kᵀ; b_k]`` per head (biases appended when present and ``bias=True``);
+    * ``declare_block(model, v=..., o=..., num_heads=4)`` -> VO block ``G = [W_vᵀ; b_v]``,
+      ``H = W_o[:, r_i]`` (the output bias is never in the block);
+    * paths name an ``nn.Linear`` (weight ``(out, in)``), an HF ``Conv1D`` (weight ``(in, out)``) or a 2-D
+      weight parameter (``(out, in)``, no bias); ``offsets={"k": 64}`` selects rows (q/k/v) or columns
+      (o) of a packed projection, e.g. ``q="attn.qkv", k="attn.qkv", offsets={"k": d}``;
+    * ``declare_block(model, g=[FactorPiece(...), ...], h=[...], kind="qk", name=...)`` from raw pieces.
+
+    ``head_dim`` defaults to (output features of q or v) // ``num_heads`` (input features of ``o`` for
+    VO); give it explicitly for packed projections.  ``name`` defaults to ``"<module>/<kind>"`` with
+    ``module`` the deepest module containing all given paths.
+    """
+    by_id, alias = _canonical_names(model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    offsets = dict(offsets or {})
+    bad = set(offsets) - {"q", "k", "v", "o"}
+    if bad:
+        raise ValueError(f"offsets keys must be among q, k, v, o; got {sorted(bad)}")
+    if g is not None or h is not None:
+        if g is None or h is None or any(x is not None for x in (q, k, v, o)):
+            raise ValueError("give either both g= and h= (raw FactorPieces) or q/k or v/o paths")
+        g = tuple(replace(p, param=alias.get(p.param, p.param)) for p in g)
+        h = tuple(replace(p, param=alias.get(p.param, p.param)) for p in h)
+        nh, hd = g[0].num_heads, g[0].head_dim
+        kind = kind or "declared"
+        mod = module if module is not None else _common_prefix([p.param.rsplit(".", 1)[0] for p in g + h])
+        pieces_g, pieces_h = list(g), list(h)
+    else:
+        if num_heads is None:
+            raise ValueError("num_heads is required")
+        if q is not None and k is not None and v is None and o is None:
+            kind = kind or "qk"
+            (ga, gr, go), (ha, hr, ho) = (q, "in", offsets.get("q", 0)), (k, "in", offsets.get("k", 0))
+        elif v is not None and o is not None and q is None and k is None:
+            kind = kind or "vo"
+            (ga, gr, go), (ha, hr, ho) = (v, "in", offsets.get("v", 0)), (o, "out", offsets.get("o", 0))
+        else:
+            raise ValueError("declare either q= and k= (QK block) or v= and o= (VO block)")
+        if head_dim is None:
+            if ga == ha:
+                raise ValueError("head_dim is required when G and H come from the same (packed) projection")
+            width = _out_features(model, ga, gr) - go if kind == "qk" else _out_features(model, ha, hr) - ho
+            if width % num_heads:
+                raise ValueError(f"cannot infer head_dim: {width} features not divisible by {num_heads} heads")
+            head_dim = width // num_heads
+        nh, hd = int(num_heads), int(head_dim)
+        pieces_g, mg = _proj_pieces(model, ga, gr, nh, hd, go, bias)
+        pieces_h, mh = _proj_pieces(model, ha, hr, nh, hd, ho, bias)
+        mod = module if module is not None else _common_prefix([mg, mh])
+    n = sum(p.rows_per_head(shapes[p.param]) for p in pieces_g if p.param in shapes)
+    m = sum(p.rows_per_head(shapes[p.param]) for p in pieces_h if p.param in shapes)
+    block = GLBlock(name=name or f"{mod}/{kind}", kind=kind, module=mod, g_pieces=tuple(pieces_g),
+                    h_pieces=tuple(pieces_h), num_heads=nh, head_dim=hd, n=n, m=m, family="declared")
+    block.validate(shapes)
+    return block

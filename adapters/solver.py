@@ -1,0 +1,323 @@
+r"""Sharpness as Riemannian maximisation over a geodesic ball: a generic solver.
+
+The solver knows manifolds and a loss closure, nothing about model families. A *ball* is a product of
+components, each owning one piece of the perturbation ξ in the tangent space at the trained
+weights w⁽⁰⁾ (all metrics are taken at w⁽⁰⁾, spec §7.1):
+
+* :class:`QuotientComponent` wraps a frame of the geometry core (GL(h) quotient, batched over heads,
+  or the rescaling quotient): horizontal projection, Riemannian gradient, retraction
+  w⁽⁰⁾ + ξ − ½Γ(ξ, ξ) (or first-order / exact);
+* :class:`ElementwiseComponent` is the adaptive-sharpness recipe for every other weight (spec §6.2):
+  metric Σ ξ²/w², Riemannian gradient ∇⊙w², perturbation w + ξ, zero weights kept fixed.
+
+One combined norm ‖ξ‖² = Σ_components ‖ξ_c‖² defines the ball (spec §6.3), and
+:func:`auto_pgd` maximises L(retract(w⁽⁰⁾, ξ)) − L(w⁽⁰⁾) over it (spec §7.3).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from quotient_manifolds.core.gl import check_choice
+
+Tensor = torch.Tensor
+Tangent = List[Tensor]
+
+MOMENTUM_FORMS = ("apgd", "andriushchenko", "none")
+STEP_NORMALISATIONS = ("metric", "none")
+
+
+# ---------------------------------------------------------------------------------- components
+class QuotientComponent:
+    """One quotient-manifold piece of the ball, at the fixed point ``frame.x``.
+
+    ``frame`` is a :class:`~quotient_manifolds.core.gl.GLFrame` (batched over heads) or a
+    :class:`~quotient_manifolds.core.rescaling.RescalingFrame`. ``ball_weights`` replaces the
+    metric norm by the elementwise adaptive norm Σ ξ²/w² (ablation "no corrected norm", spec §7.3);
+    the ascent direction stays the horizontal Riemannian gradient of the quotient metric.
+    """
+
+    def __init__(self, name: str, frame, x0: Tensor, *, retraction: str,
+                 use_metric_norm: bool = True):
+        self.name = name
+        self.frame = frame
+        self.x0 = x0
+        self.retraction = retraction
+        self.elementwise_norm = None if use_metric_norm else _inverse_square(x0)
+
+    def zeros(self) -> Tensor:
+        return torch.zeros_like(self.x0)
+
+    def inner(self, u: Tensor, v: Tensor) -> Tensor:
+        if self.elementwise_norm is not None:
+            return (u * v * self.elementwise_norm).sum(dtype=torch.float64)
+        return self.frame.inner(u, v).sum(dtype=torch.float64)
+
+    def project(self, u: Tensor) -> Tensor:
+        return self.frame.project(u)
+
+    def rgrad(self, egrad: Tensor) -> Tensor:
+        return self.frame.egrad2rgrad(egrad)
+
+    def point(self, xi: Tensor) -> Tensor:
+        return self.frame.retract(xi, self.retraction)
+
+    def random(self, generator: Optional[torch.Generator]) -> Tensor:
+        u = torch.randn(self.x0.shape, dtype=self.x0.dtype, device=self.x0.device,
+                        generator=generator)
+        return self.project(u)
+
+
+class ElementwiseComponent:
+    """Adaptive-sharpness geometry of plain weight tensors w (c = |w|; spec §6.2, §10).
+
+    Metric ⟨ξ, η⟩ = Σ ξη/w², Riemannian gradient ∇⊙w², point w + ξ. Entries with w = 0 (or outside
+    their ``mask``) have infinite cost and are kept fixed (ξ = 0 there; spec §12.12). With
+    ``direction="andriushchenko"`` the ascent direction is ∇⊙|w| (their code) instead of ∇⊙w².
+
+    All tensors given are flattened into ONE vector so that every operation of the solver is a
+    single pass over memory (this part holds most scalars of a transformer: embeddings, MLPs);
+    :meth:`unflatten` returns differentiable views per name.
+    """
+
+    def __init__(self, tensors: Dict[str, Tensor], *, masks: Optional[Dict[str, Tensor]] = None,
+                 direction: str = "riemannian", name: str = "elementwise"):
+        if not tensors:
+            raise ValueError("an elementwise component needs at least one tensor")
+        self.name = name
+        self.names = list(tensors)
+        self.shapes = [tensors[n].shape for n in self.names]
+        self.sizes = [tensors[n].numel() for n in self.names]
+        self.x0 = torch.cat([tensors[n].reshape(-1) for n in self.names])
+        movable = self.x0 != 0
+        if masks:
+            movable &= torch.cat([masks[n].reshape(-1) if masks.get(n) is not None else
+                                  torch.ones(tensors[n].numel(), dtype=torch.bool,
+                                             device=self.x0.device) for n in self.names])
+        self.direction = check_choice(direction, ("riemannian", "andriushchenko"),
+                                      "adaptive direction")
+        self.abs_w = torch.where(movable, self.x0.abs(), torch.zeros_like(self.x0))
+        self.w2 = self.abs_w * self.abs_w
+        self.inv_w2 = torch.where(movable, 1 / torch.where(movable, self.w2, torch.ones_like(self.w2)),
+                                  torch.zeros_like(self.w2))
+
+    def unflatten(self, flat: Tensor) -> Dict[str, Tensor]:
+        return {n: t.view(shape) for n, t, shape in
+                zip(self.names, torch.split(flat, self.sizes), self.shapes)}
+
+    def zeros(self) -> Tensor:
+        return torch.zeros_like(self.x0)
+
+    def inner(self, u: Tensor, v: Tensor) -> Tensor:
+        return torch.dot(u * self.inv_w2, v).to(torch.float64)
+
+    def project(self, u: Tensor) -> Tensor:
+        # Every vector the solver forms is a combination of gradients ∇⊙w², already 0 where w is
+        # fixed; random directions are masked in :meth:`random`. Nothing to project.
+        return u
+
+    def rgrad(self, egrad: Tensor) -> Tensor:
+        return egrad * (self.w2 if self.direction == "riemannian" else self.abs_w)
+
+    def point(self, xi: Tensor) -> Tensor:
+        return self.x0 + xi
+
+    def random(self, generator: Optional[torch.Generator]) -> Tensor:
+        u = torch.randn(self.x0.shape, dtype=self.x0.dtype, device=self.x0.device,
+                        generator=generator)
+        return u * self.abs_w
+
+
+def _inverse_square(w: Tensor) -> Tensor:
+    w2 = w * w
+    return torch.where(w2 > 0, 1 / torch.where(w2 > 0, w2, torch.ones_like(w2)), torch.zeros_like(w2))
+
+
+class ProductBall:
+    """The product of components with one combined norm ‖ξ‖² = Σ_c ‖ξ_c‖² (spec §6.3)."""
+
+    def __init__(self, components: Sequence):
+        if not components:
+            raise ValueError("a ball needs at least one component")
+        self.components = list(components)
+
+    def zeros(self) -> Tangent:
+        return [c.zeros() for c in self.components]
+
+    def inner(self, u: Tangent, v: Tangent) -> Tensor:
+        return sum(c.inner(a, b) for c, a, b in zip(self.components, u, v))
+
+    def norm(self, u: Tangent) -> Tensor:
+        return self.inner(u, u).clamp_min(0).sqrt()
+
+    def project(self, u: Tangent) -> Tangent:
+        return [c.project(a) for c, a in zip(self.components, u)]
+
+    def rgrad(self, egrads: Tangent) -> Tangent:
+        return [c.rgrad(g) for c, g in zip(self.components, egrads)]
+
+    def points(self, xi: Tangent) -> List[Tensor]:
+        return [c.point(a) for c, a in zip(self.components, xi)]
+
+    def random(self, generator: Optional[torch.Generator] = None) -> Tangent:
+        return [c.random(generator) for c in self.components]
+
+    def project_ball(self, xi: Tangent, rho: float) -> Tangent:
+        """P_S: horizontal projection, then radial scaling into ‖ξ‖ ≤ ρ (exact, spec §3.2)."""
+        xi = self.project(xi)
+        nrm = float(self.norm(xi))
+        return xi if nrm <= rho else scale(xi, rho / nrm)
+
+
+def axpy(a: float, x: Tangent, y: Tangent) -> Tangent:
+    """a·x + y (one fused pass per tensor)."""
+    return torch._foreach_add(y, x, alpha=a)
+
+
+def scale(x: Tangent, a: float) -> Tangent:
+    return torch._foreach_mul(x, a)
+
+
+# ---------------------------------------------------------------------------------- Auto-PGD
+def apgd_checkpoints(n_iters: int) -> List[int]:
+    """Checkpoints of Andriushchenko et al. / Croce & Hein (spec §7.2): p₀ = 0, p₁ = 0.22,
+    p_{j+1} = p_j + max(p_j − p_{j−1} − 0.03, 0.06), w_j = ⌈p_j N⌉; first entry dropped.
+    For N = 20: [5, 9, 12, 15, 16, 18, 19, 20]."""
+    p = [0.0, 0.22]
+    while True:
+        nxt = p[-1] + max(p[-1] - p[-2] - 0.03, 0.06)
+        if nxt > 1:
+            break
+        p.append(nxt)
+    out = []
+    for pj in p:
+        w = math.ceil(pj * n_iters)
+        if out and w <= out[-1]:
+            continue
+        out.append(w)
+        if w >= n_iters:
+            break
+    return out[1:]
+
+
+@dataclass
+class APGDResult:
+    init_loss: float
+    worst_loss: float
+    xi: Tangent
+    norm: float
+    n_forward: int
+    n_backward: int
+    history: List[float] = field(default_factory=list)
+    step_sizes: List[float] = field(default_factory=list)
+
+    @property
+    def sharpness(self) -> float:
+        return self.worst_loss - self.init_loss
+
+
+def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,
+             n_iters: int = 20, step_size_mult: float = 1.0, alpha: float = 0.75,
+             momentum: str = "apgd", step_normalisation: str = "metric",
+             min_update_ratio: float = 0.75, decay: float = 0.5) -> APGDResult:
+    r"""Maximise ``closure(ball.points(ξ))`` over horizontal ξ with ‖ξ‖ ≤ ρ (spec §7.1, §7.3).
+
+    Iterations k = 0..N−1 each cost exactly one forward and one backward: the pass at ξ_k gives both
+    ℓ(ξ_k) (checked against the worst loss so far) and the gradient for the next step; the final
+    iterate gets one extra forward. Per step: g = P_h(grad_g ℓ) (Riemannian gradient of ξ ↦ ℓ(R(ξ))
+    in the metric at w⁽⁰⁾, autograd through the retraction, spec §12.5), normalised by its norm
+    (``step_normalisation="metric"``, spec §12.6), z = P_S(ξ + η g), and the momentum step
+    ``"apgd"`` ξ⁺ = P_S(ξ + α(z−ξ) + (1−α)(ξ−ξ⁻)) (α = 1 at k = 0; Croce & Hein, paper Alg. 1),
+    ``"andriushchenko"`` ξ⁺ = 0.75 z + 0.25 ξ⁻ (their code, spec §7.2), or ``"none"`` ξ⁺ = z.
+    At the checkpoints of :func:`apgd_checkpoints`, if fewer than 75 % of the steps since the last
+    checkpoint improved the worst loss, or neither η nor the worst loss changed, η is halved and
+    the iterate restarts from the worst point (whose gradient was kept, so no extra pass).
+    The initial step is η₀ = 2ρ·step_size_mult.
+    """
+    if not rho > 0:
+        raise ValueError(f"rho must be > 0, got {rho!r}")
+    if not isinstance(n_iters, int) or n_iters < 1:
+        raise ValueError(f"n_iters must be a positive integer, got {n_iters!r}")
+    check_choice(momentum, MOMENTUM_FORMS, "momentum form")
+    check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
+    checkpoints = set(apgd_checkpoints(n_iters))
+
+    def evaluate(xi: Tangent, need_grad: bool):
+        leaves = [t.detach().requires_grad_(need_grad) for t in xi]
+        with torch.enable_grad() if need_grad else torch.no_grad():
+            loss = closure(ball.points(leaves))
+        if not torch.isfinite(loss.detach()):
+            nrm = float(ball.norm(xi))
+            where = ("at the unperturbed weights: check the model, its inputs and targets"
+                     if nrm == 0 else f"at a perturbation of norm {nrm:.3g}: reduce rho")
+            raise FloatingPointError(f"the loss is not finite ({float(loss.detach())}) {where}")
+        if not need_grad:
+            return float(loss.detach()), None
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+        return float(loss.detach()), ball.rgrad(grads)
+
+    eta = 2 * rho * step_size_mult
+    xi = ball.zeros()
+    xi_prev = xi
+    loss0, grad = evaluate(xi, True)
+    n_fwd, n_bwd = 1, 1
+    worst, xi_worst, grad_worst = loss0, xi, grad
+    history, steps = [loss0], [eta]
+    n_updates, last_ckpt, ckpt_eta, ckpt_worst = 0, 0, eta, worst
+    for k in range(n_iters):
+        if k in checkpoints:
+            stalled = n_updates < min_update_ratio * (k - last_ckpt)
+            frozen = ckpt_eta == eta and ckpt_worst == worst
+            ckpt_eta, ckpt_worst = eta, worst
+            if stalled or frozen:
+                eta *= decay
+                xi, xi_prev, grad = xi_worst, xi_worst, grad_worst
+            n_updates, last_ckpt = 0, k
+        gnorm = float(ball.norm(grad)) if step_normalisation == "metric" else 1.0
+        step = eta / gnorm if gnorm > 0 else 0.0
+        z = ball.project_ball(axpy(step, grad, xi), rho)
+        if momentum == "none" or k == 0:
+            xi_new = z
+        elif momentum == "apgd":
+            # ξ + α(z−ξ) + (1−α)(ξ−ξ⁻) = lerp(2ξ − ξ⁻, z, α)
+            extrapolated = torch._foreach_add(torch._foreach_mul(xi_prev, -1.0), xi, alpha=2.0)
+            xi_new = ball.project_ball([torch.lerp(e, zi, alpha)
+                                        for e, zi in zip(extrapolated, z)], rho)
+        else:
+            xi_new = [torch.lerp(xpi, zi, 0.75) for zi, xpi in zip(z, xi_prev)]
+        xi_prev, xi = xi, xi_new
+        last = k == n_iters - 1
+        loss, grad = evaluate(xi, not last)
+        n_fwd += 1
+        n_bwd += 0 if last else 1
+        history.append(loss)
+        steps.append(eta)
+        if loss > worst:
+            worst, xi_worst, grad_worst = loss, xi, grad
+            n_updates += 1
+    return APGDResult(loss0, worst, xi_worst, float(ball.norm(xi_worst)), n_fwd, n_bwd, history,
+                      steps)
+
+
+def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,
+                 n_samples: int = 10, generator: Optional[torch.Generator] = None) -> Dict[str, float]:
+    """E_ξ[L(R(ξ))] − L(w⁰) over random horizontal ξ on the sphere ‖ξ‖ = ρ (forward passes only).
+
+    Directions are Gaussian in the metric's natural scaling (projected horizontally), rescaled to
+    norm ρ; ``generator`` makes the draw deterministic."""
+    if not rho > 0:
+        raise ValueError(f"rho must be > 0, got {rho!r}")
+    with torch.no_grad():
+        loss0 = float(closure(ball.points(ball.zeros())))
+        losses = []
+        for _ in range(n_samples):
+            u = ball.random(generator)
+            u = scale(u, rho / float(ball.norm(u)))
+            losses.append(float(closure(ball.points(u))))
+    return {"init_loss": loss0, "mean_loss": sum(losses) / len(losses), "losses": losses}

@@ -1,0 +1,159 @@
+"""Timings of the GL(h) quotient core at BERT-base shapes, with ratios measured in the same run.
+
+Workload: 12 layers × 12 heads = 144 heads, one GL(64) block each, G and H of 769×64 (768 weight
+rows plus the bias row), stored as one batch x of shape (144, 1538, 64).
+
+Rows of the table:
+
+* horizontal projection, batched torch, inv and mix: "frame + projection" (Gram matrices, Cholesky,
+  eigendecompositions, validation and the projection) and "projection, cached frame" (the sharpness
+  engine keeps one frame at the trained weights for the whole run);
+* the same inv projection as a Python loop over heads with `scipy.linalg.solve_sylvester`
+  (spec §3.2: P, Q, A = PQ, B = P Hᵀξ_H − ξ_GᵀG Q computed per head in numpy, A X + X A = B,
+  Λ = Xᵀ, (ξ_G + GΛ, ξ_H − HΛᵀ));
+* Γ(ξ, ξ) and the second-order retraction x + ξ − ½Γ(ξ, ξ) with a cached frame, relative to ONE
+  batched matrix product of the same shapes, ξ_G @ (h×h) over the 144 heads, in the compute dtype.
+
+Usage:  python benchmarks/bench_geometry.py [--threads N] [--device cpu|cuda] [--repeats R]
+Each timing is the median of R repeats after warm-up calls; the scipy loop always runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads for torch and the BLAS used by numpy/scipy (default: all cores)")
+    p.add_argument("--device", default="cpu", help="torch device for the batched core (cpu, cuda, cuda:1, …)")
+    p.add_argument("--dtype", choices=("float64", "float32"), default="float64",
+                   help="dtype of the points and tangent vectors given to the core (it computes in float64)")
+    p.add_argument("--heads", type=int, default=144, help="number of GL(h) blocks (default 12×12 = 144)")
+    p.add_argument("--rows", type=int, default=769, help="rows of G and of H (default 768 + bias row)")
+    p.add_argument("--h", type=int, default=64, help="head dimension h (default 64)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per row (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls per row")
+    p.add_argument("--scipy-repeats", type=int, default=3, help="timed repeats of the scipy loop")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args()
+THREADS = ARGS.threads or os.cpu_count() or 1
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = str(THREADS)  # before numpy/torch are imported, so their BLAS pools obey it
+
+import numpy as np  # noqa: E402
+import scipy  # noqa: E402
+import scipy.linalg  # noqa: E402
+import torch  # noqa: E402
+
+from quotient_manifolds.core import GLQuotientGeometry  # noqa: E402
+
+
+def timer(fn, device, repeats, warmup):
+    """Median wall time of fn() over `repeats` calls after `warmup` calls (device-synchronised)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def scipy_loop_projection(X, U, n):
+    """Per-head inv projection with scipy's Bartels–Stewart solver (numpy float64 arrays)."""
+    out = np.empty_like(U)
+    for i in range(X.shape[0]):
+        G, H = X[i, :n], X[i, n:]
+        xG, xH = U[i, :n], U[i, n:]
+        P, Q = G.T @ G, H.T @ H
+        A = P @ Q
+        B = P @ (H.T @ xH) - (xG.T @ G) @ Q
+        Lam = scipy.linalg.solve_sylvester(A, A, B).T
+        out[i, :n] = xG + G @ Lam
+        out[i, n:] = xH - H @ Lam.T
+    return out
+
+
+def main():
+    torch.set_num_threads(THREADS)
+    device = torch.device(ARGS.device)
+    dtype = getattr(torch, ARGS.dtype)
+    B, n, h = ARGS.heads, ARGS.rows, ARGS.h
+    gen = torch.Generator().manual_seed(0)
+    # weights of BERT-like scale (entries ~ 0.04) and a tangent vector
+    x = (0.04 * torch.randn(B, 2 * n, h, generator=gen, dtype=torch.float64)).to(device, dtype)
+    u = torch.randn(B, 2 * n, h, generator=gen, dtype=torch.float64).to(device, dtype)
+    rep, wu = ARGS.repeats, ARGS.warmup
+
+    print(f"# bench_geometry: {B} heads, G and H of {n}×{h} (x: {tuple(x.shape)}), input dtype "
+          f"{ARGS.dtype} (core computes in float64)")
+    print(f"# device {device}, torch {torch.__version__} threads {torch.get_num_threads()}, "
+          f"numpy {np.__version__}, scipy {scipy.__version__}, BLAS threads {THREADS}, "
+          f"cpu_count {os.cpu_count()}, median of {rep} (scipy loop: {ARGS.scipy_repeats}) after "
+          f"{wu} warm-up")
+
+    rows = {}
+    results = {}
+    for metric in ("inv", "mix"):
+        geom = GLQuotientGeometry(n, n, h, metric)
+        rows[f"{metric}: frame + projection (torch, batched)"] = timer(
+            lambda: geom.frame(x).project(u), device, rep, wu)
+        frame = geom.frame(x)
+        results[metric] = frame.project(u)  # also fills the cached projection basis
+        rows[f"{metric}: projection, cached frame (torch)"] = timer(lambda: frame.project(u), device, rep, wu)
+        xi = frame.project(0.01 * u)
+        rows[f"{metric}: Γ(ξ,ξ), cached frame"] = timer(lambda: frame.christoffel(xi), device, rep, wu)
+        rows[f"{metric}: 2nd-order retraction, cached frame"] = timer(
+            lambda: frame.retract(xi, "second_order"), device, rep, wu)
+
+    # one batched matrix product of the same shapes, in the compute dtype (float64)
+    xiG = u[:, :n].to(torch.float64)
+    small = torch.randn(B, h, h, generator=gen, dtype=torch.float64).to(device)
+    rows["reference: one matmul ξ_G @ (h×h), batched"] = timer(lambda: xiG @ small, device, rep, wu)
+
+    # scipy loop (CPU, float64 numpy; the conversion is done once, outside the timing)
+    Xn = x.detach().to("cpu", torch.float64).numpy()
+    Un = u.detach().to("cpu", torch.float64).numpy()
+    rows["inv: Python loop of scipy solve_sylvester"] = timer(
+        lambda: scipy_loop_projection(Xn, Un, n), torch.device("cpu"), ARGS.scipy_repeats, 1)
+    ref = scipy_loop_projection(Xn, Un, n)
+    diff = np.abs(results["inv"].to("cpu", torch.float64).numpy() - ref).max() / np.abs(ref).max()
+
+    width = max(map(len, rows))
+    print(f"\n{'operation':{width}s}  {'median [ms]':>12s}")
+    for k, v in rows.items():
+        print(f"{k:{width}s}  {1e3 * v:12.2f}")
+
+    mm = rows["reference: one matmul ξ_G @ (h×h), batched"]
+    loop = rows["inv: Python loop of scipy solve_sylvester"]
+    print("\nratios (same run)")
+    ratios = [
+        ("scipy loop / inv frame + projection (goal ≥ 10)", loop / rows["inv: frame + projection (torch, batched)"]),
+        ("scipy loop / inv projection, cached frame", loop / rows["inv: projection, cached frame (torch)"]),
+        ("inv projection, cached frame / one matmul", rows["inv: projection, cached frame (torch)"] / mm),
+        ("mix projection, cached frame / one matmul", rows["mix: projection, cached frame (torch)"] / mm),
+        ("inv Γ(ξ,ξ) / one matmul", rows["inv: Γ(ξ,ξ), cached frame"] / mm),
+        ("mix Γ(ξ,ξ) / one matmul", rows["mix: Γ(ξ,ξ), cached frame"] / mm),
+        ("inv 2nd-order retraction / one matmul", rows["inv: 2nd-order retraction, cached frame"] / mm),
+        ("mix 2nd-order retraction / one matmul", rows["mix: 2nd-order retraction, cached frame"] / mm),
+    ]
+    rw = max(len(k) for k, _ in ratios)
+    for k, v in ratios:
+        print(f"{k:{rw}s}  {v:8.2f}×")
+    print(f"\ncheck: max |torch inv projection − scipy| / max |scipy| = {diff:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

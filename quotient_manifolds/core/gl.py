@@ -1,0 +1,477 @@
+r"""Geometry of the GL(h) two-factor quotient, written once in torch.
+
+A point is a pair (G, H), G ∈ R^{n×h}, H ∈ R^{m×h} of full column rank, stored as ONE tensor
+``x = [G; H]`` of shape ``(..., n+m, h)``; every leading dimension is a batch dimension (e.g. one
+quotient per attention head). The group GL(h) acts by (G, H) ↦ (G A, H A^{-T}); the function
+f(G, H) = g(G Hᵀ) is constant along orbits. Tangent vectors ξ = [ξ_G; ξ_H] share the layout.
+
+Notation (spec ``geodesic-sharpness-math.md``, §1): P = GᵀG + εI, Q = HᵀH + εI (the ε relaxation of
+§6.4, used consistently everywhere below).
+
+Metrics (spec §2). Both are of the form
+
+    g_x(u, v) = tr(M_G u_Gᵀ v_G) + tr(M_H u_Hᵀ v_H)
+
+    inv:  M_G = P⁻¹, M_H = Q⁻¹      (Manopt ``fixedrankfactory_2factors``)
+    mix:  M_G = Q,   M_H = P        (Mishra–Sepulchre, ``fixedrankfactory_2factors_preconditioned``)
+
+and we write N_G = M_G⁻¹, N_H = M_H⁻¹ for the inverse weights (inv: P, Q; mix: Q⁻¹, P⁻¹).
+
+Everything that depends on the point alone (Gram matrices, Cholesky factors, the eigenstructure
+of the projection) is computed once per point in a :class:`GLFrame`; the sharpness engine keeps
+one frame at the trained weights for the whole Auto-PGD run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Tuple
+
+import torch
+
+METRICS = ("inv", "mix")
+RETRACTIONS = ("first_order", "second_order", "exact")
+
+Tensor = torch.Tensor
+
+
+def sym(a: Tensor) -> Tensor:
+    """Symmetric part ½(A + Aᵀ) over the last two dimensions."""
+    return 0.5 * (a + a.mT)
+
+
+def check_choice(value: str, valid: Tuple[str, ...], what: str) -> str:
+    """Return ``value`` if it is one of ``valid``; otherwise raise a ValueError listing them."""
+    if value not in valid:
+        raise ValueError(f"unknown {what} {value!r}; valid choices are: {', '.join(map(repr, valid))}")
+    return value
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the Gram-matrix work: float64 for float inputs of lower precision (spec §7.3)."""
+    if dtype == torch.float64:
+        return torch.float64
+    if dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.float64
+    raise ValueError(f"points and tangent vectors must be floating point tensors, got dtype {dtype}")
+
+
+def _right_solve(x: Tensor, chol: Tensor) -> Tensor:
+    """X S⁻¹ for S = L Lᵀ given its Cholesky factor L (S symmetric, so X S⁻¹ = (S⁻¹ Xᵀ)ᵀ)."""
+    return torch.cholesky_solve(x.mT, chol).mT
+
+
+class GLFrame:
+    r"""Everything the geometry needs at one point x = [G; H], computed once.
+
+    Methods take tangent vectors (or ambient vectors) with the layout of the point and broadcast
+    over leading batch dimensions. Inputs of any float dtype are promoted to float64 internally and
+    results are returned in the dtype of the tangent argument.
+    """
+
+    def __init__(self, geometry: "GLQuotientGeometry", x: Tensor, *, check: bool = True):
+        self.geometry = geometry
+        self.metric = geometry.metric
+        self.eps = geometry.eps
+        n = geometry.n
+        if check:
+            geometry.check_shape(x.shape, "x")
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("the point x = [G; H] contains non-finite values (nan or inf)")
+        self.dtype = x.dtype
+        self.cdtype = compute_dtype(x.dtype)
+        xc = x.to(self.cdtype)
+        self.x = xc
+        self.G, self.H = xc[..., :n, :], xc[..., n:, :]
+        h = xc.shape[-1]
+        self.eye = torch.eye(h, dtype=self.cdtype, device=x.device)
+        self.gram_G = self.G.mT @ self.G
+        self.gram_H = self.H.mT @ self.H
+        self.P = self.gram_G + self.eps * self.eye if self.eps else self.gram_G
+        self.Q = self.gram_H + self.eps * self.eye if self.eps else self.gram_H
+        self.chol_P = self._cholesky(self.P, "G", check)
+        self.chol_Q = self._cholesky(self.Q, "H", check)
+
+    # ------------------------------------------------------------------ factorisations
+    def _cholesky(self, gram: Tensor, factor: str, check: bool) -> Tensor:
+        chol, info = torch.linalg.cholesky_ex(gram)
+        if check:
+            diag = torch.diagonal(chol, dim1=-2, dim2=-1)
+            # min_i L_ii² ≥ λ_min(gram): a tiny pivot relative to the largest one flags rank loss.
+            ratio = (diag.min(-1).values / diag.max(-1).values.clamp_min(1e-300)) ** 2
+            # ratio ≈ (σ_min/σ_max)² of the factor: rank is judged at the input precision
+            # (σ_min/σ_max < 10·eps(dtype)) and at the compute precision of the Gram matrix.
+            tol = max((10 * torch.finfo(self.dtype).eps) ** 2, 10 * torch.finfo(self.cdtype).eps)
+            bad = (info != 0) | ~(ratio > tol)
+            if bool(bad.any()):
+                idx = tuple(int(i) for i in torch.nonzero(bad)[0]) if bad.ndim else ()
+                where = f" at batch index {idx}" if idx else ""
+                raise ValueError(
+                    f"{factor} is rank-deficient or numerically singular{where}: its Gram matrix "
+                    f"{factor}ᵀ{factor}{' + εI' if self.eps else ''} has relative smallest pivot "
+                    f"{float(ratio.reshape(-1).min()):.2e} (tolerance {tol:.1e} for {self.dtype}). "
+                    f"The quotient needs G and H of full column rank h; pass a relaxation eps > 0 "
+                    f"(e.g. eps=1e-6 × the mean eigenvalue of the Gram matrix, spec §6.4) to use "
+                    f"the relaxed metric GᵀG + εI."
+                )
+        return chol
+
+    @functools.cached_property
+    def P_inv(self) -> Tensor:
+        return torch.cholesky_inverse(self.chol_P)
+
+    @functools.cached_property
+    def Q_inv(self) -> Tensor:
+        return torch.cholesky_inverse(self.chol_Q)
+
+    @functools.cached_property
+    def metric_weights(self) -> Tuple[Tensor, Tensor]:
+        """(M_G, M_H) with g(u, v) = tr(M_G u_Gᵀv_G) + tr(M_H u_Hᵀv_H)."""
+        return (self.P_inv, self.Q_inv) if self.metric == "inv" else (self.Q, self.P)
+
+    @functools.cached_property
+    def inverse_metric_weights(self) -> Tuple[Tensor, Tensor]:
+        """(N_G, N_H) = (M_G⁻¹, M_H⁻¹); the Riemannian gradient is (∇_G N_G, ∇_H N_H)."""
+        return (self.P, self.Q) if self.metric == "inv" else (self.Q_inv, self.P_inv)
+
+    @functools.cached_property
+    def _projection_basis(self) -> Tuple[Tensor, Tensor, Tensor]:
+        r"""(W₁, W₂, D) such that the vertical component of u is (GΛ, −HΛᵀ) with
+
+            Λ = W₁ [ (W₁ᵀ C W₂) ⊘ D ] W₂ᵀ,   C = Gᵀu_G M_G − M_H u_Hᵀ H.
+
+        Derivation (spec §3.2, generalised to the ε-relaxed metrics): the metric-orthogonal
+        vertical component solves GᵀG Λ M_G + M_H Λ HᵀH = C. Multiplying by N_H on the left and N_G
+        on the right gives the Sylvester equation A₁Λ + ΛA₂ = N_H C N_G with A₁ = N_H GᵀG and
+        A₂ = HᵀH N_G. Writing N_H = F_H F_Hᵀ and N_G = F_G F_Gᵀ, A₁ = F_H U₁ diag(d₁) U₁ᵀ F_H⁻¹ with
+        (d₁, U₁) = eigh(F_Hᵀ GᵀG F_H), and A₂ = F_G⁻ᵀ U₂ diag(d₂) U₂ᵀ F_Gᵀ with
+        (d₂, U₂) = eigh(F_Gᵀ HᵀH F_G); so W₁ = F_H U₁, W₂ = F_G U₂, D_ij = d₁ᵢ + d₂ⱼ.
+        For ε = 0 and the inv metric this is the corrected Sylvester equation (PQ)X + X(PQ) = B,
+        Λ = Xᵀ, of spec §3.2 (not the paper's misprint). For ε = 0 and the mix metric d₁ = d₂ = 1
+        and the formula is the closed form Λ = ½ P⁻¹ C Q⁻¹ = ½[P⁻¹Gᵀu_G − u_HᵀH Q⁻¹]; no
+        eigendecomposition is needed then.
+        """
+        if self.metric == "inv":
+            F_G, F_H = self.chol_P, self.chol_Q  # N_G = P = L_P L_Pᵀ, N_H = Q
+        else:
+            # N_G = Q⁻¹ = L_Q⁻ᵀ L_Q⁻¹, so F_G = L_Q⁻ᵀ (any factor with N = F Fᵀ works).
+            F_G = torch.linalg.solve_triangular(self.chol_Q, self.eye, upper=False).mT
+            F_H = torch.linalg.solve_triangular(self.chol_P, self.eye, upper=False).mT
+        if self.metric == "mix" and not self.eps:
+            two = torch.full(self.P.shape[:-2] + (1, 1), 2.0, dtype=self.cdtype, device=self.P.device)
+            return F_H, F_G, two
+        d1, U1 = torch.linalg.eigh(sym(F_H.mT @ self.gram_G @ F_H))
+        d2, U2 = torch.linalg.eigh(sym(F_G.mT @ self.gram_H @ F_G))
+        return F_H @ U1, F_G @ U2, d1[..., :, None] + d2[..., None, :]
+
+    # ------------------------------------------------------------------ helpers
+    def _split(self, u: Tensor) -> Tuple[Tensor, Tensor]:
+        n = self.geometry.n
+        return u[..., :n, :], u[..., n:, :]
+
+    def _pack(self, uG: Tensor, uH: Tensor) -> Tensor:
+        return torch.cat((uG, uH), dim=-2)
+
+    def _in(self, u: Tensor) -> Tensor:
+        if u.shape[-2:] != self.x.shape[-2:]:
+            self.geometry.check_shape(u.shape, "tangent vector")
+        return u.to(self.cdtype)
+
+    def _out(self, y: Tensor, like: Tensor) -> Tensor:
+        return y.to(like.dtype)
+
+    # ------------------------------------------------------------------ metric
+    def inner(self, u: Tensor, v: Optional[Tensor] = None, *, keepdim: bool = False) -> Tensor:
+        """g_x(u, v) = tr(M_G u_Gᵀv_G) + tr(M_H u_Hᵀv_H) (spec §2, Eqs. 9–10)."""
+        uc = self._in(u)
+        vc = uc if v is None else self._in(v)
+        M_G, M_H = self.metric_weights
+        uG, uH = self._split(uc)
+        vG, vH = self._split(vc)
+        out = ((uG @ M_G) * vG).sum((-1, -2)) + ((uH @ M_H) * vH).sum((-1, -2))
+        if keepdim:
+            out = out[..., None, None]
+        return out.to(torch.result_type(u, u if v is None else v))
+
+    def norm(self, u: Tensor, *, keepdim: bool = False) -> Tensor:
+        """‖u‖_x = √g_x(u, u)."""
+        return self.inner(u, keepdim=keepdim).clamp_min(0).sqrt()
+
+    # ------------------------------------------------------------------ vertical / horizontal
+    def vertical(self, lam: Tensor) -> Tensor:
+        """The vertical vector (GΛ, −HΛᵀ) generated by Λ ∈ R^{h×h} (spec §1)."""
+        lc = lam.to(self.cdtype)
+        return self._out(self._pack(self.G @ lc, -self.H @ lc.mT), lam)
+
+    def vertical_generator(self, u: Tensor) -> Tensor:
+        """Λ such that (GΛ, −HΛᵀ) is the metric-orthogonal vertical component of u (spec §3.2)."""
+        uG, uH = self._split(self._in(u))
+        M_G, M_H = self.metric_weights
+        W1, W2, D = self._projection_basis
+        C = (self.G.mT @ uG) @ M_G - M_H @ (uH.mT @ self.H)
+        return W1 @ ((W1.mT @ C @ W2) / D) @ W2.mT
+
+    def project(self, u: Tensor) -> Tensor:
+        """Metric-orthogonal projection onto the horizontal space H_x (spec §3.2)."""
+        uc = self._in(u)
+        lam = self.vertical_generator(uc)
+        uG, uH = self._split(uc)
+        return self._out(self._pack(uG - self.G @ lam, uH + self.H @ lam.mT), u)
+
+    def horizontal_residual(self, u: Tensor) -> Tensor:
+        """Relative residual of the horizontal equations of spec §3.1 (0 for horizontal u).
+
+        inv: ξ_GᵀG Q = P Hᵀξ_H;  mix: Gᵀξ_G Q = P ξ_HᵀH, with the relaxed P, Q when ε > 0 (metric
+        orthogonality to every vertical (GΛ, −HΛᵀ) gives exactly these identities).
+        """
+        uG, uH = self._split(self._in(u))
+        if self.metric == "inv":
+            lhs, rhs = uG.mT @ self.G @ self.Q, self.P @ self.H.mT @ uH
+        else:
+            lhs, rhs = self.G.mT @ uG @ self.Q, self.P @ uH.mT @ self.H
+        scale = lhs.abs().amax((-1, -2)) + rhs.abs().amax((-1, -2))
+        return (lhs - rhs).abs().amax((-1, -2)) / scale.clamp_min(torch.finfo(self.cdtype).tiny)
+
+    # ------------------------------------------------------------------ gradient / Hessian
+    def egrad2rgrad(self, egrad: Tensor) -> Tensor:
+        """Horizontal Riemannian gradient (∇_G N_G, ∇_H N_H), then projected (spec §4).
+
+        inv: (∇_G P, ∇_H Q); mix: (∇_G Q⁻¹, ∇_H P⁻¹). For GL-invariant losses the result is already
+        horizontal; the final projection makes non-invariant terms (weight decay) horizontal too.
+        """
+        gG, gH = self._split(self._in(egrad))
+        N_G, N_H = self.inverse_metric_weights
+        return self.project(self._out(self._pack(gG @ N_G, gH @ N_H), egrad))
+
+    def ehess2rhess(self, egrad: Tensor, ehess: Tensor, u: Tensor) -> Tensor:
+        """Riemannian Hessian P_h(D rgrad[u] + Γ(rgrad, u)) of the quotient, u horizontal.
+
+        D rgrad[u] = (∇²_G[u] N_G + ∇_G DN_G[u], …) with DP[u] = 2 sym(Gᵀu_G) and
+        D(Q⁻¹)[u] = −Q⁻¹ 2 sym(Hᵀu_H) Q⁻¹ (Manopt's ``ehess2rhess`` for both factories, toolkit §3).
+        """
+        gG, gH = self._split(self._in(egrad))
+        hG, hH = self._split(self._in(ehess))
+        uG, uH = self._split(self._in(u))
+        N_G, N_H = self.inverse_metric_weights
+        dP = 2 * sym(self.G.mT @ uG)
+        dQ = 2 * sym(self.H.mT @ uH)
+        if self.metric == "inv":
+            dN_G, dN_H = dP, dQ
+        else:
+            dN_G, dN_H = -self.Q_inv @ dQ @ self.Q_inv, -self.P_inv @ dP @ self.P_inv
+        rgrad = self._pack(gG @ N_G, gH @ N_H)
+        d_rgrad = self._pack(hG @ N_G + gG @ dN_G, hH @ N_H + gH @ dN_H)
+        return self._out(self.project(d_rgrad + self.christoffel(rgrad, self._in(u))), u)
+
+    # ------------------------------------------------------------------ connection
+    def christoffel(self, u: Tensor, v: Optional[Tensor] = None) -> Tensor:
+        r"""Symmetric Christoffel map Γ_x(u, v) of the (ε-relaxed) total-space metric (spec §5).
+
+        inv (Eq. 11):  Γ_G = −u_G P⁻¹ sym(Gᵀv_G) − v_G P⁻¹ sym(Gᵀu_G) + G P⁻¹ sym(v_Gᵀu_G),
+                       Γ_H the same with H, Q.
+        mix (Eq. 12):  Γ_G = [u_G sym(v_HᵀH) + v_G sym(u_HᵀH) − G sym(v_Hᵀu_H)] Q⁻¹,
+                       Γ_H = [u_H sym(v_GᵀG) + v_H sym(u_GᵀG) − H sym(v_Gᵀu_G)] P⁻¹.
+        Geodesics satisfy γ̈ + Γ(γ̇, γ̇) = 0; ∇_u v = Dv[u] + Γ(u, v).
+        """
+        uc = self._in(u)
+        same = v is None
+        vc = uc if same else self._in(v)
+        uG, uH = self._split(uc)
+        vG, vH = self._split(vc)
+        G, H = self.G, self.H
+        if self.metric == "inv":
+            def block(A, uA, vA, inv):
+                if same:
+                    return (-2 * uA @ (inv @ sym(A.mT @ uA))) + A @ (inv @ (uA.mT @ uA))
+                return (-(uA @ (inv @ sym(A.mT @ vA))) - vA @ (inv @ sym(A.mT @ uA))
+                        + A @ (inv @ sym(vA.mT @ uA)))
+            out = self._pack(block(G, uG, vG, self.P_inv), block(H, uH, vH, self.Q_inv))
+        else:
+            def block(A, uA, vA, uB, vB, B, inv):
+                if same:
+                    return (2 * uA @ sym(uB.mT @ B) - A @ (uB.mT @ uB)) @ inv
+                return (uA @ sym(vB.mT @ B) + vA @ sym(uB.mT @ B) - A @ sym(vB.mT @ uB)) @ inv
+            out = self._pack(block(G, uG, vG, uH, vH, H, self.Q_inv),
+                             block(H, uH, vH, uG, vG, G, self.P_inv))
+        return self._out(out, u)
+
+    # ------------------------------------------------------------------ retractions
+    def retract(self, u: Tensor, method: Optional[str] = None) -> Tensor:
+        """Move from x along u (spec §5.1).
+
+        ``first_order``:  x + u;
+        ``second_order``: x + u − ½Γ_x(u, u), the second-order geodesic of Eq. 5 (default);
+        ``exact``:        the geodesic γ̈ + Γ_γ(γ̇, γ̇) = 0, γ(0) = x, γ̇(0) = u, at t = 1,
+                          integrated numerically (see :func:`integrate_geodesic`).
+        All three are equivariant under the group action.
+        """
+        method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
+        uc = self._in(u)
+        if method == "first_order":
+            y = self.x + uc
+        elif method == "second_order":
+            y = self.x + uc - 0.5 * self.christoffel(uc)
+        else:
+            y, _ = self.geometry.integrate_geodesic(self.x, uc)
+        return y.to(torch.promote_types(self.dtype, u.dtype))
+
+
+class GLQuotientGeometry:
+    r"""The GL(h) two-factor quotient R_*^{n×h} × R_*^{m×h} / GL(h) (spec §1–§6).
+
+    Parameters
+    ----------
+    n, m, h:
+        Shapes of G (n×h) and H (m×h); h ≤ min(n, m).
+    metric:
+        ``"inv"`` or ``"mix"`` (spec §2).
+    retraction:
+        ``"first_order"``, ``"second_order"`` (default) or ``"exact"`` (spec §5).
+    eps:
+        Relaxation ε ≥ 0: Gram matrices become GᵀG + εI everywhere (metric, projection, gradient,
+        Christoffel term; spec §6.4). The relaxed metric is only approximately GL-invariant.
+    exact_steps, exact_method:
+        Fixed-step integrator used by the ``exact`` retraction (torchdiffeq method name).
+    """
+
+    def __init__(self, n: int, m: int, h: int, metric: str = "mix", *,
+                 retraction: str = "second_order", eps: float = 0.0,
+                 exact_steps: int = 32, exact_method: str = "rk4"):
+        for name, val in (("n", n), ("m", m), ("h", h)):
+            if not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive integer, got {val!r}")
+        if h > n or h > m:
+            raise ValueError(
+                f"h = {h} exceeds n = {n} or m = {m}: G (n×h) and H (m×h) cannot have full column "
+                f"rank h unless h ≤ min(n, m)")
+        self.n, self.m, self.h = n, m, h
+        self.metric = check_choice(metric, METRICS, "metric")
+        self.retraction = check_choice(retraction, RETRACTIONS, "retraction")
+        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"eps must be a finite number ≥ 0, got {eps!r}")
+        self.eps = float(eps)
+        if not isinstance(exact_steps, int) or exact_steps < 1:
+            raise ValueError(f"exact_steps must be a positive integer, got {exact_steps!r}")
+        self.exact_steps = exact_steps
+        self.exact_method = exact_method
+
+    def __repr__(self) -> str:
+        return (f"GLQuotientGeometry(n={self.n}, m={self.m}, h={self.h}, metric={self.metric!r}, "
+                f"retraction={self.retraction!r}, eps={self.eps})")
+
+    @property
+    def dim(self) -> int:
+        """Dimension of the quotient, (n+m)h − h²."""
+        return (self.n + self.m) * self.h - self.h ** 2
+
+    # ------------------------------------------------------------------ layout
+    def check_shape(self, shape, name: str = "x") -> None:
+        expected = f"(..., n+m, h) = (..., {self.n + self.m}, {self.h})"
+        if len(shape) < 2 or shape[-2] != self.n + self.m or shape[-1] != self.h:
+            raise ValueError(f"`{name}` has shape {tuple(shape)}; expected {expected} "
+                             f"(G stacked over H, leading dimensions are batch dimensions)")
+
+    def split(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """Views (G, H) of x = [G; H]."""
+        return x[..., :self.n, :], x[..., self.n:, :]
+
+    def pack(self, G: Tensor, H: Tensor) -> Tensor:
+        """x = [G; H]."""
+        return torch.cat((G, H), dim=-2)
+
+    def frame(self, x: Tensor, *, check: bool = True) -> GLFrame:
+        """Precompute the geometry at x (validated unless ``check=False``)."""
+        return GLFrame(self, x, check=check)
+
+    # ------------------------------------------------------------------ group action
+    def act(self, x: Tensor, A: Tensor) -> Tensor:
+        """(G, H) ↦ (G A, H A⁻ᵀ); also maps tangent vectors (the action is linear)."""
+        G, H = self.split(x)
+        return self.pack(G @ A, torch.linalg.solve(A, H.mT).mT)
+
+    def balance(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """Balanced representative x·A with GᵀG = HᵀH (toolkit-apis §1.8), and A itself.
+
+        G = Q_G R_G, H = Q_H R_H, R_G R_Hᵀ = U S Vᵀ, A = R_G⁻¹ U S^{1/2}: then G A = Q_G U S^{1/2},
+        H A⁻ᵀ = Q_H V S^{1/2}, so G Hᵀ is unchanged and both Gram matrices equal S. Map optimizer
+        buffers with :meth:`act` (same A); never call this inside ``projx``.
+        """
+        G, H = self.split(x)
+        _, R_G = torch.linalg.qr(G)
+        _, R_H = torch.linalg.qr(H)
+        U, S, _ = torch.linalg.svd(R_G @ R_H.mT)
+        A = torch.linalg.solve_triangular(R_G, U * S.sqrt()[..., None, :], upper=True)
+        return self.act(x, A), A
+
+    # ------------------------------------------------------------------ sampling
+    def random_point(self, *batch: int, dtype=None, device=None, generator=None) -> Tensor:
+        """Gaussian G and H (full rank with probability one), entries of variance 1/h."""
+        shape = tuple(batch) + (self.n + self.m, self.h)
+        return torch.randn(shape, dtype=dtype, device=device, generator=generator) / math.sqrt(self.h)
+
+    def random_horizontal(self, x: Tensor, *, unit: bool = True, generator=None) -> Tensor:
+        """Projected Gaussian vector at x, normalised to unit metric norm per batch element."""
+        u = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=generator)
+        frame = self.frame(x)
+        u = frame.project(u)
+        return u / frame.norm(u, keepdim=True) if unit else u
+
+    def zero_vector(self, x: Tensor) -> Tensor:
+        return torch.zeros_like(x)
+
+    # ------------------------------------------------------------------ geodesics
+    def integrate_geodesic(self, x: Tensor, u: Tensor, t: float = 1.0, *,
+                           steps: Optional[int] = None, method: Optional[str] = None
+                           ) -> Tuple[Tensor, Tensor]:
+        """Solve γ̈ = −Γ_γ(γ̇, γ̇), γ(0) = x, γ̇(0) = u up to time t; returns (γ(t), γ̇(t)).
+
+        Uses torchdiffeq's fixed-grid solvers (default RK4 with ``exact_steps`` steps), so it is
+        batched, device-agnostic and differentiable. Computation is in float64.
+        """
+        from torchdiffeq import odeint
+
+        steps = steps or self.exact_steps
+        x0, u0 = x.to(compute_dtype(x.dtype)), u.to(compute_dtype(u.dtype))
+        x0, u0 = torch.broadcast_tensors(x0, u0)
+
+        def field(_t, state):
+            pos, vel = state
+            return vel, -self.frame(pos, check=False).christoffel(vel)
+
+        ts = torch.tensor([0.0, float(t)], dtype=x0.dtype, device=x0.device)
+        try:
+            pos, vel = odeint(field, (x0, u0), ts, method=method or self.exact_method,
+                              options={"step_size": float(t) / steps})
+        except torch.linalg.LinAlgError as err:
+            raise ValueError(
+                f"the geodesic left the manifold (G or H lost full rank) within t = {t}: the step "
+                f"is too long for this point; use a shorter step or more exact_steps "
+                f"(now {steps})") from err
+        if not bool(torch.isfinite(pos[-1]).all()):
+            raise ValueError(f"the geodesic diverged within t = {t} ({steps} {self.exact_method} "
+                             f"steps); use a shorter step or more exact_steps")
+        return pos[-1], vel[-1]
+
+    # ------------------------------------------------------------------ conveniences
+    def inner(self, x: Tensor, u: Tensor, v: Optional[Tensor] = None, *, keepdim=False) -> Tensor:
+        return self.frame(x).inner(u, v, keepdim=keepdim)
+
+    def norm(self, x: Tensor, u: Tensor, *, keepdim=False) -> Tensor:
+        return self.frame(x).norm(u, keepdim=keepdim)
+
+    def project(self, x: Tensor, u: Tensor) -> Tensor:
+        return self.frame(x).project(u)
+
+    def egrad2rgrad(self, x: Tensor, egrad: Tensor) -> Tensor:
+        return self.frame(x).egrad2rgrad(egrad)
+
+    def christoffel(self, x: Tensor, u: Tensor, v: Optional[Tensor] = None) -> Tensor:
+        return self.frame(x).christoffel(u, v)
+
+    def retract(self, x: Tensor, u: Tensor, method: Optional[str] = None) -> Tensor:
+        return self.frame(x).retract(u, method)
+
+    def transport(self, y: Tensor, v: Tensor) -> Tensor:
+        """Vector transport by projection onto the horizontal space at the new point y (Manopt)."""
+        return self.frame(y).project(v)

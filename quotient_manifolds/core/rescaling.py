@@ -1,0 +1,254 @@
+r"""The elementwise rescaling quotient of diagonal networks (spec §8, toolkit-apis §3.6).
+
+A point is (u, v) ∈ (R∖{0})^d × (R∖{0})^d stored as ONE tensor ``x = [u; v]`` of shape ``(..., 2, d)``.
+The group (R∖{0})^d acts by (u, v) ↦ (a⊙u, v/a); β = u⊙v is invariant.
+
+This is exactly d independent copies of the GL(1) two-factor quotient with n = m = h = 1, so the
+metrics, horizontal projection, Riemannian gradient and Christoffel terms are *not* written again:
+they are those of :class:`~quotient_manifolds.core.gl.GLQuotientGeometry` applied to the view
+``x.mT[..., None]`` of shape ``(..., d, 2, 1)``. For n = m = h = 1 they read (spec §8.1–8.2):
+
+    inv:  g = Σ_i ξ_uⁱη_uⁱ/(uⁱ)² + ξ_vⁱη_vⁱ/(vⁱ)²,   Γ^u_uu = −1/u, Γ^v_vv = −1/v
+    mix:  g = Σ_i ξ_uⁱη_uⁱ(vⁱ)² + ξ_vⁱη_vⁱ(uⁱ)²,     Γ^u_uv = 1/v, Γ^u_vv = −u/v², (u ↔ v)
+    horizontal (both): ξ_uⁱ/uⁱ = ξ_vⁱ/vⁱ =: bⁱ
+
+What is specific to d = 1 per coordinate is the closed-form geodesic (spec §8.3), used by the
+``exact`` retraction when ε = 0:
+
+    inv: (u e^{ξ_u/u}, v e^{ξ_v/v})            (any ξ; = (u e^{b}, v e^{b}) for horizontal ξ)
+    mix: (u √(1+2b), v √(1+2b))                 (horizontal ξ, needs 1 + 2b > 0)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .gl import RETRACTIONS, GLFrame, GLQuotientGeometry, check_choice
+
+Tensor = torch.Tensor
+
+
+class RescalingFrame:
+    """Geometry of the rescaling quotient at one point x = [u; v], computed once."""
+
+    def __init__(self, geometry: "RescalingGeometry", x: Tensor, *, check: bool = True):
+        if check:
+            geometry.check_shape(x.shape, "x")
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("the point x = [u; v] contains non-finite values (nan or inf)")
+            if not geometry.eps and bool((x == 0).any()):
+                idx = torch.nonzero(x == 0)[0].tolist()
+                raise ValueError(
+                    f"x = [u; v] has a zero entry at index {idx}: the rescaling quotient needs every "
+                    f"uⁱ ≠ 0 and vⁱ ≠ 0 (the metrics are singular there); pass eps > 0 to use the "
+                    f"relaxed metric (u² + ε in place of u²).")
+        self.geometry = geometry
+        self.x = x
+        self.gl: GLFrame = geometry.gl.frame(geometry.to_gl(x), check=False)
+
+    def _lift(self, u: Tensor) -> Tensor:
+        return self.geometry.to_gl(u)
+
+    def _drop(self, y: Tensor) -> Tensor:
+        return self.geometry.from_gl(y)
+
+    def inner(self, u: Tensor, v: Optional[Tensor] = None, *, keepdim: bool = False) -> Tensor:
+        """g_x(u, v), summed over the d coordinates (spec §8.1)."""
+        out = self.gl.inner(self._lift(u), None if v is None else self._lift(v)).sum(-1)
+        return out[..., None, None] if keepdim else out
+
+    def norm(self, u: Tensor, *, keepdim: bool = False) -> Tensor:
+        return self.inner(u, keepdim=keepdim).clamp_min(0).sqrt()
+
+    def project(self, u: Tensor) -> Tensor:
+        """Metric-orthogonal projection onto ξ_u/u = ξ_v/v (per coordinate)."""
+        return self._drop(self.gl.project(self._lift(u)))
+
+    def egrad2rgrad(self, egrad: Tensor) -> Tensor:
+        return self._drop(self.gl.egrad2rgrad(self._lift(egrad)))
+
+    def ehess2rhess(self, egrad: Tensor, ehess: Tensor, u: Tensor) -> Tensor:
+        return self._drop(self.gl.ehess2rhess(self._lift(egrad), self._lift(ehess), self._lift(u)))
+
+    def christoffel(self, u: Tensor, v: Optional[Tensor] = None) -> Tensor:
+        return self._drop(self.gl.christoffel(self._lift(u), None if v is None else self._lift(v)))
+
+    def horizontal_coefficient(self, u: Tensor) -> Tensor:
+        """b with u = (b⊙u₀, b⊙v₀) for horizontal u; returns ξ_u/u (shape (..., d))."""
+        return u[..., 0, :] / self.x[..., 0, :]
+
+    def horizontal_lift(self, b: Tensor) -> Tensor:
+        """The horizontal vector (b⊙u, b⊙v) with coefficient b (spec §8.1)."""
+        return self.x * b[..., None, :]
+
+    def retract(self, u: Tensor, method: Optional[str] = None) -> Tensor:
+        method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
+        if method != "exact" or self.geometry.eps:
+            return self._drop(self.gl.retract(self._lift(u), method))
+        return self.geometry.exact_geodesic(self.x, u)
+
+
+class RescalingGeometry:
+    r"""The quotient (R∖{0})^d × (R∖{0})^d / (R∖{0})^d of diagonal networks β = u⊙v (spec §8).
+
+    Parameters: ``d`` (number of coordinates), ``metric`` (``"inv"`` | ``"mix"``), ``retraction``
+    (``"first_order"`` | ``"second_order"`` | ``"exact"``), ``eps`` (relaxation, u² + ε), and the
+    ODE settings used by ``exact`` when ε > 0.
+    """
+
+    def __init__(self, d: int, metric: str = "mix", *, retraction: str = "second_order",
+                 eps: float = 0.0, exact_steps: int = 32):
+        if not isinstance(d, int) or d < 1:
+            raise ValueError(f"d must be a positive integer, got {d!r}")
+        self.d = d
+        self.gl = GLQuotientGeometry(1, 1, 1, metric, retraction=retraction, eps=eps,
+                                     exact_steps=exact_steps)
+        self.metric, self.retraction, self.eps = self.gl.metric, self.gl.retraction, self.gl.eps
+
+    def __repr__(self) -> str:
+        return (f"RescalingGeometry(d={self.d}, metric={self.metric!r}, "
+                f"retraction={self.retraction!r}, eps={self.eps})")
+
+    @property
+    def dim(self) -> int:
+        return self.d
+
+    def check_shape(self, shape, name: str = "x") -> None:
+        if len(shape) < 2 or shape[-2] != 2 or shape[-1] != self.d:
+            raise ValueError(f"`{name}` has shape {tuple(shape)}; expected (..., 2, d) = "
+                             f"(..., 2, {self.d}) with u in row 0 and v in row 1")
+
+    @staticmethod
+    def to_gl(x: Tensor) -> Tensor:
+        """(..., 2, d) → (..., d, 2, 1): d independent GL(1) points [G; H] = [uⁱ; vⁱ]."""
+        return x.mT.unsqueeze(-1)
+
+    @staticmethod
+    def from_gl(y: Tensor) -> Tensor:
+        return y.squeeze(-1).mT
+
+    def frame(self, x: Tensor, *, check: bool = True) -> RescalingFrame:
+        return RescalingFrame(self, x, check=check)
+
+    def act(self, x: Tensor, a: Tensor) -> Tensor:
+        """(u, v) ↦ (a⊙u, v/a); also maps tangent vectors."""
+        return torch.stack((x[..., 0, :] * a, x[..., 1, :] / a), dim=-2)
+
+    def beta(self, x: Tensor) -> Tensor:
+        """The invariant β = u⊙v."""
+        return x[..., 0, :] * x[..., 1, :]
+
+    def exact_geodesic(self, x: Tensor, u: Tensor, t: float = 1.0) -> Tensor:
+        """Closed-form geodesic at time t (spec §8.3), ε = 0.
+
+        inv: (u e^{tξ_u/u}, v e^{tξ_v/v}) for any ξ. mix: (u √(1+2bt), v √(1+2bt)) for horizontal
+        ξ = (b⊙u, b⊙v); a non-horizontal ξ or 1 + 2bt ≤ 0 (the mix geodesic is incomplete) raise.
+        """
+        bu, bv = u[..., 0, :] / x[..., 0, :], u[..., 1, :] / x[..., 1, :]
+        if self.metric == "inv":
+            return x * torch.exp(t * torch.stack((bu, bv), dim=-2))
+        scale = (bu.abs() + bv.abs()).clamp_min(torch.finfo(x.dtype).tiny)
+        if bool(((bu - bv).abs() > 1e-6 * scale + 1e-12).any()):
+            raise ValueError("the closed-form mix geodesic needs a horizontal tangent vector "
+                             "(ξ_u/u = ξ_v/v per coordinate); project it first with `project`")
+        s = 1 + 2 * t * bu
+        if bool((s <= 0).any()):
+            raise ValueError("the mix geodesic leaves the manifold (1 + 2b ≤ 0 for some coordinate, "
+                             "spec §8.3); use a shorter step")
+        return x * s.sqrt()[..., None, :]
+
+    def random_point(self, *batch: int, dtype=None, device=None, generator=None) -> Tensor:
+        return torch.randn(tuple(batch) + (2, self.d), dtype=dtype, device=device,
+                           generator=generator)
+
+    def random_horizontal(self, x: Tensor, *, unit: bool = True, generator=None) -> Tensor:
+        frame = self.frame(x)
+        u = frame.project(torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=generator))
+        return u / frame.norm(u, keepdim=True) if unit else u
+
+    def zero_vector(self, x: Tensor) -> Tensor:
+        return torch.zeros_like(x)
+
+    # conveniences mirroring GLQuotientGeometry
+    def inner(self, x, u, v=None, *, keepdim=False):
+        return self.frame(x).inner(u, v, keepdim=keepdim)
+
+    def norm(self, x, u, *, keepdim=False):
+        return self.frame(x).norm(u, keepdim=keepdim)
+
+    def project(self, x, u):
+        return self.frame(x).project(u)
+
+    def egrad2rgrad(self, x, egrad):
+        return self.frame(x).egrad2rgrad(egrad)
+
+    def christoffel(self, x, u, v=None):
+        return self.frame(x).christoffel(u, v)
+
+    def retract(self, x, u, method=None):
+        return self.frame(x).retract(u, method)
+
+    def transport(self, y, v):
+        return self.frame(y).project(v)
+
+
+# ---------------------------------------------------------------------- diagonal-net sharpness
+def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: str, t: float = 1.0) -> Tensor:
+    """β(t) = u(t)⊙v(t) along the horizontal geodesic with coefficient b (spec §8.3).
+
+    inv: β₀ ⊙ e^{2bt};  mix: β₀ ⊙ (1 + 2bt) (polynomial, so it extends past 1 + 2bt ≤ 0).
+    """
+    check_choice(metric, ("inv", "mix"), "metric")
+    return beta0 * (torch.exp(2 * t * b) if metric == "inv" else 1 + 2 * t * b)
+
+
+def sharpness_mix_orthonormal(beta0: Tensor, beta_star: Tensor, rho: float) -> Tensor:
+    """Exact geodesic mix sharpness of L(β) = ‖Xβ − y‖² with XᵀX = I (spec §8.5):
+
+        S_mix(ρ) = max_{‖δ‖ ≤ ρ/√2} 4δᵀ(β₀ − β*) + 4‖δ‖² = 2√2 ρ ‖β₀ − β*‖₂ + 2ρ²,
+
+    with β* = Xᵀy, δ = β₀⊙b and ‖ξ‖² = 2‖β₀⊙b‖² (the paper drops the √2; spec §12.4).
+    """
+    return 2 * math.sqrt(2) * rho * torch.linalg.vector_norm(beta0 - beta_star, dim=-1) + 2 * rho ** 2
+
+
+def sharpness_inv_orthonormal_second_order(beta0: Tensor, beta_star: Tensor, rho: float) -> Tensor:
+    """Second-order inv sharpness with XᵀX = I (spec §8.5, paper Eqs. 26–29, corrected √2):
+
+        max_{‖b‖ ≤ ρ/√2} 4bᵀr + 4bᵀDb,   r = β₀⊙(β₀ − β*),  D = diag(β₀⊙(2β₀ − β*)),
+
+    a trust-region subproblem solved through its secular equation (D is diagonal): the maximiser is
+    b = r/(2(λ − D)) with λ ≥ max(D, 0) and ‖b‖ = R (bisection on λ), the interior point −D⁻¹r/2
+    when D < 0 and it lies in the ball, or an eigenvector of max D in the hard case. Works on 1-D
+    inputs.
+    """
+    R = rho / math.sqrt(2)
+    r = beta0 * (beta0 - beta_star)
+    D = beta0 * (2 * beta0 - beta_star)
+    dmax = D.max()
+    # maximise 4(bᵀr + bᵀDb): stationarity r + 2D b = 2λ b  →  b = r / (2(λ − D)), λ > max D.
+    def bnorm(lam):
+        return torch.linalg.vector_norm(0.5 * r / (lam - D))
+    lo = dmax + 1e-300
+    hi = dmax + torch.linalg.vector_norm(r) / R + 1.0
+    if bool(dmax < 0) and bool(bnorm(torch.zeros_like(dmax)) <= R):
+        # concave objective whose unconstrained maximiser −D⁻¹r/2 lies in the ball (KKT: λ = 0)
+        b = 0.5 * r / (-D)
+    elif bool(bnorm(lo + 1e-12 * (1 + dmax.abs())) <= R):  # hard case: fill the rest with e_max
+        b = torch.zeros_like(r)
+        mask = D < dmax
+        b[mask] = 0.5 * r[mask] / (dmax - D[mask])
+        rest = max(R ** 2 - float((b ** 2).sum()), 0.0)
+        b[int(torch.argmax(D))] += math.sqrt(rest)
+    else:
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            if bnorm(mid) > R:
+                lo = mid
+            else:
+                hi = mid
+        b = 0.5 * r / (hi - D)
+    return 4 * (b @ r) + 4 * (b * D) @ b

@@ -1,0 +1,7 @@
+"""geoopt faces of the quotient geometries: ``geoopt.manifolds.base.Manifold`` subclasses that
+only delegate to :mod:`quotient_manifolds.core` (toolkit-apis §1)."""
+
+from .gl_quotient import GLQuotient
+from .rescaling import RescalingQuotient
+
+__all__ = ["GLQuotient", "RescalingQuotient"]

@@ -1,0 +1,204 @@
+r"""Shared body of the geoopt faces: nothing to convert, every method delegates to a core frame.
+
+The core geometry object (:class:`~quotient_manifolds.core.gl.GLQuotientGeometry` or
+:class:`~quotient_manifolds.core.rescaling.RescalingGeometry`) owns every formula; a frame
+``geometry.frame(x)`` is built at the point and its methods are called. Frames compute in float64
+and return results in the dtype of the input, and they broadcast over leading batch dimensions, so
+the methods below do too (toolkit-apis §1.1, "shape conventions").
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from geoopt.manifolds.base import Manifold
+from geoopt.tensor import ManifoldTensor
+from geoopt.utils import size2shape
+
+Tensor = torch.Tensor
+
+_NO_CLOSED_FORM = (
+    "{name}.{method} is not available: the quotient by the non-compact group {group} has no "
+    "closed-form Riemannian {what} (there is no Procrustes-style alignment of representatives as "
+    "for O(k) quotients; Manopt offers none either, toolkit-apis §2.4 and §3). Use the invariant "
+    "(e.g. G Hᵀ, or β = u⊙v) to compare points."
+)
+
+
+class CoreQuotientManifold(Manifold):
+    r"""geoopt :class:`~geoopt.manifolds.base.Manifold` delegating to a core quotient geometry.
+
+    Subclasses set ``self.geometry`` (the core object) in ``__init__`` and provide ``split``,
+    ``pack``, ``_point_shape`` and ``_origin_point`` (the deterministic point of :meth:`origin`).
+
+    Adam note (toolkit-apis §1.4, §6.4). The default ``component_inner`` (``inner`` with
+    ``keepdim=True``, shape ``(..., 1, 1)``) is kept on purpose: RiemannianAdam then holds ONE
+    second-moment scalar per quotient point (per head for a ``(heads, n+m, h)`` parameter), so its
+    step direction is a scalar multiple of the (transported, horizontal) first moment and stays
+    horizontal and GL-invariant. Per-coordinate moments would break both.
+    """
+
+    ndim = 2
+    reversible = False
+    forward = NotImplemented
+    _group = "group"
+
+    geometry = None  # set by subclasses (a core geometry object, not an nn.Module)
+
+    # ------------------------------------------------------------------ helpers
+    def _frame(self, x: Tensor):
+        """The core frame at x (validated: shape, finiteness, full rank; raises ValueError)."""
+        return self.geometry.frame(x)
+
+    @property
+    def dim(self) -> int:
+        """Dimension of the quotient (from the core)."""
+        return self.geometry.dim
+
+    @property
+    def metric(self) -> str:
+        return self.geometry.metric
+
+    @property
+    def retraction(self) -> str:
+        return self.geometry.retraction
+
+    @property
+    def eps(self) -> float:
+        return self.geometry.eps
+
+    def _not_available(self, method: str, what: str):
+        return NotImplementedError(_NO_CLOSED_FORM.format(
+            name=type(self).__name__, method=method, group=self._group, what=what))
+
+    # ------------------------------------------------------------------ checks
+    def _check_shape(self, shape: Tuple[int], name: str) -> Tuple[bool, Optional[str]]:
+        """Shape check of the core (``geometry.check_shape``), as ``(ok, reason)``."""
+        try:
+            self.geometry.check_shape(tuple(shape), name)
+        except ValueError as err:
+            return False, str(err)
+        return True, None
+
+    def _check_point_on_manifold(self, x: Tensor, *, atol=1e-5, rtol=1e-5
+                                 ) -> Tuple[bool, Optional[str]]:
+        """Finite, full-rank point: the validation the core frame does (``atol``/``rtol`` unused:
+        the rank test uses the core's dtype-dependent relative pivot tolerance)."""
+        try:
+            self._frame(x)
+        except ValueError as err:
+            return False, str(err)
+        return True, None
+
+    def _check_vector_on_tangent(self, x: Tensor, u: Tensor, *, atol=1e-5, rtol=1e-5
+                                 ) -> Tuple[bool, Optional[str]]:
+        """u is horizontal iff P_h(u) = u (the horizontal space is the tangent space of the
+        quotient, spec §3)."""
+        if not bool(torch.isfinite(u).all()):
+            return False, "`u` contains non-finite values (nan or inf)"
+        try:
+            pu = self.proju(x, u)
+        except ValueError as err:  # invalid x or shapes
+            return False, str(err)
+        if torch.allclose(pu, u, atol=atol, rtol=rtol):
+            return True, None
+        err = float((pu - u).abs().max())
+        return False, (f"`u` is not horizontal at `x`: max |u − P_h(u)| = {err:.3e} "
+                       f"(atol={atol}, rtol={rtol}); project it with `proju`")
+
+    # ------------------------------------------------------------------ projections
+    def projx(self, x: Tensor) -> Tensor:
+        """Identity. A quotient point is any representative; changing it here would invalidate
+        optimizer buffers stored in its coordinates (geoopt master calls ``projx`` at every Adam
+        step, toolkit-apis §1.1). Use ``geometry.balance`` + ``geometry.act`` explicitly instead."""
+        return x
+
+    def proju(self, x: Tensor, u: Tensor) -> Tensor:
+        """Metric-orthogonal projection onto the horizontal space (core ``frame.project``)."""
+        return self._frame(x).project(u)
+
+    def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
+        """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, spec §4): Euclidean gradient
+        times the inverse metric weights, then projected (needed for non-invariant terms such as
+        weight decay)."""
+        return self._frame(x).egrad2rgrad(u)
+
+    # ------------------------------------------------------------------ metric
+    def inner(self, x: Tensor, u: Tensor, v: Optional[Tensor] = None, *, keepdim=False) -> Tensor:
+        """g_x(u, v) (core ``frame.inner``); ``keepdim=True`` gives shape ``(..., 1, 1)``."""
+        return self._frame(x).inner(u, v, keepdim=keepdim)
+
+    def norm(self, x: Tensor, u: Tensor, *, keepdim=False) -> Tensor:
+        """‖u‖_x = √g_x(u, u) (core ``frame.norm``)."""
+        return self._frame(x).norm(u, keepdim=keepdim)
+
+    # ------------------------------------------------------------------ moves
+    def retr(self, x: Tensor, u: Tensor) -> Tensor:
+        """The retraction chosen at construction (core ``frame.retract``, spec §5.1)."""
+        return self._frame(x).retract(u)
+
+    def expmap(self, x: Tensor, u: Tensor) -> Tensor:
+        """Exact geodesic at t = 1 (core ``frame.retract(u, "exact")``)."""
+        return self._frame(x).retract(u, "exact")
+
+    def transp(self, x: Tensor, y: Tensor, v: Tensor) -> Tensor:
+        """Vector transport by projection onto the horizontal space at y (Manopt; core
+        ``geometry.transport``). ``x`` is not used."""
+        return self.geometry.transport(y, v)
+
+    def retr_transp(self, x: Tensor, u: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        y = self.retr(x, u)
+        return y, self.transp(x, y, v)
+
+    def expmap_transp(self, x: Tensor, u: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        y = self.expmap(x, u)
+        return y, self.transp(x, y, v)
+
+    def transp_follow_retr(self, x: Tensor, u: Tensor, v: Tensor) -> Tensor:
+        return self.transp(x, self.retr(x, u), v)
+
+    def transp_follow_expmap(self, x: Tensor, u: Tensor, v: Tensor) -> Tensor:
+        return self.transp(x, self.expmap(x, u), v)
+
+    # ------------------------------------------------------------------ no closed form
+    def dist(self, x: Tensor, y: Tensor, *, keepdim=False) -> Tensor:
+        raise self._not_available("dist", "distance")
+
+    def logmap(self, x: Tensor, y: Tensor) -> Tensor:
+        raise self._not_available("logmap", "logarithm")
+
+    # ------------------------------------------------------------------ sampling
+    def random(self, *size, dtype=None, device=None, generator=None) -> ManifoldTensor:
+        """Random point (core ``geometry.random_point``) of the full shape ``size`` (geoopt
+        convention: manifold dimensions included; empty ``size`` gives a single point)."""
+        shape = size2shape(*size) if size else self._point_shape
+        self._assert_check_shape(shape, "x")
+        data = self.geometry.random_point(*shape[:-2], dtype=dtype, device=device,
+                                          generator=generator)
+        return ManifoldTensor(data, manifold=self)
+
+    @property
+    def _point_shape(self) -> Tuple[int, int]:
+        raise NotImplementedError
+
+    def _origin_point(self, dtype, device) -> Tensor:
+        raise NotImplementedError
+
+    def origin(self, *size, dtype=None, device=None, seed: Optional[int] = 42) -> ManifoldTensor:
+        """Deterministic point broadcast to the full shape ``size`` (``seed`` unused)."""
+        shape = size2shape(*size) if size else self._point_shape
+        self._assert_check_shape(shape, "x")
+        point = self._origin_point(dtype or torch.get_default_dtype(), device)
+        return ManifoldTensor(point.expand(shape).clone(), manifold=self)
+
+    # ------------------------------------------------------------------ layout
+    def unpack_tensor(self, tensor: Tensor) -> Tuple[Tensor, Tensor]:
+        """The two factors (views) of a stacked point."""
+        return self.split(tensor)
+
+    def pack_point(self, *tensors: Tensor) -> Tensor:
+        """Stack the two factors into one tensor (inverse of :meth:`unpack_tensor`)."""
+        if len(tensors) != 2:
+            raise ValueError(f"2 tensors expected (the two factors), got {len(tensors)}")
+        return self.pack(*tensors)

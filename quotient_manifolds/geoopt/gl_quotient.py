@@ -1,0 +1,70 @@
+r"""geoopt face of the GL(h) two-factor quotient (toolkit-apis §1.9, §6.1).
+
+A point is ONE tensor ``x = [G; H]`` of shape ``(..., n+m, h)`` (G ∈ R^{n×h}, H ∈ R^{m×h} of full
+column rank); leading dimensions are batch dimensions, e.g. ``(heads, n+m, h)`` for one quotient per
+attention head. Every formula lives in :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`;
+this class only delegates (see :mod:`quotient_manifolds.geoopt._base`).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from ..core.gl import GLQuotientGeometry
+from ._base import CoreQuotientManifold
+
+Tensor = torch.Tensor
+
+
+class GLQuotient(CoreQuotientManifold):
+    r"""R_*^{n×h} × R_*^{m×h} / GL(h), (G, H) ~ (G A, H A⁻ᵀ), as a geoopt manifold.
+
+    Parameters (passed to the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`)
+    ----------
+    n, m, h : shapes of G (n×h) and H (m×h), h ≤ min(n, m).
+    metric : ``"mix"`` tr(Q u_Gᵀv_G) + tr(P u_Hᵀv_H) (default) or ``"inv"``
+        tr(P⁻¹u_Gᵀv_G) + tr(Q⁻¹u_Hᵀv_H), with P = GᵀG + εI, Q = HᵀH + εI (spec §2).
+    retraction : ``"second_order"`` x + u − ½Γ_x(u, u) (default), ``"first_order"`` x + u, or
+        ``"exact"`` (numerically integrated geodesic) — used by :meth:`retr` (spec §5.1).
+    eps : relaxation ε ≥ 0 of the Gram matrices (spec §6.4); needed for rank-deficient weights.
+    exact_steps : RK4 steps of the geodesic integrator (``expmap`` and ``retraction="exact"``).
+
+    ``expmap`` is the exact geodesic (integrated), ``transp`` the projection onto the horizontal
+    space at the new point, ``projx`` the identity; ``dist``/``logmap`` raise NotImplementedError.
+    """
+
+    name = "GLQuotient"
+    _group = "GL(h)"
+
+    def __init__(self, n: int, m: int, h: int, metric: str = "mix",
+                 retraction: str = "second_order", eps: float = 0.0, exact_steps: int = 32):
+        super().__init__()
+        self.geometry = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
+                                           exact_steps=exact_steps)
+        self.n, self.m, self.h = n, m, h
+
+    @property
+    def _point_shape(self) -> Tuple[int, int]:
+        return (self.n + self.m, self.h)
+
+    def split(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """Views (G, H) of x = [G; H]."""
+        return self.geometry.split(x)
+
+    def pack(self, G: Tensor, H: Tensor) -> Tensor:
+        """x = [G; H]."""
+        return self.geometry.pack(G, H)
+
+    def _origin_point(self, dtype, device) -> Tensor:
+        """G = [I_h; 0], H = [I_h; 0]."""
+        eye = torch.eye(self.h, dtype=dtype, device=device)
+        G = torch.cat((eye, eye.new_zeros(self.n - self.h, self.h)), dim=0)
+        H = torch.cat((eye, eye.new_zeros(self.m - self.h, self.h)), dim=0)
+        return self.pack(G, H)
+
+    def extra_repr(self) -> str:
+        g = self.geometry
+        return (f"n={g.n}, m={g.m}, h={g.h}, metric={g.metric!r}, retraction={g.retraction!r}, "
+                f"eps={g.eps}")

@@ -1,0 +1,68 @@
+r"""geoopt face of the elementwise rescaling quotient of diagonal networks (spec §8).
+
+A point is ONE tensor ``x = [u; v]`` of shape ``(..., 2, d)`` with every uⁱ, vⁱ ≠ 0; the group
+(R∖{0})^d acts by (u, v) ↦ (a⊙u, v/a) and β = u⊙v is the invariant. Every formula lives in
+:class:`~quotient_manifolds.core.rescaling.RescalingGeometry`; this class only delegates.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from ..core.rescaling import RescalingGeometry
+from ._base import CoreQuotientManifold
+
+Tensor = torch.Tensor
+
+
+class RescalingQuotient(CoreQuotientManifold):
+    r"""(R∖{0})^d × (R∖{0})^d / (R∖{0})^d as a geoopt manifold (d copies of GL(1), spec §8).
+
+    Parameters (passed to the core :class:`~quotient_manifolds.core.rescaling.RescalingGeometry`)
+    ----------
+    d : number of coordinates.
+    metric : ``"mix"`` Σ ξ_uη_u v² + ξ_vη_v u² (default) or ``"inv"`` Σ ξ_uη_u/u² + ξ_vη_v/v²
+        (spec §8.1).
+    retraction : ``"second_order"`` (default), ``"first_order"`` or ``"exact"`` (the closed-form
+        geodesic of spec §8.3 when ε = 0) — used by :meth:`retr`.
+    eps : relaxation ε ≥ 0 (u² + ε in place of u²); needed if a coordinate can be 0.
+
+    ``expmap`` is the exact geodesic (closed form for ε = 0; the mix one needs a horizontal vector
+    and 1 + 2b > 0), ``transp`` the projection at the new point, ``projx`` the identity.
+    """
+
+    name = "RescalingQuotient"
+    _group = "(R∖{0})^d"
+
+    def __init__(self, d: int, metric: str = "mix", retraction: str = "second_order",
+                 eps: float = 0.0, exact_steps: int = 32):
+        super().__init__()
+        self.geometry = RescalingGeometry(d, metric, retraction=retraction, eps=eps,
+                                          exact_steps=exact_steps)
+        self.d = d
+
+    @property
+    def _point_shape(self) -> Tuple[int, int]:
+        return (2, self.d)
+
+    def split(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """Views (u, v) of x = [u; v]."""
+        return x[..., 0, :], x[..., 1, :]
+
+    def pack(self, u: Tensor, v: Tensor) -> Tensor:
+        """x = [u; v]."""
+        return torch.stack((u, v), dim=-2)
+
+    def beta(self, x: Tensor) -> Tensor:
+        """The invariant β = u⊙v (core ``geometry.beta``)."""
+        return self.geometry.beta(x)
+
+    def _origin_point(self, dtype, device) -> Tensor:
+        """u = v = 1."""
+        return torch.ones(2, self.d, dtype=dtype, device=device)
+
+    def extra_repr(self) -> str:
+        g = self.geometry
+        return f"d={g.d}, metric={g.metric!r}, retraction={g.retraction!r}, eps={g.eps}"

