@@ -32,6 +32,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 import torch
 from torch import Tensor, nn
 
+from quotient_manifolds.core.gl import group_action
+
 __all__ = [
     "FactorPiece", "GLBlock", "Layout", "Unsupported", "VerifyReport", "BlockCheck", "SymmetryError",
     "declare_block", "default_tolerance", "primary_output", "PIECE_KINDS",
@@ -259,10 +261,7 @@ def _apply_action(block: GLBlock, params: Mapping[str, Tensor], A: Tensor) -> Di
             f"action for block {block.name!r} has shape {tuple(A.shape)}, expected "
             f"{(block.num_heads, block.head_dim, block.head_dim)}"
         )
-    G, H = block.split(x)
-    G2 = G @ A
-    H2 = torch.linalg.solve(A, H.transpose(-1, -2)).transpose(-1, -2)  # H A^{-T}
-    return block.scatter(params, torch.cat([G2, H2], dim=-2))
+    return block.scatter(params, torch.cat(group_action(*block.split(x), A), dim=-2))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -115,7 +115,8 @@ class _ModelClosure:
 
 def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: str,
                layout=None, retraction: str = "second_order", eps: float = 0.0,
-               use_metric_norm: bool = True, adaptive_direction: str = "riemannian"
+               use_metric_norm: bool = True, adaptive_direction: str = "riemannian",
+               elementwise_second_order: bool = False
                ) -> Tuple[ProductBall, Callable[[List[Tensor]], Dict[str, Tensor]]]:
     """The ball of perturbations and the map from ball points to a full parameter dict.
 
@@ -153,7 +154,8 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
         by_kind.setdefault((params0[name].dtype, params0[name].device), {})[name] = params0[name]
     for tensors in by_kind.values():
         components.append(ElementwiseComponent(tensors, masks={n: mask_of[n] for n in tensors},
-                                               direction=adaptive_direction))
+                                               direction=adaptive_direction,
+                                               second_order=elementwise_second_order))
     n_quotient = len(groups)
 
     def write_back(points: List[Tensor]) -> Dict[str, Tensor]:
@@ -188,7 +190,7 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
               measure: str = "worst", n_samples: int = 10, eps: float = 0.0,
               use_metric_norm: bool = True, momentum: str = "apgd",
               step_normalisation: str = "metric", adaptive_direction: str = "riemannian",
-              normalize_logits: bool = False, step_size_mult: float = 1.0, layout=None,
+              elementwise_second_order: bool = False, normalize_logits: bool = False, step_size_mult: float = 1.0, layout=None,
               allow_unsupported: bool = False, seed: int = 0, progress: bool = False
               ) -> SharpnessResult:
     r"""Worst-case (Auto-PGD) or average-case sharpness of ``model`` on ``batches``.
@@ -216,6 +218,8 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
     step_normalisation: ``"metric"`` (step of metric length η) or ``"none"``.
     adaptive_direction: ``"riemannian"`` (∇⊙w², paper Alg. 1 line 12) or ``"andriushchenko"``
         (∇⊙|w|, their code).
+    elementwise_second_order: also move the non-attention weights along the second-order geodesic
+        w + ξ + ξ²/(2w) of the elementwise metric (spec §12.10; default off: w + ξ).
     normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
     layout: a precomputed :class:`~adapters.layout.Layout` (default: detected from the model).
     allow_unsupported: run even if the layout reports unsupported attention modules (they are
@@ -255,7 +259,8 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
         ball, write_back = build_ball(model, params0, geometry=geometry, layout=layout,
                                       retraction=retraction, eps=eps,
                                       use_metric_norm=use_metric_norm,
-                                      adaptive_direction=adaptive_direction)
+                                      adaptive_direction=adaptive_direction,
+                                      elementwise_second_order=elementwise_second_order)
         closure = _ModelClosure(model, params0, buffers, write_back, loss_fn, normalize_logits)
         generator = torch.Generator(device=device).manual_seed(seed)
         per_batch, init, worst, norms = [], [], [], []
@@ -294,7 +299,9 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
         time_s=time.perf_counter() - started,
         options=dict(retraction=retraction, eps=eps, use_metric_norm=use_metric_norm,
                      momentum=momentum, step_normalisation=step_normalisation,
-                     adaptive_direction=adaptive_direction, normalize_logits=normalize_logits,
+                     adaptive_direction=adaptive_direction,
+                     elementwise_second_order=elementwise_second_order,
+                     normalize_logits=normalize_logits,
                      step_size_mult=step_size_mult, n_samples=n_samples, seed=seed))
 
 

@@ -79,6 +79,8 @@ class ElementwiseComponent:
     Metric ⟨ξ, η⟩ = Σ ξη/w², Riemannian gradient ∇⊙w², point w + ξ. Entries with w = 0 (or outside
     their ``mask``) have infinite cost and are kept fixed (ξ = 0 there; spec §12.12). With
     ``direction="andriushchenko"`` the ascent direction is ∇⊙|w| (their code) instead of ∇⊙w².
+    ``second_order=True`` adds the elementwise Christoffel term (spec §12.10; default off, as the
+    paper's App. C.1 keeps "the recipe of adaptive sharpness" for these weights).
 
     All tensors given are flattened into ONE vector so that every operation of the solver is a
     single pass over memory (this part holds most scalars of a transformer: embeddings, MLPs);
@@ -86,7 +88,8 @@ class ElementwiseComponent:
     """
 
     def __init__(self, tensors: Dict[str, Tensor], *, masks: Optional[Dict[str, Tensor]] = None,
-                 direction: str = "riemannian", name: str = "elementwise"):
+                 direction: str = "riemannian", second_order: bool = False,
+                 name: str = "elementwise"):
         if not tensors:
             raise ValueError("an elementwise component needs at least one tensor")
         self.name = name
@@ -94,7 +97,8 @@ class ElementwiseComponent:
         self.shapes = [tensors[n].shape for n in self.names]
         self.sizes = [tensors[n].numel() for n in self.names]
         self.x0 = torch.cat([tensors[n].reshape(-1) for n in self.names])
-        movable = self.x0 != 0
+        # |w| so small that 1/w² overflows counts as zero (spec §12.12: kept fixed)
+        movable = self.x0 * self.x0 > torch.finfo(self.x0.dtype).tiny
         if masks:
             movable &= torch.cat([masks[n].reshape(-1) if masks.get(n) is not None else
                                   torch.ones(tensors[n].numel(), dtype=torch.bool,
@@ -105,6 +109,8 @@ class ElementwiseComponent:
         self.w2 = self.abs_w * self.abs_w
         self.inv_w2 = torch.where(movable, 1 / torch.where(movable, self.w2, torch.ones_like(self.w2)),
                                   torch.zeros_like(self.w2))
+        self.half_inv_w = (0.5 / torch.where(movable, self.x0, torch.ones_like(self.x0))
+                           if second_order else None)
 
     def unflatten(self, flat: Tensor) -> Dict[str, Tensor]:
         return {n: t.view(shape) for n, t, shape in
@@ -125,7 +131,11 @@ class ElementwiseComponent:
         return egrad * (self.w2 if self.direction == "riemannian" else self.abs_w)
 
     def point(self, xi: Tensor) -> Tensor:
-        return self.x0 + xi
+        """w + ξ, or with ``second_order`` the second-order geodesic of the elementwise metric
+        Σ ξ²/w², w + ξ − ½Γ(ξ, ξ) = w + ξ + ξ²/(2w) (Γ^w_ww = −1/w; spec §10, §12.10)."""
+        if self.half_inv_w is None:
+            return self.x0 + xi
+        return self.x0 + xi + xi * xi * self.half_inv_w
 
     def random(self, generator: Optional[torch.Generator]) -> Tensor:
         u = torch.randn(self.x0.shape, dtype=self.x0.dtype, device=self.x0.device,
@@ -134,8 +144,10 @@ class ElementwiseComponent:
 
 
 def _inverse_square(w: Tensor) -> Tensor:
+    """1/w² where that is finite, else 0 (such weights are kept fixed)."""
     w2 = w * w
-    return torch.where(w2 > 0, 1 / torch.where(w2 > 0, w2, torch.ones_like(w2)), torch.zeros_like(w2))
+    ok = w2 > torch.finfo(w.dtype).tiny
+    return torch.where(ok, 1 / torch.where(ok, w2, torch.ones_like(w2)), torch.zeros_like(w2))
 
 
 class ProductBall:

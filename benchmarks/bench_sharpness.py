@@ -97,9 +97,10 @@ def run_one(*args):
     queue = ctx.Queue()
     proc = ctx.Process(target=measure, args=(*args, queue))
     proc.start()
-    out = queue.get()
     proc.join()
-    return out
+    if proc.exitcode != 0:
+        raise RuntimeError(f"measurement {args[:3]} failed (exit code {proc.exitcode}); see above")
+    return queue.get(timeout=10)
 
 
 def main(argv=None) -> None:

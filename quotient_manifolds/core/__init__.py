@@ -1,7 +1,7 @@
 """The one geometry core: pure torch, batched, device-agnostic. The geoopt and pymanopt classes are
 thin faces over these objects."""
 
-from .gl import METRICS, RETRACTIONS, GLFrame, GLQuotientGeometry, sym
+from .gl import METRICS, RETRACTIONS, GLFrame, GLQuotientGeometry, group_action, sym
 from .rescaling import (
     RescalingFrame,
     RescalingGeometry,
@@ -11,7 +11,7 @@ from .rescaling import (
 )
 
 __all__ = [
-    "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "sym", "RescalingFrame",
+    "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "group_action", "sym", "RescalingFrame",
     "RescalingGeometry", "beta_along_geodesic", "sharpness_inv_orthonormal_second_order",
     "sharpness_mix_orthonormal",
 ]

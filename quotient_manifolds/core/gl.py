@@ -62,6 +62,13 @@ def _right_solve(x: Tensor, chol: Tensor) -> Tensor:
     return torch.cholesky_solve(x.mT, chol).mT
 
 
+def group_action(G: Tensor, H: Tensor, A: Tensor) -> Tuple[Tensor, Tensor]:
+    """The GL(h) action (G, H) ↦ (G A, H A⁻ᵀ) (spec §1; the paper's (G A⁻¹, H Aᵀ) with A ↦ A⁻¹).
+
+    G Hᵀ is unchanged; tangent vectors transform by the same linear map."""
+    return G @ A, torch.linalg.solve(A, H.mT).mT
+
+
 class GLFrame:
     r"""Everything the geometry needs at one point x = [G; H], computed once.
 
@@ -387,8 +394,7 @@ class GLQuotientGeometry:
     # ------------------------------------------------------------------ group action
     def act(self, x: Tensor, A: Tensor) -> Tensor:
         """(G, H) ↦ (G A, H A⁻ᵀ); also maps tangent vectors (the action is linear)."""
-        G, H = self.split(x)
-        return self.pack(G @ A, torch.linalg.solve(A, H.mT).mT)
+        return self.pack(*group_action(*self.split(x), A))
 
     def balance(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         """Balanced representative x·A with GᵀG = HᵀH (toolkit-apis §1.8), and A itself.
