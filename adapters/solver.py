@@ -37,9 +37,14 @@ class QuotientComponent:
     """One quotient-manifold piece of the ball, at the fixed point ``frame.x``.
 
     ``frame`` is a :class:`~quotient_manifolds.core.gl.GLFrame` (batched over heads) or a
-    :class:`~quotient_manifolds.core.rescaling.RescalingFrame`. ``ball_weights`` replaces the
-    metric norm by the elementwise adaptive norm Σ ξ²/w² (ablation "no corrected norm", spec §7.3);
-    the ascent direction stays the horizontal Riemannian gradient of the quotient metric.
+    :class:`~quotient_manifolds.core.rescaling.RescalingFrame`.
+
+    ``use_metric_norm=False`` is the ablation "no corrected norm" (spec §7.3, paper App. G): the
+    block is measured with the elementwise adaptive norm Σ ξ²/w² instead of the quotient metric, and
+    the ascent direction is the steepest direction of that norm, ∇⊙w², made horizontal by the
+    quotient's projection (so the Γ-step and the horizontal restriction stay). Using the quotient
+    metric's gradient with the elementwise norm instead would let near-zero weights (e.g. key
+    biases, which get no gradient) dominate the norm and stall every step.
     """
 
     def __init__(self, name: str, frame, x0: Tensor, *, retraction: str,
@@ -49,6 +54,7 @@ class QuotientComponent:
         self.x0 = x0
         self.retraction = retraction
         self.elementwise_norm = None if use_metric_norm else _inverse_square(x0)
+        self.elementwise_rgrad = None if use_metric_norm else x0 * x0 * (self.elementwise_norm > 0)
 
     def zeros(self) -> Tensor:
         return torch.zeros_like(self.x0)
@@ -62,6 +68,8 @@ class QuotientComponent:
         return self.frame.project(u)
 
     def rgrad(self, egrad: Tensor) -> Tensor:
+        if self.elementwise_rgrad is not None:
+            return self.frame.project(egrad * self.elementwise_rgrad)
         return self.frame.egrad2rgrad(egrad)
 
     def point(self, xi: Tensor) -> Tensor:

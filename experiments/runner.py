@@ -1,0 +1,430 @@
+r"""Crash-safe execution of a population of independent jobs ("models").
+
+Output directory layout (``--out DIR``)::
+
+    DIR/config.json        the study, its configuration and the configuration hash
+    DIR/results.jsonl      one JSON line per finished model (appended, flushed and fsync'ed)
+    DIR/errors.jsonl       one line per failed model (the model is retried on the next run)
+    DIR/checkpoints/       trained weights as safetensors state dicts (text/vision studies)
+    DIR/summary.md, *.png  the report, rewritten at the end of every run
+    DIR/.lock              held (flock) while a run is active; released by the kernel on any exit
+
+Guarantees:
+
+* **Resume.** A model is skipped iff ``results.jsonl`` holds a valid line with its ``model_id`` and
+  the current ``config_hash``. Lines are written by the parent process only, one ``write`` per line,
+  followed by ``flush`` + ``fsync``; so after any kill (SIGKILL included) at most the *last* line can
+  be partial. Every line carries a SHA-256 of its own content. On load, a partial or corrupt last
+  line is cut off (the file is truncated to the last good line, a copy of the removed bytes is kept
+  in ``results.jsonl.corrupt``) and the model is recomputed; a corrupt line elsewhere (which an
+  interrupted append cannot produce) stops the run with an error instead of being guessed at.
+* **One configuration per directory.** ``config.json`` stores the hash of every setting that affects
+  results (not ``--workers``, ``--out``, progress options, or the number of models: a population can
+  be extended). A run whose hash differs is refused unless ``--force-mix`` is given; then results of
+  both configurations live in the same file and every report uses only the current one.
+* **Workers.** ``--workers N > 1`` runs models in N spawned processes, each with
+  ``torch.set_num_threads(max(1, cores // N))``. Workers exit by themselves if the parent dies.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+RESULTS = "results.jsonl"
+ERRORS = "errors.jsonl"
+CONFIG = "config.json"
+FORMAT_VERSION = 1
+
+# Test hook (documented): seconds to sleep after each finished model, so that a test can kill a run
+# deterministically between two models. Never set in normal use.
+_DELAY_ENV = "QM_EXPERIMENTS_TEST_DELAY"
+
+
+class ExperimentError(RuntimeError):
+    """An error the CLI reports as one clear message (exit status 2), without a traceback."""
+
+
+# ------------------------------------------------------------------------------------ hashing
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=True, default=_json_default)
+
+
+def _json_default(obj):
+    try:
+        import numpy as np
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def config_hash(config: Dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()[:16]
+
+
+def _line_digest(record: Dict[str, Any]) -> str:
+    body = {k: v for k, v in record.items() if k != "_sha256"}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+def _diff_keys(a: Any, b: Any, prefix: str = "") -> List[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff_keys(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [f"{prefix[:-1]}: {a!r} -> {b!r}"]
+
+
+# ------------------------------------------------------------------------------------ results
+class ResultStore:
+    """Append-only JSONL of per-model records with checksum, fsync and partial-line recovery."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def load(self) -> Tuple[List[Dict[str, Any]], Optional[str]]:
+        """All valid records, and a message if a partial/corrupt last line was removed."""
+        if not os.path.exists(self.path):
+            return [], None
+        with open(self.path, "rb") as fh:
+            data = fh.read()
+        if not data:
+            return [], None
+        end_ok = data.endswith(b"\n")
+        lines = data.split(b"\n")
+        if end_ok:
+            lines = lines[:-1]
+        records: List[Dict[str, Any]] = []
+        offset = 0
+        for i, raw in enumerate(lines):
+            terminated = end_ok or i < len(lines) - 1
+            rec = self._parse(raw) if terminated else None
+            if rec is None:
+                if terminated and raw.strip() == b"":
+                    offset += len(raw) + 1
+                    continue
+                if i < len(lines) - 1:
+                    raise ExperimentError(
+                        f"{self.path}: line {i + 1} is corrupt (not valid JSON or checksum "
+                        f"mismatch) and it is not the last line, so it cannot be the result of an "
+                        f"interrupted write. Inspect or remove it by hand, then rerun.")
+                bad = data[offset:]
+                with open(self.path + ".corrupt", "ab") as fh:
+                    fh.write(bad.rstrip(b"\n") + b"\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                with open(self.path, "r+b") as fh:
+                    fh.truncate(offset)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                why = "corrupt" if terminated else "unterminated (partial write)"
+                return records, (f"removed a {why} last line ({len(bad)} bytes) from {self.path}; "
+                                 f"its model will be recomputed (bytes kept in "
+                                 f"{os.path.basename(self.path)}.corrupt)")
+            records.append(rec)
+            offset += len(raw) + 1
+        return records, None
+
+    @staticmethod
+    def _parse(raw: bytes) -> Optional[Dict[str, Any]]:
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        if not isinstance(rec, dict) or rec.get("_sha256") != _line_digest(rec):
+            return None
+        return rec
+
+    def append(self, record: Dict[str, Any]) -> None:
+        record = dict(record)
+        record["_sha256"] = _line_digest(record)
+        line = (canonical_json(record) + "\n").encode("utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(line)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ------------------------------------------------------------------------------------ output dir
+class OutputDir:
+    """Validates/creates DIR, holds the run lock and the configuration check."""
+
+    def __init__(self, path: str, study: str, config: Dict[str, Any], *, force_mix: bool = False):
+        self.path = os.path.abspath(path)
+        self.study = study
+        self.config = config
+        self.hash = config_hash({"study": study, **config})
+        self.force_mix = force_mix
+        self._lock_fh = None
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def __enter__(self) -> "OutputDir":
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise ExperimentError(f"--out {self.path} exists and is not a directory")
+        os.makedirs(self.path, exist_ok=True)
+        self._lock()
+        try:
+            self._check_config()
+        except BaseException:
+            self._unlock()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._unlock()
+
+    def _lock(self) -> None:
+        import fcntl
+        fh = open(self.file(".lock"), "a+")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.close()
+            raise ExperimentError(f"another run is using {self.path} (lock held on "
+                                  f"{self.file('.lock')}); wait for it or use another --out")
+        self._lock_fh = fh
+
+    def _unlock(self) -> None:
+        if self._lock_fh is not None:
+            self._lock_fh.close()
+            self._lock_fh = None
+
+    def _check_config(self) -> None:
+        path = self.file(CONFIG)
+        now = _dt.datetime.now().isoformat(timespec="seconds")
+        entry = {"study": self.study, "config_hash": self.hash, "config": self.config}
+        if os.path.exists(path):
+            try:
+                with open(path) as fh:
+                    old = json.load(fh)
+                old_hash = old["config_hash"]
+            except (OSError, ValueError, KeyError) as err:
+                raise ExperimentError(f"{path} is unreadable ({err}); this does not look like an "
+                                      f"output directory of this tool. Use another --out.")
+            known = {old_hash, *[h["config_hash"] for h in old.get("other_configs", [])]}
+            if self.hash in known:
+                if old_hash != self.hash:  # switching back to an earlier config of a mixed dir
+                    self._write_config(old, entry, now)
+                return
+            if not self.force_mix:
+                diff = _diff_keys({"study": old.get("study"), **old.get("config", {})},
+                                  {"study": self.study, **self.config})
+                shown = "\n  ".join(diff[:12]) + ("\n  ..." if len(diff) > 12 else "")
+                raise ExperimentError(
+                    f"{self.path} holds results of a different configuration (hash {old_hash}, "
+                    f"this run {self.hash}). Differences:\n  {shown}\nUse another --out, or pass "
+                    f"--force-mix to keep both configurations in this directory (reports then use "
+                    f"only the current one).")
+            self._write_config(old, entry, now)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.getsize(self.file(RESULTS)) > 0 and not self.force_mix:
+                    raise ExperimentError(f"{self.path} has {RESULTS} but no {CONFIG}; refusing to "
+                                          f"mix unknown results (use another --out or --force-mix)")
+            self._atomic_json(path, {**entry, "created": now, "format_version": FORMAT_VERSION,
+                                     "other_configs": []})
+
+    def _write_config(self, old: Dict[str, Any], entry: Dict[str, Any], now: str) -> None:
+        others = [h for h in old.get("other_configs", []) if h["config_hash"] != entry["config_hash"]]
+        others.append({k: old[k] for k in ("study", "config_hash", "config") if k in old})
+        self._atomic_json(self.file(CONFIG), {**entry, "created": now,
+                                              "format_version": FORMAT_VERSION,
+                                              "other_configs": others})
+
+    @staticmethod
+    def _atomic_json(path: str, obj: Any) -> None:
+        atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True,
+                                             default=_json_default) + "\n").encode())
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+def save_checkpoint(path: str, tensors: Dict[str, Any], metadata: Dict[str, Any]) -> None:
+    """Atomically write a safetensors state dict with JSON-encoded metadata."""
+    from safetensors.torch import save
+
+    blob = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                metadata={"qm": canonical_json(metadata)})
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_bytes(path, blob)
+
+
+def load_checkpoint(path: str, expect_hash: Optional[str] = None):
+    """``(state_dict, metadata)`` or ``None`` if missing, unreadable or for another training hash."""
+    if not os.path.exists(path):
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as fh:
+            meta = json.loads((fh.metadata() or {}).get("qm", "{}"))
+            if expect_hash is not None and meta.get("train_hash") != expect_hash:
+                return None
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception:  # noqa: BLE001 - a damaged checkpoint is simply retrained
+        return None
+    return tensors, meta
+
+
+# ------------------------------------------------------------------------------------ execution
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return os.cpu_count() or 1
+
+
+_PARENT_PID: Optional[int] = None
+
+
+def _init_worker(threads: int, parent_pid: int) -> None:
+    global _PARENT_PID
+    _PARENT_PID = parent_pid
+    import torch
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+
+
+def check_parent_alive() -> None:
+    """Called from training/measurement loops: a worker whose parent died (e.g. SIGKILL) exits."""
+    if _PARENT_PID is not None and os.getppid() != _PARENT_PID:
+        os._exit(3)
+
+
+def _call(job: Callable, args: tuple) -> Tuple[bool, Any]:
+    try:
+        return True, job(*args)
+    except Exception:  # noqa: BLE001 - reported per model by the parent
+        return False, traceback.format_exc()
+
+
+def run_population(outdir: OutputDir, job: Callable, model_ids: Iterable[int], job_args: tuple, *,
+                   workers: int = 1, progress: bool = True, log: Callable[[str], None] = print,
+                   desc: str = "models", threads: Optional[int] = None
+                   ) -> Tuple[List[Dict[str, Any]], List[int]]:
+    """Run ``job(model_id, *job_args) -> record`` for every model id not yet done.
+
+    Returns (all current-config records sorted by model id, failed model ids). Records are appended
+    to ``results.jsonl`` by this (the parent) process as soon as each model finishes. Worker
+    processes use ``threads`` torch threads each (default max(1, cores // workers)).
+    """
+    store = ResultStore(outdir.file(RESULTS))
+    records, note = store.load()
+    if note:
+        log(f"warning: {note}")
+    done = {r["model_id"]: r for r in records if r.get("config_hash") == outdir.hash}
+    ids = list(model_ids)
+    pending = [i for i in ids if i not in done]
+    if done:
+        log(f"resuming: {len([i for i in ids if i in done])} of {len(ids)} models already in "
+            f"{store.path}; {len(pending)} to run")
+    failed: List[int] = []
+    delay = float(os.environ.get(_DELAY_ENV, "0") or 0)
+
+    def finish(model_id: int, ok: bool, value: Any) -> None:
+        if ok:
+            value.update(model_id=model_id, config_hash=outdir.hash, study=outdir.study,
+                         format_version=FORMAT_VERSION,
+                         finished=_dt.datetime.now().isoformat(timespec="seconds"))
+            store.append(value)
+            done[model_id] = value
+        else:
+            failed.append(model_id)
+            ResultStore(outdir.file(ERRORS)).append(
+                {"model_id": model_id, "config_hash": outdir.hash, "traceback": value,
+                 "time": _dt.datetime.now().isoformat(timespec="seconds")})
+            log(f"model {model_id} FAILED (see {outdir.file(ERRORS)}):\n{value.strip().splitlines()[-1]}")
+        if delay:
+            time.sleep(delay)
+
+    bar = None
+    if progress and pending:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(pending), desc=desc, unit="model", position=0,
+                   leave=True, dynamic_ncols=True)
+    try:
+        if workers <= 1 or len(pending) <= 1:
+            for i in pending:
+                ok, value = _call(job, (i, *job_args))
+                finish(i, ok, value)
+                if bar is not None:
+                    bar.update(1)
+        else:
+            threads = threads or max(1, cores() // workers)
+            # spawned workers inherit the environment: cap BLAS threads before numpy loads there
+            for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+                os.environ.setdefault(var, str(threads))
+            ctx = mp.get_context("spawn")
+            pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
+                                          initializer=_init_worker,
+                                          initargs=(threads, os.getpid()))
+            clean = False
+            try:
+                futures = {pool.submit(_call, job, (i, *job_args)): i for i in pending}
+                for fut in cf.as_completed(futures):
+                    ok, value = fut.result()
+                    finish(futures[fut], ok, value)
+                    if bar is not None:
+                        bar.update(1)
+                clean = True
+            finally:
+                pool.shutdown(wait=clean, cancel_futures=True)
+    finally:
+        if bar is not None:
+            bar.close()
+    current = sorted((done[i] for i in ids if i in done), key=lambda r: r["model_id"])
+    return current, failed
+
+
+def load_current(outdir_path: str, config_hash_: str) -> List[Dict[str, Any]]:
+    records, _ = ResultStore(os.path.join(outdir_path, RESULTS)).load()
+    return sorted((r for r in records if r.get("config_hash") == config_hash_),
+                  key=lambda r: r["model_id"])
+
+
+def fmt_seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    if s < 90:
+        return f"{s:.1f} s"
+    return f"{s / 60:.1f} min"
