@@ -128,7 +128,10 @@ class ElementwiseComponent:
         return torch.zeros_like(self.x0)
 
     def inner(self, u: Tensor, v: Tensor) -> Tensor:
-        return torch.dot(u * self.inv_w2, v).to(torch.float64)
+        # a persistent scratch buffer: fresh 100 MB temporaries cost more (page faults) than the maths
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = torch.empty_like(self.x0)
+        return torch.dot(torch.mul(u, self.inv_w2, out=self._scratch), v).to(torch.float64)
 
     def project(self, u: Tensor) -> Tensor:
         # Every vector the solver forms is a combination of gradients ∇⊙w², already 0 where w is
@@ -136,7 +139,9 @@ class ElementwiseComponent:
         return u
 
     def rgrad(self, egrad: Tensor) -> Tensor:
-        return egrad * (self.w2 if self.direction == "riemannian" else self.abs_w)
+        """∇⊙w² (or ∇⊙|w|); in place when ``egrad`` is a plain contiguous tensor (it is consumed)."""
+        weight = self.w2 if self.direction == "riemannian" else self.abs_w
+        return egrad.mul_(weight) if egrad.is_contiguous() else egrad * weight
 
     def point(self, xi: Tensor) -> Tensor:
         """w + ξ, or with ``second_order`` the second-order geodesic of the elementwise metric
@@ -187,11 +192,22 @@ class ProductBall:
     def random(self, generator: Optional[torch.Generator] = None) -> Tangent:
         return [c.random(generator) for c in self.components]
 
-    def project_ball(self, xi: Tangent, rho: float) -> Tangent:
-        """P_S: horizontal projection, then radial scaling into ‖ξ‖ ≤ ρ (exact, spec §3.2)."""
-        xi = self.project(xi)
+    def project_ball(self, xi: Tangent, rho: float, *, horizontal: bool = False,
+                     inplace: bool = False) -> Tangent:
+        """P_S: horizontal projection, then radial scaling into ‖ξ‖ ≤ ρ (exact, spec §3.2).
+
+        ``horizontal=True`` skips the projection for vectors that are horizontal by construction
+        (linear combinations of horizontal vectors), which the solver's iterates are;
+        ``inplace=True`` rescales ``xi`` itself (for temporaries)."""
+        if not horizontal:
+            xi = self.project(xi)
         nrm = float(self.norm(xi))
-        return xi if nrm <= rho else scale(xi, rho / nrm)
+        if nrm <= rho:
+            return xi
+        if inplace:
+            torch._foreach_mul_(xi, rho / nrm)
+            return xi
+        return scale(xi, rho / nrm)
 
 
 def axpy(a: float, x: Tangent, y: Tangent) -> Tangent:
@@ -301,16 +317,18 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
             n_updates, last_ckpt = 0, k
         gnorm = float(ball.norm(grad)) if step_normalisation == "metric" else 1.0
         step = eta / gnorm if gnorm > 0 else 0.0
-        z = ball.project_ball(axpy(step, grad, xi), rho)
+        # ξ and g are horizontal (g from ball.rgrad), so are all their combinations below
+        z = ball.project_ball(axpy(step, grad, xi), rho, horizontal=True, inplace=True)
         if momentum == "none" or k == 0:
             xi_new = z
         elif momentum == "apgd":
-            # ξ + α(z−ξ) + (1−α)(ξ−ξ⁻) = lerp(2ξ − ξ⁻, z, α)
-            extrapolated = torch._foreach_add(torch._foreach_mul(xi_prev, -1.0), xi, alpha=2.0)
-            xi_new = ball.project_ball([torch.lerp(e, zi, alpha)
-                                        for e, zi in zip(extrapolated, z)], rho)
+            # ξ + α(z−ξ) + (1−α)(ξ−ξ⁻) = lerp(2ξ − ξ⁻, z, α), with one allocation
+            xi_new = torch._foreach_sub(xi, xi_prev)
+            torch._foreach_add_(xi_new, xi)
+            torch._foreach_lerp_(xi_new, z, alpha)
+            xi_new = ball.project_ball(xi_new, rho, horizontal=True, inplace=True)
         else:
-            xi_new = [torch.lerp(xpi, zi, 0.75) for zi, xpi in zip(z, xi_prev)]
+            xi_new = torch._foreach_lerp(xi_prev, z, 0.75)
         xi_prev, xi = xi, xi_new
         last = k == n_iters - 1
         loss, grad = evaluate(xi, not last)

@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
+from .report import display_path
 from .runner import ExperimentError, OutputDir, atomic_write_bytes, fmt_seconds, run_population
 
 GEOMETRIES = ("adaptive", "geodesic-inv", "geodesic-mix")
@@ -160,7 +161,7 @@ def run(args, log=print) -> int:
                 f"invariance: {args.model} model{syn}")
         lines = [f"# Invariance check: {args.model} model 0{syn}", "",
                  "> SYNTHETIC DATA — smoke test only.\n" if args.synthetic else "",
-                 f"- output `{od.path}`, checkpoint `{by_item[0]['checkpoint']}`",
+                 f"- output `{display_path(od.path)}`, checkpoint `{display_path(by_item[0]['checkpoint'])}`",
                  f"- A = a·G_rand per head (standard Gaussian, fixed seed), ρ = {rho}, "
                  f"{config['n_iters']} Auto-PGD iterations",
                  f"- original sharpness: " + ", ".join(f"{g} {base[g]:.4g}" for g in GEOMETRIES),

@@ -28,6 +28,12 @@ TARGET_LABEL = {"gap": "generalisation gap (test err − train err)",
                 "test_error": "test error", "test_loss": "test loss"}
 
 
+def display_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (reports get committed)."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def value_of(record: Dict[str, Any], measure: str, rho: float) -> float:
     for e in record.get("sharpness", []):
         if e["measure"] == measure and math.isclose(e["rho"], rho, rel_tol=1e-9):
@@ -144,7 +150,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
               "paper.**\n" if synthetic else "")
     lines = [f"# {study} study: Kendall τ of sharpness vs {TARGET_LABEL.get(target, target)}",
              banner,
-             f"- output: `{out_dir}`  (config hash `{config_hash}`)",
+             f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)",
              f"- models: {len(used)} used" + (f", {len(exclude)} excluded" if exclude else ""),
              f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}"
              + (f"; wall time of this run: {wall_s:.0f} s" if wall_s is not None else ""),

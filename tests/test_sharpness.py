@@ -208,8 +208,9 @@ def test_no_gamma_and_elementwise_metric_everywhere_is_adaptive_sharpness():
     empty = type(empty)(blocks=[], adaptive=[n for n, _ in model.named_parameters()], gl_masks={},
                         frozen=[], unsupported=[])
     for metric in ("inv", "mix"):
-        geo = sharpness(model, batches, geometry=f"geodesic-{metric}", rho=0.1, n_iters=5,
-                        retraction="first_order", layout=empty).value
+        with pytest.warns(UserWarning, match="no GL block"):
+            geo = sharpness(model, batches, geometry=f"geodesic-{metric}", rho=0.1, n_iters=5,
+                            retraction="first_order", layout=empty).value
         ada = sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=5).value
         assert geo == pytest.approx(ada, rel=1e-12)
 

@@ -295,10 +295,12 @@ class GLFrame:
                         + A @ (inv @ sym(vA.mT @ uA)))
             out = self._pack(block(G, uG, vG, self.P_inv), block(H, uH, vH, self.Q_inv))
         else:
+            # the h×h factor Q⁻¹ (P⁻¹) is folded into the small matrices: one n×h×h product less
             def block(A, uA, vA, uB, vB, B, inv):
                 if same:
-                    return (2 * uA @ sym(uB.mT @ B) - A @ (uB.mT @ uB)) @ inv
-                return (uA @ sym(vB.mT @ B) + vA @ sym(uB.mT @ B) - A @ sym(vB.mT @ uB)) @ inv
+                    return uA @ (2 * sym(uB.mT @ B) @ inv) - A @ ((uB.mT @ uB) @ inv)
+                return (uA @ (sym(vB.mT @ B) @ inv) + vA @ (sym(uB.mT @ B) @ inv)
+                        - A @ (sym(vB.mT @ uB) @ inv))
             out = self._pack(block(G, uG, vG, uH, vH, H, self.Q_inv),
                              block(H, uH, vH, uG, vG, G, self.P_inv))
         return self._out(out, u)
