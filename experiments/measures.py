@@ -131,3 +131,32 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
     if bar is not None:
         bar.close()
     return out
+
+
+def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
+                   progress: bool, *, load_data, get_model, evaluate, sharpness_batches
+                   ) -> Dict[str, Any]:
+    """The per-model work of the text and vision populations: load the data, train (or reuse the
+    checkpoint), evaluate, then every (measure, ρ) of the plan on the fixed sharpness batches."""
+    import torch
+
+    from .runner import check_parent_alive
+
+    started = time.perf_counter()
+    data = load_data(config, data_dir)
+    model, hp, info = get_model(model_id, config, data, ckpt_dir, progress)
+    t0 = time.perf_counter()
+    metrics = evaluate(model, config, data, hp)
+    eval_s = time.perf_counter() - t0
+    pairs = plan(config["measures"], config["rho"], config["rho_sweep"])
+    t0 = time.perf_counter()
+    sharp = run_plan(model, sharpness_batches(config, data), pairs, n_iters=config["n_iters"],
+                     eps=config["eps"], progress=progress, desc=f"sharpness m{model_id}",
+                     check=check_parent_alive)
+    return dict(seed=hp["seed"], hparams=hp, study_config=config, metrics=metrics,
+                sharpness=sharp, checkpoint=info["checkpoint"], reused_checkpoint=info["reused"],
+                train_info=info["train"],
+                timing=dict(train_s=info["train_time_s"], eval_s=eval_s,
+                            sharpness_s=time.perf_counter() - t0,
+                            total_s=time.perf_counter() - started,
+                            threads=torch.get_num_threads()))

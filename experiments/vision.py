@@ -239,22 +239,7 @@ def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
 
 def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
         progress: bool) -> Dict[str, Any]:
-    import torch
-    started = time.perf_counter()
-    data = load_data(config, data_dir)
-    model, hp, info = get_model(model_id, config, data, ckpt_dir, progress)
-    t0 = time.perf_counter()
-    metrics = evaluate(model, config, data, hp)
-    eval_s = time.perf_counter() - t0
-    pairs = M.plan(config["measures"], config["rho"], config["rho_sweep"])
-    t0 = time.perf_counter()
-    sharp = M.run_plan(model, sharpness_batches(config, data), pairs, n_iters=config["n_iters"],
-                       eps=config["eps"], progress=progress, desc=f"sharpness m{model_id}",
-                       check=check_parent_alive)
-    return dict(seed=hp["seed"], hparams=hp, study_config=config, metrics=metrics,
-                sharpness=sharp, checkpoint=info["checkpoint"], reused_checkpoint=info["reused"],
-                train_info=info["train"],
-                timing=dict(train_s=info["train_time_s"], eval_s=eval_s,
-                            sharpness_s=time.perf_counter() - t0,
-                            total_s=time.perf_counter() - started,
-                            threads=torch.get_num_threads()))
+    """One model of the population (run in a worker process): train or reuse, evaluate, measure."""
+    return M.population_job(model_id, config, ckpt_dir, data_dir, progress, load_data=load_data,
+                            get_model=get_model, evaluate=evaluate,
+                            sharpness_batches=sharpness_batches)
