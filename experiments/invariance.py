@@ -21,7 +21,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from .report import display_path
+from .report import display_path, finish_figure
 from .runner import ExperimentError, OutputDir, atomic_write_bytes, fmt_seconds, run_population
 
 GEOMETRIES = ("adaptive", "geodesic-inv", "geodesic-mix")
@@ -106,14 +106,8 @@ def _figure(path: str, rows: List[Dict[str, Any]], base: Dict[str, float], title
         ax.plot(scales, ratios, marker="o", ms=3, label=g)
     ax.set_xscale("log")
     ax.axhline(1.0, color="k", lw=0.5)
-    ax.set_xlabel("action scale a (A = a·Gaussian per head)", fontsize=8)
-    ax.set_ylabel("sharpness ratio S(reparam.) / S(orig.)", fontsize=8)
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
-    ax.tick_params(labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_figure(fig, ax, path, title=title, xlabel="action scale a (A = a·Gaussian per head)",
+                  ylabel="sharpness ratio S(reparam.) / S(orig.)")
 
 
 def run(args, log=print) -> int:

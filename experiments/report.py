@@ -125,8 +125,17 @@ def _fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.axhline(0, color="k", lw=0.5)
-    ax.set_xlabel("ρ (mix ρ has units; not comparable across measures)", fontsize=8)
-    ax.set_ylabel("Kendall τ-b", fontsize=8)
+    finish_figure(fig, ax, path, title=title,
+                  xlabel="ρ (mix ρ has units; not comparable across measures)",
+                  ylabel="Kendall τ-b")
+
+
+def finish_figure(fig, ax, path: str, *, title: str, xlabel: str, ylabel: str) -> None:
+    """Labels, legend and small fonts of the report figures; save and close."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     ax.tick_params(labelsize=7)

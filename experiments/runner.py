@@ -428,3 +428,20 @@ def fmt_seconds(s: float) -> str:
     if s < 90:
         return f"{s:.1f} s"
     return f"{s / 60:.1f} min"
+
+
+def training_step(loss, opt, sched, params, losses, bar) -> None:
+    """Backward, clip the gradient norm to 1, optimiser and schedule step, progress bookkeeping
+    (the training loop body shared by the text and vision populations)."""
+    import numpy as np
+    import torch
+
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    losses.append(float(loss.detach()))
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")

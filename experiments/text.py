@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from . import measures as M
-from .runner import ExperimentError, check_parent_alive, config_hash, load_checkpoint, \
+from .runner import ExperimentError, check_parent_alive, training_step, config_hash, load_checkpoint, \
     save_checkpoint
 
 NAME = "text"
@@ -288,15 +288,7 @@ def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
             check_parent_alive()
             inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]))
             loss = F.cross_entropy(model(**inputs).logits, yt)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
+            training_step(loss, opt, sched, params, losses, bar)
     if bar is not None:
         bar.close()
     model.eval()

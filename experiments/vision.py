@@ -32,7 +32,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from . import measures as M
-from .runner import check_parent_alive, config_hash, load_checkpoint, save_checkpoint
+from .runner import check_parent_alive, config_hash, load_checkpoint, save_checkpoint, \
+    training_step
 
 NAME = "vision"
 PAPER_KEY = "vision"
@@ -162,15 +163,7 @@ def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
             b = perm[s:s + bs]
             xb = augment(x[b], gen) if hp["augment"] else x[b]
             loss = F.cross_entropy(model(xb), y[b], label_smoothing=hp["label_smoothing"])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
+            training_step(loss, opt, sched, model.parameters(), losses, bar)
     if bar is not None:
         bar.close()
     model.eval()
