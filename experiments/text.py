@@ -23,11 +23,9 @@ in ``offline-assets.md`` §6):
   own-subset error;
 * sharpness: on the first ``sharp_points`` (128) sentences of the fixed train order (in every
   model's training subset, labels never corrupted), in batches of ``sharp_batch`` (64), 10 Auto-PGD
-  iterations, model in eval mode. Default measures: adaptive, geodesic-inv, geodesic-mix,
-  inv/mix-no-gamma, plus the ρ sweep (×1/3, ×3). The no-metric-norm ablations are not in the
-  default (add them with ``--measures``): with the adapters' implementation they give ~1e-6 here
-  (GL blocks hold entries near 0, e.g. key biases, which get no gradient, so the elementwise norm
-  1/w² throttles the step), and each measure costs ~25 s per model on one thread.
+  iterations, model in eval mode. Measures: adaptive, geodesic-inv, geodesic-mix, the ablations
+  inv/mix-no-gamma and inv/mix-no-metric-norm, plus the ρ sweep (×1/3, ×3) of the three main
+  ones; each measure costs ~12–20 s per model on one thread.
 
 ``--synthetic`` replaces MR and MiniLM by SYNTHETIC token sequences and a tiny random-init BERT
 (hidden 32, 2 layers, 2 heads): for tests only, labelled as such in every output.
@@ -58,7 +56,7 @@ def defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
         wd_range=[0.0, 0.1], subset_range=[800, 3200], noise_range=[0.0, 0.2], warmup=0.1,
         sharp_points=128, sharp_batch=64, n_iters=10, eps=0.0,
         rho=dict(adaptive=0.3, inv=0.1, mix=0.05), rho_sweep=[1 / 3, 3.0],
-        measures=list(M.MAIN) + ["inv-no-gamma", "mix-no-gamma"], models=30)
+        measures=list(M.DEFAULT_MEASURES), models=30)
     if synthetic:
         c.update(lr_range=[1e-3, 3e-3], layers=2, max_length=16)
     if quick:
@@ -322,8 +320,10 @@ def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
     info = train(model, config, data, hp, progress)
     elapsed = time.perf_counter() - started
     # Only trainable tensors are stored; frozen ones (embeddings) are the pretrained weights.
-    state = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    state.update({n: b for n, b in model.named_buffers()})
+    # state_dict() rather than named_buffers(): non-persistent buffers (position_ids) would come
+    # back as "unexpected" keys and force a retrain.
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    state = {n: t for n, t in model.state_dict().items() if n not in frozen}
     save_checkpoint(path, state, {"train_hash": th, "hp": hp, "train": info, "study": NAME,
                                   "model_id": model_id})
     return model, hp, dict(checkpoint=path, reused=False, train=info, train_time_s=elapsed)

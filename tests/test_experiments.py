@@ -400,6 +400,12 @@ def test_quick_text_synthetic(tmp_path):
                  "--out", out]) == 0
     s = _summary(out)
     assert s["synthetic"] and s["n_models"] == 3 and "geodesic-mix" in s["main"]
+    # checkpoints are reused by a run with other sharpness settings (frozen embeddings and
+    # non-persistent buffers must not make the stored state look inconsistent)
+    out2 = str(tmp_path / "txt2")
+    assert run(["text", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out2,
+                "--checkpoint-dir", os.path.join(out, "checkpoints"), "--rho-mix", "0.02"]) == 0
+    assert all(r["reused_checkpoint"] for r in _lines(os.path.join(out2, "results.jsonl")))
 
 
 @pytest.mark.slow
