@@ -8,6 +8,11 @@ Everything is plain numpy, O(M²) in the number of models M (M ≤ a few hundred
   ``scipy.stats.kendalltau`` (its default variant); τ-a = τ-b when there are no ties.
 * :func:`bootstrap_ci` resamples *models* (pairs (xᵢ, yᵢ)) with replacement. Resamples contain
   duplicated models, i.e. ties, so the bootstrap uses τ-b by default (τ-a would be biased towards 0).
+* partial τ (Kendall 1942), the association of x and y with z held fixed:
+  τ_xy·z = (τ_xy − τ_xz τ_yz) / √((1 − τ_xz²)(1 − τ_yz²)), from τ-b. The population studies use it
+  with z = training loss: sharpness grows as a model fits its data, and so does the gap. It is a
+  descriptive adjustment, not a test of conditional independence (it is not 0 in general when x
+  and y are related only through z).
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["kendall_tau_a", "kendall_tau_b", "kendall_tau", "bootstrap_ci", "TauResult",
-           "tau_with_ci", "error_rate", "generalization_gap"]
+__all__ = ["kendall_tau_a", "kendall_tau_b", "kendall_tau", "partial_kendall_tau", "bootstrap_ci",
+           "TauResult", "tau_with_ci", "partial_tau_with_ci", "error_rate", "generalization_gap"]
 
 
 def _pairs(x, y):
@@ -58,6 +63,20 @@ def kendall_tau(x, y, variant: str = "b") -> float:
     raise ValueError(f"unknown Kendall τ variant {variant!r}; valid: 'a', 'b'")
 
 
+def _partial(t_xy, t_xz, t_yz):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (t_xy - t_xz * t_yz) / np.sqrt((1 - t_xz ** 2) * (1 - t_yz ** 2))
+
+
+def partial_kendall_tau(x: Sequence[float], y: Sequence[float], z: Sequence[float]) -> float:
+    """Partial τ-b of x and y given z: (τ_xy − τ_xz τ_yz) / √((1 − τ_xz²)(1 − τ_yz²)).
+
+    ``nan`` where z ranks like x or y exactly (|τ| = 1: nothing is left once z is held fixed).
+    """
+    _pairs(x, z)  # validation of the third column
+    return float(_partial(kendall_tau_b(x, y), kendall_tau_b(x, z), kendall_tau_b(y, z)))
+
+
 def _tau_b_batch(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """τ-b of each row pair of x, y (shape (B, M)), vectorised."""
     sx = np.sign(x[:, :, None] - x[:, None, :])
@@ -82,13 +101,25 @@ def bootstrap_ci(x: Sequence[float], y: Sequence[float], *, statistic: Optional[
         raise ValueError(f"level must be in (0, 1), got {level}")
     if n_boot < 1:
         raise ValueError(f"n_boot must be ≥ 1, got {n_boot}")
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, x.size, size=(n_boot, x.size))
+    idx = _resamples(x.size, n_boot, seed)
     if statistic is None:
-        stats = np.concatenate([_tau_b_batch(x[chunk], y[chunk])
-                                for chunk in np.array_split(idx, max(1, n_boot // 250))])
+        stats = np.concatenate([_tau_b_batch(x[chunk], y[chunk]) for chunk in _chunks(idx)])
     else:
         stats = np.array([statistic(x[i], y[i]) for i in idx], dtype=float)
+    return _percentile_ci(stats, n_boot, level)
+
+
+def _resamples(m: int, n_boot: int, seed: int) -> np.ndarray:
+    """(n_boot, m) model indices drawn with replacement."""
+    return np.random.default_rng(seed).integers(0, m, size=(n_boot, m))
+
+
+def _chunks(idx: np.ndarray):
+    return np.array_split(idx, max(1, idx.shape[0] // 250))  # bounds the (chunk, M, M) sign arrays
+
+
+def _percentile_ci(stats: np.ndarray, n_boot: int, level: float) -> tuple:
+    """Percentile interval of the finite resampled statistics; nan if fewer than half are."""
     stats = stats[np.isfinite(stats)]
     if stats.size < n_boot / 2:
         return (float("nan"), float("nan"))
@@ -125,6 +156,29 @@ def tau_with_ci(x, y, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0)
     lo, hi = (bootstrap_ci(x, y, n_boot=n_boot, level=level, seed=seed) if x.size >= 3
               else (float("nan"), float("nan")))
     return TauResult(kendall_tau_b(x, y), kendall_tau_a(x, y), lo, hi, int(x.size))
+
+
+def partial_tau_with_ci(x, y, z, *, n_boot: int = 2000, level: float = 0.95,
+                        seed: int = 0) -> TauResult:
+    """Partial τ-b of x, y given z with a bootstrap CI that resamples models (x, y, z together).
+
+    The ``tau_a`` field holds the same partial τ-b (there is no tie-free variant of interest)."""
+    x, y, z = (np.asarray(v, dtype=float) for v in (x, y, z))
+    if not x.shape == y.shape == z.shape or x.ndim != 1:
+        raise ValueError(f"x, y and z must be 1-D of equal length, got shapes {x.shape}, "
+                         f"{y.shape} and {z.shape}")
+    keep = np.isfinite(x) & np.isfinite(y) & np.isfinite(z)
+    x, y, z = x[keep], y[keep], z[keep]
+    if x.size < 3:
+        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), int(x.size))
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    idx = _resamples(x.size, n_boot, seed)
+    stats = np.concatenate([_partial(_tau_b_batch(x[c], y[c]), _tau_b_batch(x[c], z[c]),
+                                     _tau_b_batch(y[c], z[c])) for c in _chunks(idx)])
+    lo, hi = _percentile_ci(stats, n_boot, level)
+    t = partial_kendall_tau(x, y, z)
+    return TauResult(t, t, lo, hi, int(x.size))
 
 
 def error_rate(predictions, labels) -> float:

@@ -109,6 +109,39 @@ def test_bootstrap_ci_matches_brute_force():
     assert (r.ci_low, r.ci_high) == pytest.approx((lo, hi)) and r.n == 15
 
 
+def test_partial_kendall_tau_brute_force_and_confounding():
+    def brute(a, b, c):
+        t = lambda u, v: scipy.stats.kendalltau(u, v).statistic  # noqa: E731
+        with np.errstate(invalid="ignore", divide="ignore"):  # degenerate resamples -> nan
+            return (t(a, b) - t(a, c) * t(b, c)) / np.sqrt((1 - t(a, c) ** 2) * (1 - t(b, c) ** 2))
+
+    rng = np.random.default_rng(4)
+    z = rng.standard_normal(300)
+    x = z + 0.5 * rng.standard_normal(300)  # x and y related only through z
+    y = z + 0.5 * rng.standard_normal(300)
+    assert stats.kendall_tau_b(x, y) > 0.4
+    assert stats.partial_kendall_tau(x, y, z) == pytest.approx(brute(x, y, z), abs=1e-12)
+    # the confounder explains most of it (not all: for Gaussians the population value is
+    # (τ_xy − τ_xz τ_yz)/(1 − τ_xz²) with τ = (2/π) arcsin r, i.e. 0.18 here, not 0)
+    t = lambda r: 2 / math.pi * math.asin(r)  # noqa: E731
+    expected = (t(0.8) - t(0.8 ** 0.5) ** 2) / (1 - t(0.8 ** 0.5) ** 2)
+    assert stats.partial_kendall_tau(x, y, z) == pytest.approx(expected, abs=0.06)
+    assert stats.partial_kendall_tau(x, y, z) < 0.5 * stats.kendall_tau_b(x, y)
+    w = x + 0.3 * rng.standard_normal(300)  # directly related to x: survives conditioning on z
+    assert stats.partial_kendall_tau(x, w, z) > 0.4
+    # the bootstrap resamples the triples together
+    r = stats.partial_tau_with_ci(x[:20], y[:20], z[:20], n_boot=200, seed=3)
+    idx = np.random.default_rng(3).integers(0, 20, size=(200, 20))
+    ref = np.array([brute(x[i], y[i], z[i]) for i in idx])
+    ref = ref[np.isfinite(ref)]
+    assert (r.ci_low, r.ci_high) == pytest.approx(
+        (np.quantile(ref, 0.025), np.quantile(ref, 0.975)), abs=1e-12)
+    assert r.tau_b == pytest.approx(brute(x[:20], y[:20], z[:20])) and r.n == 20
+    assert math.isnan(stats.partial_kendall_tau(x, y, x))  # nothing left given x itself
+    with pytest.raises(ValueError):
+        stats.partial_tau_with_ci(x, y, z[:10])
+
+
 def test_error_rate_and_gap_brute_force():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((50, 4))
@@ -381,6 +414,9 @@ def test_quick_vision_synthetic_with_workers(tmp_path):
     assert set(s["ablations"]) == {"inv-no-gamma", "mix-no-gamma", "inv-no-metric-norm",
                                    "mix-no-metric-norm"}
     assert b"SYNTHETIC" in _read(os.path.join(out, "summary.md"))
+    # partial τ given the loss on the points of the gap's train error
+    assert {p["control"] for p in s["partial"].values()} == {"own_train_loss"}
+    assert set(s["partial"]) == set(s["main"]) | set(s["ablations"])
     recs = _lines(os.path.join(out, "results.jsonl"))
     assert all(np.isfinite(e["value"]) for r in recs for e in r["sharpness"])
     assert all(os.path.exists(r["checkpoint"]) for r in recs)

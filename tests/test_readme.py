@@ -33,3 +33,19 @@ def test_readme_example_converges(index):
     assert out.returncode == 0, out.stderr[-3000:]
     error = float(re.search(r"relative error on all entries: (\S+)", out.stdout).group(1))
     assert error < 1e-5, out.stdout
+
+
+@pytest.mark.parametrize("readme", [README, README.parent / "experiments" / "README.md"],
+                         ids=["README", "experiments/README"])
+def test_readme_links_and_results_exist(readme):
+    """Every relative link or image and every ``experiments/results/...`` path a README names is
+    in the repository (results are committed, not left in an ignored run directory)."""
+    text = readme.read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)\)", text)
+    targets += re.findall(r"`(experiments/results/[^`<>*\s]+)`", text)
+    relative = [t for t in targets if "://" not in t]
+    if readme == README:
+        assert relative, "the README's results section should link its figures"
+    missing = [t for t in relative if not (readme.parent / t).exists()
+               and not (README.parent / t).exists()]
+    assert not missing, f"{readme.name} names files that do not exist: {missing}"
