@@ -61,6 +61,20 @@ def _float_list(text: str):
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _range(text: str):
+    vals = _float_list(text)
+    if len(vals) != 2 or not vals[0] <= vals[1]:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 0 < LO ≤ HI, got {text!r}")
+    return vals
+
+
+def _int_list(text: str):
+    vals = _float_list(text)
+    if any(v != int(v) for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return [int(v) for v in vals]
+
+
 def _measure_list(text: str):
     from .measures import parse_measures
     try:
@@ -174,6 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--solver", choices=("pga", "apgd"), default=None,
                    help="pga: batched normalised PGA with restarts (default); apgd: the library's "
                         "auto_pgd on RescalingGeometry with the exact retraction (weaker here)")
+    g.add_argument("--alpha-range", type=_range, default=None, metavar="LO,HI",
+                   help="initialisation scale α, log-uniform (default 0.01,1)")
+    g.add_argument("--lr-factor-range", type=_range, default=None, metavar="LO,HI",
+                   help="step = factor × a stability bound, factor log-uniform (default 0.2,0.8; "
+                        "up to ~8 trains without divergence here, and diverging runs restart at "
+                        "half the step)")
+    g.add_argument("--batch-sizes", type=_int_list, default=None, metavar="B1,B2,...",
+                   help="SGD batch sizes drawn uniformly (default 100,50,25; ≥ n is full-batch "
+                        "GD)")
 
     for name, desc in (("text", "text"), ("vision", "vision")):
         mod = __import__(f"experiments.{name}", fromlist=["x"])
@@ -332,10 +355,13 @@ def cmd_diagonal(args) -> int:
     config = D.defaults(args.quick)
     if args.seed is not None:
         config["seed"] = args.seed
-    for key in ("d", "n", "k", "restarts", "pga_iters", "solver"):
+    for key, ckey in (("d", "d"), ("n", "n"), ("k", "k"), ("restarts", "restarts"),
+                      ("pga_iters", "pga_iters"), ("solver", "solver"),
+                      ("alpha_range", "alpha_range"), ("lr_factor_range", "lr_factor_range"),
+                      ("batch_sizes", "batch_choices")):
         v = getattr(args, key)
         if v is not None:
-            config[key] = v
+            config[ckey] = v
     apply_sharp_overrides(config, args)
     if config["k"] > config["d"]:
         raise ExperimentError(f"--k {config['k']} exceeds --d {config['d']}")
@@ -345,9 +371,10 @@ def cmd_diagonal(args) -> int:
         "Setup: d = {d}, n = {n} Gaussian X, β* with {k} non-zeros, noiseless y; loss (1/n)‖Xβ−y‖²; "
         "test loss = ‖β − β*‖² (exact population risk); init u = √2α, v = 0; (S)GD to train loss "
         "≤ {t:g}.".format(d=config["d"], n=config["n"], k=config["k"], t=config["target_loss"]),
-        "What spreads the test loss: the initialisation scale α (log-uniform in "
-        f"{config['alpha_range']}): small α → sparse, ℓ1-like interpolator (low test loss), "
-        "α ~ 1 → ℓ2-like (high test loss). lr factor and batch size barely move it.",
+        f"Hyperparameters per model: α log-uniform in {config['alpha_range']} (small α → "
+        "sparse, ℓ1-like interpolator, low test loss; α ~ 1 → ℓ2-like, high test loss), step "
+        f"factor log-uniform in {config['lr_factor_range']}, batch size from "
+        f"{config['batch_choices']}.",
         "geodesic-mix is spec §8.6 verbatim (β₀⊙(1+2b), polynomial continuation past 1+2b ≤ 0). At "
         "an interpolator it is ≈ 2ρ²λ_max(XᵀX/n) for every model (the linear term is O(√L)): the "
         "ranking comes from differences of ~1e-4 relative. geodesic-mix-manifold keeps 1+2b ≥ 1e-3 "
@@ -362,7 +389,8 @@ def cmd_diagonal(args) -> int:
 
     return run_population_study(D, config, args, report_kwargs=dict(
         target="test_loss", main=main, default_rho=rho, extra_main=["geodesic-mix-manifold"],
-        other_targets=(), notes=notes, logx=False, logy=True, exclude_fn=exclude_fn))
+        other_targets=(), notes=notes, logx=False, logy=True, exclude_fn=exclude_fn,
+        notes_fn=lambda records: [D.spread_note(records)]))
 
 
 def _transformer_config(mod, args) -> Dict[str, Any]:

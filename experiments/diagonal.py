@@ -168,6 +168,27 @@ def train(config: Dict[str, Any], hp: Dict[str, Any], X, y, beta_star, progress:
     return u, v, info
 
 
+def spread_note(records) -> str:
+    """Which hyperparameters set the test loss: R² of least-squares fits of log test loss on
+    log α alone and on (log α, log step factor, log batch), over the population's models."""
+    if len(records) < 5:
+        return "Too few models to say which hyperparameter sets the test loss."
+    hp = [r["hparams"] for r in records]
+    y = np.log([r["metrics"]["test_loss"] for r in records])
+    log_alpha = np.log([h["alpha"] for h in hp])
+    others = np.log([[h["lr_factor"], h["batch_size"]] for h in hp])
+
+    def r2(*columns):
+        A = np.column_stack([np.ones_like(y), *columns])
+        resid = y - A @ np.linalg.lstsq(A, y, rcond=None)[0]
+        total = float(((y - y.mean()) ** 2).sum())
+        return 1 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
+
+    return (f"What spreads the test loss: log α alone explains R² = {r2(log_alpha):.3f} of the "
+            f"variance of log test loss; with log step factor and log batch size R² = "
+            f"{r2(log_alpha, others):.3f} (test loss {np.exp(y.min()):.3g} … {np.exp(y.max()):.3g}).")
+
+
 # ------------------------------------------------------------------------------------ sharpness
 def _project_ball(Z: np.ndarray, r: np.ndarray) -> np.ndarray:
     nrm = np.linalg.norm(Z, axis=1, keepdims=True)

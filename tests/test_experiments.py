@@ -206,7 +206,9 @@ def test_output_dir_refuses_other_config_and_concurrent_runs(tmp_path):
 # ------------------------------------------------------------------------------------ CLI errors
 def test_cli_rejects_unknown_study_and_options(capsys):
     for argv in (["nope"], ["diagonal", "--no-such-option"], ["diagonal", "--workers", "0"],
-                 ["text", "--measures", "bogus"], ["vision", "--rho-sweep", "1,x"], []):
+                 ["text", "--measures", "bogus"], ["vision", "--rho-sweep", "1,x"],
+                 ["diagonal", "--alpha-range", "1,0.1"], ["diagonal", "--batch-sizes", "2.5"],
+                 ["diagonal", "--lr-factor-range", "1"], []):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
@@ -401,6 +403,17 @@ def test_quick_diagonal(tmp_path):
     for name in ("summary.md", "fig_scatter.png", "fig_rho_sweep.png", "config.json"):
         assert os.path.getsize(os.path.join(out, name)) > 0
     assert b"-0.68" in _read(os.path.join(out, "summary.md"))  # the paper's row
+    # the hyperparameter ranges are options; the report says which of them set the test loss
+    out2 = str(tmp_path / "diag2")
+    assert run(["diagonal", "--quick", "--no-progress", "--out", out2, "--alpha-range", "0.1,0.1",
+                "--lr-factor-range", "1,8", "--batch-sizes", "100,10"]) == 0
+    config = json.loads(_read(os.path.join(out2, "config.json")))
+    config = config.get("config", config)
+    assert config["alpha_range"] == [0.1, 0.1] and config["batch_choices"] == [100, 10]
+    recs = _lines(os.path.join(out2, "results.jsonl"))
+    assert {r["hparams"]["batch_size"] for r in recs} <= {100, 10}
+    assert all(r["hparams"]["alpha"] == pytest.approx(0.1) for r in recs)
+    assert "log α alone explains R²".encode() in _read(os.path.join(out2, "summary.md"))
 
 
 @pytest.mark.slow
