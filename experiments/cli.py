@@ -355,13 +355,13 @@ def cmd_diagonal(args) -> int:
     config = D.defaults(args.quick)
     if args.seed is not None:
         config["seed"] = args.seed
-    for key, ckey in (("d", "d"), ("n", "n"), ("k", "k"), ("restarts", "restarts"),
-                      ("pga_iters", "pga_iters"), ("solver", "solver"),
-                      ("alpha_range", "alpha_range"), ("lr_factor_range", "lr_factor_range"),
-                      ("batch_sizes", "batch_choices")):
+    for key in ("d", "n", "k", "restarts", "pga_iters", "solver", "alpha_range",
+                "lr_factor_range"):
         v = getattr(args, key)
         if v is not None:
-            config[ckey] = v
+            config[key] = v
+    if args.batch_sizes is not None:
+        config["batch_choices"] = args.batch_sizes
     apply_sharp_overrides(config, args)
     if config["k"] > config["d"]:
         raise ExperimentError(f"--k {config['k']} exceeds --d {config['d']}")

@@ -25,7 +25,7 @@ in ``offline-assets.md`` §6):
   model's training subset, labels never corrupted), in batches of ``sharp_batch`` (64), 10 Auto-PGD
   iterations, model in eval mode. Measures: adaptive, geodesic-inv, geodesic-mix, the ablations
   inv/mix-no-gamma and inv/mix-no-metric-norm, plus the ρ sweep (×1/3, ×3) of the three main
-  ones; each measure costs ~12–20 s per model on one thread.
+  ones; each measure costs ~20 s per model on one thread (13 measures: ~4.5 min).
 
 ``--synthetic`` replaces MR and MiniLM by SYNTHETIC token sequences and a tiny random-init BERT
 (hidden 32, 2 layers, 2 heads): for tests only, labelled as such in every output.
