@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from .runner import ExperimentError, OutputDir, cores, fmt_seconds, run_population
 

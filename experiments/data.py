@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 

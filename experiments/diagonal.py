@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -162,7 +162,6 @@ def train(config: Dict[str, Any], hp: Dict[str, Any], X, y, beta_star, progress:
             break
     if bar is not None:
         bar.close()
-    beta = u * v
     info = dict(steps=step, lr=lr, restarts=restarts, train_loss=L,
                 converged=bool(math.isfinite(L) and L <= config["target_loss"]))
     return u, v, info

@@ -14,7 +14,6 @@ adaptive sharpness moves (paper: 1.0–1.6 on BERT).
 from __future__ import annotations
 
 import copy
-import math
 import os
 import time
 from typing import Any, Dict, List
@@ -158,7 +157,7 @@ def run(args, log=print) -> int:
                  f"- output `{display_path(od.path)}`, checkpoint `{display_path(by_item[0]['checkpoint'])}`",
                  f"- A = a·G_rand per head (standard Gaussian, fixed seed), ρ = {rho}, "
                  f"{config['n_iters']} Auto-PGD iterations",
-                 f"- original sharpness: " + ", ".join(f"{g} {base[g]:.4g}" for g in GEOMETRIES),
+                 "- original sharpness: " + ", ".join(f"{g} {base[g]:.4g}" for g in GEOMETRIES),
                  "", "| a | max rel. logit change | " + " | ".join(f"{g} ratio" for g in GEOMETRIES)
                  + " |", "|---|---|" + "---|" * len(GEOMETRIES)]
         for r in rows:

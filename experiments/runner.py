@@ -36,7 +36,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -430,18 +429,57 @@ def fmt_seconds(s: float) -> str:
     return f"{s / 60:.1f} min"
 
 
-def training_step(loss, opt, sched, params, losses, bar) -> None:
-    """Backward, clip the gradient norm to 1, optimiser and schedule step, progress bookkeeping
-    (the training loop body shared by the text and vision populations)."""
-    import numpy as np
-    import torch
+class TrainingLoop:
+    """The bookkeeping the text and vision training loops share: a linear warm-up over the first
+    ``warmup`` fraction of the steps, then ``decay`` ("linear" to 0, or "cosine"); per step
+    backward, gradient-norm clipping to 1, optimiser and schedule step; a progress bar."""
 
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    sched.step()
-    losses.append(float(loss.detach()))
-    if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
+    def __init__(self, opt, params, *, steps_per_epoch: int, epochs: int, warmup: float,
+                 decay: str, progress: bool):
+        import torch
+
+        total = steps_per_epoch * epochs
+        warm = max(1, int(warmup * total))
+        if decay == "linear":
+            def factor(s):
+                return min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm)))
+        elif decay == "cosine":
+            def factor(s):
+                progress_ = min(1.0, (s - warm) / max(1, total - warm))
+                after = 0.5 * (1 + math.cos(math.pi * progress_)) if s >= warm else 1.0
+                return min((s + 1) / warm, after)
+        else:
+            raise ValueError(f"unknown decay {decay!r}; valid: 'linear', 'cosine'")
+        self.opt, self.params = opt, list(params)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        self.steps_per_epoch, self.total = steps_per_epoch, total
+        self.losses: List[float] = []
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, desc="train", unit="step", leave=False,
+                            dynamic_ncols=True)
+
+    def step(self, loss) -> None:
+        import numpy as np
+        import torch
+
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.losses.append(float(loss.detach()))
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{np.mean(self.losses[-20:]):.3f}")
+
+    def finish(self, model) -> Dict[str, Any]:
+        """Close the bar, put the model in eval mode; steps and the last epoch's mean loss."""
+        import numpy as np
+
+        if self.bar is not None:
+            self.bar.close()
+        model.eval()
+        return dict(steps=self.total,
+                    final_train_loss=float(np.mean(self.losses[-max(1, self.steps_per_epoch):])))

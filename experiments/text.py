@@ -41,8 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from . import measures as M
-from .runner import ExperimentError, check_parent_alive, training_step, config_hash, load_checkpoint, \
-    save_checkpoint
+from .runner import ExperimentError, TrainingLoop, check_parent_alive, config_hash, \
+    load_checkpoint, save_checkpoint
 
 NAME = "text"
 PAPER_KEY = "text"
@@ -270,27 +270,16 @@ def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
     no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}], lr=hp["lr"])
-    steps_per_epoch = math.ceil(idx.size / hp["batch_size"])
-    total = steps_per_epoch * hp["epochs"]
-    warm = max(1, int(config["warmup"] * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm))))
+    loop = TrainingLoop(opt, params, steps_per_epoch=math.ceil(idx.size / hp["batch_size"]),
+                        epochs=hp["epochs"], warmup=config["warmup"], decay="linear",
+                        progress=progress)
     model.train()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=total, desc="train", unit="step", leave=False, dynamic_ncols=True)
-    losses = []
     for _ in range(hp["epochs"]):
         for b in _bucketed_batches(idx, lengths, hp["batch_size"], rng):
             check_parent_alive()
             inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]))
-            loss = F.cross_entropy(model(**inputs).logits, yt)
-            training_step(loss, opt, sched, params, losses, bar)
-    if bar is not None:
-        bar.close()
-    model.eval()
-    return dict(steps=total, final_train_loss=float(np.mean(losses[-max(1, steps_per_epoch):])))
+            loop.step(F.cross_entropy(model(**inputs).logits, yt))
+    return loop.finish(model)
 
 
 def train_hash(config: Dict[str, Any], hp: Dict[str, Any]) -> str:

@@ -32,8 +32,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from . import measures as M
-from .runner import check_parent_alive, config_hash, load_checkpoint, save_checkpoint, \
-    training_step
+from .runner import TrainingLoop, check_parent_alive, config_hash, load_checkpoint, \
+    save_checkpoint
 
 NAME = "vision"
 PAPER_KEY = "vision"
@@ -143,31 +143,18 @@ def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]},
                              {"params": rest, "weight_decay": 0.0}], lr=hp["lr"])
     bs = hp["batch_size"]
-    steps_per_epoch = math.ceil(n / bs)
-    total = steps_per_epoch * hp["epochs"]
-    warm = max(1, int(config["warmup"] * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warm,
-                           0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, total - warm))))
-                           if s >= warm else 1.0))
+    loop = TrainingLoop(opt, list(model.parameters()), steps_per_epoch=math.ceil(n / bs),
+                        epochs=hp["epochs"], warmup=config["warmup"], decay="cosine",
+                        progress=progress)
     model.train()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=total, desc="train", unit="step", leave=False, dynamic_ncols=True)
-    losses = []
     for _ in range(hp["epochs"]):
         perm = torch.randperm(n, generator=gen)
         for s in range(0, n, bs):
             check_parent_alive()
             b = perm[s:s + bs]
             xb = augment(x[b], gen) if hp["augment"] else x[b]
-            loss = F.cross_entropy(model(xb), y[b], label_smoothing=hp["label_smoothing"])
-            training_step(loss, opt, sched, model.parameters(), losses, bar)
-    if bar is not None:
-        bar.close()
-    model.eval()
-    return dict(steps=total, final_train_loss=float(np.mean(losses[-steps_per_epoch:])))
+            loop.step(F.cross_entropy(model(xb), y[b], label_smoothing=hp["label_smoothing"]))
+    return loop.finish(model)
 
 
 def predict(model, x, batch: int = 1000):

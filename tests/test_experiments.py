@@ -572,3 +572,30 @@ def test_fashion_mnist_loader_and_vision_on_user_data_dir(tmp_path):
                 "--out", out]) == 0
     s = _summary(out)
     assert not s["synthetic"] and s["n_models"] == 2 and s["target"] == "gap_own"
+
+
+def test_training_loop_schedule_and_clipping():
+    import torch
+
+    from experiments.runner import TrainingLoop
+
+    def loop(decay, params=None):
+        params = params or [torch.nn.Parameter(torch.zeros(3))]
+        opt = torch.optim.SGD(params, lr=1.0)
+        return TrainingLoop(opt, params, steps_per_epoch=10, epochs=2, warmup=0.1, decay=decay,
+                            progress=False)
+
+    lin, cos = loop("linear").sched.lr_lambdas[0], loop("cosine").sched.lr_lambdas[0]
+    warm, total = 2, 20  # 10 % of 20 steps
+    assert [lin(s) for s in range(warm)] == pytest.approx([0.5, 1.0])
+    assert lin(warm) == pytest.approx((total - warm) / (total - warm)) and lin(total) == 0.0
+    assert lin(11) == pytest.approx((total - 11) / (total - warm))
+    assert cos(warm + (total - warm) // 2) == pytest.approx(0.5) and cos(total) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="unknown decay"):
+        loop("step")
+    # one step: gradient clipped to norm 1 before the SGD update (lr × warm-up factor 0.5)
+    p = torch.nn.Parameter(torch.zeros(3))
+    run_ = loop("linear", [p])
+    run_.step((p * torch.tensor([30.0, 40.0, 0.0])).sum())  # gradient norm 50
+    assert p.detach().numpy() == pytest.approx([-0.3, -0.4, 0.0])
+    assert run_.finish(torch.nn.Linear(1, 1)) == {"steps": 20, "final_train_loss": 0.0}
