@@ -304,6 +304,28 @@ def load_checkpoint(path: str, expect_hash: Optional[str] = None):
     return tensors, meta
 
 
+def trained_model(study: str, model_id: int, train_hash: str, ckpt_dir: str, *,
+                  build: Callable[[], Any], train: Callable[[Any], Dict[str, Any]],
+                  restore: Callable[[Any, Dict[str, Any]], bool],
+                  stored_state: Callable[[Any], Dict[str, Any]], hp: Dict[str, Any]):
+    """Model ``model_id`` of a population: restored from its checkpoint when one with the same
+    training hash exists and ``restore(model, tensors)`` accepts it, else built, trained and
+    checkpointed (``stored_state(model)``). Returns ``(model, info)``."""
+    path = os.path.join(ckpt_dir, f"{study}-{model_id:04d}-{train_hash[:12]}.safetensors")
+    model = build()
+    loaded = load_checkpoint(path, train_hash)
+    if loaded is not None and restore(model, loaded[0]):
+        model.eval()
+        return model, dict(checkpoint=path, reused=True, train=loaded[1].get("train", {}),
+                           train_time_s=0.0)
+    started = time.perf_counter()
+    info = train(model)
+    elapsed = time.perf_counter() - started
+    save_checkpoint(path, stored_state(model), {"train_hash": train_hash, "hp": hp, "train": info,
+                                                "study": study, "model_id": model_id})
+    return model, dict(checkpoint=path, reused=False, train=info, train_time_s=elapsed)
+
+
 # ------------------------------------------------------------------------------------ execution
 def cores() -> int:
     try:

@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import measures as M
 from .runner import ExperimentError, TrainingLoop, check_parent_alive, config_hash, \
-    load_checkpoint, save_checkpoint
+    trained_model
 
 NAME = "text"
 PAPER_KEY = "text"
@@ -292,30 +291,25 @@ def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
     """Trained model i: loaded from its checkpoint if present (same training hash), else trained
     and checkpointed. Returns (model, hp, info)."""
     hp = hparams(config, model_id)
-    th = train_hash(config, hp)
-    path = os.path.join(ckpt_dir, f"{NAME}-{model_id:04d}-{th[:12]}.safetensors")
-    model = build_model(config, hp["seed"])
-    loaded = load_checkpoint(path, th)
-    if loaded is not None:
-        tensors, meta = loaded
+
+    def restore(model, tensors) -> bool:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        if unexpected or trainable & set(missing):
-            loaded = None  # inconsistent: retrain
-        else:
-            return model, hp, dict(checkpoint=path, reused=True, train=meta.get("train", {}),
-                                   train_time_s=0.0)
-    started = time.perf_counter()
-    info = train(model, config, data, hp, progress)
-    elapsed = time.perf_counter() - started
-    # Only trainable tensors are stored; frozen ones (embeddings) are the pretrained weights.
-    # state_dict() rather than named_buffers(): non-persistent buffers (position_ids) would come
-    # back as "unexpected" keys and force a retrain.
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    state = {n: t for n, t in model.state_dict().items() if n not in frozen}
-    save_checkpoint(path, state, {"train_hash": th, "hp": hp, "train": info, "study": NAME,
-                                  "model_id": model_id})
-    return model, hp, dict(checkpoint=path, reused=False, train=info, train_time_s=elapsed)
+        return not unexpected and not trainable & set(missing)
+
+    def stored_state(model):
+        # Only trainable tensors are stored; frozen ones (embeddings) are the pretrained weights.
+        # state_dict() rather than named_buffers(): non-persistent buffers (position_ids) would
+        # come back as "unexpected" keys and force a retrain.
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        return {n: t for n, t in model.state_dict().items() if n not in frozen}
+
+    model, info = trained_model(
+        NAME, model_id, train_hash(config, hp), ckpt_dir, hp=hp,
+        build=lambda: build_model(config, hp["seed"]),
+        train=lambda model: train(model, config, data, hp, progress),
+        restore=restore, stored_state=stored_state)
+    return model, hp, info
 
 
 def evaluate(model, config, data, hp) -> Dict[str, float]:

@@ -25,15 +25,12 @@ design in ``offline-assets.md`` §6):
 from __future__ import annotations
 
 import math
-import os
-import time
 from typing import Any, Dict, Optional
 
 import numpy as np
 
 from . import measures as M
-from .runner import TrainingLoop, check_parent_alive, config_hash, load_checkpoint, \
-    save_checkpoint
+from .runner import TrainingLoop, check_parent_alive, config_hash, trained_model
 
 NAME = "vision"
 PAPER_KEY = "vision"
@@ -195,26 +192,23 @@ def train_hash(config: Dict[str, Any], hp: Dict[str, Any]) -> str:
 
 
 def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
+    """Trained model i: loaded from its checkpoint if present (same training hash), else trained
+    and checkpointed. Returns (model, hp, info)."""
     hp = hparams(config, model_id)
-    th = train_hash(config, hp)
-    path = os.path.join(ckpt_dir, f"{NAME}-{model_id:04d}-{th[:12]}.safetensors")
-    model = build_model(config, hp["seed"])
-    loaded = load_checkpoint(path, th)
-    if loaded is not None:
-        tensors, meta = loaded
+
+    def restore(model, tensors) -> bool:
         try:
             model.load_state_dict(tensors, strict=True)
-            model.eval()
-            return model, hp, dict(checkpoint=path, reused=True, train=meta.get("train", {}),
-                                   train_time_s=0.0)
+            return True
         except RuntimeError:
-            pass  # inconsistent checkpoint: retrain
-    started = time.perf_counter()
-    info = train(model, config, data, hp, progress)
-    elapsed = time.perf_counter() - started
-    save_checkpoint(path, model.state_dict(), {"train_hash": th, "hp": hp, "train": info,
-                                               "study": NAME, "model_id": model_id})
-    return model, hp, dict(checkpoint=path, reused=False, train=info, train_time_s=elapsed)
+            return False  # inconsistent checkpoint: retrain
+
+    model, info = trained_model(
+        NAME, model_id, train_hash(config, hp), ckpt_dir, hp=hp,
+        build=lambda: build_model(config, hp["seed"]),
+        train=lambda model: train(model, config, data, hp, progress),
+        restore=restore, stored_state=lambda model: model.state_dict())
+    return model, hp, info
 
 
 def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
