@@ -190,7 +190,8 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
               measure: str = "worst", n_samples: int = 10, eps: float = 0.0,
               use_metric_norm: bool = True, momentum: str = "apgd",
               step_normalisation: str = "metric", adaptive_direction: str = "riemannian",
-              elementwise_second_order: bool = False, normalize_logits: bool = False, step_size_mult: float = 1.0, layout=None,
+              elementwise_second_order: bool = False, normalize_logits: bool = False,
+              step_size_mult: float = 1.0, layout=None,
               allow_unsupported: bool = False, seed: int = 0, progress: bool = False
               ) -> SharpnessResult:
     r"""Worst-case (Auto-PGD) or average-case sharpness of ``model`` on ``batches``.

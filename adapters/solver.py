@@ -104,8 +104,8 @@ class ElementwiseComponent:
         self.shapes = [tensors[n].shape for n in self.names]
         self.sizes = [tensors[n].numel() for n in self.names]
         self.x0 = torch.cat([tensors[n].reshape(-1) for n in self.names])
-        # |w| so small that 1/w² overflows counts as zero (spec §12.12: kept fixed)
-        movable = self.x0 * self.x0 > torch.finfo(self.x0.dtype).tiny
+        inv_w2 = _inverse_square(self.x0)
+        movable = inv_w2 > 0  # w = 0, or 1/w² overflowing, counts as zero (spec §12.12: kept fixed)
         if masks:
             movable &= torch.cat([masks[n].reshape(-1) if masks.get(n) is not None else
                                   torch.ones(tensors[n].numel(), dtype=torch.bool,
@@ -114,8 +114,7 @@ class ElementwiseComponent:
                                       "adaptive direction")
         self.abs_w = torch.where(movable, self.x0.abs(), torch.zeros_like(self.x0))
         self.w2 = self.abs_w * self.abs_w
-        self.inv_w2 = torch.where(movable, 1 / torch.where(movable, self.w2, torch.ones_like(self.w2)),
-                                  torch.zeros_like(self.w2))
+        self.inv_w2 = torch.where(movable, inv_w2, torch.zeros_like(inv_w2))
         self.half_inv_w = (0.5 / torch.where(movable, self.x0, torch.ones_like(self.x0))
                            if second_order else None)
 

@@ -107,12 +107,10 @@ def run(args: argparse.Namespace) -> dict:
     model.eval()
     with torch.no_grad():
         def accuracy(idx):
-            correct = 0
-            for i in range(0, len(idx), 100):
-                enc = _tokenise(tokenizer, [texts[j] for j in idx[i:i + 100]])
-                pred = model(**enc).logits.argmax(-1).numpy()
-                correct += int((pred == labels[idx[i:i + 100]]).sum())
-            return correct / len(idx)
+            from .stats import error_rate
+            logits = [model(**_tokenise(tokenizer, [texts[j] for j in idx[i:i + 100]])).logits
+                      for i in range(0, len(idx), 100)]
+            return 1.0 - error_rate(torch.cat(logits).numpy(), labels[idx])
         train_acc, test_acc = accuracy(train_idx[:400]), accuracy(test_idx)
     print(f"MiniLM ({args.layers} layers) fine-tuned on {len(train_idx)} MR sentences: "
           f"train acc {train_acc:.3f}, test acc {test_acc:.3f} "

@@ -24,7 +24,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 __all__ = ["kendall_tau_a", "kendall_tau_b", "kendall_tau", "partial_kendall_tau", "bootstrap_ci",
-           "TauResult", "tau_with_ci", "partial_tau_with_ci", "error_rate", "generalization_gap"]
+           "TauResult", "tau_with_ci", "partial_tau_with_ci", "error_rate", "error_and_loss",
+           "generalization_gap"]
 
 
 def _pairs(x, y):
@@ -192,6 +193,15 @@ def error_rate(predictions, labels) -> float:
     if t.size == 0:
         raise ValueError("error rate of an empty set")
     return float((p != t).mean())
+
+
+def error_and_loss(logits, labels) -> tuple:
+    """(error rate, mean cross-entropy) of class logits (M, C) against integer labels (M,)."""
+    z = np.asarray(logits, dtype=np.float64)
+    t = np.asarray(labels)
+    z = z - z.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return error_rate(z, t), float(-logp[np.arange(t.size), t].mean())
 
 
 def generalization_gap(test_error: float, train_error: float) -> float:

@@ -227,13 +227,6 @@ def predict(model, data, idx: np.ndarray, batch: int = 128) -> np.ndarray:
     return out
 
 
-def _err_loss(logits: np.ndarray, labels: np.ndarray) -> Tuple[float, float]:
-    from .stats import error_rate
-    z = logits - logits.max(axis=1, keepdims=True)
-    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-    return error_rate(logits, labels), float(-logp[np.arange(labels.size), labels].mean())
-
-
 def sharpness_batches(config, data):
     n, b = config["sharp_points"], config["sharp_batch"]
     idx = data["train"][:n]
@@ -315,7 +308,7 @@ def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
 def evaluate(model, config, data, hp) -> Dict[str, float]:
     """Errors/losses on the full train split (clean labels), the model's own training subset
     (the labels it was trained on; same forward pass) and the test split."""
-    from .stats import generalization_gap
+    from .stats import error_and_loss as _err_loss, generalization_gap
 
     tr = data["train"]
     logits_tr = predict(model, data, tr)

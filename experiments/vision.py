@@ -162,9 +162,8 @@ def predict(model, x, batch: int = 1000):
 
 
 def _err_loss(logits, y):
-    import torch.nn.functional as F
-    return (float((logits.argmax(-1) != y).double().mean()),
-            float(F.cross_entropy(logits, y)))
+    from .stats import error_and_loss
+    return error_and_loss(logits.cpu().numpy(), y.cpu().numpy())
 
 
 def evaluate(model, config, data, hp) -> Dict[str, float]:

@@ -153,6 +153,11 @@ def test_error_rate_and_gap_brute_force():
     assert stats.generalization_gap(test_err, brute) == pytest.approx(test_err - brute)
     with pytest.raises(ValueError):
         stats.generalization_gap(float("nan"), 0.1)
+    import torch
+    err, loss = stats.error_and_loss(logits * 50, labels)  # large logits: stable log-sum-exp
+    assert err == pytest.approx(brute)
+    ref = float(torch.nn.functional.cross_entropy(torch.tensor(logits * 50), torch.tensor(labels)))
+    assert loss == pytest.approx(ref, rel=1e-12)
     with pytest.raises(ValueError):
         stats.error_rate(logits, labels[:10])
 
