@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from quotient_manifolds.core.gl import group_action
+from quotient_manifolds.core.groups import FULL_GL, Group, as_group
 
 __all__ = [
     "FactorPiece", "GLBlock", "Layout", "Unsupported", "VerifyReport", "BlockCheck", "SymmetryError",
@@ -53,12 +54,20 @@ class FactorPiece:
 
     ``kind``:
 
-    * ``"rows"``: ``W[offset + i*h : offset + (i+1)*h, :]^T`` -> ``(heads, in, h)``
+    * ``"rows"``: ``W[s_i : s_i + h, :]^T`` -> ``(heads, in, h)``
       (q/k/v weights in ``(out, in)`` layout; also the output projection of a ``Conv1D``);
-    * ``"cols"``: ``W[:, offset + i*h : offset + (i+1)*h]`` -> ``(heads, out, h)``
+    * ``"cols"``: ``W[:, s_i : s_i + h]`` -> ``(heads, out, h)``
       (output projection in ``(out, in)`` layout; also q/k/v of a ``Conv1D`` in ``(in, out)`` layout);
-    * ``"bias"``: ``b.flatten()[offset + i*h : offset + (i+1)*h]`` -> ``(heads, 1, h)`` (a bias row; the
-      parameter may have any shape, e.g. ``nn.MultiheadAttention.bias_k`` is ``(1, 1, E)``).
+    * ``"bias"``: ``b.flatten()[s_i : s_i + h]`` -> ``(heads, 1, h)`` (a bias row; the parameter may
+      have any shape, e.g. ``nn.MultiheadAttention.bias_k`` is ``(1, 1, E)``),
+
+    with head ``i`` starting at ``s_i = offset + i * stride`` (``stride`` defaults to ``head_dim``:
+    heads side by side; GPT-NeoX's packed ``query_key_value`` interleaves q, k, v per head, stride
+    ``3 * head_dim``).
+
+    ``group_size`` > 1 stacks consecutive heads into one block head (grouped-query attention: the
+    ``group_size`` query heads that share one key/value head share one gauge): :meth:`read` then
+    gives ``(num_heads // group_size, group_size * k, head_dim)``.
     """
 
     param: str
@@ -66,26 +75,50 @@ class FactorPiece:
     offset: int
     num_heads: int
     head_dim: int
+    group_size: int = 1
+    stride: Optional[int] = None
 
     def __post_init__(self):
         if self.kind not in PIECE_KINDS:
             raise ValueError(f"FactorPiece.kind must be one of {PIECE_KINDS}, got {self.kind!r}")
         if self.offset < 0 or self.num_heads < 1 or self.head_dim < 1:
             raise ValueError(f"invalid FactorPiece {self}: need offset >= 0, num_heads >= 1, head_dim >= 1")
+        if self.group_size < 1 or self.num_heads % self.group_size:
+            raise ValueError(f"invalid FactorPiece {self}: group_size must divide num_heads "
+                             f"({self.num_heads} heads in groups of {self.group_size})")
+        if self.stride is not None and self.stride < self.head_dim:
+            raise ValueError(f"invalid FactorPiece {self}: stride {self.stride} < head_dim "
+                             f"{self.head_dim} would make heads overlap")
+
+    @property
+    def head_stride(self) -> int:
+        return self.head_dim if self.stride is None else self.stride
+
+    @property
+    def block_heads(self) -> int:
+        """Number of block heads (gauges): ``num_heads // group_size``."""
+        return self.num_heads // self.group_size
 
     @property
     def width(self) -> int:
-        """Number of rows/columns/entries of the parameter spanned by all heads (``num_heads*head_dim``)."""
-        return self.num_heads * self.head_dim
+        """Extent of the sliced dimension from ``offset`` to the end of the last head."""
+        return (self.num_heads - 1) * self.head_stride + self.head_dim
+
+    def _index(self, device) -> Tensor:
+        """Positions along the sliced dimension, head-major: ``(num_heads * head_dim,)``."""
+        heads = torch.arange(self.num_heads, device=device) * self.head_stride
+        return (self.offset + heads[:, None] + torch.arange(self.head_dim, device=device)).reshape(-1)
 
     def rows_per_head(self, shape: Sequence[int]) -> int:
-        """Number of rows this piece contributes to the factor (``k`` in ``(heads, k, head_dim)``)."""
+        """Rows this piece contributes to the factor per block head (``group_size * k``)."""
         self.check_shape(shape)
         if self.kind == "rows":
-            return int(shape[1])
-        if self.kind == "cols":
-            return int(shape[0])
-        return 1
+            k = int(shape[1])
+        elif self.kind == "cols":
+            k = int(shape[0])
+        else:
+            k = 1
+        return self.group_size * k
 
     def check_shape(self, shape: Sequence[int]) -> None:
         """Raise ``ValueError`` if the piece does not fit into a parameter of this shape."""
@@ -98,23 +131,34 @@ class FactorPiece:
             dim = math.prod(shape)
         if self.offset + self.width > dim:
             raise ValueError(
-                f"{self}: slice [{self.offset}:{self.offset + self.width}] is out of range for parameter "
-                f"{self.param!r} of shape {shape} (kind {self.kind!r} slices a dimension of size {dim})"
+                f"{self}: {self.num_heads} heads of {self.head_dim} from offset {self.offset} (stride "
+                f"{self.head_stride}) need [{self.offset}:{self.offset + self.width}], out of range for "
+                f"parameter {self.param!r} of shape {shape} (kind {self.kind!r} slices a dimension of size "
+                f"{dim}); check num_heads / head_dim / offsets"
             )
 
     # -- reading / writing -------------------------------------------------------------------------
 
     def read(self, params: Mapping[str, Tensor]) -> Tensor:
-        """``(num_heads, k, head_dim)`` view of ``params[self.param]`` (differentiable)."""
+        """``(block_heads, group_size * k, head_dim)`` view of ``params[self.param]`` (differentiable)."""
         return self.read_from(params[self.param])
 
     def read_from(self, W: Tensor) -> Tensor:
-        o, w, nh, h = self.offset, self.width, self.num_heads, self.head_dim
+        nh, h = self.num_heads, self.head_dim
         if self.kind == "rows":
-            return W[o:o + w].reshape(nh, h, W.shape[1]).transpose(1, 2)
-        if self.kind == "cols":
-            return W[:, o:o + w].reshape(W.shape[0], nh, h).permute(1, 0, 2)
-        return W.reshape(-1)[o:o + w].reshape(nh, 1, h)
+            sl = self._slice(W, 0)
+            per_head = sl.reshape(nh, h, W.shape[1]).transpose(1, 2)
+        elif self.kind == "cols":
+            sl = self._slice(W, 1)
+            per_head = sl.reshape(W.shape[0], nh, h).permute(1, 0, 2)
+        else:
+            per_head = self._slice(W.reshape(-1), 0).reshape(nh, 1, h)
+        return per_head.reshape(self.block_heads, -1, h)
+
+    def _slice(self, W: Tensor, dim: int) -> Tensor:
+        if self.stride is None or self.stride == self.head_dim:
+            return W.narrow(dim, self.offset, self.width)
+        return W.index_select(dim, self._index(W.device))
 
     def write(self, param_value: Tensor, value: Tensor) -> Tensor:
         """New full parameter equal to ``param_value`` except this piece, which becomes ``value``.
@@ -123,42 +167,47 @@ class FactorPiece:
         ``param_value`` (so a block can be acted on in float64 and written back into float32 weights).
         """
         W = param_value
-        o, w, nh, h = self.offset, self.width, self.num_heads, self.head_dim
+        nh, h = self.num_heads, self.head_dim
         k = self.rows_per_head(W.shape)
-        if tuple(value.shape) != (nh, k, h):
-            raise ValueError(f"{self}: value has shape {tuple(value.shape)}, expected {(nh, k, h)}")
-        value = value.to(dtype=W.dtype, device=W.device)
+        if tuple(value.shape) != (self.block_heads, k, h):
+            raise ValueError(f"{self}: value has shape {tuple(value.shape)}, expected {(self.block_heads, k, h)}")
+        value = value.to(dtype=W.dtype, device=W.device).reshape(nh, k // self.group_size, h)
         if self.kind == "rows":
-            new = value.transpose(1, 2).reshape(w, W.shape[1])
-            return torch.cat([W[:o], new, W[o + w:]], dim=0)
+            return self._put(W, 0, value.transpose(1, 2).reshape(nh * h, W.shape[1]))
         if self.kind == "cols":
-            new = value.permute(1, 0, 2).reshape(W.shape[0], w)
-            return torch.cat([W[:, :o], new, W[:, o + w:]], dim=1)
-        flat = W.reshape(-1)
-        return torch.cat([flat[:o], value.reshape(w), flat[o + w:]]).reshape(W.shape)
+            return self._put(W, 1, value.permute(1, 0, 2).reshape(W.shape[0], nh * h))
+        return self._put(W.reshape(-1), 0, value.reshape(nh * h)).reshape(W.shape)
+
+    def _put(self, W: Tensor, dim: int, new: Tensor) -> Tensor:
+        if self.stride is None or self.stride == self.head_dim:
+            o, w = self.offset, self.width
+            return torch.cat([W.narrow(dim, 0, o), new, W.narrow(dim, o + w, W.shape[dim] - o - w)], dim=dim)
+        return W.index_copy(dim, self._index(W.device), new)
 
     def mask(self, param_value: Tensor) -> Tensor:
         """Boolean tensor of the parameter's shape, True on the entries of this piece."""
         W = param_value
         self.check_shape(W.shape)
-        o, w = self.offset, self.width
         m = torch.zeros(W.shape, dtype=torch.bool, device=W.device)
+        idx = self._index(W.device)
         if self.kind == "rows":
-            m[o:o + w] = True
+            m[idx] = True
         elif self.kind == "cols":
-            m[:, o:o + w] = True
+            m[:, idx] = True
         else:
-            m.view(-1)[o:o + w] = True
+            m.view(-1)[idx] = True
         return m
 
     def describe(self, strip: str = "") -> str:
         name = self.param[len(strip) + 1:] if strip and self.param.startswith(strip + ".") else self.param
-        sl = f"[{self.offset}:{self.offset + self.width}]"
+        end = self.offset + self.width
+        sl = f"{self.offset}:{end}" + (f" step {self.head_stride}" if self.head_stride != self.head_dim else "")
+        grouped = f" (x{self.group_size} heads per gauge)" if self.group_size > 1 else ""
         if self.kind == "rows":
-            return f"{name}{sl}ᵀ"
+            return f"{name}[{sl}]ᵀ{grouped}"
         if self.kind == "cols":
-            return f"{name}[:, {self.offset}:{self.offset + self.width}]"
-        return f"{name}{sl}"
+            return f"{name}[:, {sl}]{grouped}"
+        return f"{name}[{sl}]{grouped}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,10 +217,13 @@ class FactorPiece:
 
 @dataclass(frozen=True)
 class GLBlock:
-    """One GL(head_dim) symmetry per head: ``f(G, H) = g(G Hᵀ)`` for each head.
+    """One gauge per block head: ``f(G, H) = g(G Hᵀ)`` invariant under ``(G A, H A⁻ᵀ)`` for every
+    ``A`` in ``group`` (the full GL(head_dim) by default; the rotary commutant for RoPE Q/K blocks).
 
     ``G = cat([p.read(params) for p in g_pieces], dim=-2)`` has shape ``(num_heads, n, head_dim)``,
-    ``H`` likewise ``(num_heads, m, head_dim)``.
+    ``H`` likewise ``(num_heads, m, head_dim)``; ``num_heads`` counts block heads (gauges): with
+    grouped-query attention one per key/value head, its query (QK) or output (VO) slices stacked
+    (pieces with ``group_size`` > 1).
     """
 
     name: str
@@ -184,18 +236,23 @@ class GLBlock:
     n: int
     m: int
     family: str = "declared"
+    group: Group = FULL_GL
 
     def __post_init__(self):
         object.__setattr__(self, "g_pieces", tuple(self.g_pieces))
         object.__setattr__(self, "h_pieces", tuple(self.h_pieces))
+        object.__setattr__(self, "group", as_group(self.group))
         if not self.g_pieces or not self.h_pieces:
             raise ValueError(f"block {self.name!r}: needs at least one G piece and one H piece")
         for p in self.pieces:
-            if p.num_heads != self.num_heads or p.head_dim != self.head_dim:
+            if p.block_heads != self.num_heads or p.head_dim != self.head_dim:
                 raise ValueError(
-                    f"block {self.name!r}: piece {p} has {p.num_heads} heads x {p.head_dim}, block has "
-                    f"{self.num_heads} x {self.head_dim}"
+                    f"block {self.name!r}: piece {p} gives {p.block_heads} block heads x {p.head_dim} "
+                    f"({p.num_heads} heads in groups of {p.group_size}), block has "
+                    f"{self.num_heads} x {self.head_dim}; with grouped-query attention give the "
+                    f"query (QK) or output (VO) piece group_size = query heads per key/value head"
                 )
+        self.group.check(self.head_dim)
 
     @property
     def pieces(self) -> Tuple[FactorPiece, ...]:
@@ -247,7 +304,7 @@ class GLBlock:
     def describe(self) -> str:
         g = " + ".join(p.describe(self.module) for p in self.g_pieces)
         h = " + ".join(p.describe(self.module) for p in self.h_pieces)
-        return (f"{self.kind}: {self.num_heads} heads x {self.head_dim}  "
+        return (f"{self.kind}: {self.num_heads} heads x {self.group.describe(self.head_dim)}  "
                 f"G ({self.n}, {self.head_dim}) = {g}  |  H ({self.m}, {self.head_dim}) = {h}")
 
 
@@ -433,6 +490,9 @@ class Layout:
     param_shapes: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     model_name: str = ""
     notes: List[str] = field(default_factory=list)
+    #: blocks that failed the last :meth:`verify` (all blocks if the joint check failed and no single
+    #: block was named); ``sharpness()`` refuses such a layout unless ``unsafe=True``
+    verify_failed: List[str] = field(default_factory=list)
 
     # -- lookup ------------------------------------------------------------------------------------
 
@@ -525,22 +585,19 @@ class Layout:
     def random_actions(self, params: Optional[Mapping[str, Tensor]] = None, *, scale: float,
                        cond: Optional[float] = 1e2, generator: Optional[torch.Generator] = None,
                        dtype: torch.dtype = torch.float64) -> Dict[str, Tensor]:
-        """Per block a ``(heads, h, h)`` action: ``scale * U diag(s) Vᵀ`` with Haar-random orthogonal
-        ``U, V`` and singular values ``s`` log-spaced in ``[cond^{-1/2}, cond^{1/2}]`` (condition number
-        exactly ``cond``), or ``scale * N(0, 1)`` entries when ``cond is None`` (the paper's §6.2 check).
+        """Per block a ``(heads, h, h)`` element of the block's group, times ``scale``: for the full
+        GL(h) ``U diag(s) Vᵀ`` with Haar-random orthogonal ``U, V`` and singular values ``s``
+        log-spaced in ``[cond^{-1/2}, cond^{1/2}]`` (condition number exactly ``cond``), or ``N(0, 1)``
+        entries when ``cond is None`` (the paper's §6.2 check); for the rotary group a random
+        rotation-scaling per frequency pair (moduli spread over the same range) and such a matrix on
+        the non-rotated block (see ``Group.random_element``).
         Sampled on the CPU with ``generator`` (reproducible), returned on the parameters' device."""
         out: Dict[str, Tensor] = {}
         for b in self.blocks:
-            nh, h = b.num_heads, b.head_dim
             device = params[b.g_pieces[0].param].device if params is not None else torch.device("cpu")
-            if cond is None:
-                A = torch.randn(nh, h, h, generator=generator, dtype=torch.float64)
-            else:
-                U, _ = torch.linalg.qr(torch.randn(nh, h, h, generator=generator, dtype=torch.float64))
-                V, _ = torch.linalg.qr(torch.randn(nh, h, h, generator=generator, dtype=torch.float64))
-                s = torch.logspace(-0.5, 0.5, h, base=float(cond), dtype=torch.float64) if h > 1 else torch.ones(1, dtype=torch.float64)
-                A = U @ torch.diag_embed(s.expand(nh, h)) @ V.transpose(-1, -2)
-            out[b.name] = (scale * A).to(dtype=dtype, device=device)
+            A = b.group.random_element(b.head_dim, (b.num_heads,), scale=scale, cond=cond,
+                                       generator=generator)
+            out[b.name] = A.to(dtype=dtype, device=device)
         return out
 
     # -- symmetry self-check -----------------------------------------------------------------------
@@ -582,6 +639,11 @@ class Layout:
             model.eval()
             with torch.no_grad():
                 params = {n: p.detach() for n, p in model.named_parameters()}
+                bad = [n for n, p in params.items() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+                if bad:
+                    shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
+                    raise ValueError(f"verify(): the model's weights are not finite (nan or inf in {shown}); "
+                                     "the symmetry cannot be checked at such weights: load or train finite weights")
                 fdt = [p.dtype for p in params.values() if p.is_floating_point()]
                 model_dtype = fdt[0] if fdt else torch.get_default_dtype()
                 cdt = compute_dtype or (torch.float32 if model_dtype in (torch.float16, torch.bfloat16) else model_dtype)
@@ -605,6 +667,9 @@ class Layout:
                     return fn(functional_call(model, {**p, **extra}, args, kwargs)).detach()
 
                 y0 = run(params)
+                if not bool(torch.isfinite(y0).all()):
+                    raise ValueError("verify(): the model's output at its own weights is not finite (nan or inf); "
+                                     "check example_inputs (and attention masks) before checking the symmetry")
                 ymax = float(y0.abs().max()) if y0.numel() else 0.0
                 tol_a = 0.0 if atol is None else float(atol)
                 denom = ymax if ymax > 0 else 1.0
@@ -649,6 +714,7 @@ class Layout:
         report = VerifyReport(joint=joint, joint_passed=joint_passed, blocks=checks, rtol=tol_r, atol=tol_a,
                               dtype=cdt, cond=cond, scales=scales, output_scale=ymax,
                               per_block_checked=check_blocks)
+        self.verify_failed = [] if report.passed else (report.failing or [b.name for b in self.blocks])
         if raise_on_failure and not report.passed:
             failing = report.failing
             if failing:

@@ -605,9 +605,9 @@ def test_print_layout_readable(tiny_bert):
     lines = text.splitlines()
     assert lines[0] == "Layout of BertForSequenceClassification: 4 GL blocks in 2 attention modules"
     assert "  bert.encoder.layer.0.attention  [hf-bert]" in lines
-    assert any(l.strip().startswith("qk: 2 heads x 16  G (33, 16) = self.query.weight[0:32]ᵀ + self.query.bias[0:32]")
+    assert any(l.strip().startswith("qk: 2 heads x GL(16)  G (33, 16) = self.query.weight[0:32]ᵀ + self.query.bias[0:32]")
                for l in lines)
-    assert any(l.strip().startswith("vo: 2 heads x 16") and "H (32, 16) = output.dense.weight[:, 0:32]" in l
+    assert any(l.strip().startswith("vo: 2 heads x GL(16)") and "H (32, 16) = output.dense.weight[:, 0:32]" in l
                for l in lines)
     assert any(l.startswith("Scalars: total ") and "GL 8,384" in l and "frozen 0" in l for l in lines)
     assert lines[-1] == "Unsupported attention-like modules: none"

@@ -30,15 +30,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from .groups import FULL_GL, Group, as_group, pencil_basis, sym
+
 METRICS = ("inv", "mix")
 RETRACTIONS = ("first_order", "second_order", "exact")
 
 Tensor = torch.Tensor
-
-
-def sym(a: Tensor) -> Tensor:
-    """Symmetric part ½(A + Aᵀ) over the last two dimensions."""
-    return 0.5 * (a + a.mT)
 
 
 def check_choice(value: str, valid: Tuple[str, ...], what: str) -> str:
@@ -144,7 +141,7 @@ class GLFrame:
 
     @functools.cached_property
     def _projection_basis(self) -> Tuple[Tensor, Tensor, Tensor]:
-        r"""(W₁, W₂, D) such that the vertical component of u is (GΛ, −HΛᵀ) with
+        r"""(W₁, W₂, D) such that, for the full GL(h), the vertical component of u is (GΛ, −HΛᵀ) with
 
             Λ = W₁ [ (W₁ᵀ C W₂) ⊘ D ] W₂ᵀ,   C = Gᵀu_G M_G − M_H u_Hᵀ H.
 
@@ -168,9 +165,7 @@ class GLFrame:
         if self.metric == "mix" and not self.eps:
             two = torch.full(self.P.shape[:-2] + (1, 1), 2.0, dtype=self.cdtype, device=self.P.device)
             return F_H, F_G, two
-        d1, U1 = torch.linalg.eigh(sym(F_H.mT @ self.gram_G @ F_H))
-        d2, U2 = torch.linalg.eigh(sym(F_G.mT @ self.gram_H @ F_G))
-        return F_H @ U1, F_G @ U2, d1[..., :, None] + d2[..., None, :]
+        return pencil_basis(F_H, self.gram_G, F_G, self.gram_H)
 
     # ------------------------------------------------------------------ helpers
     def _split(self, u: Tensor) -> Tuple[Tensor, Tensor]:
@@ -211,13 +206,20 @@ class GLFrame:
         lc = lam.to(self.cdtype)
         return self._out(self._pack(self.G @ lc, -self.H @ lc.mT), lam)
 
-    def vertical_generator(self, u: Tensor) -> Tensor:
-        """Λ such that (GΛ, −HΛᵀ) is the metric-orthogonal vertical component of u (spec §3.2)."""
+    @functools.cached_property
+    def _vertical_solver(self):
+        return self.geometry.group.vertical_solver(self)
+
+    def _vertical_pairing(self, u: Tensor) -> Tensor:
+        """C = Gᵀu_G M_G − M_H u_HᵀH, so that g(u, (GE, −HEᵀ)) = ⟨E, C⟩_F for every E."""
         uG, uH = self._split(self._in(u))
         M_G, M_H = self.metric_weights
-        W1, W2, D = self._projection_basis
-        C = (self.G.mT @ uG) @ M_G - M_H @ (uH.mT @ self.H)
-        return W1 @ ((W1.mT @ C @ W2) / D) @ W2.mT
+        return (self.G.mT @ uG) @ M_G - M_H @ (uH.mT @ self.H)
+
+    def vertical_generator(self, u: Tensor) -> Tensor:
+        """Λ ∈ 𝔤 such that (GΛ, −HΛᵀ) is the metric-orthogonal vertical component of u (spec §3.2;
+        for a subgroup of GL(h) see :mod:`quotient_manifolds.core.groups`)."""
+        return self._vertical_solver.solve(self._vertical_pairing(u))
 
     def project(self, u: Tensor) -> Tensor:
         """Metric-orthogonal projection onto the horizontal space H_x (spec §3.2)."""
@@ -227,16 +229,17 @@ class GLFrame:
         return self._out(self._pack(uG - self.G @ lam, uH + self.H @ lam.mT), u)
 
     def horizontal_residual(self, u: Tensor) -> Tensor:
-        """Relative residual of the horizontal equations of spec §3.1 (0 for horizontal u).
+        """Relative residual of the horizontal equations (0 for horizontal u; spec §3.1).
 
-        inv: ξ_GᵀG Q = P Hᵀξ_H;  mix: Gᵀξ_G Q = P ξ_HᵀH, with the relaxed P, Q when ε > 0 (metric
-        orthogonality to every vertical (GΛ, −HΛᵀ) gives exactly these identities).
+        u is horizontal iff g(u, (GE, −HEᵀ)) = ⟨E, Gᵀu_G M_G − M_H u_HᵀH⟩_F = 0 for all E ∈ 𝔤, i.e.
+        Π_𝔤(Gᵀu_G M_G) = Π_𝔤(M_H u_HᵀH) (for the full GL(h) and ε = 0: inv ξ_GᵀG Q = P Hᵀξ_H,
+        mix Gᵀξ_G Q = P ξ_HᵀH up to the invertible factors). Returned: max|lhs − rhs| / (max|lhs| +
+        max|rhs|) per batch element.
         """
         uG, uH = self._split(self._in(u))
-        if self.metric == "inv":
-            lhs, rhs = uG.mT @ self.G @ self.Q, self.P @ self.H.mT @ uH
-        else:
-            lhs, rhs = self.G.mT @ uG @ self.Q, self.P @ uH.mT @ self.H
+        M_G, M_H = self.metric_weights
+        project = self.geometry.group.project_algebra
+        lhs, rhs = project(self.G.mT @ uG @ M_G), project(M_H @ uH.mT @ self.H)
         scale = lhs.abs().amax((-1, -2)) + rhs.abs().amax((-1, -2))
         return (lhs - rhs).abs().amax((-1, -2)) / scale.clamp_min(torch.finfo(self.cdtype).tiny)
 
@@ -342,11 +345,17 @@ class GLQuotientGeometry:
         Christoffel term; spec §6.4). The relaxed metric is only approximately GL-invariant.
     exact_steps, exact_method:
         Fixed-step integrator used by the ``exact`` retraction (torchdiffeq method name).
+    group:
+        The symmetry group quotiented out: ``"gl"`` (default, all of GL(h)), ``"rope"`` (the
+        commutant of rotary position encodings, :class:`~quotient_manifolds.core.groups.RotaryGroup`)
+        or a group object. The metric, Γ, retractions, gradient and Hessian do not depend on it
+        (the metric is GL(h)-invariant); the vertical space, the projection and ``dim`` do.
     """
 
     def __init__(self, n: int, m: int, h: int, metric: str = "mix", *,
                  retraction: str = "second_order", eps: float = 0.0,
-                 exact_steps: int = 32, exact_method: str = "rk4"):
+                 exact_steps: int = 32, exact_method: str = "rk4",
+                 group: "str | Group | None" = None):
         for name, val in (("n", n), ("m", m), ("h", h)):
             if not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be a positive integer, got {val!r}")
@@ -364,15 +373,18 @@ class GLQuotientGeometry:
             raise ValueError(f"exact_steps must be a positive integer, got {exact_steps!r}")
         self.exact_steps = exact_steps
         self.exact_method = exact_method
+        self.group = as_group(group)
+        self.group.check(h)
 
     def __repr__(self) -> str:
+        group = "" if self.group == FULL_GL else f", group={self.group!r}"
         return (f"GLQuotientGeometry(n={self.n}, m={self.m}, h={self.h}, metric={self.metric!r}, "
-                f"retraction={self.retraction!r}, eps={self.eps})")
+                f"retraction={self.retraction!r}, eps={self.eps}{group})")
 
     @property
     def dim(self) -> int:
-        """Dimension of the quotient, (n+m)h − h²."""
-        return (self.n + self.m) * self.h - self.h ** 2
+        """Dimension of the quotient, (n+m)h − dim 𝔤 ((n+m)h − h² for the full GL(h))."""
+        return (self.n + self.m) * self.h - self.group.dim(self.h)
 
     # ------------------------------------------------------------------ layout
     def check_shape(self, shape, name: str = "x") -> None:
@@ -405,6 +417,9 @@ class GLQuotientGeometry:
         H A⁻ᵀ = Q_H V S^{1/2}, so G Hᵀ is unchanged and both Gram matrices equal S. Map optimizer
         buffers with :meth:`act` (same A); never call this inside ``projx``.
         """
+        if not self.group.is_full:
+            raise ValueError(f"balance() moves x along its full GL({self.h}) orbit, which leaves the "
+                             f"{self.group.describe(self.h)} quotient; it is defined for group='gl' only")
         G, H = self.split(x)
         _, R_G = torch.linalg.qr(G)
         _, R_H = torch.linalg.qr(H)

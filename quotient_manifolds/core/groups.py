@@ -1,0 +1,383 @@
+r"""Symmetry groups acting on the two-factor space: the full GL(h) and its rotary-position subgroups.
+
+A two-factor quotient is a pair (metric, group). The total-space metrics (inv, mix) are invariant
+under the whole of GL(h), hence under every subgroup; so the metric, its Christoffel map, the
+retractions, the Riemannian gradient and Hessian are the same for every group. What the group
+decides is the *vertical space* at x = [G; H],
+
+    V_x = { (GΛ, −HΛᵀ) : Λ ∈ 𝔤 },        𝔤 ⊆ gl(h) the Lie algebra of the group,
+
+and with it the horizontal projection and the dimension (n+m)h − dim 𝔤 of the quotient.
+
+Groups here are block-diagonal in a fixed basis of R^h:
+
+* :class:`GLGroup`: all of GL(h) (plain attention, GQA groups, LoRA pairs). 𝔤 = gl(h).
+* :class:`RotaryGroup`: the commutant of rotary position encodings. RoPE rotates each frequency
+  pair (p, q) of the query and key coordinates by an angle depending on the position, so
+  score = x_Qᵀ G R(θ) Hᵀ x_K, and G A R(θ) A⁻¹ Hᵀ = G R(θ) Hᵀ for every θ iff A commutes with all
+  R(θ). With pairwise distinct nonzero frequencies the commutant is GL(1, ℂ) per pair: A acts on
+  (p, q) as a·I + b·J (J e_p = e_q, J e_q = −e_p; a rotation-scaling), real dimension 2 per pair.
+  Coordinates that are not rotated (partial rotary, ``rotary_dim < h``) see R(θ) = I, so A may mix
+  them freely among themselves; a matrix mixing a rotated and a non-rotated coordinate does not
+  commute with R(θ) (R(θ) has eigenvalue 1 only on the non-rotated block), so the group is exactly
+  GL(1, ℂ)^{rotary_dim/2} × GL(h − rotary_dim), block-diagonal, of dimension
+  rotary_dim + (h − rotary_dim)².
+
+The horizontal projection (spec §3.2, generalised). The metric-orthogonal vertical component of u
+is v(Λ) with Λ ∈ 𝔤 solving
+
+    Π_𝔤( L(Λ) ) = Π_𝔤( C ),   L(Λ) = GᵀG Λ M_G + M_H Λ HᵀH,   C = Gᵀu_G M_G − M_H u_HᵀH,
+
+because g(u, v(E)) = ⟨E, C⟩_F and g(v(Λ), v(E)) = ⟨E, L(Λ)⟩_F for every E (Π_𝔤 is the Frobenius
+projection onto 𝔤; M_G, M_H are the metric weights of :class:`~quotient_manifolds.core.gl.GLFrame`).
+For 𝔤 = gl(h) this is the (generalised) Sylvester equation L(Λ) = C, solved by simultaneous
+diagonalisation. For the rotary group write Λ = R(c) + ι(Λ_F): c ∈ R^{rotary_dim} the pair
+coefficients (basis I_j, J_j of each pair), Λ_F the free block on the non-rotated coordinates F.
+The free rows give Λ_F = S⁻¹(C_FF − [L R(c)]_FF) with S(Y) = [L(ι Y)]_FF, again a generalised
+Sylvester operator (on F×F); eliminating Λ_F leaves the Schur system
+
+    (K − ⟨V, S⁻¹V⟩) c = ⟨E, C⟩ − ⟨S⁻¹V, C_FF⟩,   K_ab = ⟨E_a, L(E_b)⟩,   V_b = [L(E_b)]_FF,
+
+a dense rotary_dim × rotary_dim solve per head (Cholesky), set up once per point.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+
+Tensor = torch.Tensor
+
+PAIRINGS = ("half", "interleaved")
+
+
+def sym(a: Tensor) -> Tensor:
+    """Symmetric part ½(A + Aᵀ) over the last two dimensions."""
+    return 0.5 * (a + a.mT)
+
+
+def pencil_basis(F1: Tensor, A: Tensor, F2: Tensor, B2: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""(W₁, W₂, D) that solve the generalised Sylvester equation A Λ B + A₂ Λ B₂ = R as
+
+        Λ = W₁ [ (W₁ᵀ R W₂) ⊘ D ] W₂ᵀ,
+
+    given factors F₁F₁ᵀ = A₂⁻¹ and F₂F₂ᵀ = B⁻¹ (A, A₂, B, B₂ symmetric positive definite).
+    With (d₁, U₁) = eigh(F₁ᵀAF₁) and (d₂, U₂) = eigh(F₂ᵀB₂F₂): W₁ = F₁U₁, W₂ = F₂U₂ satisfy
+    W₁ᵀA₂W₁ = I, W₁ᵀAW₁ = diag(d₁), W₂ᵀBW₂ = I, W₂ᵀB₂W₂ = diag(d₂), so Z = W₁⁻¹ΛW₂⁻ᵀ solves
+    d₁ᵢZᵢⱼ + Zᵢⱼd₂ⱼ = (W₁ᵀRW₂)ᵢⱼ; D_ij = d₁ᵢ + d₂ⱼ.
+    """
+    d1, U1 = torch.linalg.eigh(sym(F1.mT @ A @ F1))
+    d2, U2 = torch.linalg.eigh(sym(F2.mT @ B2 @ F2))
+    return F1 @ U1, F2 @ U2, d1[..., :, None] + d2[..., None, :]
+
+
+def apply_pencil(basis: Tuple[Tensor, Tensor, Tensor], R: Tensor) -> Tensor:
+    """Λ = W₁ [(W₁ᵀ R W₂) ⊘ D] W₂ᵀ (see :func:`pencil_basis`); R may carry extra batch dims."""
+    W1, W2, D = basis
+    return W1 @ ((W1.mT @ R @ W2) / D) @ W2.mT
+
+
+def _inverse_factor(spd: Tensor) -> Tensor:
+    """F with F Fᵀ = spd⁻¹: F = L⁻ᵀ for the Cholesky factor L of spd."""
+    L = torch.linalg.cholesky(spd)
+    eye = torch.eye(spd.shape[-1], dtype=spd.dtype, device=spd.device)
+    return torch.linalg.solve_triangular(L, eye, upper=False).mT
+
+
+def _haar_scaled(batch: Tuple[int, ...], k: int, cond: Optional[float], generator, dtype) -> Tensor:
+    """k×k matrices U diag(s) Vᵀ, Haar U, V, s log-spaced over [cond^{-1/2}, cond^{1/2}]
+    (condition number exactly ``cond``); Gaussian entries when ``cond`` is None."""
+    if cond is None:
+        return torch.randn(batch + (k, k), generator=generator, dtype=dtype)
+    U, _ = torch.linalg.qr(torch.randn(batch + (k, k), generator=generator, dtype=dtype))
+    V, _ = torch.linalg.qr(torch.randn(batch + (k, k), generator=generator, dtype=dtype))
+    s = (torch.logspace(-0.5, 0.5, k, base=float(cond), dtype=dtype) if k > 1
+         else torch.ones(1, dtype=dtype))
+    return (U * s) @ V.mT
+
+
+@dataclass(frozen=True)
+class _Pairs:
+    """Index structure of a block-diagonal group on R^h: rotation-scaling pairs and a free block.
+
+    ``rows``, ``cols``, ``signs`` (each (2·pairs, 2)): basis element a of the pair part is
+    Σ_t signs[a, t] e_{rows[a, t]} e_{cols[a, t]}ᵀ — I_j = e_pe_pᵀ + e_qe_qᵀ, J_j = e_qe_pᵀ − e_pe_qᵀ.
+    ``free``: the coordinates of the GL block."""
+
+    h: int
+    rows: Tensor
+    cols: Tensor
+    signs: Tensor
+    free: Tensor
+
+    @property
+    def n_coef(self) -> int:
+        return self.rows.shape[0]
+
+    def coefficients(self, X: Tensor) -> Tensor:
+        """⟨E_a, X⟩_F for every pair basis element E_a: shape (..., 2·pairs)."""
+        return (X[..., self.rows, self.cols] * self.signs.to(X.dtype)).sum(-1)
+
+    def assemble(self, c: Tensor) -> Tensor:
+        """R(c) = Σ_a c_a E_a as an (..., h, h) matrix."""
+        h = self.h
+        flat = (self.rows * h + self.cols).reshape(-1).to(c.device)
+        vals = (c[..., :, None] * self.signs.to(device=c.device, dtype=c.dtype)).reshape(
+            c.shape[:-1] + (2 * self.n_coef,))
+        out = torch.zeros(c.shape[:-1] + (h * h,), dtype=c.dtype, device=c.device)
+        return out.scatter_add(-1, flat.expand(vals.shape), vals).view(c.shape[:-1] + (h, h))
+
+
+class _BlockDiagonalGroup:
+    """Shared behaviour of the groups: algebra projection, basis, sampling, membership."""
+
+    def dim(self, h: int) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def check(self, h: int) -> None:
+        """Raise ValueError if the group is not defined on R^h."""
+
+    def structure(self, h: int, device=None) -> _Pairs:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def describe(self, h: int) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    @property
+    def is_full(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ Lie algebra
+    def project_algebra(self, X: Tensor) -> Tensor:
+        """Frobenius-orthogonal projection Π_𝔤 of (..., h, h) matrices onto the Lie algebra."""
+        st = self.structure(X.shape[-1], X.device)
+        out = st.assemble(st.coefficients(X) / 2)     # ⟨E_a, E_a⟩ = 2 for I_j and J_j
+        F = st.free
+        if F.numel():
+            out[..., F[:, None], F[None, :]] = X[..., F[:, None], F[None, :]]
+        return out
+
+    def algebra_basis(self, h: int, *, dtype=torch.float64, device=None) -> Tensor:
+        """A basis of 𝔤 as a (dim 𝔤, h, h) tensor (pair elements I_j, J_j, then E_kl on F×F)."""
+        st = self.structure(h, device)
+        pair = st.assemble(torch.eye(st.n_coef, dtype=dtype, device=device))
+        F = st.free.tolist()
+        free = torch.zeros(len(F) ** 2, h, h, dtype=dtype, device=device)
+        for idx, (k, l) in enumerate((k, l) for k in F for l in F):
+            free[idx, k, l] = 1
+        return torch.cat((pair, free), 0)
+
+    def random_element(self, h: int, batch: Tuple[int, ...] = (), *, scale: float = 1.0,
+                       cond: Optional[float] = 1e2, generator=None,
+                       dtype=torch.float64) -> Tensor:
+        """Random group elements (batch..., h, h) with condition number ``cond`` (Gaussian
+        entries of the group's parameters when ``cond`` is None), times ``scale``.
+
+        Rotary pairs get r·(cos φ I + sin φ J) with φ uniform and log r spread over
+        [−½ log cond, ½ log cond] (extremes included), the free block a matrix of
+        :func:`_haar_scaled`."""
+        st = self.structure(h)
+        A = torch.zeros(batch + (h, h), dtype=dtype)
+        npair = st.n_coef // 2
+        if npair:
+            if cond is None:
+                c = torch.randn(batch + (st.n_coef,), generator=generator, dtype=dtype)
+            else:
+                logs = torch.linspace(-0.5, 0.5, npair, dtype=dtype) * math.log(float(cond))
+                if npair == 1:
+                    logs = torch.zeros(1, dtype=dtype)
+                perm = torch.argsort(torch.rand(batch + (npair,), generator=generator, dtype=dtype), -1)
+                r = logs.exp()[perm]
+                phi = 2 * math.pi * torch.rand(batch + (npair,), generator=generator, dtype=dtype)
+                c = torch.stack((r * phi.cos(), r * phi.sin()), -1).reshape(batch + (st.n_coef,))
+            A = A + st.assemble(c)
+        F = st.free
+        if F.numel():
+            A[..., F[:, None], F[None, :]] = _haar_scaled(batch, F.numel(), cond, generator, dtype)
+        return scale * A
+
+    def contains(self, A: Tensor, *, rtol: float = 1e-10) -> bool:
+        """Whether the (..., h, h) matrices lie in the group's block structure (up to rtol)."""
+        dev = (A - self.project_algebra(A)).abs().amax()
+        return bool(dev <= rtol * A.abs().amax().clamp_min(1e-300))
+
+    # ------------------------------------------------------------------ horizontal projection
+    def vertical_solver(self, frame) -> "VerticalSolver":
+        """The solver of Π_𝔤 L(Λ) = Π_𝔤 C at the frame's point (set up once per point)."""
+        return VerticalSolver(self, frame)
+
+
+@dataclass(frozen=True)
+class GLGroup(_BlockDiagonalGroup):
+    """The full general linear group GL(h): (G, H) ~ (G A, H A⁻ᵀ) for every invertible A."""
+
+    name = "gl"
+
+    @property
+    def is_full(self) -> bool:
+        return True
+
+    def dim(self, h: int) -> int:
+        return h * h
+
+    def describe(self, h: int) -> str:
+        return f"GL({h})"
+
+    @functools.lru_cache(maxsize=64)
+    def structure(self, h: int, device=None) -> _Pairs:
+        empty = torch.zeros(0, 2, dtype=torch.long, device=device)
+        return _Pairs(h, empty, empty, empty.to(torch.int8), torch.arange(h, device=device))
+
+    def project_algebra(self, X: Tensor) -> Tensor:
+        return X
+
+
+@dataclass(frozen=True)
+class RotaryGroup(_BlockDiagonalGroup):
+    r"""The commutant of rotary position encodings: GL(1, ℂ)^{r/2} × GL(h − r), r = ``rotary_dim``.
+
+    ``pairing``: which coordinates of a head rotate together.
+      ``"half"``        (i, i + r/2), Hugging Face ``rotate_half`` (Llama, Mistral, Qwen, Phi,
+                        GPT-NeoX);
+      ``"interleaved"`` (2i, 2i+1), the complex-number layout (original Llama, GPT-J, RoFormer).
+    ``rotary_dim``: number of rotated coordinates (the first r of the head, as in GPT-NeoX's and
+      Phi's partial rotary); None means all h. The remaining h − r coordinates form a GL block.
+    Assumes pairwise distinct, nonzero rotation frequencies (true for RoPE's θ_i = base^{−2i/r});
+    ``Layout.verify`` checks the symmetry on the real model.
+    """
+
+    pairing: str = "half"
+    rotary_dim: Optional[int] = None
+
+    name = "rotary"
+
+    def __post_init__(self):
+        if self.pairing not in PAIRINGS:
+            raise ValueError(f"unknown rotary pairing {self.pairing!r}; valid choices are "
+                             f"{', '.join(map(repr, PAIRINGS))}")
+        r = self.rotary_dim
+        if r is not None and (not isinstance(r, int) or r < 2 or r % 2):
+            raise ValueError(f"rotary_dim must be a positive even integer (or None for all "
+                             f"coordinates), got {r!r}")
+
+    def rotated(self, h: int) -> int:
+        return h if self.rotary_dim is None else self.rotary_dim
+
+    def check(self, h: int) -> None:
+        r = self.rotated(h)
+        if r > h or r % 2:
+            raise ValueError(f"rotary group with rotary_dim={r} does not fit a head of dimension "
+                             f"h = {h}: need an even rotary_dim ≤ h")
+
+    def dim(self, h: int) -> int:
+        r = self.rotated(h)
+        return r + (h - r) ** 2
+
+    def describe(self, h: int) -> str:
+        r = self.rotated(h)
+        rot = f"GL(1,C)^{r // 2} [{self.pairing} pairs]"
+        return rot if r == h else f"{rot} x GL({h - r}) [rotary_dim={r}]"
+
+    def pairs(self, h: int) -> Tuple[Tuple[int, int], ...]:
+        r = self.rotated(h)
+        if self.pairing == "half":
+            return tuple((i, i + r // 2) for i in range(r // 2))
+        return tuple((2 * i, 2 * i + 1) for i in range(r // 2))
+
+    @functools.lru_cache(maxsize=64)
+    def structure(self, h: int, device=None) -> _Pairs:
+        self.check(h)
+        rows, cols, signs = [], [], []
+        for p, q in self.pairs(h):
+            rows += [(p, q), (q, p)]          # I: (p,p),(q,q);  J: (q,p),(p,q)
+            cols += [(p, q), (p, q)]
+            signs += [(1, 1), (1, -1)]
+        as_t = functools.partial(torch.tensor, device=device)
+        return _Pairs(h, as_t(rows, dtype=torch.long).reshape(-1, 2),
+                      as_t(cols, dtype=torch.long).reshape(-1, 2),
+                      as_t(signs, dtype=torch.int8).reshape(-1, 2),
+                      torch.arange(self.rotated(h), h, device=device))
+
+
+Group = Union[GLGroup, RotaryGroup]
+FULL_GL = GLGroup()
+
+
+def as_group(group: Union[None, str, Group]) -> Group:
+    """A group object from ``None``/``"gl"`` (full GL(h)), ``"rope"``/``"rotary"`` (rotary
+    commutant, rotate_half pairing, all coordinates rotated) or a group instance."""
+    if group is None or group == "gl":
+        return FULL_GL
+    if group in ("rope", "rotary"):
+        return RotaryGroup()
+    if isinstance(group, (GLGroup, RotaryGroup)):
+        return group
+    raise ValueError(f"unknown group {group!r}; use 'gl', 'rope', or a group object such as "
+                     f"RotaryGroup(pairing='interleaved', rotary_dim=32)")
+
+
+class VerticalSolver:
+    """Λ ∈ 𝔤 with Π_𝔤 L(Λ) = Π_𝔤 C at one point (module docstring), set up once per point.
+
+    For the full GL(h) it uses the frame's Sylvester basis (one pencil diagonalisation); for the
+    rotary group it adds the Schur complement over the pair coefficients."""
+
+    def __init__(self, group: Group, frame):
+        h = frame.G.shape[-1]
+        self.st = group.structure(h, frame.G.device)
+        F = self.st.free
+        self.full = F.numel() == h
+        A, A2 = frame.gram_G, frame.metric_weights[1]          # L(Λ) = AΛB + A2ΛB2
+        B, B2 = frame.metric_weights[0], frame.gram_H
+        if self.full:
+            self.free_basis = frame._projection_basis
+        elif F.numel():
+            sub = lambda X: X[..., F[:, None], F[None, :]]  # noqa: E731
+            self.free_basis = pencil_basis(_inverse_factor(sub(A2)), sub(A),
+                                           _inverse_factor(sub(B)), sub(B2))
+        else:
+            self.free_basis = None
+        if not self.st.n_coef:
+            return
+        ra, ca, sa = self.st.rows, self.st.cols, self.st.signs.to(A.dtype)
+        # K_ab = Σ_{t,t'} s_t s'_t' (A[r_t, r'_t'] B[c'_t', c_t] + A2[..] B2[..])
+        I_r, J_r = ra[:, :, None, None], ra[None, None, :, :]
+        I_c, J_c = ca[None, None, :, :], ca[:, :, None, None]
+        ss = sa[:, :, None, None] * sa[None, None, :, :]
+        K = ((A[..., I_r, J_r] * B[..., I_c, J_c] + A2[..., I_r, J_r] * B2[..., I_c, J_c]) * ss
+             ).sum((-3, -1))
+        if F.numel():
+            # V_b = Σ_t' s'_t' (A[F, r'] ⊗ B[c', F] + A2[F, r'] ⊗ B2[c', F])
+            rb, cb = ra.reshape(-1), ca.reshape(-1)
+            def outer(X, Y):
+                left = X[..., F[:, None], rb[None, :]]          # (..., f, 2·d_r)
+                right = Y[..., cb[:, None], F[None, :]]         # (..., 2·d_r, f)
+                return left.mT[..., :, :, None] * right[..., :, None, :]
+            V = (outer(A, B) + outer(A2, B2)) * sa.reshape(-1)[:, None, None]
+            V = V.unflatten(-3, (self.st.n_coef, 2)).sum(-3)    # (..., d_r, f, f)
+            W = apply_pencil(tuple(t[..., None, :, :] for t in self.free_basis), V)
+            K = K - torch.einsum("...afg,...bfg->...ab", V, W)
+            self.W = W
+        else:
+            self.W = None
+        self.schur_chol = torch.linalg.cholesky(sym(K))
+
+    def solve(self, C: Tensor) -> Tensor:
+        """Λ ∈ 𝔤 (..., h, h) with Π_𝔤 L(Λ) = Π_𝔤 C."""
+        if self.full:
+            return apply_pencil(self.free_basis, C)
+        F = self.st.free
+        rhs = self.st.coefficients(C)
+        if self.W is not None:
+            C_FF = C[..., F[:, None], F[None, :]]
+            Y0 = apply_pencil(self.free_basis, C_FF)
+            rhs = rhs - (self.W * C_FF[..., None, :, :]).sum((-1, -2))
+        c = torch.cholesky_solve(rhs[..., None], self.schur_chol)[..., 0]
+        lam = self.st.assemble(c)
+        if self.W is not None:
+            lam[..., F[:, None], F[None, :]] = Y0 - (c[..., :, None, None] * self.W).sum(-3)
+        return lam
