@@ -17,8 +17,10 @@ from .core import (
     RETRACTIONS,
     GLFrame,
     GLQuotientGeometry,
+    GLGroup,
     RescalingFrame,
     RescalingGeometry,
+    RotaryGroup,
     beta_along_geodesic,
     sharpness_inv_orthonormal_second_order,
     sharpness_mix_orthonormal,
@@ -28,7 +30,7 @@ from .geoopt import GLQuotient, RescalingQuotient
 __version__ = "0.1.0"
 
 __all__ = [
-    "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "RescalingFrame",
+    "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "GLGroup", "RotaryGroup", "RescalingFrame",
     "RescalingGeometry", "beta_along_geodesic", "sharpness_inv_orthonormal_second_order",
     "sharpness_mix_orthonormal", "GLQuotient", "RescalingQuotient", "__version__",
 ]

@@ -13,6 +13,7 @@ from typing import Tuple
 import torch
 
 from ..core.gl import GLQuotientGeometry
+from ..core.groups import Group
 from ._base import CoreQuotientManifold
 
 Tensor = torch.Tensor
@@ -30,6 +31,11 @@ class GLQuotient(CoreQuotientManifold):
         ``"exact"`` (numerically integrated geodesic) — used by :meth:`retr` (spec §5.1).
     eps : relaxation ε ≥ 0 of the Gram matrices (spec §6.4); needed for rank-deficient weights.
     exact_steps : RK4 steps of the geodesic integrator (``expmap`` and ``retraction="exact"``).
+    group : the group quotiented out: ``"gl"`` (default, all of GL(h)), ``"rope"`` (the commutant
+        of rotary position encodings: one rotation-scaling a·I + b·J per frequency pair, for the
+        Q/K factors of RoPE attention) or a group object such as
+        ``RotaryGroup(pairing="interleaved", rotary_dim=32)``. Only the vertical space, hence
+        ``proju``/``egrad2rgrad`` and ``dim``, depend on it.
 
     ``expmap`` is the exact geodesic (integrated), ``transp`` the projection onto the horizontal
     space at the new point, ``projx`` the identity; ``dist``/``logmap`` raise NotImplementedError.
@@ -39,10 +45,12 @@ class GLQuotient(CoreQuotientManifold):
     _group = "GL(h)"
 
     def __init__(self, n: int, m: int, h: int, metric: str = "mix",
-                 retraction: str = "second_order", eps: float = 0.0, exact_steps: int = 32):
+                 retraction: str = "second_order", eps: float = 0.0, exact_steps: int = 32,
+                 group: "str | Group | None" = None):
         super().__init__()
         self.geometry = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
-                                           exact_steps=exact_steps)
+                                           exact_steps=exact_steps, group=group)
+        self._group = self.geometry.group.describe(h)
         self.n, self.m, self.h = n, m, h
 
     @property
@@ -67,4 +75,4 @@ class GLQuotient(CoreQuotientManifold):
     def extra_repr(self) -> str:
         g = self.geometry
         return (f"n={g.n}, m={g.m}, h={g.h}, metric={g.metric!r}, retraction={g.retraction!r}, "
-                f"eps={g.eps}")
+                f"eps={g.eps}, group={self._group}")

@@ -10,6 +10,7 @@ delegates (see :mod:`quotient_manifolds.pymanopt._base`).
 from __future__ import annotations
 
 from ..core.gl import GLQuotientGeometry
+from ..core.groups import Group
 from ._base import CoreQuotientManifold
 from ._tangent import GLPoint, GLTangentVector, PairConverter
 
@@ -20,9 +21,11 @@ class GLQuotient(CoreQuotientManifold):
     Parameters as in the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`: ``metric``
     ``"mix"`` (Manopt ``fixedrankfactory_2factors_preconditioned``) or ``"inv"``
     (``fixedrankfactory_2factors``); ``retraction`` ``"second_order"`` (default),
-    ``"first_order"`` or ``"exact"``; ``eps`` the Gram relaxation (spec §6.4).
+    ``"first_order"`` or ``"exact"``; ``eps`` the Gram relaxation (spec §6.4); ``group``
+    ``"gl"`` (default), ``"rope"`` (rotary commutant) or a group object
+    (:mod:`quotient_manifolds.core.groups`).
 
-    Dimension (n+m)h − h², ``typical_dist`` = 10h (Manopt's ``typicaldist = 10k``).
+    Dimension (n+m)h − dim(group) ((n+m)h − h² for GL(h)), ``typical_dist`` = 10h (Manopt's ``typicaldist = 10k``).
     ``exp`` is the exact (numerically integrated) geodesic, ``transport`` the projection at the
     target point; ``dist`` and ``log`` raise NotImplementedError (no closed form).
     """
@@ -32,12 +35,14 @@ class GLQuotient(CoreQuotientManifold):
     _group = "GL(h)"
 
     def __init__(self, n: int, m: int, h: int, metric: str = "mix",
-                 retraction: str = "second_order", eps: float = 0.0, exact_steps: int = 32):
+                 retraction: str = "second_order", eps: float = 0.0, exact_steps: int = 32,
+                 group: "str | Group | None" = None):
         self.geometry = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
-                                           exact_steps=exact_steps)
+                                           exact_steps=exact_steps, group=group)
+        self._group = self.geometry.group.describe(h)
         self._n, self._m, self._h = n, m, h
         self._conv = PairConverter(((n, h), (m, h)))
-        name = (f"GL({h}) quotient of R*^({n}x{h}) x R*^({m}x{h}) "
+        name = (f"{self._group} quotient of R*^({n}x{h}) x R*^({m}x{h}) "
                 f"(metric={metric!r}, retraction={retraction!r}, eps={eps})")
         super().__init__(name, self.geometry.dim, point_layout=2)
 
