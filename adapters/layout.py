@@ -25,6 +25,7 @@ is not.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -768,10 +769,13 @@ def _common_prefix(paths: Iterable[str]) -> str:
 
 
 def _proj_pieces(model: nn.Module, path: str, role: str, num_heads: int, head_dim: int, offset: int,
-                 bias: bool) -> Tuple[List[FactorPiece], str]:
+                 bias: bool, group_size: int = 1) -> Tuple[List[FactorPiece], str]:
     """Pieces for a projection given by a module path (``nn.Linear`` or HF ``Conv1D``) or a weight
     parameter path.  ``role`` is ``"in"`` (q/k/v: heads along the output features) or ``"out"``
-    (output projection: heads along the input features).  Returns pieces and the module path."""
+    (output projection: heads along the input features); ``group_size`` heads share one gauge.
+    Returns pieces and the module path."""
+    piece = functools.partial(FactorPiece, offset=offset, num_heads=num_heads, head_dim=head_dim,
+                              group_size=group_size)
     by_id, _ = _canonical_names(model)
     obj = _get(model, path)
     if isinstance(obj, nn.Parameter) or isinstance(obj, Tensor):
@@ -780,7 +784,7 @@ def _proj_pieces(model: nn.Module, path: str, role: str, num_heads: int, head_di
         if obj.dim() != 2:
             raise ValueError(f"{path!r} must be a 2-D (out, in) weight, has shape {tuple(obj.shape)}")
         kind = "rows" if role == "in" else "cols"
-        return [FactorPiece(by_id[id(obj)], kind, offset, num_heads, head_dim)], path.rsplit(".", 1)[0] if "." in path else ""
+        return [piece(by_id[id(obj)], kind)], path.rsplit(".", 1)[0] if "." in path else ""
     if not isinstance(obj, nn.Module):
         raise ValueError(f"{path!r} is neither a module nor a parameter")
     W = getattr(obj, "weight", None)
@@ -791,10 +795,10 @@ def _proj_pieces(model: nn.Module, path: str, role: str, num_heads: int, head_di
         kind = "cols" if transposed else "rows"
     else:
         kind = "rows" if transposed else "cols"
-    pieces = [FactorPiece(by_id[id(W)], kind, offset, num_heads, head_dim)]
+    pieces = [piece(by_id[id(W)], kind)]
     b = getattr(obj, "bias", None)
     if role == "in" and bias and isinstance(b, Tensor) and id(b) in by_id:
-        pieces.append(FactorPiece(by_id[id(b)], "bias", offset, num_heads, head_dim))
+        pieces.append(piece(by_id[id(b)], "bias"))
     return pieces, path
 
 
@@ -811,7 +815,8 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
                   v: Optional[str] = None, o: Optional[str] = None, num_heads: Optional[int] = None,
                   head_dim: Optional[int] = None, bias: bool = True, offsets: Optional[Mapping[str, int]] = None,
                   g: Optional[Sequence[FactorPiece]] = None, h: Optional[Sequence[FactorPiece]] = None,
-                  kind: Optional[str] = None, name: Optional[str] = None, module: Optional[str] = None) -> GLBlock:
+                  kind: Optional[str] = None, name: Optional[str] = None, module: Optional[str] = None,
+                  num_kv_heads: Optional[int] = None, group: Union[None, str, Group] = None) -> GLBlock:
     """Declare a GL block by hand.
 
     * ``declare_block(model, q="path.q_linear", k="path.k_linear", num_heads=4)`` -> QK block
@@ -821,7 +826,14 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
     * paths name an ``nn.Linear`` (weight ``(out, in)``), an HF ``Conv1D`` (weight ``(in, out)``) or a 2-D
       weight parameter (``(out, in)``, no bias); ``offsets={"k": 64}`` selects rows (q/k/v) or columns
       (o) of a packed projection, e.g. ``q="attn.qkv", k="attn.qkv", offsets={"k": d}``;
-    * ``declare_block(model, g=[FactorPiece(...), ...], h=[...], kind="qk", name=...)`` from raw pieces.
+    * ``declare_block(model, g=[FactorPiece(...), ...], h=[...], kind="qk", name=...)`` from raw pieces;
+    * grouped-query attention: ``num_kv_heads=`` the number of key/value heads; query head ``i`` uses
+      key/value head ``i // (num_heads // num_kv_heads)`` (Hugging Face ``repeat_kv``), so each
+      key/value head carries one gauge shared by its query heads (QK: ``G`` stacks the group's query
+      slices; VO: ``H`` stacks the group's output slices);
+    * ``group=``: the symmetry group of the block (default the full GL(head_dim)); Q/K blocks of
+      rotary attention need ``group="rope"`` or ``RotaryGroup(pairing, rotary_dim)``: RoPE leaves
+      only the rotations' commutant, and ``Layout.verify`` rejects a full-GL rotary Q/K block.
 
     ``head_dim`` defaults to (output features of q or v) // ``num_heads`` (input features of ``o`` for
     VO); give it explicitly for packed projections.  ``name`` defaults to ``"<module>/<kind>"`` with
@@ -838,7 +850,7 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
             raise ValueError("give either both g= and h= (raw FactorPieces) or q/k or v/o paths")
         g = tuple(replace(p, param=alias.get(p.param, p.param)) for p in g)
         h = tuple(replace(p, param=alias.get(p.param, p.param)) for p in h)
-        nh, hd = g[0].num_heads, g[0].head_dim
+        nh, hd = g[0].block_heads, g[0].head_dim
         kind = kind or "declared"
         mod = module if module is not None else _common_prefix([p.param.rsplit(".", 1)[0] for p in g + h])
         pieces_g, pieces_h = list(g), list(h)
@@ -860,13 +872,27 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
             if width % num_heads:
                 raise ValueError(f"cannot infer head_dim: {width} features not divisible by {num_heads} heads")
             head_dim = width // num_heads
-        nh, hd = int(num_heads), int(head_dim)
-        pieces_g, mg = _proj_pieces(model, ga, gr, nh, hd, go, bias)
-        pieces_h, mh = _proj_pieces(model, ha, hr, nh, hd, ho, bias)
+        nq, hd = int(num_heads), int(head_dim)
+        nkv = nq if num_kv_heads is None else int(num_kv_heads)
+        if nkv < 1 or nq % nkv:
+            raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+        kv_path, kv_role, kv_offset = (ha, hr, ho) if kind == "qk" else (ga, gr, go)
+        kv_width = _out_features(model, kv_path, kv_role) - kv_offset
+        if num_kv_heads is None and kv_width < nq * hd:
+            raise ValueError(
+                f"{kv_path!r} gives {kv_width} features but {nq} heads x {hd} need {nq * hd}: for "
+                f"grouped-query / multi-query attention pass num_kv_heads={max(kv_width // hd, 1)}")
+        rep = nq // nkv
+        # the query (QK, G) or output (VO, H) projection has num_heads heads, `rep` per gauge
+        g_heads, h_heads = (nq, nkv) if kind == "qk" else (nkv, nq)
+        pieces_g, mg = _proj_pieces(model, ga, gr, g_heads, hd, go, bias, rep if kind == "qk" else 1)
+        pieces_h, mh = _proj_pieces(model, ha, hr, h_heads, hd, ho, bias, 1 if kind == "qk" else rep)
+        nh = nkv
         mod = module if module is not None else _common_prefix([mg, mh])
     n = sum(p.rows_per_head(shapes[p.param]) for p in pieces_g if p.param in shapes)
     m = sum(p.rows_per_head(shapes[p.param]) for p in pieces_h if p.param in shapes)
     block = GLBlock(name=name or f"{mod}/{kind}", kind=kind, module=mod, g_pieces=tuple(pieces_g),
-                    h_pieces=tuple(pieces_h), num_heads=nh, head_dim=hd, n=n, m=m, family="declared")
+                    h_pieces=tuple(pieces_h), num_heads=nh, head_dim=hd, n=n, m=m, family="declared",
+                    group=as_group(group))
     block.validate(shapes)
     return block
