@@ -16,6 +16,7 @@ from .layout import (
 )
 from .detect import Detection, detect, layout
 from .sharpness import GEOMETRIES, MEASURES, SharpnessResult, build_ball, sharpness
+from .distributed import distributed_sharpness
 from .solver import (
     APGDResult,
     ElementwiseComponent,
@@ -29,7 +30,7 @@ from .solver import (
 __all__ = [
     "layout", "detect", "Detection", "declare_block", "FactorPiece", "GLBlock", "Layout", "Unsupported",
     "VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output",
-    "sharpness", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
+    "sharpness", "distributed_sharpness", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
     "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",
     "ElementwiseComponent",
 ]

@@ -1,0 +1,67 @@
+r"""Sharpness over many batches spread across the processes of ``torch.distributed``.
+
+The paper's protocol measures worst-case sharpness batch by batch and averages (each batch has its
+own Auto-PGD maximisation; nothing couples two batches), so batches can be measured on different
+ranks and the per-batch results gathered. Batch ``i`` of the iterable goes to rank ``i mod world``
+and is measured with seed ``seed + i``; the result is assembled in batch order on every rank, so it
+is the same whatever the world size (and equal to :func:`~adapters.sharpness.sharpness` run batch
+by batch with those seeds).
+
+Every rank must iterate over the same batches in the same order (e.g. a DataLoader with a fixed
+generator and no ``DistributedSampler``); each rank only measures its own share. The model must be
+the same on every rank (it is never modified).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .sharpness import SharpnessResult, sharpness
+
+__all__ = ["distributed_sharpness"]
+
+
+def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
+                          process_group: Optional[Any] = None, seed: int = 0,
+                          **options) -> SharpnessResult:
+    """:func:`~adapters.sharpness.sharpness` with the batches spread over the ranks of
+    ``process_group`` (default: the world). Call it on every rank; every rank returns the same
+    :class:`~adapters.sharpness.SharpnessResult` (``value`` = mean over all batches, ``per_batch``
+    in batch order, ``n_forward``/``n_backward``/``time_s`` summed over ranks).
+
+    ``options`` are those of :func:`~adapters.sharpness.sharpness` (``geometry``, ``rho``,
+    ``n_iters``, ``loss_fn``, ``layout`` …); ``progress`` shows this rank's share.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("distributed_sharpness needs an initialised torch.distributed process "
+                           "group (torch.distributed.init_process_group(...), e.g. under torchrun); "
+                           "for one process call adapters.sharpness instead")
+    if "layout" not in options and options.get("geometry", "geodesic-mix") != "adaptive":
+        from .detect import layout as detect_layout
+
+        options["layout"] = detect_layout(model, allow_unsupported=options.get("allow_unsupported", False))
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    rows = []
+    for index, batch in itertools.islice(enumerate(batches), rank, None, world):
+        res = sharpness(model, [batch], seed=seed + index, **options)
+        rows.append((index, res.per_batch[0], res.init_losses[0], res.worst_losses[0],
+                     res.norms[0], res.n_forward, res.n_backward, res.time_s))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows, group=process_group)
+    index, per_batch, init, worst, norms, n_fwd, n_bwd, seconds = zip(
+        *sorted(row for part in gathered for row in part)) if any(gathered) else ((),) * 8
+    if not per_batch:
+        raise ValueError("`batches` is empty: pass at least one batch")
+    return SharpnessResult(
+        value=sum(per_batch) / len(per_batch), per_batch=list(per_batch), init_losses=list(init),
+        worst_losses=list(worst), norms=list(norms), rho=float(options["rho"]),
+        geometry=options.get("geometry", "geodesic-mix"), measure=options.get("measure", "worst"),
+        n_iters=options.get("n_iters", 20), n_forward=sum(n_fwd), n_backward=sum(n_bwd),
+        time_s=sum(seconds),
+        options={**{k: v for k, v in options.items() if k != "layout"}, "seed": seed,
+                 "world_size": world})
