@@ -1,7 +1,7 @@
 """Layouts: which parameter slices of a model form the GL(h) blocks of its attention layers.
 
 A :class:`Layout` is plain data built from a model without modifying or wrapping it
-(``geodesic-sharpness-math.md`` §6.2):
+(docs/maths.md §6.2; §13 for rotary, grouped-query and LoRA blocks):
 
 * every attention layer and every head ``i`` gives two GL(d_head) blocks, with ``r_i = i*dh:(i+1)*dh``
   and PyTorch ``Linear.weight`` of shape ``(out, in)``::
@@ -15,8 +15,8 @@ A :class:`Layout` is plain data built from a model without modifying or wrapping
 A block is a list of :class:`FactorPiece` objects (one piece = one parameter slice, for all heads at
 once) for ``G`` and for ``H``; blocks are read with :meth:`GLBlock.gather` and written back, out of
 place and differentiably, with :meth:`GLBlock.scatter`.  The GL action used throughout is
-``(G, H) -> (G A, H A^{-T})`` (``toolkit-apis.md`` convention; the paper's ``(G A^{-1}, H A^T)`` is the
-same action with ``A -> A^{-1}``).
+``(G, H) -> (G A, H A^{-T})`` (docs/maths.md §1; the paper's ``(G A^{-1}, H A^T)`` is the same
+action with ``A -> A^{-1}``).
 
 :meth:`Layout.verify` checks numerically that the declared/detected blocks really are symmetries of
 the model (random ill-conditioned per-head actions, model output unchanged), and names the block that

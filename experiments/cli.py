@@ -15,7 +15,7 @@ STUDIES = ("diagonal", "text", "vision", "invariance", "retraction")
 
 EPILOG = """\
 studies:
-  diagonal     diagonal linear nets (spec §8, §11.2): 50 nets, closed-form geodesics, τ vs test loss
+  diagonal     diagonal linear nets (docs/maths.md §8): 50 nets, closed-form geodesics, τ vs test loss
   text         MiniLM fine-tunes on MR polarity: τ vs generalisation gap (analogue of MNLI/BERT)
   vision       small ViTs on Fashion-MNIST: τ vs generalisation gap (analogue of ImageNet/CLIP)
   invariance   sharpness ratio under GL(h) reparametrisation A = a·Gaussian, a ∈ [1e-2, 1e2]
@@ -137,7 +137,7 @@ def _sharp_args(p: argparse.ArgumentParser, *, transformer: bool = True) -> None
                        help="batch size for sharpness (paper: 128 text, 256 vision); sharpness is "
                             "the mean over batches")
         g.add_argument("--eps", type=float, default=None,
-                       help="Gram relaxation ε (spec §6.4; default 0)")
+                       help="Gram relaxation ε (docs/maths.md §6.4; default 0)")
 
 
 def _data_args(p: argparse.ArgumentParser, synthetic: bool = True) -> None:
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "~/.cache/quotient-manifolds; Fashion-MNIST is copied there only if given)")
 
     p = sub.add_parser("diagonal", formatter_class=_Formatter,
-                       help="diagonal linear networks (spec §8, §11.2)",
+                       help="diagonal linear networks (docs/maths.md §8, §11.2)",
                        description=__import__("experiments.diagonal", fromlist=["x"]).__doc__)
     _common(p, "diagonal")
     _sharp_args(p, transformer=False)
@@ -375,10 +375,11 @@ def cmd_diagonal(args) -> int:
         "sparse, ℓ1-like interpolator, low test loss; α ~ 1 → ℓ2-like, high test loss), step "
         f"factor log-uniform in {config['lr_factor_range']}, batch size from "
         f"{config['batch_choices']}.",
-        "geodesic-mix is spec §8.6 verbatim (β₀⊙(1+2b), polynomial continuation past 1+2b ≤ 0). At "
-        "an interpolator it is ≈ 2ρ²λ_max(XᵀX/n) for every model (the linear term is O(√L)): the "
-        "ranking comes from differences of ~1e-4 relative. geodesic-mix-manifold keeps 1+2b ≥ 1e-3 "
-        "(endpoints of geodesics that exist); there the sparse models are constrained most.",
+        "geodesic-mix is docs/maths.md §8.6 verbatim (β₀⊙(1+2b), polynomial continuation past "
+        "1+2b ≤ 0). At an interpolator it is ≈ 2ρ²λ_max(XᵀX/n) for every model (the linear term "
+        "is O(√L)): the ranking comes from differences of ~1e-4 relative. geodesic-mix-manifold "
+        "keeps 1+2b ≥ 1e-3 (endpoints of geodesics that exist); there the sparse models are "
+        "constrained most.",
         f"Sharpness solver: {config['solver']} ({config['restarts']} restarts × "
         f"{config['pga_iters']} iterations, batched over the ρ grid).",
     ]

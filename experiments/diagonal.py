@@ -1,7 +1,7 @@
-r"""Diagonal linear networks β = u⊙v (spec ``geodesic-sharpness-math.md`` §8, §11.2; paper §5.1).
+r"""Diagonal linear networks β = u⊙v (docs/maths.md §8, §11.2; paper §5.1).
 
 Setup (the paper leaves n, X, the varied hyperparameters, the optimiser, ρ and sum-vs-mean
-unstated, spec §11.2; our choices):
+unstated, docs/maths.md §11.2; our choices):
 
 * d = 200, n = 100 (overparameterised), X with i.i.d. N(0, 1) entries, β* with k = 20 non-zeros
   (90 % sparse) drawn N(0, 1), noiseless y = Xβ*; one fixed draw (``data_seed``) for all models;
@@ -18,14 +18,14 @@ unstated, spec §11.2; our choices):
   **α is what spreads the test loss**: it moves the implicit bias from ℓ1-like (α → 0, sparse,
   test loss ~1e-3) to ℓ2-like (α ~ 1, test loss ~5); lr and batch change it by a few % at most.
 
-Sharpness, maximised by normalised projected gradient ascent with restarts (spec §8.6), batched
-over restarts and the ρ grid (``solver="pga"``), all through the closed-form geodesics of the
-rescaling quotient (:func:`quotient_manifolds.core.beta_along_geodesic`; ``solver="apgd"`` runs
-the library's :func:`adapters.solver.auto_pgd` on a
+Sharpness, maximised by normalised projected gradient ascent with restarts (docs/maths.md §8.6),
+batched over restarts and the ρ grid (``solver="pga"``), all through the closed-form geodesics of
+the rescaling quotient (:func:`quotient_manifolds.core.beta_along_geodesic`; ``solver="apgd"``
+runs the library's :func:`adapters.solver.auto_pgd` on a
 :class:`~quotient_manifolds.core.RescalingGeometry` with the ``exact`` retraction instead):
 
 * ``geodesic-inv``: max L(β₀⊙e^{2b}) − L(β₀) over ‖b‖ ≤ ρ/√2 (‖ξ‖²_inv = 2‖b‖²);
-* ``geodesic-mix``: max L(β₀⊙(1+2b)) − L(β₀) over √2‖β₀⊙b‖ ≤ ρ, exactly as spec §8.6, where
+* ``geodesic-mix``: max L(β₀⊙(1+2b)) − L(β₀) over √2‖β₀⊙b‖ ≤ ρ, exactly as docs/maths.md §8.6, where
   β(1) is the polynomial continuation of the geodesic's β also where 1 + 2b ≤ 0;
 * ``geodesic-mix-manifold`` (extra row): the same with 1 + 2bⁱ ≥ 10⁻³, i.e. only endpoints of
   geodesics that exist on the manifold (u√(1+2b), v√(1+2b)) — what the exact retraction allows;

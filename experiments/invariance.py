@@ -1,4 +1,4 @@
-r"""Invariance check (paper ICML §6.2, spec §11.5): sharpness of a reparametrised model.
+r"""Invariance check (paper ICML §6.2, docs/maths.md §11.5): sharpness of a reparametrised model.
 
 One trained model (model 0 of the vision population, or of the text population with
 ``--model text``; trained here or loaded from ``--checkpoint-dir``) and one fixed set of

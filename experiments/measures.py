@@ -16,9 +16,9 @@ inv-exact, mix-exact   geodesic-*       exact (RK4)   (retraction study)
 =====================  ===============  ============  =====================================
 
 ρ: each measure uses the ρ of its geometry family (adaptive / inv / mix); the mix ρ is not
-dimensionless (spec §12.14), so the three are set separately. The no-metric-norm ablations measure
-their ball with the elementwise norm, so they take the adaptive ρ. The ρ sweep evaluates the three main
-measures at ρ_family × each multiplier of ``rho_sweep``.
+dimensionless (docs/maths.md §12.14), so the three are set separately. The no-metric-norm
+ablations measure their ball with the elementwise norm, so they take the adaptive ρ. The ρ sweep
+evaluates the three main measures at ρ_family × each multiplier of ``rho_sweep``.
 """
 
 from __future__ import annotations

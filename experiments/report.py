@@ -1,6 +1,6 @@
 r"""Reports of the correlation studies: Kendall τ tables with bootstrap CIs beside the paper's
-Table 1 (spec §11.6), ρ sweeps, ablations, and figures in the style of the paper's Figs. 3–5
-(generalisation gap against sharpness, one panel per measure, τ in the title)."""
+Table 1 (docs/maths.md §11.6), ρ sweeps, ablations, and figures in the style of the paper's
+Figs. 3–5 (generalisation gap against sharpness, one panel per measure, τ in the title)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import numpy as np
 
 from .stats import TauResult, partial_tau_with_ci, tau_with_ci
 
-# Spec §11.6 (paper Table 1). Our text study is the analogue of MNLI/BERT, vision of ImageNet/CLIP.
+# docs/maths.md §11.6 (paper Table 1). Our text study is the analogue of MNLI/BERT, vision of
+# ImageNet/CLIP.
 PAPER: Dict[str, Dict[str, Any]] = {
     "diagonal": {"label": "Diagonal nets", "adaptive": -0.68, "geodesic-inv": -0.83,
                  "geodesic-mix": -0.86},
@@ -167,7 +168,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
              f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}"
              + (f"; wall time of this run: {wall_s:.0f} s" if wall_s is not None else ""),
              f"- τ-b with 95 % percentile-bootstrap CI over models ({n_boot} resamples); τ-a is "
-             f"the paper's formula (spec §11.1)", ""]
+             f"the paper's formula (docs/maths.md §11.1)", ""]
     summary: Dict[str, Any] = {"study": study, "config_hash": config_hash, "n_models": len(used),
                                "target": target, "synthetic": synthetic, "main": {},
                                "sweep": {}, "ablations": {}, "other_targets": {}}
@@ -200,7 +201,8 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
         summary["sweep"][m] = [{"rho": r, **t.as_dict()} for r, t in rows]
     if any(len(v) > 1 for v in sweep.values()):
         lines += ["## ρ sweep (τ-b [95% CI])", "",
-                  "The mix ρ has units (spec §12.14); inv and adaptive are scale-free.", ""]
+                  "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
+                  "scale-free.", ""]
         for m, rows in sweep.items():
             lines.append(f"- **{m}**: " + "; ".join(f"ρ={_fmt_rho(r)}: {t.fmt()}" for r, t in rows))
         lines.append("")
@@ -209,7 +211,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     # ablations -----------------------------------------------------------------------------
     present = [m for m in ablations if m in measures_of(used)]
     if present:
-        lines += ["## Ablations (spec §11.8, App. G)", "",
+        lines += ["## Ablations (docs/maths.md §11.8, paper App. G)", "",
                   "| measure | ρ | τ-b [95% CI] | τ-a | full measure τ-b |", "|---|---|---|---|---|"]
         for m in present:
             rho = default_rho[m]

@@ -1,9 +1,9 @@
 r"""Statistics of the correlation study: Kendall τ (τ-a and τ-b), bootstrap confidence intervals
-over models, error rates and the generalisation gap (spec ``geodesic-sharpness-math.md`` §11.1).
+over models, error rates and the generalisation gap (docs/maths.md §11.1).
 
 Everything is plain numpy, O(M²) in the number of models M (M ≤ a few hundred here).
 
-* τ-a = 2/(M(M−1)) Σ_{i<j} sign(xᵢ−xⱼ) sign(yᵢ−yⱼ)  (the paper's formula, §11.1);
+* τ-a = 2/(M(M−1)) Σ_{i<j} sign(xᵢ−xⱼ) sign(yᵢ−yⱼ)  (the paper's formula, docs/maths.md §11.1);
 * τ-b = Σ_{i<j} sign·sign / √(Σ sign(Δx)² · Σ sign(Δy)²), which corrects for ties and equals
   ``scipy.stats.kendalltau`` (its default variant); τ-a = τ-b when there are no ties.
 * :func:`bootstrap_ci` resamples *models* (pairs (xᵢ, yᵢ)) with replacement. Resamples contain
@@ -44,7 +44,7 @@ def _pairs(x, y):
 
 
 def kendall_tau_a(x: Sequence[float], y: Sequence[float]) -> float:
-    """τ-a = (concordant − discordant) / (M(M−1)/2); ties count 0 (spec §11.1)."""
+    """τ-a = (concordant − discordant) / (M(M−1)/2); ties count 0 (docs/maths.md §11.1)."""
     sx, sy = _pairs(x, y)
     return float((sx * sy).sum() / sx.size)
 
@@ -205,7 +205,8 @@ def error_and_loss(logits, labels) -> tuple:
 
 
 def generalization_gap(test_error: float, train_error: float) -> float:
-    """Generalisation gap = test error − train error (spec §11.1: ImageNet/MNLI protocol)."""
+    """Generalisation gap = test error − train error (the ImageNet/MNLI protocol,
+    docs/maths.md §11.1)."""
     for name, v in (("test_error", test_error), ("train_error", train_error)):
         if not (isinstance(v, (int, float, np.floating)) and math.isfinite(v)):
             raise ValueError(f"{name} must be a finite number, got {v!r}")

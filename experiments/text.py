@@ -1,7 +1,7 @@
 r"""Text population: fine-tunes of the real all-MiniLM-L6-v2 on MR sentence polarity.
 
-Protocol (a scaled-down analogue of the paper's MNLI/BERT experiment, spec §11.4; suggested design
-in ``offline-assets.md`` §6):
+Protocol (a scaled-down analogue of the paper's MNLI/BERT experiment, docs/maths.md
+§11.4):
 
 * data: the 4,000 MR sentences, one fixed class-balanced seeded split into ``train_size`` (3,200)
   and ``test_size`` (800);

@@ -1,7 +1,7 @@
 r"""Vision population: small ViTs (:mod:`experiments.vit`) trained from scratch on Fashion-MNIST.
 
-Protocol (a scaled-down analogue of the paper's ImageNet/CLIP experiment, spec §11.3; suggested
-design in ``offline-assets.md`` §6):
+Protocol (a scaled-down analogue of the paper's ImageNet/CLIP experiment, docs/maths.md
+§11.3):
 
 * data: Fashion-MNIST; one fixed seeded order of the 60k training images, of which the first
   ``pool_size`` (20k) form the training pool; model subsets are prefixes of it (nested); test on

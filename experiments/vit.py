@@ -1,4 +1,4 @@
-r"""A small Vision Transformer in plain PyTorch (spec ``offline-assets.md`` §5–§6).
+r"""A small Vision Transformer in plain PyTorch (the model of :mod:`experiments.vision`).
 
 Default: 28×28×1 input, patch 7 → 16 patches + a cls token = 17 tokens, width 64, depth 4, 4 heads
 (head dim 16), pre-LN blocks, MLP width 128 (ratio 2), learned positional embedding, classifier on

@@ -23,8 +23,8 @@ Groups here are block-diagonal in a fixed basis of R^h:
   GL(1, ℂ)^{rotary_dim/2} × GL(h − rotary_dim), block-diagonal, of dimension
   rotary_dim + (h − rotary_dim)².
 
-The horizontal projection (spec §3.2, generalised). The metric-orthogonal vertical component of u
-is v(Λ) with Λ ∈ 𝔤 solving
+The horizontal projection (docs/maths.md §3.2, generalised in §13.2). The metric-orthogonal
+vertical component of u is v(Λ) with Λ ∈ 𝔤 solving
 
     Π_𝔤( L(Λ) ) = Π_𝔤( C ),   L(Λ) = GᵀG Λ M_G + M_H Λ HᵀH,   C = Gᵀu_G M_G − M_H u_HᵀH,
 

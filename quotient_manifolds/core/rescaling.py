@@ -1,4 +1,4 @@
-r"""The elementwise rescaling quotient of diagonal networks (spec §8, toolkit-apis §3.6).
+r"""The elementwise rescaling quotient of diagonal networks (docs/maths.md §8, §A.11).
 
 A point is (u, v) ∈ (R∖{0})^d × (R∖{0})^d stored as ONE tensor ``x = [u; v]`` of shape ``(..., 2, d)``.
 The group (R∖{0})^d acts by (u, v) ↦ (a⊙u, v/a); β = u⊙v is invariant.
@@ -6,14 +6,15 @@ The group (R∖{0})^d acts by (u, v) ↦ (a⊙u, v/a); β = u⊙v is invariant.
 This is exactly d independent copies of the GL(1) two-factor quotient with n = m = h = 1, so the
 metrics, horizontal projection, Riemannian gradient and Christoffel terms are *not* written again:
 they are those of :class:`~quotient_manifolds.core.gl.GLQuotientGeometry` applied to the view
-``x.mT[..., None]`` of shape ``(..., d, 2, 1)``. For n = m = h = 1 they read (spec §8.1–8.2):
+``x.mT[..., None]`` of shape ``(..., d, 2, 1)``. For n = m = h = 1 they read (docs/maths.md
+§8.1–§8.2):
 
     inv:  g = Σ_i ξ_uⁱη_uⁱ/(uⁱ)² + ξ_vⁱη_vⁱ/(vⁱ)²,   Γ^u_uu = −1/u, Γ^v_vv = −1/v
     mix:  g = Σ_i ξ_uⁱη_uⁱ(vⁱ)² + ξ_vⁱη_vⁱ(uⁱ)²,     Γ^u_uv = 1/v, Γ^u_vv = −u/v², (u ↔ v)
     horizontal (both): ξ_uⁱ/uⁱ = ξ_vⁱ/vⁱ =: bⁱ
 
-What is specific to d = 1 per coordinate is the closed-form geodesic (spec §8.3), used by the
-``exact`` retraction when ε = 0:
+What is specific to d = 1 per coordinate is the closed-form geodesic (docs/maths.md §8.3), used
+by the ``exact`` retraction when ε = 0:
 
     inv: (u e^{ξ_u/u}, v e^{ξ_v/v})            (any ξ; = (u e^{b}, v e^{b}) for horizontal ξ)
     mix: (u √(1+2b), v √(1+2b))                 (horizontal ξ, needs 1 + 2b > 0)
@@ -56,7 +57,7 @@ class RescalingFrame:
         return self.geometry.from_gl(y)
 
     def inner(self, u: Tensor, v: Optional[Tensor] = None, *, keepdim: bool = False) -> Tensor:
-        """g_x(u, v), summed over the d coordinates (spec §8.1)."""
+        """g_x(u, v), summed over the d coordinates (docs/maths.md §8.1)."""
         out = self.gl.inner(self._lift(u), None if v is None else self._lift(v)).sum(-1)
         return out[..., None, None] if keepdim else out
 
@@ -81,7 +82,7 @@ class RescalingFrame:
         return u[..., 0, :] / self.x[..., 0, :]
 
     def horizontal_lift(self, b: Tensor) -> Tensor:
-        """The horizontal vector (b⊙u, b⊙v) with coefficient b (spec §8.1)."""
+        """The horizontal vector (b⊙u, b⊙v) with coefficient b (docs/maths.md §8.1)."""
         return self.x * b[..., None, :]
 
     def retract(self, u: Tensor, method: Optional[str] = None) -> Tensor:
@@ -92,7 +93,8 @@ class RescalingFrame:
 
 
 class RescalingGeometry:
-    r"""The quotient (R∖{0})^d × (R∖{0})^d / (R∖{0})^d of diagonal networks β = u⊙v (spec §8).
+    r"""The quotient (R∖{0})^d × (R∖{0})^d / (R∖{0})^d of diagonal networks β = u⊙v
+    (docs/maths.md §8).
 
     Parameters: ``d`` (number of coordinates), ``metric`` (``"inv"`` | ``"mix"``), ``retraction``
     (``"first_order"`` | ``"second_order"`` | ``"exact"``), ``eps`` (relaxation, u² + ε), and the
@@ -142,7 +144,7 @@ class RescalingGeometry:
         return x[..., 0, :] * x[..., 1, :]
 
     def exact_geodesic(self, x: Tensor, u: Tensor, t: float = 1.0) -> Tensor:
-        """Closed-form geodesic at time t (spec §8.3), ε = 0.
+        """Closed-form geodesic at time t (docs/maths.md §8.3), ε = 0.
 
         inv: (u e^{tξ_u/u}, v e^{tξ_v/v}) for any ξ. mix: (u √(1+2bt), v √(1+2bt)) for horizontal
         ξ = (b⊙u, b⊙v); a non-horizontal ξ or 1 + 2bt ≤ 0 (the mix geodesic is incomplete) raise.
@@ -157,7 +159,7 @@ class RescalingGeometry:
         s = 1 + 2 * t * bu
         if bool((s <= 0).any()):
             raise ValueError("the mix geodesic leaves the manifold (1 + 2b ≤ 0 for some coordinate, "
-                             "spec §8.3); use a shorter step")
+                             "docs/maths.md §8.3); use a shorter step")
         return x * s.sqrt()[..., None, :]
 
     def random_point(self, *batch: int, dtype=None, device=None, generator=None) -> Tensor:
@@ -197,7 +199,7 @@ class RescalingGeometry:
 
 # ---------------------------------------------------------------------- diagonal-net sharpness
 def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: str, t: float = 1.0) -> Tensor:
-    """β(t) = u(t)⊙v(t) along the horizontal geodesic with coefficient b (spec §8.3).
+    """β(t) = u(t)⊙v(t) along the horizontal geodesic with coefficient b (docs/maths.md §8.3).
 
     inv: β₀ ⊙ e^{2bt};  mix: β₀ ⊙ (1 + 2bt) (polynomial, so it extends past 1 + 2bt ≤ 0).
     """
@@ -206,17 +208,17 @@ def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: str, t: float = 1.0) -
 
 
 def sharpness_mix_orthonormal(beta0: Tensor, beta_star: Tensor, rho: float) -> Tensor:
-    """Exact geodesic mix sharpness of L(β) = ‖Xβ − y‖² with XᵀX = I (spec §8.5):
+    """Exact geodesic mix sharpness of L(β) = ‖Xβ − y‖² with XᵀX = I (docs/maths.md §8.5):
 
         S_mix(ρ) = max_{‖δ‖ ≤ ρ/√2} 4δᵀ(β₀ − β*) + 4‖δ‖² = 2√2 ρ ‖β₀ − β*‖₂ + 2ρ²,
 
-    with β* = Xᵀy, δ = β₀⊙b and ‖ξ‖² = 2‖β₀⊙b‖² (the paper drops the √2; spec §12.4).
+    with β* = Xᵀy, δ = β₀⊙b and ‖ξ‖² = 2‖β₀⊙b‖² (the paper drops the √2; docs/maths.md §12.4).
     """
     return 2 * math.sqrt(2) * rho * torch.linalg.vector_norm(beta0 - beta_star, dim=-1) + 2 * rho ** 2
 
 
 def sharpness_inv_orthonormal_second_order(beta0: Tensor, beta_star: Tensor, rho: float) -> Tensor:
-    """Second-order inv sharpness with XᵀX = I (spec §8.5, paper Eqs. 26–29, corrected √2):
+    """Second-order inv sharpness with XᵀX = I (docs/maths.md §8.5, paper Eqs. 26–29, corrected √2):
 
         max_{‖b‖ ≤ ρ/√2} 4bᵀr + 4bᵀDb,   r = β₀⊙(β₀ − β*),  D = diag(β₀⊙(2β₀ − β*)),
 

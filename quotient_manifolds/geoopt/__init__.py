@@ -1,5 +1,5 @@
 """geoopt faces of the quotient geometries: ``geoopt.manifolds.base.Manifold`` subclasses that
-only delegate to :mod:`quotient_manifolds.core` (toolkit-apis §1)."""
+only delegate to :mod:`quotient_manifolds.core` (docs/maths.md Appendix A)."""
 
 from .gl_quotient import GLQuotient
 from .rescaling import RescalingQuotient

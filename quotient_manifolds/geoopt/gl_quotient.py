@@ -1,4 +1,4 @@
-r"""geoopt face of the GL(h) two-factor quotient (toolkit-apis §1.9, §6.1).
+r"""geoopt face of the GL(h) two-factor quotient (docs/maths.md §A.1–§A.3).
 
 A point is ONE tensor ``x = [G; H]`` of shape ``(..., n+m, h)`` (G ∈ R^{n×h}, H ∈ R^{m×h} of full
 column rank); leading dimensions are batch dimensions, e.g. ``(heads, n+m, h)`` for one quotient per
@@ -26,10 +26,11 @@ class GLQuotient(CoreQuotientManifold):
     ----------
     n, m, h : shapes of G (n×h) and H (m×h), h ≤ min(n, m).
     metric : ``"mix"`` tr(Q u_Gᵀv_G) + tr(P u_Hᵀv_H) (default) or ``"inv"``
-        tr(P⁻¹u_Gᵀv_G) + tr(Q⁻¹u_Hᵀv_H), with P = GᵀG + εI, Q = HᵀH + εI (spec §2).
+        tr(P⁻¹u_Gᵀv_G) + tr(Q⁻¹u_Hᵀv_H), with P = GᵀG + εI, Q = HᵀH + εI (docs/maths.md §2).
     retraction : ``"second_order"`` x + u − ½Γ_x(u, u) (default), ``"first_order"`` x + u, or
-        ``"exact"`` (numerically integrated geodesic) — used by :meth:`retr` (spec §5.1).
-    eps : relaxation ε ≥ 0 of the Gram matrices (spec §6.4); needed for rank-deficient weights.
+        ``"exact"`` (numerically integrated geodesic) — used by :meth:`retr` (docs/maths.md §5.1).
+    eps : relaxation ε ≥ 0 of the Gram matrices (docs/maths.md §6.4); needed for rank-deficient
+        weights.
     exact_steps : RK4 steps of the geodesic integrator (``expmap`` and ``retraction="exact"``).
     group : the group quotiented out: ``"gl"`` (default, all of GL(h)), ``"rope"`` (the commutant
         of rotary position encodings: one rotation-scaling a·I + b·J per frequency pair, for the

@@ -1,4 +1,4 @@
-r"""geoopt face of the elementwise rescaling quotient of diagonal networks (spec §8).
+r"""geoopt face of the elementwise rescaling quotient of diagonal networks (docs/maths.md §8).
 
 A point is ONE tensor ``x = [u; v]`` of shape ``(..., 2, d)`` with every uⁱ, vⁱ ≠ 0; the group
 (R∖{0})^d acts by (u, v) ↦ (a⊙u, v/a) and β = u⊙v is the invariant. Every formula lives in
@@ -18,15 +18,16 @@ Tensor = torch.Tensor
 
 
 class RescalingQuotient(CoreQuotientManifold):
-    r"""(R∖{0})^d × (R∖{0})^d / (R∖{0})^d as a geoopt manifold (d copies of GL(1), spec §8).
+    r"""(R∖{0})^d × (R∖{0})^d / (R∖{0})^d as a geoopt manifold (d copies of GL(1),
+    docs/maths.md §8).
 
     Parameters (passed to the core :class:`~quotient_manifolds.core.rescaling.RescalingGeometry`)
     ----------
     d : number of coordinates.
     metric : ``"mix"`` Σ ξ_uη_u v² + ξ_vη_v u² (default) or ``"inv"`` Σ ξ_uη_u/u² + ξ_vη_v/v²
-        (spec §8.1).
+        (docs/maths.md §8.1).
     retraction : ``"second_order"`` (default), ``"first_order"`` or ``"exact"`` (the closed-form
-        geodesic of spec §8.3 when ε = 0) — used by :meth:`retr`.
+        geodesic of docs/maths.md §8.3 when ε = 0) — used by :meth:`retr`.
     eps : relaxation ε ≥ 0 (u² + ε in place of u²); needed if a coordinate can be 0.
 
     ``expmap`` is the exact geodesic (closed form for ε = 0; the mix one needs a horizontal vector

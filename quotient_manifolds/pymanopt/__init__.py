@@ -1,6 +1,6 @@
 """pymanopt faces of the quotient geometries: ``pymanopt.manifolds.manifold.Manifold`` subclasses
 with ``point_layout=2`` that convert numpy ↔ torch and delegate to :mod:`quotient_manifolds.core`
-(toolkit-apis §2). Importing this subpackage imports pymanopt."""
+(docs/maths.md §A.5–§A.8). Importing this subpackage imports pymanopt."""
 
 from ._tangent import GLPoint, GLTangentVector, RescalingPoint, RescalingTangentVector
 from .gl_quotient import GLQuotient

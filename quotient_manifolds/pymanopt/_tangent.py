@@ -2,7 +2,7 @@ r"""Tuple points / tangent vectors for the pymanopt faces, and the ONE numpy ↔
 
 pymanopt represents a point of a ``point_layout=2`` manifold as a 2-sequence of arrays and needs
 tangent vectors with arithmetic (``+``, ``-``, scalar ``*`` on both sides, ``/``, unary ``-``);
-this follows ``pymanopt.manifolds.fixed_rank`` (toolkit-apis §2.2, §2.8). The torch core works on
+this follows ``pymanopt.manifolds.fixed_rank`` (docs/maths.md §A.5). The torch core works on
 the two arrays stacked along rows, e.g. ``[G; H]`` of shape (n+m, h) or ``[u; v]`` of shape (2, d).
 """
 

@@ -1,4 +1,4 @@
-r"""pymanopt face of the GL(h) two-factor quotient (toolkit-apis §2, sketch §2.8).
+r"""pymanopt face of the GL(h) two-factor quotient (docs/maths.md §A.5–§A.7).
 
 Points are pairs (G, H) of numpy arrays of shapes (n, h) and (m, h) (``point_layout=2``: a
 ``@pymanopt.function.*`` cost is written ``def cost(G, H)``); tangent vectors are
@@ -21,7 +21,7 @@ class GLQuotient(CoreQuotientManifold):
     Parameters as in the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`: ``metric``
     ``"mix"`` (Manopt ``fixedrankfactory_2factors_preconditioned``) or ``"inv"``
     (``fixedrankfactory_2factors``); ``retraction`` ``"second_order"`` (default),
-    ``"first_order"`` or ``"exact"``; ``eps`` the Gram relaxation (spec §6.4); ``group``
+    ``"first_order"`` or ``"exact"``; ``eps`` the Gram relaxation (docs/maths.md §6.4); ``group``
     ``"gl"`` (default), ``"rope"`` (rotary commutant) or a group object
     (:mod:`quotient_manifolds.core.groups`).
 

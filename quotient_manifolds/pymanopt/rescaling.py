@@ -1,4 +1,4 @@
-r"""pymanopt face of the elementwise rescaling quotient of diagonal networks (spec §8).
+r"""pymanopt face of the elementwise rescaling quotient of diagonal networks (docs/maths.md §8).
 
 Points are pairs (u, v) of numpy arrays of shape (d,) (``point_layout=2``: the cost is written
 ``def cost(u, v)``); tangent vectors are
@@ -22,8 +22,8 @@ class RescalingQuotient(CoreQuotientManifold):
     Parameters as in the core :class:`~quotient_manifolds.core.rescaling.RescalingGeometry`
     (``metric`` ``"mix"`` | ``"inv"``, ``retraction``, ``eps``). Dimension d; ``typical_dist`` =
     10√d (d independent GL(1) quotients with Manopt's 10k, k = 1, combined like pymanopt's
-    ``Product``). ``exp`` is the closed-form geodesic of spec §8.3 (ε = 0; the mix one needs
-    1 + 2b > 0 and raises ValueError otherwise).
+    ``Product``). ``exp`` is the closed-form geodesic of docs/maths.md §8.3 (ε = 0; the mix one
+    needs 1 + 2b > 0 and raises ValueError otherwise).
     """
 
     _point_cls = RescalingPoint
