@@ -534,7 +534,7 @@ class Layout:
         for b in self.blocks:
             modules.setdefault(b.module, []).append(b)
         head = f"Layout of {self.model_name}" if self.model_name else "Layout"
-        lines = [f"{head}: {len(self.blocks)} GL blocks in {len(modules)} attention modules"]
+        lines = [f"{head}: {len(self.blocks)} GL blocks in {len(modules)} modules"]
         for mod, bl in modules.items():
             fam = ", ".join(dict.fromkeys(b.family for b in bl))
             lines.append(f"  {mod or '<root>'}  [{fam}]")
@@ -739,7 +739,8 @@ class Layout:
 def _canonical_names(model: nn.Module) -> Tuple[Dict[int, str], Dict[str, str]]:
     """``id(param) -> canonical name`` and ``any name (incl. tied aliases) -> canonical name``."""
     by_id = {id(p): n for n, p in model.named_parameters()}
-    alias = {n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    # remove_duplicate=False can yield tensors that named_parameters() lists under no name of its own
+    alias = {n: by_id.get(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
     return by_id, alias
 
 

@@ -483,7 +483,10 @@ def test_rotary_attention_is_unsupported_and_declared_block_is_caught():
     with pytest.raises(ValueError) as err:
         adapters.layout(model)
     msg = str(err.value)
-    assert "blocks.0.attn [RotaryAttention]" in msg and "blocks.1.attn" in msg and "rotary" in msg
+    # only the Q/K half is unsupported (the rotation acts between q and k); V/O is still detected
+    assert "blocks.0.attn/qk [RotaryAttention]" in msg and "blocks.1.attn/qk" in msg and "rotary" in msg
+    assert [b.name for b in adapters.layout(model, allow_unsupported=True).blocks] == ["blocks.0.attn/vo",
+                                                                                       "blocks.1.attn/vo"]
     assert "allow_unsupported=True" in msg and "declare_block" in msg
     blocks = [declare_block(model, q=f"blocks.{i}.attn.q", k=f"blocks.{i}.attn.k", num_heads=2) for i in range(2)]
     blocks += [declare_block(model, v=f"blocks.{i}.attn.v", o=f"blocks.{i}.attn.o", num_heads=2) for i in range(2)]
@@ -541,19 +544,29 @@ def test_relative_position_bert_4x_structure_is_unsupported():
     assert "attention [BertSelfAttention]" in msg and "relative_key" in msg and "distance_embedding" in msg
 
 
-def test_llama_rotary_gqa_unsupported():
+def test_llama_rotary_gqa_unverified_forward_unsupported():
+    """LlamaAttention itself is an allowlisted rotary family (tests/test_families.py); a subclass with
+    its own forward() is not verified and falls to the generic screen: GQA -> unsupported."""
     T = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = T.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
     model = T.LlamaModel(cfg).eval()
+    assert [b.family for b in adapters.layout(model).blocks] == ["hf-rotary"] * 4
+
+    class MyLlamaAttention(T.models.llama.modeling_llama.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+            return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    for layer in model.layers:
+        layer.self_attn.__class__ = MyLlamaAttention
     with pytest.raises(ValueError) as err:
         adapters.layout(model)
     msg = str(err.value)
-    assert "layers.0.self_attn [LlamaAttention]" in msg and "position_embeddings" in msg and "grouped-query" in msg
+    assert "layers.0.self_attn [MyLlamaAttention]" in msg and "position_embeddings" in msg and "grouped-query" in msg
     lay = adapters.layout(model, allow_unsupported=True)
     assert lay.blocks == [] and [u.module for u in lay.unsupported] == ["layers.0.self_attn", "layers.1.self_attn"]
-    assert lay.unsupported[0].cls == "LlamaAttention"
+    assert lay.unsupported[0].cls == "MyLlamaAttention"
     module, cls, reason = lay.unsupported[0]
     assert "layers.0.self_attn.q_proj.weight" in lay.adaptive and lay.gl_masks == {}
     assert "Unsupported attention-like modules (treated adaptively): 2" in str(lay)
@@ -603,7 +616,7 @@ def test_print_layout_readable(tiny_bert):
     text = str(adapters.layout(model))
     print(text)
     lines = text.splitlines()
-    assert lines[0] == "Layout of BertForSequenceClassification: 4 GL blocks in 2 attention modules"
+    assert lines[0] == "Layout of BertForSequenceClassification: 4 GL blocks in 2 modules"
     assert "  bert.encoder.layer.0.attention  [hf-bert]" in lines
     assert any(l.strip().startswith("qk: 2 heads x GL(16)  G (33, 16) = self.query.weight[0:32]ᵀ + self.query.bias[0:32]")
                for l in lines)

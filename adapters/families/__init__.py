@@ -1,0 +1,99 @@
+"""Model families: the registry that :func:`adapters.detect` walks to find GL blocks.
+
+Detection visits the modules of a model in ``named_modules()`` order and asks the families of
+:data:`FAMILIES`, in order, to :meth:`Family.match` each one; the first :class:`Match` wins and
+claims its ``module``.  Modules inside a claimed module are only offered to *nested* families
+(``peft-lora``: LoRA layers inside attention modules).  A second pass offers the remaining modules
+again with ``Context.by_name = True``, where the last family also reports modules that look like
+attention only by their class name.  Families and the maths of their groups are described in
+``adapters.detect``; each file here is one family:
+
+``torch_mha``       ``torch-mha``  ``nn.MultiheadAttention``
+``peft_lora``       ``peft-lora``  peft LoRA layers, one GL(r) block per adapter (nested)
+``hf_gpt2``         ``hf-gpt2``    ``GPT2Attention`` (``Conv1D``, packed ``c_attn``)
+``hf_rotary``       ``hf-rotary``  HF rotary decoders (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi, Phi-3,
+                                   GPT-NeoX): RoPE commutant on Q/K, grouped-query gauges, QK-norm
+``qkvo``            ``qkvo``       four q/k/v/o projection children
+``hf_bert``         ``hf-bert``    q/k/v children + sibling ``output.dense``
+``attention_like``  ``unknown``    anything else that looks like attention: unsupported
+
+Adding a family for your own attention class::
+
+    from adapters.families import Family, Match, register_family
+    from adapters.families._structure import _lin, attention_blocks
+
+    class MyAttentionFamily(Family):
+        name = "my-attention"
+
+        def match(self, ctx, path, module):
+            if not isinstance(module, MyAttention):
+                return None
+            res = Match(path, self.name, type(module).__name__)
+            lin = {n: _lin(f"{path}.{n}", getattr(module, n)) for n in ("wq", "wk", "wv", "wo")}
+            attention_blocks(ctx, res, q=lin["wq"], k=lin["wk"], v=lin["wv"], o=lin["wo"],
+                             num_heads=module.heads, head_dim=module.head_dim)
+            return res
+
+    register_family(MyAttentionFamily())        # tried before the built-in families
+    layout = adapters.layout(model); layout.verify(model, inputs)   # always check a new family
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from ._base import Context, Family, Match
+from .attention_like import UnknownAttention
+from .hf_bert import HFBertSelfAttention
+from .hf_gpt2 import HFGPT2Attention
+from .hf_rotary import ROTARY_CLASSES, HFRotaryAttention, RotaryClass
+from .peft_lora import PeftLoRA
+from .qkvo import PlainQKVO
+from .torch_mha import TorchMultiheadAttention
+
+__all__ = ["Family", "Match", "Context", "FAMILIES", "register_family", "unregister_family", "family",
+           "ROTARY_CLASSES", "RotaryClass"]
+
+#: The families in the order detection tries them (first match wins).  Change it with
+#: :func:`register_family` / :func:`unregister_family`.
+FAMILIES: List[Family] = [
+    TorchMultiheadAttention(),
+    PeftLoRA(),
+    HFGPT2Attention(),
+    HFRotaryAttention(),
+    PlainQKVO(),
+    HFBertSelfAttention(),
+    UnknownAttention(),
+]
+
+
+def family(name: str) -> Family:
+    """The registered family called ``name``."""
+    for fam in FAMILIES:
+        if fam.name == name:
+            return fam
+    raise KeyError(f"no family named {name!r}; registered: {', '.join(f.name for f in FAMILIES)}")
+
+
+def register_family(fam: Family, before: Optional[str] = None) -> Family:
+    """Add ``fam`` to :data:`FAMILIES`: tried before the family named ``before``, or, by default,
+    before every family registered so far (so a user family wins over the built-in ones).
+    Returns ``fam``; undo with :func:`unregister_family`."""
+    if not isinstance(fam, Family):
+        raise TypeError(f"register_family() needs a Family instance (subclass adapters.families.Family and "
+                        f"implement match()), got {type(fam).__name__}")
+    if not fam.name:
+        raise ValueError(f"{type(fam).__name__} has no name: set the class attribute `name` to a unique string")
+    if any(f.name == fam.name for f in FAMILIES):
+        raise ValueError(f"a family named {fam.name!r} is already registered: choose another name or call "
+                         f"unregister_family({fam.name!r}) first")
+    index = 0 if before is None else FAMILIES.index(family(before))
+    FAMILIES.insert(index, fam)
+    return fam
+
+
+def unregister_family(name: str) -> Family:
+    """Remove the family called ``name`` from :data:`FAMILIES` and return it."""
+    fam = family(name)
+    FAMILIES.remove(fam)
+    return fam

@@ -1,0 +1,413 @@
+"""Structural helpers shared by the families: projections (``nn.Linear`` / HF ``Conv1D``, seen
+through peft LoRA wrappers), role names, head counts, factor pieces and blocks, the screen for
+position encodings / extra parameters, and the one place where the Q/K and V/O blocks of an
+attention module are assembled (:func:`attention_blocks`, grouped-query attention included)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from quotient_manifolds.core.groups import FULL_GL, Group
+
+from ..layout import FactorPiece, GLBlock
+from ._base import Context, Match
+
+ROLE_NAMES: Dict[str, Tuple[str, ...]] = {
+    "q": ("q_proj", "query", "q", "q_lin", "to_q", "wq", "W_q", "query_proj", "q_linear", "linear_q"),
+    "k": ("k_proj", "key", "k", "k_lin", "to_k", "wk", "W_k", "key_proj", "k_linear", "linear_k"),
+    "v": ("v_proj", "value", "v", "v_lin", "to_v", "wv", "W_v", "value_proj", "v_linear", "linear_v"),
+    "o": ("o_proj", "out_proj", "o", "out", "out_lin", "proj", "dense", "wo", "W_o", "c_proj", "output_proj",
+          "o_linear", "out_linear", "proj_out", "linear_out", "linear_o"),
+}
+PACKED_NAMES = ("qkv", "c_attn", "in_proj", "Wqkv", "query_key_value", "qkv_proj", "to_qkv", "W_pack",
+                "qkv_linear", "qkv_lin", "c_qkv", "qkv_net", "kv", "kv_proj")
+HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads", "nhead", "num_head")
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "d_head", "head_size", "dim_head", "d_k")
+POSITION_ARGS = ("position_embeddings", "position_ids", "rotary_pos_emb", "freqs_cis", "position_bias",
+                 "rel_pos", "rel_pos_bias", "alibi", "cos", "sin", "rope", "rotary_emb", "relative_position",
+                 "relative_position_bias", "pos_emb", "pos_bias", "rotary_pos_embedding", "sinusoidal_pos")
+POSITION_ATTRS = ("rotary_emb", "rotary", "rope", "rotary_ndims", "rotary_dim", "rotary_embedding")
+# names of submodules / buffers / source words.  Position encodings act between the q and k
+# projections (only the Q/K block is affected); norms, gates and clipping act on q, k or v
+# themselves (the whole module is affected).
+_POSITION_NAME = re.compile(r"rotary|(^|_)rope($|_)|rel_pos|relative|distance_embedding|alibi|pos_bias|"
+                            r"position_bias|inv_freq|freqs|cos_cached|sin_cached", re.I)
+_NORM_OR_GATE_NAME = re.compile(r"(^|_)q_?norm$|(^|_)k_?norm$|qk_?norm|query_norm|key_norm|(^|_)q_layernorm$|"
+                                r"(^|_)k_layernorm$|(^|_)gate($|_)", re.I)
+_POSITION_SOURCE = re.compile(r"rotary|^rope$|^rope_|_rope$|_rope_|apply_rot|alibi|relative|rel_pos|position_bias|"
+                              r"freqs_cis|^position_embeddings$|^position_ids$|sinusoidal_pos", re.I)
+_NORM_OR_CLIP_SOURCE = re.compile(r"^q_norm$|^k_norm$|qk_norm|^clamp_?$|clip_qkv", re.I)
+
+# Attention classes whose forward() has been read and verified (transformers 5.x; the 4.x BERT/ViT/CLIP
+# classes have the same structure, their relative-position variants carry extra parameters that the
+# screen catches).  For these the source scan is skipped (4.x BertSelfAttention mentions
+# "relative_key" in dead branches); every other check still applies.
+VERIFIED_HF = frozenset({
+    "BertSelfAttention", "BertSdpaSelfAttention", "BertCrossAttention", "RobertaSelfAttention",
+    "RobertaSdpaSelfAttention", "RobertaCrossAttention", "XLMRobertaSelfAttention", "XLMRobertaSdpaSelfAttention",
+    "CamembertSelfAttention", "ElectraSelfAttention", "ViTSelfAttention", "ViTSdpaSelfAttention",
+    "ViTAttention", "DeiTSelfAttention", "DeiTSdpaSelfAttention", "DeiTAttention", "CLIPAttention",
+    "CLIPSdpaAttention", "CLIPFlashAttention2", "GPT2Attention", "GPT2SdpaAttention", "GPT2FlashAttention2",
+})
+
+
+# --------------------------------------------------------------------------------------------------
+# classes
+# --------------------------------------------------------------------------------------------------
+
+
+def transformers_class(mod: nn.Module, names: Iterable[str]) -> Optional[str]:
+    """Name of the first class in ``type(mod).__mro__`` that is one of ``names`` and comes from
+    ``transformers``, else None."""
+    names = set(names)
+    for c in type(mod).__mro__:
+        if c.__name__ in names and c.__module__.startswith("transformers."):
+            return c.__name__
+    return None
+
+
+def forward_owner(mod: nn.Module) -> type:
+    """The class whose ``forward`` the module runs (the first in the MRO defining it)."""
+    return next(c for c in type(mod).__mro__ if "forward" in vars(c))
+
+
+def _verified_hf(mod: nn.Module) -> bool:
+    return transformers_class(mod, VERIFIED_HF) is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# projections
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def peft_tuner_layer() -> Optional[type]:
+    """peft's ``BaseTunerLayer`` when peft is installed, else None (imported on first use only)."""
+    if importlib.util.find_spec("peft") is None:
+        return None
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    return BaseTunerLayer
+
+
+def lora_layer(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a peft LoRA layer: by structure a ``base_layer`` and ModuleDicts ``lora_A``,
+    ``lora_B``, and, where peft is installed, an instance of its ``BaseTunerLayer`` (so adapters
+    never needs peft, and a look-alike is not taken for peft's layer where peft exists)."""
+    if not (isinstance(getattr(mod, "base_layer", None), nn.Module)
+            and isinstance(getattr(mod, "lora_A", None), nn.ModuleDict)
+            and isinstance(getattr(mod, "lora_B", None), nn.ModuleDict)):
+        return False
+    base = peft_tuner_layer()
+    return base is None or isinstance(mod, base)
+
+
+def lora_base(mod: nn.Module) -> nn.Module:
+    """The wrapped layer of a LoRA layer (through nested wrappers)."""
+    get = getattr(mod, "get_base_layer", None)
+    base = get() if callable(get) else mod.base_layer
+    return base if isinstance(base, nn.Module) else mod.base_layer
+
+
+@dataclass
+class _Lin:
+    """A linear projection: ``nn.Linear`` (weight ``(out, in)``) or HF ``Conv1D`` (weight ``(in, out)``).
+
+    ``module`` holds the weight; ``wrapper`` is the module found in the model (the peft LoRA layer
+    around ``module``, or ``module`` itself)."""
+
+    path: str
+    module: nn.Module
+    transposed: bool
+    wrapper: Optional[nn.Module] = None
+
+    def __post_init__(self):
+        if self.wrapper is None:
+            self.wrapper = self.module
+
+    @property
+    def adapted(self) -> bool:
+        """Whether the projection carries LoRA adapters (its effective weight is base + s·B·A)."""
+        return self.wrapper is not self.module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        b = getattr(self.module, "bias", None)
+        return b if isinstance(b, torch.Tensor) else None
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[0] if self.transposed else self.weight.shape[1])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[1] if self.transposed else self.weight.shape[0])
+
+    def param_ids(self) -> set:
+        """Ids of every parameter of the projection, adapters included."""
+        return {id(p) for p in self.wrapper.parameters()}
+
+
+def _lin(path: str, mod: Optional[nn.Module]) -> Optional[_Lin]:
+    """``mod`` as a projection (seeing through a peft LoRA layer), or None."""
+    if isinstance(mod, nn.Module) and lora_layer(mod):
+        inner = _lin(path, lora_base(mod))
+        return None if inner is None else _Lin(path, inner.module, inner.transposed, wrapper=mod)
+    W = getattr(mod, "weight", None)
+    if not isinstance(W, torch.Tensor) or W.dim() != 2:
+        return None
+    if isinstance(mod, nn.Linear):
+        return _Lin(path, mod, False)
+    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
+        return _Lin(path, mod, True)
+    return None
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _linear_children(path: str, mod: nn.Module) -> Dict[str, _Lin]:
+    out = {}
+    for name, child in mod.named_children():
+        info = _lin(_join(path, name), child)
+        if info is not None:
+            out[name] = info
+    return out
+
+
+def _roles(children: Dict[str, _Lin]) -> Dict[str, List[str]]:
+    return {r: [n for n in children if n in names] for r, names in ROLE_NAMES.items()}
+
+
+def _int_attr(obj, names: Sequence[str]) -> Optional[int]:
+    for a in names:
+        v = getattr(obj, a, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _num_heads(mod: nn.Module) -> Optional[int]:
+    v = _int_attr(mod, HEADS_ATTRS)
+    if v is None:
+        cfg = getattr(mod, "config", None)
+        if cfg is not None:
+            v = _int_attr(cfg, ("num_attention_heads",))
+    return v
+
+
+# --------------------------------------------------------------------------------------------------
+# pieces and blocks
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Proj:
+    """Heads of a projection: head ``i`` is features ``offset + i * stride ...`` (``stride`` None:
+    heads side by side), e.g. ``Proj(c_attn, offset=E)`` for the keys of GPT-2's packed ``c_attn``."""
+
+    lin: _Lin
+    offset: int = 0
+    stride: Optional[int] = None
+
+
+def _as_proj(p: Union[_Lin, Proj]) -> Proj:
+    return p if isinstance(p, Proj) else Proj(p)
+
+
+def _in_pieces(ctx: Context, proj: Union[_Lin, Proj], num_heads: int, head_dim: int,
+               group_size: int = 1) -> List[FactorPiece]:
+    """``[Wᵀ ; b]`` per head of a q/k/v projection (heads along the output features)."""
+    p = _as_proj(proj)
+    kw = dict(offset=p.offset, num_heads=num_heads, head_dim=head_dim, group_size=group_size, stride=p.stride)
+    pieces = [FactorPiece(ctx.name(p.lin.weight), "cols" if p.lin.transposed else "rows", **kw)]
+    if p.lin.bias is not None:
+        pieces.append(FactorPiece(ctx.name(p.lin.bias), "bias", **kw))
+    return pieces
+
+
+def _out_pieces(ctx: Context, proj: Union[_Lin, Proj], num_heads: int, head_dim: int,
+                group_size: int = 1) -> List[FactorPiece]:
+    """``W[:, head]`` of an output projection (heads along the input features; its bias is outside)."""
+    p = _as_proj(proj)
+    return [FactorPiece(ctx.name(p.lin.weight), "rows" if p.lin.transposed else "cols", p.offset, num_heads,
+                        head_dim, group_size=group_size, stride=p.stride)]
+
+
+def _rows(pieces: Sequence[FactorPiece], shapes: Dict[str, tuple]) -> int:
+    return sum(p.rows_per_head(shapes[p.param]) for p in pieces)
+
+
+def _make_block(module: str, kind: str, family: str, g: List[FactorPiece], h: List[FactorPiece],
+                shapes: Dict[str, tuple], group: Group = FULL_GL, name: Optional[str] = None) -> GLBlock:
+    b = GLBlock(name=name or f"{module}/{kind}", kind=kind, module=module, g_pieces=tuple(g), h_pieces=tuple(h),
+                num_heads=g[0].block_heads, head_dim=g[0].head_dim, n=_rows(g, shapes), m=_rows(h, shapes),
+                family=family, group=group)
+    b.validate(shapes)
+    return b
+
+
+LORA_NOTE = "projections carry LoRA adapters: their GL(r) blocks are used instead"
+
+
+def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Union[_Lin, Proj],
+                     v: Union[_Lin, Proj], o: Union[_Lin, Proj], num_heads: int, head_dim: int,
+                     num_kv_heads: Optional[int] = None, qk_group: Group = FULL_GL, qk: bool = True,
+                     vo: bool = True) -> None:
+    """Append the Q/K and V/O blocks of one attention module to ``match``.
+
+    ``num_heads`` query heads, ``num_kv_heads`` (default ``num_heads``) key/value heads; query head
+    ``i`` reads key/value head ``i // (num_heads // num_kv_heads)`` (HF ``repeat_kv``), so each
+    key/value head is one gauge: QK ``G`` stacks its query slices, ``H`` is its key slice; VO ``G``
+    is its value slice, ``H`` stacks its output-projection slices.  ``qk_group`` is the group of the
+    Q/K block (the rotary commutant for RoPE); V/O always has the full GL(head_dim).  A block whose
+    projections carry LoRA adapters is left out (with a note): acting on frozen base weights is no
+    symmetry once a low-rank delta is added to them.
+    """
+    n_kv = num_kv_heads or num_heads
+    if num_heads % n_kv:
+        raise ValueError(f"{match.module}: {num_heads} query heads cannot share {n_kv} key/value heads evenly; "
+                         "num_kv_heads must divide num_heads")
+    rep = num_heads // n_kv
+    q, k, v, o = (_as_proj(p) for p in (q, k, v, o))
+    adapted: List[str] = []
+    wanted = []
+    if qk:
+        wanted.append(("qk", _in_pieces(ctx, q, num_heads, head_dim, rep), _in_pieces(ctx, k, n_kv, head_dim),
+                       qk_group, (q, k)))
+    if vo:
+        wanted.append(("vo", _in_pieces(ctx, v, n_kv, head_dim), _out_pieces(ctx, o, num_heads, head_dim, rep),
+                       FULL_GL, (v, o)))
+    for kind, g, h, group, projs in wanted:
+        lora = [p.lin.path.rsplit(".", 1)[-1] for p in projs if p.lin.adapted]
+        if lora:
+            adapted.append(f"{kind} ({', '.join(dict.fromkeys(lora))})")
+            continue
+        match.blocks.append(_make_block(match.module, kind, match.family, g, h, ctx.shapes, group))
+    if adapted:
+        match.notes.append(f"{match.module}: no GL block over the base weights of {', '.join(adapted)}: the "
+                           f"{LORA_NOTE} (a GL action on frozen base weights is no symmetry once a low-rank "
+                           "delta is added to them)")
+
+
+# --------------------------------------------------------------------------------------------------
+# screening
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Screen:
+    """Reasons against the plain GL symmetry: ``module`` for the whole module (extra parameters,
+    norms, gates, clipping), ``qk`` for the Q/K half only (position encodings act between the q and
+    k projections and leave V/O alone)."""
+
+    module: List[str] = field(default_factory=list)
+    qk: List[str] = field(default_factory=list)
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _screen(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Sequence[str] = (),
+            positions: bool = True) -> Screen:
+    """Screen a q/k/v/o-shaped module.  ``core_ids``: parameters whose role is understood;
+    ``known``: submodule names whose role is understood (e.g. QK norms handled by the family);
+    ``positions=False`` skips the position-encoding checks (families that model them)."""
+    out = Screen()
+    extra = [n for n, p in mod.named_parameters() if id(p) not in core_ids]
+    if extra:
+        out.module.append(f"parameters besides the q/k/v/o projections ({_shown(extra)}): relative-position "
+                          "tables, q/k norms or gates would break the GL symmetry")
+    names = [n for n, _ in mod.named_modules() if n and n.split(".")[0] not in known]
+    names += [n for n, _ in mod.named_buffers()]
+    last = [n.rsplit(".", 1)[-1] for n in names]
+    other = [n for n, s in zip(names, last) if _NORM_OR_GATE_NAME.search(s)]
+    if other:
+        out.module.append(f"submodules/buffers {_shown(other)} look like q/k normalisation or gates")
+    if getattr(mod, "rotary_value", False) is True:
+        out.module.append("rotary_value=True: the rotary encoding also turns the values, which breaks the V/O "
+                          "symmetry too")
+    if positions:
+        pos = [n for n, s in zip(names, last) if _POSITION_NAME.search(s)]
+        pos += [a for a in POSITION_ATTRS if getattr(mod, a, None) is not None and a not in pos]
+        if pos:
+            out.qk.append(f"submodules/buffers/attributes {_shown(pos)} look like rotary or relative position "
+                          "encodings")
+        pet = getattr(mod, "position_embedding_type", None)
+        if isinstance(pet, str) and pet != "absolute":
+            out.qk.append(f"position_embedding_type={pet!r}: relative/rotary positions break the QK symmetry")
+        try:
+            sig_args = set(inspect.signature(mod.forward).parameters)
+        except (TypeError, ValueError):
+            sig_args = set()
+        args = [a for a in POSITION_ARGS if a in sig_args]
+        if args:
+            out.qk.append(f"forward() takes positional inputs ({', '.join(args)}): rotary/relative position "
+                          "encodings act between the projections and break the GL symmetry")
+    if source_scan:
+        try:
+            src = inspect.getsource(forward_owner(mod).forward)
+        except (OSError, TypeError):
+            src = ""
+        words = sorted(set(re.findall(r"[A-Za-z_]\w*", src)))
+        clip = [w for w in words if _NORM_OR_CLIP_SOURCE.search(w)]
+        if clip:
+            out.module.append(f"forward() source mentions {', '.join(clip)}: norms or clipping of q/k/v "
+                              "break the GL symmetry")
+        hits = [w for w in words if positions and _POSITION_SOURCE.search(w)]
+        if hits:
+            out.qk.append(f"forward() source mentions {', '.join(hits)}: cannot prove the GL symmetry of Q/K")
+    return out
+
+
+def _head_shapes(mod: nn.Module, lq: _Lin, lk: _Lin, lv: _Lin,
+                 lo: _Lin) -> Tuple[Optional[int], Optional[int], List[str]]:
+    """Head count, head dim and structural reasons against per-head GL blocks of a plain module."""
+    reasons: List[str] = []
+    nh = _num_heads(mod)
+    if nh is None:
+        return None, None, [f"no head-count attribute ({', '.join(HEADS_ATTRS[:3])}, ...): declare the blocks"]
+    h = _int_attr(mod, HEAD_DIM_ATTRS)
+    if h is None:
+        if lq.out_features % nh:
+            return nh, None, [f"q has {lq.out_features} features, not divisible by {nh} heads"]
+        h = lq.out_features // nh
+    if lq.out_features != nh * h:
+        reasons.append(f"q has {lq.out_features} features, expected num_heads*head_dim = {nh}*{h}")
+    if lk.out_features != lq.out_features or lv.out_features != lq.out_features:
+        reasons.append(f"k/v have {lk.out_features}/{lv.out_features} features vs {lq.out_features} for q "
+                       "(grouped-query / multi-query attention of an unverified class: which query heads "
+                       "share a key/value head is implementation-specific; declare the blocks with "
+                       "declare_block(..., num_kv_heads=...))")
+    elif lo.in_features != lv.out_features:
+        reasons.append(f"output projection takes {lo.in_features} features, v gives {lv.out_features}")
+    return nh, h, reasons
+
+
+def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: _Lin, k: _Lin, v: _Lin, o: _Lin,
+                          core: set) -> Match:
+    """Blocks of a module with plain q/k/v/o projections (``qkvo`` and ``hf-bert``): the whole module
+    is unsupported on structural problems; only its Q/K half when the screen sees position
+    encodings (V/O is kept, and checked by ``Layout.verify`` like every block)."""
+    screen = _screen(mod, core, source_scan=not _verified_hf(mod))
+    nh, h, shape_reasons = _head_shapes(mod, q, k, v, o)
+    whole = screen.module + shape_reasons
+    if whole:
+        return match.reject("; ".join(whole + screen.qk))
+    if screen.qk:
+        match.reject("; ".join(screen.qk), part="qk")
+    attention_blocks(ctx, match, q=q, k=k, v=v, o=o, num_heads=nh, head_dim=h, qk=not screen.qk)
+    return match
