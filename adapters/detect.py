@@ -176,7 +176,7 @@ def _overlaps(pieces: Iterable[FactorPiece], masks: Dict[str, torch.Tensor], par
 
 
 def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, allow_unsupported: bool = False,
-           detect_blocks: bool = True) -> Layout:
+           detect_blocks: bool = True, include_frozen: bool = False) -> Layout:
     """Build the :class:`Layout` of ``model`` (never modifies or wraps it).
 
     GL blocks are detected by module type/structure (see the module docstring); ``blocks=`` adds
@@ -184,7 +184,10 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
     overlap and resolve unsupported modules whose parameters they use.  ``detect_blocks=False`` uses
     only the declared blocks.  Raises ``ValueError`` when attention-like modules cannot be mapped, or no
     block is found at all, unless ``allow_unsupported=True`` (their parameters are then adaptive).
-    Blocks touching frozen (``requires_grad=False``) parameters are dropped (noted in ``layout.notes``).
+    Detected blocks touching frozen (``requires_grad=False``) parameters are dropped (noted in
+    ``layout.notes``) and frozen parameters stay out of the ball (e.g. the base weights of a LoRA
+    model); a declared block touching them is an error. ``include_frozen=True`` treats frozen
+    parameters as trainable (pass it to ``sharpness`` too).
     """
     params = dict(model.named_parameters())
     shapes = {n: tuple(p.shape) for n, p in params.items()}
@@ -237,10 +240,16 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"duplicate block names {dup}: pass name= to declare_block")
-    frozen_set = set(frozen)
+    frozen_set = set() if include_frozen else set(frozen)
     final = []
+    declared = {id(b) for b in user}
     for b in all_blocks:
         fz = [p for p in b.params if p in frozen_set]
+        if fz and id(b) in declared:
+            raise ValueError(
+                f"declared block {b.name} touches frozen parameter(s) {', '.join(fz)} "
+                "(requires_grad=False), which sharpness never perturbs: unfreeze them, or pass "
+                "include_frozen=True to layout() and sharpness() to put frozen weights in the ball")
         if fz:
             notes.append(f"block {b.name} dropped: it touches frozen parameter(s) {', '.join(fz)}")
         else:
@@ -283,5 +292,7 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
         raise ValueError("\n".join(msg))
 
     adaptive = [n for n in params if n not in frozen_set and (n not in gl_masks or not bool(gl_masks[n].all()))]
+    if include_frozen:
+        frozen = []
     return Layout(blocks=final, adaptive=adaptive, gl_masks=gl_masks, frozen=frozen, unsupported=unsupported,
                   param_shapes=shapes, model_name=type(model).__name__, notes=notes)

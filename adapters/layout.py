@@ -812,6 +812,27 @@ def _out_features(model: nn.Module, path: str, role: str) -> int:
     return int(W.shape[0] if transposed else W.shape[1])
 
 
+def _refuse_full_gl_on_rotary(model: nn.Module, module_path: str) -> None:
+    """A Q/K block declared with the full GL(h) on a module whose forward applies position
+    encodings between the projections (RoPE, relative positions) is not a symmetry: say so now
+    rather than let ``verify`` reject it later."""
+    from .families._structure import _screen  # families import this module
+
+    try:
+        mod = model.get_submodule(module_path)
+    except AttributeError:
+        return
+    reasons = _screen(mod, {id(p) for p in mod.parameters()}, source_scan=True).qk
+    if reasons:
+        raise ValueError(
+            f"declare_block: the Q/K block of {module_path or '<root>'} ({type(mod).__name__}) would use the "
+            f"full GL(head_dim), but {'; '.join(reasons)}. Rotary attention keeps only the rotations' "
+            "commutant: pass group='rope' (Hugging Face rotate_half pairing, all coordinates rotated) or "
+            "group=RotaryGroup(pairing='half'|'interleaved', rotary_dim=r) for partial rotary, then check "
+            "it with layout.verify(model, inputs); relative-position biases have no GL symmetry on Q/K "
+            "(leave Q/K adaptive and declare only the V/O block).")
+
+
 def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str] = None,
                   v: Optional[str] = None, o: Optional[str] = None, num_heads: Optional[int] = None,
                   head_dim: Optional[int] = None, bias: bool = True, offsets: Optional[Mapping[str, int]] = None,
@@ -890,6 +911,8 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
         pieces_h, mh = _proj_pieces(model, ha, hr, h_heads, hd, ho, bias, 1 if kind == "qk" else rep)
         nh = nkv
         mod = module if module is not None else _common_prefix([mg, mh])
+    if kind == "qk" and group is None:
+        _refuse_full_gl_on_rotary(model, mod)
     n = sum(p.rows_per_head(shapes[p.param]) for p in pieces_g if p.param in shapes)
     m = sum(p.rows_per_head(shapes[p.param]) for p in pieces_h if p.param in shapes)
     block = GLBlock(name=name or f"{mod}/{kind}", kind=kind, module=mod, g_pieces=tuple(pieces_g),

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import adapters
+from quotient_manifolds.core import FULL_GL
 from adapters import FactorPiece, GLBlock, Layout, SymmetryError, declare_block, default_tolerance
 from conftest import PlainAttention, PlainViT
 
@@ -488,7 +489,12 @@ def test_rotary_attention_is_unsupported_and_declared_block_is_caught():
     assert [b.name for b in adapters.layout(model, allow_unsupported=True).blocks] == ["blocks.0.attn/vo",
                                                                                        "blocks.1.attn/vo"]
     assert "allow_unsupported=True" in msg and "declare_block" in msg
-    blocks = [declare_block(model, q=f"blocks.{i}.attn.q", k=f"blocks.{i}.attn.k", num_heads=2) for i in range(2)]
+    # a full-GL Q/K block on rotary attention is refused when declared (it is not a symmetry) ...
+    with pytest.raises(ValueError, match="group='rope'"):
+        declare_block(model, q="blocks.0.attn.q", k="blocks.0.attn.k", num_heads=2)
+    # ... and caught by verify when forced with an explicit group
+    blocks = [declare_block(model, q=f"blocks.{i}.attn.q", k=f"blocks.{i}.attn.k", num_heads=2,
+                            group=FULL_GL) for i in range(2)]
     blocks += [declare_block(model, v=f"blocks.{i}.attn.v", o=f"blocks.{i}.attn.o", num_heads=2) for i in range(2)]
     lay = adapters.layout(model, blocks=blocks)
     snap = snapshot(model)
@@ -501,6 +507,10 @@ def test_rotary_attention_is_unsupported_and_declared_block_is_caught():
     assert_unchanged(model, snap)
     soft = lay.verify(model, torch.randn(2, 1, 8, 8), raise_on_failure=False)
     assert not soft.passed and "FAIL" in str(soft)
+    # with the rotary commutant (rotate_half pairing) the declared blocks are symmetries
+    rope = [declare_block(model, q=f"blocks.{i}.attn.q", k=f"blocks.{i}.attn.k", num_heads=2,
+                          group="rope") for i in range(2)]
+    assert adapters.layout(model, blocks=rope + blocks[2:]).verify(model, torch.randn(2, 1, 8, 8)).passed
 
 
 def test_misdeclared_blocks_are_caught(plain_vit):
