@@ -49,3 +49,30 @@ def test_readme_links_and_results_exist(readme):
     missing = [t for t in relative if not (readme.parent / t).exists()
                and not (README.parent / t).exists()]
     assert not missing, f"{readme.name} names files that do not exist: {missing}"
+
+
+def _block_with(marker: str) -> str:
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S) if marker in b]
+    assert len(blocks) == 1, f"expected one README example containing {marker!r}"
+    return blocks[0]
+
+
+def _run_example(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_readme_causal_lm_example_runs():
+    out = _run_example(_block_with("LlamaForCausalLM"))
+    values = dict(line.split() for line in out.strip().splitlines())
+    assert set(values) == {"adaptive", "geodesic-inv", "geodesic-mix"}
+    assert all(float(v) > 0 for v in values.values()), out
+
+
+def test_readme_lora_example_runs():
+    pytest.importorskip("peft")
+    out = _run_example(_block_with("get_peft_model"))
+    assert "GL(8)" in out and "lora_B.default.weight" in out
+    assert re.search(r"worst-case geodesic-inv sharpness \(rho=0.05\): \d", out), out
