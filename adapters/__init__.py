@@ -15,7 +15,15 @@ from .layout import (
     primary_output,
 )
 from .detect import Detection, detect, layout
-from .sharpness import GEOMETRIES, MEASURES, SharpnessResult, build_ball, sharpness
+from .families import Family, Match, register_family, unregister_family
+from .sharpness import (
+    GEOMETRIES,
+    MEASURES,
+    SharpnessResult,
+    build_ball,
+    next_token_loss,
+    sharpness,
+)
 from .distributed import distributed_sharpness
 from .solver import (
     APGDResult,
@@ -28,7 +36,7 @@ from .solver import (
 )
 
 __all__ = [
-    "layout", "detect", "Detection", "declare_block", "FactorPiece", "GLBlock", "Layout", "Unsupported",
+    "layout", "detect", "Detection", "Family", "Match", "register_family", "unregister_family", "declare_block", "FactorPiece", "GLBlock", "Layout", "Unsupported",
     "VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output",
     "sharpness", "distributed_sharpness", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
     "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",

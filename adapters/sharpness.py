@@ -4,25 +4,35 @@ r"""Adaptive and geodesic worst-case (and average-case) sharpness of a real mode
 :class:`~adapters.solver.ProductBall` (one batched GL(h) quotient per block shape, the elementwise
 adaptive geometry for every other weight) and runs :func:`~adapters.solver.auto_pgd` per batch with a
 closure that evaluates the model through ``torch.func.functional_call``. The user's model is never
-modified: parameters and buffers are read once, detached; the train/eval flag is restored even after
-an exception or KeyboardInterrupt; no ``.grad`` is written (gradients come from
+modified: parameters and buffers are read once, detached; every submodule's train/eval flag is
+restored even after an exception or KeyboardInterrupt; no ``.grad`` is written (gradients come from
 ``torch.autograd.grad`` with respect to the perturbation only).
+
+Half precision: a float16 / bfloat16 model is evaluated in float32 at its trained weights (float32
+copies of its half-precision parameters and buffers, half-precision floating inputs cast too). The
+reported value is the sharpness of the same weights in float32: in half precision the perturbations
+(relative size ~ρ/√#weights) round away against the weights, and loss differences below the half
+resolution of the loss vanish.
 
 Spec: ``geodesic-sharpness-math.md`` §6 (blocks, total norm, ε), §7.3 (algorithm), §12 (choices).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import (Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from quotient_manifolds._runtime import bounded_threads
 from quotient_manifolds.core.gl import RETRACTIONS, GLQuotientGeometry, check_choice
 
 from .solver import (
@@ -39,6 +49,9 @@ Tensor = torch.Tensor
 
 GEOMETRIES = ("adaptive", "geodesic-inv", "geodesic-mix")
 MEASURES = ("worst", "average")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: Models with at most this many parameters run on one thread (see ``num_threads``).
+SMALL_MODEL_PARAMS = 2 ** 20
 
 
 @dataclass
@@ -72,6 +85,27 @@ def default_loss(outputs: Any, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits_of(outputs), targets)
 
 
+def next_token_loss(outputs: Any, labels: Tensor) -> Tensor:
+    r"""Shifted next-token cross-entropy of a causal language model (the loss Hugging Face causal
+    LMs compute from ``labels``): position t predicts token t+1,
+
+        L = (1/|V|) Σ_{(b,t) ∈ V} −log softmax(z[b, t])[y[b, t+1]],
+        V = {(b, t) : y[b, t+1] ≠ −100},
+
+    with logits z = ``outputs`` or ``outputs.logits`` of shape (B, T, vocab) and ``labels`` y of
+    shape (B, T) (usually ``input_ids``, with −100 on padding). Half-precision logits are upcast.
+    """
+    logits = logits_of(outputs)
+    if logits.ndim != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"next_token_loss needs logits of shape (batch, tokens, vocab) and labels "
+                         f"of shape (batch, tokens); got logits {tuple(logits.shape)} and labels "
+                         f"{tuple(labels.shape)}")
+    if logits.dtype in HALF_DTYPES:
+        logits = logits.float()
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(logits.device),
+                           ignore_index=-100)
+
+
 def logits_of(outputs: Any) -> Tensor:
     if isinstance(outputs, Tensor):
         return outputs
@@ -91,11 +125,13 @@ def normalize_logits(logits: Tensor) -> Tensor:
 
 
 class _ModelClosure:
-    """Evaluates the loss of ``model`` on one batch at the perturbed parameters given by a ball."""
+    """Evaluates the loss of ``model`` on one batch at the perturbed parameters given by a ball.
+
+    ``loss_fn=None`` takes the model's own ``outputs.loss`` (Hugging Face models given labels)."""
 
     def __init__(self, model: torch.nn.Module, params0: Dict[str, Tensor],
                  buffers: Dict[str, Tensor], write_back: Callable[[List[Tensor]], Dict[str, Tensor]],
-                 loss_fn: Callable, normalise: bool):
+                 loss_fn: Optional[Callable], normalise: bool):
         self.model, self.params0, self.buffers = model, params0, buffers
         self.write_back, self.loss_fn, self.normalise = write_back, loss_fn, normalise
         self.inputs: Any = None
@@ -108,9 +144,26 @@ class _ModelClosure:
             outputs = functional_call(self.model, tensors, args=(), kwargs=dict(self.inputs))
         else:
             outputs = functional_call(self.model, tensors, args=(self.inputs,))
-        if self.normalise:
-            outputs = normalize_logits(logits_of(outputs))
-        return self.loss_fn(outputs, self.targets)
+        if self.loss_fn is None:
+            loss = getattr(outputs, "loss", None)
+            if not isinstance(loss, Tensor):
+                raise ValueError(
+                    f"the model returned no loss for a dict batch (keys {sorted(self.inputs)}): "
+                    f"without loss_fn the model's own `outputs.loss` is used, which Hugging Face "
+                    f"models compute only when the batch has 'labels'. Add 'labels' to the batch "
+                    f"or pass loss_fn=callable(outputs, labels), e.g. adapters.next_token_loss")
+        else:
+            if self.normalise:
+                outputs = normalize_logits(logits_of(outputs))
+            loss = self.loss_fn(outputs, self.targets)
+        if isinstance(loss, Tensor) and loss.dtype in HALF_DTYPES:
+            # the half resolution of the loss (~1e-3 relative) is the size of typical sharpness
+            raise TypeError(
+                f"the loss is computed in {loss.dtype}: sharpness differences of the order of its "
+                f"resolution ({torch.finfo(loss.dtype).eps:.1e} relative) would be rounded away. "
+                f"The model or loss_fn casts to half precision although its weights are given in "
+                f"float32 (torch.autocast?): run without autocast and compute the loss in float32")
+        return loss
 
 
 def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: str,
@@ -120,21 +173,23 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
                ) -> Tuple[ProductBall, Callable[[List[Tensor]], Dict[str, Tensor]]]:
     """The ball of perturbations and the map from ball points to a full parameter dict.
 
-    geodesic-*: blocks with equal (n, m, h) are stacked into ONE batched GLQuotientGeometry over all
-    their heads (e.g. all QK blocks of a BERT), so the geometry costs a few batched h×h
-    factorisations per group; every weight not covered by a GL block (or the uncovered entries of a
-    partially covered one) is elementwise. adaptive: every trainable weight is elementwise.
+    geodesic-*: blocks with equal :func:`_component_key` (n, m, h, symmetry group) are stacked into
+    ONE batched GLQuotientGeometry over all their heads (e.g. all QK blocks of a BERT), so the
+    geometry costs a few batched h×h factorisations per group; every weight not covered by a GL
+    block (or the uncovered entries of a partially covered one) is elementwise. adaptive: every
+    trainable weight is elementwise.
     """
     trainable = list(params0)
     components: List = []
     groups: List[Tuple[List, List[int]]] = []  # (blocks, head counts) per quotient component
     if geometry != "adaptive":
         metric = geometry.split("-", 1)[1]
-        by_shape: "OrderedDict[Tuple[int, int, int], List]" = OrderedDict()
+        by_key: "OrderedDict[Tuple[int, int, int, Hashable], List]" = OrderedDict()
         for block in layout.blocks:
-            by_shape.setdefault((block.n, block.m, block.head_dim), []).append(block)
-        for (n, m, h), blocks in by_shape.items():
-            geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps)
+            by_key.setdefault(_component_key(block), []).append(block)
+        for (n, m, h, group), blocks in by_key.items():
+            geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
+                                      **({"group": group} if group is not None else {}))
             xs = [block.gather(params0).detach().to(torch.float64) for block in blocks]
             x0 = torch.cat(xs, dim=0)
             frame = _frame_or_explain(geom, x0, blocks, xs)
@@ -171,6 +226,12 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     return ProductBall(components), write_back
 
 
+def _component_key(block) -> Tuple[int, int, int, Hashable]:
+    """Blocks with equal keys share one batched quotient geometry: the shapes (n, m, h) and the
+    symmetry group (``None``: the full GL(h))."""
+    return (block.n, block.m, block.head_dim, getattr(block, "group", None))
+
+
 def _frame_or_explain(geom: GLQuotientGeometry, x0: Tensor, blocks, xs):
     try:
         return geom.frame(x0)
@@ -184,7 +245,8 @@ def _frame_or_explain(geom: GLQuotientGeometry, x0: Tensor, blocks, xs):
         raise
 
 
-def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
+def sharpness(model: torch.nn.Module,
+              batches: Iterable[Union[Tuple[Any, Any], Mapping[str, Any]]], *,
               geometry: str = "geodesic-mix", rho: float, n_iters: int = 20,
               retraction: str = "second_order", loss_fn: Optional[Callable] = None,
               measure: str = "worst", n_samples: int = 10, eps: float = 0.0,
@@ -192,24 +254,35 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
               step_normalisation: str = "metric", adaptive_direction: str = "riemannian",
               elementwise_second_order: bool = False, normalize_logits: bool = False,
               step_size_mult: float = 1.0, layout=None,
-              allow_unsupported: bool = False, seed: int = 0, progress: bool = False
+              allow_unsupported: bool = False, unsafe: bool = False, seed: int = 0,
+              progress: bool = False, num_threads: Optional[int] = None
               ) -> SharpnessResult:
     r"""Worst-case (Auto-PGD) or average-case sharpness of ``model`` on ``batches``.
 
     Parameters
     ----------
-    model: any ``torch.nn.Module``; never modified.
-    batches: iterable of ``(inputs, targets)``; ``inputs`` is a tensor (``model(inputs)``) or a dict
-        of tensors (``model(**inputs)``).
+    model: any ``torch.nn.Module``; never modified. A float16 / bfloat16 model is evaluated in
+        float32 at its trained weights: the value is the sharpness of the same weights in float32
+        (half precision would round the perturbations away).
+    batches: iterable of either
+        * ``(inputs, targets)``: ``inputs`` is a tensor (``model(inputs)``) or a dict of tensors
+          (``model(**inputs)``); the loss is ``loss_fn(outputs, targets)``;
+        * a dict of keyword arguments (a Hugging Face batch as the DataLoader yields it, e.g.
+          ``{"input_ids", "attention_mask", "labels"}``): ``model(**batch)``, and the loss is
+          ``loss_fn(outputs, batch["labels"])`` when ``loss_fn`` is given, else the model's own
+          ``outputs.loss``. For causal LMs ``loss_fn=next_token_loss`` is the shifted next-token
+          cross-entropy, the loss HF computes from ``labels``.
     geometry: ``"geodesic-mix"`` (default), ``"geodesic-inv"`` (attention blocks on the GL(h)
         quotient with that metric, everything else adaptive) or ``"adaptive"`` (elementwise
         c = |w| everywhere, Andriushchenko et al. / Kwon et al.).
-    rho: radius of the ball in the combined norm (spec §6.3). Not comparable across geometries:
-        mix is not scale-free (spec §12.14).
+    rho: radius of the ball in the combined norm (spec §6.3): a finite number > 0 (a Python or
+        numpy scalar or a 0-d array / tensor). Not comparable across geometries: mix is not
+        scale-free (spec §12.14).
     n_iters: Auto-PGD iterations (one forward + one backward each).
     retraction: ``"second_order"`` (x + ξ − ½Γ(ξ,ξ), default), ``"first_order"`` (x + ξ: the
         ablation "no second-order correction"), or ``"exact"`` (geodesic ODE).
-    loss_fn: ``loss_fn(outputs, targets)``; default mean cross-entropy on the logits.
+    loss_fn: ``loss_fn(outputs, targets)``; default mean cross-entropy on the logits for
+        ``(inputs, targets)`` batches, the model's ``outputs.loss`` for dict batches.
     measure: ``"worst"`` (Auto-PGD) or ``"average"`` (mean over ``n_samples`` random horizontal
         directions on the sphere of radius rho; seeded by ``seed``).
     eps: Gram relaxation GᵀG + εI (spec §6.4).
@@ -225,6 +298,14 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
     layout: a precomputed :class:`~adapters.layout.Layout` (default: detected from the model).
     allow_unsupported: run even if the layout reports unsupported attention modules (they are
         then treated adaptively) or none at all.
+    unsafe: run a geodesic geometry even if the layout's last ``verify`` found blocks that are not
+        symmetries of the model (``layout.verify_failed``); the value is then not meaningful.
+    progress: show a progress bar over the Auto-PGD iterations (samples for ``"average"``) of all
+        batches.
+    num_threads: at most this many intra-op threads during the run; torch's setting is restored
+        afterwards (default: 1 for models with at most ``SMALL_MODEL_PARAMS`` parameters, whose tiny
+        ops lose more to thread synchronisation than they gain, 60x so on a loaded machine;
+        torch's setting otherwise).
     """
     from .detect import layout as detect_layout
 
@@ -233,69 +314,109 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
     check_choice(measure, MEASURES, "measure")
     check_choice(momentum, MOMENTUM_FORMS, "momentum form")
     check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
-    if not isinstance(rho, (int, float)) or not rho > 0:
-        raise ValueError(f"rho must be a number > 0, got {rho!r}")
+    rho = _as_rho(rho)
+    all_params = dict(model.named_parameters())
+    params0 = {n: p.detach() for n, p in all_params.items() if p.requires_grad}
+    if not params0:
+        raise ValueError(
+            f"the model has no trainable parameter (all {len(all_params)} have "
+            f"requires_grad=False): sharpness perturbs the trainable weights, the frozen ones stay fixed. Set "
+            f"requires_grad=True on the weights to perturb (e.g. model.requires_grad_(True), or "
+            f"only the adapter weights of a PEFT model)")
     if geometry != "adaptive" and layout is None:
         layout = detect_layout(model, allow_unsupported=allow_unsupported)
+    if geometry != "adaptive":
+        failed = list(getattr(layout, "verify_failed", None) or [])
+        if failed and not unsafe:
+            raise ValueError(
+                f"the layout's last verify found block(s) {failed} that are not symmetries of the "
+                f"model: the {geometry} value would be meaningless. Fix the declaration of these "
+                f"blocks (or leave them out of the layout) and verify again, use "
+                f"geometry='adaptive', or pass unsafe=True to run anyway")
+        if failed:
+            warnings.warn(f"unsafe=True: running {geometry} with block(s) {failed} that failed "
+                          f"verify; the value is not meaningful", UserWarning, stacklevel=2)
     if geometry != "adaptive" and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
                       f"adaptively, so this {geometry} value is adaptive sharpness with the "
                       f"geodesic settings", UserWarning, stacklevel=2)
-    loss_fn = loss_fn or default_loss
 
-    params0 = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    # half-precision tensors are evaluated as float32 copies (module docstring)
+    upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
+    params0 = {n: _as_compute(p, upcast) for n, p in params0.items()}
     for name, p in params0.items():
         if not bool(torch.isfinite(p).all()):
             raise ValueError(f"parameter {name!r} contains non-finite values; sharpness is "
                              f"undefined at such weights")
-    buffers = {**{n: b for n, b in model.named_buffers()}, **frozen}
+    frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items()
+              if not p.requires_grad}
+    buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
     device = next(iter(params0.values())).device
+    if num_threads is None and sum(p.numel() for p in all_params.values()) <= SMALL_MODEL_PARAMS:
+        num_threads = 1
 
-    was_training = model.training
+    flags = _training_flags(model)
     started = time.perf_counter()
+    bar = None
     try:
         model.eval()
-        ball, write_back = build_ball(model, params0, geometry=geometry, layout=layout,
-                                      retraction=retraction, eps=eps,
-                                      use_metric_norm=use_metric_norm,
-                                      adaptive_direction=adaptive_direction,
-                                      elementwise_second_order=elementwise_second_order)
-        closure = _ModelClosure(model, params0, buffers, write_back, loss_fn, normalize_logits)
-        generator = torch.Generator(device=device).manual_seed(seed)
-        per_batch, init, worst, norms = [], [], [], []
-        n_fwd = n_bwd = 0
-        iterator = batches
-        if progress:
-            from tqdm.auto import tqdm
-            iterator = tqdm(batches, desc=f"{geometry} sharpness", unit="batch")
-        for inputs, targets in iterator:
-            closure.inputs = _to_device(inputs, device)
-            closure.targets = _to_device(targets, device)
-            if measure == "worst":
-                res = auto_pgd(ball, closure, rho, n_iters=n_iters, momentum=momentum,
-                               step_normalisation=step_normalisation,
-                               step_size_mult=step_size_mult)
-                init.append(res.init_loss)
-                worst.append(res.worst_loss)
-                norms.append(res.norm)
-                n_fwd += res.n_forward
-                n_bwd += res.n_backward
-            else:
-                res = average_case(ball, closure, rho, n_samples=n_samples, generator=generator)
-                init.append(res["init_loss"])
-                worst.append(res["mean_loss"])
-                norms.append(float(rho))
-                n_fwd += 1 + n_samples
-            per_batch.append(worst[-1] - init[-1])
+        with bounded_threads(num_threads):
+            ball, write_back = build_ball(model, params0, geometry=geometry, layout=layout,
+                                          retraction=retraction, eps=eps,
+                                          use_metric_norm=use_metric_norm,
+                                          adaptive_direction=adaptive_direction,
+                                          elementwise_second_order=elementwise_second_order)
+            # the loss function is set per batch (dict batches may use the model's own loss)
+            closure = _ModelClosure(model, params0, buffers, write_back, None, normalize_logits)
+            generator = torch.Generator(device=device).manual_seed(seed)
+            per_batch, init, worst, norms = [], [], [], []
+            n_fwd = n_bwd = 0
+            on_iteration = None
+            if progress:
+                from tqdm.auto import tqdm
+                steps = n_iters if measure == "worst" else n_samples
+                try:
+                    n_batches = len(batches)  # type: ignore[arg-type]
+                except TypeError:  # a generator, an IterableDataset loader
+                    n_batches = None
+                bar = tqdm(total=None if n_batches is None else n_batches * steps,
+                           desc=f"{geometry} sharpness", unit="it")
+                on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
+            for index, batch in enumerate(batches):
+                inputs, targets, own_loss = _split_batch(batch, index, loss_fn, normalize_logits)
+                closure.loss_fn = None if own_loss else (loss_fn or default_loss)
+                closure.inputs = _to_device(inputs, device, upcast)
+                closure.targets = _to_device(targets, device, upcast)
+                if bar is not None:
+                    bar.set_postfix(batch=index)
+                if measure == "worst":
+                    res = auto_pgd(ball, closure, rho, n_iters=n_iters, momentum=momentum,
+                                   step_normalisation=step_normalisation,
+                                   step_size_mult=step_size_mult, on_iteration=on_iteration)
+                    init.append(res.init_loss)
+                    worst.append(res.worst_loss)
+                    norms.append(res.norm)
+                    n_fwd += res.n_forward
+                    n_bwd += res.n_backward
+                else:
+                    res = average_case(ball, closure, rho, n_samples=n_samples,
+                                       generator=generator, on_iteration=on_iteration)
+                    init.append(res["init_loss"])
+                    worst.append(res["mean_loss"])
+                    norms.append(rho)
+                    n_fwd += 1 + n_samples
+                per_batch.append(worst[-1] - init[-1])
         if not per_batch:
-            raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair")
+            raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or "
+                             "dict batch")
     finally:
-        model.train(was_training)
+        if bar is not None:
+            bar.close()
+        _restore_training_flags(model, flags)
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch), per_batch=per_batch, init_losses=init,
-        worst_losses=worst, norms=norms, rho=float(rho), geometry=geometry, measure=measure,
+        worst_losses=worst, norms=norms, rho=rho, geometry=geometry, measure=measure,
         n_iters=n_iters, n_forward=n_fwd, n_backward=n_bwd,
         time_s=time.perf_counter() - started,
         options=dict(retraction=retraction, eps=eps, use_metric_norm=use_metric_norm,
@@ -303,12 +424,73 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Tuple[Any, Any]], *,
                      adaptive_direction=adaptive_direction,
                      elementwise_second_order=elementwise_second_order,
                      normalize_logits=normalize_logits,
-                     step_size_mult=step_size_mult, n_samples=n_samples, seed=seed))
+                     step_size_mult=step_size_mult, n_samples=n_samples, seed=seed,
+                     compute_dtype="float32 (upcast from half precision)" if upcast else "model",
+                     unsafe=unsafe))
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
+def _as_rho(rho: Any) -> float:
+    """``rho`` as a float: Python / numpy scalars and 0-d arrays or tensors; finite and > 0."""
+    value = rho
+    if isinstance(value, Tensor) or type(value).__module__ == "numpy":
+        if getattr(value, "ndim", 0) != 0:
+            raise ValueError(f"rho must be a scalar, got an array of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"rho must be a number > 0 (float, int, numpy scalar or 0-d "
+                         f"array/tensor), got {rho!r} of type {type(rho).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"rho must be a finite number > 0 (the radius of the ball), got {rho!r}")
+    return value
+
+
+def _split_batch(batch: Any, index: int, loss_fn: Optional[Callable], normalise: bool
+                 ) -> Tuple[Any, Any, bool]:
+    """(inputs, targets, use the model's own loss) of one batch; see :func:`sharpness`."""
+    if isinstance(batch, Mapping):
+        if loss_fn is None:
+            if normalise:
+                raise ValueError("normalize_logits=True needs a loss_fn for dict batches (the "
+                                 "model's own loss does not see normalised logits): pass e.g. "
+                                 "loss_fn=adapters.next_token_loss")
+            return batch, None, True
+        if "labels" not in batch:
+            raise ValueError(f"dict batch {index} has no 'labels' (keys {sorted(batch)}): with "
+                             f"loss_fn the loss is loss_fn(outputs, batch['labels']); add the "
+                             f"labels, or yield (inputs, targets) pairs")
+        return batch, batch["labels"], False
+    if not isinstance(batch, Sequence) or isinstance(batch, str) or len(batch) != 2:
+        what = f" of length {len(batch)}" if isinstance(batch, Sequence) else ""
+        raise ValueError(f"batch {index} is a {type(batch).__name__}{what}; expected an (inputs, "
+                         f"targets) pair or a dict of model keyword arguments (a Hugging Face "
+                         f"batch)")
+    inputs, targets = batch
+    return inputs, targets, False
+
+
+def _as_compute(t: Tensor, upcast: bool) -> Tensor:
+    """``t`` in the compute dtype: float32 for half-precision tensors when ``upcast``."""
+    return t.float() if upcast and t.dtype in HALF_DTYPES else t
+
+
+def _training_flags(model: torch.nn.Module) -> Dict[str, bool]:
+    """Every submodule's own ``training`` flag (a plain ``model.train(flag)`` would overwrite
+    submodules deliberately kept in eval mode)."""
+    return {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
+
+
+def _restore_training_flags(model: torch.nn.Module, flags: Dict[str, bool]) -> None:
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if name in flags:
+            mod.training = flags[name]
+
+
+def _to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
     if isinstance(obj, Tensor):
-        return obj.to(device)
+        return _as_compute(obj.to(device), upcast)
     if isinstance(obj, Mapping):
-        return {k: _to_device(v, device) for k, v in obj.items()}
+        return {k: _to_device(v, device, upcast) for k, v in obj.items()}
+    if type(obj) in (tuple, list):
+        return type(obj)(_to_device(v, device, upcast) for v in obj)
     return obj

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from quotient_manifolds._runtime import bounded_threads, threads_for
 from quotient_manifolds.core.gl import check_choice
 
 Tensor = torch.Tensor
@@ -44,6 +45,10 @@ class QuotientComponent:
     quotient's projection (so the Γ-step and the horizontal restriction stay). Using the quotient
     metric's gradient with the elementwise norm instead would let near-zero weights (e.g. key
     biases, which get no gradient) dominate the norm and stall every step.
+
+    The per-head linear algebra of a small component runs on one thread
+    (:func:`~quotient_manifolds._runtime.threads_for`): h×h solves are far too small to pay for
+    thread synchronisation.
     """
 
     def __init__(self, name: str, frame, x0: Tensor, *, retraction: str,
@@ -54,6 +59,7 @@ class QuotientComponent:
         self.retraction = retraction
         self.elementwise_norm = None if use_metric_norm else _inverse_square(x0)
         self.elementwise_rgrad = None if use_metric_norm else x0 * x0 * (self.elementwise_norm > 0)
+        self.threads = threads_for(x0.numel())
 
     def zeros(self) -> Tensor:
         return torch.zeros_like(self.x0)
@@ -61,18 +67,22 @@ class QuotientComponent:
     def inner(self, u: Tensor, v: Tensor) -> Tensor:
         if self.elementwise_norm is not None:
             return (u * v * self.elementwise_norm).sum(dtype=torch.float64)
-        return self.frame.inner(u, v).sum(dtype=torch.float64)
+        with bounded_threads(self.threads):
+            return self.frame.inner(u, v).sum(dtype=torch.float64)
 
     def project(self, u: Tensor) -> Tensor:
-        return self.frame.project(u)
+        with bounded_threads(self.threads):
+            return self.frame.project(u)
 
     def rgrad(self, egrad: Tensor) -> Tensor:
-        if self.elementwise_rgrad is not None:
-            return self.frame.project(egrad * self.elementwise_rgrad)
-        return self.frame.egrad2rgrad(egrad)
+        with bounded_threads(self.threads):
+            if self.elementwise_rgrad is not None:
+                return self.frame.project(egrad * self.elementwise_rgrad)
+            return self.frame.egrad2rgrad(egrad)
 
     def point(self, xi: Tensor) -> Tensor:
-        return self.frame.retract(xi, self.retraction)
+        with bounded_threads(self.threads):
+            return self.frame.retract(xi, self.retraction)
 
     def random(self, generator: Optional[torch.Generator]) -> Tensor:
         u = torch.randn(self.x0.shape, dtype=self.x0.dtype, device=self.x0.device,
@@ -258,7 +268,8 @@ class APGDResult:
 def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,
              n_iters: int = 20, step_size_mult: float = 1.0, alpha: float = 0.75,
              momentum: str = "apgd", step_normalisation: str = "metric",
-             min_update_ratio: float = 0.75, decay: float = 0.5) -> APGDResult:
+             min_update_ratio: float = 0.75, decay: float = 0.5,
+             on_iteration: Optional[Callable[[int, float], None]] = None) -> APGDResult:
     r"""Maximise ``closure(ball.points(ξ))`` over horizontal ξ with ‖ξ‖ ≤ ρ (spec §7.1, §7.3).
 
     Iterations k = 0..N−1 each cost exactly one forward and one backward: the pass at ξ_k gives both
@@ -271,7 +282,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     At the checkpoints of :func:`apgd_checkpoints`, if fewer than 75 % of the steps since the last
     checkpoint improved the worst loss, or neither η nor the worst loss changed, η is halved and
     the iterate restarts from the worst point (whose gradient was kept, so no extra pass).
-    The initial step is η₀ = 2ρ·step_size_mult.
+    The initial step is η₀ = 2ρ·step_size_mult. ``on_iteration(k, loss)`` is called after each
+    iteration k = 0..N−1 with ℓ(ξ_{k+1}) (e.g. to advance a progress bar).
     """
     if not rho > 0:
         raise ValueError(f"rho must be > 0, got {rho!r}")
@@ -337,23 +349,30 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         if loss > worst:
             worst, xi_worst, grad_worst = loss, xi, grad
             n_updates += 1
+        if on_iteration is not None:
+            on_iteration(k, loss)
     return APGDResult(loss0, worst, xi_worst, float(ball.norm(xi_worst)), n_fwd, n_bwd, history,
                       steps)
 
 
 def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,
-                 n_samples: int = 10, generator: Optional[torch.Generator] = None) -> Dict[str, float]:
+                 n_samples: int = 10, generator: Optional[torch.Generator] = None,
+                 on_iteration: Optional[Callable[[int, float], None]] = None
+                 ) -> Dict[str, float]:
     """E_ξ[L(R(ξ))] − L(w⁰) over random horizontal ξ on the sphere ‖ξ‖ = ρ (forward passes only).
 
     Directions are Gaussian in the metric's natural scaling (projected horizontally), rescaled to
-    norm ρ; ``generator`` makes the draw deterministic."""
+    norm ρ; ``generator`` makes the draw deterministic. ``on_iteration(k, loss)`` is called after
+    each sample k."""
     if not rho > 0:
         raise ValueError(f"rho must be > 0, got {rho!r}")
     with torch.no_grad():
         loss0 = float(closure(ball.points(ball.zeros())))
         losses = []
-        for _ in range(n_samples):
+        for k in range(n_samples):
             u = ball.random(generator)
             u = scale(u, rho / float(ball.norm(u)))
             losses.append(float(closure(ball.points(u))))
+            if on_iteration is not None:
+                on_iteration(k, losses[-1])
     return {"init_loss": loss0, "mean_loss": sum(losses) / len(losses), "losses": losses}

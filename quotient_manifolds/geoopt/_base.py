@@ -5,6 +5,11 @@ The core geometry object (:class:`~quotient_manifolds.core.gl.GLQuotientGeometry
 ``geometry.frame(x)`` is built at the point and its methods are called. Frames compute in float64
 and return results in the dtype of the input, and they broadcast over leading batch dimensions, so
 the methods below do too (toolkit-apis §1.1, "shape conventions").
+
+Frames are cached by the point's contents (:class:`~quotient_manifolds._runtime.FrameCache`): one
+RiemannianAdam step builds one frame instead of four. Methods on small points run on one thread
+(:func:`~quotient_manifolds._runtime.small_work`): their linear algebra is far below what threads
+pay off for.
 """
 
 from __future__ import annotations
@@ -16,7 +21,11 @@ from geoopt.manifolds.base import Manifold
 from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
+from .._runtime import FrameCache, small_work
+
 Tensor = torch.Tensor
+
+_small = small_work(lambda x: x.numel())  # the point's size decides the thread bound
 
 _NO_CLOSED_FORM = (
     "{name}.{method} is not available: the quotient by the non-compact group {group} has no "
@@ -48,8 +57,12 @@ class CoreQuotientManifold(Manifold):
 
     # ------------------------------------------------------------------ helpers
     def _frame(self, x: Tensor):
-        """The core frame at x (validated: shape, finiteness, full rank; raises ValueError)."""
-        return self.geometry.frame(x)
+        """The core frame at x (validated: shape, finiteness, full rank; raises ValueError), reused
+        from the cache when x has the values of a recent point."""
+        cache = self.__dict__.get("_frame_cache")
+        if cache is None:  # created lazily: subclasses need not call a base __init__
+            cache = self.__dict__["_frame_cache"] = FrameCache()
+        return cache.frame(self.geometry, x)
 
     @property
     def dim(self) -> int:
@@ -81,6 +94,7 @@ class CoreQuotientManifold(Manifold):
             return False, str(err)
         return True, None
 
+    @_small
     def _check_point_on_manifold(self, x: Tensor, *, atol=1e-5, rtol=1e-5
                                  ) -> Tuple[bool, Optional[str]]:
         """Finite, full-rank point: the validation the core frame does (``atol``/``rtol`` unused:
@@ -91,6 +105,7 @@ class CoreQuotientManifold(Manifold):
             return False, str(err)
         return True, None
 
+    @_small
     def _check_vector_on_tangent(self, x: Tensor, u: Tensor, *, atol=1e-5, rtol=1e-5
                                  ) -> Tuple[bool, Optional[str]]:
         """u is horizontal iff P_h(u) = u (the horizontal space is the tangent space of the
@@ -114,10 +129,12 @@ class CoreQuotientManifold(Manifold):
         step, toolkit-apis §1.1). Use ``geometry.balance`` + ``geometry.act`` explicitly instead."""
         return x
 
+    @_small
     def proju(self, x: Tensor, u: Tensor) -> Tensor:
         """Metric-orthogonal projection onto the horizontal space (core ``frame.project``)."""
         return self._frame(x).project(u)
 
+    @_small
     def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
         """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, spec §4): Euclidean gradient
         times the inverse metric weights, then projected (needed for non-invariant terms such as
@@ -125,27 +142,33 @@ class CoreQuotientManifold(Manifold):
         return self._frame(x).egrad2rgrad(u)
 
     # ------------------------------------------------------------------ metric
+    @_small
     def inner(self, x: Tensor, u: Tensor, v: Optional[Tensor] = None, *, keepdim=False) -> Tensor:
         """g_x(u, v) (core ``frame.inner``); ``keepdim=True`` gives shape ``(..., 1, 1)``."""
         return self._frame(x).inner(u, v, keepdim=keepdim)
 
+    @_small
     def norm(self, x: Tensor, u: Tensor, *, keepdim=False) -> Tensor:
         """‖u‖_x = √g_x(u, u) (core ``frame.norm``)."""
         return self._frame(x).norm(u, keepdim=keepdim)
 
     # ------------------------------------------------------------------ moves
+    @_small
     def retr(self, x: Tensor, u: Tensor) -> Tensor:
         """The retraction chosen at construction (core ``frame.retract``, spec §5.1)."""
         return self._frame(x).retract(u)
 
+    @_small
     def expmap(self, x: Tensor, u: Tensor) -> Tensor:
         """Exact geodesic at t = 1 (core ``frame.retract(u, "exact")``)."""
         return self._frame(x).retract(u, "exact")
 
+    @_small
     def transp(self, x: Tensor, y: Tensor, v: Tensor) -> Tensor:
         """Vector transport by projection onto the horizontal space at y (Manopt; core
-        ``geometry.transport``). ``x`` is not used."""
-        return self.geometry.transport(y, v)
+        ``geometry.transport``, here through the cached frame at y: the next step's point). ``x``
+        is not used."""
+        return self._frame(y).project(v)
 
     def retr_transp(self, x: Tensor, u: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         y = self.retr(x, u)

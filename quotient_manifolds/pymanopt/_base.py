@@ -4,6 +4,10 @@ Points and tangent vectors are numpy pairs (``point_layout=2``: the cost receive
 two arguments). Each method converts its arguments to ONE float64 torch tensor, calls the core
 frame (``geometry.frame(x)``), and converts back. Random draws use a torch generator seeded from
 numpy's global RNG, so ``np.random.seed`` makes pymanopt runs reproducible as usual.
+
+Frames are cached by the point's values (:class:`~quotient_manifolds._runtime.FrameCache`): a
+trust-region run asks for many inner products and projections at one point. Methods on small points
+run on one thread (:func:`~quotient_manifolds._runtime.small_work`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ import numpy as np
 import torch
 from pymanopt.manifolds.manifold import Manifold
 
+from .._runtime import FrameCache, small_work
 from ._tangent import PairConverter
+
+_small = small_work(lambda point: sum(np.size(part) for part in point))
 
 _NO_CLOSED_FORM = (
     "{name}.{method} is not available: the quotient by the non-compact group {group} has no "
@@ -42,7 +49,11 @@ class CoreQuotientManifold(Manifold):
         return self._conv.to_numpy(t, self._tangent_cls)
 
     def _frame(self, point):
-        return self.geometry.frame(self._t(point))
+        """The core frame at ``point``, reused from the cache when the point has recent values."""
+        cache = self.__dict__.get("_frame_cache")
+        if cache is None:  # created lazily: subclasses need not call a base __init__
+            cache = self.__dict__["_frame_cache"] = FrameCache()
+        return cache.frame(self.geometry, self._t(point))
 
     @staticmethod
     def _generator() -> torch.Generator:
@@ -53,25 +64,30 @@ class CoreQuotientManifold(Manifold):
             name=type(self).__name__, method=method, group=self._group, what=what))
 
     # ------------------------------------------------------------------ metric
+    @_small
     def inner_product(self, point, tangent_vector_a, tangent_vector_b) -> float:
         """g_x(a, b) (core ``frame.inner``)."""
         return float(self._frame(point).inner(self._t(tangent_vector_a), self._t(tangent_vector_b)))
 
+    @_small
     def norm(self, point, tangent_vector) -> float:
         """‖v‖_x (core ``frame.norm``)."""
         return float(self._frame(point).norm(self._t(tangent_vector)))
 
     # ------------------------------------------------------------------ projections
+    @_small
     def projection(self, point, vector):
         """Horizontal projection (core ``frame.project``)."""
         return self._vec(self._frame(point).project(self._t(vector)))
 
     to_tangent_space = projection
 
+    @_small
     def euclidean_to_riemannian_gradient(self, point, euclidean_gradient):
         """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, spec §4)."""
         return self._vec(self._frame(point).egrad2rgrad(self._t(euclidean_gradient)))
 
+    @_small
     def euclidean_to_riemannian_hessian(self, point, euclidean_gradient, euclidean_hessian,
                                         tangent_vector):
         """P_h(D rgrad[ξ] + Γ(rgrad, ξ)) (core ``frame.ehess2rhess``)."""
@@ -80,17 +96,21 @@ class CoreQuotientManifold(Manifold):
                                            self._t(euclidean_hessian), self._t(tangent_vector)))
 
     # ------------------------------------------------------------------ moves
+    @_small
     def retraction(self, point, tangent_vector):
         """The retraction chosen at construction (core ``frame.retract``)."""
         return self._point(self._frame(point).retract(self._t(tangent_vector)))
 
+    @_small
     def exp(self, point, tangent_vector):
         """The exact geodesic at t = 1 (core ``frame.retract(·, "exact")``)."""
         return self._point(self._frame(point).retract(self._t(tangent_vector), "exact"))
 
+    @_small
     def transport(self, point_a, point_b, tangent_vector_a):
-        """Projection onto the horizontal space at ``point_b`` (core ``geometry.transport``)."""
-        return self._vec(self.geometry.transport(self._t(point_b), self._t(tangent_vector_a)))
+        """Projection onto the horizontal space at ``point_b`` (core ``geometry.transport``, through
+        the cached frame at ``point_b``)."""
+        return self._vec(self._frame(point_b).project(self._t(tangent_vector_a)))
 
     # ------------------------------------------------------------------ sampling
     def random_point(self):
@@ -98,12 +118,14 @@ class CoreQuotientManifold(Manifold):
         return self._point(self.geometry.random_point(dtype=torch.float64,
                                                       generator=self._generator()))
 
+    @_small
     def random_tangent_vector(self, point):
         """Unit-norm horizontal Gaussian vector (core ``geometry.random_horizontal``)."""
         x = self._t(point)
         return self._vec(self.geometry.random_horizontal(x, unit=True,
                                                          generator=self._generator()))
 
+    @_small
     def zero_vector(self, point):
         return self._vec(self.geometry.zero_vector(self._t(point)))
 

@@ -1,0 +1,329 @@
+"""Sharpness engine: half-precision models, argument handling, progress, train flags, Hugging Face
+dict batches and next-token loss, verify gating, thread bounds, and the faces' frame cache."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import adapters
+from adapters.sharpness import GEOMETRIES, next_token_loss, sharpness
+from adapters.solver import ElementwiseComponent, ProductBall, auto_pgd
+from quotient_manifolds._runtime import FrameCache, bounded_threads
+
+transformers = pytest.importorskip("transformers")
+
+
+def _labelled(inputs: dict, num_labels: int = 2):
+    g = torch.Generator().manual_seed(1)
+    return [(inputs, torch.randint(0, num_labels, (inputs["input_ids"].shape[0],), generator=g))]
+
+
+def _tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[2, 6:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+# ------------------------------------------------------------------------------ half precision
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 0.02), (torch.float16, 0.01)])
+def test_half_precision_model_matches_float32_copy_of_its_weights(tiny_bert, dtype, tol):
+    model, inputs = tiny_bert
+    half = model.to(dtype)
+    full = copy.deepcopy(half).float()  # the same rounded weights, in float32
+    batches = _labelled(inputs)
+    before = {n: p.detach().clone() for n, p in half.named_parameters()}
+    for geometry in GEOMETRIES:
+        got = sharpness(half, batches, geometry=geometry, rho=0.01, n_iters=5)
+        want = sharpness(full, batches, geometry=geometry, rho=0.01, n_iters=5).value
+        assert want > 0
+        assert abs(got.value / want - 1) < tol, (geometry, got.value, want)
+        assert "float32" in got.options["compute_dtype"]
+    for n, p in half.named_parameters():
+        assert p.dtype == dtype and torch.equal(p.detach(), before[n]), n
+
+
+def test_half_precision_floating_inputs_are_cast(plain_vit):
+    model, x = plain_vit
+    half = model.to(torch.bfloat16)
+    full = copy.deepcopy(half).float()
+    xh = x.to(torch.bfloat16)
+    targets = torch.tensor([0, 2])
+    got = sharpness(half, [(xh, targets)], geometry="geodesic-mix", rho=0.05, n_iters=4).value
+    want = sharpness(full, [(xh.float(), targets)], geometry="geodesic-mix", rho=0.05,
+                     n_iters=4).value
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_half_precision_loss_is_refused(tiny_bert):
+    model, inputs = tiny_bert
+    with pytest.raises(TypeError, match="bfloat16.*float32"):
+        sharpness(model, _labelled(inputs), geometry="adaptive", rho=0.01, n_iters=2,
+                  loss_fn=lambda o, t: nn.functional.cross_entropy(o.logits, t).bfloat16())
+
+
+# ------------------------------------------------------------------------------ arguments
+@pytest.mark.parametrize("rho", [np.float32(0.05), np.array(0.05), torch.tensor(0.05),
+                                 np.float64(0.05)])
+def test_rho_accepts_numpy_and_torch_scalars(tiny_bert, rho):
+    model, inputs = tiny_bert
+    batches = _labelled(inputs)
+    want = sharpness(model, batches, geometry="adaptive", rho=float(rho), n_iters=3)
+    got = sharpness(model, batches, geometry="adaptive", rho=rho, n_iters=3)
+    assert type(got.rho) is float and got.value == want.value
+
+
+@pytest.mark.parametrize("rho", [float("nan"), float("inf"), np.float32(-1), torch.tensor(0.0),
+                                 torch.tensor([0.1, 0.2]), "0.1", None])
+def test_rho_rejects_bad_values_clearly(tiny_bert, rho):
+    model, inputs = tiny_bert
+    with pytest.raises(ValueError, match="rho"):
+        sharpness(model, _labelled(inputs), geometry="adaptive", rho=rho, n_iters=2)
+
+
+def test_all_frozen_model_is_refused_clearly(tiny_bert):
+    model, inputs = tiny_bert
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter.*requires_grad"):
+        sharpness(model, _labelled(inputs), rho=0.1)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_malformed_batch_is_reported(tiny_bert):
+    model, inputs = tiny_bert
+    with pytest.raises(ValueError, match="batch 0.*pair or a dict"):
+        sharpness(model, [inputs["input_ids"]], geometry="adaptive", rho=0.1, n_iters=2)
+
+
+# ------------------------------------------------------------------------------ progress
+def test_progress_counts_auto_pgd_iterations(tiny_bert, monkeypatch):
+    import tqdm.auto
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, *args, total=None, **kwargs):
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    model, inputs = tiny_bert
+    batches = _labelled(inputs) * 2
+    sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=4, progress=True)
+    sharpness(model, batches, geometry="adaptive", rho=0.1, measure="average", n_samples=3,
+              progress=True)
+    assert [(b.total, b.n, b.closed) for b in bars] == [(8, 8, True), (6, 6, True)]
+
+
+def test_auto_pgd_on_iteration_reports_every_iteration():
+    w = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    ball = ProductBall([ElementwiseComponent({"w": w})])
+    seen = []
+    res = auto_pgd(ball, lambda pts: (pts[0] ** 3).sum(), 0.1, n_iters=6,
+                   on_iteration=lambda k, loss: seen.append((k, loss)))
+    assert seen == list(enumerate(res.history[1:]))
+
+
+# ------------------------------------------------------------------------------ train flags
+def test_every_submodule_training_flag_is_restored(tiny_bert):
+    model, inputs = tiny_bert
+    model.train()
+    model.bert.embeddings.eval()  # e.g. frozen embeddings kept in eval mode by the user
+    flags = {n: m.training for n, m in model.named_modules(remove_duplicate=False)}
+    seen = []
+    loss = lambda o, t: (seen.append(model.bert.encoder.training),  # noqa: E731
+                         nn.functional.cross_entropy(o.logits, t))[1]
+    sharpness(model, _labelled(inputs), geometry="adaptive", rho=0.1, n_iters=2, loss_fn=loss)
+    assert seen and not any(seen)  # evaluated in eval mode
+    assert {n: m.training for n, m in model.named_modules(remove_duplicate=False)} == flags
+
+
+# ------------------------------------------------------------------------------ HF dict batches
+def test_next_token_loss_is_the_hf_causal_lm_loss():
+    model, batch = _tiny_llama()
+    with torch.no_grad():
+        out = model(**batch)
+    assert float(next_token_loss(out, batch["labels"])) == pytest.approx(float(out.loss), rel=1e-6)
+    assert adapters.next_token_loss is next_token_loss
+    with pytest.raises(ValueError, match="labels of shape"):
+        next_token_loss(out, batch["labels"][:, :-1])
+
+
+def test_dict_batches_equal_tuple_batches_for_causal_lm():
+    model, batch = _tiny_llama()
+    kw = dict(geometry="adaptive", rho=0.05, n_iters=5)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    tuples = sharpness(model, [(inputs, batch["labels"])], loss_fn=next_token_loss, **kw)
+    dicts = sharpness(model, [batch], loss_fn=next_token_loss, **kw)
+    own = sharpness(model, [batch], **kw)  # the model's own outputs.loss
+    assert tuples.value > 0
+    assert dicts.per_batch == tuples.per_batch
+    # HF sums in another order: equal up to float32 rounding of the losses (~4, ulp 5e-7)
+    assert own.value == pytest.approx(tuples.value, abs=1e-5)
+    assert own.init_losses[0] == pytest.approx(tuples.init_losses[0], rel=1e-6)
+
+
+def test_dict_batch_without_labels_is_explained():
+    model, batch = _tiny_llama()
+    unlabelled = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    with pytest.raises(ValueError, match="no loss.*'labels'"):
+        sharpness(model, [unlabelled], geometry="adaptive", rho=0.05, n_iters=2)
+    with pytest.raises(ValueError, match="no 'labels'"):
+        sharpness(model, [unlabelled], geometry="adaptive", rho=0.05, n_iters=2,
+                  loss_fn=next_token_loss)
+    with pytest.raises(ValueError, match="normalize_logits"):
+        sharpness(model, [batch], geometry="adaptive", rho=0.05, n_iters=2,
+                  normalize_logits=True)
+
+
+# ------------------------------------------------------------------------------ verify gating
+def test_layout_with_failed_verify_is_refused_unless_unsafe(tiny_bert):
+    model, inputs = tiny_bert
+    batches = _labelled(inputs)
+    lay = adapters.layout(model)
+    bad = lay.blocks[0].name
+    lay.verify_failed = [bad]
+    with pytest.raises(ValueError, match=rf"(?s){bad}.*unsafe=True"):
+        sharpness(model, batches, geometry="geodesic-mix", rho=0.05, n_iters=2, layout=lay)
+    with pytest.warns(UserWarning, match="unsafe"):
+        res = sharpness(model, batches, geometry="geodesic-mix", rho=0.05, n_iters=2, layout=lay,
+                        unsafe=True)
+    assert math.isfinite(res.value)
+    lay.verify_failed = []
+    assert math.isfinite(sharpness(model, batches, geometry="geodesic-mix", rho=0.05, n_iters=2,
+                                   layout=lay).value)
+
+
+# ------------------------------------------------------------------------------ threads
+def test_small_model_runs_on_one_thread_and_setting_is_restored(tiny_bert):
+    model, inputs = tiny_bert
+    previous = torch.get_num_threads()
+    seen = []
+    loss = lambda o, t: (seen.append(torch.get_num_threads()),  # noqa: E731
+                         nn.functional.cross_entropy(o.logits, t))[1]
+    try:
+        torch.set_num_threads(2)
+        sharpness(model, _labelled(inputs), geometry="adaptive", rho=0.1, n_iters=1, loss_fn=loss)
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="boom"), bounded_threads(1):
+            raise RuntimeError("boom")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+
+
+# ------------------------------------------------------------------------------ frame cache
+def _count_frames(monkeypatch, manifold):
+    calls = []
+    build = manifold.geometry.frame
+
+    def counting(x, **kwargs):
+        calls.append(1)
+        return build(x, **kwargs)
+
+    monkeypatch.setattr(manifold.geometry, "frame", counting)
+    return calls
+
+
+def _adam_run(manifold, steps: int):
+    import geoopt
+
+    torch.manual_seed(0)
+    target = torch.randn(9, 4, dtype=torch.float64) @ torch.randn(4, 7, dtype=torch.float64)
+    x = geoopt.ManifoldParameter(manifold.random(dtype=torch.float64), manifold=manifold)
+    opt = geoopt.optim.RiemannianAdam([x], lr=0.05)
+    for _ in range(steps):
+        opt.zero_grad()
+        G, H = manifold.split(x)
+        (0.5 * ((G @ H.T - target) ** 2).sum()).backward()
+        opt.step()
+    return x.detach().clone()
+
+
+def test_frame_cache_one_adam_step_and_unchanged_results(monkeypatch):
+    pytest.importorskip("geoopt")
+    from quotient_manifolds import GLQuotient
+
+    cached = GLQuotient(9, 7, 4, metric="mix")
+    calls = _count_frames(monkeypatch, cached)
+    x1 = _adam_run(cached, 1)
+    assert len(calls) == 2  # at x (egrad2rgrad, component_inner, retr) and at y (transp); was 4
+    cached = GLQuotient(9, 7, 4, metric="mix")
+    calls = _count_frames(monkeypatch, cached)
+    x3 = _adam_run(cached, 3)
+    assert len(calls) == 2 + 1 + 1  # later steps reuse the frame at y, the next point
+
+    plain = GLQuotient(9, 7, 4, metric="mix")
+    plain._frame_cache = FrameCache(size=0)  # no caching
+    assert torch.equal(x1, _adam_run(plain, 1)) and torch.equal(x3, _adam_run(plain, 3))
+
+
+def test_frame_cache_is_invalidated_by_in_place_writes():
+    pytest.importorskip("geoopt")
+    from quotient_manifolds import GLQuotient
+
+    M = GLQuotient(9, 7, 4, metric="inv")
+    x = M.random(dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    u = torch.randn(16, 4, dtype=torch.float64)
+    first = M.inner(x, u)
+    assert torch.equal(M.inner(x, u), first)
+    x.data.mul_(2.0)  # does not bump x._version
+    assert torch.allclose(M.inner(x, u), M.geometry.frame(x).inner(u))
+    assert not torch.allclose(M.inner(x, u), first)
+    with torch.no_grad():
+        x.copy_(2 * x)  # bumps x._version
+    assert torch.allclose(M.inner(x, u), M.geometry.frame(x).inner(u))
+
+
+def test_frame_cache_is_bypassed_for_points_needing_autograd():
+    pytest.importorskip("geoopt")
+    from quotient_manifolds import GLQuotient
+
+    M = GLQuotient(9, 7, 4, metric="mix")
+    x = M.random(dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x.requires_grad_(True)
+    u = torch.randn(16, 4, dtype=torch.float64)
+    grads = []
+    for _ in range(2):  # a cached graph-holding frame would fail the second backward
+        (g,) = torch.autograd.grad(M.norm(x, u), x)
+        grads.append(g)
+    assert torch.equal(*grads)
+
+
+def test_pymanopt_frame_cache_reuses_frames_at_one_point(monkeypatch):
+    pytest.importorskip("pymanopt")
+    from quotient_manifolds.pymanopt import GLQuotient
+
+    M = GLQuotient(9, 7, 4, metric="mix")
+    calls = _count_frames(monkeypatch, M)
+    np.random.seed(0)
+    x = M.random_point()
+    u = M.random_tangent_vector(x)
+    calls.clear()
+    a = M.inner_product(x, u, u)
+    M.projection(x, u)
+    M.norm(x, u)
+    assert len(calls) == 1
+    x.G[0, 0] += 1.0  # in-place edit of the numpy array
+    assert M.inner_product(x, u, u) != a and len(calls) == 2
