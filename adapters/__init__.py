@@ -23,6 +23,7 @@ from .sharpness import (
     build_ball,
     next_token_loss,
     sharpness,
+    sharpness_sweep,
 )
 from .distributed import distributed_sharpness
 from .solver import (
@@ -38,7 +39,27 @@ from .solver import (
 __all__ = [
     "layout", "detect", "Detection", "Family", "Match", "register_family", "unregister_family", "declare_block", "FactorPiece", "GLBlock", "Layout", "Unsupported",
     "VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output",
-    "sharpness", "distributed_sharpness", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
+    "sharpness", "sharpness_sweep", "distributed_sharpness", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
     "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",
     "ElementwiseComponent",
 ]
+
+from .sam import SAM_GEOMETRIES, GeodesicSAM  # noqa: E402
+
+__all__ += ["GeodesicSAM", "SAM_GEOMETRIES"]
+from .lora_training import (
+    InvariantRiemannianSGD,
+    LoRAQuotientPoint,
+    init_momentum_buffers,
+    lora_quotient_parameters,
+    lora_quotient_points,
+    merge_back,
+)
+
+__all__ += [
+    "lora_quotient_parameters", "lora_quotient_points", "merge_back", "LoRAQuotientPoint",
+    "InvariantRiemannianSGD", "init_momentum_buffers",
+]
+from .hessian import RiemannianHessian, elementwise_rhess, riemannian_hessian, top_eigenvalues, trace
+
+__all__ += ["riemannian_hessian", "RiemannianHessian", "elementwise_rhess", "trace", "top_eigenvalues"]

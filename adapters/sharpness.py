@@ -19,6 +19,7 @@ Spec: ``geodesic-sharpness-math.md`` §6 (blocks, total norm, ε), §7.3 (algori
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import time
@@ -52,6 +53,9 @@ MEASURES = ("worst", "average")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: Models with at most this many parameters run on one thread (see ``num_threads``).
 SMALL_MODEL_PARAMS = 2 ** 20
+#: RK4 steps of the exact geodesic in the retraction check: the check needs the loss to a few per
+#: cent, and RK4's error falls as steps⁻⁴ (32 steps reach 1e-6 at t = 1 on trained weights)
+CHECK_EXACT_STEPS = 8
 
 
 @dataclass
@@ -72,6 +76,9 @@ class SharpnessResult:
     n_backward: int
     time_s: float
     options: Dict[str, Any] = field(default_factory=dict)
+    #: per batch (S_exact − S)/S at the worst perturbation, for the second-order retraction with
+    #: ``check_retraction`` (empty otherwise); −inf where the exact geodesic left the manifold
+    retraction_gaps: List[float] = field(default_factory=list)
 
     def __str__(self) -> str:
         return (f"{self.measure}-case {self.geometry} sharpness (rho={self.rho:g}): {self.value:.6g} "
@@ -255,8 +262,9 @@ def sharpness(model: torch.nn.Module,
               elementwise_second_order: bool = False, normalize_logits: bool = False,
               step_size_mult: float = 1.0, layout=None,
               allow_unsupported: bool = False, unsafe: bool = False, seed: int = 0,
-              progress: bool = False, num_threads: Optional[int] = None
-              ) -> SharpnessResult:
+              progress: bool = False, num_threads: Optional[int] = None,
+              include_frozen: bool = False, check_retraction: bool = True,
+              retraction_tolerance: float = 0.1) -> SharpnessResult:
     r"""Worst-case (Auto-PGD) or average-case sharpness of ``model`` on ``batches``.
 
     Parameters
@@ -306,17 +314,63 @@ def sharpness(model: torch.nn.Module,
         afterwards (default: 1 for models with at most ``SMALL_MODEL_PARAMS`` parameters, whose tiny
         ops lose more to thread synchronisation than they gain, 60x so on a loaded machine;
         torch's setting otherwise).
+    include_frozen: also perturb parameters with ``requires_grad=False`` (e.g. the base weights of
+        a LoRA model; default: frozen weights stay fixed and out of the ball).
+    check_retraction: with ``retraction="second_order"``, evaluate the loss once more at the exact
+        geodesic of the worst perturbation and record the relative gap of the two sharpness values
+        (``result.retraction_gaps``); warn when it exceeds ``retraction_tolerance`` (the
+        second-order step is then outside its range of validity: at large rho, especially for the
+        mix metric where GᵀG or HᵀH have small singular values; use ``retraction="exact"`` or a
+        smaller rho). One forward pass and one geodesic integration per batch.
+
+    For sharpness as a function of rho use :func:`sharpness_sweep`: it warm-starts each radius
+    from the worst point of the previous one, so a larger ball never returns a smaller maximum.
     """
+    options = {k: v for k, v in locals().items() if k not in ("model", "batches", "rho")}
+    return _measure(model, batches, [_as_rho(rho)], options)[0]
+
+
+def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence[float],
+                    **options) -> List[SharpnessResult]:
+    """Worst-case sharpness at increasing radii ``rhos`` (options as :func:`sharpness`).
+
+    The ball's frames are built once; on every batch the Auto-PGD run at ρ_k starts from the worst
+    perturbation found at ρ_{k−1} (inside the larger ball), so the values never decrease along the
+    sweep, which independent single-start runs do not guarantee. Costs one Auto-PGD run per
+    radius and batch, like separate calls, minus the repeated set-up."""
+    bound = inspect.signature(sharpness).bind(model, batches, rho=1.0, **options)
+    bound.apply_defaults()
+    args = {k: v for k, v in bound.arguments.items() if k not in ("model", "batches", "rho")}
+    radii = [_as_rho(r) for r in rhos]
+    if not radii or any(b <= a for a, b in zip(radii, radii[1:])):
+        raise ValueError(f"rhos must be a non-empty, strictly increasing sequence of radii, got "
+                         f"{list(rhos)!r}")
+    if args["measure"] != "worst":
+        raise ValueError("sharpness_sweep chains worst-case runs; for average-case sharpness call "
+                         "sharpness(..., measure='average') per radius")
+    return _measure(model, batches, radii, args)
+
+
+def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
+             options: Dict[str, Any]) -> List[SharpnessResult]:
+    """The body of :func:`sharpness` and :func:`sharpness_sweep`: one result per radius."""
     from .detect import layout as detect_layout
+
+    geometry, retraction, measure = options["geometry"], options["retraction"], options["measure"]
+    n_iters, n_samples, seed = options["n_iters"], options["n_samples"], options["seed"]
+    momentum, step_normalisation = options["momentum"], options["step_normalisation"]
+    loss_fn, layout, unsafe = options["loss_fn"], options["layout"], options["unsafe"]
+    normalize_logits, num_threads = options["normalize_logits"], options["num_threads"]
+    include_frozen, progress = options["include_frozen"], options["progress"]
 
     check_choice(geometry, GEOMETRIES, "geometry")
     check_choice(retraction, RETRACTIONS, "retraction")
     check_choice(measure, MEASURES, "measure")
     check_choice(momentum, MOMENTUM_FORMS, "momentum form")
     check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
-    rho = _as_rho(rho)
     all_params = dict(model.named_parameters())
-    params0 = {n: p.detach() for n, p in all_params.items() if p.requires_grad}
+    params0 = {n: p.detach() for n, p in all_params.items()
+               if p.requires_grad or (include_frozen and p.is_floating_point())}
     if not params0:
         raise ValueError(
             f"the model has no trainable parameter (all {len(all_params)} have "
@@ -324,7 +378,8 @@ def sharpness(model: torch.nn.Module,
             f"requires_grad=True on the weights to perturb (e.g. model.requires_grad_(True), or "
             f"only the adapter weights of a PEFT model)")
     if geometry != "adaptive" and layout is None:
-        layout = detect_layout(model, allow_unsupported=allow_unsupported)
+        layout = detect_layout(model, allow_unsupported=options["allow_unsupported"],
+                               include_frozen=include_frozen)
     if geometry != "adaptive":
         failed = list(getattr(layout, "verify_failed", None) or [])
         if failed and not unsafe:
@@ -335,12 +390,12 @@ def sharpness(model: torch.nn.Module,
                 f"geometry='adaptive', or pass unsafe=True to run anyway")
         if failed:
             warnings.warn(f"unsafe=True: running {geometry} with block(s) {failed} that failed "
-                          f"verify; the value is not meaningful", UserWarning, stacklevel=2)
+                          f"verify; the value is not meaningful", UserWarning, stacklevel=3)
     if geometry != "adaptive" and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
                       f"adaptively, so this {geometry} value is adaptive sharpness with the "
-                      f"geodesic settings", UserWarning, stacklevel=2)
+                      f"geodesic settings", UserWarning, stacklevel=3)
 
     # half-precision tensors are evaluated as float32 copies (module docstring)
     upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
@@ -350,7 +405,7 @@ def sharpness(model: torch.nn.Module,
             raise ValueError(f"parameter {name!r} contains non-finite values; sharpness is "
                              f"undefined at such weights")
     frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items()
-              if not p.requires_grad}
+              if n not in params0}
     buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
     device = next(iter(params0.values())).device
     if num_threads is None and sum(p.numel() for p in all_params.values()) <= SMALL_MODEL_PARAMS:
@@ -362,16 +417,17 @@ def sharpness(model: torch.nn.Module,
     try:
         model.eval()
         with bounded_threads(num_threads):
-            ball, write_back = build_ball(model, params0, geometry=geometry, layout=layout,
-                                          retraction=retraction, eps=eps,
-                                          use_metric_norm=use_metric_norm,
-                                          adaptive_direction=adaptive_direction,
-                                          elementwise_second_order=elementwise_second_order)
+            ball, write_back = build_ball(
+                model, params0, geometry=geometry, layout=layout, retraction=retraction,
+                eps=options["eps"], use_metric_norm=options["use_metric_norm"],
+                adaptive_direction=options["adaptive_direction"],
+                elementwise_second_order=options["elementwise_second_order"])
+            check_gap = (options["check_retraction"] and retraction == "second_order"
+                         and measure == "worst" and ball.has_quotients)
             # the loss function is set per batch (dict batches may use the model's own loss)
             closure = _ModelClosure(model, params0, buffers, write_back, None, normalize_logits)
             generator = torch.Generator(device=device).manual_seed(seed)
-            per_batch, init, worst, norms = [], [], [], []
-            n_fwd = n_bwd = 0
+            runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]   # per radius, per batch
             on_iteration = None
             if progress:
                 from tqdm.auto import tqdm
@@ -380,7 +436,7 @@ def sharpness(model: torch.nn.Module,
                     n_batches = len(batches)  # type: ignore[arg-type]
                 except TypeError:  # a generator, an IterableDataset loader
                     n_batches = None
-                bar = tqdm(total=None if n_batches is None else n_batches * steps,
+                bar = tqdm(total=None if n_batches is None else n_batches * steps * len(rhos),
                            desc=f"{geometry} sharpness", unit="it")
                 on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
             for index, batch in enumerate(batches):
@@ -390,43 +446,74 @@ def sharpness(model: torch.nn.Module,
                 closure.targets = _to_device(targets, device, upcast)
                 if bar is not None:
                     bar.set_postfix(batch=index)
-                if measure == "worst":
-                    res = auto_pgd(ball, closure, rho, n_iters=n_iters, momentum=momentum,
-                                   step_normalisation=step_normalisation,
-                                   step_size_mult=step_size_mult, on_iteration=on_iteration)
-                    init.append(res.init_loss)
-                    worst.append(res.worst_loss)
-                    norms.append(res.norm)
-                    n_fwd += res.n_forward
-                    n_bwd += res.n_backward
-                else:
-                    res = average_case(ball, closure, rho, n_samples=n_samples,
-                                       generator=generator, on_iteration=on_iteration)
-                    init.append(res["init_loss"])
-                    worst.append(res["mean_loss"])
-                    norms.append(rho)
-                    n_fwd += 1 + n_samples
-                per_batch.append(worst[-1] - init[-1])
-        if not per_batch:
+                previous = None
+                for runs_at, rho in zip(runs, rhos):
+                    started_at = time.perf_counter()
+                    if measure == "worst":
+                        res = auto_pgd(ball, closure, rho, n_iters=n_iters, momentum=momentum,
+                                       step_normalisation=step_normalisation,
+                                       step_size_mult=options["step_size_mult"],
+                                       on_iteration=on_iteration,
+                                       start=None if previous is None else (previous.xi, previous.init_loss))
+                        previous = res
+                        run = dict(init=res.init_loss, worst=res.worst_loss, norm=res.norm,
+                                   fwd=res.n_forward, bwd=res.n_backward, gap=None)
+                        if check_gap:
+                            run["gap"] = _retraction_gap(ball, closure, res)
+                            run["fwd"] += 1
+                    else:
+                        res = average_case(ball, closure, rho, n_samples=n_samples,
+                                           generator=generator, on_iteration=on_iteration)
+                        run = dict(init=res["init_loss"], worst=res["mean_loss"], norm=rho,
+                                   fwd=1 + n_samples, bwd=0, gap=None)
+                    run["time"] = time.perf_counter() - started_at
+                    runs_at.append(run)
+        if not runs[0]:
             raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or "
                              "dict batch")
     finally:
         if bar is not None:
             bar.close()
         _restore_training_flags(model, flags)
-    return SharpnessResult(
-        value=sum(per_batch) / len(per_batch), per_batch=per_batch, init_losses=init,
-        worst_losses=worst, norms=norms, rho=rho, geometry=geometry, measure=measure,
-        n_iters=n_iters, n_forward=n_fwd, n_backward=n_bwd,
-        time_s=time.perf_counter() - started,
-        options=dict(retraction=retraction, eps=eps, use_metric_norm=use_metric_norm,
-                     momentum=momentum, step_normalisation=step_normalisation,
-                     adaptive_direction=adaptive_direction,
-                     elementwise_second_order=elementwise_second_order,
-                     normalize_logits=normalize_logits,
-                     step_size_mult=step_size_mult, n_samples=n_samples, seed=seed,
-                     compute_dtype="float32 (upcast from half precision)" if upcast else "model",
-                     unsafe=unsafe))
+    setup = time.perf_counter() - started - sum(r["time"] for at in runs for r in at)
+    recorded = dict(options, compute_dtype="float32 (upcast from half precision)" if upcast else "model")
+    for key in ("model", "layout", "loss_fn", "progress"):
+        recorded.pop(key, None)
+    results = []
+    for rho, at in zip(rhos, runs):
+        per_batch = [r["worst"] - r["init"] for r in at]
+        gaps = [r["gap"] for r in at] if at[0]["gap"] is not None else []
+        bad = [(i, g) for i, g in enumerate(gaps) if not abs(g) <= options["retraction_tolerance"]]
+        if bad:
+            i, g = max(bad, key=lambda item: abs(item[1]) if math.isfinite(item[1]) else math.inf)
+            warnings.warn(
+                f"{geometry} sharpness at rho={rho:g}: the second-order geodesic step is off the "
+                f"exact geodesic at the worst perturbation (sharpness {g:+.0%} relative on batch {i}; "
+                f"{len(bad)} of {len(gaps)} batches beyond {options['retraction_tolerance']:.0%}). "
+                f"rho is past the range where x + ξ − ½Γ(ξ, ξ) approximates the geodesic for this "
+                f"model; use retraction='exact' or a smaller rho", UserWarning, stacklevel=3)
+        results.append(SharpnessResult(
+            value=sum(per_batch) / len(per_batch), per_batch=per_batch,
+            init_losses=[r["init"] for r in at], worst_losses=[r["worst"] for r in at],
+            norms=[r["norm"] for r in at], rho=rho, geometry=geometry, measure=measure,
+            n_iters=n_iters, n_forward=sum(r["fwd"] for r in at),
+            n_backward=sum(r["bwd"] for r in at),
+            time_s=setup / len(rhos) + sum(r["time"] for r in at), options=recorded,
+            retraction_gaps=gaps))
+    return results
+
+
+def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:
+    """Relative gap (S_exact − S)/S between the sharpness at the exact geodesic of the worst ξ and
+    the second-order value S; ±inf when the geodesic leaves the manifold (G or H lose rank)."""
+    try:
+        with torch.no_grad():
+            exact = float(closure(ball.points(res.xi, retraction="exact",
+                                              exact_steps=CHECK_EXACT_STEPS)))
+    except ValueError:
+        return -math.inf
+    rise = res.worst_loss - res.init_loss
+    return (exact - res.init_loss) / rise - 1 if rise > 0 else 0.0
 
 
 def _as_rho(rho: Any) -> float:

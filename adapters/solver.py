@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -80,9 +80,11 @@ class QuotientComponent:
                 return self.frame.project(egrad * self.elementwise_rgrad)
             return self.frame.egrad2rgrad(egrad)
 
-    def point(self, xi: Tensor) -> Tensor:
+    def point(self, xi: Tensor, retraction: Optional[str] = None,
+              exact_steps: Optional[int] = None) -> Tensor:
+        """The retraction of ξ at x0 (the component's own, or ``retraction`` to compare)."""
         with bounded_threads(self.threads):
-            return self.frame.retract(xi, self.retraction)
+            return self.frame.retract(xi, retraction or self.retraction, exact_steps=exact_steps)
 
     def random(self, generator: Optional[torch.Generator]) -> Tensor:
         u = torch.randn(self.x0.shape, dtype=self.x0.dtype, device=self.x0.device,
@@ -194,8 +196,16 @@ class ProductBall:
     def rgrad(self, egrads: Tangent) -> Tangent:
         return [c.rgrad(g) for c, g in zip(self.components, egrads)]
 
-    def points(self, xi: Tangent) -> List[Tensor]:
-        return [c.point(a) for c, a in zip(self.components, xi)]
+    def points(self, xi: Tangent, retraction: Optional[str] = None,
+               exact_steps: Optional[int] = None) -> List[Tensor]:
+        """Ball points → weights; ``retraction`` (and ``exact_steps``) override the quotient
+        components' retraction (e.g. ``"exact"`` to check a second-order step)."""
+        return [c.point(a, retraction, exact_steps) if isinstance(c, QuotientComponent)
+                else c.point(a) for c, a in zip(self.components, xi)]
+
+    @property
+    def has_quotients(self) -> bool:
+        return any(isinstance(c, QuotientComponent) for c in self.components)
 
     def random(self, generator: Optional[torch.Generator] = None) -> Tangent:
         return [c.random(generator) for c in self.components]
@@ -269,7 +279,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
              n_iters: int = 20, step_size_mult: float = 1.0, alpha: float = 0.75,
              momentum: str = "apgd", step_normalisation: str = "metric",
              min_update_ratio: float = 0.75, decay: float = 0.5,
-             on_iteration: Optional[Callable[[int, float], None]] = None) -> APGDResult:
+             on_iteration: Optional[Callable[[int, float], None]] = None,
+             start: Optional[Tuple[Tangent, float]] = None) -> APGDResult:
     r"""Maximise ``closure(ball.points(ξ))`` over horizontal ξ with ‖ξ‖ ≤ ρ (spec §7.1, §7.3).
 
     Iterations k = 0..N−1 each cost exactly one forward and one backward: the pass at ξ_k gives both
@@ -284,6 +295,11 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     the iterate restarts from the worst point (whose gradient was kept, so no extra pass).
     The initial step is η₀ = 2ρ·step_size_mult. ``on_iteration(k, loss)`` is called after each
     iteration k = 0..N−1 with ℓ(ξ_{k+1}) (e.g. to advance a progress bar).
+
+    ``start=(ξ₀, ℓ(0))`` warm-starts from ξ₀ (‖ξ₀‖ ≤ ρ, e.g. the worst point of a smaller ball on
+    the same batch, whose unperturbed loss ℓ(0) is passed along instead of recomputed): the
+    iterates begin at ξ₀ and the worst loss found is at least ℓ(ξ₀), so a sweep over increasing ρ
+    that chains its runs never returns a smaller maximum for a larger ball.
     """
     if not rho > 0:
         raise ValueError(f"rho must be > 0, got {rho!r}")
@@ -309,12 +325,20 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         return float(loss.detach()), ball.rgrad(grads)
 
     eta = 2 * rho * step_size_mult
-    xi = ball.zeros()
+    if start is None:
+        xi = ball.zeros()
+        loss0, grad = evaluate(xi, True)
+        worst = loss0
+    else:
+        xi, loss0 = start
+        if float(ball.norm(xi)) > rho * (1 + 1e-6):
+            raise ValueError(f"the warm start has norm {float(ball.norm(xi)):.4g} > rho = {rho:.4g}: "
+                             "start from a point of a smaller ball")
+        worst, grad = evaluate(xi, True)
     xi_prev = xi
-    loss0, grad = evaluate(xi, True)
     n_fwd, n_bwd = 1, 1
-    worst, xi_worst, grad_worst = loss0, xi, grad
-    history, steps = [loss0], [eta]
+    xi_worst, grad_worst = xi, grad
+    history, steps = [worst], [eta]
     n_updates, last_ckpt, ckpt_eta, ckpt_worst = 0, 0, eta, worst
     for k in range(n_iters):
         if k in checkpoints:

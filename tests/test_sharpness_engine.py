@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -327,3 +328,68 @@ def test_pymanopt_frame_cache_reuses_frames_at_one_point(monkeypatch):
     assert len(calls) == 1
     x.G[0, 0] += 1.0  # in-place edit of the numpy array
     assert M.inner_product(x, u, u) != a and len(calls) == 2
+
+
+# ------------------------------------------------------------------------------ rho sweeps, retraction check
+def _fitted_vit():
+    from experiments.vit import ViT, ViTConfig
+
+    torch.manual_seed(0)
+    model = ViT(ViTConfig(width=16, depth=1, heads=2)).eval()
+    x, y = torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))
+    opt = torch.optim.Adam(model.parameters(), 3e-3)
+    for _ in range(30):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.eval(), [(x, y)]
+
+
+def test_sweep_never_returns_a_smaller_maximum_for_a_larger_ball():
+    model, batches = _fitted_vit()
+    rhos = [0.003, 0.01, 0.03, 0.1, 0.3, 1.0]
+    for geometry in ("geodesic-mix", "geodesic-inv", "adaptive"):
+        results = adapters.sharpness_sweep(model, batches, rhos, geometry=geometry, n_iters=8,
+                                           check_retraction=False)
+        values = [r.value for r in results]
+        assert [r.rho for r in results] == rhos
+        assert all(b >= a for a, b in zip(values, values[1:])), (geometry, values)
+        assert all(r.norms[0] <= rho * (1 + 1e-6) for r, rho in zip(results, rhos))
+    # the first radius of a sweep is an ordinary run
+    single = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=rhos[0], n_iters=8,
+                                check_retraction=False)
+    first = adapters.sharpness_sweep(model, batches, rhos[:1], geometry="geodesic-mix", n_iters=8,
+                                     check_retraction=False)[0]
+    assert first.per_batch == single.per_batch
+
+
+def test_sweep_rejects_bad_radii_and_warm_start_outside_the_ball():
+    model, batches = _fitted_vit()
+    with pytest.raises(ValueError, match="strictly increasing"):
+        adapters.sharpness_sweep(model, batches, [0.1, 0.05])
+    with pytest.raises(ValueError, match="average"):
+        adapters.sharpness_sweep(model, batches, [0.1], measure="average")
+    with pytest.raises(TypeError):
+        adapters.sharpness_sweep(model, batches, [0.1], no_such_option=1)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    ball, _ = adapters.build_ball(model, params, geometry="adaptive")
+    big = ball.random(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="warm start"):
+        adapters.auto_pgd(ball, lambda pts: sum(p.sum() for p in pts), 1e-3, n_iters=2,
+                          start=(big, 0.0))
+
+
+def test_retraction_check_warns_when_second_order_leaves_its_range():
+    """At a large rho the mix second-order step is far from the geodesic on small weights: the
+    check records the gap and warns; at a small rho it is silent and the gap is tiny."""
+    model, batches = _fitted_vit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        small = adapters.sharpness(model, batches, geometry="geodesic-inv", rho=1e-3, n_iters=6)
+    assert len(small.retraction_gaps) == 1 and abs(small.retraction_gaps[0]) < 1e-2
+    with pytest.warns(UserWarning, match="retraction='exact'"):
+        large = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=0.3, n_iters=6)
+    assert not abs(large.retraction_gaps[0]) <= 0.1
+    exact = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=1e-3, n_iters=4,
+                               retraction="exact")
+    assert exact.retraction_gaps == []          # nothing to check: the run used the geodesic

@@ -314,13 +314,15 @@ class GLFrame:
         return self._out(out, u)
 
     # ------------------------------------------------------------------ retractions
-    def retract(self, u: Tensor, method: Optional[str] = None) -> Tensor:
+    def retract(self, u: Tensor, method: Optional[str] = None, *,
+                exact_steps: Optional[int] = None) -> Tensor:
         """Move from x along u (docs/maths.md §5.1).
 
         ``first_order``:  x + u;
         ``second_order``: x + u − ½Γ_x(u, u), the second-order geodesic of Eq. 5 (default);
         ``exact``:        the geodesic γ̈ + Γ_γ(γ̇, γ̇) = 0, γ(0) = x, γ̇(0) = u, at t = 1,
-                          integrated numerically (see :func:`integrate_geodesic`).
+                          integrated numerically (see :func:`integrate_geodesic`; ``exact_steps``
+                          overrides the geometry's number of RK4 steps).
         All three are equivariant under the group action.
         """
         method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
@@ -330,7 +332,7 @@ class GLFrame:
         elif method == "second_order":
             y = self.x + uc - 0.5 * self.christoffel(uc)
         else:
-            y, _ = self.geometry.integrate_geodesic(self.x, uc)
+            y, _ = self.geometry.integrate_geodesic(self.x, uc, steps=exact_steps)
         return y.to(torch.promote_types(self.dtype, u.dtype))
 
 

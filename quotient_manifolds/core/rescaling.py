@@ -85,10 +85,12 @@ class RescalingFrame:
         """The horizontal vector (b⊙u, b⊙v) with coefficient b (docs/maths.md §8.1)."""
         return self.x * b[..., None, :]
 
-    def retract(self, u: Tensor, method: Optional[str] = None) -> Tensor:
+    def retract(self, u: Tensor, method: Optional[str] = None, *,
+                exact_steps: Optional[int] = None) -> Tensor:
+        """As :meth:`GLFrame.retract`; the exact geodesic is in closed form when ε = 0."""
         method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
         if method != "exact" or self.geometry.eps:
-            return self._drop(self.gl.retract(self._lift(u), method))
+            return self._drop(self.gl.retract(self._lift(u), method, exact_steps=exact_steps))
         return self.geometry.exact_geodesic(self.x, u)
 
 

@@ -1,0 +1,307 @@
+r"""Geodesic SAM: sharpness-aware minimisation whose ascent step is taken on the GL(h) quotient.
+
+SAM (Foret et al. 2021) minimises max_{‖ε‖ ≤ ρ} L(w + ε) with one ascent step per update:
+
+    ε = ρ g / ‖g‖,      w_adv = R_w(ε),      w ← base_step(w, ∇L(w_adv)),
+
+with g the steepest-ascent direction of the norm that defines the ball. :class:`GeodesicSAM` takes
+that step in the geometry of geodesic sharpness (docs/maths.md §6), i.e. the first iterate of the
+ascent of §7.3 from ξ = 0 with the metric step normalisation of §12.6, at the *current* weights:
+
+* ``geometry="geodesic-mix"`` / ``"geodesic-inv"``: on every attention block (§6.2) g is the
+  horizontal Riemannian gradient of the quotient metric (§4: (∇_G N_G, ∇_H N_H), projected, §3.2),
+  the norm is the combined metric norm of §6.3, and R is the second-order geodesic
+  x + ξ − ½Γ(ξ, ξ) (§5; ``retraction=`` also ``"first_order"`` or ``"exact"``); every other weight
+  follows the adaptive recipe (metric Σ ξ²/w², g = ∇ ⊙ w², R(ξ) = w + ξ);
+* ``geometry="adaptive"``: the elementwise metric everywhere. With ``retraction="first_order"`` this
+  is ASAM (Kwon et al. 2021) with T = |w|: the metric norm of g = ∇ ⊙ w² is ‖g ⊘ |w|‖ = ‖T∇‖, so
+
+      ε = ρ g / ‖g‖_w = ρ T²∇ / ‖T∇‖₂,
+
+  exactly Kwon et al.'s ascent step (their code adds an offset, T = |w| + η, which is not used
+  here; weights with w = 0 stay fixed, §12.12). With ``"second_order"`` (the default) R is the
+  second-order geodesic of the elementwise metric, w + ξ + ξ²/(2w) (§10);
+* ``geometry="sam"``: plain SAM, the Euclidean ε = ρ ∇ / ‖∇‖₂ and w_adv = w + ε.
+
+Why: on the quotient, the ascent direction, its norm and the retraction are all GL-equivariant
+(§2, §4, §5.4). If w' = A·w is a reparametrisation of w by per-head GL actions (the same function),
+then w'_adv = A·w_adv: the perturbed *function* f(w_adv), the SAM loss L(w_adv) and the gradient
+handed to the base optimizer (transformed contragrediently, (∇_G A⁻ᵀ, ∇_H A)) do not depend on the
+representative. SAM perturbs a different function for every representative, ASAM for every one
+beyond elementwise rescalings. Only the ascent is equivariant: the descent is the base
+optimizer's own (SGD or AdamW on the representative are not GL-equivariant).
+
+The ball is rebuilt from the current weights at every step (one :func:`~adapters.sharpness.build_ball`
+call: a few batched h×h factorisations per block shape); the layout of the model is found once.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, Dict, Optional, Type, Union
+
+import torch
+from torch import Tensor, nn
+
+from quotient_manifolds.core.gl import RETRACTIONS, check_choice
+
+from .sharpness import GEOMETRIES as BALL_GEOMETRIES
+from .sharpness import HALF_DTYPES, _as_compute, _as_rho, build_ball
+from .solver import scale
+
+#: The ascent geometries of :class:`GeodesicSAM`: those of the sharpness ball, and plain SAM.
+SAM_GEOMETRIES = BALL_GEOMETRIES + ("sam",)
+
+
+class GeodesicSAM(torch.optim.Optimizer):
+    r"""SAM with the ascent step on the GL(h) quotient, around any base optimizer (module docstring).
+
+    Parameters
+    ----------
+    model: the ``nn.Module`` being trained; its attention blocks are found once
+        (:func:`adapters.layout`) unless ``layout`` is given.
+    base_optimizer: an optimizer class (constructed as ``base_optimizer(params, **base_kwargs)`` on
+        the model's trainable parameters), or an optimizer instance over parameters of ``model``.
+        The parameters it updates (and that require grad) are the ones perturbed.
+    rho: radius of the ball, in the geometry's norm (docs/maths.md §6.3). Not comparable across
+        geometries: inv and adaptive are scale-free (relative), mix scales like |w|⁴ and SAM like
+        |w| (§2, §12.14), so tune ρ per geometry.
+    geometry: ``"geodesic-mix"`` (default), ``"geodesic-inv"``, ``"adaptive"`` or ``"sam"``.
+    layout: a precomputed :class:`~adapters.layout.Layout` of ``model`` (geodesic geometries).
+    retraction: ``"second_order"`` (default), ``"first_order"`` (no Γ) or ``"exact"`` (geodesic ODE,
+        GL blocks only). Ignored by ``"sam"`` (Euclidean geodesics are straight lines).
+    gram_eps: Gram relaxation GᵀG + εI of the quotient metrics (§6.4); raise it if a block becomes
+        rank-deficient during training.
+    elementwise_second_order: whether weights in the elementwise metric move along its second-order
+        geodesic w + ξ + ξ²/(2w) (§10, §12.10). Default: for ``"adaptive"`` whenever ``retraction``
+        is not ``"first_order"``; for the geodesic geometries no (w + ξ, the adaptive recipe of the
+        paper's App. C.1).
+    allow_unsupported: passed to layout detection (attention modules that cannot be mapped are then
+        treated elementwise).
+    unsafe: use a layout whose last ``verify`` found blocks that are not symmetries of the model.
+    base_kwargs: hyperparameters of the base optimizer class (``lr``, ``momentum``, ``eps`` ...).
+
+    Use
+    ---
+    Two passes per update, as in the usual SAM implementations::
+
+        loss_fn(model(x), y).backward()      # gradient at w
+        opt.first_step(zero_grad=True)       # w ← w_adv (in place)
+        loss_fn(model(x), y).backward()      # gradient at w_adv
+        opt.second_step(zero_grad=True)      # w restored exactly, base step with ∇L(w_adv)
+
+    or ``opt.step(closure)`` with a closure that computes the loss and calls ``backward()``. The
+    perturbation reads the gradients in ``.grad`` (``None`` counts as zero). ``param_groups`` and
+    ``state_dict`` are the base optimizer's, so learning-rate schedulers work on the wrapper.
+    """
+
+    def __init__(self, model: nn.Module, base_optimizer: Union[Type[torch.optim.Optimizer],
+                                                               torch.optim.Optimizer],
+                 rho: float = 0.05, geometry: str = "geodesic-mix", layout=None,
+                 retraction: str = "second_order", *, gram_eps: float = 0.0,
+                 elementwise_second_order: Optional[bool] = None, allow_unsupported: bool = False,
+                 unsafe: bool = False, **base_kwargs):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"GeodesicSAM needs the model (an nn.Module) to find its attention "
+                            f"blocks, got {type(model).__name__}; pass GeodesicSAM(model, "
+                            f"torch.optim.SGD, lr=...)")
+        self.model = model
+        self.rho = _as_rho(rho)
+        self.geometry = check_choice(geometry, SAM_GEOMETRIES, "geometry")
+        self.retraction = check_choice(retraction, RETRACTIONS, "retraction")
+        if geometry == "adaptive" and retraction == "exact":
+            raise ValueError("retraction='exact' integrates the geodesic of GL blocks, and "
+                             "geometry='adaptive' has none: use 'first_order' (ASAM) or "
+                             "'second_order' (w + ξ + ξ²/(2w))")
+        if elementwise_second_order is None:
+            elementwise_second_order = geometry == "adaptive" and retraction != "first_order"
+        self.elementwise_second_order = bool(elementwise_second_order)
+        self.gram_eps = float(gram_eps)
+
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if isinstance(base_optimizer, torch.optim.Optimizer):
+            if base_kwargs:
+                raise TypeError(f"base optimizer hyperparameters {sorted(base_kwargs)} were given "
+                                f"with an optimizer instance: set them when constructing it, or "
+                                f"pass its class, e.g. GeodesicSAM(model, torch.optim.AdamW, "
+                                f"lr=1e-3)")
+            self.base_optimizer = base_optimizer
+        elif isinstance(base_optimizer, type) and issubclass(base_optimizer, torch.optim.Optimizer):
+            if not trainable:
+                raise ValueError("the model has no trainable parameter (requires_grad=True)")
+            self.base_optimizer = base_optimizer(trainable, **base_kwargs)
+        else:
+            raise TypeError(f"base_optimizer must be a torch.optim.Optimizer class or instance, "
+                            f"got {base_optimizer!r}")
+
+        names = {id(p): n for n, p in model.named_parameters()}
+        opt_params = [p for g in self.base_optimizer.param_groups for p in g["params"]]
+        foreign = [i for i, p in enumerate(opt_params) if id(p) not in names]
+        if foreign:
+            raise ValueError(f"{len(foreign)} parameter(s) of the base optimizer (positions "
+                             f"{foreign[:5]}) are not parameters of the model: build the base "
+                             f"optimizer on model.parameters()")
+        #: name → parameter, for the perturbed parameters (updated by the base optimizer, trainable)
+        self._perturbed: Dict[str, nn.Parameter] = {names[id(p)]: p for p in opt_params
+                                                     if p.requires_grad}
+        if not self._perturbed:
+            raise ValueError("the base optimizer updates no parameter with requires_grad=True")
+        self.layout = self._checked_layout(layout, allow_unsupported, unsafe)
+
+        # the wrapper shares the base optimizer's groups (lr schedulers, zero_grad)
+        super().__init__(list(self._perturbed.values()), {})
+        self.param_groups = self.base_optimizer.param_groups
+        self.defaults = self.base_optimizer.defaults
+        self._saved: Optional[Dict[str, Tensor]] = None
+        #: the norm of the ascent direction g at the last ``first_step`` (metric norm, or
+        #: Euclidean for ``"sam"``)
+        self.grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ set-up
+    def _checked_layout(self, layout, allow_unsupported: bool, unsafe: bool):
+        if self.geometry not in ("geodesic-inv", "geodesic-mix"):
+            return None
+        if layout is None:
+            from .detect import layout as detect_layout
+            layout = detect_layout(self.model, allow_unsupported=allow_unsupported)
+        failed = list(getattr(layout, "verify_failed", None) or [])
+        if failed and not unsafe:
+            raise ValueError(f"the layout's last verify found block(s) {failed} that are not "
+                             f"symmetries of the model: the ascent would not be invariant. Fix or "
+                             f"drop these blocks and verify again, use geometry='adaptive', or pass "
+                             f"unsafe=True")
+        outside = sorted({p for b in layout.blocks for p in b.params} - set(self._perturbed))
+        if outside:
+            raise ValueError(f"GL blocks of the layout touch parameter(s) {outside[:4]} that the "
+                             f"base optimizer does not update (or that do not require grad): a "
+                             f"block is perturbed as a whole. Include them in the base optimizer "
+                             f"or pass a layout without those blocks")
+        if not layout.blocks:
+            warnings.warn(f"the layout has no GL block: geometry={self.geometry!r} is then "
+                          f"adaptive SAM", UserWarning, stacklevel=3)
+        return layout
+
+    # ------------------------------------------------------------------ the two steps
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> None:
+        """Perturb the model's weights in place, w ← w_adv = R_w(ρ g/‖g‖), from the gradients in
+        ``.grad`` (taken at w); ``zero_grad=True`` then clears them for the pass at w_adv."""
+        if self._saved is not None:
+            raise RuntimeError("first_step() was called twice without second_step(): the weights "
+                               "are at w_adv; call second_step() to restore them first")
+        grads = {n: p.grad for n, p in self._perturbed.items()}
+        if all(g is None for g in grads.values()):
+            raise RuntimeError("no gradient in .grad: compute the loss at the current weights and "
+                               "call loss.backward() before first_step()")
+        if any(g is not None and g.is_sparse for g in grads.values()):
+            raise RuntimeError("sparse gradients are not supported by GeodesicSAM; use dense "
+                               "embeddings (sparse=False)")
+        self._saved = {n: p.detach().clone() for n, p in self._perturbed.items()}
+        try:
+            new = self._euclidean_ascent(grads) if self.geometry == "sam" else self._ball_ascent(grads)
+            for n, value in new.items():
+                self._perturbed[n].copy_(value)
+        except BaseException:
+            self._restore()
+            raise
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False) -> None:
+        """Restore w exactly (bit for bit) and take the base optimizer's step with the gradients in
+        ``.grad`` (taken at w_adv)."""
+        if self._saved is None:
+            raise RuntimeError("second_step() without first_step(): call first_step() after the "
+                               "backward pass at w, then backward at w_adv, then second_step()")
+        self._restore()
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:
+        """One SAM update with ``closure()`` = forward + ``loss.backward()`` (gradients are zeroed
+        before each call): the pass at w, :meth:`first_step`, the pass at w_adv,
+        :meth:`second_step`. Returns the loss at w."""
+        if closure is None:
+            raise RuntimeError("GeodesicSAM.step needs a closure that computes the loss and calls "
+                               "backward() (it is evaluated at w and at w_adv); or call "
+                               "first_step() and second_step() around your own backward passes")
+        with torch.enable_grad():
+            self.zero_grad()
+            loss = closure()
+            self.first_step(zero_grad=True)
+            try:
+                closure()
+            except BaseException:
+                self._restore()
+                raise
+        self.second_step()
+        return loss
+
+    def _restore(self) -> None:
+        with torch.no_grad():
+            for n, w in (self._saved or {}).items():
+                self._perturbed[n].copy_(w)
+        self._saved = None
+
+    # ------------------------------------------------------------------ ascent directions
+    def _euclidean_ascent(self, grads: Dict[str, Optional[Tensor]]) -> Dict[str, Tensor]:
+        """Plain SAM: w + ρ∇/‖∇‖₂."""
+        present = {n: g for n, g in grads.items() if g is not None}
+        norm = math.sqrt(sum(float(g.double().square().sum()) for g in present.values()))
+        self.grad_norm = self._checked_norm(norm)
+        if norm == 0:
+            return {}
+        return {n: self._perturbed[n] + g * (self.rho / norm) for n, g in present.items()}
+
+    def _ball_ascent(self, grads: Dict[str, Optional[Tensor]]) -> Dict[str, Tensor]:
+        r"""ε = ρ g/‖g‖ in the ball of the current weights, and the weights R(ε) it points to.
+
+        The Euclidean gradient in ball coordinates is the adjoint of the differential of
+        ``write_back`` (a scatter of ball points into parameters) applied to ∇, i.e. the gather of
+        ∇ into the blocks' and the elementwise layout: the vector-Jacobian product at the ball's
+        centre. It equals the gradient of ξ ↦ L(R(ξ)) at ξ = 0, since DR_0 = id for every
+        retraction."""
+        upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
+        params0 = {n: _as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}
+        ball, write_back = build_ball(self.model, params0, geometry=self.geometry,
+                                      layout=self.layout, retraction=self.retraction,
+                                      eps=self.gram_eps,
+                                      elementwise_second_order=self.elementwise_second_order)
+        centre = [c.x0.detach().requires_grad_() for c in ball.components]
+        with torch.enable_grad():
+            params = write_back(centre)
+        outs = [(params[n], g) for n, g in grads.items() if g is not None and params[n].requires_grad]
+        egrads = torch.autograd.grad([t for t, _ in outs], centre,
+                                     [g.to(t.dtype) for t, g in outs], allow_unused=True)
+        egrads = [torch.zeros_like(c) if g is None else g for g, c in zip(egrads, centre)]
+        rgrad = ball.rgrad(egrads)
+        norm = float(ball.norm(rgrad))
+        self.grad_norm = self._checked_norm(norm)
+        if norm == 0:
+            return {}
+        params = write_back(ball.points(scale(rgrad, self.rho / norm)))
+        return {n: params[n] for n in self._perturbed if params[n] is not params0[n]}
+
+    @staticmethod
+    def _checked_norm(norm: float) -> float:
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"the gradient norm is not finite ({norm}): the loss or its "
+                                     f"gradient overflowed at the current weights (lower the "
+                                     f"learning rate, or clip gradients before first_step)")
+        return norm
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self):
+        """The base optimizer's state dict (the wrapper keeps no state between updates)."""
+        return self.base_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self.base_optimizer.param_groups
+
+    def __repr__(self) -> str:
+        return (f"GeodesicSAM(geometry={self.geometry!r}, rho={self.rho:g}, "
+                f"retraction={self.retraction!r}, base={self.base_optimizer!r})")

@@ -1,0 +1,372 @@
+"""Geodesic SAM (adapters.sam): GL-equivariance of the ascent step (SAM and ASAM are not), reduction
+to ASAM and to plain SAM, exact restoration of the weights, training, cost per step, errors."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adapters
+from adapters import GeodesicSAM
+from tests.conftest import PlainViT
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+
+
+# ------------------------------------------------------------------------------------ helpers
+def tiny_bert():
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64,
+                                  max_position_embeddings=32, num_labels=3,
+                                  initializer_range=0.3)  # non-uniform attention
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(cfg).to(F64).eval()
+
+
+def bert_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 100, (6, 10), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 3, (6,), generator=g)
+
+
+def logits(model, inputs):
+    out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    return getattr(out, "logits", out)
+
+
+def backward(model, batch):
+    inputs, targets = batch
+    loss = F.cross_entropy(logits(model, inputs), targets)
+    loss.backward()
+    return float(loss.detach())
+
+
+def params_of(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reparametrised(model, cond: float, seed: int = 0):
+    """A copy of ``model`` with every head of every GL block acted on by a random A ∈ GL(h) of
+    condition number ``cond`` (and overall scale 3): the same function, another representative."""
+    layout = adapters.layout(model)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    actions = layout.random_actions(params, scale=3.0, cond=cond,
+                                    generator=torch.Generator().manual_seed(seed))
+    new = layout.act(params, actions)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in clone.named_parameters():
+            p.copy_(new[name])
+    return clone
+
+
+def perturbed_function(model, batch, **options):
+    """(outputs at w, outputs at w_adv) after one first_step; the weights are restored after."""
+    inputs, _ = batch
+    opt = GeodesicSAM(model, torch.optim.SGD, lr=0.0, **options)
+    with torch.no_grad():
+        out0 = logits(model, inputs)
+    backward(model, batch)
+    opt.first_step(zero_grad=True)
+    with torch.no_grad():
+        out_adv = logits(model, inputs)
+    opt.second_step()
+    return out0, out_adv
+
+
+# ------------------------------------------------------------------------------------ (1) equivariance
+RHO = {"geodesic-mix": 0.5, "geodesic-inv": 0.5, "adaptive": 0.5, "sam": 0.5}
+
+
+def test_ascent_is_equivariant_for_geodesic_sam_only():
+    """f(w_adv) = f(w'_adv) for w' = A·w (per-head GL actions, cond(A) = 1e3): the perturbed
+    function does not depend on the representative for geodesic SAM, and does for SAM and ASAM."""
+    model = tiny_bert()
+    batch = bert_batch()
+    twin = reparametrised(model, cond=1e3)
+    out0, out0_twin = logits(model, batch[0]).detach(), logits(twin, batch[0]).detach()
+    assert (out0 - out0_twin).norm() / out0.norm() < 1e-12  # same function
+    deviations = {}
+    cases = [("geodesic-mix", "second_order"), ("geodesic-inv", "second_order"),
+             ("geodesic-mix", "first_order"), ("adaptive", "first_order"), ("sam", "first_order")]
+    for geometry, retraction in cases:
+        opts = dict(geometry=geometry, retraction=retraction, rho=RHO[geometry])
+        _, adv = perturbed_function(model, batch, **opts)
+        _, adv_twin = perturbed_function(twin, batch, **opts)
+        moved = float((adv - out0).norm())
+        assert moved > 1e-3 * float(out0.norm()), (geometry, moved)  # the perturbation is felt
+        deviations[geometry, retraction] = float((adv - adv_twin).norm()) / moved
+    print("\nrelative deviation of the perturbed function, ‖f(w_adv) − f(w'_adv)‖ / ‖f(w_adv) − "
+          "f(w)‖, w' = A·w with cond(A) = 1e3:")
+    for key, dev in deviations.items():
+        print(f"  {key[0]:>13s} {key[1]:>12s}: {dev:.2e}")
+    for key, dev in deviations.items():
+        if key[0].startswith("geodesic"):
+            assert dev < 1e-8, (key, dev)
+        else:
+            assert dev > 1e-1, (key, dev)
+
+
+def test_geodesic_perturbation_is_horizontal_with_metric_norm_rho():
+    """With Γ off, ε = w_adv − w read in the ball's coordinates at w is horizontal on every GL
+    block and has combined metric norm exactly ρ."""
+    model = tiny_bert()
+    batch = bert_batch()
+    rho = 0.3
+    opt = GeodesicSAM(model, torch.optim.SGD, rho=rho, geometry="geodesic-inv",
+                      retraction="first_order", lr=0.0)
+    w = params_of(model)
+    backward(model, batch)
+    opt.first_step()
+    w_adv = params_of(model)
+    opt.second_step()
+    ball, _ = adapters.build_ball(model, w, geometry="geodesic-inv", layout=opt.layout)
+    ball_adv, _ = adapters.build_ball(model, w_adv, geometry="geodesic-inv", layout=opt.layout)
+    eps = [a.x0 - c.x0 for a, c in zip(ball_adv.components, ball.components)]
+    assert float(ball.norm(eps)) == pytest.approx(rho, rel=1e-10)
+    quotients = [(c, e) for c, e in zip(ball.components, eps) if hasattr(c, "frame")]
+    assert quotients
+    for comp, e in quotients:
+        assert float(e.abs().max()) > 0
+        assert float(comp.frame.horizontal_residual(e).max()) < 1e-10
+
+
+# ------------------------------------------------------------------------------------ (2) reductions
+def _epsilon(model, batch, **options):
+    """(w, g at w, w_adv − w) per parameter name."""
+    w = params_of(model)
+    opt = GeodesicSAM(model, torch.optim.SGD, lr=0.0, **options)
+    backward(model, batch)
+    g = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    opt.first_step()
+    eps = {n: p.detach() - w[n] for n, p in model.named_parameters()}
+    opt.second_step()
+    return w, g, eps
+
+
+def _assert_close(got, want, rtol):
+    scale = max(float(t.abs().max()) for t in want.values())
+    err = max(float((got[n] - want[n]).abs().max()) for n in want)
+    assert err <= rtol * scale, (err, scale)
+    return err / scale
+
+
+def test_adaptive_first_order_is_asam():
+    """geometry='adaptive', Γ off: ε = ρ T²∇ / ‖T∇‖₂ with T = |w| (Kwon et al. 2021), by hand."""
+    model = tiny_bert()
+    rho = 0.5
+    w, g, eps = _epsilon(model, bert_batch(), rho=rho, geometry="adaptive", retraction="first_order")
+    t_grad = {n: w[n].abs() * g[n] for n in w}
+    norm = torch.sqrt(sum((t * t).sum() for t in t_grad.values()))
+    asam = {n: rho * w[n].abs() * t_grad[n] / norm for n in w}
+    rel = _assert_close(eps, asam, 1e-12)
+    print(f"\nASAM reduction: max |ε − ρT²∇/‖T∇‖| / max |ε| = {rel:.1e}")
+
+
+def test_adaptive_second_order_adds_the_elementwise_christoffel_term():
+    """Γ on, geometry='adaptive': w_adv = w + ε + ε²/(2w) with ε the ASAM step (maths §10)."""
+    model = tiny_bert()
+    rho = 0.5
+    w, g, eps = _epsilon(model, bert_batch(), rho=rho, geometry="adaptive")
+    t_grad = {n: w[n].abs() * g[n] for n in w}
+    norm = torch.sqrt(sum((t * t).sum() for t in t_grad.values()))
+    asam = {n: rho * w[n].abs() * t_grad[n] / norm for n in w}
+    want = {n: asam[n] + torch.where(w[n] != 0, asam[n] ** 2 / (2 * w[n]), 0.0) for n in w}
+    _assert_close(eps, want, 1e-12)
+    # and the Christoffel term is not negligible here, so the comparison can fail
+    assert max(float((want[n] - asam[n]).abs().max()) for n in w) > 1e-6
+
+
+def test_sam_geometry_is_plain_sam():
+    model = tiny_bert()
+    rho = 0.05
+    w, g, eps = _epsilon(model, bert_batch(), rho=rho, geometry="sam")
+    norm = torch.sqrt(sum((t * t).sum() for t in g.values()))
+    _assert_close(eps, {n: rho * g[n] / norm for n in w}, 1e-12)
+
+
+# ------------------------------------------------------------------------------------ (3) restore
+@pytest.mark.parametrize("geometry", ["geodesic-mix", "adaptive", "sam"])
+def test_weights_restored_bit_for_bit_and_base_step_uses_gradient_at_w_adv(geometry):
+    torch.manual_seed(0)
+    model = PlainViT()
+    batch = (torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,)))
+    w = params_of(model)
+    lr0 = GeodesicSAM(model, torch.optim.SGD, rho=0.5, geometry=geometry, lr=0.0)
+    backward(model, batch)
+    lr0.first_step(zero_grad=True)
+    assert any(not torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
+    backward(model, batch)
+    lr0.second_step(zero_grad=True)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), w[n]), n
+        assert p.grad is None, n
+
+    # lr > 0: w ← w − lr ∇L(w_adv), bit for bit
+    opt = GeodesicSAM(model, torch.optim.SGD, rho=0.5, geometry=geometry, lr=0.1)
+    backward(model, batch)
+    opt.first_step(zero_grad=True)
+    backward(model, batch)
+    g_adv = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    opt.second_step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), w[n].add(g_adv[n], alpha=-0.1)), n
+
+
+def test_half_precision_model_is_perturbed_and_restored():
+    """bfloat16 weights: the ascent is computed on float32 copies and written back in bfloat16."""
+    torch.manual_seed(0)
+    model = PlainViT().to(torch.bfloat16)
+    x, y = torch.randn(8, 1, 8, 8, dtype=torch.bfloat16), torch.randint(0, 3, (8,))
+    w = params_of(model)
+    opt = GeodesicSAM(model, torch.optim.SGD, rho=0.5, geometry="geodesic-mix", lr=0.0)
+    F.cross_entropy(model(x).float(), y).backward()
+    opt.first_step(zero_grad=True)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), w[n])}
+    assert any(".attn.q." in n for n in moved) and "head.weight" in moved
+    F.cross_entropy(model(x).float(), y).backward()
+    opt.second_step()
+    assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
+
+
+def test_step_with_closure_equals_the_two_steps_and_accepts_an_instance():
+    torch.manual_seed(0)
+    model = PlainViT()
+    twin = copy.deepcopy(model)
+    batch = (torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,)))
+
+    w = params_of(model)
+    opt = GeodesicSAM(model, torch.optim.AdamW, rho=0.3, geometry="geodesic-inv", lr=1e-2)
+    loss = opt.step(lambda: backward(model, batch))
+    with torch.no_grad():
+        assert loss == pytest.approx(float(F.cross_entropy(twin(batch[0]), batch[1])))  # at w
+
+    base = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    manual = GeodesicSAM(twin, base, rho=0.3, geometry="geodesic-inv")
+    backward(twin, batch)
+    manual.first_step(zero_grad=True)
+    backward(twin, batch)
+    manual.second_step(zero_grad=True)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+    assert any(not torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
+    assert manual.base_optimizer is base and manual.param_groups is base.param_groups
+
+
+def test_lr_scheduler_and_state_dict_act_on_the_base_optimizer():
+    torch.manual_seed(0)
+    model = PlainViT()
+    opt = GeodesicSAM(model, torch.optim.SGD, rho=0.1, geometry="adaptive", lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    batch = (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
+    opt.step(lambda: backward(model, batch))
+    sched.step()
+    assert opt.base_optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    state = opt.state_dict()
+    assert state["state"]  # momentum buffers of the base optimizer
+    fresh = GeodesicSAM(model, torch.optim.SGD, rho=0.1, geometry="adaptive", lr=0.1, momentum=0.9)
+    fresh.load_state_dict(state)
+    assert fresh.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert fresh.param_groups is fresh.base_optimizer.param_groups
+
+
+# ------------------------------------------------------------------------------------ (4) training
+@pytest.mark.parametrize("geometry,rho", [("geodesic-mix", 0.05), ("geodesic-inv", 0.3),
+                                          ("adaptive", 0.3), ("sam", 0.05)])
+def test_a_few_steps_decrease_the_loss(geometry, rho):
+    torch.manual_seed(0)
+    model = PlainViT().train()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+    opt = GeodesicSAM(model, torch.optim.AdamW, rho=rho, geometry=geometry, lr=1e-2)
+    losses = [opt.step(lambda: backward(model, (x, y))) for _ in range(15)]
+    with torch.no_grad():
+        final = float(F.cross_entropy(model(x), y))
+    print(f"\n{geometry}: loss {losses[0]:.3f} -> {final:.3f} in 15 steps")
+    assert final < 0.5 * losses[0], (geometry, losses[0], final)
+
+
+# ------------------------------------------------------------------------------------ (5) cost
+def test_cost_per_step_against_plain_sam():
+    """Time per full update (two forward/backward passes + ascent) and of the ascent alone
+    (first_step), measured once and printed: best of 5 interleaved rounds of 5 updates (the machine
+    is shared). Not asserted."""
+    torch.manual_seed(0)
+    model = PlainViT(dim=32, num_heads=4)
+    x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 3, (32,))
+    closure = lambda: backward(model, (x, y))  # noqa: E731
+    geometries = ("sam", "adaptive", "geodesic-inv", "geodesic-mix")
+    opts = {g: GeodesicSAM(model, torch.optim.SGD, rho=0.01, geometry=g, lr=0.0) for g in geometries}
+    update = {g: float("inf") for g in geometries}
+    ascent = dict(update)
+    for _ in range(5):
+        for g, opt in opts.items():
+            start = time.perf_counter()
+            for _ in range(5):
+                opt.step(closure)
+            update[g] = min(update[g], (time.perf_counter() - start) / 5)
+            closure()
+            start = time.perf_counter()
+            opt.first_step(zero_grad=True)
+            ascent[g] = min(ascent[g], time.perf_counter() - start)
+            opt.second_step(zero_grad=True)
+    print("\ntime per SAM update on a tiny ViT (dim 32, 4 heads, 2 layers, batch 32):")
+    for g in geometries:
+        print(f"  {g:>13s}: update {1e3 * update[g]:6.2f} ms ({update[g] / update['sam']:.2f}x "
+              f"plain SAM), of which ascent {1e3 * ascent[g]:5.2f} ms")
+
+
+# ------------------------------------------------------------------------------------ errors
+def test_errors_say_what_to_do():
+    torch.manual_seed(0)
+    model = PlainViT()
+    batch = (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
+    opt = GeodesicSAM(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match="loss.backward"):
+        opt.first_step()
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="first_step"):
+        opt.second_step()
+    backward(model, batch)
+    opt.first_step()
+    with pytest.raises(RuntimeError, match="twice"):
+        opt.first_step()
+    opt.second_step()
+    with pytest.raises(ValueError, match="geometry"):
+        GeodesicSAM(model, torch.optim.SGD, geometry="asam", lr=0.1)
+    with pytest.raises(ValueError, match="first_order"):
+        GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", retraction="exact", lr=0.1)
+    with pytest.raises(ValueError, match="rho"):
+        GeodesicSAM(model, torch.optim.SGD, rho=0.0, lr=0.1)
+    with pytest.raises(TypeError, match="instance"):
+        GeodesicSAM(model, torch.optim.SGD(model.parameters(), lr=0.1), lr=0.1)
+    with pytest.raises(TypeError, match="Optimizer"):
+        GeodesicSAM(model, "sgd", lr=0.1)
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        GeodesicSAM(model, torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1))
+    no_attention = [p for n, p in model.named_parameters() if ".attn." not in n]
+    with pytest.raises(ValueError, match="does not update"):
+        GeodesicSAM(model, torch.optim.SGD(no_attention, lr=0.1))
+    # an exception at w_adv leaves the weights at w
+    w = params_of(model)
+
+    def failing():
+        if failing.calls:
+            raise KeyboardInterrupt
+        failing.calls += 1
+        backward(model, batch)
+    failing.calls = 0
+    with pytest.raises(KeyboardInterrupt):
+        opt.step(failing)
+    assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
