@@ -26,6 +26,16 @@ from .sharpness import (
     sharpness_sweep,
 )
 from .distributed import distributed_sharpness
+from .hessian import RiemannianHessian, elementwise_rhess, riemannian_hessian, top_eigenvalues, trace
+from .lora_training import (
+    InvariantRiemannianSGD,
+    LoRAQuotientPoint,
+    init_momentum_buffers,
+    lora_quotient_parameters,
+    lora_quotient_points,
+    merge_back,
+)
+from .sam import SAM_GEOMETRIES, GeodesicSAM
 from .solver import (
     APGDResult,
     ElementwiseComponent,
@@ -41,25 +51,8 @@ __all__ = [
     "VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output",
     "sharpness", "sharpness_sweep", "distributed_sharpness", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
     "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",
-    "ElementwiseComponent",
+    "ElementwiseComponent", "GeodesicSAM", "SAM_GEOMETRIES", "riemannian_hessian", "RiemannianHessian",
+    "elementwise_rhess", "trace", "top_eigenvalues", "lora_quotient_parameters", "lora_quotient_points",
+    "merge_back", "LoRAQuotientPoint", "InvariantRiemannianSGD", "init_momentum_buffers",
 ]
 
-from .sam import SAM_GEOMETRIES, GeodesicSAM  # noqa: E402
-
-__all__ += ["GeodesicSAM", "SAM_GEOMETRIES"]
-from .lora_training import (
-    InvariantRiemannianSGD,
-    LoRAQuotientPoint,
-    init_momentum_buffers,
-    lora_quotient_parameters,
-    lora_quotient_points,
-    merge_back,
-)
-
-__all__ += [
-    "lora_quotient_parameters", "lora_quotient_points", "merge_back", "LoRAQuotientPoint",
-    "InvariantRiemannianSGD", "init_momentum_buffers",
-]
-from .hessian import RiemannianHessian, elementwise_rhess, riemannian_hessian, top_eigenvalues, trace
-
-__all__ += ["riemannian_hessian", "RiemannianHessian", "elementwise_rhess", "trace", "top_eigenvalues"]

@@ -7,21 +7,20 @@ A LoRA layer adds ``ΔW = s·B A`` (``B = lora_B.weight`` out×r, ``A = lora_A.w
 ``x = [B; Aᵀ]`` of shape ``(out + in, r)`` on ``GLQuotient(out, in, r, metric)`` and points the LoRA
 modules at it, so geoopt's Riemannian optimizers train ``ΔW`` and not a representative of it::
 
-    import geoopt, torch
-    from adapters import lora_quotient_parameters, merge_back
+    import geoopt, peft
+    from adapters import InvariantRiemannianSGD, lora_quotient_parameters, merge_back
 
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
-                                                      init_lora_weights="gaussian"))
-    with torch.no_grad():                       # or keep peft's B = 0 and pass eps=1e-6 (see below)
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 1e-3)
-    groups = lora_quotient_parameters(model, metric="mix")   # [B; Aᵀ] points + the other trainables
-    opt = geoopt.optim.RiemannianAdam(groups, lr=1e-3)       # or RiemannianSGD(groups, lr, momentum=0.9)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    # peft starts B at 0 (rank 0): eps > 0 relaxes the metric to BᵀB + εI. Exactly invariant
+    # with eps=0 once B and A have full rank (e.g. after lora_B.weight.normal_(0, 1e-3)).
+    groups = lora_quotient_parameters(model, metric="mix", eps=1e-6)   # [B; Aᵀ] points + the rest
+    opt = geoopt.optim.RiemannianAdam(groups, lr=1e-3)   # or InvariantRiemannianSGD(groups, lr, momentum=0.9)
     for batch in loader:
-        opt.zero_grad(); model(**batch).loss.backward(); opt.step()
-    model.save_pretrained("out")                # state_dict has peft's own lora_A/lora_B keys
-    merge_back(model)                           # plain lora_A / lora_B parameters again
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+    model.save_pretrained("out")     # peft's own adapter format (lora_A / lora_B keys)
+    merge_back(model)                # plain lora_A / lora_B parameters again
 
 **How the modules are re-pointed.** ``lora_A[adapter].weight`` and ``lora_B[adapter].weight``
 become ``torch.nn.utils.parametrize`` parametrizations without an original tensor: the property
@@ -72,15 +71,17 @@ Two details of geoopt 0.5.1 would break the invariance and are handled here:
 
 **Metric, scale and ε.** ``metric="mix"`` (default) has Riemannian gradient
 (∇_B (AAᵀ)⁻¹, ∇_{Aᵀ} (BᵀB)⁻¹): the "scaled GD" / Riemannian-preconditioned LoRA direction
-(Mishra & Sepulchre 2016; Zhang & Pilanci 2024). A step of size lr moves
+(Mishra & Sepulchre 2016; Zhang & Pilanci 2024). An SGD step of size lr moves
 δ(s B A) ≈ −lr s² (∇_W Π_A + Π_B ∇_W) (Π the orthogonal projectors on the row space of A and the
-column space of B), independent of how the factors are scaled or conditioned. ``"inv"`` weights by
-BᵀB and AAᵀ instead (its step grows with |w|⁴). ``retraction="first_order"`` (x + ξ, default) is
-invariant and cheap; ``"second_order"`` adds −½Γ(ξ, ξ), whose mix form divides by BᵀB and
-misbehaves near B = 0. The quotient needs B and A of full rank r: peft's default initialisation
-B = 0 is refused with an error unless ``eps > 0``; then P = BᵀB + εI, Q = AAᵀ + εI everywhere (the
-damping of Riemannian-preconditioned LoRA), and invariance holds up to O(ε / eigenvalues of the
-Gram matrices) (docs/maths.md §6.4).
+column space of B), independent of how the factors are scaled or conditioned. Its norm is
+‖ξ‖²_x = ‖ξ_B A‖²_F + ‖B ξ_A‖²_F (ξ_A = ξ_Hᵀ), the two first-order changes of B A; RiemannianAdam
+steps have ‖ξ‖_x ≈ lr, so its lr is a Frobenius length of the change of B A per pair and step.
+``"inv"`` weights by BᵀB and AAᵀ instead (its step grows with |w|⁴).
+``retraction="first_order"`` (x + ξ, default) is invariant and cheap; ``"second_order"`` adds
+−½Γ(ξ, ξ), whose mix form divides by BᵀB and misbehaves near B = 0. The quotient needs B and A
+of full rank r: peft's default initialisation B = 0 is refused with an error unless ``eps > 0``;
+then P = BᵀB + εI, Q = AAᵀ + εI everywhere (the damping of Riemannian-preconditioned LoRA), and
+invariance holds up to O(ε / eigenvalues of the Gram matrices) (docs/maths.md §6.4).
 """
 
 from __future__ import annotations
@@ -287,9 +288,8 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
             raise ValueError(
                 f"{block.name}: the LoRA factors must have full rank r = {block.head_dim} for the exact "
                 f"quotient{hint}. Either pass eps > 0 (relaxed metric BᵀB + εI, AAᵀ + εI: the damping of "
-                f"Riemannian-preconditioned LoRA, invariant up to O(ε); e.g. eps=1e-6 for weights of order "
-                f"1e-2 or more), or initialise B with small random values (e.g. "
-                f"LoraConfig(init_lora_weights='gaussian') and B.normal_(0, 1e-3)). Core message: {reason}")
+                f"Riemannian-preconditioned LoRA, invariant up to O(ε); e.g. eps=1e-6), or give B and A "
+                f"full rank first (e.g. lora_B.weight.normal_(0, 1e-3)). Core message: {reason}")
         built.append((block, b_name, a_name, LoRAQuotientPoint(x, manifold, block.name)))
     points = []
     for block, b_name, a_name, point in built:

@@ -14,6 +14,7 @@ from torch import nn
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
+load_file = pytest.importorskip("safetensors.torch").load_file
 
 from adapters import (InvariantRiemannianSGD, init_momentum_buffers, lora_quotient_parameters,  # noqa: E402
                       lora_quotient_points, merge_back)
@@ -90,7 +91,7 @@ def train(model, make_optimizer, steps=50):
 
 
 # --------------------------------------------------------------------------------- re-pointing
-def test_repointing_keeps_forward_state_dict_and_merging():
+def test_repointing_keeps_forward_state_dict_and_merging(tmp_path):
     model, plain = bert_lora(), bert_lora()
     y0 = model(input_ids=IDS).logits.detach()
     sd0 = model.state_dict()
@@ -134,15 +135,23 @@ def test_repointing_keeps_forward_state_dict_and_merging():
     fresh.load_state_dict(sd2)                                # writes the factors into the points
     assert torch.allclose(fresh(input_ids=IDS).logits, y1, rtol=0, atol=1e-12)
     assert torch.equal(fresh_groups[0]["params"][0][:32], sd2[next(k for k in sd2 if "lora_B" in k)])
-    with pytest.raises(RuntimeError, match="lora_A.default.weight"):
-        bad = dict(sd2)
-        bad[next(k for k in sd2 if "lora_A" in k)] = torch.zeros(R + 1, 32, dtype=DT)
+    bad = dict(sd2)
+    bad[next(k for k in sd2 if "lora_A" in k)] = torch.zeros(R + 1, 32, dtype=DT)
+    with pytest.raises(RuntimeError, match=r"size mismatch for .*lora_A\.default\.weight.*shape \(4, 32\)"):
         fresh.load_state_dict(bad)
     # assigning a factor writes into the point
     new_A = torch.randn(R, 32, dtype=DT)
     layer.lora_A["default"].weight = new_A
     assert torch.equal(point.x[32:].T, new_A)
     layer.lora_A["default"].weight = sd2[next(k for k in sd2 if "lora_A" in k)]
+
+    # peft's adapter state dict and save_pretrained (safetensors: contiguous, unshared tensors)
+    adapter_sd = peft.get_peft_model_state_dict(model)
+    plain_sd = peft.get_peft_model_state_dict(plain)          # plain holds the same trained values
+    assert adapter_sd.keys() == plain_sd.keys() and all(torch.equal(adapter_sd[k], plain_sd[k]) for k in plain_sd)
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert saved.keys() == adapter_sd.keys() and all(torch.equal(saved[k], adapter_sd[k]) for k in saved)
 
     # peft merging reads the views
     clone = copy.deepcopy(model)
@@ -172,10 +181,17 @@ def test_actionable_errors():
     with pytest.raises(ValueError, match=r"lora_B is all zeros.*eps > 0"):
         lora_quotient_parameters(model)                       # peft's initialisation B = 0
     assert lora_quotient_points(model) == {}                  # nothing was modified
+    with pytest.raises(ValueError, match=r"no trainable peft LoRA pair.*for adapters \['other'\]"):
+        lora_quotient_parameters(model, eps=1e-6, adapters=["other"])
     groups = lora_quotient_parameters(model, eps=1e-6)
     assert groups[0]["params"][0].manifold.eps == 1e-6
     with pytest.raises(ValueError, match="already re-pointed"):
         lora_quotient_parameters(model, eps=1e-6)
+    dora = peft.get_peft_model(transformers.BertForSequenceClassification(cfg).to(DT), peft.LoraConfig(
+        r=R, target_modules=["query"], use_dora=True, task_type="SEQ_CLS"))
+    with pytest.warns(UserWarning, match="LoRA variant.*trained as plain parameters"), \
+            pytest.raises(ValueError, match="no trainable peft LoRA pair"):
+        lora_quotient_parameters(dora)
 
 
 # ---------------------------------------------------------------------------------- invariance
@@ -287,8 +303,10 @@ def test_low_rank_regression_converges(name):
         loss = 0.5 * ((model(X) - Y) ** 2).sum() / len(X)
         loss.backward()
         opt.step()
-    rel_loss = float(0.5 * ((model(X) - Y) ** 2).sum() / len(X)) / scale
-    layer = lora_layers(model)[0]
-    W = layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    with torch.no_grad():
+        rel_loss = float(0.5 * ((model(X) - Y) ** 2).sum() / len(X)) / scale
+        layer = lora_layers(model)[0]
+        W = layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
     rel_w = float((W - w_star).norm() / w_star.norm())
-    assert rel_loss < 1e-6 and rel_w < 1e-3, f"{name}: relative loss {rel_loss:.1e}, |W - W*|/|W*| {rel_w:.1e} after {steps} steps"
+    assert rel_loss < 1e-6 and rel_w < 1e-3, (
+        f"{name}: relative loss {rel_loss:.1e}, |W - W*|/|W*| {rel_w:.1e} after {steps} steps")
