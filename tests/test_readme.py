@@ -76,3 +76,12 @@ def test_readme_lora_example_runs():
     out = _run_example(_block_with("get_peft_model"))
     assert "GL(8)" in out and "lora_B.default.weight" in out
     assert re.search(r"worst-case geodesic-inv sharpness \(rho=0.05\): \d", out), out
+
+
+def test_readme_beyond_measurement_example_runs():
+    pytest.importorskip("peft")
+    pytest.importorskip("curvlinops")
+    out = _run_example(_block_with("GeodesicSAM"))
+    trace, lam = map(float, re.search(r"Riemannian trace (\S+), λ_max (\S+)", out).groups())
+    assert trace >= lam > 0, out
+    assert float(re.search(r"LoRA loss after 20 invariant steps: (\S+)", out).group(1)) < 0.7
