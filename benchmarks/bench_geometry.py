@@ -9,7 +9,7 @@ Rows of the table:
   eigendecompositions, validation and the projection) and "projection, cached frame" (the sharpness
   engine keeps one frame at the trained weights for the whole run);
 * the same inv projection as a Python loop over heads with `scipy.linalg.solve_sylvester`
-  (spec §3.2: P, Q, A = PQ, B = P Hᵀξ_H − ξ_GᵀG Q computed per head in numpy, A X + X A = B,
+  (docs/maths.md §3.2: P, Q, A = PQ, B = P Hᵀξ_H − ξ_GᵀG Q computed per head in numpy, A X + X A = B,
   Λ = Xᵀ, (ξ_G + GΛ, ξ_H − HΛᵀ));
 * Γ(ξ, ξ) and the second-order retraction x + ξ − ½Γ(ξ, ξ) with a cached frame, relative to ONE
   batched matrix product of the same shapes, ξ_G @ (h×h) over the 144 heads, in the compute dtype.

@@ -4,7 +4,7 @@ The core geometry object (:class:`~quotient_manifolds.core.gl.GLQuotientGeometry
 :class:`~quotient_manifolds.core.rescaling.RescalingGeometry`) owns every formula; a frame
 ``geometry.frame(x)`` is built at the point and its methods are called. Frames compute in float64
 and return results in the dtype of the input, and they broadcast over leading batch dimensions, so
-the methods below do too (toolkit-apis §1.1, "shape conventions").
+the methods below do too (docs/maths.md §A.1, shape conventions).
 
 Frames are cached by the point's contents (:class:`~quotient_manifolds._runtime.FrameCache`): one
 RiemannianAdam step builds one frame instead of four. Methods on small points run on one thread
@@ -30,7 +30,7 @@ _small = small_work(lambda x: x.numel())  # the point's size decides the thread 
 _NO_CLOSED_FORM = (
     "{name}.{method} is not available: the quotient by the non-compact group {group} has no "
     "closed-form Riemannian {what} (there is no Procrustes-style alignment of representatives as "
-    "for O(k) quotients; Manopt offers none either, toolkit-apis §2.4 and §3). Use the invariant "
+    "for O(k) quotients; Manopt offers none either, docs/maths.md §A.7). Use the invariant "
     "(e.g. G Hᵀ, or β = u⊙v) to compare points."
 )
 
@@ -41,7 +41,7 @@ class CoreQuotientManifold(Manifold):
     Subclasses set ``self.geometry`` (the core object) in ``__init__`` and provide ``split``,
     ``pack``, ``_point_shape`` and ``_origin_point`` (the deterministic point of :meth:`origin`).
 
-    Adam note (toolkit-apis §1.4, §6.4). The default ``component_inner`` (``inner`` with
+    Adam note (docs/maths.md §A.3). The default ``component_inner`` (``inner`` with
     ``keepdim=True``, shape ``(..., 1, 1)``) is kept on purpose: RiemannianAdam then holds ONE
     second-moment scalar per quotient point (per head for a ``(heads, n+m, h)`` parameter), so its
     step direction is a scalar multiple of the (transported, horizontal) first moment and stays
@@ -109,7 +109,7 @@ class CoreQuotientManifold(Manifold):
     def _check_vector_on_tangent(self, x: Tensor, u: Tensor, *, atol=1e-5, rtol=1e-5
                                  ) -> Tuple[bool, Optional[str]]:
         """u is horizontal iff P_h(u) = u (the horizontal space is the tangent space of the
-        quotient, spec §3)."""
+        quotient, docs/maths.md §3)."""
         if not bool(torch.isfinite(u).all()):
             return False, "`u` contains non-finite values (nan or inf)"
         try:
@@ -126,7 +126,7 @@ class CoreQuotientManifold(Manifold):
     def projx(self, x: Tensor) -> Tensor:
         """Identity. A quotient point is any representative; changing it here would invalidate
         optimizer buffers stored in its coordinates (geoopt master calls ``projx`` at every Adam
-        step, toolkit-apis §1.1). Use ``geometry.balance`` + ``geometry.act`` explicitly instead."""
+        step, docs/maths.md §A.3). Use ``geometry.balance`` + ``geometry.act`` explicitly instead."""
         return x
 
     @_small
@@ -136,7 +136,7 @@ class CoreQuotientManifold(Manifold):
 
     @_small
     def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
-        """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, spec §4): Euclidean gradient
+        """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, docs/maths.md §4): Euclidean gradient
         times the inverse metric weights, then projected (needed for non-invariant terms such as
         weight decay)."""
         return self._frame(x).egrad2rgrad(u)
@@ -155,7 +155,7 @@ class CoreQuotientManifold(Manifold):
     # ------------------------------------------------------------------ moves
     @_small
     def retr(self, x: Tensor, u: Tensor) -> Tensor:
-        """The retraction chosen at construction (core ``frame.retract``, spec §5.1)."""
+        """The retraction chosen at construction (core ``frame.retract``, docs/maths.md §5.1)."""
         return self._frame(x).retract(u)
 
     @_small

@@ -24,7 +24,7 @@ _small = small_work(lambda point: sum(np.size(part) for part in point))
 _NO_CLOSED_FORM = (
     "{name}.{method} is not available: the quotient by the non-compact group {group} has no "
     "closed-form Riemannian {what} (no Procrustes-style alignment of representatives as for O(k) "
-    "quotients; Manopt has none either, toolkit-apis §2.4, §3)."
+    "quotients; Manopt has none either, docs/maths.md §A.7)."
 )
 
 
@@ -84,7 +84,7 @@ class CoreQuotientManifold(Manifold):
 
     @_small
     def euclidean_to_riemannian_gradient(self, point, euclidean_gradient):
-        """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, spec §4)."""
+        """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, docs/maths.md §4)."""
         return self._vec(self._frame(point).egrad2rgrad(self._t(euclidean_gradient)))
 
     @_small
