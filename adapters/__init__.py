@@ -49,7 +49,7 @@ from .solver import (
 __all__ = [
     "layout", "detect", "Detection", "Family", "Match", "register_family", "unregister_family", "declare_block", "FactorPiece", "GLBlock", "Layout", "Unsupported",
     "VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output",
-    "sharpness", "sharpness_sweep", "distributed_sharpness", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
+    "sharpness", "sharpness_sweep", "distributed_sharpness", "next_token_loss", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
     "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",
     "ElementwiseComponent", "GeodesicSAM", "SAM_GEOMETRIES", "riemannian_hessian", "RiemannianHessian",
     "elementwise_rhess", "trace", "top_eigenvalues", "lora_quotient_parameters", "lora_quotient_points",

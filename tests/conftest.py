@@ -134,3 +134,24 @@ def minilm():
     model.config.num_hidden_layers = 2
     ids = torch.randint(1000, 5000, (2, 8))
     return model.eval(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def reparametrised_copy(model: nn.Module, *, scale: float, cond, seed: int = 0, layout=None) -> nn.Module:
+    """A copy of ``model`` with every block of its layout acted on by a random element of the
+    block's own group (``Layout.random_actions``: condition number ``cond``, or Gaussian entries for
+    ``cond=None``, times ``scale``): the same function, another representative. The original is
+    left alone."""
+    import copy
+
+    import adapters
+
+    layout = layout or adapters.layout(model)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    actions = layout.random_actions(params, scale=scale, cond=cond,
+                                    generator=torch.Generator().manual_seed(seed))
+    new = layout.act(params, actions)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in clone.named_parameters():
+            p.copy_(new[name])
+    return clone

@@ -20,6 +20,7 @@ import adapters
 from adapters.hessian import RiemannianHessian, riemannian_hessian, top_eigenvalues, trace
 from adapters.solver import QuotientComponent
 from quotient_manifolds.core.groups import RotaryGroup
+from conftest import reparametrised_copy
 
 DT = torch.float64
 
@@ -50,20 +51,6 @@ def tiny_batches(sizes=(6,), seed=1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(n, 3, 4, generator=g, dtype=DT), torch.randint(0, 3, (n,), generator=g))
             for n in sizes]
-
-
-def acted_copy(model, layout, scale, cond, seed=0):
-    """A copy of ``model`` with every head of every block acted on by a random element of the
-    block's group (the original is left alone)."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    actions = layout.random_actions(params, scale=scale, cond=cond,
-                                    generator=torch.Generator().manual_seed(seed))
-    new = layout.act(params, actions)
-    clone = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in clone.named_parameters():
-            p.copy_(new[name])
-    return clone
 
 
 def dense(op):
@@ -202,7 +189,8 @@ def test_trace_and_top_eigenvalue_invariant_under_gl_reparametrisation(geometry)
     layout = adapters.layout(model)
     riem, eucl = [], []
     for scale in (1.0, 0.1, 10.0):
-        m = model if scale == 1.0 else acted_copy(model, layout, scale, cond=1e2, seed=int(scale * 10))
+        m = model if scale == 1.0 else reparametrised_copy(model, layout=layout, scale=scale, cond=1e2,
+                                                           seed=int(scale * 10))
         op = riemannian_hessian(m, [batch], geometry=geometry, layout=layout)
         riem.append((trace(op, method="exact"), float(top_eigenvalues(op, 1)[0])))
         H = euclidean(m, batch)[3]
@@ -221,8 +209,8 @@ def test_adaptive_is_not_gl_invariant():
     batch = tiny_batches()[0]
     layout = adapters.layout(model)
     tr0 = trace(riemannian_hessian(model, [batch], geometry="adaptive"), method="exact")
-    tr1 = trace(riemannian_hessian(acted_copy(model, layout, 1.0, cond=1e2), [batch],
-                                   geometry="adaptive"), method="exact")
+    acted = reparametrised_copy(model, layout=layout, scale=1.0, cond=1e2)
+    tr1 = trace(riemannian_hessian(acted, [batch], geometry="adaptive"), method="exact")
     assert rel(tr0, tr1) > 0.05
 
 
@@ -313,7 +301,7 @@ def test_rotary_block_with_its_group():
     eta_gl = _vertical_eta(op, gen, basis=mixing)[rotary]
     assert float((op @ eta_gl).norm()) > 1e-3 * float(Av.norm() / v.norm() * eta_gl.norm())
     # λ_max and λ_min invariant under the rotary group on Q/K and GL(h) on V/O
-    acted = acted_copy(model, layout, 3.0, cond=10.0)
+    acted = reparametrised_copy(model, layout=layout, scale=3.0, cond=10.0)
     op2 = riemannian_hessian(acted, batches, geometry="geodesic-mix", layout=layout)
     for which in ("LA", "SA"):
         a, b = float(top_eigenvalues(op, 1, which=which)[0]), float(top_eigenvalues(op2, 1, which=which)[0])

@@ -7,7 +7,6 @@ block treated as full GL(h) fails ``verify``."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -18,6 +17,7 @@ import adapters
 from adapters import sharpness
 from adapters.layout import Layout
 from quotient_manifolds.core import FULL_GL, RotaryGroup
+from conftest import reparametrised_copy
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,21 +89,6 @@ def inputs_for(name):
     if name in CAUSAL:
         return ids, ids, causal_loss
     return ids, torch.randint(0, 3, (3,), generator=g), None
-
-
-def reparametrised(model, scale: float, seed: int = 0):
-    """Copy of ``model`` with every block acted on by a random element of the block's own group
-    (condition number 1e2) times ``scale``."""
-    layout = adapters.layout(model)
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    actions = layout.random_actions(params, scale=scale, cond=1e2,
-                                    generator=torch.Generator().manual_seed(seed))
-    new = layout.act(params, actions)
-    clone = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in clone.named_parameters():
-            p.copy_(new[name])
-    return clone
 
 
 # ------------------------------------------------------------------------------------ layouts
@@ -201,7 +186,8 @@ def _sharpness(model, name, geometry, dtype=torch.float32):
 def _ratios(model, name, geometry, scales):
     base = _sharpness(model, name, geometry)
     assert base > 0
-    return [_sharpness(reparametrised(model, a), name, geometry) / base for a in scales]
+    return [_sharpness(reparametrised_copy(model, scale=a, cond=1e2), name, geometry) / base
+            for a in scales]
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))

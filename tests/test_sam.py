@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import adapters
 from adapters import GeodesicSAM
 from tests.conftest import PlainViT
+from conftest import reparametrised_copy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -54,21 +55,6 @@ def params_of(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def reparametrised(model, cond: float, seed: int = 0):
-    """A copy of ``model`` with every head of every GL block acted on by a random A ∈ GL(h) of
-    condition number ``cond`` (and overall scale 3): the same function, another representative."""
-    layout = adapters.layout(model)
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    actions = layout.random_actions(params, scale=3.0, cond=cond,
-                                    generator=torch.Generator().manual_seed(seed))
-    new = layout.act(params, actions)
-    clone = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in clone.named_parameters():
-            p.copy_(new[name])
-    return clone
-
-
 def perturbed_function(model, batch, **options):
     """(outputs at w, outputs at w_adv) after one first_step; the weights are restored after."""
     inputs, _ = batch
@@ -92,7 +78,7 @@ def test_ascent_is_equivariant_for_geodesic_sam_only():
     function does not depend on the representative for geodesic SAM, and does for SAM and ASAM."""
     model = tiny_bert()
     batch = bert_batch()
-    twin = reparametrised(model, cond=1e3)
+    twin = reparametrised_copy(model, scale=3.0, cond=1e3)
     out0, out0_twin = logits(model, batch[0]).detach(), logits(twin, batch[0]).detach()
     assert (out0 - out0_twin).norm() / out0.norm() < 1e-12  # same function
     deviations = {}

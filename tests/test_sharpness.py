@@ -16,6 +16,7 @@ import adapters
 from adapters.sharpness import GEOMETRIES, sharpness
 from adapters.solver import ProductBall, QuotientComponent, auto_pgd
 from quotient_manifolds.core import RescalingGeometry, sharpness_mix_orthonormal
+from conftest import reparametrised_copy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -100,21 +101,6 @@ BUILDERS = {"bert": tiny_bert, "vit": tiny_vit,
             "mha": lambda dtype=torch.float32: MHAEncoderClassifier().to(dtype).eval()}
 
 
-def reparametrised(model, scale: float, seed: int = 0):
-    """Copy of ``model`` with every head of every GL block acted on by A = scale·Gaussian."""
-    layout = adapters.layout(model)
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    g = torch.Generator().manual_seed(seed)
-    actions = {b.name: scale * torch.randn(b.num_heads, b.head_dim, b.head_dim, generator=g,
-                                           dtype=torch.float64) for b in layout.blocks}
-    new = layout.act(params, actions)
-    clone = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in clone.named_parameters():
-            p.copy_(new[name])
-    return clone
-
-
 def snapshot(model):
     return ({n: p.detach().clone() for n, p in model.named_parameters()},
             {n: b.clone() for n, b in model.named_buffers()},
@@ -139,8 +125,8 @@ RHO = {"geodesic-inv": 0.05, "geodesic-mix": 0.05, "adaptive": 0.05}
 def _ratios(model, batches, geometry, scales, **kw):
     base = sharpness(model, batches, geometry=geometry, rho=RHO[geometry], n_iters=6, **kw).value
     assert base > 0
-    return [sharpness(reparametrised(model, a), batches, geometry=geometry, rho=RHO[geometry],
-                      n_iters=6, **kw).value / base for a in scales]
+    return [sharpness(reparametrised_copy(model, scale=a, cond=None), batches, geometry=geometry,
+                      rho=RHO[geometry], n_iters=6, **kw).value / base for a in scales]
 
 
 @pytest.mark.parametrize("name", ["bert", "vit", "clip", "mha"])
