@@ -283,9 +283,9 @@ def sharpness(model: torch.nn.Module,
     geometry: ``"geodesic-mix"`` (default), ``"geodesic-inv"`` (attention blocks on the GL(h)
         quotient with that metric, everything else adaptive) or ``"adaptive"`` (elementwise
         c = |w| everywhere, Andriushchenko et al. / Kwon et al.).
-    rho: radius of the ball in the combined norm (spec §6.3): a finite number > 0 (a Python or
+    rho: radius of the ball in the combined norm (docs/maths.md §6.3): a finite number > 0 (a Python or
         numpy scalar or a 0-d array / tensor). Not comparable across geometries: mix is not
-        scale-free (spec §12.14).
+        scale-free (docs/maths.md §12.14).
     n_iters: Auto-PGD iterations (one forward + one backward each).
     retraction: ``"second_order"`` (x + ξ − ½Γ(ξ,ξ), default), ``"first_order"`` (x + ξ: the
         ablation "no second-order correction"), or ``"exact"`` (geodesic ODE).
@@ -293,15 +293,15 @@ def sharpness(model: torch.nn.Module,
         ``(inputs, targets)`` batches, the model's ``outputs.loss`` for dict batches.
     measure: ``"worst"`` (Auto-PGD) or ``"average"`` (mean over ``n_samples`` random horizontal
         directions on the sphere of radius rho; seeded by ``seed``).
-    eps: Gram relaxation GᵀG + εI (spec §6.4).
+    eps: Gram relaxation GᵀG + εI (docs/maths.md §6.4).
     use_metric_norm: False = ablation "no corrected norm": the GL blocks are measured with the
-        elementwise adaptive norm (spec §7.3).
+        elementwise adaptive norm (docs/maths.md §7.3).
     momentum: ``"apgd"`` (paper Alg. 1), ``"andriushchenko"`` (their code), ``"none"``.
     step_normalisation: ``"metric"`` (step of metric length η) or ``"none"``.
     adaptive_direction: ``"riemannian"`` (∇⊙w², paper Alg. 1 line 12) or ``"andriushchenko"``
         (∇⊙|w|, their code).
     elementwise_second_order: also move the non-attention weights along the second-order geodesic
-        w + ξ + ξ²/(2w) of the elementwise metric (spec §12.10; default off: w + ξ).
+        w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).
     normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
     layout: a precomputed :class:`~adapters.layout.Layout` (default: detected from the model).
     allow_unsupported: run even if the layout reports unsupported attention modules (they are

@@ -2,16 +2,16 @@ r"""Sharpness as Riemannian maximisation over a geodesic ball: a generic solver.
 
 The solver knows manifolds and a loss closure, nothing about model families. A *ball* is a product of
 components, each owning one piece of the perturbation ξ in the tangent space at the trained
-weights w⁽⁰⁾ (all metrics are taken at w⁽⁰⁾, spec §7.1):
+weights w⁽⁰⁾ (all metrics are taken at w⁽⁰⁾, docs/maths.md §7.1):
 
 * :class:`QuotientComponent` wraps a frame of the geometry core (GL(h) quotient, batched over heads,
   or the rescaling quotient): horizontal projection, Riemannian gradient, retraction
   w⁽⁰⁾ + ξ − ½Γ(ξ, ξ) (or first-order / exact);
-* :class:`ElementwiseComponent` is the adaptive-sharpness recipe for every other weight (spec §6.2):
+* :class:`ElementwiseComponent` is the adaptive-sharpness recipe for every other weight (docs/maths.md §6.2):
   metric Σ ξ²/w², Riemannian gradient ∇⊙w², perturbation w + ξ, zero weights kept fixed.
 
-One combined norm ‖ξ‖² = Σ_components ‖ξ_c‖² defines the ball (spec §6.3), and
-:func:`auto_pgd` maximises L(retract(w⁽⁰⁾, ξ)) − L(w⁽⁰⁾) over it (spec §7.3).
+One combined norm ‖ξ‖² = Σ_components ‖ξ_c‖² defines the ball (docs/maths.md §6.3), and
+:func:`auto_pgd` maximises L(retract(w⁽⁰⁾, ξ)) − L(w⁽⁰⁾) over it (docs/maths.md §7.3).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class QuotientComponent:
     ``frame`` is a :class:`~quotient_manifolds.core.gl.GLFrame` (batched over heads) or a
     :class:`~quotient_manifolds.core.rescaling.RescalingFrame`.
 
-    ``use_metric_norm=False`` is the ablation "no corrected norm" (spec §7.3, paper App. G): the
+    ``use_metric_norm=False`` is the ablation "no corrected norm" (docs/maths.md §7.3, paper App. G): the
     block is measured with the elementwise adaptive norm Σ ξ²/w² instead of the quotient metric, and
     the ascent direction is the steepest direction of that norm, ∇⊙w², made horizontal by the
     quotient's projection (so the Γ-step and the horizontal restriction stay). Using the quotient
@@ -93,12 +93,12 @@ class QuotientComponent:
 
 
 class ElementwiseComponent:
-    """Adaptive-sharpness geometry of plain weight tensors w (c = |w|; spec §6.2, §10).
+    """Adaptive-sharpness geometry of plain weight tensors w (c = |w|; docs/maths.md §6.2, §10).
 
     Metric ⟨ξ, η⟩ = Σ ξη/w², Riemannian gradient ∇⊙w², point w + ξ. Entries with w = 0 (or outside
-    their ``mask``) have infinite cost and are kept fixed (ξ = 0 there; spec §12.12). With
+    their ``mask``) have infinite cost and are kept fixed (ξ = 0 there; docs/maths.md §12.12). With
     ``direction="andriushchenko"`` the ascent direction is ∇⊙|w| (their code) instead of ∇⊙w².
-    ``second_order=True`` adds the elementwise Christoffel term (spec §12.10; default off, as the
+    ``second_order=True`` adds the elementwise Christoffel term (docs/maths.md §12.10; default off, as the
     paper's App. C.1 keeps "the recipe of adaptive sharpness" for these weights).
 
     All tensors given are flattened into ONE vector so that every operation of the solver is a
@@ -117,7 +117,7 @@ class ElementwiseComponent:
         self.sizes = [tensors[n].numel() for n in self.names]
         self.x0 = torch.cat([tensors[n].reshape(-1) for n in self.names])
         inv_w2 = _inverse_square(self.x0)
-        movable = inv_w2 > 0  # w = 0, or 1/w² overflowing, counts as zero (spec §12.12: kept fixed)
+        movable = inv_w2 > 0  # w = 0, or 1/w² overflowing, counts as zero (docs/maths.md §12.12: kept fixed)
         if masks:
             movable &= torch.cat([masks[n].reshape(-1) if masks.get(n) is not None else
                                   torch.ones(tensors[n].numel(), dtype=torch.bool,
@@ -155,7 +155,7 @@ class ElementwiseComponent:
 
     def point(self, xi: Tensor) -> Tensor:
         """w + ξ, or with ``second_order`` the second-order geodesic of the elementwise metric
-        Σ ξ²/w², w + ξ − ½Γ(ξ, ξ) = w + ξ + ξ²/(2w) (Γ^w_ww = −1/w; spec §10, §12.10)."""
+        Σ ξ²/w², w + ξ − ½Γ(ξ, ξ) = w + ξ + ξ²/(2w) (Γ^w_ww = −1/w; docs/maths.md §10, §12.10)."""
         if self.half_inv_w is None:
             return self.x0 + xi
         return self.x0 + xi + xi * xi * self.half_inv_w
@@ -174,7 +174,7 @@ def _inverse_square(w: Tensor) -> Tensor:
 
 
 class ProductBall:
-    """The product of components with one combined norm ‖ξ‖² = Σ_c ‖ξ_c‖² (spec §6.3)."""
+    """The product of components with one combined norm ‖ξ‖² = Σ_c ‖ξ_c‖² (docs/maths.md §6.3)."""
 
     def __init__(self, components: Sequence):
         if not components:
@@ -212,7 +212,7 @@ class ProductBall:
 
     def project_ball(self, xi: Tangent, rho: float, *, horizontal: bool = False,
                      inplace: bool = False) -> Tangent:
-        """P_S: horizontal projection, then radial scaling into ‖ξ‖ ≤ ρ (exact, spec §3.2).
+        """P_S: horizontal projection, then radial scaling into ‖ξ‖ ≤ ρ (exact, docs/maths.md §3.2).
 
         ``horizontal=True`` skips the projection for vectors that are horizontal by construction
         (linear combinations of horizontal vectors), which the solver's iterates are;
@@ -239,7 +239,7 @@ def scale(x: Tangent, a: float) -> Tangent:
 
 # ---------------------------------------------------------------------------------- Auto-PGD
 def apgd_checkpoints(n_iters: int) -> List[int]:
-    """Checkpoints of Andriushchenko et al. / Croce & Hein (spec §7.2): p₀ = 0, p₁ = 0.22,
+    """Checkpoints of Andriushchenko et al. / Croce & Hein (docs/maths.md §7.2): p₀ = 0, p₁ = 0.22,
     p_{j+1} = p_j + max(p_j − p_{j−1} − 0.03, 0.06), w_j = ⌈p_j N⌉; first entry dropped.
     For N = 20: [5, 9, 12, 15, 16, 18, 19, 20]."""
     p = [0.0, 0.22]
@@ -281,15 +281,15 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
              min_update_ratio: float = 0.75, decay: float = 0.5,
              on_iteration: Optional[Callable[[int, float], None]] = None,
              start: Optional[Tuple[Tangent, float]] = None) -> APGDResult:
-    r"""Maximise ``closure(ball.points(ξ))`` over horizontal ξ with ‖ξ‖ ≤ ρ (spec §7.1, §7.3).
+    r"""Maximise ``closure(ball.points(ξ))`` over horizontal ξ with ‖ξ‖ ≤ ρ (docs/maths.md §7.1, §7.3).
 
     Iterations k = 0..N−1 each cost exactly one forward and one backward: the pass at ξ_k gives both
     ℓ(ξ_k) (checked against the worst loss so far) and the gradient for the next step; the final
     iterate gets one extra forward. Per step: g = P_h(grad_g ℓ) (Riemannian gradient of ξ ↦ ℓ(R(ξ))
-    in the metric at w⁽⁰⁾, autograd through the retraction, spec §12.5), normalised by its norm
-    (``step_normalisation="metric"``, spec §12.6), z = P_S(ξ + η g), and the momentum step
+    in the metric at w⁽⁰⁾, autograd through the retraction, docs/maths.md §12.5), normalised by its norm
+    (``step_normalisation="metric"``, docs/maths.md §12.6), z = P_S(ξ + η g), and the momentum step
     ``"apgd"`` ξ⁺ = P_S(ξ + α(z−ξ) + (1−α)(ξ−ξ⁻)) (α = 1 at k = 0; Croce & Hein, paper Alg. 1),
-    ``"andriushchenko"`` ξ⁺ = 0.75 z + 0.25 ξ⁻ (their code, spec §7.2), or ``"none"`` ξ⁺ = z.
+    ``"andriushchenko"`` ξ⁺ = 0.75 z + 0.25 ξ⁻ (their code, docs/maths.md §7.2), or ``"none"`` ξ⁺ = z.
     At the checkpoints of :func:`apgd_checkpoints`, if fewer than 75 % of the steps since the last
     checkpoint improved the worst loss, or neither η nor the worst loss changed, η is halved and
     the iterate restarts from the worst point (whose gradient was kept, so no extra pass).
