@@ -73,7 +73,7 @@ def test_readme_causal_lm_example_runs():
 
 def test_readme_lora_example_runs():
     pytest.importorskip("peft")
-    out = _run_example(_block_with("get_peft_model"))
+    out = _run_example(_block_with('task_type="SEQ_CLS"'))
     assert "GL(8)" in out and "lora_B.default.weight" in out
     assert re.search(r"worst-case geodesic-inv sharpness \(rho=0.05\): \d", out), out
 
