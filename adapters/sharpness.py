@@ -197,13 +197,18 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
         for (n, m, h, group), blocks in by_key.items():
             geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
                                       **({"group": group} if group is not None else {}))
-            xs = [block.gather(params0).detach().to(torch.float64) for block in blocks]
-            x0 = torch.cat(xs, dim=0)
-            frame = _frame_or_explain(geom, x0, blocks, xs)
+            counts = [block.num_heads for block in blocks]
+            like = params0[blocks[0].g_pieces[0].param]
+            # the heads of all blocks in float64, filled block by block (no float64 copy per block)
+            x0 = torch.empty((sum(counts), n + m, h), dtype=torch.float64, device=like.device)
+            for block, part in zip(blocks, torch.split(x0, counts)):
+                part.copy_(block.gather(params0))
+            frame = _frame_or_explain(geom, x0, blocks, counts)
             name = f"GL(h={h}) n={n} m={m} [{len(blocks)} blocks]"
+            # iterates in the model's dtype; the frame does its Gram-matrix work in float64
             components.append(QuotientComponent(name, frame, x0, retraction=retraction,
-                                                use_metric_norm=use_metric_norm))
-            groups.append((blocks, [x.shape[0] for x in xs]))
+                                                use_metric_norm=use_metric_norm, dtype=like.dtype))
+            groups.append((blocks, counts))
         masks = getattr(layout, "gl_masks", {})
         elementwise = [(n, ~masks[n].to(params0[n].device) if n in masks else None)
                        for n in layout.adaptive if n in params0]
@@ -239,11 +244,11 @@ def _component_key(block) -> Tuple[int, int, int, Hashable]:
     return (block.n, block.m, block.head_dim, getattr(block, "group", None))
 
 
-def _frame_or_explain(geom: GLQuotientGeometry, x0: Tensor, blocks, xs):
+def _frame_or_explain(geom: GLQuotientGeometry, x0: Tensor, blocks, counts):
     try:
         return geom.frame(x0)
     except ValueError:
-        for block, x in zip(blocks, xs):
+        for block, x in zip(blocks, torch.split(x0, counts)):
             try:
                 geom.frame(x)
             except ValueError as err:

