@@ -2,6 +2,8 @@
 adaptive / geodesic sharpness posed as Riemannian maximisation over a geodesic ball
 (``sharpness``, on top of the generic solver ``auto_pgd``)."""
 
+from importlib.util import find_spec as _find_spec
+
 from .layout import (
     BlockCheck,
     FactorPiece,
@@ -26,7 +28,6 @@ from .sharpness import (
     sharpness_sweep,
 )
 from .distributed import distributed_sharpness
-from .hessian import RiemannianHessian, elementwise_rhess, riemannian_hessian, top_eigenvalues, trace
 from .lora_training import (
     InvariantRiemannianSGD,
     LoRAQuotientPoint,
@@ -51,8 +52,21 @@ __all__ = [
     "VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output",
     "sharpness", "sharpness_sweep", "distributed_sharpness", "next_token_loss", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
     "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",
-    "ElementwiseComponent", "GeodesicSAM", "SAM_GEOMETRIES", "riemannian_hessian", "RiemannianHessian",
-    "elementwise_rhess", "trace", "top_eigenvalues", "lora_quotient_parameters", "lora_quotient_points",
+    "ElementwiseComponent", "GeodesicSAM", "SAM_GEOMETRIES", "lora_quotient_parameters", "lora_quotient_points",
     "merge_back", "LoRAQuotientPoint", "InvariantRiemannianSGD", "init_momentum_buffers",
 ]
 
+#: Names served by a module with an optional dependency, imported on first use (PEP 562) so that
+#: ``import adapters`` does not need it: adapters.hessian needs curvlinops.
+_LAZY = {name: "hessian" for name in
+         ("RiemannianHessian", "elementwise_rhess", "riemannian_hessian", "top_eigenvalues", "trace")}
+if _find_spec("curvlinops") is not None:
+    __all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

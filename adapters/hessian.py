@@ -103,7 +103,14 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from curvlinops._torch_base import PyTorchLinearOperator
+try:
+    from curvlinops._torch_base import PyTorchLinearOperator
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"the Riemannian Hessian operator needs curvlinops ({err}). Install it without its "
+        f"requirements, which would replace torch by a CUDA build: pip install --no-deps "
+        f"curvlinops-for-pytorch && pip install linear_operator einops einconv opt_einsum"
+    ) from err
 
 from quotient_manifolds._runtime import bounded_threads
 from quotient_manifolds.core.gl import check_choice

@@ -385,3 +385,21 @@ def test_errors_are_actionable():
     with pytest.raises(ValueError, match="requires_grad"):
         riemannian_hessian(frozen, tiny_batches())
     assert isinstance(op, RiemannianHessian) and "adaptive" in repr(op)
+
+
+def test_adapters_imports_without_curvlinops():
+    """``import adapters`` (the README's main command) must not need the optional curvlinops; the
+    Hessian names then fail on first use with the install command."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['curvlinops'] = None\n"
+            "import adapters\n"
+            "assert 'riemannian_hessian' not in adapters.__all__\n"
+            "try:\n"
+            "    adapters.riemannian_hessian\n"
+            "except ImportError as err:\n"
+            "    assert 'pip install --no-deps curvlinops-for-pytorch' in str(err), err\n"
+            "else:\n"
+            "    raise AssertionError('no ImportError')\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
