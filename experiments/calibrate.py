@@ -16,7 +16,7 @@ Protocol
    by a safeguarded secant in (log ρ, log S) (:func:`find_rho`): start at the configuration's ρ,
    step by (target/S)^{1/2} (S ∝ ρ² near a minimum, at most ×10 per step) until the target is
    bracketed, then regula falsi in log–log inside the bracket (kept at least 10 % of the bracket
-   away from its ends) until |log(S/target)| ≤ log(``tolerance``) (1.25) or ``max_evals`` (7)
+   away from its ends) until |log(S/target)| ≤ log(``tolerance``) (1.25) or ``max_evals`` (6)
    evaluations. A non-finite loss counts as "above". ρᵢ is the log–log interpolation inside the
    final bracket (else the closest value corrected with slope 2).
 3. **Combine**: ρ* = exp(median_i log ρᵢ). Since each Sᵢ is increasing in ρ, Sᵢ(ρ) ≥ target ⇔
@@ -51,7 +51,7 @@ FAMILIES = ("adaptive", "inv", "mix")
 def calibration_defaults() -> Dict[str, Any]:
     """The calibration settings of a configuration (``config["calibration"]``)."""
     return dict(families=list(FAMILIES), target=3.0, band=[1.0, 10.0], pilot_models=6,
-                points=512, tolerance=1.25, max_evals=7)
+                points=512, tolerance=1.25, max_evals=6)
 
 
 def families_to_calibrate(config: Dict[str, Any]) -> List[str]:

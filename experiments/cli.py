@@ -690,7 +690,7 @@ def cmd_vision(args) -> int:
             state, info = V.pretrained(config, data, ckpt, progress)
         finally:
             torch.set_num_threads(threads)
-        _log(f"pretrained ViT: {info['checkpoint']} (coarse-task error "
+        _log(f"pretrained ViT: {info['checkpoint']} (pretraining-task error "
              f"{info['coarse_train_error']:.4f} train, {info['coarse_test_error']:.4f} test; "
              + ("reused)" if info["train_time_s"] == 0 else
                 f"trained in {fmt_seconds(info['train_time_s'])})"))
