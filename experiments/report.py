@@ -107,7 +107,10 @@ def _fig_scatter(path: str, records, panels: Sequence[Tuple[str, float]], target
     plt.close(fig)
 
 
-def _fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title: str) -> None:
+def _fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title: str,
+               relative_to: Optional[Dict[str, float]] = None) -> None:
+    """τ against ρ per measure; with ``relative_to`` (each measure's main ρ, e.g. the calibrated
+    one) against ρ / ρ_main, so measures whose ρ have different scales share one axis."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -117,7 +120,7 @@ def _fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title
         rows = [(r, t) for r, t in rows if math.isfinite(t.tau_b)]
         if not rows:
             continue
-        rs = np.array([r for r, _ in rows])
+        rs = np.array([r for r, _ in rows]) / (relative_to[m] if relative_to else 1.0)
         tb = np.array([t.tau_b for _, t in rows])
         lo = np.array([t.ci_low for _, t in rows])
         hi = np.array([t.ci_high for _, t in rows])
@@ -131,7 +134,8 @@ def _fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.axhline(0, color="k", lw=0.5)
     finish_figure(fig, ax, path, title=title,
-                  xlabel="ρ (mix ρ has units; not comparable across measures)",
+                  xlabel=("ρ / the measure's main (calibrated) ρ" if relative_to else
+                          "ρ (mix ρ has units; not comparable across measures)"),
                   ylabel="Kendall τ-b")
 
 
@@ -274,7 +278,8 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                 f"ρ={_fmt_rho(r)} ({_points(used, m, r)}): {t.fmt()}" for r, t in rows))
         lines.append("")
         _fig_sweep(os.path.join(out_dir, "fig_rho_sweep.png"), sweep,
-                   f"{study}: τ vs ρ" + (" [SYNTHETIC]" if synthetic else ""))
+                   f"{study}: τ vs ρ" + (" [SYNTHETIC]" if synthetic else ""),
+                   relative_to={m: default_rho[m] for m in sweep})
     # ablations -----------------------------------------------------------------------------
     abl = [m for m in ablations if m in present]
     if abl:
@@ -326,6 +331,29 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
             lines.append(f"| {m} | {_fmt_rho(rho)} | {t.fmt()} | {tz.fmt()} | {pt.fmt()} |")
         lines += ["", f"τ({control}, {target}) = {ty.fmt()}.", ""]
         summary["control_vs_target"] = ty.as_dict()
+    # τ within the levels of each categorical knob ------------------------------------------------
+    strata = [(label, key) for label, key, how in
+              (knobs if knobs is not None else default_knobs(used)) if how == "categorical"
+              and all(key in r["hparams"] for r in used)
+              and 1 < len({repr(r["hparams"][key]) for r in used}) < len(used) / 2]
+    if strata:
+        summary["within"] = {}
+        lines += ["## τ within the levels of each categorical knob (τ-b [95% CI])", "",
+                  "Only pairs of models that share the knob's value (e.g. the same label "
+                  "smoothing) are compared (`within_tau_with_ci`, bootstrap within levels): a knob "
+                  "that moves sharpness and the gap together cannot make these τ's.", "",
+                  "| measure | " + " | ".join(f"within {lab}" for lab, _ in strata) + " |",
+                  "|---|" + "---|" * len(strata)]
+        for m in main + extra_main + curvature:
+            x = [value_of(r, m, default_rho[m]) for r in used]
+            cells = []
+            for lab, key in strata:
+                w = within_tau_with_ci(x, y, [repr(r["hparams"][key]) for r in used],
+                                       n_boot=n_boot)
+                summary["within"].setdefault(m, {})[lab] = w.as_dict()
+                cells.append(w.fmt())
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
     # R² per knob ----------------------------------------------------------------------------
     r2_measures = main + extra_main + curvature
     r2 = knob_r2(used, target, [(m, default_rho[m]) for m in r2_measures], knobs)
@@ -1055,6 +1083,8 @@ def read_records(path: str) -> List[Dict[str, Any]]:
 #: what each population study correlates with by default (the CLI's --target default)
 DEFAULT_TARGET = {"vision": "gap_own", "text": "gap"}
 POPULATION_STUDIES = ("vision", "text")
+#: the training studies (study name -> module), whose modules write their own reports
+TRAINING_STUDIES = {"sam": "sam_study", "lora": "lora"}
 #: measures reported beside the main three when present: the paper's adaptive baseline and the
 #: exact-geodesic versions of the second-order measures
 EXTRA_MAIN = ("adaptive-andriushchenko", "inv-exact", "mix-exact")
@@ -1088,19 +1118,19 @@ def population_kwargs(study: str, config: Dict[str, Any], target: str,
                 notes=notes)
 
 
-def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int = 2000,
-                        config_hash: Optional[str] = None, target: Optional[str] = None,
-                        log=print) -> Dict[str, Any]:
-    """Recompute a study's summary from ``results.jsonl`` (a file, or a directory holding one).
-
-    Diagonal: :func:`diagonal_report`. Text / vision populations: :func:`population_report` with
-    :func:`population_kwargs` of the records' configuration, the study's ``exclusions`` and, when
-    the directory holds one for the same configuration, ``calibration.json``; the target is
-    ``target``, else the one of the directory's summary.json, else the study's default."""
+def _results_file(path: str) -> str:
     from .runner import ExperimentError
     src = os.path.join(path, "results.jsonl") if os.path.isdir(path) else path
     if not os.path.exists(src):
         raise ExperimentError(f"no results.jsonl at {path}")
+    return src
+
+
+def _records_of_one_config(src: str, config_hash: Optional[str] = None
+                           ) -> Tuple[str, List[Dict[str, Any]], List[str]]:
+    """(chosen hash, its records sorted by model id, all hashes present) of a results.jsonl; the
+    chosen configuration is ``config_hash``, else that of the last line."""
+    from .runner import ExperimentError
     records = read_records(src)
     if not records:
         raise ExperimentError(f"{src} holds no valid result lines")
@@ -1108,19 +1138,81 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
     chosen = config_hash or records[-1].get("config_hash")
     if chosen not in hashes:
         raise ExperimentError(f"config hash {chosen} not in {src} (present: {', '.join(hashes)})")
-    records = sorted((r for r in records if r.get("config_hash") == chosen),
-                     key=lambda r: r["model_id"])
+    return chosen, sorted((r for r in records if r.get("config_hash") == chosen),
+                          key=lambda r: r["model_id"]), hashes
+
+
+def merge_second_pass(records: List[Dict[str, Any]], config: Dict[str, Any], extra_src: str,
+                      log=print) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    """Add the sharpness values of a second pass over the same models (a run from the first
+    pass's checkpoints with other ``--measures`` / ρ, written to its own directory) to the first
+    pass's records. A model is matched by id and must have the same seed and hyperparameters (else
+    it is not the same model and the merge stops); a (measure, ρ) the first pass already holds is
+    kept from the first pass. Returns new records and the configuration with the union of both
+    passes' measures; models of the first pass missing from the second simply lack its values."""
+    from .runner import ExperimentError
+    _, extra, _ = _records_of_one_config(extra_src)
+    by_id = {r["model_id"]: r for r in extra}
+    if extra[0].get("study") != records[0].get("study"):
+        raise ExperimentError(f"{extra_src} holds the {extra[0].get('study')!r} study, not "
+                              f"{records[0].get('study')!r}: pass a second pass of the same study")
+    merged, added = [], 0
+    for r in records:
+        e = by_id.get(r["model_id"])
+        if e is None:
+            merged.append(r)
+            continue
+        if e.get("seed") != r.get("seed") or e.get("hparams") != r.get("hparams"):
+            raise ExperimentError(
+                f"model {r['model_id']} of {extra_src} has other seed/hyperparameters than the "
+                "first pass: a second pass must run from the first pass's checkpoints "
+                "(--checkpoint-dir FIRST/checkpoints) with the same population settings")
+        have = [(x["measure"], x["rho"]) for x in r.get("sharpness", [])]
+        new = [x for x in e.get("sharpness", []) if not any(
+            m == x["measure"] and math.isclose(rho, x["rho"], rel_tol=1e-9) for m, rho in have)]
+        added += len(new)
+        merged.append({**r, "sharpness": list(r.get("sharpness", [])) + new})
+    measures = list(dict.fromkeys(list(config.get("measures", []))
+                                  + list(extra[0]["study_config"].get("measures", []))))
+    log(f"{extra_src}: merged {added} sharpness values of {len(by_id)} models")
+    return merged, {**config, "measures": measures}
+
+
+def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int = 2000,
+                        config_hash: Optional[str] = None, target: Optional[str] = None,
+                        extra: Sequence[str] = (), log=print) -> Dict[str, Any]:
+    """Recompute a study's summary from ``results.jsonl`` (a file, or a directory holding one).
+
+    Diagonal: :func:`diagonal_report`. Text / vision populations: :func:`population_report` with
+    :func:`population_kwargs` of the records' configuration, the study's ``exclusions`` and, when
+    the directory holds one for the same configuration, ``calibration.json``; the target is
+    ``target``, else the one of the directory's summary.json, else the study's default. ``extra``:
+    results of second passes over the same models (:func:`merge_second_pass`)."""
+    from .runner import ExperimentError
+    src = _results_file(path)
+    chosen, records, hashes = _records_of_one_config(src, config_hash)
     study = records[0].get("study")
     src_dir = os.path.dirname(os.path.abspath(src))
     out_dir = out_dir or src_dir
+    if study in TRAINING_STUDIES:  # their own reports, from the records alone
+        import importlib
+        if extra:
+            raise ExperimentError(f"--extra merges second passes of the text / vision "
+                                  f"populations; the {study} study has none")
+        os.makedirs(out_dir, exist_ok=True)
+        own = importlib.import_module(f"experiments.{TRAINING_STUDIES[study]}").report
+        return own(out_dir, records[0]["study_config"], chosen, records, source=src)
     if study not in ("diagonal",) + POPULATION_STUDIES:
-        raise ExperimentError(f"`report` recomputes the diagonal, vision and text studies' "
-                              f"summaries; {src} holds the {study!r} study (its summary is "
+        raise ExperimentError(f"`report` recomputes the diagonal, vision, text, sam and lora "
+                              f"studies' summaries; {src} holds the {study!r} study (its summary is "
                               f"written by its own run)")
     os.makedirs(out_dir, exist_ok=True)
     if len(hashes) > 1:
         log(f"{src}: {len(hashes)} configurations; using {chosen} ({len(records)} models)")
     if study == "diagonal":
+        if extra:
+            raise ExperimentError("--extra merges second passes of the text / vision "
+                                  "populations; the diagonal study has none")
         from .diagonal import exclusions
         return diagonal_report(out_dir, records[0]["study_config"], chosen, records,
                                exclude=exclusions(records), n_boot=n_boot, source=src)
@@ -1137,6 +1229,8 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
             target = None
     target = target or DEFAULT_TARGET[study]
     config = records[0]["study_config"]
+    for extra_path in extra:
+        records, config = merge_second_pass(records, config, _results_file(extra_path), log=log)
     cal = calibrate.load(src_dir)
     if cal is not None and cal.get("config_hash") != chosen:
         cal = None

@@ -993,3 +993,79 @@ def test_quick_text_paper_synthetic(tmp_path, population):
     s = _summary(out)
     unconverged = sum(not r["train_info"]["converged"] for r in recs)
     assert s["synthetic"] and s["n_models"] == 3 - unconverged
+
+
+def test_report_reproduces_the_committed_vision_finetune_summary(tmp_path):
+    """experiments/results/vision-finetune holds the fine-tune population's results.jsonl and
+    calibration.json; `report` recomputes every τ of its summary from them (point values)."""
+    src = os.path.join(REPO, "experiments", "results", "vision-finetune")
+    if not os.path.exists(os.path.join(src, "summary.json")):
+        pytest.skip("the vision-finetune population has no committed summary yet")
+    committed = _summary(src)
+    assert main(["report", src, "--out", str(tmp_path), "--n-boot", "20"]) == 0
+    again = _summary(tmp_path)
+    assert again["n_models"] == committed["n_models"] and again["target"] == committed["target"]
+    assert again["excluded"] == committed["excluded"]
+    for key in ("main", "curvature", "ablations", "partial", "within"):
+        for m, d in committed.get(key, {}).items():
+            got, want = again[key][m], d
+            if key == "within":
+                got, want = {k: v["tau_b"] for k, v in got.items()}, \
+                    {k: v["tau_b"] for k, v in want.items()}
+                assert got == pytest.approx(want, abs=1e-12, nan_ok=True), (key, m)
+            else:
+                assert got["tau_b"] == pytest.approx(want["tau_b"], abs=1e-12, nan_ok=True), (key, m)
+    for m, rows in committed["sweep"].items():
+        assert [r["tau_b"] for r in again["sweep"][m]] == pytest.approx(
+            [r["tau_b"] for r in rows], abs=1e-12, nan_ok=True)
+    assert _same(again["r2"], committed["r2"]) and _same(again["calibration"],
+                                                         committed["calibration"])
+
+
+def test_report_merges_a_second_pass_over_the_same_models(tmp_path):
+    """A population measured in two passes (main measures, then the rest from the checkpoints into
+    another directory) reports exactly what one pass with every measure reports; a second pass of
+    other models is refused."""
+    from experiments.runner import _line_digest
+    src = os.path.join(REPO, "experiments", "results", "vision-finetune", "results.jsonl")
+    if not os.path.exists(src):
+        pytest.skip("no committed vision-finetune results")
+    full = [r for r in _lines(src)][:12]
+    main_measures = ["adaptive", "geodesic-inv", "geodesic-mix"]
+
+    def write(d, recs):
+        os.makedirs(d)
+        with open(os.path.join(d, "results.jsonl"), "w") as fh:
+            for r in recs:
+                r = {k: v for k, v in r.items() if k != "_sha256"}
+                fh.write(json.dumps({**r, "_sha256": _line_digest(r)}) + "\n")
+
+    def split(r, first):
+        keep = [e for e in r["sharpness"] if (e["measure"] in main_measures) == first]
+        cfg = dict(r["study_config"])
+        cfg["measures"] = [m for m in cfg["measures"] if (m in main_measures) == first]
+        return {**r, "sharpness": keep, "study_config": cfg,
+                "config_hash": r["config_hash"] + ("" if first else "-extra")}
+
+    write(tmp_path / "one", full)
+    write(tmp_path / "first", [split(r, True) for r in full])
+    write(tmp_path / "second", [split(r, False) for r in full])
+    assert main(["report", str(tmp_path / "one"), "--n-boot", "10"]) == 0
+    assert main(["report", str(tmp_path / "first"), "--n-boot", "10",
+                 "--extra", str(tmp_path / "second")]) == 0
+    one, merged = _summary(tmp_path / "one"), _summary(tmp_path / "first")
+    assert set(merged["main"]) == set(one["main"]) > set(main_measures)
+    for key in ("main", "ablations", "curvature", "sweep"):
+        assert json.dumps(merged[key], sort_keys=True) == json.dumps(one[key], sort_keys=True)
+    # first pass alone: only the main measures
+    assert main(["report", str(tmp_path / "first"), "--n-boot", "10", "--out",
+                 str(tmp_path / "alone")]) == 0
+    assert set(_summary(tmp_path / "alone")["main"]) == set(main_measures)
+    # a second pass whose models are not the first pass's
+    other = [split(r, False) for r in full]
+    other[3]["seed"] += 1
+    write(tmp_path / "other", other)
+    with pytest.raises(ExperimentError, match="checkpoint-dir"):
+        from experiments.report import report_from_results
+        report_from_results(str(tmp_path / "first"), str(tmp_path / "x"),
+                            extra=[str(tmp_path / "other")], n_boot=5, log=lambda *_: None)
