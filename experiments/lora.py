@@ -76,7 +76,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .runner import ExperimentError, check_parent_alive
+from .runner import ExperimentError, check_parent_alive, schedule_factor
 
 NAME = "lora"
 ARMS = ("adamw", "peft-riemannian", "ours-adam", "ours-sgd")
@@ -260,14 +260,6 @@ def make_optimizers(model, arm: str, lr: float, c: Dict[str, Any]):
     raise ExperimentError(f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
 
 
-def lr_factor(step: int, total: int, warmup: float) -> float:
-    """Linear warm-up over ``warmup`` of the steps, then linear decay to 0 at ``total`` (the
-    "linear" schedule of :class:`experiments.runner.TrainingLoop`, which cannot be used here: it
-    drives one optimizer and clips the Euclidean gradient norm, which is not GL-invariant)."""
-    warm = max(1, int(warmup * total))
-    return min((step + 1) / warm, max(0.0, (total - step) / max(1, total - warm)))
-
-
 class _Trainer:
     """One arm's model, optimizers and schedules; :meth:`step` is one timed training step."""
 
@@ -277,9 +269,10 @@ class _Trainer:
         self.n_lora = int(sum(p.numel() for n, p in self.model.named_parameters()
                               if p.requires_grad and _is_lora(n)))
         self.opts = make_optimizers(self.model, arm, lr, c)
-        total, warm = c["steps"], c["warmup"]
-        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_factor(s, total, warm))
-                       for o in self.opts]
+        # TrainingLoop's "linear" schedule, on both optimizers; TrainingLoop itself drives one
+        # optimizer and clips the Euclidean gradient norm, which is not GL-invariant
+        factor = schedule_factor(c["steps"], c["warmup"], "linear")
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in self.opts]
         self.model.train()
 
     def step(self, inputs, labels) -> Tuple[float, float, float]:

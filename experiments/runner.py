@@ -452,6 +452,23 @@ def fmt_seconds(s: float) -> str:
     return f"{s / 60:.1f} min"
 
 
+def schedule_factor(total: int, warmup: float, decay: str) -> Callable[[int], float]:
+    """The learning-rate multiplier at step s of ``total``: linear warm-up over the first
+    ``warmup`` fraction of the steps, then ``decay`` ("linear" to 0 at ``total``, or "cosine")."""
+    warm = max(1, int(warmup * total))
+    if decay == "linear":
+        def factor(s: int) -> float:
+            return min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm)))
+    elif decay == "cosine":
+        def factor(s: int) -> float:
+            progress_ = min(1.0, (s - warm) / max(1, total - warm))
+            after = 0.5 * (1 + math.cos(math.pi * progress_)) if s >= warm else 1.0
+            return min((s + 1) / warm, after)
+    else:
+        raise ValueError(f"unknown decay {decay!r}; valid: 'linear', 'cosine'")
+    return factor
+
+
 class TrainingLoop:
     """The bookkeeping the text and vision training loops share: a linear warm-up over the first
     ``warmup`` fraction of the steps, then ``decay`` ("linear" to 0, or "cosine"); per step
@@ -462,17 +479,7 @@ class TrainingLoop:
         import torch
 
         total = steps_per_epoch * epochs
-        warm = max(1, int(warmup * total))
-        if decay == "linear":
-            def factor(s):
-                return min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm)))
-        elif decay == "cosine":
-            def factor(s):
-                progress_ = min(1.0, (s - warm) / max(1, total - warm))
-                after = 0.5 * (1 + math.cos(math.pi * progress_)) if s >= warm else 1.0
-                return min((s + 1) / warm, after)
-        else:
-            raise ValueError(f"unknown decay {decay!r}; valid: 'linear', 'cosine'")
+        factor = schedule_factor(total, warmup, decay)
         self.opt, self.params = opt, list(params)
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         self.steps_per_epoch, self.total = steps_per_epoch, total
