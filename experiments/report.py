@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .stats import TauResult, partial_tau_with_ci, tau_with_ci
+from .runner import display_path  # noqa: F401  (re-exported: studies import it from here)
 
 # docs/maths.md §11.6 (paper Table 1). Our text study is the analogue of MNLI/BERT, vision of
 # ImageNet/CLIP.
@@ -30,12 +31,6 @@ TARGET_LABEL = {"gap": "generalisation gap (test err − train err)",
 # the training loss on the same points the gap's train error is measured on: the partial τ holds it
 # fixed, since sharpness and gap both grow as a model fits its training data
 GAP_CONTROL = {"gap": "train_loss", "gap_own": "own_train_loss"}
-
-
-def display_path(path: str) -> str:
-    """``path`` relative to the working directory when it lies below it (reports get committed)."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
 
 
 def value_of(record: Dict[str, Any], measure: str, rho: float) -> float:

@@ -304,6 +304,13 @@ def load_checkpoint(path: str, expect_hash: Optional[str] = None):
     return tensors, meta
 
 
+def display_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (records and reports get
+    committed: no machine paths in them)."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def trained_model(study: str, model_id: int, train_hash: str, ckpt_dir: str, *,
                   build: Callable[[], Any], train: Callable[[Any], Dict[str, Any]],
                   restore: Callable[[Any, Dict[str, Any]], bool],
@@ -316,14 +323,16 @@ def trained_model(study: str, model_id: int, train_hash: str, ckpt_dir: str, *,
     loaded = load_checkpoint(path, train_hash)
     if loaded is not None and restore(model, loaded[0]):
         model.eval()
-        return model, dict(checkpoint=path, reused=True, train=loaded[1].get("train", {}),
+        return model, dict(checkpoint=display_path(path), reused=True,
+                           train=loaded[1].get("train", {}),
                            train_time_s=0.0)
     started = time.perf_counter()
     info = train(model)
     elapsed = time.perf_counter() - started
     save_checkpoint(path, stored_state(model), {"train_hash": train_hash, "hp": hp, "train": info,
                                                 "study": study, "model_id": model_id})
-    return model, dict(checkpoint=path, reused=False, train=info, train_time_s=elapsed)
+    return model, dict(checkpoint=display_path(path), reused=False, train=info,
+                       train_time_s=elapsed)
 
 
 # ------------------------------------------------------------------------------------ execution
