@@ -48,7 +48,6 @@ from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
 from .sharpness import GEOMETRIES as BALL_GEOMETRIES
 from .sharpness import HALF_DTYPES, _as_compute, _as_rho, build_ball
-from .solver import scale
 
 #: The ascent geometries of :class:`GeodesicSAM`: those of the sharpness ball, and plain SAM.
 SAM_GEOMETRIES = BALL_GEOMETRIES + ("sam",)
@@ -199,9 +198,10 @@ class GeodesicSAM(torch.optim.Optimizer):
                                "embeddings (sparse=False)")
         self._saved = {n: p.detach().clone() for n, p in self._perturbed.items()}
         try:
-            new = self._euclidean_ascent(grads) if self.geometry == "sam" else self._ball_ascent(grads)
-            for n, value in new.items():
-                self._perturbed[n].copy_(value)
+            if self.geometry == "sam":
+                self._euclidean_ascent_(grads)
+            else:
+                self._ball_ascent_(grads)
         except BaseException:
             self._restore()
             raise
@@ -247,43 +247,42 @@ class GeodesicSAM(torch.optim.Optimizer):
         self._saved = None
 
     # ------------------------------------------------------------------ ascent directions
-    def _euclidean_ascent(self, grads: Dict[str, Optional[Tensor]]) -> Dict[str, Tensor]:
-        """Plain SAM: w + ρ∇/‖∇‖₂."""
-        present = {n: g for n, g in grads.items() if g is not None}
-        norm = math.sqrt(sum(float(g.double().square().sum()) for g in present.values()))
+    def _euclidean_ascent_(self, grads: Dict[str, Optional[Tensor]]) -> None:
+        """Plain SAM, in place: w ← w + ρ∇/‖∇‖₂ (per-tensor norms in one fused pass, half
+        precision accumulated in float32)."""
+        present = [(self._perturbed[n], g) for n, g in grads.items() if g is not None]
+        norms = [torch._foreach_norm([g for _, g in present if g.dtype == dtype], 2,
+                                     torch.float32 if dtype in HALF_DTYPES else None)
+                 for dtype in {g.dtype for _, g in present}]
+        norm = float(torch.linalg.vector_norm(torch.stack([n.double() for part in norms
+                                                           for n in part])))
         self.grad_norm = self._checked_norm(norm)
-        if norm == 0:
-            return {}
-        return {n: self._perturbed[n] + g * (self.rho / norm) for n, g in present.items()}
+        if norm > 0:
+            for p, g in present:
+                p.add_(g, alpha=self.rho / norm)
 
-    def _ball_ascent(self, grads: Dict[str, Optional[Tensor]]) -> Dict[str, Tensor]:
-        r"""ε = ρ g/‖g‖ in the ball of the current weights, and the weights R(ε) it points to.
+    def _ball_ascent_(self, grads: Dict[str, Optional[Tensor]]) -> None:
+        r"""w ← R(ε), ε = ρ g/‖g‖ in the ball of the current weights.
 
-        The Euclidean gradient in ball coordinates is the adjoint of the differential of
-        ``write_back`` (a scatter of ball points into parameters) applied to ∇, i.e. the gather of
-        ∇ into the blocks' and the elementwise layout: the vector-Jacobian product at the ball's
-        centre. It equals the gradient of ξ ↦ L(R(ξ)) at ξ = 0, since DR_0 = id for every
-        retraction."""
+        The Euclidean gradient in ball coordinates is the gather of ∇ into the blocks' and the
+        elementwise layout (:class:`~adapters.sharpness.BallParameters`), the gradient of
+        ξ ↦ L(R(ξ)) at ξ = 0 since DR₀ = id for every retraction."""
         upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
         params0 = {n: _as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}
-        ball, write_back = build_ball(self.model, params0, geometry=self.geometry,
-                                      layout=self.layout, retraction=self.retraction,
-                                      eps=self.gram_eps,
-                                      elementwise_second_order=self.elementwise_second_order)
-        centre = [c.x0.detach().requires_grad_() for c in ball.components]
-        with torch.enable_grad():
-            params = write_back(centre)
-        outs = [(params[n], g) for n, g in grads.items() if g is not None and params[n].requires_grad]
-        egrads = torch.autograd.grad([t for t, _ in outs], centre,
-                                     [g.to(t.dtype) for t, g in outs], allow_unused=True)
-        egrads = [torch.zeros_like(c) if g is None else g for g, c in zip(egrads, centre)]
-        rgrad = ball.rgrad(egrads)
+        ball, ball_params = build_ball(self.model, params0, geometry=self.geometry,
+                                       layout=self.layout, retraction=self.retraction,
+                                       eps=self.gram_eps,
+                                       elementwise_second_order=self.elementwise_second_order)
+        rgrad = ball.rgrad(ball_params.gather(grads))
         norm = float(ball.norm(rgrad))
         self.grad_norm = self._checked_norm(norm)
         if norm == 0:
-            return {}
-        params = write_back(ball.points(scale(rgrad, self.rho / norm)))
-        return {n: params[n] for n in self._perturbed if params[n] is not params0[n]}
+            return
+        torch._foreach_mul_(rgrad, self.rho / norm)  # ε, in place: rgrad is a fresh gather
+        params = ball_params(ball.points(rgrad, consume=True))
+        for n, p in self._perturbed.items():
+            if params[n] is not params0[n]:
+                p.copy_(params[n])
 
     @staticmethod
     def _checked_norm(norm: float) -> float:

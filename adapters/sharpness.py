@@ -177,8 +177,9 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
                layout=None, retraction: str = "second_order", eps: float = 0.0,
                use_metric_norm: bool = True, adaptive_direction: str = "riemannian",
                elementwise_second_order: bool = False
-               ) -> Tuple[ProductBall, Callable[[List[Tensor]], Dict[str, Tensor]]]:
-    """The ball of perturbations and the map from ball points to a full parameter dict.
+               ) -> Tuple[ProductBall, "BallParameters"]:
+    """The ball of perturbations and the map between ball points and the parameter dict
+    (:class:`BallParameters`: call it on points; ``gather`` reads gradients into the ball).
 
     geodesic-*: blocks with equal :func:`_component_key` (n, m, h, symmetry group) are stacked into
     ONE batched GLQuotientGeometry over all their heads (e.g. all QK blocks of a BERT), so the
@@ -201,10 +202,7 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
                                       **({"group": group} if group is not None else {}))
             counts = [block.num_heads for block in blocks]
             like = params0[blocks[0].g_pieces[0].param]
-            # the heads of all blocks in float64, filled block by block (no float64 copy per block)
-            x0 = torch.empty((sum(counts), n + m, h), dtype=torch.float64, device=like.device)
-            for block, part in zip(blocks, torch.split(x0, counts)):
-                part.copy_(block.gather(params0))
+            x0 = _gather_heads(blocks, counts, params0, like.device)
             frame = _frame_or_explain(geom, x0, blocks, counts)
             name = f"GL(h={h}) n={n} m={m} [{len(blocks)} blocks]"
             # iterates in the model's dtype; the frame does its Gram-matrix work in float64
@@ -225,19 +223,55 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
         components.append(ElementwiseComponent(tensors, masks={n: mask_of[n] for n in tensors},
                                                direction=adaptive_direction,
                                                second_order=elementwise_second_order))
-    n_quotient = len(groups)
+    return ProductBall(components), BallParameters(params0, components, groups)
 
-    def write_back(points: List[Tensor]) -> Dict[str, Tensor]:
-        params = dict(params0)
-        for comp, point in zip(components[n_quotient:], points[n_quotient:]):
+
+class BallParameters:
+    """The map between the points of a :func:`build_ball` ball and the model's parameters.
+
+    ``ball_params(points)`` is the full parameter dict at those points (a scatter: elementwise
+    components replace whole tensors, GL blocks their slices; differentiable in the points).
+    ``ball_params.gather(tensors)`` reads parameter-shaped tensors (weights, or gradients with
+    ``None`` for zero) into the ball's coordinates: the adjoint of the scatter, so for the gradient
+    ∇ of a loss at the centre it is the Euclidean gradient of ξ ↦ L(R(ξ)) at ξ = 0 (DR₀ = id for
+    every retraction). Entries of an elementwise component that a GL block owns are gathered too;
+    the component keeps them fixed (its mask), so they never move.
+    """
+
+    def __init__(self, params0: Dict[str, Tensor], components: List, groups: List):
+        self.params0 = params0
+        self._quotients = list(zip(groups, components[:len(groups)]))
+        self._elementwise = components[len(groups):]
+
+    def __call__(self, points: List[Tensor]) -> Dict[str, Tensor]:
+        n_quotient = len(self._quotients)
+        params = dict(self.params0)
+        for comp, point in zip(self._elementwise, points[n_quotient:]):
             params.update(comp.unflatten(point))
-        for (blocks, counts), point in zip(groups, points[:n_quotient]):
+        for ((blocks, counts), _), point in zip(self._quotients, points[:n_quotient]):
             for block, x in zip(blocks, torch.split(point, counts, dim=0)):
                 dtype = params[block.g_pieces[0].param].dtype
                 params = block.scatter(params, x.to(dtype))
         return params
 
-    return ProductBall(components), write_back
+    def gather(self, tensors: Mapping[str, Optional[Tensor]]) -> List[Tensor]:
+        full = {n: torch.zeros_like(w) if tensors.get(n) is None else tensors[n]
+                for n, w in self.params0.items()}
+        out = [_gather_heads(blocks, counts, full, comp.x0.device)
+               for (blocks, counts), comp in self._quotients]
+        return out + [torch.cat([full[n].reshape(-1).to(comp.dtype) for n in comp.names])
+                      for comp in self._elementwise]
+
+
+def _gather_heads(blocks: List, counts: List[int], tensors: Mapping[str, Tensor],
+                  device: torch.device) -> Tensor:
+    """The heads ``[G; H]`` of all ``blocks`` stacked, in float64, filled block by block (no
+    float64 copy per block)."""
+    n, m, h = blocks[0].n, blocks[0].m, blocks[0].head_dim
+    x = torch.empty((sum(counts), n + m, h), dtype=torch.float64, device=device)
+    for block, part in zip(blocks, torch.split(x, counts)):
+        part.copy_(block.gather(tensors))
+    return x
 
 
 #: On CPU, blocks of one shape are batched into components of at most this many bytes of float64

@@ -280,18 +280,23 @@ class ElementwiseComponent:
             self._direction_(piece, w, fixed).mul_(w)
         return g
 
-    def point(self, xi: Tensor) -> Tensor:
+    def point(self, xi: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """w + ξ, or with ``second_order`` the second-order geodesic of the elementwise metric
         Σ ξ²/w², w + ξ − ½Γ(ξ, ξ) = w + ξ + ξ²/(2w) (Γ^w_ww = −1/w; docs/maths.md §10, §12.10).
-        Differentiable in ξ; the solver fills a reused buffer instead (:meth:`leaf_point`)."""
+        Differentiable in ξ; ``out`` (may be ``xi`` itself) receives the point without a
+        full-size temporary. The solver fills a reused buffer instead (:meth:`leaf_point`)."""
         parts = []
-        for w, fixed, x in self._over(xi):
+        for w, fixed, x, *dest in self._over(xi, *(() if out is None else (out,))):
             if self.second_order:  # x = 0 on fixed entries; 1 there keeps the derivative finite
                 safe = torch.where((w == 0) if fixed is None else (w == 0) | fixed, 1.0, w)
-                parts.append(w + x + 0.5 * x * x / safe)
+                moved = w + x + 0.5 * x * x / safe
             else:
-                parts.append(w + x)
-        return torch.cat(parts)
+                moved = w + x
+            if dest:
+                dest[0].copy_(moved)
+            else:
+                parts.append(moved)
+        return out if out is not None else torch.cat(parts)
 
     def random(self, generator: Optional[torch.Generator]) -> Tensor:
         u = torch.randn(self.numel, dtype=self.dtype, device=self.device, generator=generator)
@@ -403,11 +408,12 @@ class ProductBall:
         return [c.rgrad(g) for c, g in zip(self.components, egrads)]
 
     def points(self, xi: Tangent, retraction: Optional[str] = None,
-               exact_steps: Optional[int] = None) -> List[Tensor]:
+               exact_steps: Optional[int] = None, *, consume: bool = False) -> List[Tensor]:
         """Ball points → weights; ``retraction`` (and ``exact_steps``) override the quotient
-        components' retraction (e.g. ``"exact"`` to check a second-order step)."""
+        components' retraction (e.g. ``"exact"`` to check a second-order step). ``consume=True``
+        writes the elementwise points into ``xi`` itself (no full-size copy; ``xi`` is lost)."""
         return [c.point(a, retraction, exact_steps) if isinstance(c, QuotientComponent)
-                else c.point(a) for c, a in zip(self.components, xi)]
+                else c.point(a, out=a if consume else None) for c, a in zip(self.components, xi)]
 
     @property
     def has_quotients(self) -> bool:
