@@ -496,7 +496,10 @@ def summarise(config: Dict[str, Any], records: Sequence[Dict[str, Any]]) -> Dict
                     timing_ms=(t or {}).get("median_step_ms", {}).get(a, float("nan")),
                     timing_opt_ms=(t or {}).get("median_opt_step_ms", {}).get(a, float("nan")),
                     grid=[dict(lr=r["lr"], val_acc=r["val_acc"], val_loss=r["val_loss"],
-                               diverged=r["diverged"]) for r in grid])
+                               diverged=r["diverged"]) for r in grid],
+                    # a pick at the end of a grid of ≥ 3 lrs may be beaten just outside it
+                    at_grid_edge=bool(rs) and len(grid) >= 3
+                    and rs[0]["lr"] in (grid[0]["lr"], grid[-1]["lr"]))
             verdicts[tkey] = _verdict(task, rank, {a: cells[_cell(task, rank, a)]
                                                    for a in config["arms"]})
     return dict(cells=cells, verdicts=verdicts)
@@ -617,6 +620,11 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
         grid = ", ".join(f"{g['lr']:g}: " + ("diverged" if g["diverged"] else
                                               f"{g['val_acc']:.4f}") for g in cell["grid"])
         lines.append(f"| {cell['task']} | {cell['rank']} | {ARM_LABEL[cell['arm']]} | {grid} |")
+    edges = [f"{ARM_LABEL[c['arm']]} ({c['task']}, r = {c['rank']}, lr {c['lr']:g})"
+             for c in summ["cells"].values() if c["at_grid_edge"]]
+    if edges:
+        lines += ["", "Picked at an end of its lr grid (a value outside the grid might do "
+                  "better): " + "; ".join(edges) + "."]
     lines += ["", "![test accuracy vs step](fig_lora_accuracy.png)", ""]
     _figure(os.path.join(out_dir, "fig_lora_accuracy.png"), config, records,
             f"LoRA optimizers{tag}")
