@@ -1069,3 +1069,23 @@ def test_report_merges_a_second_pass_over_the_same_models(tmp_path):
         from experiments.report import report_from_results
         report_from_results(str(tmp_path / "first"), str(tmp_path / "x"),
                             extra=[str(tmp_path / "other")], n_boot=5, log=lambda *_: None)
+
+
+def test_report_reproduces_the_committed_lora_summary(tmp_path):
+    """experiments/results/lora holds the LoRA study's results.jsonl; `report` recomputes its
+    summary (picked lrs, accuracies, steps to target, timing ratios) from it."""
+    src = os.path.join(REPO, "experiments", "results", "lora")
+    if not os.path.exists(os.path.join(src, "summary.json")):
+        pytest.skip("the lora study has no committed summary yet")
+    with open(os.path.join(src, "summary.json")) as fh:
+        committed = json.load(fh)
+    assert main(["report", src, "--out", str(tmp_path)]) == 0
+    with open(os.path.join(tmp_path, "summary.json")) as fh:
+        again = json.load(fh)
+    assert again["cells"].keys() == committed["cells"].keys()
+    for cell, want in committed["cells"].items():
+        got = again["cells"][cell]
+        for key in ("lr", "final_acc", "final_mean", "steps_to_target", "timing_ratio",
+                    "at_grid_edge"):
+            assert got[key] == pytest.approx(want[key], nan_ok=True), (cell, key)
+    assert again["verdicts"] == committed["verdicts"]
