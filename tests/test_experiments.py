@@ -1089,3 +1089,23 @@ def test_report_reproduces_the_committed_lora_summary(tmp_path):
                     "at_grid_edge"):
             assert got[key] == pytest.approx(want[key], nan_ok=True), (cell, key)
     assert again["verdicts"] == committed["verdicts"]
+
+
+def test_report_reproduces_the_committed_sam_summary(tmp_path):
+    """experiments/results/sam holds the SAM study's results.jsonl; `report` recomputes its
+    summary (selected ρ, accuracies, paired differences, cost ratios) from it."""
+    src = os.path.join(REPO, "experiments", "results", "sam")
+    if not os.path.exists(os.path.join(src, "summary.json")):
+        pytest.skip("the sam study has no committed summary yet")
+    with open(os.path.join(src, "summary.json")) as fh:
+        committed = json.load(fh)
+    assert main(["report", src, "--out", str(tmp_path)]) == 0
+    with open(os.path.join(tmp_path, "summary.json")) as fh:
+        again = json.load(fh)
+    assert again["tasks"].keys() == committed["tasks"].keys()
+    for task, want_task in committed["tasks"].items():
+        for method, want in want_task["methods"].items():
+            got = again["tasks"][task]["methods"][method]
+            for key in ("rho", "seeds", "test_acc", "diff_to_sam", "update_ratio_same_process"):
+                assert got[key] == pytest.approx(want[key], nan_ok=True), (task, method, key)
+    assert again["verdicts"] == committed["verdicts"]
