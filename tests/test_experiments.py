@@ -1107,5 +1107,6 @@ def test_report_reproduces_the_committed_sam_summary(tmp_path):
         for method, want in want_task["methods"].items():
             got = again["tasks"][task]["methods"][method]
             for key in ("rho", "seeds", "test_acc", "diff_to_sam", "update_ratio_same_process"):
-                assert got[key] == pytest.approx(want[key], nan_ok=True), (task, method, key)
+                if key in want:      # base-2x has no same-process timing
+                    assert got[key] == pytest.approx(want[key], nan_ok=True), (task, method, key)
     assert again["verdicts"] == committed["verdicts"]
