@@ -1071,17 +1071,21 @@ def test_report_merges_a_second_pass_over_the_same_models(tmp_path):
                             extra=[str(tmp_path / "other")], n_boot=5, log=lambda *_: None)
 
 
+def _committed_and_recomputed(study: str, out):
+    """(committed summary.json, the one `report` writes from the committed results.jsonl)."""
+    src = os.path.join(REPO, "experiments", "results", study)
+    if not os.path.exists(os.path.join(src, "summary.json")):
+        pytest.skip(f"the {study} study has no committed summary yet")
+    assert main(["report", src, "--out", str(out)]) == 0
+    with open(os.path.join(src, "summary.json")) as fh, \
+            open(os.path.join(out, "summary.json")) as again:
+        return json.load(fh), json.load(again)
+
+
 def test_report_reproduces_the_committed_lora_summary(tmp_path):
     """experiments/results/lora holds the LoRA study's results.jsonl; `report` recomputes its
     summary (picked lrs, accuracies, steps to target, timing ratios) from it."""
-    src = os.path.join(REPO, "experiments", "results", "lora")
-    if not os.path.exists(os.path.join(src, "summary.json")):
-        pytest.skip("the lora study has no committed summary yet")
-    with open(os.path.join(src, "summary.json")) as fh:
-        committed = json.load(fh)
-    assert main(["report", src, "--out", str(tmp_path)]) == 0
-    with open(os.path.join(tmp_path, "summary.json")) as fh:
-        again = json.load(fh)
+    committed, again = _committed_and_recomputed("lora", tmp_path)
     assert again["cells"].keys() == committed["cells"].keys()
     for cell, want in committed["cells"].items():
         got = again["cells"][cell]
@@ -1094,14 +1098,7 @@ def test_report_reproduces_the_committed_lora_summary(tmp_path):
 def test_report_reproduces_the_committed_sam_summary(tmp_path):
     """experiments/results/sam holds the SAM study's results.jsonl; `report` recomputes its
     summary (selected ρ, accuracies, paired differences, cost ratios) from it."""
-    src = os.path.join(REPO, "experiments", "results", "sam")
-    if not os.path.exists(os.path.join(src, "summary.json")):
-        pytest.skip("the sam study has no committed summary yet")
-    with open(os.path.join(src, "summary.json")) as fh:
-        committed = json.load(fh)
-    assert main(["report", src, "--out", str(tmp_path)]) == 0
-    with open(os.path.join(tmp_path, "summary.json")) as fh:
-        again = json.load(fh)
+    committed, again = _committed_and_recomputed("sam", tmp_path)
     assert again["tasks"].keys() == committed["tasks"].keys()
     for task, want_task in committed["tasks"].items():
         for method, want in want_task["methods"].items():
