@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .stats import TauResult, partial_tau_with_ci, tau_with_ci
-from .runner import display_path  # noqa: F401  (re-exported: studies import it from here)
+from .runner import display_path  # also imported from here by the studies
 
 # docs/maths.md §11.6 (paper Table 1). Our text study is the analogue of MNLI/BERT, vision of
 # ImageNet/CLIP.
