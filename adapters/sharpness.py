@@ -553,9 +553,11 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
         bad = [(i, g) for i, g in enumerate(gaps) if not abs(g) <= options["retraction_tolerance"]]
         if bad:
             i, g = max(bad, key=lambda item: abs(item[1]) if math.isfinite(item[1]) else math.inf)
+            worst_gap = (f"sharpness {g:+.0%} relative on batch {i}" if math.isfinite(g) else
+                         f"on batch {i} the exact geodesic leaves the manifold before reaching it")
             warnings.warn(
                 f"{geometry} sharpness at rho={rho:g}: the second-order geodesic step is off the "
-                f"exact geodesic at the worst perturbation (sharpness {g:+.0%} relative on batch {i}; "
+                f"exact geodesic at the worst perturbation ({worst_gap}; "
                 f"{len(bad)} of {len(gaps)} batches beyond {options['retraction_tolerance']:.0%}). "
                 f"rho is past the range where x + ξ − ½Γ(ξ, ξ) approximates the geodesic for this "
                 f"model; use retraction='exact' or a smaller rho", UserWarning, stacklevel=3)

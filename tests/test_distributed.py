@@ -29,7 +29,13 @@ WORKER = textwrap.dedent("""
                         "world": res.options["world_size"]}}
     with open(os.environ["OUT"], "w") as fh:
         json.dump(out, fh)
+    # No rank may tear down while another still talks to the store rank 0 hosts, and gloo's C++
+    # threads must not meet interpreter finalisation: either can abort a worker at exit (SIGABRT,
+    # "terminate called without an active exception"), as it once did in CI.
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import warnings
 
 import numpy as np
@@ -393,6 +394,17 @@ def test_retraction_check_warns_when_second_order_leaves_its_range():
     exact = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=1e-3, n_iters=4,
                                retraction="exact")
     assert exact.retraction_gaps == []          # nothing to check: the run used the geodesic
+
+
+def test_retraction_check_says_when_the_exact_geodesic_leaves_the_manifold(monkeypatch):
+    """A gap of -inf (a factor of the exact geodesic loses rank) is reported in words, not as a
+    meaningless "-inf%"."""
+    engine = sys.modules["adapters.sharpness"]      # the module (the package exports the function)
+    model, batches = _fitted_vit()
+    monkeypatch.setattr(engine, "_retraction_gap", lambda *args: -math.inf)
+    with pytest.warns(UserWarning, match="on batch 0 the exact geodesic leaves the manifold") as seen:
+        res = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=0.3, n_iters=2)
+    assert "inf%" not in str(seen[0].message) and res.retraction_gaps == [-math.inf]
 
 
 # ------------------------------------------------------------------------------ solver at scale
