@@ -995,16 +995,20 @@ def test_quick_text_paper_synthetic(tmp_path, population):
     assert s["synthetic"] and s["n_models"] == 3 - unconverged
 
 
+def _committed_and_recomputed(study: str, out, *report_args: str):
+    """(committed summary.json, the one `report` writes from the committed results.jsonl)."""
+    src = os.path.join(REPO, "experiments", "results", study)
+    if not os.path.exists(os.path.join(src, "summary.json")):
+        pytest.skip(f"the {study} study has no committed summary yet")
+    assert main(["report", src, "--out", str(out), *report_args]) == 0
+    return _summary(src), _summary(out)
+
+
 @pytest.mark.parametrize("study", ["vision-finetune", "text-paper-seeds", "text-paper-random"])
 def test_report_reproduces_the_committed_population_summary(tmp_path, study):
     """experiments/results/<study> holds a population's results.jsonl (and calibration.json where
     ρ was calibrated on it); `report` recomputes every τ of its summary from them (point values)."""
-    src = os.path.join(REPO, "experiments", "results", study)
-    if not os.path.exists(os.path.join(src, "summary.json")):
-        pytest.skip(f"the {study} population has no committed summary yet")
-    committed = _summary(src)
-    assert main(["report", src, "--out", str(tmp_path), "--n-boot", "20"]) == 0
-    again = _summary(tmp_path)
+    committed, again = _committed_and_recomputed(study, tmp_path, "--n-boot", "20")
     assert again["n_models"] == committed["n_models"] and again["target"] == committed["target"]
     assert again["excluded"] == committed["excluded"]
     for key in ("main", "curvature", "ablations", "partial", "within"):
@@ -1070,17 +1074,6 @@ def test_report_merges_a_second_pass_over_the_same_models(tmp_path):
         from experiments.report import report_from_results
         report_from_results(str(tmp_path / "first"), str(tmp_path / "x"),
                             extra=[str(tmp_path / "other")], n_boot=5, log=lambda *_: None)
-
-
-def _committed_and_recomputed(study: str, out):
-    """(committed summary.json, the one `report` writes from the committed results.jsonl)."""
-    src = os.path.join(REPO, "experiments", "results", study)
-    if not os.path.exists(os.path.join(src, "summary.json")):
-        pytest.skip(f"the {study} study has no committed summary yet")
-    assert main(["report", src, "--out", str(out)]) == 0
-    with open(os.path.join(src, "summary.json")) as fh, \
-            open(os.path.join(out, "summary.json")) as again:
-        return json.load(fh), json.load(again)
 
 
 def test_report_reproduces_the_committed_lora_summary(tmp_path):
