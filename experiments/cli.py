@@ -144,7 +144,8 @@ def _common(p: argparse.ArgumentParser, study: str, *, population: bool = True) 
                        help="bootstrap resamples for the τ confidence intervals (default 2000)")
 
 
-def _sharp_args(p: argparse.ArgumentParser, *, transformer: bool = True) -> None:
+def _sharp_args(p: argparse.ArgumentParser, *, transformer: bool = True,
+                population: bool = False) -> None:
     g = p.add_argument_group("sharpness")
     g.add_argument("--rho-adaptive", type=_positive_float, default=None,
                    help="ρ of adaptive sharpness (default: study-specific, see summary.md)")
@@ -153,6 +154,12 @@ def _sharp_args(p: argparse.ArgumentParser, *, transformer: bool = True) -> None
                    help="ρ of the mix measures (not dimensionless)")
     g.add_argument("--rho-sweep", type=_float_list, default=None, metavar="M1,M2,...",
                    help="ρ sweep: the main measures are also evaluated at ρ·M for each multiplier")
+    if population:
+        g.add_argument("--sweep-only", action="store_true",
+                       help="evaluate the main measures only at the --rho-sweep radii, not at "
+                            "the calibrated ρ: for a second pass from a first pass's checkpoints "
+                            "(--checkpoint-dir) that already holds those values; merge the two "
+                            "with `report FIRST --extra SECOND`")
     if transformer:
         g.add_argument("--measures", type=_measure_list, default=None, metavar="NAME,...",
                        help="measures to compute (default adaptive, geodesic-inv, geodesic-mix and "
@@ -255,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, formatter_class=_Formatter,
                            help=mod.__doc__.strip().splitlines()[0], description=mod.__doc__)
         _common(p, name)
-        _sharp_args(p)
+        _sharp_args(p, population=True)
         _data_args(p)
         g = p.add_argument_group(f"{name} population")
         g.add_argument("--target", choices=("gap", "gap_own", "test_error", "test_loss"),
@@ -443,6 +450,11 @@ def apply_sharp_overrides(config: Dict[str, Any], args) -> None:
         v = getattr(args, key, None)
         if v is not None:
             config[key] = v
+    if getattr(args, "sweep_only", False):  # key only when set: other configs keep their hash
+        if not config.get("rho_sweep"):
+            raise ExperimentError("--sweep-only evaluates the main measures at the --rho-sweep "
+                                  "radii only, but no sweep is set: add --rho-sweep M1,M2,...")
+        config["sweep_only"] = True
 
 
 def _log(msg: str) -> None:

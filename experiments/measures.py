@@ -104,13 +104,15 @@ def parse_floats(text: str, what: str = "values") -> Tuple[float, ...]:
     return vals
 
 
-def plan(measures: Sequence[str], rho: Dict[str, float], rho_sweep: Sequence[float]
-         ) -> List[Tuple[str, float]]:
+def plan(measures: Sequence[str], rho: Dict[str, float], rho_sweep: Sequence[float],
+         sweep_only: bool = False) -> List[Tuple[str, float]]:
     """Ordered unique (measure, ρ) pairs of the sharpness measures: every measure at its family ρ,
-    then the sweep of the main ones. Curvature measures (no ρ) are not part of the plan."""
+    then the sweep of the main ones. Curvature measures (no ρ) are not part of the plan.
+    ``sweep_only``: the main measures only at the sweep's radii, not at their family ρ (a second
+    pass whose first pass already measured them there)."""
     out: List[Tuple[str, float]] = []
     for m in measures:
-        if m in CURVATURE:
+        if m in CURVATURE or (sweep_only and m in MAIN):
             continue
         out.append((m, float(rho[MEASURES[m]["family"]])))
     for m in MAIN:
@@ -296,7 +298,8 @@ def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_di
     t0 = time.perf_counter()
     metrics = evaluate(model, config, data, hp)
     eval_s = time.perf_counter() - t0
-    pairs = plan(config["measures"], config["rho"], config["rho_sweep"])
+    pairs = plan(config["measures"], config["rho"], config["rho_sweep"],
+                 sweep_only=bool(config.get("sweep_only")))
     batches = sharpness_batches(config, data)
     t0 = time.perf_counter()
     sharp = run_plan(model, batches, pairs, n_iters=config["n_iters"],

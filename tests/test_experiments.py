@@ -560,7 +560,7 @@ def test_quick_vision_synthetic_with_workers(tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_text_synthetic(tmp_path):
+def test_quick_text_synthetic(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = str(tmp_path / "txt")
     assert run(["text", "--quick", "--synthetic", "--no-progress", "--models", "3",
@@ -573,6 +573,22 @@ def test_quick_text_synthetic(tmp_path):
     assert run(["text", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out2,
                 "--checkpoint-dir", os.path.join(out, "checkpoints"), "--rho-mix", "0.02"]) == 0
     assert all(r["reused_checkpoint"] for r in _lines(os.path.join(out2, "results.jsonl")))
+    # a sweep-only second pass measures the new radii alone and merges into the first pass
+    assert run(["text", "--quick", "--synthetic", "--no-progress", "--out", str(tmp_path / "x"),
+                "--sweep-only", "--rho-sweep", ""]) != 0
+    assert "add --rho-sweep" in capsys.readouterr().err
+    out3 = str(tmp_path / "txt3")
+    assert run(["text", "--quick", "--synthetic", "--no-progress", "--models", "3", "--out", out3,
+                "--checkpoint-dir", os.path.join(out, "checkpoints"), "--sweep-only",
+                "--rho-sweep", "3", "--measures", "adaptive,geodesic-inv"]) == 0
+    rho = _lines(os.path.join(out, "results.jsonl"))[0]["study_config"]["rho"]
+    assert [{(e["measure"], e["rho"]) for e in r["sharpness"]}
+            for r in _lines(os.path.join(out3, "results.jsonl"))] == 3 * [
+        {("adaptive", rho["adaptive"] * 3), ("geodesic-inv", rho["inv"] * 3)}]
+    assert main(["report", out, "--n-boot", "10", "--extra", out3]) == 0
+    sweep = _summary(out)["sweep"]
+    assert [e["rho"] for e in sweep["geodesic-inv"]] == [rho["inv"] * m for m in (1, 2, 3)]
+    assert [e["rho"] for e in sweep["geodesic-mix"]] == [rho["mix"] * m for m in (1, 2)]
 
 
 @pytest.mark.slow
@@ -769,6 +785,11 @@ def test_measure_plan_points_and_knob_r2():
     assert ("hess-lmax-mix", 0.0) not in pairs and ("adaptive-andriushchenko", 1.0) in pairs
     assert [M.points_of(config, m, r) for m, r in pairs] == [2048, 2048, 256, 512, 256, 256]
     assert M.points_of(config, "hess-trace-euclidean") == 256
+    # sweep only: the main measures at the sweep's radii alone, everything else unchanged
+    only = M.plan(["adaptive", "geodesic-mix", "inv-no-gamma"], config["rho"], [0.1, 10.0],
+                  sweep_only=True)
+    assert only == [("inv-no-gamma", 0.5), ("adaptive", 0.1), ("adaptive", 10.0),
+                    ("geodesic-mix", 0.1 * 0.1), ("geodesic-mix", 0.1 * 10.0)]
     assert M.parse_measures("hess-trace-inv,adaptive-andriushchenko") == (
         "hess-trace-inv", "adaptive-andriushchenko")
     # R² per knob = the least-squares fit on that knob's columns (brute force)
