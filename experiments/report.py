@@ -157,11 +157,14 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                       synthetic: bool = False, notes: Sequence[str] = (),
                       wall_s: Optional[float] = None, exclude: Optional[Dict[int, str]] = None,
                       logx: bool = False, logy: bool = False, n_boot: int = 2000,
-                      source: Optional[str] = None) -> Dict[str, Any]:
+                      source: Optional[str] = None, second_passes: Sequence[str] = ()
+                      ) -> Dict[str, Any]:
     """Write ``summary.md``, ``summary.json`` and figures of a text/vision population; return the
     summary dict. Every number is a function of ``records`` (the lines of results.jsonl), the
     arguments and ``calibration`` (calibration.json), so ``python -m experiments report DIR``
-    reproduces it (:func:`report_from_results`).
+    reproduces it (:func:`report_from_results`; ``second_passes``: the directories of the second
+    passes merged into ``records``, relative to ``source``'s directory, recorded in the summary so
+    that it says how to recompute it).
 
     Sections: τ-b of each main / extra measure with the gap (bootstrap CI, τ-a, partial τ given
     the training loss of the gap's train error), the curvature measures, the ρ calibration and the
@@ -181,7 +184,8 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     lines = [f"# {study} study: Kendall τ of sharpness vs {TARGET_LABEL.get(target, target)}",
              banner,
              f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
-             + (f"; records: `{display_path(source)}`" if source else ""),
+             + (f"; records: `{display_path(source)}`" if source else "")
+             + "".join(f" + `{p}`" for p in second_passes),
              f"- models: {len(used)} used" + (f", {len(exclude)} excluded (listed under "
                                               "Population)" if exclude else ""),
              f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}",
@@ -190,7 +194,8 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     summary: Dict[str, Any] = {"study": study, "config_hash": config_hash, "n_models": len(used),
                                "target": target, "synthetic": synthetic, "main": {},
                                "sweep": {}, "ablations": {}, "other_targets": {},
-                               "excluded": {str(k): v for k, v in sorted(exclude.items())}}
+                               "excluded": {str(k): v for k, v in sorted(exclude.items())},
+                               **({"second_passes": list(second_passes)} if second_passes else {})}
     if len(used) < 2:
         lines.append("Fewer than 2 models: no correlations yet.")
         _write(out_dir, lines, summary)
@@ -1232,4 +1237,6 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
     kwargs = population_kwargs(study, config, target)
     exclude = getattr(mod, "exclusions", lambda recs: {})(records)
     return population_report(out_dir, study, config, chosen, records, exclude=exclude,
-                             calibration=cal, n_boot=n_boot, source=src, **kwargs)
+                             calibration=cal, n_boot=n_boot, source=src,
+                             second_passes=[os.path.relpath(os.path.dirname(os.path.abspath(
+                                 _results_file(e))), src_dir) for e in extra], **kwargs)

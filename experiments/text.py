@@ -83,7 +83,8 @@ Plan
    DIR/checkpoints --out DIR-extra`` with the calibrated ``--rho-*`` of ``DIR/calibration.json``):
    the ablations and adaptive-andriushchenko at the calibrated ρ (5 × ≈ 80 s + 1.5 min of
    evaluation ≈ 8 min per model: ≈ 2 h wall for 30 models), then the sweep ``--rho-sweep
-   0.1,0.3,3,10`` of the main three (≈ 12 × 80 s per model: ≈ 5 h, or ``--models 16`` ≈ 2.5 h).
+   0.1,10 --sweep-only`` of the main three into a third directory (6 × ≈ 80 s + 1 min of
+   evaluation ≈ 9 min per model: ≈ 2.3 h wall; ✂ ×{0.3, 3}, which would double it).
    ✂ mix-exact (a full maximisation along exact geodesics, ≈ 11× the second-order cost per point
    on the vision fine-tunes: ≈ 14 min per model here): the population run already evaluates the
    exact geodesic at every worst second-order point, and on the seeds population it moved the

@@ -1029,7 +1029,12 @@ def _committed_and_recomputed(study: str, out, *report_args: str):
 def test_report_reproduces_the_committed_population_summary(tmp_path, study):
     """experiments/results/<study> holds a population's results.jsonl (and calibration.json where
     ρ was calibrated on it); `report` recomputes every τ of its summary from them (point values)."""
-    committed, again = _committed_and_recomputed(study, tmp_path, "--n-boot", "20")
+    src = os.path.join(REPO, "experiments", "results", study)
+    passes = []       # the second passes the committed summary merged, relative to its directory
+    if os.path.exists(os.path.join(src, "summary.json")):
+        passes = [a for p in _summary(src).get("second_passes", [])
+                  for a in ("--extra", os.path.normpath(os.path.join(src, p)))]
+    committed, again = _committed_and_recomputed(study, tmp_path, "--n-boot", "20", *passes)
     assert again["n_models"] == committed["n_models"] and again["target"] == committed["target"]
     assert again["excluded"] == committed["excluded"]
     for key in ("main", "curvature", "ablations", "partial", "within"):
@@ -1046,6 +1051,7 @@ def test_report_reproduces_the_committed_population_summary(tmp_path, study):
             [r["tau_b"] for r in rows], abs=1e-12, nan_ok=True)
     for key in ("r2", "calibration"):                 # absent where no knob varies / no calibration
         assert _same(again.get(key), committed.get(key)), key
+    assert again.get("second_passes") == committed.get("second_passes")
 
 
 def test_report_merges_a_second_pass_over_the_same_models(tmp_path):
@@ -1083,6 +1089,7 @@ def test_report_merges_a_second_pass_over_the_same_models(tmp_path):
     assert set(merged["main"]) == set(one["main"]) > set(main_measures)
     for key in ("main", "ablations", "curvature", "sweep"):
         assert json.dumps(merged[key], sort_keys=True) == json.dumps(one[key], sort_keys=True)
+    assert merged["second_passes"] == [os.path.join("..", "second")] and "second_passes" not in one
     # first pass alone: only the main measures
     assert main(["report", str(tmp_path / "first"), "--n-boot", "10", "--out",
                  str(tmp_path / "alone")]) == 0
