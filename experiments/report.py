@@ -185,7 +185,8 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
              banner,
              f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
              + (f"; records: `{display_path(source)}`" if source else "")
-             + "".join(f" + `{p}`" for p in second_passes),
+             + "".join(f" + `{display_path(os.path.join(os.path.dirname(source), p))}`"
+                       for p in second_passes if source),
              f"- models: {len(used)} used" + (f", {len(exclude)} excluded (listed under "
                                               "Population)" if exclude else ""),
              f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}",
