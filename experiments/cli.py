@@ -262,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, formatter_class=_Formatter,
                            help=mod.__doc__.strip().splitlines()[0], description=mod.__doc__)
         _common(p, name)
+        p.add_argument_group("run").add_argument(
+            "--device", default=None, metavar="DEV",
+            help="torch device that trains and measures every model: cpu (default), cuda, "
+                 "cuda:1, …; part of the configuration (another device, another --out), not of "
+                 "the checkpoints (a model trained on one device is reused on another). With "
+                 "CUDA, --workers N runs N processes on the one GPU")
         _sharp_args(p, population=True)
         _data_args(p)
         g = p.add_argument_group(f"{name} population")
@@ -334,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             g.add_argument("--pool-size", type=_positive_int, default=None,
                            help="training pool (default 20000); subsets are prefixes of it")
+            g.add_argument("--width", type=_positive_int, default=None,
+                           help="ViT width (default 64; quick 32)")
+            g.add_argument("--depth", type=_positive_int, default=None,
+                           help="ViT blocks (default 4; quick 2)")
+            g.add_argument("--heads", type=_positive_int, default=None,
+                           help="attention heads per block (default 4: head dim 16; the paper's "
+                                "CLIP ViTs have head dim 64, e.g. --width 256 --heads 4)")
             g.add_argument("--protocol", choices=("finetune", "scratch"), default="finetune",
                            help="finetune (default): 48 fine-tunes of one pretrained ViT with ρ "
                                 "calibrated on a pilot; scratch: the earlier population trained "
@@ -570,6 +583,29 @@ def cmd_report(args) -> int:
     return 0
 
 
+def _device(name: Optional[str]) -> Optional[str]:
+    """``--device`` checked: None for the CPU, else the device's canonical name."""
+    if name is None:
+        return None
+    import torch
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ExperimentError(f"--device {name!r} is not a torch device ({err}); expected cpu, "
+                              f"cuda or cuda:N") from None
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ExperimentError(f"--device {name}: this torch ({torch.__version__}) sees no "
+                                  f"CUDA device; run on the CPU (leave out --device) or install "
+                                  f"a CUDA build of torch")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ExperimentError(f"--device {name}: only {torch.cuda.device_count()} CUDA "
+                                  f"device(s) here (cuda:0 … cuda:{torch.cuda.device_count() - 1})")
+    return str(device)
+
+
 def _transformer_config(mod, args) -> Dict[str, Any]:
     # --protocol (and, text, --population: dest text_population, since the retraction study's
     # --population names a study) where the parser has them (absent or None: module default)
@@ -586,6 +622,17 @@ def _transformer_config(mod, args) -> Dict[str, Any]:
             config[key] = v
     if getattr(args, "train_embeddings", False):
         config["train_embeddings"] = True
+    arch = {k: getattr(args, k) for k in ("width", "depth", "heads")
+            if getattr(args, k, None) is not None}
+    if arch:
+        config["arch"] = {**config["arch"], **arch}
+        if config["arch"]["width"] % config["arch"]["heads"]:
+            raise ExperimentError(f"--width {config['arch']['width']} is not divisible by "
+                                  f"--heads {config['arch']['heads']}: the head dimension is "
+                                  f"width / heads")
+    device = _device(getattr(args, "device", None))
+    if device is not None:  # key only off the CPU: CPU configurations keep their hash
+        config["device"] = device
     lo = config["subset_range"][0]
     if config.get("train_size") is not None and config["subset_range"][1] > config["train_size"]:
         config["subset_range"] = [min(lo, config["train_size"]), config["train_size"]]

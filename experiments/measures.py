@@ -162,6 +162,15 @@ def _batch_len(batch: Any) -> int:
     return int(x.shape[0])
 
 
+def on_study_device(batches: Sequence[Any], config: Dict[str, Any]) -> List[Any]:
+    """The sharpness batches moved to the study's device once (not at every measure)."""
+    from adapters.sharpness import _to_device
+
+    from .runner import study_device
+    device = study_device(config)
+    return [_to_device(b, device) for b in batches]
+
+
 def measure_key(name: str, rho: float) -> str:
     return f"{name}@{rho:.6g}"
 
@@ -300,7 +309,7 @@ def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_di
     eval_s = time.perf_counter() - t0
     pairs = plan(config["measures"], config["rho"], config["rho_sweep"],
                  sweep_only=bool(config.get("sweep_only")))
-    batches = sharpness_batches(config, data)
+    batches = on_study_device(sharpness_batches(config, data), config)
     t0 = time.perf_counter()
     sharp = run_plan(model, batches, pairs, n_iters=config["n_iters"],
                      eps=config["eps"], progress=progress, desc=f"sharpness m{model_id}",

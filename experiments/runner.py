@@ -335,6 +335,13 @@ def trained_model(study: str, model_id: int, train_hash: str, ckpt_dir: str, *,
                        train_time_s=elapsed)
 
 
+def study_device(config: Dict[str, Any]):
+    """The torch device a population trains and measures on: ``config["device"]`` (set by
+    ``--device``; absent = CPU, so that CPU configurations keep their hash)."""
+    import torch
+    return torch.device(config.get("device", "cpu"))
+
+
 # ------------------------------------------------------------------------------------ execution
 def cores() -> int:
     try:
@@ -500,7 +507,6 @@ class TrainingLoop:
                             dynamic_ncols=True)
 
     def step(self, loss) -> None:
-        import numpy as np
         import torch
 
         self.opt.zero_grad(set_to_none=True)
@@ -508,17 +514,20 @@ class TrainingLoop:
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
         self.sched.step()
-        self.losses.append(float(loss.detach()))
+        # kept as tensors: a float() per step would wait for the GPU after every step
+        self.losses.append(loss.detach())
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{np.mean(self.losses[-20:]):.3f}")
+            self.bar.set_postfix(loss=f"{float(torch.stack(self.losses[-20:]).mean()):.3f}")
 
     def finish(self, model) -> Dict[str, Any]:
         """Close the bar, put the model in eval mode; steps and the last epoch's mean loss."""
-        import numpy as np
+        import torch
 
         if self.bar is not None:
             self.bar.close()
         model.eval()
+        last = self.losses[-max(1, self.steps_per_epoch):]
         return dict(steps=self.total,
-                    final_train_loss=float(np.mean(self.losses[-max(1, self.steps_per_epoch):])))
+                    final_train_loss=float(torch.stack(last).double().mean()) if last
+                    else float("nan"))

@@ -22,7 +22,7 @@ of 128, 20 Auto-PGD iterations. Here, with the cuts marked ✂ (costs below):
   trained, embeddings included, so every parameter — embeddings included — is in the sharpness
   ball** (recorded per model: ``train_info.all_parameters_trainable``,
   ``train_info.embeddings_in_ball``);
-* training: AdamW (fused CPU kernel), linear warm-up over 10 % of the cap's steps, linear decay to 0
+* training: AdamW (fused kernel), linear warm-up over 10 % of the cap's steps, linear decay to 0
   at the epoch cap, grad-norm clip 1, dropout on, length-bucketed batches; after every epoch the
   error on the whole train split is computed (eval mode) and training stops at the first epoch
   where it is ≤ ``target_train_error`` (2 %). Recorded: ``epochs_used``, ``converged``, the
@@ -138,7 +138,7 @@ import numpy as np
 
 from . import measures as M
 from .runner import ExperimentError, TrainingLoop, check_parent_alive, config_hash, \
-    trained_model
+    study_device, trained_model
 
 NAME = "text"
 PAPER_KEY = "text"
@@ -358,7 +358,12 @@ def _mean_pool_classifier():
 def build_model(config: Dict[str, Any], seed: int):
     """The text model: MiniLM (or, with --synthetic, a tiny random BERT) with the classification
     head ``config['head']``: "mean" (masked mean pooling + linear, default) or "cls" (the HF
-    ``AutoModelForSequenceClassification`` head: [CLS] → pooler (tanh) → linear)."""
+    ``AutoModelForSequenceClassification`` head: [CLS] → pooler (tanh) → linear), on the study's
+    device (initialised on the CPU: the same weights on every device)."""
+    return _build_on_cpu(config, seed).to(study_device(config))
+
+
+def _build_on_cpu(config: Dict[str, Any], seed: int):
     import torch
     import transformers
 
@@ -388,7 +393,8 @@ def build_model(config: Dict[str, Any], seed: int):
     return model
 
 
-def collate(ids_list: List[List[int]], labels: np.ndarray):
+def collate(ids_list: List[List[int]], labels: np.ndarray, device=None):
+    """Padded ``(inputs, labels)`` tensors of token-id lists (on ``device``; default CPU)."""
     import torch
     L = max(len(s) for s in ids_list)
     ids = torch.zeros(len(ids_list), L, dtype=torch.long)
@@ -396,7 +402,8 @@ def collate(ids_list: List[List[int]], labels: np.ndarray):
     for j, s in enumerate(ids_list):
         ids[j, : len(s)] = torch.tensor(s)
         mask[j, : len(s)] = 1
-    return {"input_ids": ids, "attention_mask": mask}, torch.as_tensor(labels, dtype=torch.long)
+    return ({"input_ids": ids.to(device), "attention_mask": mask.to(device)},
+            torch.as_tensor(labels, dtype=torch.long).to(device))
 
 
 def _bucketed_batches(idx: np.ndarray, lengths: np.ndarray, batch: int, rng) -> List[np.ndarray]:
@@ -416,12 +423,13 @@ def predict(model, data, idx: np.ndarray, batch: int = 128) -> np.ndarray:
     lengths = np.array([len(data["ids"][i]) for i in idx])
     order = np.argsort(lengths, kind="stable")
     out = np.zeros((idx.size, 2))
+    device = next(model.parameters()).device
     model.eval()
     with torch.no_grad():
         for s in range(0, idx.size, batch):
             sel = order[s:s + batch]
-            inputs, _ = collate([data["ids"][i] for i in idx[sel]], np.zeros(sel.size))
-            out[sel] = model(**inputs).logits.double().numpy()
+            inputs, _ = collate([data["ids"][i] for i in idx[sel]], np.zeros(sel.size), device)
+            out[sel] = model(**inputs).logits.double().cpu().numpy()
     return out
 
 
@@ -455,7 +463,7 @@ def _training_setup(model, config, data, hp, progress: bool, fused: bool = False
     """What both training loops share: the training set (indices, labels, label lookup, token
     lengths), the data-order generator and torch's seed (dropout) from ``hp['seed']``, AdamW with
     weight decay on the matrices only, and the warm-up / linear-decay :class:`TrainingLoop` over
-    ``hp['epochs']`` epochs. ``fused``: the fused CPU AdamW kernel (the same update; 5x faster
+    ``hp['epochs']`` epochs. ``fused``: the fused AdamW kernel (the same update; 5x faster
     than the for-loop one on the 22.6M MiniLM weights in the pilot)."""
     import torch
 
@@ -487,11 +495,13 @@ def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
     import torch.nn.functional as F
 
     idx, _, label_of, lengths, rng, loop = _training_setup(model, config, data, hp, progress)
+    device = next(model.parameters()).device
     model.train()
     for _ in range(hp["epochs"]):
         for b in _bucketed_batches(idx, lengths, hp["batch_size"], rng):
             check_parent_alive()
-            inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]))
+            inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]),
+                                 device)
             loop.step(F.cross_entropy(model(**inputs).logits, yt))
     return loop.finish(model)
 
@@ -521,6 +531,7 @@ def train_to_target(model, config, data, hp, progress: bool = False) -> Dict[str
     idx, y, label_of, lengths, rng, loop = _training_setup(model, config, data, hp, progress,
                                                            fused=True)
     target = float(config["target_train_error"])
+    device = next(model.parameters()).device
     history: List[Dict[str, Any]] = []
     err = float("nan")
     for epoch in range(hp["epochs"]):
@@ -528,15 +539,16 @@ def train_to_target(model, config, data, hp, progress: bool = False) -> Dict[str
         wrong, started = 0, time.perf_counter()
         for b in _bucketed_batches(idx, lengths, hp["batch_size"], rng):
             check_parent_alive()
-            inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]))
+            inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]),
+                                 device)
             logits = model(**inputs).logits
             loop.step(F.cross_entropy(logits, yt))
-            wrong += int((logits.detach().argmax(-1) != yt).sum())
+            wrong += (logits.detach().argmax(-1) != yt).sum()  # a tensor: no GPU sync per step
         train_s = time.perf_counter() - started
         started = time.perf_counter()
         logits = predict(model, data, idx)
         err = error_rate(logits, y)
-        history.append(dict(epoch=epoch + 1, train_error=err, running_error=wrong / idx.size,
+        history.append(dict(epoch=epoch + 1, train_error=err, running_error=int(wrong) / idx.size,
                             lr_end=float(loop.sched.get_last_lr()[0]), train_s=train_s,
                             check_s=time.perf_counter() - started))
         if err <= target:

@@ -59,7 +59,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from . import measures as M
-from .runner import ExperimentError, TrainingLoop, check_parent_alive, config_hash, trained_model
+from .runner import (ExperimentError, TrainingLoop, check_parent_alive, config_hash, study_device,
+                     trained_model)
 
 NAME = "vision"
 PAPER_KEY = "vision"
@@ -176,8 +177,9 @@ def load_data(config: Dict[str, Any], data_dir: Optional[str]) -> Dict[str, Any]
     fine-tune protocol, the disjoint pretraining set ``x_pre, y_pre`` (fine labels)."""
     pre = (config.get("pretrain") or {}).get("size", 0) if config.get("protocol") == "finetune" \
         else 0
+    device = study_device(config)
     key = repr((config["data"], config["split_seed"], config["pool_size"], config["test_size"],
-                pre, data_dir))
+                pre, data_dir, str(device)))
     if key in _CACHE:
         return _CACHE[key]
     import torch
@@ -200,11 +202,15 @@ def load_data(config: Dict[str, Any], data_dir: Optional[str]) -> Dict[str, Any]
         xte, yte = xte[: config["test_size"]], yte[: config["test_size"]]
 
     def norm(x):
-        return ((torch.tensor(x, dtype=torch.float32) / 255.0 - MEAN) / STD).unsqueeze(1)
+        return ((torch.tensor(x, dtype=torch.float32, device=device) / 255.0 - MEAN) / STD
+                ).unsqueeze(1)
 
-    out = dict(x=norm(xtr), y=torch.tensor(ytr), x_test=norm(xte), y_test=torch.tensor(yte))
+    def labels(y):
+        return torch.tensor(y, device=device)
+
+    out = dict(x=norm(xtr), y=labels(ytr), x_test=norm(xte), y_test=labels(yte))
     if pre:
-        out.update(x_pre=norm(xpre), y_pre=torch.tensor(ypre))
+        out.update(x_pre=norm(xpre), y_pre=labels(ypre))
     _CACHE[key] = out
     return out
 
@@ -213,29 +219,31 @@ def build_model(config: Dict[str, Any], seed: int, classes: int = 10):
     import torch
 
     from .vit import ViT, ViTConfig
-    torch.manual_seed(seed)
-    return ViT(ViTConfig(**config["arch"], classes=classes))
+    torch.manual_seed(seed)  # initialised on the CPU: the same weights on every device
+    return ViT(ViTConfig(**config["arch"], classes=classes)).to(study_device(config))
 
 
 AUGMENTATIONS = ("none", "flip", "flip+shift")
 
 
 def augment(x, gen, shift: bool = True):
-    """Random ±2 px translation (zero padding; ``shift``) and horizontal flip, per image."""
+    """Random ±2 px translation (zero padding; ``shift``) and horizontal flip, per image. The
+    draws come from the CPU generator ``gen`` (the same augmentation on every device)."""
     import torch
-    B = x.shape[0]
+    B, dev = x.shape[0], x.device
     if not shift:
         out = x.clone()
-        flip = torch.rand(B, generator=gen) < 0.5
+        flip = (torch.rand(B, generator=gen) < 0.5).to(dev)
         out[flip] = out[flip].flip(-1)
         return out
     pad = torch.nn.functional.pad(x, (2, 2, 2, 2), value=float(-MEAN / STD))
-    dx = torch.randint(0, 5, (B,), generator=gen)
-    dy = torch.randint(0, 5, (B,), generator=gen)
-    rows = (dy[:, None] + torch.arange(28)[None, :])  # (B, 28)
-    cols = (dx[:, None] + torch.arange(28)[None, :])
-    out = pad[:, 0][torch.arange(B)[:, None, None], rows[:, :, None], cols[:, None, :]].unsqueeze(1)
-    flip = torch.rand(B, generator=gen) < 0.5
+    dx = torch.randint(0, 5, (B,), generator=gen).to(dev)
+    dy = torch.randint(0, 5, (B,), generator=gen).to(dev)
+    rows = (dy[:, None] + torch.arange(28, device=dev)[None, :])  # (B, 28)
+    cols = (dx[:, None] + torch.arange(28, device=dev)[None, :])
+    out = pad[:, 0][torch.arange(B, device=dev)[:, None, None], rows[:, :, None],
+                    cols[:, None, :]].unsqueeze(1)
+    flip = (torch.rand(B, generator=gen) < 0.5).to(dev)
     out[flip] = out[flip].flip(-1)
     return out
 
@@ -262,7 +270,7 @@ def fit(model, x, y, hp: Dict[str, Any], warmup: float, progress: bool = False) 
         perm = torch.randperm(n, generator=gen)
         for s in range(0, n, bs):
             check_parent_alive()
-            b = perm[s:s + bs]
+            b = perm[s:s + bs].to(x.device)
             # augment: a bool (True = flip+shift; scratch protocol) or one of AUGMENTATIONS
             aug = hp["augment"]
             xb = x[b] if aug in (False, "none") else augment(x[b], gen, shift=aug != "flip")
@@ -330,7 +338,8 @@ def pretrained(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = Fal
     p = config["pretrain"]
     if p["labels"] not in ("coarse", "fine"):
         raise ExperimentError(f"pretrain.labels {p['labels']!r}: valid 'coarse', 'fine'")
-    coarse = torch.tensor(COARSE if p["labels"] == "coarse" else tuple(range(10)))
+    coarse = torch.tensor(COARSE if p["labels"] == "coarse" else tuple(range(10)),
+                          device=study_device(config))
     hp = dict(seed=int(p["seed"]), lr=p["lr"], weight_decay=p["weight_decay"],
               batch_size=int(p["batch_size"]), epochs=int(p["epochs"]), augment=bool(p["augment"]),
               label_smoothing=0.0)

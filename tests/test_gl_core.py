@@ -699,7 +699,8 @@ def test_ill_conditioned_but_full_rank_point_is_accepted(dtype):
     x = geom.act(well_conditioned_point(N, M, H, 215), ill_conditioned(H, 1e4, 216)).to(dtype)
     f = geom.frame(x)
     u = f.project(randn(x.shape, 217).to(dtype))
-    assert float(f.horizontal_residual(u)) < 1e-4
+    # float32 storage of a vector with entries up to ~5e7: 0.8e-4 here, 1.0e-4 with torch 2.11's BLAS
+    assert float(f.horizontal_residual(u)) < 3e-4
 
 
 def test_errors_nonfinite_and_unknown_names():

@@ -66,8 +66,9 @@ def test_projection_matches_dense_solve(group, metric, eps):
     assert float(frame.horizontal_residual(p)) < 1e-10
     assert float(frame.horizontal_residual(u)) > 1e-2
     # metric-orthogonal to every vertical vector of the group
-    for E in group.algebra_basis(6):
-        assert abs(float(frame.inner(p, frame.vertical(E)))) < 1e-10
+    for E in group.algebra_basis(6):  # relative to ‖p‖‖V‖ ~ 10 (1.1e-10 absolute seen on torch 2.11)
+        V = frame.vertical(E)
+        assert abs(float(frame.inner(p, V))) < 1e-11 * float(frame.norm(p) * frame.norm(V))
 
 
 def test_rank_of_projection_is_quotient_dimension():

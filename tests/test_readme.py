@@ -3,6 +3,7 @@ reach a small error on ALL entries, not only the observed ones)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -11,6 +12,10 @@ import sys
 import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+# the examples run as a user's fresh script would: no inherited environment, except PYTHONPATH
+# where the package is importable only through it (e.g. a machine without `pip install -e .`)
+CLEAN_ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+             **({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {})}
 
 
 def _examples():
@@ -29,7 +34,7 @@ def test_readme_has_both_examples():
 def test_readme_example_converges(index):
     code = _examples()[index]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                         env=CLEAN_ENV)
     assert out.returncode == 0, out.stderr[-3000:]
     error = float(re.search(r"relative error on all entries: (\S+)", out.stdout).group(1))
     assert error < 1e-5, out.stdout
@@ -59,7 +64,7 @@ def _block_with(marker: str) -> str:
 
 def _run_example(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+                         env={**CLEAN_ENV, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
