@@ -100,8 +100,12 @@ def main(argv=None) -> None:
         times = {m: [] for m in METHODS}
         for _ in range(args.rounds):
             for method in METHODS:
-                times[method] += run_one(model_name, method, args.steps, args.warmup, args.batch,
-                                         args.seq, args.threads, args.device)["times"]
+                got = run_one(model_name, method, args.steps, args.warmup, args.batch, args.seq,
+                              args.threads, args.device)["times"]
+                times[method] += got
+                # each measurement as it lands (stderr): a run cut short still shows what it had
+                print(f"  {model_name} {method}: {statistics.median(got):.4f} s/update",
+                      file=sys.stderr, flush=True)
         med = {m: statistics.median(t) for m, t in times.items()}
         print(f"{model_name}: s per update (median), ratio to SAM")
         for m, t in med.items():

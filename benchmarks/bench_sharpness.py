@@ -159,6 +159,9 @@ def main(argv=None) -> None:
                 samples[method]["times"] += got["times"]
                 samples[method]["peak_mib"] = max(samples[method]["peak_mib"], got["peak_mib"])
                 param_mib = got["param_mib"]
+                # each measurement as it lands (stderr): a run cut short still shows what it had
+                print(f"  {model_name} {method}: {statistics.median(got['times']):.4f} s/iter, "
+                      f"peak {got['peak_mib']:.0f} MiB", file=sys.stderr, flush=True)
         rows = {}
         for method, s in samples.items():
             rows[method] = {"s_per_iter": statistics.median(s["times"]), "min_s": min(s["times"]),

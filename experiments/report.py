@@ -274,9 +274,11 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
         lines += ["## ρ sweep (τ-b [95% CI]; points per value in parentheses)", "",
                   "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
                   "scale-free.", ""]
-        for m, rows in sweep.items():
+        for m, rows in sweep.items():  # a radius measured on fewer models says so
             lines.append(f"- **{m}**: " + "; ".join(
-                f"ρ={_fmt_rho(r)} ({_points(used, m, r)}): {t.fmt()}" for r, t in rows))
+                f"ρ={_fmt_rho(r)} ({_points(used, m, r)}"
+                + ("" if t.n == len(used) else f"; {t.n} of {len(used)} models")
+                + f"): {t.fmt()}" for r, t in rows))
         lines.append("")
         _fig_sweep(os.path.join(out_dir, "fig_rho_sweep.png"), sweep,
                    f"{study}: τ vs ρ" + (" [SYNTHETIC]" if synthetic else ""),
