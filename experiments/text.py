@@ -358,9 +358,10 @@ def _mean_pool_classifier():
 def build_model(config: Dict[str, Any], seed: int):
     """The text model: MiniLM (or, with --synthetic, a tiny random BERT) with the classification
     head ``config['head']``: "mean" (masked mean pooling + linear, default) or "cls" (the HF
-    ``AutoModelForSequenceClassification`` head: [CLS] → pooler (tanh) → linear), on the study's
-    device (initialised on the CPU: the same weights on every device)."""
-    return _build_on_cpu(config, seed).to(study_device(config))
+    ``AutoModelForSequenceClassification`` head: [CLS] → pooler (tanh) → linear), in float32
+    whatever the checkpoint's dtype (a half-precision copy of the weights trains in float32), on
+    the study's device (initialised on the CPU: the same weights on every device)."""
+    return _build_on_cpu(config, seed).float().to(study_device(config))
 
 
 def _build_on_cpu(config: Dict[str, Any], seed: int):
