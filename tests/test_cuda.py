@@ -38,14 +38,6 @@ def on_both(model: torch.nn.Module):
     return cpu, copy.deepcopy(cpu).to(CUDA)
 
 
-def as64(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(F64) if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return {k: as64(v) for k, v in obj.items()}
-    return obj
-
-
 # ------------------------------------------------------------------------------------ geometry core
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_gl_core_matches_cpu(metric):
