@@ -705,8 +705,9 @@ def cmd_text(args) -> int:
 def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> int:
     """A population whose ρ families listed in ``config["calibration"]`` (those not fixed by an
     explicit --rho-X) are first calibrated on its pilot models (``experiments/calibrate.py``;
-    ``DIR/calibration.json``), then every model runs at the calibrated ρ. ``before(config, ckpt)``
-    runs first (e.g. a shared pretraining). Without a ``calibration`` entry: a plain run."""
+    ``DIR/calibration.json``), then every model runs at the calibrated ρ. ``before(config, ckpt,
+    threads)`` runs first (e.g. a shared pretraining). Without a ``calibration`` entry: a plain
+    run."""
     cal = config.get("calibration")
     if cal is not None:
         cal["families"] = [f for f in cal["families"]
@@ -720,7 +721,7 @@ def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> in
         from . import calibrate
         from .runner import load_current
         if before is not None:
-            before(config, ckpt)
+            before(config, ckpt, threads)
         if cal is None:
             return config
         found["calibration"] = calibrate.calibrate(
@@ -753,48 +754,22 @@ def cmd_vision(args) -> int:
         return run_population_study(V, config, args, report_kwargs=_transformer_report_kwargs(
             V, config, args.synthetic, args.target))
     args.out = args.out or default_out("vision-finetune", args)
-    cal = config["calibration"]
-    # an explicit --rho-X fixes that family's ρ; the others are calibrated
-    cal["families"] = [f for f in cal["families"] if getattr(args, f"rho_{f}", None) is None]
-    if args.calibration_target is not None:
-        cal["target"] = args.calibration_target
-    if args.pilot_models is not None:
-        cal["pilot_models"] = args.pilot_models
-    found: Dict[str, Any] = {}
 
-    def prepare(od, ckpt, threads):
-        from . import calibrate
-        from .runner import load_current
-        progress = not args.no_progress
+    def pretrain(config, ckpt, threads):
+        """The one pretrained ViT every fine-tune starts from, with every core."""
         import torch
         data = V.load_data(config, args.data_dir)
         torch.set_num_threads(max(threads, cores()))  # nothing else runs while pretraining
         try:
-            state, info = V.pretrained(config, data, ckpt, progress)
+            _, info = V.pretrained(config, data, ckpt, not args.no_progress)
         finally:
             torch.set_num_threads(threads)
         _log(f"pretrained ViT: {info['checkpoint']} (pretraining-task error "
              f"{info['coarse_train_error']:.4f} train, {info['coarse_test_error']:.4f} test; "
              + ("reused)" if info["train_time_s"] == 0 else
                 f"trained in {fmt_seconds(info['train_time_s'])})"))
-        found["calibration"] = calibrate.calibrate(
-            V, config, od, ckpt, data_dir=args.data_dir, workers=args.workers,
-            threads=args.threads or threads, progress=progress, log=_log)
-        run_config = calibrate.resolved(config, found["calibration"])
-        stale = [r["model_id"] for r in load_current(od.path, od.hash)
-                 if r.get("study_config", {}).get("rho") != run_config["rho"]]
-        if stale:
-            raise ExperimentError(
-                f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
-                f"{od.file('calibration.json')} gives ({run_config['rho']}); the calibration file "
-                f"was changed or removed. Restore it, or use another --out")
-        return None if args.calibrate_only else run_config
 
-    def report_kwargs(run_config):
-        return dict(_transformer_report_kwargs(V, run_config, args.synthetic, args.target),
-                    calibration=found.get("calibration"), exclude_fn=V.exclusions)
-
-    return run_population_study(V, config, args, report_kwargs=report_kwargs, prepare=prepare)
+    return _calibrated_population(V, config, args, before=pretrain)
 
 
 def cmd_invariance(args) -> int:
