@@ -633,6 +633,8 @@ def _transformer_config(mod, args) -> Dict[str, Any]:
     device = _device(getattr(args, "device", None))
     if device is not None:  # key only off the CPU: CPU configurations keep their hash
         config["device"] = device
+    if config.get("protocol") == "paper":  # every model trains on the whole (resized) split
+        config["subset_range"] = [config["train_size"]] * 2
     lo = config["subset_range"][0]
     if config.get("train_size") is not None and config["subset_range"][1] > config["train_size"]:
         config["subset_range"] = [min(lo, config["train_size"]), config["train_size"]]
@@ -677,12 +679,8 @@ def _text_overrides(config: Dict[str, Any], args) -> None:
         if not paper:
             raise ExperimentError("--include-unconverged applies to --protocol paper")
         config["exclude_unconverged"] = False
-    if paper:  # every model trains on the whole split (the shared code reads subset_range)
-        config["subset_range"] = [config["train_size"]] * 2
+    if paper:  # (subset_range is the whole split: _transformer_config pins it)
         config["train_embeddings"] = True
-        if config["sharp_points"] > config["train_size"]:
-            raise ExperimentError(f"--sharp-points {config['sharp_points']} exceeds --train-size "
-                                  f"{config['train_size']}")
 
 
 def cmd_text(args) -> int:

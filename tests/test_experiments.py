@@ -275,6 +275,26 @@ def test_device_and_architecture_options_are_checked(tmp_path, capsys):
     assert _device(None) is None and _device("cpu") is None
 
 
+def test_paper_text_protocol_takes_sharpness_points_up_to_its_train_size():
+    """The paper's 1,024 sharpness points need a larger train split than the default 1,000: the
+    check is against the resized split, not the default one."""
+    from experiments import text as T
+    from experiments.cli import _text_overrides, _transformer_config, build_parser
+
+    def config(*opts):
+        args = build_parser().parse_args(["text", "--protocol", "paper", *opts])
+        c = _transformer_config(T, args)
+        _text_overrides(c, args)
+        return c
+
+    c = config("--train-size", "6000", "--sharp-points", "1024", "--sharp-batch", "128")
+    assert c["subset_range"] == [6000, 6000] and c["sharp_points"] == 1024
+    assert c["test_size"] == 6752 and c["train_embeddings"]
+    from experiments.runner import ExperimentError
+    with pytest.raises(ExperimentError, match="exceeds the smallest training subset \\(500\\)"):
+        config("--train-size", "500", "--sharp-points", "1024")
+
+
 def test_output_dir_with_other_configuration_is_refused(tmp_path, capsys):
     out = str(tmp_path / "d")
     base = ["diagonal", "--quick", "--models", "1", "--no-progress", "--out", out]
