@@ -281,13 +281,26 @@ class GLFrame:
     # ------------------------------------------------------------------ connection
     def christoffel(self, u: Tensor, v: Optional[Tensor] = None) -> Tensor:
         r"""Symmetric Christoffel map Γ_x(u, v) of the (ε-relaxed) total-space metric
-        (docs/maths.md §5).
+        (docs/maths.md §5), with P = GᵀG + εI, Q = HᵀH + εI.
 
-        inv (Eq. 11):  Γ_G = −u_G P⁻¹ sym(Gᵀv_G) − v_G P⁻¹ sym(Gᵀu_G) + G P⁻¹ sym(v_Gᵀu_G),
-                       Γ_H the same with H, Q.
-        mix (Eq. 12):  Γ_G = [u_G sym(v_HᵀH) + v_G sym(u_HᵀH) − G sym(v_Hᵀu_H)] Q⁻¹,
-                       Γ_H = [u_H sym(v_GᵀG) + v_H sym(u_GᵀG) − H sym(v_Gᵀu_G)] P⁻¹.
-        Geodesics satisfy γ̈ + Γ(γ̇, γ̇) = 0; ∇_u v = Dv[u] + Γ(u, v).
+        inv (paper Eq. 11), and Γ_H the same with H, Q in place of G, P:
+
+        .. math::
+
+            \Gamma_G = -u_G P^{-1}\operatorname{sym}(G^\top v_G) - v_G P^{-1}\operatorname{sym}(G^\top u_G)
+                        + G P^{-1}\operatorname{sym}(v_G^\top u_G)
+
+        mix (paper Eq. 12):
+
+        .. math::
+
+            \Gamma_G &= \bigl[u_G \operatorname{sym}(v_H^\top H) + v_G \operatorname{sym}(u_H^\top H)
+                        - G \operatorname{sym}(v_H^\top u_H)\bigr] Q^{-1},\\
+            \Gamma_H &= \bigl[u_H \operatorname{sym}(v_G^\top G) + v_H \operatorname{sym}(u_G^\top G)
+                        - H \operatorname{sym}(v_G^\top u_G)\bigr] P^{-1}.
+
+        Geodesics satisfy :math:`\ddot\gamma + \Gamma(\dot\gamma, \dot\gamma) = 0`, and the
+        connection is :math:`\nabla_u v = Dv[u] + \Gamma(u, v)`.
         """
         uc = self._in(u)
         same = v is None
@@ -316,13 +329,15 @@ class GLFrame:
     # ------------------------------------------------------------------ retractions
     def retract(self, u: Tensor, method: Optional[str] = None, *,
                 exact_steps: Optional[int] = None) -> Tensor:
-        """Move from x along u (docs/maths.md §5.1).
+        r"""Move from x along u (docs/maths.md §5.1).
 
-        ``first_order``:  x + u;
-        ``second_order``: x + u − ½Γ_x(u, u), the second-order geodesic of Eq. 5 (default);
-        ``exact``:        the geodesic γ̈ + Γ_γ(γ̇, γ̇) = 0, γ(0) = x, γ̇(0) = u, at t = 1,
-                          integrated numerically (see :func:`integrate_geodesic`; ``exact_steps``
-                          overrides the geometry's number of RK4 steps).
+        * ``first_order``: :math:`x + u`;
+        * ``second_order``: :math:`x + u - \tfrac12 \Gamma_x(u, u)`, the second-order geodesic of
+          the paper's Eq. 5 (default);
+        * ``exact``: the geodesic :math:`\ddot\gamma + \Gamma_\gamma(\dot\gamma, \dot\gamma) = 0`,
+          :math:`\gamma(0) = x`, :math:`\dot\gamma(0) = u`, at t = 1, integrated numerically (see
+          :func:`integrate_geodesic`; ``exact_steps`` overrides the geometry's number of RK4 steps).
+
         All three are equivariant under the group action.
         """
         method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")

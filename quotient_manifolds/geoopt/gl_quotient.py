@@ -22,7 +22,9 @@ Tensor = torch.Tensor
 class GLQuotient(CoreQuotientManifold):
     r"""R_*^{n×h} × R_*^{m×h} / GL(h), (G, H) ~ (G A, H A⁻ᵀ), as a geoopt manifold.
 
-    Parameters (passed to the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`)
+    The parameters are passed on to the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`.
+
+    Parameters
     ----------
     n, m, h : shapes of G (n×h) and H (m×h), h ≤ min(n, m).
     metric : ``"mix"`` tr(Q u_Gᵀv_G) + tr(P u_Hᵀv_H) (default) or ``"inv"``
