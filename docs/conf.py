@@ -119,5 +119,21 @@ def _fields_on_their_own_line(app, what, name, obj, options, lines):
         i += 1
 
 
+# Absolute values and norms written |w| or ‖·‖ are reST substitution references ("|w|"); escape the
+# bars outside inline literals so that they print as written.
+_BARS = re.compile(r"(?<![\\|])\|(?=\S)([^|`\n]{1,60}?)(?<=\S)\|(?![_|])")
+
+
+def _escape_bars(app, what, name, obj, options, lines):
+    for i, line in enumerate(lines):
+        row = line.strip()
+        if "|" not in line or row.startswith("+-") or (row.startswith("|") and row.endswith("|")):
+            continue                     # no bar, or a table row
+        parts = line.split("``")
+        parts[::2] = [_BARS.sub(lambda m: "\\|" + m.group(1) + "\\|", part) for part in parts[::2]]
+        lines[i] = "``".join(parts)
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _fields_on_their_own_line, priority=100)
+    app.connect("autodoc-process-docstring", _escape_bars, priority=101)

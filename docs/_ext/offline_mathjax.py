@@ -55,7 +55,12 @@ def _copy_and_check(app: Sphinx, exc: Exception | None) -> None:
     out = Path(app.outdir)
     copy_asset(str(_vendored_mathjax()), str(out / "_static" / "mathjax"))
     offenders = []
-    for page in sorted(out.rglob("*.html")):
+    # the pages of this build (a stale page left in the output folder by an earlier build is no
+    # page of the site): the documents, the generated index and search pages, viewcode's sources
+    pages = {Path(app.builder.get_outfilename(doc)) for doc in app.env.found_docs}
+    pages |= {out / "genindex.html", out / "search.html", out / "py-modindex.html"}
+    pages |= set((out / "_modules").rglob("*.html"))
+    for page in sorted(p for p in pages if p.is_file()):
         for match in _LOADING_ATTRIBUTE.finditer(page.read_text(encoding="utf-8", errors="replace")):
             url = match.group("url") or match.group("link")
             if match.group("link") and _NON_FETCHING_REL.search(match.group(0)):

@@ -1,6 +1,6 @@
 r"""
 The invariance check: geodesic sharpness ignores the GL(h) symmetry, adaptive does not
-=====================================================================================
+======================================================================================
 
 Acting on a head's factors with an invertible matrix :math:`A`,
 
