@@ -52,6 +52,7 @@ autodoc_preserve_defaults = True
 autoclass_content = "both"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = True
+napoleon_use_param = False             # "n, m, h" stays one entry with one description
 add_module_names = False
 
 # --- the executed tutorials (sphinx-gallery) ------------------------------------------------------

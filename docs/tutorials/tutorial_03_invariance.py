@@ -83,8 +83,8 @@ for cond, other in zip(conds, models):
 # The geodesic ratios stay at 1 for every action; the adaptive ratio grows with the
 # conditioning of the action, although the function is the same.
 fig, ax = plt.subplots(figsize=(6.4, 3.6))
-for g, values in ratios.items():
-    ax.loglog(conds, values, "o-", label=g)
+for (g, values), style in zip(ratios.items(), ("o-", "s-", "^--")):
+    ax.loglog(conds, values, style, label=g, markersize=8 if g == "geodesic-inv" else 6)
 ax.axhline(1.0, color="grey", lw=0.8)
 ax.set_xlabel("condition number of the per-head action A")
 ax.set_ylabel("S(reparametrised) / S(original)")

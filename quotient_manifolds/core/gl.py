@@ -352,7 +352,7 @@ class GLFrame:
 
 
 class GLQuotientGeometry:
-    r"""The GL(h) two-factor quotient R_*^{n×h} × R_*^{m×h} / GL(h) (docs/maths.md §1–§6).
+    r"""The GL(h) two-factor quotient :math:`\mathbb{R}_*^{n\times h}\times\mathbb{R}_*^{m\times h}\,/\,\mathrm{GL}(h)` (docs/maths.md §1–§6).
 
     Parameters
     ----------
@@ -434,11 +434,13 @@ class GLQuotientGeometry:
         return self.pack(*group_action(*self.split(x), A))
 
     def balance(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """Balanced representative x·A with GᵀG = HᵀH (docs/maths.md §A.4), and A itself.
+        r"""Balanced representative x·A with GᵀG = HᵀH (docs/maths.md §A.4), and A itself.
 
-        G = Q_G R_G, H = Q_H R_H, R_G R_Hᵀ = U S Vᵀ, A = R_G⁻¹ U S^{1/2}: then G A = Q_G U S^{1/2},
-        H A⁻ᵀ = Q_H V S^{1/2}, so G Hᵀ is unchanged and both Gram matrices equal S. Map optimizer
-        buffers with :meth:`act` (same A); never call this inside ``projx``.
+        With the QR factors :math:`G = Q_G R_G`, :math:`H = Q_H R_H` and the SVD
+        :math:`R_G R_H^\top = U S V^\top`, take :math:`A = R_G^{-1} U S^{1/2}`: then
+        :math:`G A = Q_G U S^{1/2}` and :math:`H A^{-\top} = Q_H V S^{1/2}`, so G Hᵀ is unchanged and
+        both Gram matrices equal S. Map optimizer buffers with :meth:`act` (same A); never call this
+        inside ``projx``.
         """
         if not self.group.is_full:
             raise ValueError(f"balance() moves x along its full GL({self.h}) orbit, which leaves the "

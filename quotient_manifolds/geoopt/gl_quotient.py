@@ -20,7 +20,7 @@ Tensor = torch.Tensor
 
 
 class GLQuotient(CoreQuotientManifold):
-    r"""R_*^{n×h} × R_*^{m×h} / GL(h), (G, H) ~ (G A, H A⁻ᵀ), as a geoopt manifold.
+    r""":math:`\mathbb{R}_*^{n\times h}\times\mathbb{R}_*^{m\times h}\,/\,\mathrm{GL}(h)`, :math:`(G, H) \sim (G A, H A^{-\top})`, as a geoopt manifold.
 
     The parameters are passed on to the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`.
 
