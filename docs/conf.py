@@ -52,6 +52,7 @@ autodoc_preserve_defaults = True
 autoclass_content = "both"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = True
+napoleon_custom_sections = ["Use"]          # a heading, not a section of the page
 napoleon_use_param = False             # "n, m, h" stays one entry with one description
 add_module_names = False
 
@@ -77,7 +78,8 @@ sphinx_gallery_conf = {
 # --- HTML -------------------------------------------------------------------------------------------
 html_theme = "furo"
 html_title = f"quotient-manifolds {release}"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_show_sourcelink = False
 html_theme_options = {"navigation_with_keys": True}
 
