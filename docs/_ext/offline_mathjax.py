@@ -29,7 +29,8 @@ _LOADING_ATTRIBUTE = re.compile(
 )
 _CSS_URL = re.compile(r"(?:url\(\s*[\"']?|@import\s+[\"'])\s*(?P<url>(?:https?:)?//[^\"')\s]+)", re.IGNORECASE)
 # <link> elements that only name a page (canonical, alternate, ...) are not fetched by a browser
-_NON_FETCHING_REL = re.compile(r"\brel\s*=\s*[\"']?(canonical|alternate|author|license|help|search|next|prev|index)\b", re.IGNORECASE)
+_NON_FETCHING_REL = re.compile(
+    r"\brel\s*=\s*[\"']?(canonical|alternate|author|license|help|search|next|prev|index)\b", re.IGNORECASE)
 
 
 def _vendored_mathjax() -> Path:

@@ -352,7 +352,9 @@ class GLFrame:
 
 
 class GLQuotientGeometry:
-    r"""The GL(h) two-factor quotient :math:`\mathbb{R}_*^{n\times h}\times\mathbb{R}_*^{m\times h}\,/\,\mathrm{GL}(h)` (docs/maths.md §1–§6).
+    r"""The GL(h) two-factor quotient
+    :math:`\mathbb{R}_*^{n\times h}\times\mathbb{R}_*^{m\times h}\,/\,\mathrm{GL}(h)`
+    (docs/maths.md §1–§6).
 
     Parameters
     ----------

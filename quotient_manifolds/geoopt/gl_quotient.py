@@ -20,7 +20,8 @@ Tensor = torch.Tensor
 
 
 class GLQuotient(CoreQuotientManifold):
-    r""":math:`\mathbb{R}_*^{n\times h}\times\mathbb{R}_*^{m\times h}\,/\,\mathrm{GL}(h)`, :math:`(G, H) \sim (G A, H A^{-\top})`, as a geoopt manifold.
+    r"""The quotient :math:`\mathbb{R}_*^{n\times h}\times\mathbb{R}_*^{m\times h}\,/\,\mathrm{GL}(h)`,
+    :math:`(G, H) \sim (G A, H A^{-\top})`, as a geoopt manifold.
 
     The parameters are passed on to the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`.
 
