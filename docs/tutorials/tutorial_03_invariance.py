@@ -24,8 +24,6 @@ Install: ``pip install "quotient-manifolds[hf]"`` (see :doc:`/install`).
 """
 
 # %%
-import copy
-
 import matplotlib.pyplot as plt
 import torch
 from transformers import BertConfig, BertForSequenceClassification
@@ -43,16 +41,11 @@ layout = adapters.layout(model)
 
 def reparametrised(cond: float, seed: int):
     """A copy of ``model`` with every GL block's heads acted on by a random element of condition
-    number ``cond`` (``Layout.random_actions``; ``Layout.act`` applies (G, H) -> (G A, H A^-T))."""
+    number ``cond``: (G, H) -> (G A, H A^-T) per head. ``model`` itself is left alone."""
     params = {name: p.detach() for name, p in model.named_parameters()}
     actions = layout.random_actions(params, scale=1.0, cond=cond,
                                     generator=torch.Generator().manual_seed(seed))
-    new = layout.act(params, actions)
-    clone = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in clone.named_parameters():
-            p.copy_(new[name])
-    return clone
+    return layout.reparametrised(model, actions)
 
 
 # %%
