@@ -20,9 +20,9 @@ PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", flags=re.S)
 
 
 def _documented_names(page: pathlib.Path) -> set:
-    """Names of the auto* directives of an API page, qualified by its ``currentmodule``."""
+    """Names of the auto* directives of an API page, qualified by its module (``automodule``)."""
     text = page.read_text()
-    module = re.search(r"^\.\. currentmodule:: (\S+)$", text, flags=re.M)
+    module = re.search(r"^\.\. automodule:: (\S+)$", text, flags=re.M)
     names = re.findall(r"^\.\. auto(?:function|class|data|exception|attribute):: (\S+)$", text, flags=re.M)
     return {f"{module.group(1)}.{n}" if module and "." not in n else n for n in names}
 
