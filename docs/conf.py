@@ -21,7 +21,7 @@ import quotient_manifolds  # noqa: E402
 
 project = "quotient-manifolds"
 author = "quotient-manifolds contributors"
-copyright = "2025, quotient-manifolds contributors"
+copyright = "the quotient-manifolds contributors"
 release = quotient_manifolds.__version__
 version = release
 

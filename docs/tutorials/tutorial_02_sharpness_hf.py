@@ -33,6 +33,7 @@ model = BertForSequenceClassification(config).eval()
 ids, labels = torch.randint(0, 128, (16, 12)), torch.randint(0, 2, (16,))
 batches = [({"input_ids": ids}, labels)]           # (inputs, targets): the loss is cross-entropy
 
+before = {name: p.detach().clone() for name, p in model.named_parameters()}
 layout = adapters.layout(model)
 print(layout)
 print(layout.blocks[0].describe())
@@ -60,11 +61,12 @@ for geometry in adapters.GEOMETRIES:
 
 # %%
 # The same radius means different things per geometry: the inv metric is scale-free like
-# adaptive sharpness, while the mix metric scales like the fourth power of the weights. Compare
-# geometries at radii that give a matched loss rise, not at one :math:`\rho`.
+# adaptive sharpness (on this freshly initialised model the two nearly coincide), while the mix
+# metric scales like the fourth power of the weights. Compare geometries at radii that give a
+# matched loss rise, not at one :math:`\rho`.
 fig, ax = plt.subplots(figsize=(6.4, 3.6))
-for geometry, values in results.items():
-    ax.loglog(rhos, values, "o-", label=geometry)
+for (geometry, values), style in zip(results.items(), ("o-", "s--", "^-")):
+    ax.loglog(rhos, values, style, label=geometry, markersize=9 if geometry == "adaptive" else 6)
 ax.set_xlabel(r"radius $\rho$")
 ax.set_ylabel("worst-case loss rise (nats)")
 ax.set_title("Sharpness of a 2-layer BERT (from config)")
@@ -78,4 +80,5 @@ plt.show()
 # --------------------------
 # ``sharpness`` evaluates perturbed weights through ``torch.func.functional_call``; the model's
 # parameters and its train/eval flags are as they were.
-print("training mode:", model.training)
+unchanged = all(torch.equal(p.detach(), before[name]) for name, p in model.named_parameters())
+print("parameters unchanged:", unchanged, "| still in eval mode:", not model.training)
