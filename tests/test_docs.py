@@ -65,8 +65,9 @@ def test_quickstart_example_runs(index):
     if code in _readme_blocks():
         pytest.skip("the same code is a README example, which tests/test_readme.py runs")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-                                        "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+                         cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                                        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                                        "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip()
 
