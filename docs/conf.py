@@ -137,6 +137,14 @@ def _escape_bars(app, what, name, obj, options, lines):
         lines[i] = "``".join(parts)
 
 
+def _no_docstring_of_the_type(app, what, name, obj, options, lines):
+    """A constant (a tuple, a group object) has its type's docstring ("Built-in immutable
+    sequence..."); its API entry says what it is instead (the directive's content)."""
+    if what in ("data", "attribute") and getattr(obj, "__doc__", None) == getattr(type(obj), "__doc__", None):
+        lines.clear()
+
+
 def setup(app):
+    app.connect("autodoc-process-docstring", _no_docstring_of_the_type, priority=50)
     app.connect("autodoc-process-docstring", _fields_on_their_own_line, priority=100)
     app.connect("autodoc-process-docstring", _escape_bars, priority=101)
