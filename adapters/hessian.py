@@ -251,7 +251,7 @@ class RiemannianHessian(PyTorchLinearOperator):
         return total, grads
 
     def euclidean_hvp(self, us: List[Tensor]) -> List[Tensor]:
-        """∇²f u by double backward, for K vectors at once: ``us[c]`` of shape (K, *x0_c.shape)."""
+        """∇²f u by double backward, for K vectors at once: ``us[c]`` of shape ``(K, *x0_c.shape)``."""
         K = us[0].shape[0]
         out = [torch.zeros_like(u) for u in us]
         with self._eval_mode(), torch.enable_grad():
@@ -274,7 +274,7 @@ class RiemannianHessian(PyTorchLinearOperator):
 
     # ------------------------------------------------------------------ the operator
     def lift(self, etas: List[Tensor]) -> List[Tensor]:
-        """u = P_h(S η): orthonormal-frame coordinates (K, *shape) → horizontal tangent vectors."""
+        """u = P_h(S η): orthonormal-frame coordinates ``(K, *shape)`` → horizontal tangent vectors."""
         us = []
         for c, root, eta in zip(self.components, self._roots, etas):
             if isinstance(c, QuotientComponent):

@@ -25,6 +25,7 @@ is not.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass, field, replace
@@ -582,6 +583,20 @@ class Layout:
             if A is not None:
                 out = _apply_action(b, out, A)
         return out
+
+    def reparametrised(self, model: nn.Module, actions: Mapping[str, Tensor]) -> nn.Module:
+        """A copy of ``model`` whose blocks are acted on by ``actions`` (as in :meth:`act`): the same
+        function, another representative of its point on the quotient. ``model`` is left alone; the
+        copy is a ``copy.deepcopy`` with new parameter values, so buffers, hooks and train/eval
+        flags come along. With :meth:`random_actions` this is the invariance check's
+        reparametrisation."""
+        params = {name: p.detach() for name, p in model.named_parameters()}
+        new = self.act(params, actions)
+        clone = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, p in clone.named_parameters():
+                p.copy_(new[name])
+        return clone
 
     def random_actions(self, params: Optional[Mapping[str, Tensor]] = None, *, scale: float,
                        cond: Optional[float] = 1e2, generator: Optional[torch.Generator] = None,

@@ -181,7 +181,7 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     """The ball of perturbations and the map between ball points and the parameter dict
     (:class:`BallParameters`: call it on points; ``gather`` reads gradients into the ball).
 
-    geodesic-*: blocks with equal :func:`_component_key` (n, m, h, symmetry group) are stacked into
+    ``geodesic-*``: blocks with equal :func:`_component_key` (n, m, h, symmetry group) are stacked into
     ONE batched GLQuotientGeometry over all their heads (e.g. all QK blocks of a BERT), so the
     geometry costs a few batched h×h factorisations per group; every weight not covered by a GL
     block (or the uncovered entries of a partially covered one) is elementwise. adaptive: every
@@ -340,6 +340,7 @@ def sharpness(model: torch.nn.Module,
         float32 at its trained weights: the value is the sharpness of the same weights in float32
         (half precision would round the perturbations away).
     batches: iterable of either
+
         * ``(inputs, targets)``: ``inputs`` is a tensor (``model(inputs)``) or a dict of tensors
           (``model(**inputs)``); the loss is ``loss_fn(outputs, targets)``;
         * a dict of keyword arguments (a Hugging Face batch as the DataLoader yields it, e.g.

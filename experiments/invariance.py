@@ -13,7 +13,6 @@ adaptive sharpness moves (paper: 1.0–1.6 on BERT).
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from typing import Any, Dict, List
@@ -51,12 +50,7 @@ def reparametrise(model, scale: float, seed: int):
     params = {n: p.detach() for n, p in model.named_parameters()}
     gen = torch.Generator().manual_seed(seed)
     actions = lay.random_actions(params, scale=scale, cond=None, generator=gen)
-    new = lay.act(params, actions)
-    clone = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in clone.named_parameters():
-            p.copy_(new[name])
-    return clone.eval()
+    return lay.reparametrised(model, actions).eval()
 
 
 def _logits(model, batches):

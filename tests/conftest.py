@@ -141,17 +141,10 @@ def reparametrised_copy(model: nn.Module, *, scale: float, cond, seed: int = 0, 
     block's own group (``Layout.random_actions``: condition number ``cond``, or Gaussian entries for
     ``cond=None``, times ``scale``): the same function, another representative. The original is
     left alone."""
-    import copy
-
     import adapters
 
     layout = layout or adapters.layout(model)
     params = {n: p.detach() for n, p in model.named_parameters()}
     actions = layout.random_actions(params, scale=scale, cond=cond,
                                     generator=torch.Generator().manual_seed(seed))
-    new = layout.act(params, actions)
-    clone = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in clone.named_parameters():
-            p.copy_(new[name])
-    return clone
+    return layout.reparametrised(model, actions)

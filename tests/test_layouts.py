@@ -657,3 +657,21 @@ def test_verify_restores_mixed_training_flags(plain_vit):
     snap = snapshot(model)
     adapters.layout(model).verify(model, inputs, **FAST)
     assert_unchanged(model, snap)
+
+
+def test_reparametrised_copy_is_the_same_function_and_leaves_the_model_alone():
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(8, 2, batch_first=True).double().eval()
+    layout = adapters.layout(model)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    actions = layout.random_actions(params, scale=1.0, cond=1e3, generator=torch.Generator().manual_seed(1))
+    other = layout.reparametrised(model, actions)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), params[name]), name          # the original is untouched
+    moved = {n: p.detach() for n, p in other.named_parameters()}
+    expected = layout.act(params, actions)
+    assert all(torch.equal(moved[n], expected[n]) for n in params)
+    assert any(not torch.allclose(moved[n], params[n]) for n in params)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(other(x, x, x)[0], model(x, x, x)[0], atol=1e-10)

@@ -238,15 +238,17 @@ class GLGroup(_BlockDiagonalGroup):
 
 @dataclass(frozen=True)
 class RotaryGroup(_BlockDiagonalGroup):
-    r"""The commutant of rotary position encodings: GL(1, ℂ)^{r/2} × GL(h − r), r = ``rotary_dim``.
+    r"""The commutant of rotary position encodings,
+    :math:`\mathrm{GL}(1, \mathbb{C})^{r/2} \times \mathrm{GL}(h - r)` with r = ``rotary_dim``.
 
-    ``pairing``: which coordinates of a head rotate together.
-      ``"half"``        (i, i + r/2), Hugging Face ``rotate_half`` (Llama, Mistral, Qwen, Phi,
-                        GPT-NeoX);
-      ``"interleaved"`` (2i, 2i+1), the complex-number layout (original Llama, GPT-J, RoFormer).
-    ``rotary_dim``: number of rotated coordinates (the first r of the head, as in GPT-NeoX's and
+    * ``pairing``: which coordinates of a head rotate together: ``"half"``: (i, i + r/2), Hugging
+      Face ``rotate_half`` (Llama, Mistral, Qwen, Phi, GPT-NeoX); ``"interleaved"``: (2i, 2i+1),
+      the complex-number layout (original Llama, GPT-J, RoFormer).
+    * ``rotary_dim``: number of rotated coordinates (the first r of the head, as in GPT-NeoX's and
       Phi's partial rotary); None means all h. The remaining h − r coordinates form a GL block.
-    Assumes pairwise distinct, nonzero rotation frequencies (true for RoPE's θ_i = base^{−2i/r});
+
+    Assumes pairwise distinct, nonzero rotation frequencies (true for RoPE's
+    :math:`\theta_i = \mathrm{base}^{-2i/r}`);
     ``Layout.verify`` checks the symmetry on the real model.
     """
 

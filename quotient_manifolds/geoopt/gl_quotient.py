@@ -20,9 +20,12 @@ Tensor = torch.Tensor
 
 
 class GLQuotient(CoreQuotientManifold):
-    r"""R_*^{n×h} × R_*^{m×h} / GL(h), (G, H) ~ (G A, H A⁻ᵀ), as a geoopt manifold.
+    r"""The quotient :math:`\mathbb{R}_*^{n\times h}\times\mathbb{R}_*^{m\times h}\,/\,\mathrm{GL}(h)`,
+    :math:`(G, H) \sim (G A, H A^{-\top})`, as a geoopt manifold.
 
-    Parameters (passed to the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`)
+    The parameters are passed on to the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`.
+
+    Parameters
     ----------
     n, m, h : shapes of G (n×h) and H (m×h), h ≤ min(n, m).
     metric : ``"mix"`` tr(Q u_Gᵀv_G) + tr(P u_Hᵀv_H) (default) or ``"inv"``

@@ -21,7 +21,9 @@ class RescalingQuotient(CoreQuotientManifold):
     r"""(R∖{0})^d × (R∖{0})^d / (R∖{0})^d as a geoopt manifold (d copies of GL(1),
     docs/maths.md §8).
 
-    Parameters (passed to the core :class:`~quotient_manifolds.core.rescaling.RescalingGeometry`)
+    The parameters are passed on to the core :class:`~quotient_manifolds.core.rescaling.RescalingGeometry`.
+
+    Parameters
     ----------
     d : number of coordinates.
     metric : ``"mix"`` Σ ξ_uη_u v² + ξ_vη_v u² (default) or ``"inv"`` Σ ξ_uη_u/u² + ξ_vη_v/v²

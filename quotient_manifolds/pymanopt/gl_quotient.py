@@ -16,7 +16,8 @@ from ._tangent import GLPoint, GLTangentVector, PairConverter
 
 
 class GLQuotient(CoreQuotientManifold):
-    r"""R_*^{n×h} × R_*^{m×h} / GL(h), (G, H) ~ (G A, H A⁻ᵀ), as a pymanopt manifold.
+    r"""The quotient :math:`\mathbb{R}_*^{n\times h}\times\mathbb{R}_*^{m\times h}\,/\,\mathrm{GL}(h)`,
+    :math:`(G, H) \sim (G A, H A^{-\top})`, as a pymanopt manifold.
 
     Parameters as in the core :class:`~quotient_manifolds.core.gl.GLQuotientGeometry`: ``metric``
     ``"mix"`` (Manopt ``fixedrankfactory_2factors_preconditioned``) or ``"inv"``

@@ -1,0 +1,150 @@
+"""Sphinx configuration of the quotient-manifolds documentation.
+
+Build (warnings are errors; the tutorials run during the build and a failing one fails it):
+
+    python -m sphinx -W --keep-going -b html docs docs/_build/html
+"""
+
+import os
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+sys.path.insert(0, str(ROOT))            # document the working tree, not an installed copy
+sys.path.insert(0, str(DOCS / "_ext"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")           # the tutorials build models from configs
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import quotient_manifolds  # noqa: E402
+
+project = "quotient-manifolds"
+author = "quotient-manifolds contributors"
+copyright = "the quotient-manifolds contributors"
+release = quotient_manifolds.__version__
+version = release
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+    "myst_parser",
+    "sphinx_gallery.gen_gallery",
+    "sphinx_copybutton",
+    "offline_mathjax",                   # docs/_ext: MathJax served from the build, no CDN
+]
+
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build", "tutorials/README.txt", "Thumbs.db", ".DS_Store"]
+templates_path = []
+
+# --- MyST: $...$ and $$...$$ maths, definition lists for the glossary -------------------------------
+myst_enable_extensions = ["dollarmath", "amsmath", "deflist", "colon_fence"]
+myst_heading_anchors = 3
+
+# --- autodoc ----------------------------------------------------------------------------------------
+autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": True}
+autodoc_typehints = "signature"
+autodoc_preserve_defaults = True
+autoclass_content = "both"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = True
+napoleon_custom_sections = ["Use"]          # a heading, not a section of the page
+napoleon_use_param = False             # "n, m, h" stays one entry with one description
+add_module_names = False
+
+# --- the executed tutorials (sphinx-gallery) ------------------------------------------------------
+sphinx_gallery_conf = {
+    "examples_dirs": "tutorials",
+    "gallery_dirs": "auto_tutorials",
+    "filename_pattern": r"/tutorial_",   # every tutorial_*.py is executed at build time
+    "ignore_pattern": r"__init__\.py",
+    "download_all_examples": False,
+    "remove_config_comments": True,
+    "matplotlib_animations": False,
+    "image_scrapers": ("matplotlib",),
+    "abort_on_example_error": False,     # run them all, then fail the build if any failed
+    "only_warn_on_example_error": False,
+    "show_memory": False,
+    "write_computation_times": False,   # its timing pages load scripts from CDNs
+    "line_numbers": False,
+    "default_thumb_file": None,
+    "within_subsection_order": "FileNameSortKey",
+}
+
+# --- HTML -------------------------------------------------------------------------------------------
+html_theme = "furo"
+html_title = f"quotient-manifolds {release}"
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_show_sourcelink = False
+html_theme_options = {"navigation_with_keys": True}
+
+
+# --- docstrings: numpy-style fields written "name: description" ------------------------------------
+# The library's docstrings put a parameter's description on its name's line ("rho: radius of the
+# ball ..."). numpydoc reads the text after the colon as the parameter's *type*, which would render
+# a sentence in italics as a type. Move it to the description before napoleon parses the section.
+import re  # noqa: E402
+
+_NUMPY_SECTIONS = {"parameters", "other parameters", "returns", "yields", "raises", "attributes"}
+_FIELD = re.compile(r"^(?P<name>[A-Za-z_*][\w*]*(?:\s*,\s*[A-Za-z_*][\w*]*)*)\s*:(?:\s+(?P<text>\S.*))?$")
+
+
+def _fields_on_their_own_line(app, what, name, obj, options, lines):
+    section_indent = None
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.strip()
+        nxt = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        if stripped.lower() in _NUMPY_SECTIONS and nxt and set(nxt) == {"-"}:
+            section_indent = len(line) - len(line.lstrip())
+            i += 2
+            continue
+        if section_indent is not None:
+            indent = len(line) - len(line.lstrip())
+            if stripped and indent < section_indent:
+                section_indent = None
+            elif stripped and indent == section_indent:
+                match = _FIELD.match(stripped)
+                if match and match["text"]:
+                    lines[i:i + 1] = [" " * indent + match["name"], " " * (indent + 4) + match["text"]]
+                    i += 1
+                elif not match and i > 0 and not lines[i - 1].strip():
+                    # a paragraph after the fields: numpydoc would read it as more fields
+                    lines[i:i] = [" " * indent + "Notes", " " * indent + "-----"]
+                    section_indent = None
+                    i += 2
+        i += 1
+
+
+# Absolute values and norms written |w| or ‖·‖ are reST substitution references ("|w|"); escape the
+# bars outside inline literals so that they print as written.
+_BARS = re.compile(r"(?<![\\|])\|(?=\S)([^|`\n]{1,60}?)(?<=\S)\|(?![_|])")
+
+
+def _escape_bars(app, what, name, obj, options, lines):
+    for i, line in enumerate(lines):
+        row = line.strip()
+        if "|" not in line or row.startswith("+-") or (row.startswith("|") and row.endswith("|")):
+            continue                     # no bar, or a table row
+        parts = line.split("``")
+        parts[::2] = [_BARS.sub(lambda m: "\\|" + m.group(1) + "\\|", part) for part in parts[::2]]
+        lines[i] = "``".join(parts)
+
+
+def _no_docstring_of_the_type(app, what, name, obj, options, lines):
+    """A constant (a tuple, a group object) has its type's docstring ("Built-in immutable
+    sequence..."); its API entry says what it is instead (the directive's content)."""
+    if what in ("data", "attribute") and getattr(obj, "__doc__", None) == getattr(type(obj), "__doc__", None):
+        lines.clear()
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _no_docstring_of_the_type, priority=50)
+    app.connect("autodoc-process-docstring", _fields_on_their_own_line, priority=100)
+    app.connect("autodoc-process-docstring", _escape_bars, priority=101)
