@@ -658,7 +658,11 @@ def test_quick_text_real_data(tmp_path):
     except DataMissingError:
         pytest.skip("MR data not prepared (python -m experiments prepare-data --mr)")
     out = str(tmp_path / "txt")
-    assert run(["text", "--quick", "--no-progress", "--models", "2", "--out", out]) == 0
+    # the real data and weights path, at the smallest size that trains and measures both models
+    # (the measure set and the sweep are covered by the synthetic text tests)
+    assert run(["text", "--quick", "--no-progress", "--models", "2", "--out", out,
+                "--train-size", "96", "--test-size", "48", "--sharp-points", "8", "--n-iters", "2",
+                "--measures", "adaptive,geodesic-inv,geodesic-mix", "--rho-sweep", ""]) == 0
     s = _summary(out)
     assert not s["synthetic"] and s["n_models"] == 2
 
@@ -682,8 +686,8 @@ def test_quick_invariance_geodesic_is_invariant(tmp_path):
 @pytest.mark.slow
 def test_quick_retraction_orders(tmp_path):
     out = str(tmp_path / "ret")
-    assert run(["retraction", "--quick", "--synthetic", "--no-progress", "--models", "3",
-                 "--out", out]) == 0
+    assert run(["retraction", "--quick", "--synthetic", "--no-progress", "--models", "2",
+                "--n-iters", "2", "--sharp-points", "8", "--sharp-batch", "8", "--out", out]) == 0
     with open(os.path.join(out, "retraction_error.json")) as fh:
         res = json.load(fh)
     assert res

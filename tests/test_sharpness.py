@@ -122,11 +122,11 @@ def assert_unchanged(model, snap):
 RHO = {"geodesic-inv": 0.05, "geodesic-mix": 0.05, "adaptive": 0.05}
 
 
-def _ratios(model, batches, geometry, scales, **kw):
-    base = sharpness(model, batches, geometry=geometry, rho=RHO[geometry], n_iters=6, **kw).value
+def _ratios(model, batches, geometry, scales, n_iters=6, **kw):
+    base = sharpness(model, batches, geometry=geometry, rho=RHO[geometry], n_iters=n_iters, **kw).value
     assert base > 0
     return [sharpness(reparametrised_copy(model, scale=a, cond=None), batches, geometry=geometry,
-                      rho=RHO[geometry], n_iters=6, **kw).value / base for a in scales]
+                      rho=RHO[geometry], n_iters=n_iters, **kw).value / base for a in scales]
 
 
 @pytest.mark.parametrize("name", ["bert", "vit", "clip", "mha"])
@@ -154,9 +154,11 @@ def test_invariance_on_real_minilm_weights():
     model = minilm(layers=2)
     batches = batches_for("minilm", model)
     for geometry in ("geodesic-inv", "geodesic-mix"):
-        ratios = _ratios(model, batches, geometry, [1e-2, 1e2])
+        # the exact-geodesic check of the worst point (8 RK4 steps) is 40 % of this test's time
+        # and is tested elsewhere; invariance is about the measured value
+        ratios = _ratios(model, batches, geometry, [1e-2, 1e2], n_iters=3, check_retraction=False)
         assert max(abs(r - 1) for r in ratios) < 1e-3, (geometry, ratios)
-    adaptive = _ratios(model, batches, "adaptive", [1e-2, 1e2])
+    adaptive = _ratios(model, batches, "adaptive", [1e-2, 1e2], n_iters=3)
     assert max(abs(r - 1) for r in adaptive) > 1e-2, adaptive
 
 
