@@ -14,7 +14,7 @@ reported value is the sharpness of the same weights in float32: in half precisio
 (relative size ~ρ/√#weights) round away against the weights, and loss differences below the half
 resolution of the loss vanish.
 
-Spec: ``geodesic-sharpness-math.md`` §6 (blocks, total norm, ε), §7.3 (algorithm), §12 (choices).
+The maths: docs/maths.md §6 (blocks, total norm, ε), §7.3 (algorithm), §12 (the choices made).
 """
 
 from __future__ import annotations
