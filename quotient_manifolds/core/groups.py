@@ -9,7 +9,10 @@ decides is the *vertical space* at x = [G; H],
 
 and with it the horizontal projection and the dimension (n+m)h − dim 𝔤 of the quotient.
 
-Groups here are block-diagonal in a fixed basis of R^h:
+Every group implements :class:`SymmetryGroup`. Groups here are block-diagonal in a fixed basis of
+R^h (the groups of normalised attention, the trivial group and the group of any Lie subalgebra
+given by a basis are in :mod:`quotient_manifolds.core.subalgebra`; deriving a block's algebra
+numerically is :mod:`quotient_manifolds.core.algebra`):
 
 * :class:`GLGroup`: all of GL(h) (plain attention, GQA groups, LoRA pairs). 𝔤 = gl(h).
 * :class:`RotaryGroup`: the commutant of rotary position encodings. RoPE rotates each frequency

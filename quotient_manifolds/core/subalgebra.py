@@ -190,6 +190,62 @@ class ConjugateGradientSolver:
         return x
 
 
+class SkewPencilSolver:
+    r"""Exact O(h³) solver for so(h) (and so(h) ⊕ R·I) under the mix metric with ε = 0, where
+    L(Λ) = 2PΛQ (P = GᵀG, Q = HᵀH) and on antisymmetric Λ
+
+        Π_so L(Λ) = PΛQ + QΛP.
+
+    With W such that WᵀPW = I and WᵀQW = diag(d) (one generalised eigendecomposition per head),
+    Λ = W Z Wᵀ turns PΛQ + QΛP = S into Z D + D Z = WᵀSW, so Z_ij = (WᵀSW)_ij / (d_i + d_j) (and Z,
+    hence Λ, is antisymmetric when S is). With the scalars, the extra unknown λ of Λ = Λ_so + λI/√h
+    is eliminated by a 1×1 Schur complement: with t = Π_so L(I)/√h, k = ⟨I, L(I)⟩/h and
+    T the operator above, λ = (b_λ − ⟨t, T⁻¹b_so⟩)/(k − ⟨t, T⁻¹t⟩), Λ_so = T⁻¹(b_so − λ t)."""
+
+    def __init__(self, frame, *, with_scalars: bool):
+        P, Q = frame.P, frame.Q
+        F = torch.linalg.solve_triangular(frame.chol_P, frame.eye, upper=False).mT   # FᵀPF = I
+        d, U = torch.linalg.eigh(sym(F.mT @ Q @ F))
+        self.W = F @ U
+        self.D = d[..., :, None] + d[..., None, :]
+        self.with_scalars = with_scalars
+        if with_scalars:
+            h = P.shape[-1]
+            LI = 2 * P @ Q
+            self.t = skew(LI) / math.sqrt(h)
+            self.k = torch.diagonal(LI, dim1=-2, dim2=-1).sum(-1) / h
+            self.z = self.inverse(self.t)
+            self.schur = self.k - _frobenius(self.t, self.z)[..., 0, 0]
+
+    def inverse(self, S: Tensor) -> Tensor:
+        W = self.W
+        return W @ ((W.mT @ S @ W) / self.D) @ W.mT
+
+    def solve(self, C: Tensor) -> Tensor:
+        y = self.inverse(skew(C))
+        if not self.with_scalars:
+            return y
+        h = C.shape[-1]
+        b = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1) / math.sqrt(h)
+        lam = (b - _frobenius(self.t, y)[..., 0, 0]) / self.schur
+        eye = torch.eye(h, dtype=C.dtype, device=C.device)
+        return y - lam[..., None, None] * self.z + (lam / math.sqrt(h))[..., None, None] * eye
+
+
+def _orthogonal_solver(group: "SymmetryGroup", frame, with_scalars: bool):
+    """The exact solver for so(h) (⊕ R·I): closed form for mix with ε = 0, otherwise conjugate
+    gradients with the dense normal equations (structured O(h⁴) matrix) as fallback."""
+    if frame.metric == "mix" and not frame.eps:
+        return SkewPencilSolver(frame, with_scalars=with_scalars)
+    h = frame.G.shape[-1]
+
+    def dense():
+        basis = group.algebra_basis(h, dtype=frame.cdtype, device=frame.G.device)
+        return NormalEquationsSolver(basis, frame, normal_matrix=so_normal_matrix(frame, with_scalars=with_scalars))
+
+    return ConjugateGradientSolver(group.project_algebra, group.dim(h), frame, fallback=dense)
+
+
 def _haar_rotation(batch: Tuple[int, ...], h: int, generator, dtype) -> Tensor:
     """Haar-distributed elements of SO(h): QR of a Gaussian matrix with the signs fixed, then one
     column flipped where the determinant is −1."""
@@ -329,8 +385,10 @@ def _orthogonal_deviation(A: Tensor, scaled: bool) -> Tensor:
 @dataclass(frozen=True)
 class OrthogonalGroup(_ClosedForm):
     """The rotations SO(h): (G, H) ~ (GQ, HQ), QᵀQ = I, det Q = 1. 𝔤 = so(h) (antisymmetric
-    matrices), dimension h(h−1)/2; Π_𝔤(X) = ½(X − Xᵀ). Vertical solver:
-    :class:`ConjugateGradientSolver` (exact to a relative residual of 1e-13)."""
+    matrices), dimension h(h−1)/2; Π_𝔤(X) = ½(X − Xᵀ). Vertical solver: the closed form
+    :class:`SkewPencilSolver` for the mix metric with ε = 0; otherwise
+    :class:`ConjugateGradientSolver` (to a relative residual of 1e-13), which hands over to the dense
+    normal equations (:func:`so_normal_matrix`, Cholesky) where it does not converge."""
 
     name = "orthogonal"
 
@@ -358,10 +416,10 @@ class OrthogonalGroup(_ClosedForm):
     def _deviation(self, A: Tensor) -> Tensor:
         return _orthogonal_deviation(A, scaled=False)
 
-    def vertical_solver(self, frame) -> NormalEquationsSolver:
-        h = frame.G.shape[-1]
-        return NormalEquationsSolver(self.algebra_basis(h, dtype=frame.cdtype, device=frame.G.device),
-                                     frame, normal_matrix=so_normal_matrix(frame))
+    def vertical_solver(self, frame):
+        """:class:`SkewPencilSolver` (mix, ε = 0) or :class:`ConjugateGradientSolver` with the dense
+        normal equations as fallback."""
+        return _orthogonal_solver(self, frame, with_scalars=False)
 
 
 def _scaled_skew(X: Tensor) -> Tensor:
@@ -371,8 +429,9 @@ def _scaled_skew(X: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class ScaledOrthogonalGroup(_ClosedForm):
     """Rotation-scalings R₊·SO(h): (G, H) ~ (sGQ, HQ/s). 𝔤 = so(h) ⊕ R·I, dimension
-    h(h−1)/2 + 1; Π_𝔤(X) = ½(X − Xᵀ) + tr(X)/h·I. Vertical solver:
-    :class:`ConjugateGradientSolver`."""
+    h(h−1)/2 + 1; Π_𝔤(X) = ½(X − Xᵀ) + tr(X)/h·I. Vertical solver: as for
+    :class:`OrthogonalGroup`, with the scalar direction eliminated by a Schur complement in the
+    closed form."""
 
     name = "scaled_orthogonal"
 
@@ -397,10 +456,9 @@ class ScaledOrthogonalGroup(_ClosedForm):
     def _deviation(self, A: Tensor) -> Tensor:
         return _orthogonal_deviation(A, scaled=True)
 
-    def vertical_solver(self, frame) -> NormalEquationsSolver:
-        h = frame.G.shape[-1]
-        return NormalEquationsSolver(self.algebra_basis(h, dtype=frame.cdtype, device=frame.G.device),
-                                     frame, normal_matrix=so_normal_matrix(frame, with_scalars=True))
+    def vertical_solver(self, frame):
+        """As :meth:`OrthogonalGroup.vertical_solver`, with the scalar direction added."""
+        return _orthogonal_solver(self, frame, with_scalars=True)
 
 
 def closure_residual(basis: Tensor, *, samples: int = 4, generator=None) -> float:
