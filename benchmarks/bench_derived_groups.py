@@ -43,7 +43,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--cond", type=float, default=10.0)
-    p.add_argument("--skip-solvers", action="store_true")
+    p.add_argument("--skip-solvers", action="store_true", help="only time derive_algebra")
+    p.add_argument("--skip-derive", action="store_true", help="only time the vertical solvers")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -53,7 +54,7 @@ def main(argv=None):
 
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     gen = torch.Generator().manual_seed(0)
-    for h in args.h:
+    for h in ([] if args.skip_derive else args.h):
         tokens = math.ceil(math.sqrt(2 * h * h))
         f = rope_scores(h, tokens, gen)
         G = torch.randn(2 * h, h, dtype=torch.float64, generator=gen)

@@ -276,14 +276,17 @@ def test_derive_rope_scores_gives_the_rotary_commutant(pairing, r):
     assert d.dim == r + (H - r) ** 2
 
 
-def test_derive_normalised_q_and_k_gives_scaled_rotations():
-    _, X, Y, G, Hf = _data(2)
-
+def normalised_scores(X, Y):
+    """Scores of L2-normalised queries and keys, as a function of (G, H)."""
     def scores(g, hh):
         q, k = X @ g, Y @ hh
         return (q / q.norm(dim=-1, keepdim=True)) @ (k / k.norm(dim=-1, keepdim=True)).T
+    return scores
 
-    d = derive_algebra(scores, G, Hf)
+
+def test_derive_normalised_q_and_k_gives_scaled_rotations():
+    _, X, Y, G, Hf = _data(2)
+    d = derive_algebra(normalised_scores(X, Y), G, Hf)
     assert_span(d, ScaledOrthogonalGroup())
     assert d.dim == H * (H - 1) // 2 + 1
 
@@ -303,11 +306,12 @@ def test_derive_normalised_head_output_mixed_by_h_gives_rotations():
 
 
 def test_derive_rms_norm_with_a_generic_gain_gives_scalars():
-    """QK-norm: q ↦ w ⊙ q / rms(q) (eps = 0) with a generic learned gain w, same for k. A symmetry
-    must keep (w⊙ q/rms(q)) · (w⊙ k/rms(k)) = Σ w_i² q̂_i k̂_i for all inputs: Λ must preserve the
-    form diag(w²) and the norms of q and k up to a common factor: Λ = λI + S with S ∈ so(h) ∩ (W² so)
-    — for pairwise distinct w_i² the only rotations commuting with diag(w²) in the required sense
-    are trivial, so 𝔤 = R·I (dimension 1)."""
+    """QK-norm: q ↦ w ⊙ q / rms(q) (eps = 0) with a generic learned gain w, same for k, so the
+    scores are q̂ diag(w²) k̂ᵀ with q̂ = q/rms(q). By hand: a scale s of G against 1/s of H is undone
+    by the normalisation (R·I ⊆ 𝔤); the norms of q and k must keep a common ratio for every input,
+    which leaves Λ = λI + S with S antisymmetric; then q̂ ↦ q̂e^{S}, k̂ ↦ k̂e^{S} and the scores become
+    q̂ e^{S} diag(w²) e^{−S} k̂ᵀ, unchanged iff S commutes with diag(w²), i.e. S = 0 for pairwise
+    distinct w_i². So 𝔤 = R·I, dimension 1."""
     gen, X, Y, G, Hf = _data(4)
     w = 0.5 + torch.rand(H, dtype=F64, generator=gen)
 
@@ -364,11 +368,7 @@ def test_derivation_needs_enough_outputs():
 
 def test_derivation_without_vmap_agrees():
     _, X, Y, G, Hf = _data(8)
-
-    def scores(g, hh):
-        q, k = X @ g, Y @ hh
-        return (q / q.norm(dim=-1, keepdim=True)) @ (k / k.norm(dim=-1, keepdim=True)).T
-
+    scores = normalised_scores(X, Y)
     a = derive_algebra(scores, G, Hf)
     b = derive_algebra(scores, G, Hf, vectorize=False, chunk=7)
     assert a.dim == b.dim and recognise_algebra(a, H) == recognise_algebra(b, H)

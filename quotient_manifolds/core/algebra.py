@@ -51,7 +51,7 @@ class AlgebraDerivation:
     ``singular_values``: all h² singular values σ of Λ ↦ J(GΛ, −HΛᵀ) (Λ in Frobenius-orthonormal
       coordinates), descending; the last d are the kept ones (σ ≤ rtol·σ_max).
     ``gap``: (smallest dropped σ) / (largest kept σ): how cleanly the null space separates from the
-      rest (≥ 1/rtol when the split is clean; 1e8 and more is typical for an exact symmetry, a gap
+      rest (1e6 and more is typical for an exact symmetry, a gap
       near 1 means the threshold cut a continuous spectrum and the result is not trustworthy);
       ``inf`` when either side is empty or the kept values are exactly 0.
     ``closure_residual``: max ‖[X, Y] − Π_𝔤[X, Y]‖_F over random unit X, Y ∈ 𝔤 (see
