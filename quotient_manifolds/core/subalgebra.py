@@ -145,8 +145,10 @@ class ConjugateGradientSolver:
 
     def __init__(self, project: Callable[[Tensor], Tensor], dim: int, frame, *,
                  fallback: Callable[[], "NormalEquationsSolver"], rtol: float = 1e-13,
-                 max_iter: Optional[int] = None):
+                 max_iter: Optional[int] = None,
+                 preconditioner: Optional[Callable[[Tensor], Tensor]] = None):
         self.project = project
+        self._preconditioner = preconditioner
         self.fallback = fallback
         self._direct: Optional[NormalEquationsSolver] = None
         self.used_fallback = False
@@ -160,6 +162,8 @@ class ConjugateGradientSolver:
         return self.project(self.A @ lam @ self.B + self.A2 @ lam @ self.B2)
 
     def precondition(self, r: Tensor) -> Tensor:
+        if self._preconditioner is not None:
+            return self._preconditioner(r)
         return self.project(apply_pencil(self.pencil, r))
 
     def solve(self, C: Tensor) -> Tensor:
@@ -191,31 +195,32 @@ class ConjugateGradientSolver:
 
 
 class SkewPencilSolver:
-    r"""Exact O(h³) solver for so(h) (and so(h) ⊕ R·I) under the mix metric with ε = 0, where
-    L(Λ) = 2PΛQ (P = GᵀG, Q = HᵀH) and on antisymmetric Λ
+    r"""Exact O(h³) solution of Π_𝔤(2MΛN) = Π_𝔤 C on 𝔤 = so(h) (or so(h) ⊕ R·I), M and N SPD.
 
-        Π_so L(Λ) = PΛQ + QΛP.
+    On antisymmetric Λ, Π_so(2MΛN) = MΛN + NΛM. With W such that WᵀMW = I and WᵀNW = diag(d)
+    (one generalised eigendecomposition per head), Λ = W Z Wᵀ turns MΛN + NΛM = S into
+    Z D + D Z = WᵀSW, so Z_ij = (WᵀSW)_ij / (d_i + d_j) (antisymmetric when S is). With the scalars,
+    the extra unknown λ of Λ = Λ_so + λI/√h is eliminated by a 1×1 Schur complement: with
+    t = Π_so(2MN)/√h, k = tr(2MN)/h and T the operator above, λ = (b_λ − ⟨t, T⁻¹b_so⟩)/(k − ⟨t, T⁻¹t⟩),
+    Λ_so = T⁻¹(b_so − λ t).
 
-    With W such that WᵀPW = I and WᵀQW = diag(d) (one generalised eigendecomposition per head),
-    Λ = W Z Wᵀ turns PΛQ + QΛP = S into Z D + D Z = WᵀSW, so Z_ij = (WᵀSW)_ij / (d_i + d_j) (and Z,
-    hence Λ, is antisymmetric when S is). With the scalars, the extra unknown λ of Λ = Λ_so + λI/√h
-    is eliminated by a 1×1 Schur complement: with t = Π_so L(I)/√h, k = ⟨I, L(I)⟩/h and
-    T the operator above, λ = (b_λ − ⟨t, T⁻¹b_so⟩)/(k − ⟨t, T⁻¹t⟩), Λ_so = T⁻¹(b_so − λ t)."""
+    For the mix metric with ε = 0, L(Λ) = 2PΛQ (P = GᵀG, Q = HᵀH) and this *is* the vertical
+    solver; otherwise it preconditions conjugate gradients (see :func:`_orthogonal_solver`)."""
 
-    def __init__(self, frame, *, with_scalars: bool):
-        P, Q = frame.P, frame.Q
-        F = torch.linalg.solve_triangular(frame.chol_P, frame.eye, upper=False).mT   # FᵀPF = I
-        d, U = torch.linalg.eigh(sym(F.mT @ Q @ F))
+    def __init__(self, M: Tensor, N: Tensor, *, with_scalars: bool):
+        eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
+        F = torch.linalg.solve_triangular(torch.linalg.cholesky(M), eye, upper=False).mT  # FᵀMF = I
+        d, U = torch.linalg.eigh(sym(F.mT @ N @ F))
         self.W = F @ U
         self.D = d[..., :, None] + d[..., None, :]
         self.with_scalars = with_scalars
         if with_scalars:
-            h = P.shape[-1]
-            LI = 2 * P @ Q
+            h = M.shape[-1]
+            LI = 2 * M @ N
             self.t = skew(LI) / math.sqrt(h)
-            self.k = torch.diagonal(LI, dim1=-2, dim2=-1).sum(-1) / h
+            k = torch.diagonal(LI, dim1=-2, dim2=-1).sum(-1) / h
             self.z = self.inverse(self.t)
-            self.schur = self.k - _frobenius(self.t, self.z)[..., 0, 0]
+            self.schur = k - _frobenius(self.t, self.z)[..., 0, 0]
 
     def inverse(self, S: Tensor) -> Tensor:
         W = self.W
@@ -233,17 +238,25 @@ class SkewPencilSolver:
 
 
 def _orthogonal_solver(group: "SymmetryGroup", frame, with_scalars: bool):
-    """The exact solver for so(h) (⊕ R·I): closed form for mix with ε = 0, otherwise conjugate
-    gradients with the dense normal equations (structured O(h⁴) matrix) as fallback."""
-    if frame.metric == "mix" and not frame.eps:
-        return SkewPencilSolver(frame, with_scalars=with_scalars)
+    """The exact solver for so(h) (⊕ R·I): the closed form :class:`SkewPencilSolver` for mix with
+    ε = 0; otherwise conjugate gradients preconditioned by the closed form of a nearby pencil
+    operator (mix: Π(2PΛQ) with the relaxed P, Q; inv: Π(2SΛS⁻¹), S = (P + Q)/2, exact at balanced
+    points P = Q), with the dense normal equations (structured O(h⁴) matrix) as fallback."""
+    if frame.metric == "mix":
+        pencil = SkewPencilSolver(frame.P, frame.Q, with_scalars=with_scalars)
+        if not frame.eps:
+            return pencil
+    else:
+        S = 0.5 * (frame.P + frame.Q)
+        pencil = SkewPencilSolver(S, torch.cholesky_inverse(torch.linalg.cholesky(S)), with_scalars=with_scalars)
     h = frame.G.shape[-1]
 
     def dense():
         basis = group.algebra_basis(h, dtype=frame.cdtype, device=frame.G.device)
         return NormalEquationsSolver(basis, frame, normal_matrix=so_normal_matrix(frame, with_scalars=with_scalars))
 
-    return ConjugateGradientSolver(group.project_algebra, group.dim(h), frame, fallback=dense)
+    return ConjugateGradientSolver(group.project_algebra, group.dim(h), frame, fallback=dense,
+                                   preconditioner=pencil.solve)
 
 
 def _haar_rotation(batch: Tuple[int, ...], h: int, generator, dtype) -> Tensor:
