@@ -72,7 +72,7 @@ def main(argv=None):
         return
     for h in args.h:
         for group in (OrthogonalGroup(), ScaledOrthogonalGroup()):
-            for metric, eps in (("mix", 0.0), ("mix", 1e-3), ("inv", 0.0)):
+            for metric, eps in (("mix", 0.0), ("mix", 1e-3), ("inv", 0.0), ("inv", 1e-3)):
                 geom = GLQuotientGeometry(4 * h, 4 * h, h, metric, group=group, eps=eps)
                 x = geom.random_point(args.heads, dtype=torch.float64, generator=gen)
                 x = geom.act(x, FULL_GL.random_element(h, (args.heads,), cond=args.cond, generator=gen))

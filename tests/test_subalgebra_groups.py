@@ -160,6 +160,19 @@ def test_conjugate_gradients_match_the_dense_normal_equations_batched():
                     assert torch.allclose(group.project_algebra(lam_cg), lam_cg, atol=1e-14 * scale)
                     if cond is None:
                         assert not cg.used_fallback and cg.iterations < 3 * group.dim(h)
+    # the closed forms' own solvers (pencil preconditioners) converge fast even at cond 300
+    for group in (OrthogonalGroup(), ScaledOrthogonalGroup()):
+        for metric, eps in (("inv", 0.0), ("inv", 1e-3), ("mix", 1e-3)):
+            geom = GLQuotientGeometry(12, 10, h, metric, group=group, eps=eps)
+            x = geom.act(geom.random_point(4, dtype=F64, generator=gen),
+                         FULL_GL.random_element(h, (4,), cond=300.0, generator=gen))
+            frame = geom.frame(x)
+            C = torch.randn(4, h, h, dtype=F64, generator=gen)
+            solver = frame._vertical_solver
+            lam = solver.solve(C)
+            dense = NormalEquationsSolver(group.algebra_basis(h), frame).solve(C)
+            assert not solver.used_fallback and solver.iterations <= 60
+            assert float((lam - dense).abs().max()) <= 1e-9 * float(dense.abs().max())
     # the closed form's structured normal matrix agrees with the generic assembly
     geom = GLQuotientGeometry(12, 10, h, "inv", group=ScaledOrthogonalGroup(), eps=0.1)
     frame = geom.frame(geom.random_point(3, dtype=F64, generator=gen))

@@ -135,8 +135,9 @@ def so_normal_matrix(frame, *, with_scalars: bool = False) -> Tensor:
 class ConjugateGradientSolver:
     r"""Λ ∈ 𝔤 with Π_𝔤 L(Λ) = Π_𝔤 C by preconditioned conjugate gradients on 𝔤, batched over heads.
 
-    Preconditioner Π_𝔤 L⁻¹ Π_𝔤 (the frame's full-GL Sylvester solve, then the projection); the
-    first iterate is Π_𝔤 L⁻¹ Π_𝔤 C. Runs until ‖Π_𝔤(C − L(Λ))‖_F ≤ ``rtol``·‖Π_𝔤 C‖_F for every
+    Preconditioner: ``preconditioner`` (an SPD map on 𝔤, e.g. the closed form of a nearby
+    operator), by default Π_𝔤 L⁻¹ Π_𝔤 (the frame's full-GL Sylvester solve, then the projection);
+    the first iterate is the preconditioner applied to Π_𝔤 C. Runs until ‖Π_𝔤(C − L(Λ))‖_F ≤ ``rtol``·‖Π_𝔤 C‖_F for every
     head (at most ``max_iter`` iterations, default dim 𝔤 + 50: conjugate gradients ends in dim 𝔤
     steps in exact arithmetic). Where that fails (ill-conditioned points: the preconditioner is
     exact only when L maps 𝔤 into itself, and the iteration count grows with the condition number of
@@ -238,17 +239,25 @@ class SkewPencilSolver:
 
 
 def _orthogonal_solver(group: "SymmetryGroup", frame, with_scalars: bool):
-    """The exact solver for so(h) (⊕ R·I): the closed form :class:`SkewPencilSolver` for mix with
-    ε = 0; otherwise conjugate gradients preconditioned by the closed form of a nearby pencil
-    operator (mix: Π(2PΛQ) with the relaxed P, Q; inv: Π(2SΛS⁻¹), S = (P + Q)/2, exact at balanced
-    points P = Q), with the dense normal equations (structured O(h⁴) matrix) as fallback."""
+    r"""The exact solver for so(h) (⊕ R·I): the closed form :class:`SkewPencilSolver` for mix with
+    ε = 0; otherwise conjugate gradients preconditioned by closed forms of nearby operators, with
+    the dense normal equations (structured O(h⁴) matrix) as fallback.
+
+    * mix, ε > 0: L(Λ) = (GᵀG)ΛQ + PΛ(HᵀH) ≈ 2PΛQ with the relaxed P, Q: the pencil (P, Q).
+    * inv: Π_so L(Λ) = T_P(Λ) + T_Q(Λ) with T_P(Λ) = ½(PΛP⁻¹ + P⁻¹ΛP), T_Q(Λ) = ½(QΛQ⁻¹ + Q⁻¹ΛQ)
+      (ε = 0), each exactly invertible as the pencils (P, P⁻¹), (Q, Q⁻¹); the preconditioner is
+      ¼(T_P⁻¹ + T_Q⁻¹) ⪰ (T_P + T_Q)⁻¹ (operator convexity of the inverse)."""
     if frame.metric == "mix":
         pencil = SkewPencilSolver(frame.P, frame.Q, with_scalars=with_scalars)
         if not frame.eps:
             return pencil
+        precondition = pencil.solve
     else:
-        S = 0.5 * (frame.P + frame.Q)
-        pencil = SkewPencilSolver(S, torch.cholesky_inverse(torch.linalg.cholesky(S)), with_scalars=with_scalars)
+        pencil_P = SkewPencilSolver(frame.P, frame.P_inv, with_scalars=with_scalars)
+        pencil_Q = SkewPencilSolver(frame.Q, frame.Q_inv, with_scalars=with_scalars)
+
+        def precondition(r: Tensor) -> Tensor:   # pencil.solve inverts 2·T_P (resp. 2·T_Q)
+            return 0.5 * (pencil_P.solve(r) + pencil_Q.solve(r))
     h = frame.G.shape[-1]
 
     def dense():
@@ -256,7 +265,7 @@ def _orthogonal_solver(group: "SymmetryGroup", frame, with_scalars: bool):
         return NormalEquationsSolver(basis, frame, normal_matrix=so_normal_matrix(frame, with_scalars=with_scalars))
 
     return ConjugateGradientSolver(group.project_algebra, group.dim(h), frame, fallback=dense,
-                                   preconditioner=pencil.solve)
+                                   preconditioner=precondition)
 
 
 def _haar_rotation(batch: Tuple[int, ...], h: int, generator, dtype) -> Tensor:
