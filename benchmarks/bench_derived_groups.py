@@ -66,7 +66,8 @@ def main(argv=None):
         d = derive_algebra(f, G, H)
         t_all = time.perf_counter() - t0
         group = recognise_algebra(d, h)
-        print(f"derive_algebra h={h:4d}: {t_all:7.2f} s total ({t_jvp:6.2f} s jvps, N = {d.outputs} outputs), "
+        print(f"derive_algebra h={h:4d}: {t_all:7.2f} s total ({t_jvp:6.2f} s jvps, "
+              f"N = {d.outputs} outputs), "
               f"dim {d.dim}, gap {d.gap:.1e}, closed {d.closed} -> {group.describe(h)}")
     if args.skip_solvers:
         return

@@ -29,7 +29,11 @@ from quotient_manifolds.core import (
     derive_algebra,
     recognise_algebra,
 )
-from quotient_manifolds.core.subalgebra import ConjugateGradientSolver, NormalEquationsSolver, closure_residual
+from quotient_manifolds.core.subalgebra import (
+    ConjugateGradientSolver,
+    NormalEquationsSolver,
+    closure_residual,
+)
 
 F64 = torch.float64
 H6 = 6
@@ -183,7 +187,8 @@ def test_conjugate_gradients_match_the_dense_normal_equations_batched():
 
 def test_as_group_and_equality_by_span():
     so = OrthogonalGroup().algebra_basis(4)
-    mixed = torch.einsum("ab,bhk->ahk", torch.randn(6, 6, dtype=F64, generator=torch.Generator().manual_seed(0)), so)
+    coef = torch.randn(6, 6, dtype=F64, generator=torch.Generator().manual_seed(0))
+    mixed = torch.einsum("ab,bhk->ahk", coef, so)
     a, b = SubalgebraGroup(so), SubalgebraGroup(mixed, label="other")
     assert a == b and hash(a) == hash(b) and as_group(a) is a
     assert a != SubalgebraGroup(ScaledOrthogonalGroup().algebra_basis(4))
@@ -402,7 +407,8 @@ def test_recognise_round_trips(group):
 
 def test_recognise_compares_spans_not_dimensions():
     # so(h) conjugated by a non-orthogonal matrix: a Lie algebra of dimension h(h−1)/2, not so(h)
-    P = torch.randn(H6, H6, dtype=F64, generator=torch.Generator().manual_seed(2)) + 2 * torch.eye(H6, dtype=F64)
+    P = (torch.randn(H6, H6, dtype=F64, generator=torch.Generator().manual_seed(2))
+         + 2 * torch.eye(H6, dtype=F64))
     conj = P @ OrthogonalGroup().algebra_basis(H6) @ torch.linalg.inv(P)
     g = recognise_algebra(conj, H6)
     assert isinstance(g, SubalgebraGroup) and g.dim(H6) == H6 * (H6 - 1) // 2

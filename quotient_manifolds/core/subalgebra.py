@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -137,7 +137,8 @@ class ConjugateGradientSolver:
 
     Preconditioner: ``preconditioner`` (an SPD map on 𝔤, e.g. the closed form of a nearby
     operator), by default Π_𝔤 L⁻¹ Π_𝔤 (the frame's full-GL Sylvester solve, then the projection);
-    the first iterate is the preconditioner applied to Π_𝔤 C. Runs until ‖Π_𝔤(C − L(Λ))‖_F ≤ ``rtol``·‖Π_𝔤 C‖_F for every
+    the first iterate is the preconditioner applied to Π_𝔤 C. Runs until
+    ‖Π_𝔤(C − L(Λ))‖_F ≤ ``rtol``·‖Π_𝔤 C‖_F for every
     head (at most ``max_iter`` iterations, default dim 𝔤 + 50: conjugate gradients ends in dim 𝔤
     steps in exact arithmetic). Where that fails (ill-conditioned points: the preconditioner is
     exact only when L maps 𝔤 into itself, and the iteration count grows with the condition number of
@@ -262,7 +263,8 @@ def _orthogonal_solver(group: "SymmetryGroup", frame, with_scalars: bool):
 
     def dense():
         basis = group.algebra_basis(h, dtype=frame.cdtype, device=frame.G.device)
-        return NormalEquationsSolver(basis, frame, normal_matrix=so_normal_matrix(frame, with_scalars=with_scalars))
+        K = so_normal_matrix(frame, with_scalars=with_scalars)
+        return NormalEquationsSolver(basis, frame, normal_matrix=K)
 
     return ConjugateGradientSolver(group.project_algebra, group.dim(h), frame, fallback=dense,
                                    preconditioner=precondition)
