@@ -18,9 +18,16 @@ from .core import (
     GLFrame,
     GLQuotientGeometry,
     GLGroup,
+    OrthogonalGroup,
     RescalingFrame,
     RescalingGeometry,
     RotaryGroup,
+    ScalarGroup,
+    ScaledOrthogonalGroup,
+    SubalgebraGroup,
+    TrivialGroup,
+    derive_algebra,
+    recognise_algebra,
     beta_along_geodesic,
     sharpness_inv_orthonormal_second_order,
     sharpness_mix_orthonormal,
@@ -30,7 +37,9 @@ from .geoopt import GLQuotient, RescalingQuotient
 __version__ = "0.1.0"
 
 __all__ = [
-    "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "GLGroup", "RotaryGroup", "RescalingFrame",
+    "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "GLGroup", "RotaryGroup", "SubalgebraGroup",
+    "TrivialGroup", "ScalarGroup", "OrthogonalGroup", "ScaledOrthogonalGroup", "derive_algebra",
+    "recognise_algebra", "RescalingFrame",
     "RescalingGeometry", "beta_along_geodesic", "sharpness_inv_orthonormal_second_order",
     "sharpness_mix_orthonormal", "GLQuotient", "RescalingQuotient", "__version__",
 ]
