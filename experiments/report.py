@@ -93,9 +93,11 @@ def paired_section(y: np.ndarray,
                            "references": [r for r in PAIRED_REFERENCES
                                           if any(r in v[3] for v in views)], "views": {}}
     lines = ["## Paired comparisons: Δτ against the paper's baseline and our adaptive", "",
-             "The paper's baseline is `adaptive-andriushchenko` (Andriushchenko et al.'s adaptive "
-             "sharpness) where this population has it. ",
-             "Δτ = τ-b(measure, target) − τ-b(reference, target) on the same models; 95 % "
+             ("The paper's baseline is `adaptive-andriushchenko` (Andriushchenko et al.'s "
+              "adaptive sharpness). " if PAIRED_REFERENCES[0] in out["references"] else
+              "This population has no measurement of the paper's baseline "
+              "(`adaptive-andriushchenko`). ")
+             + "Δτ = τ-b(measure, target) − τ-b(reference, target) on the same models; 95 % "
              f"percentile CI of a paired bootstrap (both τ's on each resample; {n_boot} resamples, "
              f"seed {seed}; `stats.paired_delta_tau`). A Δτ whose CI excludes 0 separates the two "
              "measures on this population; the sign of a better measure is that of the target's "
