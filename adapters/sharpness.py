@@ -79,6 +79,10 @@ class SharpnessResult:
     #: per batch (S_exact − S)/S at the worst perturbation, for the second-order retraction with
     #: ``check_retraction`` (empty otherwise); −inf where the exact geodesic left the manifold
     retraction_gaps: List[float] = field(default_factory=list)
+    #: per batch (worst case), the share of the worst perturbation's squared metric norm that lies
+    #: in the GL (quotient) blocks, the rest being in the elementwise blocks
+    #: (``ProductBall.quotient_share``); empty for average-case sharpness
+    gl_norm_shares: List[float] = field(default_factory=list)
 
     def __str__(self) -> str:
         return (f"{self.measure}-case {self.geometry} sharpness (rho={self.rho:g}): {self.value:.6g} "
@@ -525,7 +529,8 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                                        start=None if previous is None else (previous.xi, previous.init_loss))
                         previous = res
                         run = dict(init=res.init_loss, worst=res.worst_loss, norm=res.norm,
-                                   fwd=res.n_forward, bwd=res.n_backward, gap=None)
+                                   fwd=res.n_forward, bwd=res.n_backward, gap=None,
+                                   share=ball.quotient_share(res.xi))
                         if check_gap:
                             run["gap"] = _retraction_gap(ball, closure, res)
                             run["fwd"] += 1
@@ -569,7 +574,7 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
             n_iters=n_iters, n_forward=sum(r["fwd"] for r in at),
             n_backward=sum(r["bwd"] for r in at),
             time_s=setup / len(rhos) + sum(r["time"] for r in at), options=recorded,
-            retraction_gaps=gaps))
+            retraction_gaps=gaps, gl_norm_shares=[r["share"] for r in at if "share" in r]))
     return results
 
 

@@ -401,6 +401,14 @@ class ProductBall:
     def norm(self, u: Tangent) -> Tensor:
         return self.inner(u, u).clamp_min(0).sqrt()
 
+    def quotient_share(self, u: Tangent) -> float:
+        """Share of ‖u‖² in the quotient (GL) components: Σ_{c quotient} ‖u_c‖² / Σ_c ‖u_c‖², each
+        in its own metric (the rest is the elementwise components); nan for u = 0."""
+        parts = [float(c.inner(a, a)) for c, a in zip(self.components, u)]
+        total = sum(parts)
+        gl = sum(v for c, v in zip(self.components, parts) if isinstance(c, QuotientComponent))
+        return gl / total if total > 0 else float("nan")
+
     def project(self, u: Tangent) -> Tangent:
         return [c.project(a) for c, a in zip(self.components, u)]
 

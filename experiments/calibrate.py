@@ -230,6 +230,7 @@ def calibrate(mod, config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optio
     if found is not None and found.get("config_hash") == od.hash:
         log(f"calibration: reusing {od.file(CALIBRATION)} (ρ = "
             + ", ".join(f"{f} {found['rho'][f]:.4g}" for f in fams) + ")")
+        _record_rho(od, config, found)
         return found
     cal = config["calibration"]
     pilot = list(range(int(cal["pilot_models"])))
@@ -255,7 +256,14 @@ def calibrate(mod, config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optio
             + f"; predicted pilot median {d['predicted_pilot_median']:.3g} nats, "
             f"{d['converged']}/{len(pilot)} converged)")
     log(f"calibration done in {fmt_seconds(result['wall_s'])}")
+    _record_rho(od, config, result)
     return result
+
+
+def _record_rho(od, config: Dict[str, Any], calibration: Dict[str, Any]) -> None:
+    """config.json's ``config.rho`` holds the calibration's starting values (they are part of the
+    configuration hash); the ρ the sharpness is measured at goes beside it as ``rho_used``."""
+    od.record_in_config("rho_used", resolved(config, calibration)["rho"])
 
 
 def resolved(config: Dict[str, Any], calibration: Optional[Dict[str, Any]]) -> Dict[str, Any]:

@@ -248,6 +248,17 @@ class OutputDir:
             self._atomic_json(path, {**entry, "created": now, "format_version": FORMAT_VERSION,
                                      "other_configs": []})
 
+    def record_in_config(self, key: str, value: Any) -> None:
+        """Write ``value`` under ``key`` beside the configuration in config.json, outside the
+        hashed ``config``: what a run resolved from it (e.g. the calibrated ρ), recorded without
+        changing the hash, so directories of earlier runs stay resumable."""
+        if key in ("study", "config_hash", "config", "created", "format_version",
+                   "other_configs"):
+            raise ValueError(f"{key!r} is one of config.json's own fields; pick another key")
+        with open(self.file(CONFIG)) as fh:
+            current = json.load(fh)
+        self._atomic_json(self.file(CONFIG), {**current, key: value})
+
     def _write_config(self, old: Dict[str, Any], entry: Dict[str, Any], now: str) -> None:
         others = [h for h in old.get("other_configs", []) if h["config_hash"] != entry["config_hash"]]
         others.append({k: old[k] for k in ("study", "config_hash", "config") if k in old})

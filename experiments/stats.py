@@ -25,7 +25,8 @@ import numpy as np
 
 __all__ = ["kendall_tau_a", "kendall_tau_b", "kendall_tau", "partial_kendall_tau", "bootstrap_ci",
            "TauResult", "tau_with_ci", "partial_tau_with_ci", "error_rate", "error_and_loss",
-           "generalization_gap"]
+           "generalization_gap", "DeltaTauResult", "bootstrap_weights",
+           "paired_delta_tau", "tau_ci_weighted"]
 
 
 def _pairs(x, y):
@@ -211,3 +212,159 @@ def generalization_gap(test_error: float, train_error: float) -> float:
         if not (isinstance(v, (int, float, np.floating)) and math.isfinite(v)):
             raise ValueError(f"{name} must be a finite number, got {v!r}")
     return float(test_error) - float(train_error)
+
+
+# ------------------------------------------------------------------ weighted (resampling) bootstrap
+# A bootstrap resample is a vector of multiplicities w (how often each model was drawn). The τ-b of
+# the resample is  wᵀ(Sx∘Sy)w / √(wᵀSx²w · wᵀSy²w)  with S_ij = sign(vᵢ − vⱼ): every ordered pair of
+# copies contributes S_ij (copies of one model: sign 0). Written this way, a plain, a clustered
+# (whole clusters drawn) and a stratified (models drawn within each stratum) bootstrap differ only
+# in how w is drawn, and two measures share one w: the *paired* bootstrap of Δτ.
+@dataclass
+class DeltaTauResult:
+    """Δτ = τ-b(x₁, y) − τ-b(x₂, y) on the same models, with a paired bootstrap CI."""
+    delta: float
+    ci_low: float
+    ci_high: float
+    tau_1: float
+    tau_2: float
+    n: int
+
+    def as_dict(self) -> dict:
+        return dict(delta=self.delta, ci_low=self.ci_low, ci_high=self.ci_high, tau_1=self.tau_1,
+                    tau_2=self.tau_2, n=self.n)
+
+    def fmt(self) -> str:
+        if not math.isfinite(self.delta):
+            return "n/a"
+        if not math.isfinite(self.ci_low):
+            return f"{self.delta:+.2f}"
+        return f"{self.delta:+.2f} [{self.ci_low:+.2f}, {self.ci_high:+.2f}]"
+
+
+def bootstrap_weights(n: int, *, n_boot: int, seed: int, clusters: Optional[Sequence] = None,
+                      strata: Optional[Sequence] = None) -> np.ndarray:
+    """(n_boot, n) multiplicities of the n models in each bootstrap resample.
+
+    * plain (neither given): n models drawn with replacement — the same draws as
+      :func:`bootstrap_ci` with the same seed;
+    * ``clusters`` (a label per model): as many clusters as there are drawn with replacement, each
+      drawn cluster contributing all its models (the unit when models share a data draw);
+    * ``strata`` (a label per model): within each stratum, as many models as it holds drawn with
+      replacement from it (strata keep their sizes).
+    """
+    if clusters is not None:
+        if strata is not None:
+            raise ValueError("pass clusters or strata, not both")
+        member = _membership(clusters, n)
+        return _cluster_counts(member.shape[0], n_boot, seed) @ member
+    rng = np.random.default_rng(seed)
+    if strata is None:
+        idx = rng.integers(0, n, size=(n_boot, n))
+        return np.stack([np.bincount(row, minlength=n) for row in idx]).astype(float)
+    w = np.zeros((n_boot, n))
+    for row in _membership(strata, n):
+        pos = np.flatnonzero(row)
+        draws = pos[rng.integers(0, pos.size, size=(n_boot, pos.size))]
+        for b in range(n_boot):
+            w[b] += np.bincount(draws[b], minlength=n)
+    return w
+
+
+def _membership(labels: Sequence, n: int) -> np.ndarray:
+    """(K, n) 0/1 matrix: model i belongs to the k-th distinct label (in order of appearance)."""
+    labels = np.asarray(labels)
+    if labels.shape != (n,):
+        raise ValueError(f"need one cluster/stratum label per model ({n}), got shape "
+                         f"{labels.shape}")
+    return np.stack([labels == lv for lv in dict.fromkeys(labels.tolist())]).astype(float)
+
+
+def _cluster_counts(k: int, n_boot: int, seed: int) -> np.ndarray:
+    idx = np.random.default_rng(seed).integers(0, k, size=(n_boot, k))
+    return np.stack([np.bincount(row, minlength=k) for row in idx]).astype(float)
+
+
+def _quad(w: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """wᵀ A w for every row w of ``w``."""
+    return np.einsum("bi,bi->b", w @ a, w)
+
+
+def _weighted_taus(columns, y, *, n_boot: int, seed: int, clusters=None, strata=None,
+                   within: bool = False):
+    """Point τ-b of each column with y and its (n_boot,) bootstrap replicates, all columns sharing
+    each resample. Inputs already finite and of one length."""
+    n = y.size
+    mask = 1.0
+    if within:
+        if strata is None:
+            raise ValueError("within=True compares pairs inside strata: pass strata")
+        mask = (np.asarray(strata)[:, None] == np.asarray(strata)[None, :]).astype(float)
+    sy = np.sign(y[:, None] - y[None, :]) * mask
+    mats = [(sx * sy, sx * sx) for sx in (np.sign(c[:, None] - c[None, :]) * mask
+                                           for c in columns)]
+    mats.append((sy * sy, None))
+    if clusters is not None:  # weights are constant on clusters: sum each matrix over blocks
+        member = _membership(clusters, n)
+        mats = [tuple(None if a is None else member @ a @ member.T for a in m) for m in mats]
+        w = _cluster_counts(member.shape[0], n_boot, seed)
+        ones = np.ones((1, member.shape[0]))
+    else:
+        w = bootstrap_weights(n, n_boot=n_boot, seed=seed, strata=strata)
+        ones = np.ones((1, n))
+    out = []
+    for ww in (ones, w):
+        dy = _quad(ww, mats[-1][0])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out.append([_quad(ww, a) / np.sqrt(_quad(ww, b) * dy) for a, b in mats[:-1]])
+    return [float(t[0]) for t in out[0]], out[1]
+
+
+def _finite_rows(*cols):
+    cols = [np.asarray(c, dtype=float) for c in cols]
+    if any(c.ndim != 1 or c.shape != cols[0].shape for c in cols):
+        raise ValueError(f"inputs must be 1-D of equal length, got shapes "
+                         f"{[c.shape for c in cols]}")
+    return np.all([np.isfinite(c) for c in cols], axis=0)
+
+
+def paired_delta_tau(x1, x2, y, *, n_boot: int, seed: int, level: float = 0.95,
+                     clusters: Optional[Sequence] = None, strata: Optional[Sequence] = None,
+                     within: bool = False) -> DeltaTauResult:
+    """Δτ = τ-b(x₁, y) − τ-b(x₂, y) with a paired percentile bootstrap: each resample of the models
+    (:func:`bootstrap_weights`: plain, ``clusters`` or ``strata``) gives both τ's, so the CI is
+    that of the difference, not of two independent intervals.
+
+    ``within``: only pairs of models that share a stratum (``strata`` required) count, i.e. τ-b
+    over within-stratum pairs Σ_g Σ_{i<j∈g} sign·sign / √(Σ_g Σ sign(Δx)² · Σ_g Σ sign(Δy)²).
+    Models where x₁, x₂ or y is not finite are left out (``n`` says how many are used).
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    keep = _finite_rows(x1, x2, y)
+    sel = [None if v is None else np.asarray(v)[keep] for v in (clusters, strata)]
+    x1, x2, y = (np.asarray(v, dtype=float)[keep] for v in (x1, x2, y))
+    nan = float("nan")
+    if y.size < 3:
+        return DeltaTauResult(nan, nan, nan, nan, nan, int(y.size))
+    (t1, t2), (b1, b2) = _weighted_taus([x1, x2], y, n_boot=n_boot, seed=seed, clusters=sel[0],
+                                        strata=sel[1], within=within)
+    lo, hi = _percentile_ci(b1 - b2, n_boot, level)
+    return DeltaTauResult(t1 - t2, lo, hi, t1, t2, int(y.size))
+
+
+def tau_ci_weighted(x, y, *, n_boot: int, seed: int, level: float = 0.95,
+                    clusters: Optional[Sequence] = None, strata: Optional[Sequence] = None,
+                    within: bool = False) -> TauResult:
+    """τ-b of x and y with a percentile CI from :func:`bootstrap_weights` (e.g. ``clusters``: whole
+    data draws resampled). ``tau_a`` holds τ-a of all pairs (``within``: the within-stratum τ-b)."""
+    keep = _finite_rows(x, y)
+    sel = [None if v is None else np.asarray(v)[keep] for v in (clusters, strata)]
+    x, y = np.asarray(x, float)[keep], np.asarray(y, float)[keep]
+    nan = float("nan")
+    if y.size < 3:
+        return TauResult(nan, nan, nan, nan, int(y.size))
+    (t,), (b,) = _weighted_taus([x], y, n_boot=n_boot, seed=seed, clusters=sel[0],
+                                strata=sel[1], within=within)
+    lo, hi = _percentile_ci(b, n_boot, level)
+    return TauResult(t, t if within else kendall_tau_a(x, y), lo, hi, int(y.size))

@@ -575,6 +575,26 @@ def test_report_reproduces_the_committed_diagonal_summary(tmp_path):
         assert [r["tau_b"] for r in again["sweep"][m]] == pytest.approx(
             [r["tau_b"] for r in rows], abs=1e-12)
     assert _same(again["r2"], committed["r2"])
+    _assert_same_paired(committed, again)
+    for m, d in committed["main_clustered"].items():
+        assert (again["main_clustered"][m]["ci_low"], again["main_clustered"][m]["ci_high"]) == \
+            pytest.approx((d["ci_low"], d["ci_high"]), abs=1e-12), m
+
+
+def _assert_same_paired(committed, again):
+    """The paired Δτ tables (fixed resamples and seed, independent of --n-boot) recomputed equal
+    the committed ones: every τ, Δτ and CI end."""
+    want, got = committed["paired"], again["paired"]
+    assert (got["n_boot"], got["seed"], got["references"]) == \
+        (want["n_boot"], want["seed"], want["references"])
+    assert set(got["views"]) == set(want["views"])
+    for view, table in want["views"].items():
+        for m, row in table["rows"].items():
+            g = got["views"][view]["rows"][m]
+            for k in ("tau_b", "ci_low", "ci_high", "n"):
+                assert g[k] == pytest.approx(row[k], abs=1e-12, nan_ok=True), (view, m, k)
+            for ref, d in row["vs"].items():
+                assert g["vs"][ref] == pytest.approx(d, abs=1e-12, nan_ok=True), (view, m, ref)
 
 
 @pytest.mark.slow
@@ -1100,6 +1120,7 @@ def test_report_reproduces_the_committed_population_summary(tmp_path, study):
     for key in ("r2", "calibration"):                 # absent where no knob varies / no calibration
         assert _same(again.get(key), committed.get(key)), key
     assert again.get("second_passes") == committed.get("second_passes")
+    _assert_same_paired(committed, again)
 
 
 def test_report_merges_a_second_pass_over_the_same_models(tmp_path):

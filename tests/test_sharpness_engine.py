@@ -619,3 +619,24 @@ def test_gather_is_the_adjoint_of_the_ball_map_and_consumed_points_agree(geometr
     consumed = ball.points([t.clone() for t in xi], consume=True)
     for a, b in zip(consumed, fresh):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_sharpness_records_where_the_worst_perturbation_lives():
+    """gl_norm_shares: per batch, the share of the worst ξ's squared metric norm in the GL blocks,
+    checked against the components' own inner products; 0 for a ball without quotients."""
+    model, batches = _fitted_vit()
+    res = adapters.sharpness(model, batches, geometry="geodesic-inv", rho=1e-2, n_iters=3)
+    assert len(res.gl_norm_shares) == len(batches) and 0 < res.gl_norm_shares[0] < 1
+    ada = adapters.sharpness(model, batches, geometry="adaptive", rho=1e-2, n_iters=2)
+    assert ada.gl_norm_shares == [0.0]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    ball, _ = adapters.build_ball(model, params, geometry="geodesic-inv",
+                                  layout=adapters.layout(model))
+    torch.manual_seed(1)
+    u = ball.project([torch.randn_like(z) for z in ball.zeros()])
+    from adapters.solver import QuotientComponent
+    parts = [(isinstance(c, QuotientComponent), float(c.inner(a, a)))
+             for c, a in zip(ball.components, u)]
+    want = sum(v for q, v in parts if q) / sum(v for _, v in parts)
+    assert ball.quotient_share(u) == pytest.approx(want, rel=1e-12)
+    assert math.isnan(ball.quotient_share(ball.zeros()))
