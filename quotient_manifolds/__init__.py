@@ -25,6 +25,7 @@ from .core import (
     sharpness_inv_orthonormal_second_order,
     sharpness_mix_orthonormal,
 )
+from ._runtime import StepTooLarge
 from .geoopt import GLQuotient, RescalingQuotient
 
 __version__ = "0.1.0"
@@ -32,7 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "GLGroup", "RotaryGroup", "RescalingFrame",
     "RescalingGeometry", "beta_along_geodesic", "sharpness_inv_orthonormal_second_order",
-    "sharpness_mix_orthonormal", "GLQuotient", "RescalingQuotient", "__version__",
+    "sharpness_mix_orthonormal", "GLQuotient", "RescalingQuotient", "StepTooLarge", "__version__",
 ]
 
 
