@@ -98,10 +98,19 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = plain_text(action.help or "")
         shown = "default" in text or "%(default)" in text
-        if (not shown and action.option_strings and action.default is not argparse.SUPPRESS
-                and action.default not in (None, False, [])):
+        if shown or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is None and action.nargs != 0 and action.dest in _FROM_CONFIG:
+            text += " (default: the study's configuration, recorded in DIR/config.json)"
+        elif action.default not in (None, False, []):
             text += " (default: %(default)s)"
         return text
+
+
+#: options whose default None means "the study's configuration decides" (written to config.json)
+_FROM_CONFIG = {"seed", "rho_inv", "rho_mix", "rho_sweep", "sharp_points", "sharp_batch", "lr",
+                "batch_size", "weight_decay", "max_epochs", "lr_range", "epochs_range",
+                "batch_choices", "wd_range", "n_iters"}
 
 
 def _positive_int(text: str) -> int:
@@ -437,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scales", type=_float_list, default=None, metavar="A1,A2,...",
                    help="action scales a (default 9 log-spaced values in [1e-2, 1e2])")
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
-                   help="reuse a population's checkpoints (e.g. runs/vision/checkpoints)")
+                   help="reuse a population's checkpoints (e.g. runs/vision/checkpoints; "
+                        "default DIR/checkpoints)")
 
     try:  # the embedded demo (experiments/demo.py): MiniLM on MR, sharpness + invariance
         from . import demo as _demo

