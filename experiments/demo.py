@@ -131,7 +131,10 @@ def run(args: argparse.Namespace) -> dict:
             logits = [model(**_tokenise(tokenizer, [texts[j] for j in idx[i:i + 100]])).logits
                       for i in range(0, len(idx), 100)]
             return 1.0 - error_rate(torch.cat(logits).numpy(), labels[idx])
-        train_acc, test_acc = accuracy(train_idx[:400]), accuracy(test_idx)
+        train_acc = accuracy(train_idx[:400])
+        print(f"  train accuracy {train_acc:.3f} [{time.perf_counter() - started:.0f} s]",
+              flush=True)
+        test_acc = accuracy(test_idx)
     print(f"MiniLM ({args.layers} layers) fine-tuned on {len(train_idx)} MR sentences: "
           f"train acc {train_acc:.3f}, test acc {test_acc:.3f} "
           f"[{time.perf_counter() - started:.0f} s]")
