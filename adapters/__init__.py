@@ -27,6 +27,7 @@ from .sharpness import (
     sharpness,
     sharpness_sweep,
 )
+from .calibration import RhoCalibration, calibrate_rho
 from .distributed import distributed_sharpness
 from .lora_training import (
     InvariantRiemannianSGD,
@@ -50,7 +51,7 @@ from .solver import (
 __all__ = [
     "layout", "detect", "Detection", "Family", "Match", "register_family", "unregister_family", "declare_block", "FactorPiece", "GLBlock", "Layout", "Unsupported",
     "VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output",
-    "sharpness", "sharpness_sweep", "distributed_sharpness", "next_token_loss", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
+    "sharpness", "sharpness_sweep", "calibrate_rho", "RhoCalibration", "distributed_sharpness", "next_token_loss", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
     "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",
     "ElementwiseComponent", "GeodesicSAM", "SAM_GEOMETRIES", "lora_quotient_parameters", "lora_quotient_points",
     "merge_back", "LoRAQuotientPoint", "InvariantRiemannianSGD", "init_momentum_buffers",

@@ -107,9 +107,11 @@ try:
     from curvlinops._torch_base import PyTorchLinearOperator
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError(
-        f"the Riemannian Hessian operator needs curvlinops ({err}). Install it without its "
-        f"requirements, which would replace torch by a CUDA build: pip install --no-deps "
-        f"curvlinops-for-pytorch && pip install linear_operator einops einconv opt_einsum"
+        f"the Riemannian Hessian operator needs curvlinops ({err}). Install what it needs, then "
+        f"curvlinops itself without its requirements (one of them, backpack-for-pytorch, pulls "
+        f"torchvision and with it a newer torch build): pip install linear_operator einops einconv "
+        f"opt_einsum (or the [hessian] extra of quotient-manifolds) && pip install --no-deps "
+        f"curvlinops-for-pytorch"
     ) from err
 
 from quotient_manifolds._runtime import bounded_threads

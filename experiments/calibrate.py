@@ -13,7 +13,8 @@ Protocol
    per-batch worst case has the same expectation as on all points, with more noise), the study's
    ``n_iters`` Auto-PGD iterations.
 2. **Per pilot model i, per family**: the radius ρᵢ where its sharpness Sᵢ(ρ) equals the target,
-   by a safeguarded secant in (log ρ, log S) (:func:`find_rho`): start at the configuration's ρ,
+   by the library's safeguarded secant in (log ρ, log S) (``adapters.calibration.find_rho``,
+   the search behind ``adapters.calibrate_rho``): start at the configuration's ρ,
    step by (target/S)^{1/2} (S ∝ ρ² near a minimum, at most ×10 per step) until the target is
    bracketed, then regula falsi in log–log inside the bracket (kept at least 10 % of the bracket
    away from its ends) until |log(S/target)| ≤ log(``tolerance``) (1.25) or ``max_evals`` (6)
@@ -35,11 +36,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+
+from adapters.calibration import find_rho, interpolate_at, root_estimate  # noqa: F401 (re-exported)
 
 from .runner import ExperimentError, atomic_write_bytes
 
@@ -57,85 +59,6 @@ def calibration_defaults() -> Dict[str, Any]:
 def families_to_calibrate(config: Dict[str, Any]) -> List[str]:
     cal = config.get("calibration") or {}
     return [f for f in cal.get("families", []) if f in FAMILIES]
-
-
-# ------------------------------------------------------------------------------------ root finding
-def _loglog(a: Tuple[float, float], b: Tuple[float, float], target: float) -> float:
-    """log ρ where the line through (log ρ, log S) of a and b reaches log target."""
-    (ra, sa), (rb, sb) = a, b
-    la, lb = math.log(sa), math.log(sb)
-    if la == lb:
-        return 0.5 * (math.log(ra) + math.log(rb))
-    return math.log(ra) + (math.log(target) - la) * (math.log(rb) - math.log(ra)) / (lb - la)
-
-
-def _bracket(evals: Sequence[Tuple[float, float]], target: float):
-    below = [(r, s) for r, s in evals if math.isfinite(s) and s < target]
-    above = [(r, s) for r, s in evals if not (math.isfinite(s) and s < target)]
-    lo = max(below, key=lambda e: e[0]) if below else None
-    hi = min(above, key=lambda e: e[0]) if above else None
-    return lo, hi
-
-
-def root_estimate(evals: Sequence[Tuple[float, float]], target: float) -> float:
-    """ρ with S(ρ) = target from the evaluations: log–log interpolation in the tightest bracket,
-    else the closest evaluation corrected with S ∝ ρ²."""
-    lo, hi = _bracket(evals, target)
-    if lo is not None and hi is not None and lo[1] > 0 and math.isfinite(hi[1]) and lo[0] < hi[0]:
-        return float(math.exp(_loglog(lo, hi, target)))
-    ok = [(r, s) for r, s in evals if math.isfinite(s) and s > 0]
-    if not ok:
-        return float("nan")
-    r, s = min(ok, key=lambda e: abs(math.log(e[1] / target)))
-    return float(r * math.sqrt(target / s))
-
-
-def find_rho(f: Callable[[float], float], start: float, target: float, *,
-             tolerance: float = 1.25, max_evals: int = 7, max_factor: float = 10.0
-             ) -> Dict[str, Any]:
-    """ρ with f(ρ) ≈ target for an increasing f (module docstring, step 2). Returns ``root``,
-    ``evals`` [(ρ, f(ρ))] and ``converged`` (some evaluation within the tolerance factor)."""
-    if not (start > 0 and target > 0 and tolerance > 1 and max_evals >= 1):
-        raise ValueError(f"find_rho needs start > 0, target > 0, tolerance > 1, max_evals ≥ 1; "
-                         f"got {start}, {target}, {tolerance}, {max_evals}")
-    evals: List[Tuple[float, float]] = []
-    rho = float(start)
-    converged = False
-    for _ in range(max_evals):
-        s = float(f(rho))
-        evals.append((rho, s))
-        if math.isfinite(s) and s > 0 and abs(math.log(s / target)) <= math.log(tolerance):
-            converged = True
-            break
-        lo, hi = _bracket(evals, target)
-        if lo is not None and hi is not None and lo[0] < hi[0]:
-            a, b = math.log(lo[0]), math.log(hi[0])
-            x = _loglog(lo, hi, target) if (lo[1] > 0 and math.isfinite(hi[1])) else 0.5 * (a + b)
-            x = min(max(x, a + 0.1 * (b - a)), b - 0.1 * (b - a))
-            rho = math.exp(x)
-        elif lo is not None and (hi is None or lo[0] >= hi[0]):
-            step = math.sqrt(target / lo[1]) if lo[1] > 0 else max_factor
-            rho = lo[0] * min(max(step, 1.2), max_factor)
-        else:
-            step = math.sqrt(hi[1] / target) if math.isfinite(hi[1]) else max_factor
-            rho = hi[0] / min(max(step, 1.2), max_factor)
-    return dict(root=root_estimate(evals, target), evals=[list(e) for e in evals],
-                converged=converged)
-
-
-def interpolate_at(evals: Sequence[Sequence[float]], rho: float) -> float:
-    """S(ρ) by log–log interpolation of one model's evaluations (slope 2 outside their range)."""
-    ok = sorted((float(r), float(s)) for r, s in evals if math.isfinite(s) and s > 0)
-    if not ok:
-        return float("nan")
-    lr = [math.log(r) for r, _ in ok]
-    ls = [math.log(s) for _, s in ok]
-    x = math.log(rho)
-    if x <= lr[0]:
-        return float(math.exp(ls[0] + 2 * (x - lr[0])))
-    if x >= lr[-1]:
-        return float(math.exp(ls[-1] + 2 * (x - lr[-1])))
-    return float(math.exp(np.interp(x, lr, ls)))
 
 
 # ------------------------------------------------------------------------------------ pilot job

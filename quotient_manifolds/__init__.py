@@ -32,6 +32,7 @@ from .core import (
     sharpness_inv_orthonormal_second_order,
     sharpness_mix_orthonormal,
 )
+from ._runtime import StepTooLarge
 from .geoopt import GLQuotient, RescalingQuotient
 
 __version__ = "0.1.0"
@@ -41,7 +42,7 @@ __all__ = [
     "TrivialGroup", "ScalarGroup", "OrthogonalGroup", "ScaledOrthogonalGroup", "derive_algebra",
     "recognise_algebra", "RescalingFrame",
     "RescalingGeometry", "beta_along_geodesic", "sharpness_inv_orthonormal_second_order",
-    "sharpness_mix_orthonormal", "GLQuotient", "RescalingQuotient", "__version__",
+    "sharpness_mix_orthonormal", "GLQuotient", "RescalingQuotient", "StepTooLarge", "__version__",
 ]
 
 

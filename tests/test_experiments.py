@@ -243,6 +243,33 @@ def test_cli_help_explains_every_option(capsys):
     assert "prepare-data" in capsys.readouterr().out
 
 
+def test_cli_help_is_plain_text_and_shows_defaults():
+    """Every --help page: no reST markup; every option with a default says it; descriptions are
+    wrapped; the main page's one-line summaries end where a sentence ends."""
+    import argparse
+    import re
+
+    from experiments.cli import build_parser, one_line, plain_text
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    pages = {"": parser.format_help(), **{n: p.format_help() for n, p in sub.choices.items()}}
+    markup = re.compile(r"``|`|:(func|mod|class|meth|attr|data|obj):|\*\*")
+    for name, text in pages.items():
+        assert not markup.search(text), (name, markup.search(text).group(0))
+        assert max(len(line) for line in text.splitlines()) <= 100, name
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if (action.option_strings and action.default not in (None, False, [])
+                    and action.default is not argparse.SUPPRESS):
+                shown = p._get_formatter()._get_help_string(action)
+                assert "default" in shown, (name, action.option_strings)
+    # a subcommand's summary: a whole first sentence, never cut at a line break of its docstring
+    assert one_line("Fine-tunes of one ViT (:mod:`x.vit`) on\nFashion-MNIST. More.") == \
+        "Fine-tunes of one ViT (x.vit) on Fashion-MNIST"
+    assert plain_text("``a`` :func:`~m.f` `b` **c**") == "a m.f b c"
+    assert "Fashion-MNIST" in pages[""].split("vision", 1)[1].split("invariance", 1)[0]
+
+
 def test_missing_data_names_the_preparing_command(tmp_path, capsys, monkeypatch):
     empty = str(tmp_path / "empty")
     os.makedirs(empty)

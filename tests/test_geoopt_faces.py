@@ -624,3 +624,40 @@ def test_rescaling_quotient_optimizers(metric, name):
         optim.step()
     assert_close(M.beta(p.detach()), beta_star, atol=1e-6, rtol=0)
     M.assert_check_point_on_manifold(p.detach())
+
+
+@pytest.mark.parametrize("metric,lr", [("inv", 0.5), ("mix", 50.0)])
+def test_a_step_off_the_manifold_says_step_too_large(metric, lr):
+    """An absurd learning rate in the README's completion problem: the optimiser's retraction
+    leaves the manifold (non-finite or rank-deficient point) and the error says so and what to do,
+    with the inv metric's scale explained; a user's rank-deficient point still says rank-deficient."""
+    torch.manual_seed(0)
+    n, m, h = 60, 40, 4
+    target = torch.randn(n, h) @ torch.randn(h, m)
+    mask = torch.rand(n, m) < 0.6
+    M = GLQuotient(n, m, h, metric=metric)
+    x = geoopt.ManifoldParameter(M.random(dtype=torch.float64), manifold=M)
+    opt = geoopt.optim.RiemannianSGD([x], lr=lr, momentum=0.5)
+    with pytest.raises(quotient_manifolds.StepTooLarge, match="step too large") as info:
+        for _ in range(50):
+            opt.zero_grad()
+            G, H = M.split(x)
+            (0.5 * ((G @ H.T - target)[mask] ** 2).sum()).backward()
+            opt.step()
+    assert "learning rate" in str(info.value)
+    assert ("metric='mix'" in str(info.value)) == (metric == "inv")
+    bad = M.random(dtype=torch.float64)
+    bad[:n, 1] = bad[:n, 0]
+    with pytest.raises(ValueError, match="rank-deficient") as plain:
+        M.egrad2rgrad(bad, torch.ones_like(bad))
+    assert not isinstance(plain.value, quotient_manifolds.StepTooLarge)
+
+
+def test_pymanopt_retraction_off_the_manifold_says_step_too_large():
+    from quotient_manifolds.pymanopt import GLQuotient as PymanoptGLQuotient
+
+    M = PymanoptGLQuotient(6, 5, 2, metric="inv")
+    point = M.random_point()
+    away = M.random_tangent_vector(point)
+    with pytest.raises(quotient_manifolds.StepTooLarge, match="step too large"):
+        M.retraction(point, away * float("inf"))

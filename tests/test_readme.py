@@ -30,9 +30,14 @@ def test_readme_has_both_examples():
     assert all(len(b.strip().splitlines()) <= 20 for b in blocks)
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["geoopt", "pymanopt"])
-def test_readme_example_converges(index):
+@pytest.mark.parametrize("index,metric", [(0, "mix"), (0, "inv"), (1, "mix")],
+                         ids=["geoopt-mix", "geoopt-inv", "pymanopt"])
+def test_readme_example_converges(index, metric):
+    """Both metrics, with the README's per-metric learning rates, in the geoopt example."""
     code = _examples()[index]
+    if index == 0:
+        assert 'metric = "mix"' in code
+    code = code.replace('metric = "mix"', f'metric = "{metric}"')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=CLEAN_ENV)
     assert out.returncode == 0, out.stderr[-3000:]

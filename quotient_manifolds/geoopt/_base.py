@@ -59,10 +59,13 @@ class CoreQuotientManifold(Manifold):
     def _frame(self, x: Tensor):
         """The core frame at x (validated: shape, finiteness, full rank; raises ValueError), reused
         from the cache when x has the values of a recent point."""
+        return self._frame_cache_().frame(self.geometry, x)
+
+    def _frame_cache_(self) -> FrameCache:
         cache = self.__dict__.get("_frame_cache")
         if cache is None:  # created lazily: subclasses need not call a base __init__
             cache = self.__dict__["_frame_cache"] = FrameCache()
-        return cache.frame(self.geometry, x)
+        return cache
 
     @property
     def dim(self) -> int:
@@ -155,13 +158,19 @@ class CoreQuotientManifold(Manifold):
     # ------------------------------------------------------------------ moves
     @_small
     def retr(self, x: Tensor, u: Tensor) -> Tensor:
-        """The retraction chosen at construction (core ``frame.retract``, docs/maths.md §5.1)."""
-        return self._frame(x).retract(u)
+        """The retraction chosen at construction (core ``frame.retract``, docs/maths.md §5.1).
+        Raises :class:`~quotient_manifolds.StepTooLarge` if the new point is off the manifold."""
+        return self._checked_step(self._frame(x).retract(u))
 
     @_small
     def expmap(self, x: Tensor, u: Tensor) -> Tensor:
         """Exact geodesic at t = 1 (core ``frame.retract(u, "exact")``)."""
-        return self._frame(x).retract(u, "exact")
+        return self._checked_step(self._frame(x).retract(u, "exact"))
+
+    def _checked_step(self, y: Tensor) -> Tensor:
+        """``y`` after validating it (and caching its frame: the next step starts there)."""
+        self._frame_cache_().frame_after_step(self.geometry, y)
+        return y
 
     @_small
     def transp(self, x: Tensor, y: Tensor, v: Tensor) -> Tensor:

@@ -50,10 +50,19 @@ class CoreQuotientManifold(Manifold):
 
     def _frame(self, point):
         """The core frame at ``point``, reused from the cache when the point has recent values."""
+        return self._frame_cache_().frame(self.geometry, self._t(point))
+
+    def _frame_cache_(self) -> FrameCache:
         cache = self.__dict__.get("_frame_cache")
         if cache is None:  # created lazily: subclasses need not call a base __init__
             cache = self.__dict__["_frame_cache"] = FrameCache()
-        return cache.frame(self.geometry, self._t(point))
+        return cache
+
+    def _checked_step(self, y: torch.Tensor):
+        """The point ``y`` (torch) for pymanopt, after validating it (its frame is cached: the
+        next step starts there); off the manifold raises :class:`~quotient_manifolds.StepTooLarge`."""
+        self._frame_cache_().frame_after_step(self.geometry, y)
+        return self._point(y)
 
     @staticmethod
     def _generator() -> torch.Generator:
@@ -99,12 +108,12 @@ class CoreQuotientManifold(Manifold):
     @_small
     def retraction(self, point, tangent_vector):
         """The retraction chosen at construction (core ``frame.retract``)."""
-        return self._point(self._frame(point).retract(self._t(tangent_vector)))
+        return self._checked_step(self._frame(point).retract(self._t(tangent_vector)))
 
     @_small
     def exp(self, point, tangent_vector):
         """The exact geodesic at t = 1 (core ``frame.retract(·, "exact")``)."""
-        return self._point(self._frame(point).retract(self._t(tangent_vector), "exact"))
+        return self._checked_step(self._frame(point).retract(self._t(tangent_vector), "exact"))
 
     @_small
     def transport(self, point_a, point_b, tangent_vector_a):
