@@ -260,15 +260,20 @@ def bootstrap_weights(n: int, *, n_boot: int, seed: int, clusters: Optional[Sequ
         return _cluster_counts(member.shape[0], n_boot, seed) @ member
     rng = np.random.default_rng(seed)
     if strata is None:
-        idx = rng.integers(0, n, size=(n_boot, n))
-        return np.stack([np.bincount(row, minlength=n) for row in idx]).astype(float)
+        return _row_counts(rng.integers(0, n, size=(n_boot, n)), n)
     w = np.zeros((n_boot, n))
     for row in _membership(strata, n):
         pos = np.flatnonzero(row)
-        draws = pos[rng.integers(0, pos.size, size=(n_boot, pos.size))]
-        for b in range(n_boot):
-            w[b] += np.bincount(draws[b], minlength=n)
+        w += _row_counts(pos[rng.integers(0, pos.size, size=(n_boot, pos.size))], n)
     return w
+
+
+def _row_counts(idx: np.ndarray, n: int) -> np.ndarray:
+    """(rows, n) float counts of the values 0..n−1 in each row of the integer array ``idx``: one
+    ``bincount`` over row-offset indices (a Python loop over 40,000 resamples took seconds)."""
+    rows = idx.shape[0]
+    flat = (idx + n * np.arange(rows)[:, None]).ravel()
+    return np.bincount(flat, minlength=rows * n).reshape(rows, n).astype(float)
 
 
 def _membership(labels: Sequence, n: int) -> np.ndarray:
@@ -281,8 +286,7 @@ def _membership(labels: Sequence, n: int) -> np.ndarray:
 
 
 def _cluster_counts(k: int, n_boot: int, seed: int) -> np.ndarray:
-    idx = np.random.default_rng(seed).integers(0, k, size=(n_boot, k))
-    return np.stack([np.bincount(row, minlength=k) for row in idx]).astype(float)
+    return _row_counts(np.random.default_rng(seed).integers(0, k, size=(n_boot, k)), k)
 
 
 def _quad(w: np.ndarray, a: np.ndarray) -> np.ndarray:
