@@ -716,6 +716,8 @@ class Layout:
                               dtype=cdt, cond=cond, scales=scales, output_scale=ymax,
                               per_block_checked=check_blocks)
         self.verify_failed = [] if report.passed else (report.failing or [b.name for b in self.blocks])
+        from .accept import record_verification  # accept imports this module
+        record_verification(model, self, report.passed)
         if raise_on_failure and not report.passed:
             failing = report.failing
             if failing:
