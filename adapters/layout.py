@@ -238,6 +238,10 @@ class GLBlock:
     m: int
     family: str = "declared"
     group: Group = FULL_GL
+    #: how ``group`` was found: ``"structure: ..."`` / ``"config: ..."`` (proposed by a family),
+    #: ``"derived: ..."`` (the Lie algebra that leaves the module's output unchanged, see
+    #: :mod:`adapters.derive`), ``"declared"``; empty when not recorded
+    group_source: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "g_pieces", tuple(self.g_pieces))
@@ -305,7 +309,8 @@ class GLBlock:
     def describe(self) -> str:
         g = " + ".join(p.describe(self.module) for p in self.g_pieces)
         h = " + ".join(p.describe(self.module) for p in self.h_pieces)
-        return (f"{self.kind}: {self.num_heads} heads x {self.group.describe(self.head_dim)}  "
+        source = f"  [{self.group_source}]" if self.group_source else ""
+        return (f"{self.kind}: {self.num_heads} heads x {self.group.describe(self.head_dim)}{source}  "
                 f"G ({self.n}, {self.head_dim}) = {g}  |  H ({self.m}, {self.head_dim}) = {h}")
 
 
@@ -596,7 +601,10 @@ class Layout:
         out: Dict[str, Tensor] = {}
         for b in self.blocks:
             device = params[b.g_pieces[0].param].device if params is not None else torch.device("cpu")
-            A = b.group.random_element(b.head_dim, (b.num_heads,), scale=scale, cond=cond,
+            # a group without the positive scalars (orthogonal) is sampled at scale 1: its
+            # elements times another scale are not in it
+            s = scale if getattr(b.group, "has_scalars", True) else 1.0
+            A = b.group.random_element(b.head_dim, (b.num_heads,), scale=s, cond=cond,
                                        generator=generator)
             out[b.name] = A.to(dtype=dtype, device=device)
         return out
