@@ -3,8 +3,8 @@ r"""Derive each block's symmetry group from its module's output, numerically.
 A block is a pair of factors ``(G_j, H_j)`` per gauge ``j``.  Its group is the set of ``A`` with
 ``f(G_j A, H_j A⁻ᵀ) = f(G_j, H_j)`` for the attention module's output ``f``; its Lie algebra is the
 null space of the linearised condition ``Λ ↦ d/dt f(G_j e^{tΛ}, H_j e^{-tΛᵀ})|₀`` over the module's
-inputs (:func:`quotient_manifolds.core.subalgebra.derive_algebra`), and
-:func:`~quotient_manifolds.core.subalgebra.recognise_algebra` names it (GL(h), the rotary commutant,
+inputs (:func:`quotient_manifolds.core.algebra.derive_algebra`), and
+:func:`~quotient_manifolds.core.algebra.recognise_algebra` names it (GL(h), the rotary commutant,
 scalars, orthogonal, scaled orthogonal, trivial, or the group of the basis itself).
 
 Design
@@ -53,9 +53,13 @@ __all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_g
 
 #: derive a second gauge (and compare the spans) only for heads at most this wide (cost ∝ h²)
 SECOND_GAUGE_MAX_HEAD_DIM = 32
-#: parameters of the attention module with at most this many entries that no block touches enter
-#: the cache key by value (norm gains, scalars): they can change the group
+#: parameters of the attention module outside its linear projections with at most this many
+#: entries enter the cache key by value (norm gains, scalars): they can change the group
 SMALL_PARAM_NUMEL = 1 << 16
+#: a derived algebra is used only when the singular values of the linearised condition drop by at
+#: least this factor at the cut (an exact symmetry gives 1e7 .. inf; a near-symmetry, such as
+#: scaling q against k under RMSNorm with eps ≪ mean(q²), sits in between and is not trusted)
+MIN_GAP = 1e4
 _CACHE: Dict[Tuple, "BlockDerivation"] = {}
 _CACHE_SIZE = 512
 
@@ -103,6 +107,17 @@ def _to_float64(x):
     return x
 
 
+def _stateless(kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    """The keyword inputs without key/value caches: a cache object is updated by every call (the
+    derivation calls the module hundreds of times), so it is dropped and ``use_cache`` set off."""
+    out = {}
+    for k, v in kwargs.items():
+        if "cache" in type(v).__name__.lower() or k in ("past_key_value", "past_key_values", "layer_past"):
+            v = None
+        out[k] = False if k == "use_cache" else v
+    return out
+
+
 def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example_inputs: Any
                           ) -> Dict[str, Tuple[tuple, dict]]:
     """``{path: (args, kwargs)}``: the inputs of each module in ``module_paths`` at its first call
@@ -116,7 +131,7 @@ def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example
         mod = model.get_submodule(path)
 
         def hook(module, args, kwargs, path=path):
-            captured.setdefault(path, (_detach(tuple(args)), dict(_detach(kwargs))))
+            captured.setdefault(path, (_detach(tuple(args)), _stateless(_detach(kwargs))))
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
@@ -181,11 +196,16 @@ def _cache_key(model: nn.Module, block: GLBlock) -> Tuple:
     prefix = block.module + "." if block.module else ""
     touched = set(block.params)
     params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in mod.named_parameters())
+    # values of small parameters outside the projections (norm gains, scalars) can decide the group
+    projections = {f"{sub}.{n}" if sub else n for sub, m in mod.named_modules()
+                   if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+                   for n, _ in m.named_parameters(recurse=False)}
     small = tuple((n, _digest(p)) for n, p in mod.named_parameters()
-                  if prefix + n not in touched and p.numel() <= SMALL_PARAM_NUMEL and p.is_floating_point()
-                  and p.device.type != "meta")
-    attrs = tuple(sorted((k, v) for k, v in vars(mod).items()
-                         if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))))
+                  if n not in projections and prefix + n not in touched and p.numel() <= SMALL_PARAM_NUMEL
+                  and p.is_floating_point() and p.device.type != "meta")
+    attrs = tuple(sorted((k, v) for k, v in vars(mod).items()      # the layer's index does not matter
+                         if not k.startswith("_") and k not in ("layer_idx", "layer_id", "layer_number")
+                         and isinstance(v, (int, float, bool, str, type(None)))))
     config = getattr(mod, "config", None)
     cfg = None
     if config is not None and hasattr(config, "to_dict"):
@@ -210,11 +230,38 @@ def _same_span(a: Tensor, b: Tensor, tol: float = 1e-6) -> bool:
     return bool(s[a.shape[0]:].max() <= tol * s[0]) if s.numel() > a.shape[0] else True
 
 
+#: the linearised condition is zero (the whole of gl(h) leaves the output unchanged) when its
+#: largest singular value is below this fraction of the output's derivative along a generic
+#: direction: what remains is rounding, and a threshold relative to it would cut noise
+ROUNDING_FRACTION = 1e-10
+
+
+def _derive(derive_algebra, output_of, G: Tensor, H: Tensor, kwargs):
+    """``derive_algebra``, with the case of an exactly invariant output (every direction of gl(h)
+    in the null space, singular values at rounding level) recognised against a generic
+    direction's derivative."""
+    from torch.func import jvp
+
+    d = derive_algebra(output_of, G, H, **kwargs)
+    h = G.shape[-1]
+    if d.dim == h * h or not d.singular_values.numel():
+        return d
+    gen = torch.Generator().manual_seed(0)
+    dG = torch.randn(G.shape, generator=gen, dtype=G.dtype) * G.norm() / G.numel() ** 0.5
+    dH = torch.randn(H.shape, generator=gen, dtype=H.dtype) * H.norm() / H.numel() ** 0.5
+    generic = float(jvp(output_of, (G, H), (dG, dH))[1].detach().norm())
+    if float(d.singular_values[0]) > ROUNDING_FRACTION * generic * max(float(G.norm()), float(H.norm()), 1.0):
+        return d
+    basis = torch.eye(h * h, dtype=torch.float64).reshape(h * h, h, h)
+    return replace(d, basis=basis, singular_values=torch.zeros(h * h, dtype=torch.float64), gap=float("inf"),
+                   closed=True, closure_residual=0.0)
+
+
 def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple, dict]], *,
                  rtol: Optional[float] = None, use_cache: bool = True) -> BlockDerivation:
     """Derive the group of ``block`` from its module's output at ``inputs`` (the module's captured
     ``(args, kwargs)``, see :func:`capture_module_inputs`).  See the module docstring."""
-    from quotient_manifolds.core.subalgebra import derive_algebra, recognise_algebra
+    from quotient_manifolds.core.algebra import derive_algebra, recognise_algebra
 
     started = time.perf_counter()
     mod = model.get_submodule(block.module)
@@ -230,28 +277,39 @@ def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple,
         return replace(hit, block=block.name, cached=True,
                        source=hit.source if hit.status == "derived" else _kept(block, hit.source))
     kwargs = {} if rtol is None else {"rtol": rtol}
-    with torch.enable_grad():
+    # forward-mode AD: the fused CPU/GPU attention kernels have no jvp, the math kernel does
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
         out0, G, H = _module_output_fn(model, block, inputs, 0)
-        d = derive_algebra(out0, G, H, **kwargs)
+        d = _derive(derive_algebra, out0, G, H, kwargs)
         spans_agree = True
         if block.num_heads > 1 and block.head_dim <= SECOND_GAUGE_MAX_HEAD_DIM:
             out1, G1, H1 = _module_output_fn(model, block, inputs, block.num_heads - 1)
-            d1 = derive_algebra(out1, G1, H1, **kwargs)
+            d1 = _derive(derive_algebra, out1, G1, H1, kwargs)
             spans_agree = _same_span(d.basis, d1.basis)
     h = block.head_dim
     elapsed = time.perf_counter() - started
     facts = f"dim {d.dim}, gap {_fmt(d.gap)}"
-    if not d.closed or not spans_agree:
-        why = "not closed under the bracket" if not d.closed else "two gauges give different algebras"
+    if not d.closed or not spans_agree or d.gap < MIN_GAP:
+        why = ("not closed under the bracket" if not d.closed else "two gauges give different algebras"
+               if not spans_agree else f"no clear gap in the singular values (< {MIN_GAP:g})")
         res = BlockDerivation(block.name, "inconclusive", None, d.dim, d.gap, d.closed,
                               f"derivation inconclusive ({why}; {facts})", elapsed)
     elif d.dim == 0:
         res = BlockDerivation(block.name, "trivial", None, 0, d.gap, d.closed,
                               f"no continuous symmetry: the derived Lie algebra is trivial ({facts})", elapsed)
     else:
-        group = recognise_algebra(d.basis, h)
-        res = BlockDerivation(block.name, "derived", group, d.dim, d.gap, d.closed,
-                              f"derived: {group.describe(h)}, {facts}", elapsed)
+        try:
+            group = recognise_algebra(d.basis, h)
+        except ValueError as err:          # the group of the span refuses it (closure to 1e-8)
+            group, why = None, str(err).split(";")[0]
+        if group is None:
+            res = BlockDerivation(block.name, "inconclusive", None, d.dim, d.gap, d.closed,
+                                  f"derivation inconclusive ({why}; {facts})", elapsed)
+        else:
+            res = BlockDerivation(block.name, "derived", group, d.dim, d.gap, d.closed,
+                                  f"derived: {group.describe(h)}, {facts}", elapsed)
     if key is not None:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
