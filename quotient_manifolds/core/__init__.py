@@ -2,7 +2,15 @@
 thin faces over these objects."""
 
 from .gl import METRICS, RETRACTIONS, GLFrame, GLQuotientGeometry, group_action
-from .groups import FULL_GL, GLGroup, RotaryGroup, as_group, sym
+from .algebra import AlgebraDerivation, derive_algebra, recognise_algebra
+from .groups import FULL_GL, GLGroup, RotaryGroup, SymmetryGroup, as_group, sym
+from .subalgebra import (
+    OrthogonalGroup,
+    ScalarGroup,
+    ScaledOrthogonalGroup,
+    SubalgebraGroup,
+    TrivialGroup,
+)
 from .rescaling import (
     RescalingFrame,
     RescalingGeometry,
@@ -13,7 +21,9 @@ from .rescaling import (
 
 __all__ = [
     "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "group_action", "sym", "FULL_GL",
-    "GLGroup", "RotaryGroup", "as_group", "RescalingFrame",
+    "GLGroup", "RotaryGroup", "SymmetryGroup", "as_group", "SubalgebraGroup", "TrivialGroup",
+    "ScalarGroup", "OrthogonalGroup", "ScaledOrthogonalGroup", "AlgebraDerivation",
+    "derive_algebra", "recognise_algebra", "RescalingFrame",
     "RescalingGeometry", "beta_along_geodesic", "sharpness_inv_orthonormal_second_order",
     "sharpness_mix_orthonormal",
 ]

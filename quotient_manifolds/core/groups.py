@@ -132,8 +132,15 @@ class _Pairs:
         return out.scatter_add(-1, flat.expand(vals.shape), vals).view(c.shape[:-1] + (h, h))
 
 
-class _BlockDiagonalGroup:
-    """Shared behaviour of the groups: algebra projection, basis, sampling, membership."""
+class SymmetryGroup:
+    """The interface every group of the two-factor quotient implements (a connected subgroup of
+    GL(h) given by its Lie algebra 𝔤 ⊆ gl(h)): the quotient needs only 𝔤 — its dimension, the
+    Frobenius projection Π_𝔤 and the solver of the normal equations Π_𝔤 L(Λ) = Π_𝔤 C — plus
+    random elements and a membership test for checking symmetries.
+
+    Subclasses: :class:`GLGroup`, :class:`RotaryGroup` here, and the groups of
+    :mod:`quotient_manifolds.core.subalgebra` (scalars, orthogonal, scaled orthogonal, trivial, and
+    the group of any Lie subalgebra given by a basis)."""
 
     def dim(self, h: int) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -141,15 +148,45 @@ class _BlockDiagonalGroup:
     def check(self, h: int) -> None:
         """Raise ValueError if the group is not defined on R^h."""
 
-    def structure(self, h: int, device=None) -> _Pairs:  # pragma: no cover - overridden
-        raise NotImplementedError
-
     def describe(self, h: int) -> str:  # pragma: no cover - overridden
         raise NotImplementedError
 
     @property
     def is_full(self) -> bool:
+        """Whether the group is all of GL(h)."""
         return False
+
+    @property
+    def has_scalars(self) -> bool:
+        """Whether the positive scalars R₊·I belong to the group (then ``random_element`` may be
+        multiplied by any ``scale > 0`` and stay in the group)."""
+        return True
+
+    def project_algebra(self, X: Tensor) -> Tensor:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def algebra_basis(self, h: int, *, dtype=torch.float64, device=None) -> Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def random_element(self, h: int, batch: Tuple[int, ...] = (), *, scale: float = 1.0,
+                       cond: Optional[float] = 1e2, generator=None,
+                       dtype=torch.float64) -> Tensor:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def contains(self, A: Tensor, *, rtol: float = 1e-10) -> bool:  # pragma: no cover
+        raise NotImplementedError
+
+    def vertical_solver(self, frame):  # pragma: no cover - overridden
+        """An object whose ``solve(C)`` returns Λ ∈ 𝔤 with Π_𝔤 L(Λ) = Π_𝔤 C at the frame's point."""
+        raise NotImplementedError
+
+
+class _BlockDiagonalGroup(SymmetryGroup):
+    """Shared behaviour of the block-diagonal groups (rotation-scaling pairs and a free GL block):
+    algebra projection, basis, sampling, membership."""
+
+    def structure(self, h: int, device=None) -> _Pairs:  # pragma: no cover - overridden
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ Lie algebra
     def project_algebra(self, X: Tensor) -> Tensor:
@@ -303,19 +340,20 @@ class RotaryGroup(_BlockDiagonalGroup):
                       torch.arange(self.rotated(h), h, device=device))
 
 
-Group = Union[GLGroup, RotaryGroup]
+Group = SymmetryGroup
 FULL_GL = GLGroup()
 
 
 def as_group(group: Union[None, str, Group]) -> Group:
     """A group object from ``None``/``"gl"`` (full GL(h)), ``"rope"``/``"rotary"`` (rotary
-    commutant, rotate_half pairing, all coordinates rotated) or a group instance."""
+    commutant, rotate_half pairing, all coordinates rotated) or a group instance (any
+    :class:`SymmetryGroup`: also the groups of :mod:`quotient_manifolds.core.subalgebra`)."""
+    if isinstance(group, SymmetryGroup):
+        return group
     if group is None or group == "gl":
         return FULL_GL
     if group in ("rope", "rotary"):
         return RotaryGroup()
-    if isinstance(group, (GLGroup, RotaryGroup)):
-        return group
     raise ValueError(f"unknown group {group!r}; use 'gl', 'rope', or a group object such as "
                      f"RotaryGroup(pairing='interleaved', rotary_dim=32)")
 
