@@ -18,10 +18,9 @@ import torch.nn.functional as F
 import adapters
 from adapters.derive import derive_groups
 from adapters.layout import SymmetryError
+from quotient_manifolds.core.subalgebra import OrthogonalGroup, ScaledOrthogonalGroup
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("quotient_manifolds.core.algebra")
-from quotient_manifolds.core.subalgebra import OrthogonalGroup, ScaledOrthogonalGroup  # noqa: E402
 
 VOCAB, SEQ, H = 64, 16, 8     # every model below has head_dim 8; 16 positions resolve partial rotary
 
