@@ -238,6 +238,9 @@ class GLBlock:
     m: int
     family: str = "declared"
     group: Group = FULL_GL
+    #: How ``group`` was found, for users reading a layout: e.g. ``"family hf-rotary"``,
+    #: ``"structure: plain attention"``, ``"config: rotary_dim=32 interleaved"``, ``"declared"``.
+    group_source: str = field(default="", compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "g_pieces", tuple(self.g_pieces))
