@@ -238,10 +238,11 @@ class GLBlock:
     m: int
     family: str = "declared"
     group: Group = FULL_GL
-    #: how ``group`` was found: ``"structure: ..."`` / ``"config: ..."`` (proposed by a family),
-    #: ``"derived: ..."`` (the Lie algebra that leaves the module's output unchanged, see
-    #: :mod:`adapters.derive`), ``"declared"``; empty when not recorded
-    group_source: str = ""
+    #: How ``group`` was found, for users reading a layout: e.g. ``"family hf-rotary"``,
+    #: ``"structure: plain attention"``, ``"config: rotary_dim=32 interleaved"``, ``"declared"``,
+    #: or ``"derived: ..."`` (the Lie algebra that leaves the module's output unchanged, see
+    #: :mod:`adapters.derive`); empty when not recorded.
+    group_source: str = field(default="", compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "g_pieces", tuple(self.g_pieces))
