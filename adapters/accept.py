@@ -153,16 +153,9 @@ def capture_first_call(model: nn.Module, store: dict) -> Any:
     ``store["inputs"]`` (detached) and removes itself; returns the hook handle."""
     handle_box = {}
 
-    def hook(module, args, kwargs):
-        def detach(x):
-            if isinstance(x, Tensor):
-                return x.detach()
-            if isinstance(x, (tuple, list)):
-                return type(x)(detach(v) for v in x)
-            if isinstance(x, dict):
-                return {k: detach(v) for k, v in x.items()}
-            return x
+    from .derive import _detach as detach
 
+    def hook(module, args, kwargs):
         if args and kwargs:                  # Layout.verify takes positional OR keyword inputs
             store["inputs"], store["mixed"] = None, True
         else:
