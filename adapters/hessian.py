@@ -348,6 +348,7 @@ def riemannian_hessian(model: torch.nn.Module,
     Riemannian Hessian's, the rest are exact zeros (vertical directions, fixed weights).
     Use :func:`trace`, :func:`top_eigenvalues`, or ``curvlinops.lanczos_approximate_spectrum(op, ncv)``.
     """
+    from .accept import ensure_verified, is_verified, refuse_failed_blocks
     from .detect import layout as detect_layout
 
     check_choice(geometry, GEOMETRIES, "geometry")
@@ -363,11 +364,9 @@ def riemannian_hessian(model: torch.nn.Module,
     if geometry != "adaptive":
         if layout is None:
             layout = detect_layout(model, allow_unsupported=allow_unsupported)
-        failed = list(getattr(layout, "verify_failed", None) or [])
-        if failed and not unsafe:
-            raise ValueError(f"the layout's last verify found block(s) {failed} that are not "
-                             f"symmetries of the model: their quotient Hessian would be meaningless. "
-                             f"Fix their declaration, use geometry='adaptive', or pass unsafe=True")
+        if not is_verified(model, layout):
+            refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} Hessian",
+                                 consequence="its quotient Hessian would be meaningless")
     upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
     params0 = {n: _as_compute(p, upcast) for n, p in params0.items()}
     for name, p in params0.items():
@@ -388,6 +387,11 @@ def riemannian_hessian(model: torch.nn.Module,
         sizes.append(int(batch_size_fn(inputs)) if batch_size_fn else _batch_size(inputs, targets))
     if not data:
         raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
+    if geometry != "adaptive" and not (unsafe and layout.verify_failed):
+        # a geodesic number never comes from an unverified block (adapters.accept)
+        report = ensure_verified(model, layout, data[0][0], what=f"{geometry} Hessian")
+        refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} Hessian",
+                             consequence="its quotient Hessian would be meaningless", report=report)
     num_data = sum(sizes)
     weights = [n / num_data if reduction == "mean" else 1.0 for n in sizes]
     data = [(*d, w) for d, w in zip(data, weights)]

@@ -239,6 +239,11 @@ class GLBlock:
     m: int
     family: str = "declared"
     group: Group = FULL_GL
+    #: How ``group`` was found, for users reading a layout: e.g. ``"family hf-rotary"``,
+    #: ``"structure: plain attention"``, ``"config: rotary_dim=32 interleaved"``, ``"declared"``,
+    #: or ``"derived: ..."`` (the Lie algebra that leaves the module's output unchanged, see
+    #: :mod:`adapters.derive`); empty when not recorded.
+    group_source: str = field(default="", compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "g_pieces", tuple(self.g_pieces))
@@ -306,7 +311,8 @@ class GLBlock:
     def describe(self) -> str:
         g = " + ".join(p.describe(self.module) for p in self.g_pieces)
         h = " + ".join(p.describe(self.module) for p in self.h_pieces)
-        return (f"{self.kind}: {self.num_heads} heads x {self.group.describe(self.head_dim)}  "
+        source = f"  [{self.group_source}]" if self.group_source else ""
+        return (f"{self.kind}: {self.num_heads} heads x {self.group.describe(self.head_dim)}{source}  "
                 f"G ({self.n}, {self.head_dim}) = {g}  |  H ({self.m}, {self.head_dim}) = {h}")
 
 
@@ -611,7 +617,10 @@ class Layout:
         out: Dict[str, Tensor] = {}
         for b in self.blocks:
             device = params[b.g_pieces[0].param].device if params is not None else torch.device("cpu")
-            A = b.group.random_element(b.head_dim, (b.num_heads,), scale=scale, cond=cond,
+            # a group without the positive scalars (orthogonal) is sampled at scale 1: its
+            # elements times another scale are not in it
+            s = scale if getattr(b.group, "has_scalars", True) else 1.0
+            A = b.group.random_element(b.head_dim, (b.num_heads,), scale=s, cond=cond,
                                        generator=generator)
             out[b.name] = A.to(dtype=dtype, device=device)
         return out
@@ -731,6 +740,8 @@ class Layout:
                               dtype=cdt, cond=cond, scales=scales, output_scale=ymax,
                               per_block_checked=check_blocks)
         self.verify_failed = [] if report.passed else (report.failing or [b.name for b in self.blocks])
+        from .accept import record_verification  # accept imports this module
+        record_verification(model, self, report.passed)
         if raise_on_failure and not report.passed:
             failing = report.failing
             if failing:

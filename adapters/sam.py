@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Dict, Optional, Type, Union
+from typing import Any, Callable, Dict, Optional, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -146,6 +146,9 @@ class GeodesicSAM(torch.optim.Optimizer):
                                                      if p.requires_grad}
         if not self._perturbed:
             raise ValueError("the base optimizer updates no parameter with requires_grad=True")
+        #: the inputs of the model's first forward pass after construction, until the layout is verified
+        self._first_inputs: Dict[str, Any] = {}
+        self._capture = None
         self.layout = self._checked_layout(layout, allow_unsupported, unsafe)
 
         # the wrapper shares the base optimizer's groups (lr schedulers, zero_grad)
@@ -161,15 +164,17 @@ class GeodesicSAM(torch.optim.Optimizer):
     def _checked_layout(self, layout, allow_unsupported: bool, unsafe: bool):
         if self.geometry not in ("geodesic-inv", "geodesic-mix"):
             return None
+        from .accept import capture_first_call, is_verified, refuse_failed_blocks
         if layout is None:
             from .detect import layout as detect_layout
             layout = detect_layout(self.model, allow_unsupported=allow_unsupported)
-        failed = list(getattr(layout, "verify_failed", None) or [])
-        if failed and not unsafe:
-            raise ValueError(f"the layout's last verify found block(s) {failed} that are not "
-                             f"symmetries of the model: the ascent would not be invariant. Fix or "
-                             f"drop these blocks and verify again, use geometry='adaptive', or pass "
-                             f"unsafe=True")
+        self._unsafe = unsafe
+        if not is_verified(self.model, layout):
+            refuse_failed_blocks(layout, unsafe=unsafe, what=f"GeodesicSAM({self.geometry})",
+                                 consequence="the ascent would not be invariant", stacklevel=4)
+            if layout.blocks and not (unsafe and layout.verify_failed):
+                # verified on the inputs of the model's next forward pass (the first batch)
+                self._capture = capture_first_call(self.model, self._first_inputs)
         outside = sorted({p for b in layout.blocks for p in b.params} - set(self._perturbed))
         if outside:
             raise ValueError(f"GL blocks of the layout touch parameter(s) {outside[:4]} that the "
@@ -196,6 +201,8 @@ class GeodesicSAM(torch.optim.Optimizer):
         if any(g is not None and g.is_sparse for g in grads.values()):
             raise RuntimeError("sparse gradients are not supported by GeodesicSAM; use dense "
                                "embeddings (sparse=False)")
+        if self._capture is not None:
+            self._verify_layout()
         self._saved = {n: p.detach().clone() for n, p in self._perturbed.items()}
         try:
             if self.geometry == "sam":
@@ -207,6 +214,29 @@ class GeodesicSAM(torch.optim.Optimizer):
             raise
         if zero_grad:
             self.zero_grad()
+
+    def _verify_layout(self) -> None:
+        """Verify the layout on the first batch's inputs (once; see :mod:`adapters.accept`)."""
+        from .accept import ensure_verified, refuse_failed_blocks
+
+        captured = self._first_inputs
+        what = f"GeodesicSAM({self.geometry})"
+        if not captured:
+            raise RuntimeError(
+                f"{what} verifies the layout's blocks on the model's first forward pass after the "
+                f"optimizer was built, and none was seen: build GeodesicSAM before the first forward "
+                f"pass, or verify the layout yourself (lay.verify(model, inputs)) and pass layout=lay")
+        self._capture.remove()
+        if captured.get("mixed"):
+            raise ValueError(
+                f"{what} verifies the layout's blocks on the model's first forward pass, but the model "
+                f"was called with both positional and keyword arguments, which Layout.verify cannot "
+                f"replay. Verify the layout yourself once (lay = adapters.layout(model); "
+                f"lay.verify(model, {{...keyword inputs...}})) and pass layout=lay")
+        report = ensure_verified(self.model, self.layout, captured["inputs"], what=what)
+        self._first_inputs, self._capture = {}, None
+        refuse_failed_blocks(self.layout, unsafe=self._unsafe, what=what,
+                             consequence="the ascent would not be invariant", report=report, stacklevel=4)
 
     @torch.no_grad()
     def second_step(self, zero_grad: bool = False) -> None:

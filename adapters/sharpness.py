@@ -426,6 +426,7 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
 def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
              options: Dict[str, Any]) -> List[SharpnessResult]:
     """The body of :func:`sharpness` and :func:`sharpness_sweep`: one result per radius."""
+    from .accept import ensure_verified, is_verified, refuse_failed_blocks
     from .detect import layout as detect_layout
 
     geometry, retraction, measure = options["geometry"], options["retraction"], options["measure"]
@@ -452,17 +453,10 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     if geometry != "adaptive" and layout is None:
         layout = detect_layout(model, allow_unsupported=options["allow_unsupported"],
                                include_frozen=include_frozen)
-    if geometry != "adaptive":
-        failed = list(getattr(layout, "verify_failed", None) or [])
-        if failed and not unsafe:
-            raise ValueError(
-                f"the layout's last verify found block(s) {failed} that are not symmetries of the "
-                f"model: the {geometry} value would be meaningless. Fix the declaration of these "
-                f"blocks (or leave them out of the layout) and verify again, use "
-                f"geometry='adaptive', or pass unsafe=True to run anyway")
-        if failed:
-            warnings.warn(f"unsafe=True: running {geometry} with block(s) {failed} that failed "
-                          f"verify; the value is not meaningful", UserWarning, stacklevel=3)
+    if geometry != "adaptive" and not is_verified(model, layout):
+        # a known failure is refused before any work; otherwise verified on the first batch
+        refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",
+                             consequence="the value would be meaningless", stacklevel=4)
     if geometry != "adaptive" and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
@@ -513,6 +507,12 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                 on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
             for index, batch in enumerate(batches):
                 inputs, targets, own_loss = _split_batch(batch, index, loss_fn, normalize_logits)
+                if index == 0 and geometry != "adaptive" and not (unsafe and layout.verify_failed):
+                    # a geodesic number never comes from an unverified block (adapters.accept)
+                    report = ensure_verified(model, layout, inputs, what=f"{geometry} sharpness")
+                    refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",
+                                         consequence="the value would be meaningless",
+                                         report=report, stacklevel=4)
                 closure.loss_fn = None if own_loss else (loss_fn or default_loss)
                 closure.inputs = _to_device(inputs, device, upcast)
                 closure.targets = _to_device(targets, device, upcast)

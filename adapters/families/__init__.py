@@ -13,6 +13,8 @@ attention only by their class name.  Families and the maths of their groups are 
 ``hf_gpt2``         ``hf-gpt2``    ``GPT2Attention`` (``Conv1D``, packed ``c_attn``)
 ``hf_rotary``       ``hf-rotary``  HF rotary decoders (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi, Phi-3,
                                    GPT-NeoX): RoPE commutant on Q/K, grouped-query gauges, QK-norm
+``structural``      ``structural`` any HF attention by structure + config: packed q/k/v (three packings),
+                                   grouped-query, rotary / ALiBi evidence, QK-norm (V/O only)
 ``qkvo``            ``qkvo``       four q/k/v/o projection children
 ``hf_bert``         ``hf-bert``    q/k/v children + sibling ``output.dense``
 ``attention_like``  ``unknown``    anything else that looks like attention: unsupported
@@ -48,11 +50,12 @@ from .hf_bert import HFBertSelfAttention
 from .hf_gpt2 import HFGPT2Attention
 from .hf_rotary import ROTARY_CLASSES, HFRotaryAttention, RotaryClass
 from .peft_lora import PeftLoRA
+from .structural import PACKING_HINTS, StructuralAttention
 from .qkvo import PlainQKVO
 from .torch_mha import TorchMultiheadAttention
 
 __all__ = ["Family", "Match", "Context", "FAMILIES", "register_family", "unregister_family", "family",
-           "ROTARY_CLASSES", "RotaryClass"]
+           "ROTARY_CLASSES", "RotaryClass", "PACKING_HINTS"]
 
 #: The families in the order detection tries them (first match wins).  Change it with
 #: :func:`register_family` / :func:`unregister_family`.
@@ -61,6 +64,7 @@ FAMILIES: List[Family] = [
     PeftLoRA(),
     HFGPT2Attention(),
     HFRotaryAttention(),
+    StructuralAttention(),
     PlainQKVO(),
     HFBertSelfAttention(),
     UnknownAttention(),

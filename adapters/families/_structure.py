@@ -251,10 +251,11 @@ def _rows(pieces: Sequence[FactorPiece], shapes: Dict[str, tuple]) -> int:
 
 
 def _make_block(module: str, kind: str, family: str, g: List[FactorPiece], h: List[FactorPiece],
-                shapes: Dict[str, tuple], group: Group = FULL_GL, name: Optional[str] = None) -> GLBlock:
+                shapes: Dict[str, tuple], group: Group = FULL_GL, name: Optional[str] = None,
+                group_source: str = "") -> GLBlock:
     b = GLBlock(name=name or f"{module}/{kind}", kind=kind, module=module, g_pieces=tuple(g), h_pieces=tuple(h),
                 num_heads=g[0].block_heads, head_dim=g[0].head_dim, n=_rows(g, shapes), m=_rows(h, shapes),
-                family=family, group=group)
+                family=family, group=group, group_source=group_source or f"family {family}")
     b.validate(shapes)
     return b
 
@@ -265,7 +266,7 @@ LORA_NOTE = "projections carry LoRA adapters: their GL(r) blocks are used instea
 def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Union[_Lin, Proj],
                      v: Union[_Lin, Proj], o: Union[_Lin, Proj], num_heads: int, head_dim: int,
                      num_kv_heads: Optional[int] = None, qk_group: Group = FULL_GL, qk: bool = True,
-                     vo: bool = True) -> None:
+                     vo: bool = True, qk_source: str = "", vo_source: str = "") -> None:
     """Append the Q/K and V/O blocks of one attention module to ``match``.
 
     ``num_heads`` query heads, ``num_kv_heads`` (default ``num_heads``) key/value heads; query head
@@ -286,16 +287,17 @@ def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Uni
     wanted = []
     if qk:
         wanted.append(("qk", _in_pieces(ctx, q, num_heads, head_dim, rep), _in_pieces(ctx, k, n_kv, head_dim),
-                       qk_group, (q, k)))
+                       qk_group, (q, k), qk_source))
     if vo:
         wanted.append(("vo", _in_pieces(ctx, v, n_kv, head_dim), _out_pieces(ctx, o, num_heads, head_dim, rep),
-                       FULL_GL, (v, o)))
-    for kind, g, h, group, projs in wanted:
+                       FULL_GL, (v, o), vo_source))
+    for kind, g, h, group, projs, source in wanted:
         lora = [p.lin.path.rsplit(".", 1)[-1] for p in projs if p.lin.adapted]
         if lora:
             adapted.append(f"{kind} ({', '.join(dict.fromkeys(lora))})")
             continue
-        match.blocks.append(_make_block(match.module, kind, match.family, g, h, ctx.shapes, group))
+        match.blocks.append(_make_block(match.module, kind, match.family, g, h, ctx.shapes, group,
+                                        group_source=source))
     if adapted:
         match.notes.append(f"{match.module}: no GL block over the base weights of {', '.join(adapted)}: the "
                            f"{LORA_NOTE} (a GL action on frozen base weights is no symmetry once a low-rank "

@@ -1,0 +1,374 @@
+r"""Derive each block's symmetry group from its module's output, numerically.
+
+A block is a pair of factors ``(G_j, H_j)`` per gauge ``j``.  Its group is the set of ``A`` with
+``f(G_j A, H_j A⁻ᵀ) = f(G_j, H_j)`` for the attention module's output ``f``; its Lie algebra is the
+null space of the linearised condition ``Λ ↦ d/dt f(G_j e^{tΛ}, H_j e^{-tΛᵀ})|₀`` over the module's
+inputs (:func:`quotient_manifolds.core.algebra.derive_algebra`), and
+:func:`~quotient_manifolds.core.algebra.recognise_algebra` names it (GL(h), the rotary commutant,
+scalars, orthogonal, scaled orthogonal, trivial, or the group of the basis itself).
+
+Design
+------
+* **Inputs.**  A module's output depends on its inputs (hidden states, masks, position
+  embeddings), which only a forward pass of the model produces: :func:`capture_module_inputs`
+  records the real inputs of each attention module with forward pre-hooks during one forward pass
+  of the model on ``example_inputs`` (the first batch, as for :meth:`~adapters.layout.Layout.verify`).
+* **The output as a function of one gauge.**  ``output_of(G, H)`` is the module's first output
+  tensor, computed with ``torch.func.functional_call`` on a float64 copy of *that module's*
+  parameters and buffers (and of its captured inputs) in which gauge ``j`` of the block is replaced
+  (``GLBlock.gather`` / ``scatter``); every other gauge and parameter stays as it is.  The user's
+  model is never modified or cast; eval mode is set for the passes and every submodule's flag is
+  restored.
+* **One derivation per module signature.**  Results are cached per (module class, its parameter
+  names and shapes, its scalar attributes, its config, the values of its small parameters that no
+  block touches — e.g. QK-norm gains, which decide the group —, the block's kind, heads, pieces and
+  sizes): the 32 identical layers of a decoder derive once.  Gauge 0 is derived; a second gauge
+  (the last) is derived too when the head size is at most :data:`SECOND_GAUGE_MAX_HEAD_DIM` and must
+  span the same algebra.
+* **What is used.**  A derived algebra that is closed under the bracket and separated from the
+  rest of the spectrum by a clear gap replaces the block's candidate group (``group_source`` says
+  ``"derived: ..."``).  A trivial algebra (dimension 0) means the block carries no continuous
+  symmetry: the block is removed and its half reported in ``layout.unsupported`` with the reason;
+  its parameters are then treated elementwise.  An inconclusive derivation (not closed, small gap,
+  different spans on two gauges) keeps the candidate group, says so in ``group_source`` and
+  ``layout.notes``, and leaves the decision to verification (:mod:`adapters.accept`).
+  Meta-device modules cannot be evaluated: the candidate group is kept, marked
+  ``"not derived (meta device)"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .layout import GLBlock, Layout, Unsupported, _split_inputs
+
+__all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "clear_cache",
+           "SECOND_GAUGE_MAX_HEAD_DIM"]
+
+#: derive a second gauge (and compare the spans) only for heads at most this wide (cost ∝ h²)
+SECOND_GAUGE_MAX_HEAD_DIM = 32
+#: parameters of the attention module outside its linear projections with at most this many
+#: entries enter the cache key by value (norm gains, scalars): they can change the group
+SMALL_PARAM_NUMEL = 1 << 16
+#: a derived algebra is used only when the singular values of the linearised condition drop by at
+#: least this factor at the cut (an exact symmetry gives 1e7 .. inf; a near-symmetry, such as
+#: scaling q against k under RMSNorm with eps ≪ mean(q²), sits in between and is not trusted)
+MIN_GAP = 1e4
+_CACHE: Dict[Tuple, "BlockDerivation"] = {}
+_CACHE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class BlockDerivation:
+    """How a block's group was found.  ``status``: ``"derived"`` (the group is used),
+    ``"trivial"`` (no continuous symmetry: the block is removed, its half reported),
+    ``"inconclusive"`` (the candidate group is kept), ``"not derived"`` (meta device, no inputs)."""
+
+    block: str
+    status: str
+    group: Any
+    dim: Optional[int]
+    gap: Optional[float]
+    closed: Optional[bool]
+    source: str
+    seconds: float
+    cached: bool = False
+
+
+def clear_cache() -> None:
+    """Forget all cached derivations."""
+    _CACHE.clear()
+
+
+# ------------------------------------------------------------------------------------ inputs
+def _detach(x):
+    if isinstance(x, Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach(v) for v in x)
+    if isinstance(x, Mapping):
+        return {k: _detach(v) for k, v in x.items()}
+    return x
+
+
+def _to_float64(x):
+    if isinstance(x, Tensor):
+        return x.to(torch.float64) if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_float64(v) for v in x)
+    if isinstance(x, Mapping):
+        return {k: _to_float64(v) for k, v in x.items()}
+    return x
+
+
+def _stateless(kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    """The keyword inputs without key/value caches: a cache object is updated by every call (the
+    derivation calls the module hundreds of times), so it is dropped and ``use_cache`` set off."""
+    out = {}
+    for k, v in kwargs.items():
+        if "cache" in type(v).__name__.lower() or k in ("past_key_value", "past_key_values", "layer_past"):
+            v = None
+        out[k] = False if k == "use_cache" else v
+    return out
+
+
+def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example_inputs: Any
+                          ) -> Dict[str, Tuple[tuple, dict]]:
+    """``{path: (args, kwargs)}``: the inputs of each module in ``module_paths`` at its first call
+    during one forward pass of ``model`` on ``example_inputs`` (a tensor, a tuple of positional
+    arguments or a dict of keyword arguments), detached.  The pass runs in eval mode with gradients
+    enabled (fused inference fast paths such as ``nn.TransformerEncoderLayer``'s would bypass the
+    attention module's ``forward``); the model's weights are untouched and its flags restored."""
+    captured: Dict[str, Tuple[tuple, dict]] = {}
+    handles = []
+    for path in dict.fromkeys(module_paths):
+        mod = model.get_submodule(path)
+
+        def hook(module, args, kwargs, path=path):
+            captured.setdefault(path, (_detach(tuple(args)), _stateless(_detach(kwargs))))
+
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
+    args, kwargs = _split_inputs(example_inputs)
+    try:
+        model.eval()
+        with torch.enable_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        for name, mod in model.named_modules(remove_duplicate=False):
+            if name in flags:
+                mod.training = flags[name]
+    return captured
+
+
+# ------------------------------------------------------------------------------------ output_of
+def _first_tensor(out) -> Tensor:
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for v in out:
+            if isinstance(v, Tensor):
+                return v
+    if isinstance(out, Mapping):
+        for v in out.values():
+            if isinstance(v, Tensor):
+                return v
+    raise TypeError(f"the attention module returned a {type(out).__name__} without a tensor")
+
+
+def _module_output_fn(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dict], gauge: int):
+    """``(output_of, G_j, H_j)`` for gauge ``j`` of ``block`` (module docstring)."""
+    from torch.func import functional_call
+
+    mod = model.get_submodule(block.module)
+    prefix = block.module + "." if block.module else ""
+    full = {prefix + n: p.detach().to(torch.float64) if p.is_floating_point() else p.detach()
+            for n, p in mod.named_parameters()}
+    buffers = {n: b.to(torch.float64) if b.is_floating_point() else b for n, b in mod.named_buffers()}
+    args, kwargs = _to_float64(inputs[0]), _to_float64(inputs[1])
+    x0 = block.gather(full)
+
+    def output_of(G: Tensor, H: Tensor) -> Tensor:
+        x = torch.cat([x0[:gauge], torch.cat([G, H], dim=-2).unsqueeze(0), x0[gauge + 1:]], dim=0)
+        new = block.scatter(full, x)
+        local = {n[len(prefix):]: v for n, v in new.items()}
+        return _first_tensor(functional_call(mod, {**local, **buffers}, args, kwargs))
+
+    G0, H0 = block.split(x0[gauge])
+    return output_of, G0, H0
+
+
+# ------------------------------------------------------------------------------------ cache key
+def _digest(t: Tensor) -> str:
+    return hashlib.sha1(t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()).hexdigest()
+
+
+def _cache_key(model: nn.Module, block: GLBlock) -> Tuple:
+    mod = model.get_submodule(block.module)
+    prefix = block.module + "." if block.module else ""
+    touched = set(block.params)
+    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in mod.named_parameters())
+    # values of small parameters outside the projections (norm gains, scalars) can decide the group
+    projections = {f"{sub}.{n}" if sub else n for sub, m in mod.named_modules()
+                   if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+                   for n, _ in m.named_parameters(recurse=False)}
+    small = tuple((n, _digest(p)) for n, p in mod.named_parameters()
+                  if n not in projections and prefix + n not in touched and p.numel() <= SMALL_PARAM_NUMEL
+                  and p.is_floating_point() and p.device.type != "meta")
+    attrs = tuple(sorted((k, v) for k, v in vars(mod).items()      # the layer's index does not matter
+                         if not k.startswith("_") and k not in ("layer_idx", "layer_id", "layer_number")
+                         and isinstance(v, (int, float, bool, str, type(None)))))
+    config = getattr(mod, "config", None)
+    cfg = None
+    if config is not None and hasattr(config, "to_dict"):
+        cfg = hashlib.sha1(repr(sorted(config.to_dict().items(), key=lambda kv: kv[0])).encode()).hexdigest()
+    pieces = tuple(replace(p, param=p.param[len(prefix):]) for p in block.pieces)
+    return (type(mod), params, small, attrs, cfg, block.kind, block.num_heads, block.head_dim,
+            block.n, block.m, pieces)
+
+
+# ------------------------------------------------------------------------------------ derivation
+def _fmt(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.1e}"
+
+
+def _same_span(a: Tensor, b: Tensor, tol: float = 1e-6) -> bool:
+    """Whether two bases ``(k, h, h)`` span the same subspace of gl(h)."""
+    if a.shape[0] != b.shape[0]:
+        return False
+    if a.shape[0] == 0:
+        return True
+    s = torch.linalg.svdvals(torch.cat([a.flatten(1), b.flatten(1)]).to(torch.float64))
+    return bool(s[a.shape[0]:].max() <= tol * s[0]) if s.numel() > a.shape[0] else True
+
+
+#: the linearised condition is zero (the whole of gl(h) leaves the output unchanged) when its
+#: largest singular value is below this fraction of the output's derivative along a generic
+#: direction: what remains is rounding, and a threshold relative to it would cut noise
+ROUNDING_FRACTION = 1e-10
+
+
+def _derive(derive_algebra, output_of, G: Tensor, H: Tensor, kwargs):
+    """``derive_algebra``, with the case of an exactly invariant output (every direction of gl(h)
+    in the null space, singular values at rounding level) recognised against a generic
+    direction's derivative."""
+    from torch.func import jvp
+
+    d = derive_algebra(output_of, G, H, **kwargs)
+    h = G.shape[-1]
+    if d.dim == h * h or not d.singular_values.numel():
+        return d
+    gen = torch.Generator().manual_seed(0)
+    dG = torch.randn(G.shape, generator=gen, dtype=G.dtype) * G.norm() / G.numel() ** 0.5
+    dH = torch.randn(H.shape, generator=gen, dtype=H.dtype) * H.norm() / H.numel() ** 0.5
+    generic = float(jvp(output_of, (G, H), (dG, dH))[1].detach().norm())
+    if float(d.singular_values[0]) > ROUNDING_FRACTION * generic * max(float(G.norm()), float(H.norm()), 1.0):
+        return d
+    basis = torch.eye(h * h, dtype=torch.float64).reshape(h * h, h, h)
+    return replace(d, basis=basis, singular_values=torch.zeros(h * h, dtype=torch.float64), gap=float("inf"),
+                   closed=True, closure_residual=0.0)
+
+
+def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple, dict]], *,
+                 rtol: Optional[float] = None, use_cache: bool = True) -> BlockDerivation:
+    """Derive the group of ``block`` from its module's output at ``inputs`` (the module's captured
+    ``(args, kwargs)``, see :func:`capture_module_inputs`).  See the module docstring."""
+    from quotient_manifolds.core.algebra import derive_algebra, recognise_algebra
+
+    started = time.perf_counter()
+    mod = model.get_submodule(block.module)
+    if any(p.device.type == "meta" for p in mod.parameters()):
+        return BlockDerivation(block.name, "not derived", block.group, None, None, None,
+                               _kept(block, "not derived (meta device)"), 0.0)
+    if inputs is None:
+        return BlockDerivation(block.name, "not derived", block.group, None, None, None,
+                               _kept(block, "not derived (module not called on the example inputs)"), 0.0)
+    key = _cache_key(model, block) if use_cache else None
+    if key is not None and key in _CACHE:
+        hit = _CACHE[key]
+        return replace(hit, block=block.name, cached=True,
+                       source=hit.source if hit.status == "derived" else _kept(block, hit.source))
+    kwargs = {} if rtol is None else {"rtol": rtol}
+    # forward-mode AD: the fused CPU/GPU attention kernels have no jvp, the math kernel does
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
+        out0, G, H = _module_output_fn(model, block, inputs, 0)
+        d = _derive(derive_algebra, out0, G, H, kwargs)
+        spans_agree = True
+        if block.num_heads > 1 and block.head_dim <= SECOND_GAUGE_MAX_HEAD_DIM:
+            out1, G1, H1 = _module_output_fn(model, block, inputs, block.num_heads - 1)
+            d1 = _derive(derive_algebra, out1, G1, H1, kwargs)
+            spans_agree = _same_span(d.basis, d1.basis)
+    h = block.head_dim
+    elapsed = time.perf_counter() - started
+    facts = f"dim {d.dim}, gap {_fmt(d.gap)}"
+    if not d.closed or not spans_agree or d.gap < MIN_GAP:
+        why = ("not closed under the bracket" if not d.closed else "two gauges give different algebras"
+               if not spans_agree else f"no clear gap in the singular values (< {MIN_GAP:g})")
+        res = BlockDerivation(block.name, "inconclusive", None, d.dim, d.gap, d.closed,
+                              f"derivation inconclusive ({why}; {facts})", elapsed)
+    elif d.dim == 0:
+        res = BlockDerivation(block.name, "trivial", None, 0, d.gap, d.closed,
+                              f"no continuous symmetry: the derived Lie algebra is trivial ({facts})", elapsed)
+    else:
+        try:
+            group = recognise_algebra(d.basis, h)
+        except ValueError as err:          # the group of the span refuses it (closure to 1e-8)
+            group, why = None, str(err).split(";")[0]
+        if group is None:
+            res = BlockDerivation(block.name, "inconclusive", None, d.dim, d.gap, d.closed,
+                                  f"derivation inconclusive ({why}; {facts})", elapsed)
+        else:
+            res = BlockDerivation(block.name, "derived", group, d.dim, d.gap, d.closed,
+                                  f"derived: {group.describe(h)}, {facts}", elapsed)
+    if key is not None:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = res
+    if res.status in ("inconclusive",):
+        res = replace(res, source=_kept(block, res.source))
+    return res
+
+
+def _kept(block: GLBlock, why: str) -> str:
+    was = block.group_source or "candidate"
+    return f"{was}; {why}: candidate group kept"
+
+
+def derive_groups(model: nn.Module, layout: Layout, example_inputs: Any, *, rtol: Optional[float] = None,
+                  use_cache: bool = True) -> Tuple[Layout, List[BlockDerivation]]:
+    """A new :class:`Layout` whose blocks carry their derived groups, and one
+    :class:`BlockDerivation` per block (module docstring).  Blocks whose derived algebra is trivial
+    are removed and reported in ``layout.unsupported`` (``"<module>/<kind>"``) with the reason; their
+    parameters become adaptive.  ``layout`` and ``model`` are not modified."""
+    meta = any(p.device.type == "meta" for p in model.parameters())
+    inputs = {} if meta else capture_module_inputs(model, [b.module for b in layout.blocks], example_inputs)
+    flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
+    results: List[BlockDerivation] = []
+    try:
+        model.eval()
+        for b in layout.blocks:
+            results.append(derive_block(model, b, inputs.get(b.module), rtol=rtol, use_cache=use_cache))
+    finally:
+        for name, mod in model.named_modules(remove_duplicate=False):
+            if name in flags:
+                mod.training = flags[name]
+    blocks: List[GLBlock] = []
+    unsupported = list(layout.unsupported)
+    notes = list(layout.notes)
+    for b, r in zip(layout.blocks, results):
+        if r.status == "derived":
+            blocks.append(replace(b, group=r.group, group_source=r.source))
+        elif r.status == "trivial":
+            cls = type(model.get_submodule(b.module)).__name__
+            unsupported.append(Unsupported(f"{b.module}/{b.kind}", cls, r.source))
+        else:
+            blocks.append(replace(b, group_source=r.source))
+            if r.status == "inconclusive":
+                notes.append(f"block {b.name}: {r.source}")
+    return _with_blocks(layout, blocks, unsupported, notes), results
+
+
+def _with_blocks(layout: Layout, blocks: List[GLBlock], unsupported: List[Unsupported],
+                 notes: List[str]) -> Layout:
+    """``layout`` with another block list: GL masks and the adaptive list recomputed."""
+    gl_masks: Dict[str, Tensor] = {}
+    for b in blocks:
+        for p in b.pieces:
+            shape = layout.param_shapes.get(p.param) or tuple(layout.gl_masks[p.param].shape)
+            mk = p.mask(torch.zeros(shape, dtype=torch.bool))
+            gl_masks[p.param] = gl_masks[p.param] | mk if p.param in gl_masks else mk
+    frozen = set(layout.frozen)
+    names = list(dict.fromkeys([*layout.param_shapes, *layout.adaptive, *layout.gl_masks]))
+    adaptive = [n for n in names if n not in frozen and (n not in gl_masks or not bool(gl_masks[n].all()))]
+    return replace(layout, blocks=blocks, adaptive=adaptive, gl_masks=gl_masks, unsupported=unsupported,
+                   notes=notes, verify_failed=[])

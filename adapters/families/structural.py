@@ -1,0 +1,194 @@
+r"""``structural``: attention proposed from structure and configuration, whatever its class.
+
+A module is proposed when its head count is known (an attribute such as ``num_heads``, else its
+``config.num_attention_heads``) and it has either
+
+* one packed input projection (a child named like ``query_key_value``, ``Wqkv``, ``qkv_proj`` or an
+  ``nn.Linear`` ``c_attn``) and an output projection taking ``num_heads * head_dim`` features, or
+* separate q/k/v/o projections and position or grouped-query evidence that the plain ``qkvo``
+  family does not model (``forward`` takes ``position_embeddings`` or ``alibi``; k/v narrower than q).
+
+Which rows of a packed projection belong to which head is read from the module's attributes and a
+table of packing hints (:data:`PACKING_HINTS`), never from its ``forward``:
+
+================== ================================ =========================================
+packing            rows                             evidence
+================== ================================ =========================================
+``stacked``        ``[q | k | v]`` (k, v with       ``Wqkv``, ``qkv_proj``; ``multi_query``
+                   ``num_kv_heads`` heads)          (one key/value head: Falcon, GPTBigCode)
+``per_head``       ``[q_i k_i v_i]`` per head       ``query_key_value`` (Bloom, Falcon,
+                                                    GPT-NeoX), ``nn.Linear`` ``c_attn``
+                                                    (GPTBigCode without multi-query)
+``per_group``      ``[q … q k v]`` per key/value    ``new_decoder_architecture`` (Falcon)
+                   group
+================== ================================ =========================================
+
+The candidate group of each half comes from configuration evidence (``GLBlock.group_source`` says
+which): V/O always full GL(h); Q/K full GL(h) without positions or with ALiBi (a bias added to the
+scores depends on neither q nor k), the rotary commutant ``RotaryGroup`` when ``forward`` takes
+``position_embeddings`` (``rotate_half`` pairing; interleaved when the class's module defines
+GPT-J's ``rotate_every_two``), with ``rotary_dim`` from ``partial_rotary_factor`` / ``rotary_pct`` /
+``rotary_ndims``.  Q/K with per-head or whole-width q/k normalisation (``q_norm``, ``k_norm``) has a
+smaller group that must be derived; it is reported for that half only and V/O is kept.  Every
+proposed block is a candidate: ``Layout.verify`` checks it on the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from torch import nn
+
+from quotient_manifolds.core.groups import FULL_GL, Group
+
+from ._base import Context, Family, Match
+from ._structure import (ROLE_NAMES, Proj, _in_pieces, _int_attr, _lin, _Lin, _linear_children, _make_block,
+                         _out_pieces, _screen)
+from .hf_rotary import QK_NORM_NAMES, _config_rotary_dim, rotary_group
+
+#: Packing of a packed projection by child name (module attributes ``new_decoder_architecture`` and
+#: ``multi_query`` override it, see the module docstring).
+PACKING_HINTS: Mapping[str, str] = {"query_key_value": "per_head", "c_attn": "per_head", "Wqkv": "stacked",
+                                    "qkv_proj": "stacked", "qkv": "stacked", "in_proj": "stacked"}
+OUT_NAMES: Tuple[str, ...] = ROLE_NAMES["o"] + ("Wo",)
+KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "num_kv")
+
+
+def _config(mod: nn.Module):
+    return getattr(mod, "config", None)
+
+
+def _head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+    """Query heads, key/value heads and head dim from the module, then its config."""
+    cfg = _config(mod)
+    n_q = _int_attr(mod, ("num_heads", "num_attention_heads", "n_head")) or _int_attr(cfg, ("num_attention_heads",
+                                                                                            "n_head"))
+    if n_q is None:
+        return None, None, None
+    if getattr(mod, "multi_query", False) is True and getattr(mod, "new_decoder_architecture", False) is not True:
+        n_kv = 1                                       # Falcon keeps multi_query=True beside the new layout
+    else:
+        n_kv = _int_attr(mod, KV_HEADS_ATTRS) or _int_attr(cfg, KV_HEADS_ATTRS) or n_q
+    h = _int_attr(mod, ("head_dim", "head_size"))
+    if h is None:
+        hidden = _int_attr(cfg, ("hidden_size", "n_embd"))
+        h = hidden // n_q if hidden and hidden % n_q == 0 else None
+    return n_q, n_kv, h
+
+
+def _forward_args(mod: nn.Module) -> set:
+    try:
+        return set(inspect.signature(mod.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _qk_group(mod: nn.Module, h: int) -> Tuple[Optional[Group], str]:
+    """Candidate Q/K group and how it was found (None: no candidate, the string says why)."""
+    cfg = _config(mod)
+    args = _forward_args(mod)
+    if getattr(cfg, "alibi", False) is True or ("alibi" in args and "position_embeddings" not in args):
+        return FULL_GL, "config: ALiBi bias added to the scores (depends on neither q nor k): full GL"
+    rotary_attr = _int_attr(mod, ("rotary_ndims", "rotary_dim"))
+    if "position_embeddings" not in args and rotary_attr is None:
+        return FULL_GL, "structure: plain attention (no position inputs)"
+    if rotary_attr is not None:
+        r = rotary_attr
+    elif getattr(cfg, "rotary_pct", None) is not None:
+        r = int(h * float(cfg.rotary_pct))
+    else:
+        r = _config_rotary_dim(mod, h)
+    pairing = "interleaved" if hasattr(sys.modules.get(type(mod).__module__), "rotate_every_two") else "half"
+    if r % 2 or not 0 <= r <= h:
+        return None, f"rotary dimension {r} is not an even number in [0, head_dim={h}]"
+    return rotary_group(pairing, r, h), f"config: rotary_dim={r} {pairing}"
+
+
+def _packed(lin: _Lin, packing: str, n_q: int, n_kv: int, h: int):
+    """q, k, v projections (lists of per-key/value-head :class:`Proj` for q under ``per_group``)."""
+    if packing == "stacked":
+        return [Proj(lin, 0)], Proj(lin, n_q * h), Proj(lin, (n_q + n_kv) * h), (n_q + 2 * n_kv) * h
+    if packing == "per_head":
+        return [Proj(lin, 0, 3 * h)], Proj(lin, h, 3 * h), Proj(lin, 2 * h, 3 * h), 3 * n_q * h
+    rep = n_q // n_kv       # per_group: [q_1 … q_rep k v] per key/value head
+    stride = (rep + 2) * h
+    return ([Proj(lin, j * h, stride) for j in range(rep)], Proj(lin, rep * h, stride),
+            Proj(lin, (rep + 1) * h, stride), n_kv * stride)
+
+
+class StructuralAttention(Family):
+    name = "structural"
+
+    def match(self, ctx: Context, path: str, mod: nn.Module) -> Optional[Match]:
+        children = _linear_children(path, mod)
+        packed = [n for n in children if n in PACKING_HINTS
+                  and not (n == "c_attn" and children[n].transposed)]          # GPT-2's Conv1D: hf-gpt2
+        roles = {r: [n for n in children if n in (OUT_NAMES if r == "o" else ROLE_NAMES[r])] for r in "qkvo"}
+        args = _forward_args(mod)
+        n_q, n_kv, h = _head_counts(mod)
+        if n_q is None or h is None or len(roles["o"]) != 1:
+            return None
+        separate = all(len(roles[r]) == 1 for r in "qkv")
+        if len(packed) == 1 and not separate:
+            lin = children[packed[0]]
+            if getattr(mod, "new_decoder_architecture", False) is True:
+                packing = "per_group"
+            elif getattr(mod, "multi_query", False) is True:
+                packing = "stacked"
+            else:
+                packing = PACKING_HINTS[packed[0]]
+        elif separate and not packed:
+            lins = {r: children[roles[r][0]] for r in "qkv"}
+            evidence = ({"position_embeddings", "alibi"} & args or lins["k"].out_features != lins["q"].out_features
+                        or _int_attr(mod, ("rotary_dim", "rotary_ndims")) is not None)
+            if not evidence:
+                return None                                                     # the plain qkvo family's
+            packing = "separate"
+        else:
+            return None
+        res = Match(path, self.name, type(mod).__name__)
+        o = children[roles["o"][0]]
+        if n_q % n_kv:
+            return res.reject(f"{n_q} query heads cannot share {n_kv} key/value heads evenly")
+        rep = n_q // n_kv
+        if packing == "separate":
+            qs, k, v = [Proj(lins["q"])], Proj(lins["k"]), Proj(lins["v"])
+            widths = {roles[r][0]: (lins[r].out_features, (n_q if r == "q" else n_kv) * h) for r in "qkv"}
+            proj_ids = set().union(*(lin.param_ids() for lin in lins.values()))
+        else:
+            qs, k, v, width = _packed(lin, packing, n_q, n_kv, h)
+            widths = {packed[0]: (lin.out_features, width)}
+            proj_ids = lin.param_ids()
+        widths[roles["o"][0]] = (o.in_features, n_q * h)
+        wrong = [f"{n} has {got} features, expected {want} for {n_q} query / {n_kv} key-value heads of size {h} "
+                 f"({packing} packing)" for n, (got, want) in widths.items() if got != want]
+        norms = [n for n in QK_NORM_NAMES if isinstance(getattr(mod, n, None), nn.Module)]
+        core = proj_ids | o.param_ids() | {id(p) for n in norms for p in getattr(mod, n).parameters()}
+        reasons = wrong + _screen(mod, core, source_scan=False, known=norms, positions=False).module
+        if getattr(_config(mod), "clip_qkv", None) is not None:
+            reasons.append(f"config.clip_qkv={_config(mod).clip_qkv}: clipping q/k/v breaks every GL symmetry")
+        if reasons:
+            return res.reject("; ".join(reasons))
+        if any(p.lin.adapted for p in qs + [k, v]) or o.adapted:
+            return None                                                         # LoRA: the nested family's blocks
+
+        if norms:
+            group, source = None, (f"q/k normalisation ({', '.join(norms)}): the Q/K group is smaller than GL and "
+                                   "must be derived")
+        else:
+            group, source = _qk_group(mod, h)
+        per_group = len(qs) > 1        # query heads of one key/value group are separate pieces
+        q_pieces = [pc for q in qs for pc in _in_pieces(ctx, q, n_kv if per_group else n_q, h,
+                                                         1 if per_group else rep)]
+        if group is None:
+            res.reject(source, part="qk")
+        else:
+            res.blocks.append(_make_block(path, "qk", self.name, q_pieces, _in_pieces(ctx, k, n_kv, h), ctx.shapes,
+                                          group, group_source=source))
+        o_pieces = ([pc for j in range(rep) for pc in _out_pieces(ctx, Proj(o, j * h, rep * h), n_kv, h)]
+                    if per_group else _out_pieces(ctx, o, n_q, h, rep))
+        res.blocks.append(_make_block(path, "vo", self.name, _in_pieces(ctx, v, n_kv, h), o_pieces, ctx.shapes,
+                                      FULL_GL, group_source=f"structure: {packing} projections, V/O full GL"))
+        return res
