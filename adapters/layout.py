@@ -187,18 +187,20 @@ class FactorPiece:
         return W.index_copy(dim, self._index(W.device), new)
 
     def mask(self, param_value: Tensor) -> Tensor:
-        """Boolean tensor of the parameter's shape, True on the entries of this piece."""
+        """Boolean tensor of the parameter's shape, True on the entries of this piece: a read-only
+        broadcast view of the mask along the sliced dimension (no full-size allocation; on the CPU
+        for a parameter on the meta device, so models built without weights get real layouts)."""
         W = param_value
         self.check_shape(W.shape)
-        m = torch.zeros(W.shape, dtype=torch.bool, device=W.device)
-        idx = self._index(W.device)
-        if self.kind == "rows":
+        device = torch.device("cpu") if W.is_meta else W.device
+        idx = self._index(device)
+        if self.kind == "bias":
+            m = torch.zeros(W.numel(), dtype=torch.bool, device=device)
             m[idx] = True
-        elif self.kind == "cols":
-            m[:, idx] = True
-        else:
-            m.view(-1)[idx] = True
-        return m
+            return m.view(W.shape)
+        along = torch.zeros(W.shape[0 if self.kind == "rows" else 1], dtype=torch.bool, device=device)
+        along[idx] = True
+        return (along[:, None] if self.kind == "rows" else along[None, :]).expand(W.shape)
 
     def describe(self, strip: str = "") -> str:
         name = self.param[len(strip) + 1:] if strip and self.param.startswith(strip + ".") else self.param

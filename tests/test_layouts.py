@@ -554,15 +554,17 @@ def test_relative_position_bert_4x_structure_is_unsupported():
     assert "attention [BertSelfAttention]" in msg and "relative_key" in msg and "distance_embedding" in msg
 
 
-def test_llama_rotary_gqa_unverified_forward_unsupported():
+def test_llama_subclass_with_own_forward_gets_structural_blocks():
     """LlamaAttention itself is an allowlisted rotary family (tests/test_families.py); a subclass with
-    its own forward() is not verified and falls to the generic screen: GQA -> unsupported."""
+    its own forward() is not on the allowlist and gets its blocks from structure and config (the
+    ``structural`` family): grouped-query heads from the config, RoPE from ``position_embeddings``."""
     T = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = T.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
     model = T.LlamaModel(cfg).eval()
-    assert [b.family for b in adapters.layout(model).blocks] == ["hf-rotary"] * 4
+    reference = adapters.layout(model)
+    assert [b.family for b in reference.blocks] == ["hf-rotary"] * 4
 
     class MyLlamaAttention(T.models.llama.modeling_llama.LlamaAttention):
         def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
@@ -570,16 +572,12 @@ def test_llama_rotary_gqa_unverified_forward_unsupported():
 
     for layer in model.layers:
         layer.self_attn.__class__ = MyLlamaAttention
-    with pytest.raises(ValueError) as err:
-        adapters.layout(model)
-    msg = str(err.value)
-    assert "layers.0.self_attn [MyLlamaAttention]" in msg and "position_embeddings" in msg and "grouped-query" in msg
-    lay = adapters.layout(model, allow_unsupported=True)
-    assert lay.blocks == [] and [u.module for u in lay.unsupported] == ["layers.0.self_attn", "layers.1.self_attn"]
-    assert lay.unsupported[0].cls == "MyLlamaAttention"
-    module, cls, reason = lay.unsupported[0]
-    assert "layers.0.self_attn.q_proj.weight" in lay.adaptive and lay.gl_masks == {}
-    assert "Unsupported attention-like modules (treated adaptively): 2" in str(lay)
+    lay = adapters.layout(model)
+    assert [b.family for b in lay.blocks] == ["structural"] * 4 and not lay.unsupported
+    for got, want in zip(lay.blocks, reference.blocks):
+        assert (got.kind, got.g_pieces, got.h_pieces, got.group) == (want.kind, want.g_pieces, want.h_pieces,
+                                                                     want.group)
+    assert "rotary_dim=8 half" in lay.blocks[0].group_source
 
 
 def test_model_without_attention_raises():
