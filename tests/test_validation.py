@@ -79,3 +79,17 @@ def test_glquotient_refuses_integer_and_mismatched_tangents():
     xb = M.random(3, 9, 2, dtype=torch.float64)
     with pytest.raises(ValueError, match="broadcast"):
         M.inner(xb, torch.ones(4, 9, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("geometry", ["geodesic-inv", "adaptive"])
+def test_sam_first_step_refuses_nonfinite_grad_before_writing(tiny_bert, bad, geometry):
+    from adapters import GeodesicSAM
+    model, inputs = tiny_bert
+    opt = GeodesicSAM(model, torch.optim.SGD, lr=0.1, rho=0.05, geometry=geometry)
+    model(**inputs).logits.sum().backward()
+    model.bert.encoder.layer[0].attention.self.query.weight.grad[0, 0] = bad
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.first_step()
+    _unchanged(model, snap)
