@@ -661,7 +661,11 @@ class Layout:
         fn = output_fn or primary_output
         args, kwargs = _split_inputs(example_inputs)
         flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
-        scales = tuple(float(s) for s in scales)
+        from .validation import positive_finite, positive_finite_sequence
+        scales = positive_finite_sequence("scales", scales)
+        if cond is not None and positive_finite("cond", cond) < 1:
+            raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
+                             f"got {cond!r}")
         try:
             model.eval()
             with torch.no_grad():

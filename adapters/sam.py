@@ -198,6 +198,13 @@ class GeodesicSAM(torch.optim.Optimizer):
         if all(g is None for g in grads.values()):
             raise RuntimeError("no gradient in .grad: compute the loss at the current weights and "
                                "call loss.backward() before first_step()")
+        bad = [n for n, g in grads.items() if g is not None and not g.is_sparse
+               and not bool(torch.isfinite(g).all())]
+        if bad:  # refused before any write: the elementwise norm would hide them (nan_to_num)
+            raise ValueError(f"non-finite values (NaN/inf) in .grad of {', '.join(bad[:5])}"
+                             f"{' ...' if len(bad) > 5 else ''}: the weights were left unchanged; "
+                             "check the loss for NaN/inf (lower the learning rate, or clip gradients "
+                             "before first_step())")
         if any(g is not None and g.is_sparse for g in grads.values()):
             raise RuntimeError("sparse gradients are not supported by GeodesicSAM; use dense "
                                "embeddings (sparse=False)")

@@ -429,6 +429,8 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     from .accept import ensure_verified, is_verified, refuse_failed_blocks
     from .detect import layout as detect_layout
 
+    _check_options(options)
+
     geometry, retraction, measure = options["geometry"], options["retraction"], options["measure"]
     n_iters, n_samples, seed = options["n_iters"], options["n_samples"], options["seed"]
     momentum, step_normalisation = options["momentum"], options["step_normalisation"]
@@ -589,6 +591,22 @@ def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:
         return -math.inf
     rise = res.worst_loss - res.init_loss
     return (exact - res.init_loss) / rise - 1 if rise > 0 else 0.0
+
+
+def _check_options(options: Dict[str, Any]) -> None:
+    """Refuse out-of-range options of :func:`sharpness` before any work (messages name the option)."""
+    from . import validation as check
+
+    check.choice("measure", options["measure"], ("worst", "average"))
+    check.positive_finite("step_size_mult", options["step_size_mult"])
+    check.integer_at_least("n_iters", options["n_iters"], 1)
+    check.integer_at_least("n_samples", options["n_samples"], 1)
+    check.positive_finite("retraction_tolerance", options["retraction_tolerance"])
+    if options["include_frozen"] and options["layout"] is not None and getattr(
+            options["layout"], "frozen", None):
+        raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
+                         "parameters, so they would be in no part of the ball; rebuild it with "
+                         "layout(model, include_frozen=True), or pass include_frozen=False")
 
 
 def _as_rho(rho: Any) -> float:

@@ -67,6 +67,15 @@ class CoreQuotientManifold(Manifold):
             cache = self.__dict__["_frame_cache"] = FrameCache()
         return cache
 
+    @staticmethod
+    def _tangent(x: Tensor, u: Tensor, name: str) -> Tensor:
+        """``u`` checked to be a floating tensor of the shape of ``x`` (an integer vector would be
+        truncated by the metric weights; a different batch shape would broadcast silently)."""
+        from .._validation import floating_tensor, same_shape
+        floating_tensor(name, u)
+        same_shape(name, u, x.shape, "the point x")
+        return u
+
     @property
     def dim(self) -> int:
         """Dimension of the quotient (from the core)."""
@@ -135,20 +144,21 @@ class CoreQuotientManifold(Manifold):
     @_small
     def proju(self, x: Tensor, u: Tensor) -> Tensor:
         """Metric-orthogonal projection onto the horizontal space (core ``frame.project``)."""
-        return self._frame(x).project(u)
+        return self._frame(x).project(self._tangent(x, u, "u"))
 
     @_small
     def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
         """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, docs/maths.md §4): Euclidean gradient
         times the inverse metric weights, then projected (needed for non-invariant terms such as
         weight decay)."""
-        return self._frame(x).egrad2rgrad(u)
+        return self._frame(x).egrad2rgrad(self._tangent(x, u, "u"))
 
     # ------------------------------------------------------------------ metric
     @_small
     def inner(self, x: Tensor, u: Tensor, v: Optional[Tensor] = None, *, keepdim=False) -> Tensor:
         """g_x(u, v) (core ``frame.inner``); ``keepdim=True`` gives shape ``(..., 1, 1)``."""
-        return self._frame(x).inner(u, v, keepdim=keepdim)
+        v = None if v is None else self._tangent(x, v, "v")
+        return self._frame(x).inner(self._tangent(x, u, "u"), v, keepdim=keepdim)
 
     @_small
     def norm(self, x: Tensor, u: Tensor, *, keepdim=False) -> Tensor:

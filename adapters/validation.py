@@ -1,0 +1,58 @@
+"""Small named checks for the arguments of the public API.
+
+Each check raises ``ValueError`` or ``TypeError`` with a message that names the argument, says what was
+given, what was expected and how to fix it, so that a bad argument never turns into a silent wrong
+number or a crash deep inside the library.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Sequence, Tuple
+
+import torch
+
+
+def positive_finite(name: str, value: Any) -> float:
+    """``value`` as a float, refused unless it is a real number with ``0 < value < inf``."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
+            isinstance(value, torch.Tensor) and value.numel() != 1):
+        raise TypeError(f"{name} must be a positive finite number, got {value!r} "
+                        f"({type(value).__name__}); pass e.g. {name}=1.0")
+    v = float(value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {v!r}; pass a value > 0 "
+                         f"(e.g. {name}=1.0)")
+    return v
+
+
+def integer_at_least(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int, refused unless it is an integer (not a bool) with ``value >= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer >= {minimum}, got {value!r} "
+                        f"({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def choice(name: str, value: Any, allowed: Sequence[str]) -> str:
+    """``value``, refused unless it is one of ``allowed``."""
+    if value not in tuple(allowed):
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    return value
+
+
+def positive_finite_sequence(name: str, values: Any) -> Tuple[float, ...]:
+    """A non-empty sequence of positive finite numbers, as a tuple of floats."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a non-empty sequence of positive finite numbers, got "
+                        f"{values!r} ({type(values).__name__})")
+    if len(values) == 0:
+        raise ValueError(f"{name} must be a non-empty sequence of positive finite numbers, got an "
+                         f"empty one; pass at least one value (e.g. {name}=(1e-2, 1.0, 1e2))")
+    return tuple(positive_finite(f"{name}[{i}]", v) for i, v in enumerate(values))
+
+
+# Tensor checks live with the geometry core (which must not import adapters); re-exported here.
+from quotient_manifolds._validation import floating_tensor, same_shape  # noqa: E402,F401

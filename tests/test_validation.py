@@ -1,0 +1,95 @@
+"""Bad arguments at the public surface: a clear ValueError/TypeError naming the argument, never a silent
+wrong number, and the user's model left bit-identical."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from adapters.detect import layout as detect_layout
+from adapters.sharpness import sharpness
+from quotient_manifolds.geoopt import GLQuotient
+
+
+def _snapshot(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {n: p.requires_grad for n, p in model.named_parameters()},
+            {n: m.training for n, m in model.named_modules()})
+
+
+def _unchanged(model, snap):
+    state, grads, flags = snap
+    now = model.state_dict()
+    assert all(torch.equal(now[k], v) for k, v in state.items())
+    assert grads == {n: p.requires_grad for n, p in model.named_parameters()}
+    assert flags == {n: m.training for n, m in model.named_modules()}
+
+
+def _batches(inputs):
+    return [(inputs, torch.tensor([0, 1]))]
+
+
+@pytest.mark.parametrize("name,value,error", [
+    ("step_size_mult", 0.0, ValueError), ("step_size_mult", -1.0, ValueError),
+    ("step_size_mult", math.nan, ValueError), ("n_samples", 0, ValueError),
+    ("n_iters", 0, ValueError), ("n_samples", 2.5, TypeError), ("measure", "best", ValueError),
+])
+def test_sharpness_refuses_out_of_range_options(tiny_bert, name, value, error):
+    model, inputs = tiny_bert
+    snap = _snapshot(model)
+    kw = {"measure": "average"} if name == "n_samples" else {}
+    kw[name] = value
+    with pytest.raises(error, match=name):
+        sharpness(model, _batches(inputs), rho=0.1, **kw)
+    _unchanged(model, snap)
+
+
+def test_include_frozen_with_a_layout_built_without_it_is_refused(tiny_bert):
+    model, inputs = tiny_bert
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+    lay = detect_layout(model)
+    assert lay.frozen
+    with pytest.raises(ValueError, match="include_frozen=True"):
+        sharpness(model, _batches(inputs), rho=0.1, layout=lay, include_frozen=True)
+
+
+@pytest.mark.parametrize("kw,name", [({"scales": ()}, "scales"), ({"cond": math.nan}, "cond"),
+                                     ({"scales": (1.0, -1.0)}, r"scales\[1\]"), ({"cond": 0.5}, "cond")])
+def test_verify_refuses_empty_scales_and_bad_cond(tiny_bert, kw, name):
+    model, inputs = tiny_bert
+    lay = detect_layout(model)
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match=name):
+        lay.verify(model, inputs, **kw)
+    _unchanged(model, snap)
+
+
+def test_glquotient_refuses_integer_and_mismatched_tangents():
+    M = GLQuotient(5, 4, 2, metric="inv")
+    torch.manual_seed(0)
+    x = M.random(5 + 4, 2, dtype=torch.float64)
+    u = torch.ones(9, 2, dtype=torch.int64)
+    for call in (lambda: M.inner(x, u), lambda: M.inner(x, u.double(), u), lambda: M.proju(x, u),
+                 lambda: M.egrad2rgrad(x, u)):
+        with pytest.raises(TypeError, match="floating-point"):
+            call()
+    with pytest.raises(ValueError, match="u has shape"):
+        M.proju(x, torch.ones(9, 3, dtype=torch.float64))
+    xb = M.random(3, 9, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="broadcast"):
+        M.inner(xb, torch.ones(4, 9, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("geometry", ["geodesic-inv", "adaptive"])
+def test_sam_first_step_refuses_nonfinite_grad_before_writing(tiny_bert, bad, geometry):
+    from adapters import GeodesicSAM
+    model, inputs = tiny_bert
+    opt = GeodesicSAM(model, torch.optim.SGD, lr=0.1, rho=0.05, geometry=geometry)
+    model(**inputs).logits.sum().backward()
+    model.bert.encoder.layer[0].attention.self.query.weight.grad[0, 0] = bad
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.first_step()
+    _unchanged(model, snap)
