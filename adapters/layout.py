@@ -313,9 +313,10 @@ class GLBlock:
     def describe(self) -> str:
         g = " + ".join(p.describe(self.module) for p in self.g_pieces)
         h = " + ".join(p.describe(self.module) for p in self.h_pieces)
-        source = f"  [{self.group_source}]" if self.group_source else ""
-        return (f"{self.kind}: {self.num_heads} heads x {self.group.describe(self.head_dim)}{source}  "
-                f"G ({self.n}, {self.head_dim}) = {g}  |  H ({self.m}, {self.head_dim}) = {h}")
+        # where the group came from goes last: the slices stay where a reader (and old output) has them
+        source = f"  [group: {self.group_source}]" if self.group_source else ""
+        return (f"{self.kind}: {self.num_heads} heads x {self.group.describe(self.head_dim)}  "
+                f"G ({self.n}, {self.head_dim}) = {g}  |  H ({self.m}, {self.head_dim}) = {h}{source}")
 
 
 def _apply_action(block: GLBlock, params: Mapping[str, Tensor], A: Tensor) -> Dict[str, Tensor]:

@@ -47,18 +47,18 @@ Tensor = torch.Tensor
 class AlgebraDerivation:
     r"""The result of :func:`derive_algebra`.
 
-    ``basis``: (d, h, h), Frobenius-orthonormal, a basis of the derived algebra 𝔤.
-    ``singular_values``: all h² singular values σ of Λ ↦ J(GΛ, −HΛᵀ) (Λ in Frobenius-orthonormal
+    * ``basis``: (d, h, h), Frobenius-orthonormal, a basis of the derived algebra 𝔤.
+    * ``singular_values``: all h² singular values σ of Λ ↦ J(GΛ, −HΛᵀ) (Λ in Frobenius-orthonormal
       coordinates), descending; the last d are the kept ones (σ ≤ rtol·σ_max).
-    ``gap``: (smallest dropped σ) / (largest kept σ): how cleanly the null space separates from the
-      rest (1e6 and more is typical for an exact symmetry, a gap
-      near 1 means the threshold cut a continuous spectrum and the result is not trustworthy);
-      ``inf`` when either side is empty or the kept values are exactly 0.
-    ``closure_residual``: max ‖[X, Y] − Π_𝔤[X, Y]‖_F over random unit X, Y ∈ 𝔤 (see
-      :func:`~quotient_manifolds.core.subalgebra.closure_residual`); ``closed``: whether it is below
-      ``closure_rtol``. A null space that is not closed is not the algebra of a group (too few
-      inputs, or a threshold in a continuous spectrum).
-    ``rtol``: the threshold used; ``outputs``: N, the number of output numbers.
+    * ``gap``: (smallest dropped σ) / (largest kept σ): how cleanly the null space separates from
+      the rest (1e6 and more is typical for an exact symmetry, a gap near 1 means the threshold cut
+      a continuous spectrum and the result is not trustworthy); ``inf`` when either side is empty
+      or the kept values are exactly 0.
+    * ``closure_residual``: max ‖[X, Y] − Π_𝔤[X, Y]‖_F over random unit X, Y ∈ 𝔤 (see
+      :func:`~quotient_manifolds.core.subalgebra.closure_residual`); ``closed``: whether it is
+      below ``closure_rtol``. A null space that is not closed is not the algebra of a group (too
+      few inputs, or a threshold in a continuous spectrum).
+    * ``rtol``: the threshold used; ``outputs``: N, the number of output numbers.
     """
 
     basis: Tensor
