@@ -18,7 +18,7 @@ Everything is plain numpy, O(M²) in the number of models M (M ≤ a few hundred
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -138,8 +138,7 @@ class TauResult:
     n: int
 
     def as_dict(self) -> dict:
-        return dict(tau_b=self.tau_b, tau_a=self.tau_a, ci_low=self.ci_low, ci_high=self.ci_high,
-                    n=self.n)
+        return asdict(self)
 
     def fmt(self) -> str:
         if not math.isfinite(self.tau_b):
@@ -231,8 +230,7 @@ class DeltaTauResult:
     n: int
 
     def as_dict(self) -> dict:
-        return dict(delta=self.delta, ci_low=self.ci_low, ci_high=self.ci_high, tau_1=self.tau_1,
-                    tau_2=self.tau_2, n=self.n)
+        return asdict(self)
 
     def fmt(self) -> str:
         if not math.isfinite(self.delta):
