@@ -45,6 +45,7 @@ from .solver import (
     auto_pgd,
     average_case,
 )
+from .validation import scalar_loss
 
 Tensor = torch.Tensor
 
@@ -174,7 +175,8 @@ class _ModelClosure:
                 f"resolution ({torch.finfo(loss.dtype).eps:.1e} relative) would be rounded away. "
                 f"The model or loss_fn casts to half precision although its weights are given in "
                 f"float32 (torch.autocast?): run without autocast and compute the loss in float32")
-        return loss
+        return scalar_loss(loss, needs_grad=torch.is_grad_enabled() and any(
+            p.requires_grad for p in points))
 
 
 def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: str,

@@ -564,6 +564,14 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         flat = [t for ts in inputs for t in ts]
         grads = list(torch.autograd.grad(loss, flat, allow_unused=True))
         del loss, flat
+        if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+            # a finite loss with a non-finite gradient is a kink of the model or loss (sqrt or log at
+            # 0, a norm of a zero vector), not a step that went too far
+            raise FloatingPointError(
+                f"the loss is finite ({value}) but its gradient is not (nan or inf) at a perturbation "
+                f"of norm {math.sqrt(float(xi_sq)):.3g}: the model or loss_fn is not differentiable "
+                f"there (e.g. sqrt or log at 0, the norm of a zero vector); make it differentiable, "
+                f"e.g. add a small epsilon inside sqrt/log")
         parts, at = [], 0
         for c, x, ts in zip(comps, xi, inputs):
             parts.append(c.gradient(grads[at:at + len(ts)], x))

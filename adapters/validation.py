@@ -54,5 +54,26 @@ def positive_finite_sequence(name: str, values: Any) -> Tuple[float, ...]:
     return tuple(positive_finite(f"{name}[{i}]", v) for i, v in enumerate(values))
 
 
+def scalar_loss(loss: Any, *, needs_grad: bool) -> torch.Tensor:
+    """``loss``, refused unless it is a one-element floating tensor that, when ``needs_grad``,
+    depends differentiably on the weights (what every measure maximises and differentiates)."""
+    source = "the loss (loss_fn(outputs, targets), or the model's own outputs.loss)"
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{source} must be a tensor, got {type(loss).__name__} {loss!r}: make loss_fn "
+                        f"return a tensor computed from the outputs with torch operations (no .item(), "
+                        f"float() or numpy), e.g. torch.nn.functional.cross_entropy(outputs.logits, targets)")
+    if loss.numel() != 1:
+        raise ValueError(f"{source} must be one number, got a tensor of shape {tuple(loss.shape)}: make "
+                         f"loss_fn reduce it, e.g. .mean() over the batch (cross_entropy's default "
+                         f"reduction='mean')")
+    if not loss.dtype.is_floating_point:
+        raise TypeError(f"{source} must be a floating-point tensor, got dtype {loss.dtype}")
+    if needs_grad and not loss.requires_grad:
+        raise ValueError(f"{source} does not depend on the weights (it has no gradient): loss_fn must "
+                         f"compute it from the outputs it is given, with torch operations, not return a "
+                         f"constant or a detached value")
+    return loss.reshape(())
+
+
 # Tensor checks live with the geometry core (which must not import adapters); re-exported here.
 from quotient_manifolds._validation import floating_tensor, same_shape  # noqa: E402,F401

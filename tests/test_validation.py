@@ -93,3 +93,45 @@ def test_sam_first_step_refuses_nonfinite_grad_before_writing(tiny_bert, bad, ge
     with pytest.raises(ValueError, match="non-finite"):
         opt.first_step()
     _unchanged(model, snap)
+
+
+# ------------------------------------------------------------------------------------ the loss
+def _ce(outputs, targets):
+    return torch.nn.functional.cross_entropy(outputs.logits, targets)
+
+
+@pytest.mark.parametrize("loss_fn,error,words", [
+    (lambda o, y: torch.nn.functional.cross_entropy(o.logits, y, reduction="none"), ValueError,
+     "one number"),                                                           # a vector loss
+    (lambda o, y: float(_ce(o, y).detach()), TypeError, "a tensor"),          # a Python float
+    (lambda o, y: torch.tensor(1.0), ValueError, "does not depend"),          # a constant
+])
+@pytest.mark.parametrize("geometry", ["adaptive", "geodesic-mix"])
+def test_a_loss_that_is_not_a_differentiable_scalar_is_refused(tiny_bert, loss_fn, error, words,
+                                                               geometry):
+    model, inputs = tiny_bert
+    snap = _snapshot(model)
+    with pytest.raises(error, match=f"(?s)loss_fn.*{words}"):
+        sharpness(model, _batches(inputs), rho=0.1, geometry=geometry, n_iters=1, loss_fn=loss_fn)
+    _unchanged(model, snap)
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_is_not_blamed_on_rho(tiny_bert):
+    model, inputs = tiny_bert
+
+    def kinked(outputs, targets):   # sqrt at 0: the value is 0, its derivative is infinite
+        logits = outputs.logits
+        return _ce(outputs, targets) + torch.sqrt(logits - logits.detach()).sum()
+
+    with pytest.raises(FloatingPointError, match="gradient") as err:
+        sharpness(model, _batches(inputs), rho=0.1, n_iters=1, loss_fn=kinked)
+    assert "reduce rho" not in str(err.value)
+
+
+def test_a_vector_loss_is_refused_by_the_riemannian_hessian(tiny_bert):
+    pytest.importorskip("curvlinops")
+    from adapters.hessian import riemannian_hessian
+    model, inputs = tiny_bert
+    vector = lambda o, y: torch.nn.functional.cross_entropy(o.logits, y, reduction="none")  # noqa: E731
+    with pytest.raises(ValueError, match="(?s)loss_fn.*one number"):
+        riemannian_hessian(model, _batches(inputs), geometry="geodesic-inv", loss_fn=vector)
