@@ -8,6 +8,7 @@ import datetime as _dt
 import json
 import math
 import os
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -1156,18 +1157,17 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
 
 # ------------------------------------------------------------------------------------ `report`
 def read_records(path: str) -> List[Dict[str, Any]]:
-    """The valid lines of a results.jsonl, read only (a damaged line is skipped, not repaired)."""
-    from .runner import _line_digest
-    out = []
-    with open(path, "rb") as fh:
-        for raw in fh:
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                continue
-            if isinstance(rec, dict) and rec.get("_sha256") == _line_digest(rec):
-                out.append(rec)
-    return out
+    """The valid records of a results.jsonl, read only, as the runner reads them: a corrupt line
+    that is not the last raises :class:`~experiments.runner.ExperimentError` (a report must not
+    silently lose a model); a partial last line (a study still writing, or killed mid-write) is
+    left out with a note on stderr and repaired by the next run of the study."""
+    from .runner import ResultStore
+
+    records, tail = ResultStore(path).scan()
+    if tail is not None:
+        print(f"note: {path}: the last line is partial or corrupt and is left out of this report "
+              f"(rerunning the study repairs it)", file=sys.stderr)
+    return records
 
 
 #: what each population study correlates with by default (the CLI's --target default)

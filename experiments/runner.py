@@ -99,8 +99,10 @@ class ResultStore:
     def __init__(self, path: str):
         self.path = path
 
-    def load(self) -> Tuple[List[Dict[str, Any]], Optional[str]]:
-        """All valid records, and a message if a partial/corrupt last line was removed."""
+    def scan(self) -> Tuple[List[Dict[str, Any]], Optional[Tuple[int, bool]]]:
+        """Read only: all valid records, and where a partial/corrupt LAST line starts
+        (``(byte offset, terminated)``), else None. A corrupt line elsewhere cannot come from an
+        interrupted write and raises :class:`ExperimentError`."""
         if not os.path.exists(self.path):
             return [], None
         with open(self.path, "rb") as fh:
@@ -125,22 +127,32 @@ class ResultStore:
                         f"{self.path}: line {i + 1} is corrupt (not valid JSON or checksum "
                         f"mismatch) and it is not the last line, so it cannot be the result of an "
                         f"interrupted write. Inspect or remove it by hand, then rerun.")
-                bad = data[offset:]
-                with open(self.path + ".corrupt", "ab") as fh:
-                    fh.write(bad.rstrip(b"\n") + b"\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                with open(self.path, "r+b") as fh:
-                    fh.truncate(offset)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                why = "corrupt" if terminated else "unterminated (partial write)"
-                return records, (f"removed a {why} last line ({len(bad)} bytes) from {self.path}; "
-                                 f"its model will be recomputed (bytes kept in "
-                                 f"{os.path.basename(self.path)}.corrupt)")
+                return records, (offset, terminated)
             records.append(rec)
             offset += len(raw) + 1
         return records, None
+
+    def load(self) -> Tuple[List[Dict[str, Any]], Optional[str]]:
+        """All valid records, and a message if a partial/corrupt last line was removed (its bytes
+        are kept in ``results.jsonl.corrupt`` and the file is cut before it)."""
+        records, tail = self.scan()
+        if tail is None:
+            return records, None
+        offset, terminated = tail
+        with open(self.path, "rb") as fh:
+            bad = fh.read()[offset:]
+        with open(self.path + ".corrupt", "ab") as fh:
+            fh.write(bad.rstrip(b"\n") + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        with open(self.path, "r+b") as fh:
+            fh.truncate(offset)
+            fh.flush()
+            os.fsync(fh.fileno())
+        why = "corrupt" if terminated else "unterminated (partial write)"
+        return records, (f"removed a {why} last line ({len(bad)} bytes) from {self.path}; "
+                         f"its model will be recomputed (bytes kept in "
+                         f"{os.path.basename(self.path)}.corrupt)")
 
     @staticmethod
     def _parse(raw: bytes) -> Optional[Dict[str, Any]]:

@@ -1213,6 +1213,31 @@ def test_report_reproduces_the_committed_lora_summary(tmp_path):
     assert again["verdicts"] == committed["verdicts"]
 
 
+def test_report_refuses_a_corrupt_middle_line_and_notes_a_partial_last_one(tmp_path, capsys):
+    """`report` reads results.jsonl as the runner does: a damaged line that is not the last cannot
+    come from an interrupted write and stops the report (summary.md untouched), a partial last
+    line is left out with a note."""
+    import shutil
+    src = os.path.join(REPO, "experiments", "results", "lora")
+    run_dir = tmp_path / "lora"
+    shutil.copytree(src, run_dir)
+    res = run_dir / "results.jsonl"
+    lines = res.read_bytes().split(b"\n")
+    assert len([ln for ln in lines if ln]) >= 3
+    summary_before = (run_dir / "summary.md").read_bytes()
+    damaged = list(lines)
+    damaged[1] = damaged[1].replace(b'"', b"'", 1)             # line 2 no longer parses
+    res.write_bytes(b"\n".join(damaged))
+    assert main(["report", str(run_dir)]) != 0
+    assert "line 2 is corrupt" in capsys.readouterr().err
+    assert (run_dir / "summary.md").read_bytes() == summary_before
+    body = [ln for ln in lines if ln]
+    res.write_bytes(b"\n".join(body) + b"\n" + body[-1][: len(body[-1]) // 2])  # partial last line
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "again")]) == 0
+    assert "last line is partial or corrupt" in capsys.readouterr().err
+    assert res.read_bytes().endswith(body[-1][: len(body[-1]) // 2])     # read only: not repaired
+
+
 def test_report_reproduces_the_committed_sam_summary(tmp_path):
     """experiments/results/sam holds the SAM study's results.jsonl; `report` recomputes its
     summary (selected ρ, accuracies, paired differences, cost ratios) from it."""
