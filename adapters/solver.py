@@ -553,12 +553,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         with torch.enable_grad() if need_grad else torch.no_grad():
             loss = closure(list(points))
         del points  # a retraction's point (float64 for GL blocks) is not needed by the backward
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            nrm = math.sqrt(float(xi_sq))
-            where = ("at the unperturbed weights: check the model, its inputs and targets"
-                     if nrm == 0 else f"at a perturbation of norm {nrm:.3g}: reduce rho")
-            raise FloatingPointError(f"the loss is not finite ({value}) {where}")
+        value = finite_loss(loss, math.sqrt(float(xi_sq)))
         if not need_grad:
             return value, None
         flat = [t for ts in inputs for t in ts]
@@ -648,6 +643,18 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
                       steps)
 
 
+def finite_loss(loss: Tensor, perturbation_norm: float) -> float:
+    """The loss as a float, refused (``FloatingPointError``, with where and what to do) when it is
+    nan or inf: a mean or a maximum over such values would be a silent wrong number."""
+    value = float(loss.detach())
+    if not math.isfinite(value):
+        where = ("at the unperturbed weights: check the model, its inputs and targets"
+                 if perturbation_norm == 0 else f"at a perturbation of norm {perturbation_norm:.3g}: "
+                 f"reduce rho")
+        raise FloatingPointError(f"the loss is not finite ({value}) {where}")
+    return value
+
+
 def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,
                  n_samples: int = 10, generator: Optional[torch.Generator] = None,
                  on_iteration: Optional[Callable[[int, float], None]] = None
@@ -660,12 +667,12 @@ def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], r
     if not rho > 0:
         raise ValueError(f"rho must be > 0, got {rho!r}")
     with torch.no_grad():
-        loss0 = float(closure(ball.points(ball.zeros())))
+        loss0 = finite_loss(closure(ball.points(ball.zeros())), 0.0)
         losses = []
         for k in range(n_samples):
             u = ball.random(generator)
             u = scale(u, rho / float(ball.norm(u)))
-            losses.append(float(closure(ball.points(u))))
+            losses.append(finite_loss(closure(ball.points(u)), rho))
             if on_iteration is not None:
                 on_iteration(k, losses[-1])
     return {"init_loss": loss0, "mean_loss": sum(losses) / len(losses), "losses": losses}

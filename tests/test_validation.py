@@ -135,3 +135,14 @@ def test_a_vector_loss_is_refused_by_the_riemannian_hessian(tiny_bert):
     vector = lambda o, y: torch.nn.functional.cross_entropy(o.logits, y, reduction="none")  # noqa: E731
     with pytest.raises(ValueError, match="(?s)loss_fn.*one number"):
         riemannian_hessian(model, _batches(inputs), geometry="geodesic-inv", loss_fn=vector)
+
+
+@pytest.mark.parametrize("measure", ["worst", "average"])
+def test_a_nan_in_the_batch_is_refused_by_every_measure(tiny_bert, measure):
+    model, inputs = tiny_bert
+    snap = _snapshot(model)
+    nan_loss = lambda o, y: _ce(o, y) * torch.tensor(float("nan"))  # noqa: E731  (a NaN label weight)
+    kw = {"n_samples": 2} if measure == "average" else {"n_iters": 1}
+    with pytest.raises(FloatingPointError, match="not finite"):
+        sharpness(model, _batches(inputs), rho=0.1, measure=measure, loss_fn=nan_loss, **kw)
+    _unchanged(model, snap)
