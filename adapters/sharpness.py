@@ -119,13 +119,27 @@ def next_token_loss(outputs: Any, labels: Tensor) -> Tensor:
 
 
 def logits_of(outputs: Any) -> Tensor:
+    """The logits in a model's output: the output itself when it is a tensor, ``outputs.logits``
+    (Hugging Face outputs), or the one tensor of a tuple/list whose other items are not tensors
+    (e.g. ``(logits, hidden_states_tuple)``). A tuple holding several tensors, e.g.
+    ``(features, logits)``, is ambiguous and refused: pass ``loss_fn``."""
     if isinstance(outputs, Tensor):
         return outputs
     logits = getattr(outputs, "logits", None)
     if isinstance(logits, Tensor):
         return logits
-    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], Tensor):
-        return outputs[0]
+    if isinstance(outputs, (tuple, list)):
+        tensors = [i for i, item in enumerate(outputs) if isinstance(item, Tensor)]
+        if len(tensors) == 1:
+            return outputs[tensors[0]]
+        if len(tensors) > 1:
+            shapes = ", ".join(f"[{i}] {tuple(outputs[i].shape)}" for i in tensors)
+            raise TypeError(
+                f"the model returns a {type(outputs).__name__} of {len(tensors)} tensors ({shapes}): "
+                f"which one holds the logits is ambiguous, so the default cross-entropy is not "
+                f"applied to any of them. Pass loss_fn=lambda outputs, targets: "
+                f"torch.nn.functional.cross_entropy(outputs[i], targets) with the index i of the "
+                f"logits (or return a tensor or an object with .logits)")
     raise TypeError(f"cannot find logits in a model output of type {type(outputs).__name__}; pass "
                     f"loss_fn=callable(outputs, targets) -> scalar loss")
 

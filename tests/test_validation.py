@@ -146,3 +146,21 @@ def test_a_nan_in_the_batch_is_refused_by_every_measure(tiny_bert, measure):
     with pytest.raises(FloatingPointError, match="not finite"):
         sharpness(model, _batches(inputs), rho=0.1, measure=measure, loss_fn=nan_loss, **kw)
     _unchanged(model, snap)
+
+
+def test_a_tuple_of_several_tensors_needs_loss_fn():
+    class FeaturesAndLogits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            features = torch.tanh(self.body(x))
+            return features, self.head(features)
+
+    torch.manual_seed(0)
+    model, x, y = FeaturesAndLogits(), torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    with pytest.raises(TypeError, match="(?s)2 tensors.*loss_fn"):
+        sharpness(model, [(x, y)], rho=0.1, geometry="adaptive", n_iters=1)
+    ce = lambda o, t: torch.nn.functional.cross_entropy(o[1], t)  # noqa: E731
+    assert sharpness(model, [(x, y)], rho=0.1, geometry="adaptive", n_iters=1, loss_fn=ce).value >= 0
