@@ -153,7 +153,7 @@ def capture_first_call(model: nn.Module, store: dict) -> Any:
     ``store["inputs"]`` (detached) and removes itself; returns the hook handle."""
     handle_box = {}
 
-    from .derive import _detach as detach
+    from .derive import detach_inputs as detach
 
     def hook(module, args, kwargs):
         if args and kwargs:                  # Layout.verify takes positional OR keyword inputs

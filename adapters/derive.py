@@ -87,13 +87,15 @@ def clear_cache() -> None:
 
 
 # ------------------------------------------------------------------------------------ inputs
-def _detach(x):
+def detach_inputs(x):
+    """``x`` with every tensor detached, through nested tuples, lists and mappings (captured module
+    or model inputs must not keep the caller's autograd graph alive)."""
     if isinstance(x, Tensor):
         return x.detach()
     if isinstance(x, (tuple, list)):
-        return type(x)(_detach(v) for v in x)
+        return type(x)(detach_inputs(v) for v in x)
     if isinstance(x, Mapping):
-        return {k: _detach(v) for k, v in x.items()}
+        return {k: detach_inputs(v) for k, v in x.items()}
     return x
 
 
@@ -131,7 +133,7 @@ def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example
         mod = model.get_submodule(path)
 
         def hook(module, args, kwargs, path=path):
-            captured.setdefault(path, (_detach(tuple(args)), _stateless(_detach(kwargs))))
+            captured.setdefault(path, (detach_inputs(tuple(args)), _stateless(detach_inputs(kwargs))))
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
