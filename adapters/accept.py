@@ -38,10 +38,27 @@ from torch import Tensor, nn
 
 from .layout import Layout, SymmetryError, VerifyReport, default_tolerance
 
-__all__ = ["ensure_verified", "is_verified", "record_verification", "refuse_failed_blocks"]
+__all__ = ["ensure_verified", "is_verified", "record_verification", "refuse_failed_blocks", "resolve_layout"]
 
 #: model -> signatures of the layouts that passed verification on it (see the module docstring)
 _VERIFIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
+
+
+def resolve_layout(model: nn.Module, layout: Optional[Layout], *, what: str, allow_unsupported: bool = False,
+                   include_frozen: bool = False) -> Layout:
+    """The layout a geodesic entry point uses: ``layout`` once it is checked to belong to ``model``
+    (:meth:`~adapters.layout.Layout.check_model`: parameter names and shapes, head counts of every
+    block's module), or, when ``None``, the layout detected from ``model`` (``allow_unsupported`` and
+    ``include_frozen`` as in :func:`adapters.layout`).  ``what`` names the caller in messages."""
+    if layout is None:
+        from .detect import layout as detect_layout  # detect imports the families, which import layout
+
+        return detect_layout(model, allow_unsupported=allow_unsupported, include_frozen=include_frozen)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{what}: layout= must be a Layout (e.g. adapters.layout(model)), got "
+                        f"{type(layout).__name__}")
+    layout.check_model(model, what=f"{what} (layout=)")
+    return layout
 
 
 def _block_key(block) -> Any:

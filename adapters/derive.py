@@ -332,6 +332,7 @@ def derive_groups(model: nn.Module, layout: Layout, example_inputs: Any, *, rtol
     :class:`BlockDerivation` per block (module docstring).  Blocks whose derived algebra is trivial
     are removed and reported in ``layout.unsupported`` (``"<module>/<kind>"``) with the reason; their
     parameters become adaptive.  ``layout`` and ``model`` are not modified."""
+    layout.check_model(model, what="derive_groups()")
     meta = any(p.device.type == "meta" for p in model.parameters())
     inputs = {} if meta else capture_module_inputs(model, [b.module for b in layout.blocks], example_inputs)
     flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}

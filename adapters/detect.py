@@ -92,7 +92,7 @@ from torch import nn
 
 from .families import FAMILIES, Context, Family
 from .families._structure import PACKED_NAMES, ROLE_NAMES
-from .layout import FactorPiece, GLBlock, Layout, Unsupported, _canonical_names
+from .layout import FactorPiece, GLBlock, Layout, Unsupported, _canonical_names, head_structure
 
 __all__ = ["layout", "detect", "Detection", "ROLE_NAMES", "PACKED_NAMES"]
 
@@ -295,4 +295,5 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
     if include_frozen:
         frozen = []
     return Layout(blocks=final, adaptive=adaptive, gl_masks=gl_masks, frozen=frozen, unsupported=unsupported,
-                  param_shapes=shapes, model_name=type(model).__name__, notes=notes)
+                  param_shapes=shapes, model_name=type(model).__name__, notes=notes,
+                  head_structure=head_structure(model, [b.module for b in final]))

@@ -41,10 +41,15 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
         raise RuntimeError("distributed_sharpness needs an initialised torch.distributed process "
                            "group (torch.distributed.init_process_group(...), e.g. under torchrun); "
                            "for one process call adapters.sharpness instead")
-    if "layout" not in options and options.get("geometry", "geodesic-mix") != "adaptive":
-        from .detect import layout as detect_layout
+    geometry = options.get("geometry", "geodesic-mix")
+    if geometry != "adaptive":
+        # resolved (detected, or checked to belong to the model) once, on every rank alike, before
+        # any rank measures or waits for the others
+        from .accept import resolve_layout
 
-        options["layout"] = detect_layout(model, allow_unsupported=options.get("allow_unsupported", False))
+        options["layout"] = resolve_layout(model, options.get("layout"), what=f"distributed {geometry} sharpness",
+                                           allow_unsupported=options.get("allow_unsupported", False),
+                                           include_frozen=options.get("include_frozen", False))
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     rows = []
     for index, batch in itertools.islice(enumerate(batches), rank, None, world):

@@ -348,10 +348,11 @@ def riemannian_hessian(model: torch.nn.Module,
     Riemannian Hessian's, the rest are exact zeros (vertical directions, fixed weights).
     Use :func:`trace`, :func:`top_eigenvalues`, or ``curvlinops.lanczos_approximate_spectrum(op, ncv)``.
     """
-    from .accept import ensure_verified, is_verified, refuse_failed_blocks
-    from .detect import layout as detect_layout
+    from .accept import ensure_verified, is_verified, refuse_failed_blocks, resolve_layout
+    from .validation import materialised
 
     check_choice(geometry, GEOMETRIES, "geometry")
+    materialised(model, f"{geometry} Hessian")
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
     check_choice(reduction, REDUCTIONS, "reduction")
@@ -362,8 +363,7 @@ def riemannian_hessian(model: torch.nn.Module,
                          f"requires_grad=False): the Hessian is taken with respect to the trainable "
                          f"weights; set requires_grad=True on the weights to include")
     if geometry != "adaptive":
-        if layout is None:
-            layout = detect_layout(model, allow_unsupported=allow_unsupported)
+        layout = resolve_layout(model, layout, what=f"{geometry} Hessian", allow_unsupported=allow_unsupported)
         if not is_verified(model, layout):
             refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} Hessian",
                                  consequence="its quotient Hessian would be meaningless")

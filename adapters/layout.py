@@ -39,7 +39,7 @@ from quotient_manifolds.core.groups import FULL_GL, Group, as_group
 
 __all__ = [
     "FactorPiece", "GLBlock", "Layout", "Unsupported", "VerifyReport", "BlockCheck", "SymmetryError",
-    "declare_block", "default_tolerance", "primary_output", "PIECE_KINDS",
+    "declare_block", "default_tolerance", "primary_output", "head_structure", "PIECE_KINDS",
 ]
 
 PIECE_KINDS = ("rows", "cols", "bias")
@@ -488,6 +488,53 @@ def primary_output(out) -> Tensor:
     raise TypeError(f"cannot find an output tensor in a {type(out).__name__}; pass output_fn=")
 
 
+def _head_attrs() -> Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[str, ...]]:
+    """Attribute names of head counts, key/value head counts and head sizes, as detection reads them."""
+    from .families._structure import HEAD_DIM_ATTRS, HEADS_ATTRS  # families import this module
+    from .families.structural import KV_HEADS_ATTRS
+
+    return HEADS_ATTRS, KV_HEADS_ATTRS + ("num_key_value_groups",), HEAD_DIM_ATTRS
+
+
+def _head_count_text(attr: str, value: int) -> str:
+    """``"4 heads"``, ``"2 key/value heads"``, ``"head size 8"`` ... for a :func:`head_structure` entry."""
+    heads, kv_heads, _ = _head_attrs()
+    name = attr.rsplit(".", 1)[-1]
+    if name == "num_key_value_groups":
+        return f"{value} query heads per key/value head"
+    if name in heads:
+        return f"{value} heads"
+    return f"{value} key/value heads" if name in kv_heads else f"head size {value}"
+
+
+def head_structure(model: nn.Module, modules: Iterable[str]) -> Dict[str, Dict[str, int]]:
+    """Per module path (missing paths are left out): the integer head counts and head sizes that the
+    module, its submodules and their Hugging Face ``config`` declare, keyed by relative attribute
+    path, e.g. ``{"encoder.layer.0.attention": {"self.num_attention_heads": 4,
+    "self.attention_head_size": 2, "self.config.num_attention_heads": 4}}``.  Weight shapes do not
+    fix the heads (4 heads of 2 and 2 heads of 4 have the same projections); these attributes do."""
+    heads, kv_heads, dims = _head_attrs()
+    names = heads + kv_heads + dims
+    out: Dict[str, Dict[str, int]] = {}
+    for path in dict.fromkeys(modules):
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        found: Dict[str, int] = {}
+        for rel, sub in mod.named_modules():
+            prefix = f"{rel}." if rel else ""
+            for holder, where in ((sub, prefix), (getattr(sub, "config", None), f"{prefix}config.")):
+                if holder is None:
+                    continue
+                for attr in names:
+                    value = getattr(holder, attr, None)
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        found[where + attr] = value
+        out[path] = found
+    return out
+
+
 @dataclass(eq=False)
 class Layout:
     """The GL blocks and elementwise (adaptive) parameters of a model.  Pure data: it holds parameter
@@ -504,6 +551,67 @@ class Layout:
     #: blocks that failed the last :meth:`verify` (all blocks if the joint check failed and no single
     #: block was named); ``sharpness()`` refuses such a layout unless ``unsafe=True``
     verify_failed: List[str] = field(default_factory=list)
+    #: the head structure of the model the layout was built for (see :func:`head_structure`): per
+    #: block module, its head counts and head sizes as the model declares them; with
+    #: ``param_shapes`` the identity :meth:`check_model` compares. ``None``: not recorded (a layout
+    #: built by hand), then only parameter names and shapes are compared.
+    head_structure: Optional[Dict[str, Dict[str, int]]] = None
+
+    # -- identity ----------------------------------------------------------------------------------
+
+    def check_model(self, model: nn.Module, *, what: str = "layout") -> None:
+        """Raise ``ValueError`` unless ``model`` is the model this layout was built for: the same
+        parameter names and shapes (``param_shapes``), the same head counts and head sizes of every
+        block's module (``head_structure``), and every block's slices in range.  A layout of a
+        4-head attention used on a 2-head one with the same weight shapes would act with a smaller
+        group than the model's symmetry (its geodesic sharpness is then not invariant), and a layout
+        of another architecture would fail on a missing parameter; both are refused here, naming
+        what differs.  ``what`` names the argument in the message."""
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        problems: List[str] = []
+        if self.head_structure:
+            now = head_structure(model, self.head_structure)
+            for path, attrs in self.head_structure.items():
+                where = f"block {path or '<root>'}"
+                if path not in now:
+                    problems.append(f"{where}: this model has no module {path!r}")
+                    continue
+                differs: Dict[Tuple[str, str], List[str]] = {}   # (built, has) -> attributes
+                for attr, built in attrs.items():
+                    has = now[path].get(attr)
+                    if has != built:
+                        has_text = _head_count_text(attr, has) if has is not None else f"no {attr}"
+                        differs.setdefault((_head_count_text(attr, built), has_text), []).append(attr)
+                problems += [f"{where}: built for {built}, this model has {has} ({', '.join(attrs_)})"
+                             for (built, has), attrs_ in differs.items()]
+        recorded = {n: tuple(s) for n, s in self.param_shapes.items()}
+        used_by: Dict[str, List[str]] = {}
+        for b in self.blocks:
+            for name in b.params:
+                used_by.setdefault(name, []).append(b.name)
+        for n in dict.fromkeys([*recorded, *used_by]):
+            if n not in shapes:
+                users = f" (used by block {', '.join(used_by[n])})" if n in used_by else ""
+                problems.append(f"parameter {n!r}{users} is missing from this model")
+        if recorded:
+            problems += [f"parameter {n!r}: built for shape {recorded[n]}, this model has {shapes[n]}"
+                         for n in recorded if n in shapes and recorded[n] != shapes[n]]
+            problems += [f"parameter {n!r} of this model is not in the layout (added after the layout "
+                         f"was built?)" for n in shapes if n not in recorded]
+        if not problems:
+            for b in self.blocks:
+                try:
+                    b.validate(shapes)
+                except ValueError as err:
+                    problems.append(str(err))
+        if problems:
+            shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
+            built_for = f" of {self.model_name}" if self.model_name else ""
+            raise ValueError(
+                f"{what}: the layout{built_for} was built for another model than this "
+                f"{type(model).__name__}:\n" + "\n".join(f"  - {p}" for p in shown) + "\n"
+                "Build the layout from this model (adapters.layout(model), declaring blocks with "
+                "adapters.declare_block(model, ...) on this model), or pass the model it was built for.")
 
     # -- lookup ------------------------------------------------------------------------------------
 
@@ -659,6 +767,9 @@ class Layout:
         """
         from torch.func import functional_call
 
+        from .validation import materialised
+        materialised(model, "verify()")
+        self.check_model(model, what="verify()")
         fn = output_fn or primary_output
         args, kwargs = _split_inputs(example_inputs)
         flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}

@@ -105,6 +105,8 @@ class GeodesicSAM(torch.optim.Optimizer):
             raise TypeError(f"GeodesicSAM needs the model (an nn.Module) to find its attention "
                             f"blocks, got {type(model).__name__}; pass GeodesicSAM(model, "
                             f"torch.optim.SGD, lr=...)")
+        from .validation import materialised
+        materialised(model, "GeodesicSAM")
         self.model = model
         self.rho = _as_rho(rho)
         self.geometry = check_choice(geometry, SAM_GEOMETRIES, "geometry")
@@ -164,10 +166,9 @@ class GeodesicSAM(torch.optim.Optimizer):
     def _checked_layout(self, layout, allow_unsupported: bool, unsafe: bool):
         if self.geometry not in ("geodesic-inv", "geodesic-mix"):
             return None
-        from .accept import capture_first_call, is_verified, refuse_failed_blocks
-        if layout is None:
-            from .detect import layout as detect_layout
-            layout = detect_layout(self.model, allow_unsupported=allow_unsupported)
+        from .accept import capture_first_call, is_verified, refuse_failed_blocks, resolve_layout
+        layout = resolve_layout(self.model, layout, what=f"GeodesicSAM({self.geometry})",
+                                allow_unsupported=allow_unsupported)
         self._unsafe = unsafe
         if not is_verified(self.model, layout):
             refuse_failed_blocks(layout, unsafe=unsafe, what=f"GeodesicSAM({self.geometry})",

@@ -45,7 +45,7 @@ from .solver import (
     auto_pgd,
     average_case,
 )
-from .validation import scalar_loss
+from .validation import materialised, scalar_loss
 
 Tensor = torch.Tensor
 
@@ -442,10 +442,10 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
 def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
              options: Dict[str, Any]) -> List[SharpnessResult]:
     """The body of :func:`sharpness` and :func:`sharpness_sweep`: one result per radius."""
-    from .accept import ensure_verified, is_verified, refuse_failed_blocks
-    from .detect import layout as detect_layout
+    from .accept import ensure_verified, is_verified, refuse_failed_blocks, resolve_layout
 
     _check_options(options)
+    materialised(model, f"{options['geometry']} sharpness")
 
     geometry, retraction, measure = options["geometry"], options["retraction"], options["measure"]
     n_iters, n_samples, seed = options["n_iters"], options["n_samples"], options["seed"]
@@ -468,9 +468,9 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
             f"requires_grad=False): sharpness perturbs the trainable weights, the frozen ones stay fixed. Set "
             f"requires_grad=True on the weights to perturb (e.g. model.requires_grad_(True), or "
             f"only the adapter weights of a PEFT model)")
-    if geometry != "adaptive" and layout is None:
-        layout = detect_layout(model, allow_unsupported=options["allow_unsupported"],
-                               include_frozen=include_frozen)
+    if geometry != "adaptive":
+        layout = resolve_layout(model, layout, what=f"{geometry} sharpness",
+                                allow_unsupported=options["allow_unsupported"], include_frozen=include_frozen)
     if geometry != "adaptive" and not is_verified(model, layout):
         # a known failure is refused before any work; otherwise verified on the first batch
         refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",

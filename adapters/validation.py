@@ -75,5 +75,20 @@ def scalar_loss(loss: Any, *, needs_grad: bool) -> torch.Tensor:
     return loss.reshape(())
 
 
+def materialised(model: torch.nn.Module, what: str) -> None:
+    """Refuse a model whose parameters or buffers are on the meta device (shapes without values:
+    built under ``torch.device("meta")``, ``init_empty_weights`` ...): a measure needs the weights'
+    values. Building a layout needs only shapes and works on such a model."""
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (", ..." if len(meta) > 3 else "")
+        raise ValueError(
+            f"{what}: {len(meta)} weight(s) of the model are on the meta device ({shown}): they have "
+            f"shapes but no values, so nothing can be measured. Materialise the model first, e.g. "
+            f"model.to_empty(device='cpu') and then model.load_state_dict(state_dict) with the trained "
+            f"weights (or load it without device='meta' / init_empty_weights); adapters.layout(model) "
+            f"alone works on a meta model")
+
+
 # Tensor checks live with the geometry core (which must not import adapters); re-exported here.
 from quotient_manifolds._validation import floating_tensor, same_shape  # noqa: E402,F401
