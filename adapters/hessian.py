@@ -130,6 +130,7 @@ from .sharpness import (
     default_loss,
 )
 from .solver import ElementwiseComponent, QuotientComponent
+from .validation import integer_at_least, materialised
 
 Tensor = torch.Tensor
 
@@ -349,7 +350,6 @@ def riemannian_hessian(model: torch.nn.Module,
     Use :func:`trace`, :func:`top_eigenvalues`, or ``curvlinops.lanczos_approximate_spectrum(op, ncv)``.
     """
     from .accept import ensure_verified, is_verified, refuse_failed_blocks, resolve_layout
-    from .validation import materialised
 
     check_choice(geometry, GEOMETRIES, "geometry")
     materialised(model, f"{geometry} Hessian")
@@ -381,10 +381,10 @@ def riemannian_hessian(model: torch.nn.Module,
         batches = list(batches)
     data, sizes = [], []
     for index, batch in enumerate(batches):
-        inputs, targets, own_loss = _split_batch(batch, index, loss_fn, False)
+        inputs, targets, own_loss = _split_batch(model, batch, index, loss_fn, False)
         data.append((_to_device(inputs, device, upcast), _to_device(targets, device, upcast),
                      None if own_loss else (loss_fn or default_loss)))
-        sizes.append(int(batch_size_fn(inputs)) if batch_size_fn else _batch_size(inputs, targets))
+        sizes.append(_batch_size(inputs, targets, index, batch_size_fn))
     if not data:
         raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
     if geometry != "adaptive" and not (unsafe and layout.verify_failed):
@@ -400,9 +400,16 @@ def riemannian_hessian(model: torch.nn.Module,
     return RiemannianHessian(model, ball, write_back, params0, buffers, data, num_data, geometry)
 
 
-def _batch_size(inputs: Any, targets: Any) -> int:
-    """Leading dimension of the input tensor, of the first tensor of a dict input, or of the
-    targets."""
+def _batch_size(inputs: Any, targets: Any, index: int,
+                batch_size_fn: Optional[Callable[[Any], int]] = None) -> int:
+    """``batch_size_fn(inputs)``, else the leading dimension of the input tensor, of the first
+    tensor of a dict input, or of the targets; refused unless an integer >= 1 (the weight |b|/N of
+    batch ``index`` divides by the total)."""
+    if batch_size_fn is not None:
+        size = batch_size_fn(inputs)
+        if isinstance(size, Tensor) and size.numel() == 1 and not size.is_floating_point():
+            size = size.item()
+        return integer_at_least(f"batch_size_fn(inputs) of batch {index}", size, 1)
     candidates = [inputs] if isinstance(inputs, Tensor) else []
     if isinstance(inputs, Mapping):
         candidates += [v for v in inputs.values() if isinstance(v, Tensor) and v.ndim]
@@ -412,7 +419,12 @@ def _batch_size(inputs: Any, targets: Any) -> int:
         raise ValueError("cannot infer the batch size of a batch without tensors (needed for "
                          "reduction='mean'); pass batch_size_fn=callable(inputs) -> int, or "
                          "reduction='sum'")
-    return int(candidates[0].shape[0])
+    size = int(candidates[0].shape[0])
+    if size < 1:
+        raise ValueError(f"batch {index} is empty (leading dimension 0 of a tensor of shape "
+                         f"{tuple(candidates[0].shape)}): drop empty batches, or pass "
+                         f"batch_size_fn=callable(inputs) -> int if the batch dimension is not the first")
+    return size
 
 
 def trace(op: PyTorchLinearOperator, *, method: str = "hutch++", num_matvecs: int = 99,

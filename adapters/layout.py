@@ -261,6 +261,13 @@ class GLBlock:
                     f"{self.num_heads} x {self.head_dim}; with grouped-query attention give the "
                     f"query (QK) or output (VO) piece group_size = query heads per key/value head"
                 )
+        if self.head_dim > min(self.n, self.m):
+            raise ValueError(
+                f"block {self.name!r}: head_dim {self.head_dim} exceeds the rows of G ({self.n}, "
+                f"{self.head_dim}) or H ({self.m}, {self.head_dim}) per head: such factors cannot have "
+                f"full column rank, so GL({self.head_dim}) does not act freely and the block has no "
+                f"quotient. Check num_heads / head_dim (a head larger than the projection's input "
+                f"features?), or leave this block out (its weights are then adaptive)")
         self.group.check(self.head_dim)
 
     @property
@@ -304,7 +311,10 @@ class GLBlock:
         for p in self.pieces:
             if p.param not in shapes:
                 raise ValueError(f"block {self.name!r}: unknown parameter {p.param!r}")
-            p.check_shape(shapes[p.param])
+            try:
+                p.check_shape(shapes[p.param])
+            except ValueError as err:
+                raise ValueError(f"block {self.name!r}: {err}") from None
         n = sum(p.rows_per_head(shapes[p.param]) for p in self.g_pieces)
         m = sum(p.rows_per_head(shapes[p.param]) for p in self.h_pieces)
         if (n, m) != (self.n, self.m):
@@ -1031,23 +1041,33 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
             (ga, gr, go), (ha, hr, ho) = (v, "in", offsets.get("v", 0)), (o, "out", offsets.get("o", 0))
         else:
             raise ValueError("declare either q= and k= (QK block) or v= and o= (VO block)")
+        # the block's name as it will be, for messages before the block exists
+        label = f"block {name or (module if module is not None else _common_prefix([ga, ha])) + '/' + kind!r}"
         if head_dim is None:
             if ga == ha:
-                raise ValueError("head_dim is required when G and H come from the same (packed) projection")
-            width = _out_features(model, ga, gr) - go if kind == "qk" else _out_features(model, ha, hr) - ho
-            if width % num_heads:
-                raise ValueError(f"cannot infer head_dim: {width} features not divisible by {num_heads} heads")
+                raise ValueError(f"declare_block: {label}: head_dim is required when G and H come from the "
+                                 f"same (packed) projection {ga!r}")
+            heads_path, role, offset = (ga, gr, go) if kind == "qk" else (ha, hr, ho)
+            width = _out_features(model, heads_path, role) - offset
+            if width < 1 or width % num_heads:
+                raise ValueError(
+                    f"declare_block: {label}: cannot infer head_dim: {heads_path!r} gives {width} features "
+                    f"(from offset {offset}), not a multiple of num_heads={num_heads}; pass head_dim= "
+                    f"(and offsets= for a packed projection) so that num_heads * head_dim features are used")
             head_dim = width // num_heads
         nq, hd = int(num_heads), int(head_dim)
         nkv = nq if num_kv_heads is None else int(num_kv_heads)
         if nkv < 1 or nq % nkv:
-            raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+            raise ValueError(f"declare_block: {label}: num_kv_heads={num_kv_heads} must divide "
+                             f"num_heads={num_heads}")
         kv_path, kv_role, kv_offset = (ha, hr, ho) if kind == "qk" else (ga, gr, go)
         kv_width = _out_features(model, kv_path, kv_role) - kv_offset
         if num_kv_heads is None and kv_width < nq * hd:
+            advice = (f"for grouped-query / multi-query attention pass num_kv_heads={kv_width // hd}"
+                      if kv_width >= hd else f"a head of {hd} does not fit: check num_heads / head_dim")
             raise ValueError(
-                f"{kv_path!r} gives {kv_width} features but {nq} heads x {hd} need {nq * hd}: for "
-                f"grouped-query / multi-query attention pass num_kv_heads={max(kv_width // hd, 1)}")
+                f"declare_block: {label}: {kv_path!r} gives {kv_width} features but {nq} heads x {hd} "
+                f"need {nq * hd}: {advice}")
         rep = nq // nkv
         # the query (QK, G) or output (VO, H) projection has num_heads heads, `rep` per gauge
         g_heads, h_heads = (nq, nkv) if kind == "qk" else (nkv, nq)

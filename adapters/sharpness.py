@@ -45,7 +45,7 @@ from .solver import (
     auto_pgd,
     average_case,
 )
-from .validation import materialised, scalar_loss
+from .validation import materialised, scalar_loss, token_inputs
 
 Tensor = torch.Tensor
 
@@ -524,7 +524,7 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                            desc=f"{geometry} sharpness", unit="it")
                 on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
             for index, batch in enumerate(batches):
-                inputs, targets, own_loss = _split_batch(batch, index, loss_fn, normalize_logits)
+                inputs, targets, own_loss = _split_batch(model, batch, index, loss_fn, normalize_logits)
                 if index == 0 and geometry != "adaptive" and not (unsafe and layout.verify_failed):
                     # a geodesic number never comes from an unverified block (adapters.accept)
                     report = ensure_verified(model, layout, inputs, what=f"{geometry} sharpness")
@@ -641,9 +641,18 @@ def _as_rho(rho: Any) -> float:
     return value
 
 
-def _split_batch(batch: Any, index: int, loss_fn: Optional[Callable], normalise: bool
+def _split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],
+                 normalise: bool) -> Tuple[Any, Any, bool]:
+    """(inputs, targets, use the model's own loss) of one batch; see :func:`sharpness`.  Token
+    inputs of the wrong shape are refused here, naming the batch (:func:`validation.token_inputs`)."""
+    inputs, targets, own_loss = _batch_parts(batch, index, loss_fn, normalise)
+    token_inputs(model, inputs, index)
+    return inputs, targets, own_loss
+
+
+def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise: bool
                  ) -> Tuple[Any, Any, bool]:
-    """(inputs, targets, use the model's own loss) of one batch; see :func:`sharpness`."""
+    """The parts of a batch, by its form: a dict of keyword arguments or an (inputs, targets) pair."""
     if isinstance(batch, Mapping):
         if loss_fn is None:
             if normalise:

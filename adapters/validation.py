@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence, Tuple
+from typing import Any, Mapping, Sequence, Tuple
 
 import torch
 
@@ -73,6 +73,49 @@ def scalar_loss(loss: Any, *, needs_grad: bool) -> torch.Tensor:
                          f"compute it from the outputs it is given, with torch operations, not return a "
                          f"constant or a detached value")
     return loss.reshape(())
+
+
+#: Hugging Face inputs laid out like the token ids: (batch, sequence), or (batch, choices,
+#: sequence) for the ``...ForMultipleChoice`` heads
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def token_inputs(model: torch.nn.Module, inputs: Any, index: int) -> None:
+    """Refuse token inputs of a Hugging Face model (one with a ``config`` and a
+    ``main_input_name``) whose shape it cannot take, before the call that would fail inside the
+    model with no word of which batch or which shape (``too many values to unpack``).  ``inputs``
+    is what the model is called with: a dict of keyword arguments or one positional tensor (its
+    ``main_input_name``)."""
+    main = getattr(model, "main_input_name", None)
+    if getattr(model, "config", None) is None or not isinstance(main, str):
+        return
+    named = dict(inputs) if isinstance(inputs, Mapping) else {main: inputs}
+    choices = type(model).__name__.endswith("ForMultipleChoice")
+    ndim, layout = (3, "(batch, choices, sequence)") if choices else (2, "(batch, sequence)")
+    ids = named.get("input_ids")
+    for key in TOKEN_INPUTS:
+        value = named.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        shape = tuple(value.shape)
+        if key == "attention_mask" and value.dim() > ndim:
+            continue                            # a (batch, heads, query, key) mask of its own
+        if value.dim() != ndim:
+            if value.dim() == ndim + 1 and shape[0] == 1:
+                hint = ("it has an extra leading dimension of 1: batches batched again (a DataLoader "
+                        "over ready-made batches needs batch_size=None), or remove it with .squeeze(0)")
+            elif value.dim() == ndim - 1:
+                hint = "it has no batch dimension: for one example add it with .unsqueeze(0)"
+            else:
+                hint = f"give {key} as a {ndim}-D tensor"
+            raise ValueError(f"batch {index}: {key} has shape {shape}, but {type(model).__name__} "
+                             f"expects {ndim} dimensions {layout}; {hint}")
+        if key != "input_ids" and isinstance(ids, torch.Tensor) and ids.dim() == ndim and shape != tuple(ids.shape):
+            raise ValueError(f"batch {index}: {key} has shape {shape}, but input_ids has shape "
+                             f"{tuple(ids.shape)}; they must match (one entry per token)")
+    if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.is_complex()):
+        raise TypeError(f"batch {index}: input_ids has dtype {ids.dtype}; token ids are integers "
+                        f"(torch.long), e.g. the tokenizer's output or ids.long()")
 
 
 def materialised(model: torch.nn.Module, what: str) -> None:

@@ -296,6 +296,12 @@ def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Uni
         if lora:
             adapted.append(f"{kind} ({', '.join(dict.fromkeys(lora))})")
             continue
+        n, m = _rows(g, ctx.shapes), _rows(h, ctx.shapes)
+        if head_dim > min(n, m):
+            match.reject(f"head_dim {head_dim} exceeds the rows of the {kind.upper()} factors per head "
+                         f"(G {n}, H {m}): they cannot have full column rank, so GL({head_dim}) has no "
+                         f"quotient there (its weights can only be treated adaptively)", part=kind)
+            continue
         match.blocks.append(_make_block(match.module, kind, match.family, g, h, ctx.shapes, group,
                                         group_source=source))
     if adapted:

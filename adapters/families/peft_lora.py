@@ -52,6 +52,9 @@ class PeftLoRA(Family):
                 why = f"uses a LoRA variant ({kind}), which the GL(r) block does not model"
             elif not (isinstance(A, nn.Linear) and isinstance(B, nn.Linear)) or B.in_features != A.out_features:
                 why = "has lora_A/lora_B that are not a pair of nn.Linear of matching rank"
+            elif A.out_features > min(A.in_features, B.out_features):
+                why = (f"has rank {A.out_features} above its input ({A.in_features}) or output "
+                       f"({B.out_features}) features: its factors cannot have full rank (no GL(r) quotient)")
             if why:
                 res.notes.append(f"{path}: adapter {adapter!r} {why}: its factors are treated elementwise (adaptive)")
                 continue
