@@ -257,15 +257,21 @@ def test_transformer_encoder_packed_mha(batch_first):
 
 def test_mha_separate_qkv_weights_kdim():
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(16, 2, kdim=10, vdim=6, batch_first=True)
+    mha = nn.MultiheadAttention(16, 2, kdim=10, vdim=12, batch_first=True)
     lay = adapters.layout(mha)
     qk, vo = lay.blocks
     assert [p.param for p in qk.pieces] == ["q_proj_weight", "in_proj_bias", "k_proj_weight", "in_proj_bias"]
-    assert (qk.n, qk.m, vo.n, vo.m) == (17, 11, 7, 16)
+    assert (qk.n, qk.m, vo.n, vo.m) == (17, 11, 13, 16)
     assert [p.offset for p in qk.pieces] == [0, 0, 0, 16] and vo.g_pieces[1].offset == 32
     assert all(bool(m.all()) for m in lay.gl_masks.values()) and lay.adaptive == ["out_proj.bias"]
-    q, k, v = torch.randn(2, 3, 16), torch.randn(2, 5, 10), torch.randn(2, 5, 6)
+    q, k, v = torch.randn(2, 3, 16), torch.randn(2, 5, 10), torch.randn(2, 5, 12)
     assert lay.verify(mha, (q, k, v)).passed
+    # vdim 6 < head_dim 8: G = [W_vᵀ; b_v] is 7 x 8 per head, of rank < 8, so GL(8) has no
+    # quotient there: the V/O part is reported (it was accepted, then refused by the measures)
+    narrow = nn.MultiheadAttention(16, 2, kdim=10, vdim=6, batch_first=True)
+    with pytest.raises(ValueError, match=r"- /vo \[MultiheadAttention\]: head_dim 8 exceeds the rows"):
+        adapters.layout(narrow)
+    assert [b.kind for b in adapters.layout(narrow, allow_unsupported=True).blocks] == ["qk"]
 
 
 def test_mha_bias_kv_and_zero_attn_are_covered():

@@ -260,6 +260,22 @@ def _make_block(module: str, kind: str, family: str, g: List[FactorPiece], h: Li
     return b
 
 
+def add_block(match: Match, kind: str, g: List[FactorPiece], h: List[FactorPiece], shapes: Dict[str, tuple],
+              group: Group = FULL_GL, group_source: str = "") -> None:
+    """Append the ``kind`` block of ``match.module`` to ``match``, or reject that part when its heads are
+    larger than its factors: ``G`` (n x head_dim) and ``H`` (m x head_dim) per head cannot have full
+    column rank when head_dim > min(n, m) (e.g. ``nn.MultiheadAttention`` with ``vdim`` < head_dim),
+    and GL(head_dim) then has no quotient (``GLBlock`` refuses it)."""
+    n, m, head_dim = _rows(g, shapes), _rows(h, shapes), g[0].head_dim
+    if head_dim > min(n, m):
+        match.reject(f"head_dim {head_dim} exceeds the rows of the {kind.upper()} factors per head "
+                     f"(G {n}, H {m}): they cannot have full column rank, so GL({head_dim}) has no "
+                     f"quotient there (its weights can only be treated adaptively)", part=kind)
+        return
+    match.blocks.append(_make_block(match.module, kind, match.family, g, h, shapes, group,
+                                    group_source=group_source))
+
+
 LORA_NOTE = "projections carry LoRA adapters: their GL(r) blocks are used instead"
 
 
@@ -296,14 +312,7 @@ def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Uni
         if lora:
             adapted.append(f"{kind} ({', '.join(dict.fromkeys(lora))})")
             continue
-        n, m = _rows(g, ctx.shapes), _rows(h, ctx.shapes)
-        if head_dim > min(n, m):
-            match.reject(f"head_dim {head_dim} exceeds the rows of the {kind.upper()} factors per head "
-                         f"(G {n}, H {m}): they cannot have full column rank, so GL({head_dim}) has no "
-                         f"quotient there (its weights can only be treated adaptively)", part=kind)
-            continue
-        match.blocks.append(_make_block(match.module, kind, match.family, g, h, ctx.shapes, group,
-                                        group_source=source))
+        add_block(match, kind, g, h, ctx.shapes, group, group_source=source)
     if adapted:
         match.notes.append(f"{match.module}: no GL block over the base weights of {', '.join(adapted)}: the "
                            f"{LORA_NOTE} (a GL action on frozen base weights is no symmetry once a low-rank "

@@ -44,7 +44,7 @@ from torch import nn
 from quotient_manifolds.core.groups import FULL_GL, Group
 
 from ._base import Context, Family, Match
-from ._structure import (ROLE_NAMES, Proj, _in_pieces, _int_attr, _lin, _Lin, _linear_children, _make_block,
+from ._structure import (ROLE_NAMES, Proj, _in_pieces, _int_attr, _lin, _Lin, _linear_children, add_block,
                          _out_pieces, _screen)
 from .hf_rotary import QK_NORM_NAMES, _config_rotary_dim, rotary_group
 
@@ -185,10 +185,9 @@ class StructuralAttention(Family):
         if group is None:
             res.reject(source, part="qk")
         else:
-            res.blocks.append(_make_block(path, "qk", self.name, q_pieces, _in_pieces(ctx, k, n_kv, h), ctx.shapes,
-                                          group, group_source=source))
+            add_block(res, "qk", q_pieces, _in_pieces(ctx, k, n_kv, h), ctx.shapes, group, group_source=source)
         o_pieces = ([pc for j in range(rep) for pc in _out_pieces(ctx, Proj(o, j * h, rep * h), n_kv, h)]
                     if per_group else _out_pieces(ctx, o, n_q, h, rep))
-        res.blocks.append(_make_block(path, "vo", self.name, _in_pieces(ctx, v, n_kv, h), o_pieces, ctx.shapes,
-                                      FULL_GL, group_source=f"structure: {packing} projections, V/O full GL"))
+        add_block(res, "vo", _in_pieces(ctx, v, n_kv, h), o_pieces, ctx.shapes, FULL_GL,
+                  group_source=f"structure: {packing} projections, V/O full GL")
         return res

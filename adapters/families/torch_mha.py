@@ -16,7 +16,7 @@ from torch import nn
 
 from ..layout import FactorPiece
 from ._base import Context, Family, Match
-from ._structure import _make_block
+from ._structure import add_block
 
 
 class TorchMultiheadAttention(Family):
@@ -50,6 +50,6 @@ class TorchMultiheadAttention(Family):
         if getattr(mod, "bias_v", None) is not None:
             g_vo.append(FactorPiece(ctx.name(mod.bias_v), "bias", 0, nh, h))
         h_vo = [FactorPiece(ctx.name(mod.out_proj.weight), "cols", 0, nh, h)]
-        res.blocks = [_make_block(path, "qk", self.name, g_qk, h_qk, ctx.shapes),
-                      _make_block(path, "vo", self.name, g_vo, h_vo, ctx.shapes)]
+        add_block(res, "qk", g_qk, h_qk, ctx.shapes)
+        add_block(res, "vo", g_vo, h_vo, ctx.shapes)
         return res
