@@ -548,7 +548,13 @@ def head_structure(model: nn.Module, modules: Iterable[str]) -> Dict[str, Dict[s
 @dataclass(eq=False)
 class Layout:
     """The GL blocks and elementwise (adaptive) parameters of a model.  Pure data: it holds parameter
-    names and slices, never the model or its tensors (only the boolean ``gl_masks``)."""
+    names and slices, never the model or its tensors (only the boolean ``gl_masks``).
+
+    It also records which model it belongs to (``param_shapes``, ``head_structure``): every measure
+    that takes ``layout=`` (``sharpness``, ``sharpness_sweep``, ``distributed_sharpness``,
+    ``GeodesicSAM``, ``riemannian_hessian``) and :meth:`verify` refuse it for a model with other
+    parameters or other head counts (:meth:`check_model`), since its blocks would then not be
+    that model's symmetry group."""
 
     blocks: List[GLBlock]
     adaptive: List[str]
@@ -1033,6 +1039,11 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
     else:
         if num_heads is None:
             raise ValueError("num_heads is required")
+        from .validation import integer_at_least
+        integer_at_least("num_heads", num_heads, 1)
+        for arg, value in (("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
+            if value is not None:
+                integer_at_least(arg, value, 1)
         if q is not None and k is not None and v is None and o is None:
             kind = kind or "qk"
             (ga, gr, go), (ha, hr, ho) = (q, "in", offsets.get("q", 0)), (k, "in", offsets.get("k", 0))

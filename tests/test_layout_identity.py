@@ -153,6 +153,8 @@ def test_declare_block_names_the_block_when_heads_do_not_divide_the_projection()
                                          rf"1 heads x 16 need 16"):
         adapters.declare_block(model, v=f"{path}.self.value", o=f"{path}.output.dense", num_heads=1,
                                head_dim=16)
+    with pytest.raises(ValueError, match="num_heads must be an integer >= 1, got 0"):
+        adapters.declare_block(model, q=f"{path}.self.query", k=f"{path}.self.key", num_heads=0)
 
 
 def test_detection_reports_heads_larger_than_the_hidden_size_as_unsupported():
