@@ -331,15 +331,16 @@ def riemannian_hessian(model: torch.nn.Module,
     geometry: ``"geodesic-mix"`` (default) or ``"geodesic-inv"``: GL blocks on their quotients (each
         block's group: GL(h), the rotary commutant, …) with that metric, every other trainable
         weight with the adaptive metric Σ ξ²/w²; ``"adaptive"``: every weight elementwise.
-    layout: a :class:`~adapters.layout.Layout` (default: detected from the model).
+    layout: a :class:`~adapters.layout.Layout` of this model (default: detected from the model); one
+        built for another model (other parameters, shapes or head counts) is refused.
     loss_fn: ``loss_fn(outputs, targets)`` (default mean cross-entropy; the model's own
         ``outputs.loss`` for dict batches without ``loss_fn``).
     reduction: how batch losses combine, as curvlinops does with a data loader: ``"mean"``
         (each batch loss is a mean; f = Σ_b |b|/N · L_b, the mean over all N data points) or
         ``"sum"`` (f = Σ_b L_b). Default: ``loss_fn.reduction`` if it has one, else ``"mean"``.
-    batch_size_fn: ``batch_size_fn(inputs)`` = |b| for ``"mean"``, like curvlinops' (default: the
-        leading dimension of the input tensor, of the first tensor of a dict input, or of the
-        targets).
+    batch_size_fn: ``batch_size_fn(inputs)`` = |b| for ``"mean"``, like curvlinops', an integer >= 1
+        (default: the leading dimension of the input tensor, of the first tensor of a dict input, or
+        of the targets; an empty batch is refused).
     eps: Gram relaxation GᵀG + εI (docs/maths.md §6.4).
     allow_unsupported, unsafe: as in :func:`~adapters.sharpness.sharpness`.
 

@@ -67,7 +67,8 @@ class GeodesicSAM(torch.optim.Optimizer):
         geometries: inv and adaptive are scale-free (relative), mix scales like |w|⁴ and SAM like
         |w| (§2, §12.14), so tune ρ per geometry.
     geometry: ``"geodesic-mix"`` (default), ``"geodesic-inv"``, ``"adaptive"`` or ``"sam"``.
-    layout: a precomputed :class:`~adapters.layout.Layout` of ``model`` (geodesic geometries).
+    layout: a precomputed :class:`~adapters.layout.Layout` of ``model`` (geodesic geometries); one
+        built for another model (other parameters, shapes or head counts) is refused.
     retraction: ``"second_order"`` (default), ``"first_order"`` (no Γ) or ``"exact"`` (geodesic ODE,
         GL blocks only). Ignored by ``"sam"`` (Euclidean geodesics are straight lines).
     gram_eps: Gram relaxation GᵀG + εI of the quotient metrics (§6.4); raise it if a block becomes

@@ -391,7 +391,8 @@ def sharpness(model: torch.nn.Module,
     elementwise_second_order: also move the non-attention weights along the second-order geodesic
         w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).
     normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
-    layout: a precomputed :class:`~adapters.layout.Layout` (default: detected from the model).
+    layout: a precomputed :class:`~adapters.layout.Layout` of this model (default: detected from the
+        model); one built for another model (other parameters, shapes or head counts) is refused.
     allow_unsupported: run even if the layout reports unsupported attention modules (they are
         then treated adaptively) or none at all.
     unsafe: run a geodesic geometry even if the layout's last ``verify`` found blocks that are not
