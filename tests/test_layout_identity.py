@@ -169,6 +169,14 @@ def test_detection_reports_heads_larger_than_the_hidden_size_as_unsupported():
     assert not lay.blocks and len(lay.unsupported) == 2
 
 
+def test_a_lora_rank_above_its_features_is_elementwise_with_a_note():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_bert(2), peft.LoraConfig(r=16, target_modules=["query"]))
+    lay = adapters.layout(model, allow_unsupported=True)
+    assert not any(b.kind == "lora" for b in lay.blocks)
+    assert any("rank 16 above its input (8) or output (8) features" in note for note in lay.notes), lay.notes
+
+
 # ------------------------------------------------------------------------------ meta device
 @pytest.mark.parametrize("entry", ["sharpness", "riemannian_hessian", "GeodesicSAM", "verify"])
 def test_a_meta_model_is_refused_with_how_to_materialise_it(entry, monkeypatch):

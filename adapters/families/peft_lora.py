@@ -54,7 +54,7 @@ class PeftLoRA(Family):
                 why = "has lora_A/lora_B that are not a pair of nn.Linear of matching rank"
             elif A.out_features > min(A.in_features, B.out_features):
                 why = (f"has rank {A.out_features} above its input ({A.in_features}) or output "
-                       f"({B.out_features}) features: its factors cannot have full rank (no GL(r) quotient)")
+                       f"({B.out_features}) features, so no GL(r) quotient (factors of rank < r)")
             if why:
                 res.notes.append(f"{path}: adapter {adapter!r} {why}: its factors are treated elementwise (adaptive)")
                 continue
