@@ -48,6 +48,7 @@ from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
 from .sharpness import GEOMETRIES as BALL_GEOMETRIES
 from .sharpness import HALF_DTYPES, _as_compute, _as_rho, build_ball
+from .validation import materialised
 
 #: The ascent geometries of :class:`GeodesicSAM`: those of the sharpness ball, and plain SAM.
 SAM_GEOMETRIES = BALL_GEOMETRIES + ("sam",)
@@ -106,7 +107,6 @@ class GeodesicSAM(torch.optim.Optimizer):
             raise TypeError(f"GeodesicSAM needs the model (an nn.Module) to find its attention "
                             f"blocks, got {type(model).__name__}; pass GeodesicSAM(model, "
                             f"torch.optim.SGD, lr=...)")
-        from .validation import materialised
         materialised(model, "GeodesicSAM")
         self.model = model
         self.rho = _as_rho(rho)
