@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
+from ._validation import all_finite
+
 Tensor = torch.Tensor
 
 #: Tensors with at most this many elements are "small": their linear algebra runs on one thread.
@@ -118,6 +120,23 @@ def step_too_large_message(geometry, err: Exception) -> str:
     mix metric divides by them instead (∇_G (HᵀH)⁻¹, ∇_H (GᵀG)⁻¹), a step that does not grow with
     the scale of the factors (docs/maths.md §4)."""
     reason = str(err).split(":")[0]
+    return (f"step too large: the retraction left the manifold (at the new point, {reason}). "
+            f"{_smaller_steps(geometry)}.")
+
+
+def finite_step(geometry, name: str, step: Tensor) -> Tensor:
+    """``step`` (the tangent vector a retraction moves along), refused with :class:`StepTooLarge`
+    if it holds a NaN or an infinity: the new point would be off the manifold."""
+    try:
+        all_finite(name, step)
+    except ValueError as err:
+        raise StepTooLarge(f"step too large: {err}; no retraction along it stays on the manifold. "
+                           f"{_smaller_steps(geometry)}.") from None
+    return step
+
+
+def _smaller_steps(geometry) -> str:
+    """How to take smaller steps under ``geometry``'s metric."""
     advice = "Reduce the optimiser's learning rate"
     if getattr(geometry, "metric", None) == "inv":
         advice += (": metric='inv' scales the gradient by the Gram matrices of the factors "
@@ -126,5 +145,4 @@ def step_too_large_message(geometry, err: Exception) -> str:
                    "or use metric='mix', whose step does not grow with the scale of the factors")
     else:
         advice += ", or the momentum"
-    return (f"step too large: the retraction left the manifold (at the new point, {reason}). "
-            f"{advice}.")
+    return advice

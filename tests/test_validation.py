@@ -164,3 +164,53 @@ def test_a_tuple_of_several_tensors_needs_loss_fn():
         sharpness(model, [(x, y)], rho=0.1, geometry="adaptive", n_iters=1)
     ce = lambda o, t: torch.nn.functional.cross_entropy(o[1], t)  # noqa: E731
     assert sharpness(model, [(x, y)], rho=0.1, geometry="adaptive", n_iters=1, loss_fn=ce).value >= 0
+
+
+# ------------------------------------------------------------------ the pymanopt face: same checks
+def test_pymanopt_glquotient_refuses_misshaped_nonfinite_and_non_real_tangents():
+    import numpy as np
+
+    from quotient_manifolds.pymanopt import GLQuotient as PymanoptGLQuotient
+    from quotient_manifolds import StepTooLarge
+
+    M = PymanoptGLQuotient(5, 4, 2, metric="inv")
+    np.random.seed(0)
+    x = M.random_point()
+    ok = (np.ones((5, 2)), np.ones((4, 2)))
+    nan = (np.full((5, 2), np.nan), np.ones((4, 2)))
+    for call, name in ((lambda: M.inner_product(x, ok, nan), "tangent_vector_b.G"),
+                       (lambda: M.projection(x, nan), "vector.G"),
+                       (lambda: M.euclidean_to_riemannian_gradient(x, nan), "euclidean_gradient.G"),
+                       (lambda: M.norm(x, (np.ones((5, 2)), np.full((4, 2), np.inf))),
+                        "tangent_vector.H")):
+        with pytest.raises(ValueError, match=rf"{name} contains \d+ non-finite"):
+            call()
+    with pytest.raises(StepTooLarge, match="tangent_vector contains"):
+        M.retraction(x, nan)
+    with pytest.raises(ValueError, match=r"tangent_vector_a.G has shape \(5, 3\), expected \(5, 2\)"):
+        M.inner_product(x, (np.ones((5, 3)), np.ones((4, 2))), ok)
+    with pytest.raises(ValueError, match=r"vector.G has shape \(3, 5, 2\)"):   # no batches here
+        M.projection(x, (np.ones((3, 5, 2)), np.ones((3, 4, 2))))
+    with pytest.raises(TypeError, match="vector must be a pair"):
+        M.projection(x, np.ones((9, 2)))
+    with pytest.raises(TypeError, match="vector.G must be an array of real numbers"):
+        M.projection(x, (1j * np.ones((5, 2)), np.ones((4, 2))))   # no silently dropped imaginary part
+    # integers convert exactly (the face computes in float64): the right answer, not a refusal
+    ints = (np.ones((5, 2), dtype=int), np.ones((4, 2), dtype=int))
+    assert M.inner_product(x, ints, ints) == M.inner_product(x, ok, ok)
+
+
+def test_geoopt_glquotient_refuses_nonfinite_and_unchecked_method_tangents():
+    M = GLQuotient(5, 4, 2, metric="inv")
+    torch.manual_seed(0)
+    x = M.random(9, 2, dtype=torch.float64)
+    nan = torch.full((9, 2), math.nan, dtype=torch.float64)
+    for call in (lambda: M.proju(x, nan), lambda: M.inner(x, nan), lambda: M.egrad2rgrad(x, nan),
+                 lambda: M.norm(x, nan), lambda: M.transp(x, x, nan)):
+        with pytest.raises(ValueError, match="non-finite"):
+            call()
+    integer = torch.ones(9, 2, dtype=torch.int64)
+    for call in (lambda: M.norm(x, integer), lambda: M.retr(x, integer), lambda: M.transp(x, x, integer),
+                 lambda: M.proju(x, integer.to(torch.complex128))):
+        with pytest.raises(TypeError, match="real floating-point"):
+            call()
