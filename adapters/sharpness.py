@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from quotient_manifolds._runtime import bounded_threads
-from quotient_manifolds.core.gl import RETRACTIONS, GLQuotientGeometry, check_choice
+from quotient_manifolds.core.gl import RETRACTIONS, GLQuotientGeometry
 
 from .solver import (
     MOMENTUM_FORMS,
@@ -45,6 +45,7 @@ from .solver import (
     auto_pgd,
     average_case,
 )
+from . import validation as check
 from .validation import scalar_loss
 
 Tensor = torch.Tensor
@@ -426,9 +427,9 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
     perturbation found at ρ_{k−1} (inside the larger ball), so the values never decrease along the
     sweep, which independent single-start runs do not guarantee. Costs one Auto-PGD run per
     radius and batch, like separate calls, minus the repeated set-up."""
-    bound = inspect.signature(sharpness).bind(model, batches, rho=1.0, **options)
-    bound.apply_defaults()
-    args = {k: v for k, v in bound.arguments.items() if k not in ("model", "batches", "rho")}
+    args = sharpness_options(options)
+    if isinstance(rhos, (str, bytes)) or not isinstance(rhos, Iterable):
+        raise TypeError(f"rhos must be a sequence of radii, got {rhos!r} ({type(rhos).__name__})")
     radii = [_as_rho(r) for r in rhos]
     if not radii or any(b <= a for a, b in zip(radii, radii[1:])):
         raise ValueError(f"rhos must be a non-empty, strictly increasing sequence of radii, got "
@@ -446,6 +447,8 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     from .detect import layout as detect_layout
 
     _check_options(options)
+    check.module("model", model)
+    check.batches("batches", batches)
 
     geometry, retraction, measure = options["geometry"], options["retraction"], options["measure"]
     n_iters, n_samples, seed = options["n_iters"], options["n_samples"], options["seed"]
@@ -454,11 +457,6 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     normalize_logits, num_threads = options["normalize_logits"], options["num_threads"]
     include_frozen, progress = options["include_frozen"], options["progress"]
 
-    check_choice(geometry, GEOMETRIES, "geometry")
-    check_choice(retraction, RETRACTIONS, "retraction")
-    check_choice(measure, MEASURES, "measure")
-    check_choice(momentum, MOMENTUM_FORMS, "momentum form")
-    check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
     all_params = dict(model.named_parameters())
     params0 = {n: p.detach() for n, p in all_params.items()
                if p.requires_grad or (include_frozen and p.is_floating_point())}
@@ -609,15 +607,49 @@ def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:
     return (exact - res.init_loss) / rise - 1 if rise > 0 else 0.0
 
 
+def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, Any]:
+    """The keyword options of :func:`sharpness` (all but ``model``, ``batches``, ``rho``) with the
+    defaults filled in, refused before any work if one, or ``rho``, is unknown or out of range."""
+    _as_rho(rho)
+    try:
+        bound = inspect.signature(sharpness).bind(None, None, rho=1.0, **options)
+    except TypeError as err:
+        raise TypeError(f"{err}: the options are those of adapters.sharpness "
+                        f"({', '.join(p for p in inspect.signature(sharpness).parameters if p not in ('model', 'batches'))})"
+                        ) from None
+    bound.apply_defaults()
+    args = {k: v for k, v in bound.arguments.items() if k not in ("model", "batches", "rho")}
+    _check_options(args)
+    return args
+
+
 def _check_options(options: Dict[str, Any]) -> None:
     """Refuse out-of-range options of :func:`sharpness` before any work (messages name the option)."""
-    from . import validation as check
-
-    check.choice("measure", options["measure"], ("worst", "average"))
+    check.choice("geometry", options["geometry"], GEOMETRIES)
+    check.choice("retraction", options["retraction"], RETRACTIONS)
+    check.choice("measure", options["measure"], MEASURES)
+    check.choice("momentum", options["momentum"], MOMENTUM_FORMS)
+    check.choice("step_normalisation", options["step_normalisation"], STEP_NORMALISATIONS)
+    check.choice("adaptive_direction", options["adaptive_direction"], ("riemannian", "andriushchenko"))
     check.positive_finite("step_size_mult", options["step_size_mult"])
     check.integer_at_least("n_iters", options["n_iters"], 1)
     check.integer_at_least("n_samples", options["n_samples"], 1)
+    check.integer_at_least("seed", options["seed"], -2 ** 63)
+    check.non_negative_finite("eps", options["eps"])
     check.positive_finite("retraction_tolerance", options["retraction_tolerance"])
+    if options["num_threads"] is not None:
+        check.integer_at_least("num_threads", options["num_threads"], 1)
+    if options["loss_fn"] is not None and not callable(options["loss_fn"]):
+        raise TypeError(f"loss_fn must be a function loss_fn(outputs, targets) -> scalar tensor, or "
+                        f"None for the default, got {type(options['loss_fn']).__name__}")
+    for flag in ("use_metric_norm", "elementwise_second_order", "normalize_logits", "allow_unsupported",
+                 "unsafe", "progress", "include_frozen", "check_retraction"):
+        if not isinstance(options[flag], bool):
+            raise TypeError(f"{flag} must be True or False, got {options[flag]!r} "
+                            f"({type(options[flag]).__name__})")
+    if options["layout"] is not None and not hasattr(options["layout"], "blocks"):
+        raise TypeError(f"layout must be an adapters.Layout (from adapters.layout(model)) or None, got "
+                        f"{type(options['layout']).__name__}")
     if options["include_frozen"] and options["layout"] is not None and getattr(
             options["layout"], "frozen", None):
         raise ValueError("include_frozen=True, but the layout= passed was built without frozen "

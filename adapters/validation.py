@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Sequence, Tuple
+from typing import Any, Iterable, Mapping, Sequence, Tuple
 
 import torch
 
@@ -24,6 +24,52 @@ def positive_finite(name: str, value: Any) -> float:
         raise ValueError(f"{name} must be a positive finite number, got {v!r}; pass a value > 0 "
                          f"(e.g. {name}=1.0)")
     return v
+
+
+def non_negative_finite(name: str, value: Any) -> float:
+    """``value`` as a float, refused unless it is a real number with ``0 <= value < inf``."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
+            isinstance(value, torch.Tensor) and value.numel() != 1):
+        raise TypeError(f"{name} must be a finite number >= 0, got {value!r} "
+                        f"({type(value).__name__}); pass e.g. {name}=0.0")
+    v = float(value)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    return v
+
+
+def module(name: str, value: Any) -> torch.nn.Module:
+    """``value``, refused unless it is a ``torch.nn.Module``."""
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module (the model itself), got "
+                        f"{type(value).__name__}")
+    return value
+
+
+def names(name: str, value: Any) -> Tuple[str, ...]:
+    """A non-empty sequence of strings as a tuple (a bare string is refused: it would be read as a
+    sequence of one-letter names)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, set, frozenset)) or not all(
+            isinstance(v, str) for v in value):
+        hint = f"; for one name pass {name}=[{value!r}]" if isinstance(value, str) else ""
+        raise TypeError(f"{name} must be a list of names (strings), got {value!r}{hint}")
+    if not value:
+        raise ValueError(f"{name} must name at least one, got an empty {type(value).__name__}; pass "
+                         f"None for all")
+    return tuple(value)
+
+
+def batches(name: str, value: Any) -> Any:
+    """``value``, refused unless it is an iterable of batches (a lone tensor, dict or string is one
+    batch, or none: iterating it would yield its rows, keys or characters)."""
+    if isinstance(value, (str, bytes, torch.Tensor, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be an iterable of batches (e.g. a list of (inputs, targets) "
+                        f"pairs or a DataLoader), got {type(value).__name__}; for one batch pass "
+                        f"[batch]")
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        raise TypeError(f"{name} holds a tensor where a batch ((inputs, targets) or a dict) was "
+                        f"expected: this looks like one batch; pass [batch]")
+    return value
 
 
 def integer_at_least(name: str, value: Any, minimum: int) -> int:

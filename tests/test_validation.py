@@ -214,3 +214,61 @@ def test_geoopt_glquotient_refuses_nonfinite_and_unchecked_method_tangents():
                  lambda: M.proju(x, integer.to(torch.complex128))):
         with pytest.raises(TypeError, match="real floating-point"):
             call()
+
+
+# --------------------------------------------- distributed_sharpness and lora_quotient_parameters
+@pytest.mark.parametrize("kw,error,name", [
+    ({"rho": -0.1}, ValueError, "rho"), ({"rho": "0.1"}, ValueError, "rho"), ({}, TypeError, "rho="),
+    ({"rho": 0.1, "seed": 1.5}, TypeError, "seed"), ({"rho": 0.1, "n_iters": 0}, ValueError, "n_iters"),
+    ({"rho": 0.1, "geometry": "geodesic"}, ValueError, "geometry"),
+    ({"rho": 0.1, "n_itres": 3}, TypeError, "n_itres"), ({"rho": 0.1, "eps": -1.0}, ValueError, "eps"),
+    ({"rho": 0.1, "loss_fn": "ce"}, TypeError, "loss_fn"), ({"rho": 0.1, "progress": "no"}, TypeError,
+                                                            "progress"),
+])
+def test_distributed_sharpness_checks_every_argument_before_any_collective(tiny_bert, kw, error, name):
+    from adapters import distributed_sharpness
+    model, inputs = tiny_bert
+    snap = _snapshot(model)
+    # no process group is initialised: each bad argument is named before that is even looked at,
+    # so every rank refuses it alike (none is left waiting in all_gather_object)
+    with pytest.raises(error, match=name):
+        distributed_sharpness(model, _batches(inputs), **kw)
+    with pytest.raises(TypeError, match="batches"):
+        distributed_sharpness(model, _batches(inputs)[0], rho=0.1)
+    with pytest.raises(TypeError, match="model"):
+        distributed_sharpness("bert", _batches(inputs), rho=0.1)
+    _unchanged(model, snap)
+
+
+def _tiny_lora():
+    peft = pytest.importorskip("peft")
+    import transformers
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, num_labels=2)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(cfg).double(),
+                                peft.LoraConfig(r=2, target_modules=["query"], task_type="SEQ_CLS"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kw,error,name", [
+    ({"metric": "euclid"}, ValueError, "metric"), ({"retraction": 2}, ValueError, "retraction"),
+    ({"eps": -1e-6}, ValueError, "eps"), ({"eps": math.nan}, ValueError, "eps"),
+    ({"eps": "1e-6"}, TypeError, "eps"), ({"adapters": "default"}, TypeError, r"adapters=\['default'\]"),
+    ({"adapters": []}, ValueError, "adapters"), ({"adapters": [1]}, TypeError, "adapters"),
+    ({"adapters": ["default", "typo"]}, ValueError, r"\['typo'\].*\['default'\]"),
+])
+def test_lora_quotient_parameters_checks_every_argument(kw, error, name):
+    from adapters.lora_training import lora_quotient_parameters, lora_quotient_points
+    model = _tiny_lora()
+    snap = _snapshot(model)
+    with pytest.raises(error, match=name):
+        lora_quotient_parameters(model, **kw)
+    assert lora_quotient_points(model) == {}
+    _unchanged(model, snap)
+    with pytest.raises(TypeError, match="model"):
+        lora_quotient_parameters(None)
