@@ -428,9 +428,9 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
     sweep, which independent single-start runs do not guarantee. Costs one Auto-PGD run per
     radius and batch, like separate calls, minus the repeated set-up."""
     args = sharpness_options(options)
-    if isinstance(rhos, (str, bytes)) or not isinstance(rhos, Iterable):
+    if isinstance(rhos, (str, bytes)) or not isinstance(rhos, Iterable) or getattr(rhos, "ndim", 1) != 1:
         raise TypeError(f"rhos must be a sequence of radii, got {rhos!r} ({type(rhos).__name__})")
-    radii = [_as_rho(r) for r in rhos]
+    radii = [_as_rho(r, f"rhos[{i}]") for i, r in enumerate(rhos)]
     if not radii or any(b <= a for a, b in zip(radii, radii[1:])):
         raise ValueError(f"rhos must be a non-empty, strictly increasing sequence of radii, got "
                          f"{list(rhos)!r}")
@@ -639,17 +639,11 @@ def _check_options(options: Dict[str, Any]) -> None:
     check.positive_finite("retraction_tolerance", options["retraction_tolerance"])
     if options["num_threads"] is not None:
         check.integer_at_least("num_threads", options["num_threads"], 1)
-    if options["loss_fn"] is not None and not callable(options["loss_fn"]):
-        raise TypeError(f"loss_fn must be a function loss_fn(outputs, targets) -> scalar tensor, or "
-                        f"None for the default, got {type(options['loss_fn']).__name__}")
-    for flag in ("use_metric_norm", "elementwise_second_order", "normalize_logits", "allow_unsupported",
+    check.optional_callable("loss_fn", options["loss_fn"], "loss_fn(outputs, targets) -> scalar tensor")
+    for name in ("use_metric_norm", "elementwise_second_order", "normalize_logits", "allow_unsupported",
                  "unsafe", "progress", "include_frozen", "check_retraction"):
-        if not isinstance(options[flag], bool):
-            raise TypeError(f"{flag} must be True or False, got {options[flag]!r} "
-                            f"({type(options[flag]).__name__})")
-    if options["layout"] is not None and not hasattr(options["layout"], "blocks"):
-        raise TypeError(f"layout must be an adapters.Layout (from adapters.layout(model)) or None, got "
-                        f"{type(options['layout']).__name__}")
+        check.flag(name, options[name])
+    check.optional_layout("layout", options["layout"])
     if options["include_frozen"] and options["layout"] is not None and getattr(
             options["layout"], "frozen", None):
         raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
@@ -657,19 +651,20 @@ def _check_options(options: Dict[str, Any]) -> None:
                          "layout(model, include_frozen=True), or pass include_frozen=False")
 
 
-def _as_rho(rho: Any) -> float:
-    """``rho`` as a float: Python / numpy scalars and 0-d arrays or tensors; finite and > 0."""
+def _as_rho(rho: Any, name: str = "rho") -> float:
+    """``rho`` (the argument ``name``) as a float: Python / numpy scalars and 0-d arrays or tensors;
+    finite and > 0."""
     value = rho
     if isinstance(value, Tensor) or type(value).__module__ == "numpy":
         if getattr(value, "ndim", 0) != 0:
-            raise ValueError(f"rho must be a scalar, got an array of shape {tuple(value.shape)}")
+            raise ValueError(f"{name} must be a scalar, got an array of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"rho must be a number > 0 (float, int, numpy scalar or 0-d "
+        raise ValueError(f"{name} must be a number > 0 (float, int, numpy scalar or 0-d "
                          f"array/tensor), got {rho!r} of type {type(rho).__name__}")
     value = float(value)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"rho must be a finite number > 0 (the radius of the ball), got {rho!r}")
+        raise ValueError(f"{name} must be a finite number > 0 (the radius of the ball), got {rho!r}")
     return value
 
 

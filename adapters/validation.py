@@ -72,6 +72,30 @@ def batches(name: str, value: Any) -> Any:
     return value
 
 
+def flag(name: str, value: Any) -> bool:
+    """``value``, refused unless it is ``True`` or ``False`` (a string such as ``"no"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def optional_callable(name: str, value: Any, what: str) -> Any:
+    """``value``, refused unless it is ``None`` or callable (``what`` says how it is called)."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be a function {what}, or None for the default, got "
+                        f"{type(value).__name__}")
+    return value
+
+
+def optional_layout(name: str, value: Any) -> Any:
+    """``value``, refused unless it is ``None`` or a :class:`~adapters.layout.Layout`."""
+    from .layout import Layout
+    if value is not None and not isinstance(value, Layout):
+        raise TypeError(f"{name} must be an adapters.Layout (from adapters.layout(model)) or None to "
+                        f"detect it, got {type(value).__name__}")
+    return value
+
+
 def integer_at_least(name: str, value: Any, minimum: int) -> int:
     """``value`` as an int, refused unless it is an integer (not a bool) with ``value >= minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

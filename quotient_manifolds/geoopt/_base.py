@@ -22,7 +22,7 @@ from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
 from .._runtime import FrameCache, finite_step, small_work
-from .._validation import tangent
+from .._validation import floating_tensor, tangent
 
 Tensor = torch.Tensor
 
@@ -57,10 +57,11 @@ class CoreQuotientManifold(Manifold):
     geometry = None  # set by subclasses (a core geometry object, not an nn.Module)
 
     # ------------------------------------------------------------------ helpers
-    def _frame(self, x: Tensor):
-        """The core frame at x (validated: shape, finiteness, full rank; raises ValueError), reused
-        from the cache when x has the values of a recent point."""
-        return self._frame_cache_().frame(self.geometry, x)
+    def _frame(self, x: Tensor, name: str = "x"):
+        """The core frame at the point ``name`` (validated: a real floating tensor, shape,
+        finiteness, full rank; raises TypeError / ValueError naming it), reused from the cache when
+        it has the values of a recent point."""
+        return self._frame_cache_().frame(self.geometry, floating_tensor(name, x), name)
 
     def _frame_cache_(self) -> FrameCache:
         cache = self.__dict__.get("_frame_cache")
@@ -191,7 +192,7 @@ class CoreQuotientManifold(Manifold):
         """Vector transport by projection onto the horizontal space at y (Manopt; core
         ``geometry.transport``, here through the cached frame at y: the next step's point). ``x``
         is not used."""
-        return self._frame(y).project(self._tangent(y, v, "v", "the point y"))
+        return self._frame(y, "y").project(self._tangent(y, v, "v", "the point y"))
 
     def retr_transp(self, x: Tensor, u: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         y = self.retr(x, u)

@@ -60,7 +60,7 @@ class CoreQuotientManifold(Manifold):
 
     def _frame(self, point, name: str = "point"):
         """The core frame at ``point``, reused from the cache when the point has recent values."""
-        return self._frame_cache_().frame(self.geometry, self._t(point, name))
+        return self._frame_cache_().frame(self.geometry, self._t(point, name), name)
 
     def _frame_cache_(self) -> FrameCache:
         cache = self.__dict__.get("_frame_cache")
