@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import adapters
 from adapters.detect import layout as detect_layout
+from conftest import tiny_lora_bert
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,6 +80,14 @@ def _refused_or_finite(call, name, *, finite=lambda r: True, accept=()):
     assert finite(result), f"{name}: a non-finite answer {result!r}"
 
 
+def _with(name, bad, positional, keywords):
+    """The arguments of a call with ``bad`` put in place of ``name``: ``positional`` (a dict, in
+    order) and ``keywords`` as ``(args, kwargs)``."""
+    positional, keywords = dict(positional), dict(keywords)
+    (positional if name in positional else keywords)[name] = bad
+    return list(positional.values()), keywords
+
+
 def _value_finite(res):
     values = res if isinstance(res, list) else [res]
     return all(math.isfinite(r.value) for r in values)
@@ -90,17 +99,11 @@ SHARPNESS_ARGS = ["rho", "geometry", "n_iters", "measure", "n_samples", "eps", "
                   "model", "batches"]
 
 
-def _sharpness_call(fn, name, bad, **base):
-    kwargs = {"rho": 0.1, "geometry": "geodesic-mix", "n_iters": 1, "layout": LAYOUT,
-              "check_retraction": False, **base}
-    model, batches = MODEL, BATCHES
-    if name == "model":
-        model = bad
-    elif name == "batches":
-        batches = bad
-    else:
-        kwargs[name] = bad
-    return lambda: fn(model, batches, **kwargs)
+def _sharpness_call(fn, name, bad):
+    args, kwargs = _with(name, bad, {"model": MODEL, "batches": BATCHES},
+                         {"rho": 0.1, "geometry": "geodesic-mix", "n_iters": 1, "layout": LAYOUT,
+                          "check_retraction": False})
+    return lambda: fn(*args, **kwargs)
 
 
 @PROPERTY
@@ -116,17 +119,10 @@ def test_sharpness(name, bad):
        bad=st.sampled_from(BAD + [[0.2, 0.1], [0.1, math.nan]]))
 def test_sharpness_sweep(name, bad):
     before = _state(MODEL)
-    kwargs = {"geometry": "geodesic-mix", "n_iters": 1, "layout": LAYOUT, "check_retraction": False}
-    model, batches, rhos = MODEL, BATCHES, [0.05, 0.1]
-    if name == "model":
-        model = bad
-    elif name == "batches":
-        batches = bad
-    elif name == "rhos":
-        rhos = bad
-    else:
-        kwargs[name] = bad
-    _refused_or_finite(lambda: adapters.sharpness_sweep(model, batches, rhos, **kwargs), name,
+    args, kwargs = _with(name, bad, {"model": MODEL, "batches": BATCHES, "rhos": [0.05, 0.1]},
+                         {"geometry": "geodesic-mix", "n_iters": 1, "layout": LAYOUT,
+                          "check_retraction": False})
+    _refused_or_finite(lambda: adapters.sharpness_sweep(*args, **kwargs), name,
                        finite=_value_finite)
     _same(MODEL, before)
 
@@ -149,13 +145,8 @@ def test_distributed_sharpness(name, bad):
 def test_layout_verify(name, bad):
     before = _state(MODEL)
     lay = detect_layout(MODEL)
-    kwargs = {"scales": (1.0,)}
-    model = MODEL
-    if name == "model":
-        model = bad
-    else:
-        kwargs[name] = bad
-    _refused_or_finite(lambda: lay.verify(model, INPUTS, **kwargs), name,
+    args, kwargs = _with(name, bad, {"model": MODEL, "example_inputs": INPUTS}, {"scales": (1.0,)})
+    _refused_or_finite(lambda: lay.verify(*args, **kwargs), name,
                        finite=lambda rep: rep is not None)
     _same(MODEL, before)
 
@@ -165,12 +156,8 @@ def test_layout_verify(name, bad):
        bad=st.sampled_from(BAD))
 def test_layout(name, bad):
     before = _state(MODEL)
-    model, kwargs = MODEL, {}
-    if name == "model":
-        model = bad
-    else:
-        kwargs[name] = bad
-    _refused_or_finite(lambda: detect_layout(model, **kwargs), name, finite=lambda lay: lay is not None)
+    args, kwargs = _with(name, bad, {"model": MODEL}, {})
+    _refused_or_finite(lambda: detect_layout(*args, **kwargs), name, finite=lambda lay: lay is not None)
     _same(MODEL, before)
 
 
@@ -180,15 +167,9 @@ def test_layout(name, bad):
        bad=st.sampled_from(BAD))
 def test_geodesic_sam(name, bad):
     before = _state(MODEL)
-    kwargs = {"rho": 0.05, "geometry": "geodesic-mix", "layout": LAYOUT, "lr": 0.1}
-    model, base = MODEL, torch.optim.SGD
-    if name == "model":
-        model = bad
-    elif name == "base_optimizer":
-        base = bad
-    else:
-        kwargs[name] = bad
-    _refused_or_finite(lambda: adapters.GeodesicSAM(model, base, **kwargs), name,
+    args, kwargs = _with(name, bad, {"model": MODEL, "base_optimizer": torch.optim.SGD},
+                         {"rho": 0.05, "geometry": "geodesic-mix", "layout": LAYOUT, "lr": 0.1})
+    _refused_or_finite(lambda: adapters.GeodesicSAM(*args, **kwargs), name,
                        finite=lambda opt: opt is not None)
     _same(MODEL, before)
 
@@ -200,19 +181,13 @@ def test_riemannian_hessian(name, bad):
     pytest.importorskip("curvlinops")
     from adapters.hessian import riemannian_hessian
     before = _state(MODEL)
-    kwargs = {"geometry": "geodesic-mix", "layout": LAYOUT}
-    model, batches = MODEL, BATCHES
-    if name == "model":
-        model = bad
-    elif name == "batches":
-        batches = bad
-    else:
-        kwargs[name] = bad
+    args, kwargs = _with(name, bad, {"model": MODEL, "batches": BATCHES},
+                         {"geometry": "geodesic-mix", "layout": LAYOUT})
 
     def finite(op):
         return bool(torch.isfinite(op @ torch.ones(op.shape[1], dtype=torch.float64)).all())
 
-    _refused_or_finite(lambda: riemannian_hessian(model, batches, **kwargs), name, finite=finite)
+    _refused_or_finite(lambda: riemannian_hessian(*args, **kwargs), name, finite=finite)
     _same(MODEL, before)
 
 
@@ -222,32 +197,12 @@ def test_riemannian_hessian(name, bad):
        bad=st.sampled_from(BAD))
 def test_calibrate_rho(name, bad):
     before = _state(MODEL)
-    kwargs = {"geometry": "geodesic-mix", "target_loss_rise": 0.1, "max_evals": 2, "n_iters": 1,
-              "layout": LAYOUT, "check_retraction": False}
-    model, batches = MODEL, BATCHES
-    if name == "model":
-        model = bad
-    elif name == "batches":
-        batches = bad
-    else:
-        kwargs[name] = bad
-    _refused_or_finite(lambda: adapters.calibrate_rho(model, batches, **kwargs), name,
+    args, kwargs = _with(name, bad, {"model": MODEL, "batches": BATCHES},
+                         {"geometry": "geodesic-mix", "target_loss_rise": 0.1, "max_evals": 2,
+                          "n_iters": 1, "layout": LAYOUT, "check_retraction": False})
+    _refused_or_finite(lambda: adapters.calibrate_rho(*args, **kwargs), name,
                        finite=lambda cal: math.isfinite(cal.rho) and cal.rho > 0)
     _same(MODEL, before)
-
-
-def _lora():
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=16, max_position_embeddings=8, num_labels=2)
-    model = peft.get_peft_model(transformers.BertForSequenceClassification(cfg).double(),
-                                peft.LoraConfig(r=2, target_modules=["query"], task_type="SEQ_CLS"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.normal_(0, 0.3)
-    return model
 
 
 LORA = None
@@ -257,15 +212,12 @@ LORA = None
 @given(name=st.sampled_from(["metric", "retraction", "eps", "adapters", "model"]), bad=st.sampled_from(BAD))
 def test_lora_quotient_parameters(name, bad):
     global LORA
-    LORA = LORA or _lora()
+    pytest.importorskip("peft")
+    LORA = LORA or tiny_lora_bert(hidden=8)
     before = _state(LORA)
-    model, kwargs = LORA, {}
-    if name == "model":
-        model = bad
-    else:
-        kwargs[name] = bad
+    args, kwargs = _with(name, bad, {"model": LORA}, {})
     try:
-        groups = adapters.lora_quotient_parameters(model, **kwargs)
+        groups = adapters.lora_quotient_parameters(*args, **kwargs)
     except (ValueError, TypeError) as err:
         _names(err, name)
         _same(LORA, before)

@@ -9,6 +9,7 @@ import torch
 
 from adapters.detect import layout as detect_layout
 from adapters.sharpness import sharpness
+from conftest import tiny_lora_bert
 from quotient_manifolds.geoopt import GLQuotient
 
 
@@ -240,21 +241,6 @@ def test_distributed_sharpness_checks_every_argument_before_any_collective(tiny_
     _unchanged(model, snap)
 
 
-def _tiny_lora():
-    peft = pytest.importorskip("peft")
-    import transformers
-    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=32, num_labels=2)
-    torch.manual_seed(0)
-    model = peft.get_peft_model(transformers.BertForSequenceClassification(cfg).double(),
-                                peft.LoraConfig(r=2, target_modules=["query"], task_type="SEQ_CLS"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.normal_(0, 0.3)
-    return model
-
-
 @pytest.mark.parametrize("kw,error,name", [
     ({"metric": "euclid"}, ValueError, "metric"), ({"retraction": 2}, ValueError, "retraction"),
     ({"eps": -1e-6}, ValueError, "eps"), ({"eps": math.nan}, ValueError, "eps"),
@@ -263,8 +249,9 @@ def _tiny_lora():
     ({"adapters": ["default", "typo"]}, ValueError, r"\['typo'\].*\['default'\]"),
 ])
 def test_lora_quotient_parameters_checks_every_argument(kw, error, name):
+    pytest.importorskip("peft")
     from adapters.lora_training import lora_quotient_parameters, lora_quotient_points
-    model = _tiny_lora()
+    model = tiny_lora_bert()
     snap = _snapshot(model)
     with pytest.raises(error, match=name):
         lora_quotient_parameters(model, **kw)
