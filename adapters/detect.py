@@ -261,15 +261,6 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
                 "include_frozen=True to layout() and sharpness() to put frozen weights in the ball")
         if fz:
             notes.append(f"block {b.name} dropped: it touches frozen parameter(s) {', '.join(fz)}")
-        elif b.head_dim > min(b.n, b.m):
-            # G (n×h) and H (m×h) cannot have full column rank: no quotient manifold to measure on
-            reason = (f"head_dim {b.head_dim} exceeds min(n, m) = {min(b.n, b.m)} (n = {b.n}, m = {b.m}): "
-                      f"its factors cannot have full column rank, so block {b.name} has no GL quotient")
-            if id(b) in declared:
-                raise ValueError(f"declared block {b.name}: {reason}; declare it with fewer columns per "
-                                 f"head, or leave it out (its weights are then adaptive)")
-            unsupported.append(Unsupported(f"{b.module}/{b.kind}", type(model.get_submodule(b.module)).__name__,
-                                           reason))
         else:
             final.append(b)
 

@@ -219,8 +219,13 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
         runs = [(key, run) for key, blocks in by_key.items()
                 for run in _runs_of_blocks(blocks, key, params0[blocks[0].g_pieces[0].param])]
         for (n, m, h, group), blocks in runs:
-            geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
-                                      **({"group": group} if group is not None else {}))
+            try:
+                geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
+                                          **({"group": group} if group is not None else {}))
+            except ValueError as err:   # e.g. a head dimension h larger than n or m
+                raise ValueError(f"block(s) {', '.join(b.name for b in blocks)}: {err}; measure this "
+                                 f"model with geometry='adaptive', or pass a layout= without these "
+                                 f"blocks") from None
             counts = [block.num_heads for block in blocks]
             like = params0[blocks[0].g_pieces[0].param]
             x0 = _gather_heads(blocks, counts, params0, like.device)

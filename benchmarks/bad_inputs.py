@@ -269,7 +269,9 @@ def case_head_dim_larger_than_hidden():
                                    num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                                    max_position_embeddings=16)
     m = transformers.LlamaForCausalLM(cfg).double().eval()
-    return m, lambda: detect_layout(m), ["head"]
+    ids = torch.randint(0, 50, (2, 6))
+    return m, lambda: adapters.sharpness(m, [{"input_ids": ids, "labels": ids}], rho=0.1, n_iters=1), \
+        ["self_attn/qk"]
 
 
 CASES: List[Tuple[str, str, Callable]] = [
@@ -300,7 +302,7 @@ CASES: List[Tuple[str, str, Callable]] = [
     ("crash", "layout from another model: other names (KeyError)", case_layout_other_model_names),
     ("crash", "GLQuotient mismatched batch shapes", case_glquotient_batch_shapes),
     ("crash", "wrong-shaped input ids", case_input_ids_shape),
-    ("crash", "head dim larger than hidden size in layout()", case_head_dim_larger_than_hidden),
+    ("crash", "head dim larger than hidden size (refused later, naming no block)", case_head_dim_larger_than_hidden),
 ]
 
 

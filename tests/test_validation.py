@@ -261,15 +261,16 @@ def test_lora_quotient_parameters_checks_every_argument(kw, error, name):
         lora_quotient_parameters(None)
 
 
-def test_a_head_dim_larger_than_the_hidden_size_is_refused_by_layout_naming_the_block():
+def test_a_head_dim_larger_than_the_hidden_size_is_refused_naming_the_block():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                                    max_position_embeddings=16)
     model = transformers.LlamaForCausalLM(cfg).double().eval()
-    with pytest.raises(ValueError, match=r"(?s)model.layers.0.self_attn/qk.*head_dim 16 exceeds min\(n, m\) = 8"):
-        detect_layout(model)
-    lay = detect_layout(model, allow_unsupported=True)      # then its weights are adaptive
-    assert not lay.blocks and {u.module for u in lay.unsupported} == {"model.layers.0.self_attn/qk",
-                                                                      "model.layers.0.self_attn/vo"}
+    ids = torch.randint(0, 50, (2, 6))
+    snap = _snapshot(model)
+    # the layout holds (the symmetry is real), but no quotient of full-rank factors exists
+    with pytest.raises(ValueError, match=r"(?s)block\(s\) model.layers.0.self_attn/qk.*h = 16 exceeds.*adaptive"):
+        sharpness(model, [{"input_ids": ids, "labels": ids}], rho=0.1, n_iters=1)
+    _unchanged(model, snap)
