@@ -66,9 +66,6 @@ def batches(name: str, value: Any) -> Any:
         raise TypeError(f"{name} must be an iterable of batches (e.g. a list of (inputs, targets) "
                         f"pairs or a DataLoader), got {type(value).__name__}; for one batch pass "
                         f"[batch]")
-    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
-        raise TypeError(f"{name} holds a tensor where a batch ((inputs, targets) or a dict) was "
-                        f"expected: this looks like one batch; pass [batch]")
     return value
 
 

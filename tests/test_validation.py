@@ -235,7 +235,7 @@ def test_distributed_sharpness_checks_every_argument_before_any_collective(tiny_
     with pytest.raises(error, match=name):
         distributed_sharpness(model, _batches(inputs), **kw)
     with pytest.raises(TypeError, match="batches"):
-        distributed_sharpness(model, _batches(inputs)[0], rho=0.1)
+        distributed_sharpness(model, inputs, rho=0.1)            # one dict batch, not a list of them
     with pytest.raises(TypeError, match="model"):
         distributed_sharpness("bert", _batches(inputs), rho=0.1)
     _unchanged(model, snap)
