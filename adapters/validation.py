@@ -15,26 +15,23 @@ import torch
 
 def positive_finite(name: str, value: Any) -> float:
     """``value`` as a float, refused unless it is a real number with ``0 < value < inf``."""
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
-            isinstance(value, torch.Tensor) and value.numel() != 1):
-        raise TypeError(f"{name} must be a positive finite number, got {value!r} "
-                        f"({type(value).__name__}); pass e.g. {name}=1.0")
-    v = float(value)
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {v!r}; pass a value > 0 "
-                         f"(e.g. {name}=1.0)")
-    return v
+    return _finite_number(name, value, zero_allowed=False)
 
 
 def non_negative_finite(name: str, value: Any) -> float:
     """``value`` as a float, refused unless it is a real number with ``0 <= value < inf``."""
+    return _finite_number(name, value, zero_allowed=True)
+
+
+def _finite_number(name: str, value: Any, *, zero_allowed: bool) -> float:
+    what, example = ("a finite number >= 0", 0.0) if zero_allowed else ("a positive finite number", 1.0)
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
             isinstance(value, torch.Tensor) and value.numel() != 1):
-        raise TypeError(f"{name} must be a finite number >= 0, got {value!r} "
-                        f"({type(value).__name__}); pass e.g. {name}=0.0")
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__}); pass e.g. "
+                        f"{name}={example}")
     v = float(value)
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_allowed):
+        raise ValueError(f"{name} must be {what}, got {v!r}; pass e.g. {name}={example}")
     return v
 
 
