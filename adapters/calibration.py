@@ -179,12 +179,26 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
                                      target_loss_rise=0.1, n_iters=10)
         res = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=cal.rho, n_iters=10)
     """
+    from . import validation as check
     from .sharpness import GEOMETRIES, sharpness
+    from .sharpness import sharpness_options as checked_options
 
-    if geometry not in GEOMETRIES:
-        raise ValueError(f"geometry must be one of {GEOMETRIES}, got {geometry!r}")
+    check.module("model", model)
+    check.batches("batches", batches)
+    check.choice("geometry", geometry, GEOMETRIES)
+    target_loss_rise = check.positive_finite("target_loss_rise", target_loss_rise)
+    if rho_start is not None:
+        rho_start = check.positive_finite("rho_start", rho_start)
+    if check.positive_finite("tolerance", tolerance) <= 1:
+        raise ValueError(f"tolerance must be a factor > 1 (stop when the loss rise is within it of "
+                         f"the target), got {tolerance!r}; e.g. tolerance=1.25")
+    check.integer_at_least("max_evals", max_evals, 1)
     if sharpness_options.get("measure", "worst") != "worst":
         raise ValueError("calibrate_rho calibrates the worst-case loss rise; drop measure=")
+    if "rho" in sharpness_options:
+        raise TypeError("calibrate_rho finds rho itself: drop rho= (pass rho_start= to choose the "
+                        "first radius tried)")
+    checked_options(sharpness_options)
     batches = list(batches)
     start = rho_start if rho_start is not None else (0.05 if geometry == "geodesic-mix" else 0.1)
     measured: Dict[float, float] = {}

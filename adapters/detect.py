@@ -165,6 +165,9 @@ def _flatten(blocks) -> List[GLBlock]:
         return []
     if isinstance(blocks, GLBlock):
         return [blocks]
+    if isinstance(blocks, (str, bytes, torch.Tensor)) or not isinstance(blocks, Iterable):
+        raise TypeError(f"blocks= must be a GLBlock (see declare_block), a list of them, or None, got "
+                        f"{blocks!r} ({type(blocks).__name__})")
     out = []
     for b in blocks:
         out.extend(_flatten(b))
@@ -189,6 +192,12 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
     model); a declared block touching them is an error. ``include_frozen=True`` treats frozen
     parameters as trainable (pass it to ``sharpness`` too).
     """
+    from . import validation as check
+
+    check.module("model", model)
+    for name, value in (("allow_unsupported", allow_unsupported), ("detect_blocks", detect_blocks),
+                        ("include_frozen", include_frozen)):
+        check.flag(name, value)
     params = dict(model.named_parameters())
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     _, alias = _canonical_names(model)

@@ -19,7 +19,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .sharpness import SharpnessResult, sharpness
+from . import validation as check
+from .sharpness import SharpnessResult, sharpness, sharpness_options
 
 __all__ = ["distributed_sharpness"]
 
@@ -37,6 +38,15 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
     """
     import torch.distributed as dist
 
+    # every rank refuses the same bad argument before any collective (a rank that raised alone
+    # would leave the others waiting in all_gather_object)
+    check.module("model", model)
+    check.integer_at_least("seed", seed, -2 ** 63)
+    if "rho" not in options:
+        raise TypeError("distributed_sharpness needs rho= (the radius of the ball), as "
+                        "adapters.sharpness does")
+    sharpness_options({k: v for k, v in options.items() if k != "rho"}, rho=options["rho"])
+    check.batches("batches", batches)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("distributed_sharpness needs an initialised torch.distributed process "
                            "group (torch.distributed.init_process_group(...), e.g. under torchrun); "

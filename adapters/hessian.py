@@ -117,6 +117,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 from quotient_manifolds._runtime import bounded_threads
 from quotient_manifolds.core.gl import check_choice
 
+from . import validation as check
 from .sharpness import (
     GEOMETRIES,
     HALF_DTYPES,
@@ -352,6 +353,13 @@ def riemannian_hessian(model: torch.nn.Module,
     """
     from .accept import ensure_verified, is_verified, refuse_failed_blocks, resolve_layout
 
+    check.module("model", model)
+    check.batches("batches", batches)
+    check.optional_layout("layout", layout)
+    check.optional_callable("loss_fn", loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
+    eps = check.non_negative_finite("eps", eps)
+    check.flag("allow_unsupported", allow_unsupported)
+    check.flag("unsafe", unsafe)
     check_choice(geometry, GEOMETRIES, "geometry")
     materialised(model, f"{geometry} Hessian")
     if reduction is None:

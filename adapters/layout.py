@@ -783,13 +783,27 @@ class Layout:
         """
         from torch.func import functional_call
 
-        from .validation import materialised
-        materialised(model, "verify()")
+        from . import validation as check
+        from .validation import positive_finite, positive_finite_sequence
+
+        check.module("model", model)
+        for name, tol in (("rtol", rtol), ("atol", atol)):
+            if tol is not None:
+                check.non_negative_finite(name, tol)
+        check.integer_at_least("seed", seed, -2 ** 63)
+        if not isinstance(per_block, (bool, str)) or per_block not in (True, False, "auto"):
+            raise ValueError(f"per_block must be True, False or 'auto', got {per_block!r}")
+        check.flag("raise_on_failure", raise_on_failure)
+        check.optional_callable("output_fn", output_fn, "output_fn(model output) -> tensor")
+        if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
+                                              and compute_dtype.is_floating_point):
+            raise TypeError(f"compute_dtype must be a floating torch.dtype (e.g. torch.float64) or None "
+                            f"for the model's, got {compute_dtype!r}")
+        check.materialised(model, "verify()")
         self.check_model(model, what="verify()")
         fn = output_fn or primary_output
         args, kwargs = _split_inputs(example_inputs)
         flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
-        from .validation import positive_finite, positive_finite_sequence
         scales = positive_finite_sequence("scales", scales)
         if cond is not None and positive_finite("cond", cond) < 1:
             raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "

@@ -94,8 +94,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from quotient_manifolds.core.gl import METRICS, RETRACTIONS
 from quotient_manifolds.geoopt import GLQuotient
 
+from . import validation as check
 from .detect import detect
 from .families import family
 
@@ -217,6 +219,11 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
 # --------------------------------------------------------------------------------------------------
 
 
+def _adapter_of(block) -> str:
+    """The peft adapter name of a ``peft-lora`` block (its name ends in ``/lora[adapter]``)."""
+    return block.name.rsplit("/lora[", 1)[-1][:-1]
+
+
 def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retraction: str = "first_order",
                              eps: float = 0.0, adapters: Optional[Sequence[str]] = None
                              ) -> List[dict]:
@@ -246,25 +253,34 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
     it to ``geoopt.optim.RiemannianAdam`` or :class:`InvariantRiemannianSGD`. ``weight_decay`` is 0 on
     the points because ‖B‖² + ‖A‖² is not invariant (module docstring).
     """
+    check.module("model", model)
+    check.choice("metric", metric, METRICS)
+    check.choice("retraction", retraction, RETRACTIONS)
+    eps = check.non_negative_finite("eps", eps)
+    wanted = None if adapters is None else set(check.names("adapters", adapters))
     if any(True for _ in _views(model)):
         raise ValueError("the LoRA pairs of this model are already re-pointed at quotient points: use the "
                          "parameter groups of the first call (or lora_quotient_points(model)), or call "
                          "merge_back(model) first")
     found = detect(model, families=[family("peft-lora")])
     params = dict(model.named_parameters())
-    wanted = None if adapters is None else set(adapters)
     for note in found.notes:
         warnings.warn(f"{note}; such factors are trained as plain parameters, not GL(r)-invariantly",
                       stacklevel=2)
     pairs = []
     for block in found.blocks:
-        adapter = block.name.rsplit("/lora[", 1)[-1][:-1]
+        adapter = _adapter_of(block)
         b_name, a_name = block.g_pieces[0].param, block.h_pieces[0].param
         if wanted is not None and adapter not in wanted:
             continue
         if not (params[b_name].requires_grad and params[a_name].requires_grad):
             continue            # an inactive adapter: nothing to train
         pairs.append((block, b_name, a_name))
+    found_adapters = {_adapter_of(block) for block in found.blocks}
+    if wanted is not None and wanted - found_adapters:
+        raise ValueError(f"no trainable peft LoRA pair for adapters {sorted(wanted - found_adapters)}: "
+                         f"the model has no such adapter (its LoRA adapters: {sorted(found_adapters)}); "
+                         f"pass adapters= names from that list, or None for all")
     if not pairs:
         raise ValueError("no trainable peft LoRA pair (lora_A/lora_B nn.Linear of matching rank) was found"
                          + (f" for adapters {sorted(wanted)}" if wanted is not None else "")

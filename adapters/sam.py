@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
 from .sharpness import GEOMETRIES as BALL_GEOMETRIES
+from . import validation as check
 from .sharpness import HALF_DTYPES, _as_compute, _as_rho, build_ball
 from .validation import materialised
 
@@ -118,8 +119,11 @@ class GeodesicSAM(torch.optim.Optimizer):
                              "'second_order' (w + ξ + ξ²/(2w))")
         if elementwise_second_order is None:
             elementwise_second_order = geometry == "adaptive" and retraction != "first_order"
-        self.elementwise_second_order = bool(elementwise_second_order)
-        self.gram_eps = float(gram_eps)
+        self.elementwise_second_order = check.flag("elementwise_second_order", elementwise_second_order)
+        self.gram_eps = check.non_negative_finite("gram_eps", gram_eps)
+        check.optional_layout("layout", layout)
+        check.flag("allow_unsupported", allow_unsupported)
+        check.flag("unsafe", unsafe)
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         if isinstance(base_optimizer, torch.optim.Optimizer):

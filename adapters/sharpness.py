@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from quotient_manifolds._runtime import bounded_threads
-from quotient_manifolds.core.gl import RETRACTIONS, GLQuotientGeometry, check_choice
+from quotient_manifolds.core.gl import RETRACTIONS, GLQuotientGeometry
 
 from .solver import (
     MOMENTUM_FORMS,
@@ -45,6 +45,7 @@ from .solver import (
     auto_pgd,
     average_case,
 )
+from . import validation as check
 from .validation import materialised, scalar_loss, token_inputs
 
 Tensor = torch.Tensor
@@ -218,8 +219,13 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
         runs = [(key, run) for key, blocks in by_key.items()
                 for run in _runs_of_blocks(blocks, key, params0[blocks[0].g_pieces[0].param])]
         for (n, m, h, group), blocks in runs:
-            geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
-                                      **({"group": group} if group is not None else {}))
+            try:
+                geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
+                                          **({"group": group} if group is not None else {}))
+            except ValueError as err:   # e.g. a head dimension h larger than n or m
+                raise ValueError(f"block(s) {', '.join(b.name for b in blocks)}: {err}; measure this "
+                                 f"model with geometry='adaptive', or pass a layout= without these "
+                                 f"blocks") from None
             counts = [block.num_heads for block in blocks]
             like = params0[blocks[0].g_pieces[0].param]
             x0 = _gather_heads(blocks, counts, params0, like.device)
@@ -427,10 +433,10 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
     perturbation found at ρ_{k−1} (inside the larger ball), so the values never decrease along the
     sweep, which independent single-start runs do not guarantee. Costs one Auto-PGD run per
     radius and batch, like separate calls, minus the repeated set-up."""
-    bound = inspect.signature(sharpness).bind(model, batches, rho=1.0, **options)
-    bound.apply_defaults()
-    args = {k: v for k, v in bound.arguments.items() if k not in ("model", "batches", "rho")}
-    radii = [_as_rho(r) for r in rhos]
+    args = sharpness_options(options)
+    if isinstance(rhos, (str, bytes)) or not isinstance(rhos, Iterable) or getattr(rhos, "ndim", 1) != 1:
+        raise TypeError(f"rhos must be a sequence of radii, got {rhos!r} ({type(rhos).__name__})")
+    radii = [_as_rho(r, f"rhos[{i}]") for i, r in enumerate(rhos)]
     if not radii or any(b <= a for a, b in zip(radii, radii[1:])):
         raise ValueError(f"rhos must be a non-empty, strictly increasing sequence of radii, got "
                          f"{list(rhos)!r}")
@@ -446,6 +452,8 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     from .accept import ensure_verified, is_verified, refuse_failed_blocks, resolve_layout
 
     _check_options(options)
+    check.module("model", model)
+    check.batches("batches", batches)
     materialised(model, f"{options['geometry']} sharpness")
 
     geometry, retraction, measure = options["geometry"], options["retraction"], options["measure"]
@@ -455,11 +463,6 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     normalize_logits, num_threads = options["normalize_logits"], options["num_threads"]
     include_frozen, progress = options["include_frozen"], options["progress"]
 
-    check_choice(geometry, GEOMETRIES, "geometry")
-    check_choice(retraction, RETRACTIONS, "retraction")
-    check_choice(measure, MEASURES, "measure")
-    check_choice(momentum, MOMENTUM_FORMS, "momentum form")
-    check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
     all_params = dict(model.named_parameters())
     params0 = {n: p.detach() for n, p in all_params.items()
                if p.requires_grad or (include_frozen and p.is_floating_point())}
@@ -610,15 +613,43 @@ def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:
     return (exact - res.init_loss) / rise - 1 if rise > 0 else 0.0
 
 
+def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, Any]:
+    """The keyword options of :func:`sharpness` (all but ``model``, ``batches``, ``rho``) with the
+    defaults filled in, refused before any work if one, or ``rho``, is unknown or out of range."""
+    _as_rho(rho)
+    try:
+        bound = inspect.signature(sharpness).bind(None, None, rho=1.0, **options)
+    except TypeError as err:
+        raise TypeError(f"{err}: the options are those of adapters.sharpness "
+                        f"({', '.join(p for p in inspect.signature(sharpness).parameters if p not in ('model', 'batches'))})"
+                        ) from None
+    bound.apply_defaults()
+    args = {k: v for k, v in bound.arguments.items() if k not in ("model", "batches", "rho")}
+    _check_options(args)
+    return args
+
+
 def _check_options(options: Dict[str, Any]) -> None:
     """Refuse out-of-range options of :func:`sharpness` before any work (messages name the option)."""
-    from . import validation as check
-
-    check.choice("measure", options["measure"], ("worst", "average"))
+    check.choice("geometry", options["geometry"], GEOMETRIES)
+    check.choice("retraction", options["retraction"], RETRACTIONS)
+    check.choice("measure", options["measure"], MEASURES)
+    check.choice("momentum", options["momentum"], MOMENTUM_FORMS)
+    check.choice("step_normalisation", options["step_normalisation"], STEP_NORMALISATIONS)
+    check.choice("adaptive_direction", options["adaptive_direction"], ("riemannian", "andriushchenko"))
     check.positive_finite("step_size_mult", options["step_size_mult"])
     check.integer_at_least("n_iters", options["n_iters"], 1)
     check.integer_at_least("n_samples", options["n_samples"], 1)
+    check.integer_at_least("seed", options["seed"], -2 ** 63)
+    check.non_negative_finite("eps", options["eps"])
     check.positive_finite("retraction_tolerance", options["retraction_tolerance"])
+    if options["num_threads"] is not None:
+        check.integer_at_least("num_threads", options["num_threads"], 1)
+    check.optional_callable("loss_fn", options["loss_fn"], "loss_fn(outputs, targets) -> scalar tensor")
+    for name in ("use_metric_norm", "elementwise_second_order", "normalize_logits", "allow_unsupported",
+                 "unsafe", "progress", "include_frozen", "check_retraction"):
+        check.flag(name, options[name])
+    check.optional_layout("layout", options["layout"])
     if options["include_frozen"] and options["layout"] is not None and getattr(
             options["layout"], "frozen", None):
         raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
@@ -626,19 +657,20 @@ def _check_options(options: Dict[str, Any]) -> None:
                          "layout(model, include_frozen=True), or pass include_frozen=False")
 
 
-def _as_rho(rho: Any) -> float:
-    """``rho`` as a float: Python / numpy scalars and 0-d arrays or tensors; finite and > 0."""
+def _as_rho(rho: Any, name: str = "rho") -> float:
+    """``rho`` (the argument ``name``) as a float: Python / numpy scalars and 0-d arrays or tensors;
+    finite and > 0."""
     value = rho
     if isinstance(value, Tensor) or type(value).__module__ == "numpy":
         if getattr(value, "ndim", 0) != 0:
-            raise ValueError(f"rho must be a scalar, got an array of shape {tuple(value.shape)}")
+            raise ValueError(f"{name} must be a scalar, got an array of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"rho must be a number > 0 (float, int, numpy scalar or 0-d "
+        raise ValueError(f"{name} must be a number > 0 (float, int, numpy scalar or 0-d "
                          f"array/tensor), got {rho!r} of type {type(rho).__name__}")
     value = float(value)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"rho must be a finite number > 0 (the radius of the ball), got {rho!r}")
+        raise ValueError(f"{name} must be a finite number > 0 (the radius of the ball), got {rho!r}")
     return value
 
 

@@ -8,22 +8,86 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping, Sequence, Tuple
+from typing import Any, Iterable, Mapping, Sequence, Tuple
 
 import torch
 
 
 def positive_finite(name: str, value: Any) -> float:
     """``value`` as a float, refused unless it is a real number with ``0 < value < inf``."""
+    return _finite_number(name, value, zero_allowed=False)
+
+
+def non_negative_finite(name: str, value: Any) -> float:
+    """``value`` as a float, refused unless it is a real number with ``0 <= value < inf``."""
+    return _finite_number(name, value, zero_allowed=True)
+
+
+def _finite_number(name: str, value: Any, *, zero_allowed: bool) -> float:
+    what, example = ("a finite number >= 0", 0.0) if zero_allowed else ("a positive finite number", 1.0)
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
             isinstance(value, torch.Tensor) and value.numel() != 1):
-        raise TypeError(f"{name} must be a positive finite number, got {value!r} "
-                        f"({type(value).__name__}); pass e.g. {name}=1.0")
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__}); pass e.g. "
+                        f"{name}={example}")
     v = float(value)
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {v!r}; pass a value > 0 "
-                         f"(e.g. {name}=1.0)")
+    if not math.isfinite(v) or v < 0 or (v == 0 and not zero_allowed):
+        raise ValueError(f"{name} must be {what}, got {v!r}; pass e.g. {name}={example}")
     return v
+
+
+def module(name: str, value: Any) -> torch.nn.Module:
+    """``value``, refused unless it is a ``torch.nn.Module``."""
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module (the model itself), got "
+                        f"{type(value).__name__}")
+    return value
+
+
+def names(name: str, value: Any) -> Tuple[str, ...]:
+    """A non-empty sequence of strings as a tuple (a bare string is refused: it would be read as a
+    sequence of one-letter names)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, set, frozenset)) or not all(
+            isinstance(v, str) for v in value):
+        hint = f"; for one name pass {name}=[{value!r}]" if isinstance(value, str) else ""
+        raise TypeError(f"{name} must be a list of names (strings), got {value!r}{hint}")
+    if not value:
+        raise ValueError(f"{name} must name at least one, got an empty {type(value).__name__}; pass "
+                         f"None for all")
+    return tuple(value)
+
+
+def batches(name: str, value: Any) -> Any:
+    """``value``, refused unless it is an iterable of batches (a lone tensor, dict or string is one
+    batch, or none: iterating it would yield its rows, keys or characters)."""
+    if isinstance(value, (str, bytes, torch.Tensor, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be an iterable of batches (e.g. a list of (inputs, targets) "
+                        f"pairs or a DataLoader), got {type(value).__name__}; for one batch pass "
+                        f"[batch]")
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value``, refused unless it is ``True`` or ``False`` (a string such as ``"no"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def optional_callable(name: str, value: Any, what: str) -> Any:
+    """``value``, refused unless it is ``None`` or callable (``what`` says how it is called)."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be a function {what}, or None for the default, got "
+                        f"{type(value).__name__}")
+    return value
+
+
+def optional_layout(name: str, value: Any) -> Any:
+    """``value``, refused unless it is ``None`` or a :class:`~adapters.layout.Layout`."""
+    from .layout import Layout
+    if value is not None and not isinstance(value, Layout):
+        raise TypeError(f"{name} must be an adapters.Layout (from adapters.layout(model)) or None to "
+                        f"detect it, got {type(value).__name__}")
+    return value
 
 
 def integer_at_least(name: str, value: Any, minimum: int) -> int:

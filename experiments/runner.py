@@ -379,6 +379,7 @@ _PARENT_PID: Optional[int] = None
 def _init_worker(threads: int, parent_pid: int) -> None:
     global _PARENT_PID
     _PARENT_PID = parent_pid
+    _exit_with_parent()
     import torch
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):
@@ -386,9 +387,40 @@ def _init_worker(threads: int, parent_pid: int) -> None:
 
 
 def check_parent_alive() -> None:
-    """Called from training/measurement loops: a worker whose parent died (e.g. SIGKILL) exits."""
+    """A worker whose parent died (e.g. SIGKILL) exits (called by the watchdog thread of
+    :func:`_exit_with_parent`, and from training/measurement loops)."""
     if _PARENT_PID is not None and os.getppid() != _PARENT_PID:
         os._exit(3)
+
+
+#: How often a worker's watchdog thread checks that its parent is alive (seconds).
+PARENT_POLL_S = 0.2
+
+
+def _exit_with_parent() -> None:
+    """Make this worker exit when the parent dies, whatever it is doing (computing, or idle waiting
+    for the next model: the pool's queues never report a dead parent, so an idle worker would wait
+    forever, and with it the multiprocessing resource tracker, which lives until every process
+    holding its pipe is gone). Two layers: on Linux the kernel sends SIGKILL at the parent's death
+    (``prctl(PR_SET_PDEATHSIG)``); everywhere, a daemon thread polls ``os.getppid()``, which
+    changes when the parent dies (the worker is re-parented)."""
+    import ctypes
+    import signal
+    import sys
+    import threading
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):   # a missing libc symbol only removes this layer
+            PR_SET_PDEATHSIG = 1
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+    def watch() -> None:
+        while True:
+            check_parent_alive()
+            time.sleep(PARENT_POLL_S)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+    check_parent_alive()   # the parent may have died before prctl took effect
 
 
 def _call(job: Callable, args: tuple) -> Tuple[bool, Any]:

@@ -13,10 +13,13 @@ restores ``torch.get_num_threads()`` afterwards (the setting is process-wide).
 from __future__ import annotations
 
 import functools
+import re
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
+
+from ._validation import all_finite
 
 Tensor = torch.Tensor
 
@@ -52,7 +55,11 @@ def small_work(size_of: Callable[[Any], int]) -> Callable:
     def decorate(method: Callable) -> Callable:
         @functools.wraps(method)
         def wrapper(self, point, *args, **kwargs):
-            with bounded_threads(threads_for(size_of(point))):
+            try:
+                size = size_of(point)
+            except (AttributeError, TypeError, ValueError):
+                size = 0   # not a point: the method's own checks say so, naming the argument
+            with bounded_threads(threads_for(size)):
                 return method(self, point, *args, **kwargs)
         return wrapper
 
@@ -80,8 +87,17 @@ class FrameCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def frame(self, geometry, x: Tensor):
-        """``geometry.frame(x)``, reused when a cached frame was built at an equal point."""
+    def frame(self, geometry, x: Tensor, name: str = "x"):
+        """``geometry.frame(x)``, reused when a cached frame was built at an equal point; a point the
+        core refuses raises its ValueError, naming the argument ``name``."""
+        try:
+            return self._frame(geometry, x)
+        except ValueError as err:
+            if re.search(rf"\b{re.escape(name)}\b", str(err)):
+                raise
+            raise ValueError(f"{name}: {err}") from None
+
+    def _frame(self, geometry, x: Tensor):
         if self.size < 1 or (x.requires_grad and torch.is_grad_enabled()):
             return geometry.frame(x)
         for i, (geom, snap, frame) in enumerate(self._entries):
@@ -100,7 +116,7 @@ class FrameCache:
         there, so the validation costs nothing extra). A ``y`` off the manifold (non-finite, or a
         factor that lost rank) raises :class:`StepTooLarge` with what to do."""
         try:
-            return self.frame(geometry, y)
+            return self._frame(geometry, y)
         except ValueError as err:
             raise StepTooLarge(step_too_large_message(geometry, err)) from err
 
@@ -118,6 +134,23 @@ def step_too_large_message(geometry, err: Exception) -> str:
     mix metric divides by them instead (∇_G (HᵀH)⁻¹, ∇_H (GᵀG)⁻¹), a step that does not grow with
     the scale of the factors (docs/maths.md §4)."""
     reason = str(err).split(":")[0]
+    return (f"step too large: the retraction left the manifold (at the new point, {reason}). "
+            f"{_smaller_steps(geometry)}.")
+
+
+def finite_step(geometry, name: str, step: Tensor) -> Tensor:
+    """``step`` (the tangent vector a retraction moves along), refused with :class:`StepTooLarge`
+    if it holds a NaN or an infinity: the new point would be off the manifold."""
+    try:
+        all_finite(name, step)
+    except ValueError as err:
+        raise StepTooLarge(f"step too large: {err}; no retraction along it stays on the manifold. "
+                           f"{_smaller_steps(geometry)}.") from None
+    return step
+
+
+def _smaller_steps(geometry) -> str:
+    """How to take smaller steps under ``geometry``'s metric."""
     advice = "Reduce the optimiser's learning rate"
     if getattr(geometry, "metric", None) == "inv":
         advice += (": metric='inv' scales the gradient by the Gram matrices of the factors "
@@ -126,5 +159,4 @@ def step_too_large_message(geometry, err: Exception) -> str:
                    "or use metric='mix', whose step does not grow with the scale of the factors")
     else:
         advice += ", or the momentum"
-    return (f"step too large: the retraction left the manifold (at the new point, {reason}). "
-            f"{advice}.")
+    return advice

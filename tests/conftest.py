@@ -148,3 +148,21 @@ def reparametrised_copy(model: nn.Module, *, scale: float, cond, seed: int = 0, 
     actions = layout.random_actions(params, scale=scale, cond=cond,
                                     generator=torch.Generator().manual_seed(seed))
     return layout.reparametrised(model, actions)
+
+
+def tiny_lora_bert(hidden: int = 16) -> nn.Module:
+    """A peft LoRA (r=2 on the query projections) over a tiny float64 BERT classifier, with random
+    nonzero factors (peft starts lora_B at 0, a rank-deficient point)."""
+    import peft
+
+    T = _transformers()
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=50, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=2 * hidden, max_position_embeddings=16, num_labels=2)
+    model = peft.get_peft_model(T.BertForSequenceClassification(cfg).double(),
+                                peft.LoraConfig(r=2, target_modules=["query"], task_type="SEQ_CLS"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.3)
+    return model

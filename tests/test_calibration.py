@@ -81,5 +81,5 @@ def test_calibrate_rho_rejects_what_it_cannot_calibrate():
     with pytest.raises(ValueError, match="worst-case"):
         adapters.calibrate_rho(model, batches, geometry="adaptive", target_loss_rise=0.1,
                                measure="average")
-    with pytest.raises(ValueError, match="target > 0"):
+    with pytest.raises(ValueError, match="target_loss_rise must be a positive"):
         adapters.calibrate_rho(model, batches, geometry="adaptive", target_loss_rise=0.0)

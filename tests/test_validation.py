@@ -9,6 +9,7 @@ import torch
 
 from adapters.detect import layout as detect_layout
 from adapters.sharpness import sharpness
+from conftest import tiny_lora_bert
 from quotient_manifolds.geoopt import GLQuotient
 
 
@@ -164,3 +165,112 @@ def test_a_tuple_of_several_tensors_needs_loss_fn():
         sharpness(model, [(x, y)], rho=0.1, geometry="adaptive", n_iters=1)
     ce = lambda o, t: torch.nn.functional.cross_entropy(o[1], t)  # noqa: E731
     assert sharpness(model, [(x, y)], rho=0.1, geometry="adaptive", n_iters=1, loss_fn=ce).value >= 0
+
+
+# ------------------------------------------------------------------ the pymanopt face: same checks
+def test_pymanopt_glquotient_refuses_misshaped_nonfinite_and_non_real_tangents():
+    import numpy as np
+
+    from quotient_manifolds.pymanopt import GLQuotient as PymanoptGLQuotient
+    from quotient_manifolds import StepTooLarge
+
+    M = PymanoptGLQuotient(5, 4, 2, metric="inv")
+    np.random.seed(0)
+    x = M.random_point()
+    ok = (np.ones((5, 2)), np.ones((4, 2)))
+    nan = (np.full((5, 2), np.nan), np.ones((4, 2)))
+    for call, name in ((lambda: M.inner_product(x, ok, nan), "tangent_vector_b.G"),
+                       (lambda: M.projection(x, nan), "vector.G"),
+                       (lambda: M.euclidean_to_riemannian_gradient(x, nan), "euclidean_gradient.G"),
+                       (lambda: M.norm(x, (np.ones((5, 2)), np.full((4, 2), np.inf))),
+                        "tangent_vector.H")):
+        with pytest.raises(ValueError, match=rf"{name} contains \d+ non-finite"):
+            call()
+    with pytest.raises(StepTooLarge, match="tangent_vector contains"):
+        M.retraction(x, nan)
+    with pytest.raises(ValueError, match=r"tangent_vector_a.G has shape \(5, 3\), expected \(5, 2\)"):
+        M.inner_product(x, (np.ones((5, 3)), np.ones((4, 2))), ok)
+    with pytest.raises(ValueError, match=r"vector.G has shape \(3, 5, 2\)"):   # no batches here
+        M.projection(x, (np.ones((3, 5, 2)), np.ones((3, 4, 2))))
+    with pytest.raises(TypeError, match="vector must be a pair"):
+        M.projection(x, np.ones((9, 2)))
+    with pytest.raises(TypeError, match="vector.G must be an array of real numbers"):
+        M.projection(x, (1j * np.ones((5, 2)), np.ones((4, 2))))   # no silently dropped imaginary part
+    # integers convert exactly (the face computes in float64): the right answer, not a refusal
+    ints = (np.ones((5, 2), dtype=int), np.ones((4, 2), dtype=int))
+    assert M.inner_product(x, ints, ints) == M.inner_product(x, ok, ok)
+
+
+def test_geoopt_glquotient_refuses_nonfinite_and_unchecked_method_tangents():
+    M = GLQuotient(5, 4, 2, metric="inv")
+    torch.manual_seed(0)
+    x = M.random(9, 2, dtype=torch.float64)
+    nan = torch.full((9, 2), math.nan, dtype=torch.float64)
+    for call in (lambda: M.proju(x, nan), lambda: M.inner(x, nan), lambda: M.egrad2rgrad(x, nan),
+                 lambda: M.norm(x, nan), lambda: M.transp(x, x, nan)):
+        with pytest.raises(ValueError, match="non-finite"):
+            call()
+    integer = torch.ones(9, 2, dtype=torch.int64)
+    for call in (lambda: M.norm(x, integer), lambda: M.retr(x, integer), lambda: M.transp(x, x, integer),
+                 lambda: M.proju(x, integer.to(torch.complex128))):
+        with pytest.raises(TypeError, match="real floating-point"):
+            call()
+
+
+# --------------------------------------------- distributed_sharpness and lora_quotient_parameters
+@pytest.mark.parametrize("kw,error,name", [
+    ({"rho": -0.1}, ValueError, "rho"), ({"rho": "0.1"}, ValueError, "rho"), ({}, TypeError, "rho="),
+    ({"rho": 0.1, "seed": 1.5}, TypeError, "seed"), ({"rho": 0.1, "n_iters": 0}, ValueError, "n_iters"),
+    ({"rho": 0.1, "geometry": "geodesic"}, ValueError, "geometry"),
+    ({"rho": 0.1, "n_itres": 3}, TypeError, "n_itres"), ({"rho": 0.1, "eps": -1.0}, ValueError, "eps"),
+    ({"rho": 0.1, "loss_fn": "ce"}, TypeError, "loss_fn"), ({"rho": 0.1, "progress": "no"}, TypeError,
+                                                            "progress"),
+])
+def test_distributed_sharpness_checks_every_argument_before_any_collective(tiny_bert, kw, error, name):
+    from adapters import distributed_sharpness
+    model, inputs = tiny_bert
+    snap = _snapshot(model)
+    # no process group is initialised: each bad argument is named before that is even looked at,
+    # so every rank refuses it alike (none is left waiting in all_gather_object)
+    with pytest.raises(error, match=name):
+        distributed_sharpness(model, _batches(inputs), **kw)
+    with pytest.raises(TypeError, match="batches"):
+        distributed_sharpness(model, inputs, rho=0.1)            # one dict batch, not a list of them
+    with pytest.raises(TypeError, match="model"):
+        distributed_sharpness("bert", _batches(inputs), rho=0.1)
+    _unchanged(model, snap)
+
+
+@pytest.mark.parametrize("kw,error,name", [
+    ({"metric": "euclid"}, ValueError, "metric"), ({"retraction": 2}, ValueError, "retraction"),
+    ({"eps": -1e-6}, ValueError, "eps"), ({"eps": math.nan}, ValueError, "eps"),
+    ({"eps": "1e-6"}, TypeError, "eps"), ({"adapters": "default"}, TypeError, r"adapters=\['default'\]"),
+    ({"adapters": []}, ValueError, "adapters"), ({"adapters": [1]}, TypeError, "adapters"),
+    ({"adapters": ["default", "typo"]}, ValueError, r"\['typo'\].*\['default'\]"),
+])
+def test_lora_quotient_parameters_checks_every_argument(kw, error, name):
+    pytest.importorskip("peft")
+    from adapters.lora_training import lora_quotient_parameters, lora_quotient_points
+    model = tiny_lora_bert()
+    snap = _snapshot(model)
+    with pytest.raises(error, match=name):
+        lora_quotient_parameters(model, **kw)
+    assert lora_quotient_points(model) == {}
+    _unchanged(model, snap)
+    with pytest.raises(TypeError, match="model"):
+        lora_quotient_parameters(None)
+
+
+def test_a_head_dim_larger_than_the_hidden_size_is_refused_naming_the_block():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=16)
+    model = transformers.LlamaForCausalLM(cfg).double().eval()
+    ids = torch.randint(0, 50, (2, 6))
+    snap = _snapshot(model)
+    # the layout holds (the symmetry is real), but no quotient of full-rank factors exists
+    with pytest.raises(ValueError, match=r"(?s)block\(s\) model.layers.0.self_attn/qk.*h = 16 exceeds.*adaptive"):
+        sharpness(model, [{"input_ids": ids, "labels": ids}], rho=0.1, n_iters=1)
+    _unchanged(model, snap)

@@ -21,7 +21,8 @@ from geoopt.manifolds.base import Manifold
 from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
-from .._runtime import FrameCache, small_work
+from .._runtime import FrameCache, finite_step, small_work
+from .._validation import floating_tensor, tangent
 
 Tensor = torch.Tensor
 
@@ -56,10 +57,11 @@ class CoreQuotientManifold(Manifold):
     geometry = None  # set by subclasses (a core geometry object, not an nn.Module)
 
     # ------------------------------------------------------------------ helpers
-    def _frame(self, x: Tensor):
-        """The core frame at x (validated: shape, finiteness, full rank; raises ValueError), reused
-        from the cache when x has the values of a recent point."""
-        return self._frame_cache_().frame(self.geometry, x)
+    def _frame(self, x: Tensor, name: str = "x"):
+        """The core frame at the point ``name`` (validated: a real floating tensor, shape,
+        finiteness, full rank; raises TypeError / ValueError naming it), reused from the cache when
+        it has the values of a recent point."""
+        return self._frame_cache_().frame(self.geometry, floating_tensor(name, x), name)
 
     def _frame_cache_(self) -> FrameCache:
         cache = self.__dict__.get("_frame_cache")
@@ -68,13 +70,16 @@ class CoreQuotientManifold(Manifold):
         return cache
 
     @staticmethod
-    def _tangent(x: Tensor, u: Tensor, name: str) -> Tensor:
-        """``u`` checked to be a floating tensor of the shape of ``x`` (an integer vector would be
-        truncated by the metric weights; a different batch shape would broadcast silently)."""
-        from .._validation import floating_tensor, same_shape
-        floating_tensor(name, u)
-        same_shape(name, u, x.shape, "the point x")
-        return u
+    def _tangent(x: Tensor, u: Tensor, name: str, what: str = "the point x") -> Tensor:
+        """``u`` checked to be a finite real floating tensor of the shape of ``x`` (an integer vector
+        would be truncated by the metric weights; a different batch shape would broadcast silently;
+        a NaN would spread to every result)."""
+        return tangent(name, u, x.shape, what)
+
+    def _step(self, x: Tensor, u: Tensor) -> Tensor:
+        """The step ``u`` of a retraction at ``x``: checked as :meth:`_tangent`, except that a
+        non-finite step raises :class:`~quotient_manifolds.StepTooLarge`."""
+        return finite_step(self.geometry, "u", tangent("u", u, x.shape, "the point x", finite=False))
 
     @property
     def dim(self) -> int:
@@ -163,19 +168,19 @@ class CoreQuotientManifold(Manifold):
     @_small
     def norm(self, x: Tensor, u: Tensor, *, keepdim=False) -> Tensor:
         """‖u‖_x = √g_x(u, u) (core ``frame.norm``)."""
-        return self._frame(x).norm(u, keepdim=keepdim)
+        return self._frame(x).norm(self._tangent(x, u, "u"), keepdim=keepdim)
 
     # ------------------------------------------------------------------ moves
     @_small
     def retr(self, x: Tensor, u: Tensor) -> Tensor:
         """The retraction chosen at construction (core ``frame.retract``, docs/maths.md §5.1).
         Raises :class:`~quotient_manifolds.StepTooLarge` if the new point is off the manifold."""
-        return self._checked_step(self._frame(x).retract(u))
+        return self._checked_step(self._frame(x).retract(self._step(x, u)))
 
     @_small
     def expmap(self, x: Tensor, u: Tensor) -> Tensor:
         """Exact geodesic at t = 1 (core ``frame.retract(u, "exact")``)."""
-        return self._checked_step(self._frame(x).retract(u, "exact"))
+        return self._checked_step(self._frame(x).retract(self._step(x, u), "exact"))
 
     def _checked_step(self, y: Tensor) -> Tensor:
         """``y`` after validating it (and caching its frame: the next step starts there)."""
@@ -187,7 +192,7 @@ class CoreQuotientManifold(Manifold):
         """Vector transport by projection onto the horizontal space at y (Manopt; core
         ``geometry.transport``, here through the cached frame at y: the next step's point). ``x``
         is not used."""
-        return self._frame(y).project(v)
+        return self._frame(y, "y").project(self._tangent(y, v, "v", "the point y"))
 
     def retr_transp(self, x: Tensor, u: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         y = self.retr(x, u)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from pymanopt.manifolds.manifold import Manifold
 
-from .._runtime import FrameCache, small_work
+from .._runtime import FrameCache, finite_step, small_work
 from ._tangent import PairConverter
 
 _small = small_work(lambda point: sum(np.size(part) for part in point))
@@ -39,8 +39,18 @@ class CoreQuotientManifold(Manifold):
     _group = "group"
 
     # ------------------------------------------------------------------ conversion
-    def _t(self, pair) -> torch.Tensor:
-        return self._conv.to_torch(pair)
+    def _t(self, pair, name: str = "point") -> torch.Tensor:
+        """The point ``name`` as one float64 tensor (shape and dtype checked, naming the argument)."""
+        return self._conv.to_torch(pair, name)
+
+    def _tv(self, pair, name: str) -> torch.Tensor:
+        """The tangent vector ``name`` as one float64 tensor (also checked to be finite)."""
+        return self._conv.to_torch(pair, name, tangent=True)
+
+    def _step(self, pair) -> torch.Tensor:
+        """The step ``tangent_vector`` of a retraction: a non-finite one raises
+        :class:`~quotient_manifolds.StepTooLarge`."""
+        return finite_step(self.geometry, "tangent_vector", self._t(pair, "tangent_vector"))
 
     def _point(self, t: torch.Tensor):
         return self._conv.to_numpy(t, self._point_cls)
@@ -48,9 +58,9 @@ class CoreQuotientManifold(Manifold):
     def _vec(self, t: torch.Tensor):
         return self._conv.to_numpy(t, self._tangent_cls)
 
-    def _frame(self, point):
+    def _frame(self, point, name: str = "point"):
         """The core frame at ``point``, reused from the cache when the point has recent values."""
-        return self._frame_cache_().frame(self.geometry, self._t(point))
+        return self._frame_cache_().frame(self.geometry, self._t(point, name), name)
 
     def _frame_cache_(self) -> FrameCache:
         cache = self.__dict__.get("_frame_cache")
@@ -76,50 +86,54 @@ class CoreQuotientManifold(Manifold):
     @_small
     def inner_product(self, point, tangent_vector_a, tangent_vector_b) -> float:
         """g_x(a, b) (core ``frame.inner``)."""
-        return float(self._frame(point).inner(self._t(tangent_vector_a), self._t(tangent_vector_b)))
+        return float(self._frame(point).inner(self._tv(tangent_vector_a, "tangent_vector_a"),
+                                              self._tv(tangent_vector_b, "tangent_vector_b")))
 
     @_small
     def norm(self, point, tangent_vector) -> float:
         """‖v‖_x (core ``frame.norm``)."""
-        return float(self._frame(point).norm(self._t(tangent_vector)))
+        return float(self._frame(point).norm(self._tv(tangent_vector, "tangent_vector")))
 
     # ------------------------------------------------------------------ projections
     @_small
     def projection(self, point, vector):
         """Horizontal projection (core ``frame.project``)."""
-        return self._vec(self._frame(point).project(self._t(vector)))
+        return self._vec(self._frame(point).project(self._tv(vector, "vector")))
 
     to_tangent_space = projection
 
     @_small
     def euclidean_to_riemannian_gradient(self, point, euclidean_gradient):
         """Horizontal Riemannian gradient (core ``frame.egrad2rgrad``, docs/maths.md §4)."""
-        return self._vec(self._frame(point).egrad2rgrad(self._t(euclidean_gradient)))
+        return self._vec(self._frame(point).egrad2rgrad(self._tv(euclidean_gradient,
+                                                                 "euclidean_gradient")))
 
     @_small
     def euclidean_to_riemannian_hessian(self, point, euclidean_gradient, euclidean_hessian,
                                         tangent_vector):
         """P_h(D rgrad[ξ] + Γ(rgrad, ξ)) (core ``frame.ehess2rhess``)."""
         frame = self._frame(point)
-        return self._vec(frame.ehess2rhess(self._t(euclidean_gradient),
-                                           self._t(euclidean_hessian), self._t(tangent_vector)))
+        return self._vec(frame.ehess2rhess(self._tv(euclidean_gradient, "euclidean_gradient"),
+                                           self._tv(euclidean_hessian, "euclidean_hessian"),
+                                           self._tv(tangent_vector, "tangent_vector")))
 
     # ------------------------------------------------------------------ moves
     @_small
     def retraction(self, point, tangent_vector):
         """The retraction chosen at construction (core ``frame.retract``)."""
-        return self._checked_step(self._frame(point).retract(self._t(tangent_vector)))
+        return self._checked_step(self._frame(point).retract(self._step(tangent_vector)))
 
     @_small
     def exp(self, point, tangent_vector):
         """The exact geodesic at t = 1 (core ``frame.retract(·, "exact")``)."""
-        return self._checked_step(self._frame(point).retract(self._t(tangent_vector), "exact"))
+        return self._checked_step(self._frame(point).retract(self._step(tangent_vector), "exact"))
 
     @_small
     def transport(self, point_a, point_b, tangent_vector_a):
         """Projection onto the horizontal space at ``point_b`` (core ``geometry.transport``, through
         the cached frame at ``point_b``)."""
-        return self._vec(self._frame(point_b).project(self._t(tangent_vector_a)))
+        return self._vec(self._frame(point_b, "point_b").project(
+            self._tv(tangent_vector_a, "tangent_vector_a")))
 
     # ------------------------------------------------------------------ sampling
     def random_point(self):

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from pymanopt.tools import ndarraySequenceMixin, return_as_class_instance
 
+from .._validation import all_finite, real_array_as_float64
+
 
 class _PairArithmetic(ndarraySequenceMixin):
     """Elementwise arithmetic on a 2-tuple of arrays (``__array_ufunc__ = None`` makes numpy
@@ -77,25 +79,34 @@ class RescalingTangentVector(_PairArithmetic,
 class PairConverter:
     """numpy 2-sequence ↔ one float64 torch tensor with the two parts stacked along rows.
 
-    ``shapes`` are the numpy shapes of the two parts (``(n, h), (m, h)`` or ``(d,), (d,)``); each
-    part is viewed as a matrix with the last dimension as columns and the two are concatenated.
+    ``shapes`` are the numpy shapes of the two parts (``(n, h), (m, h)`` or ``(d,), (d,)``) and
+    ``parts`` their names (``("G", "H")`` or ``("u", "v")``); each part is viewed as a matrix with
+    the last dimension as columns and the two are concatenated.
     """
 
-    def __init__(self, shapes: Tuple[Tuple[int, ...], Tuple[int, ...]]):
+    def __init__(self, shapes: Tuple[Tuple[int, ...], Tuple[int, ...]],
+                 parts: Tuple[str, str] = ("G", "H")):
         self.shapes = tuple(tuple(s) for s in shapes)
+        self.parts = tuple(parts)
         self.rows = tuple(int(np.prod(s[:-1], dtype=int)) for s in self.shapes)
 
-    def to_torch(self, parts: Sequence[np.ndarray]) -> torch.Tensor:
-        if len(parts) != 2:
-            raise ValueError(f"expected a pair of arrays, got {len(parts)} items")
+    def to_torch(self, pair: Sequence[np.ndarray], name: str = "point", *,
+                 tangent: bool = False) -> torch.Tensor:
+        """The pair ``name`` as one float64 tensor; a part of another shape, or holding anything but
+        real numbers, is refused naming it (``name.G``), and so is a non-finite ``tangent`` vector
+        (the checks of :mod:`quotient_manifolds._validation`, shared with the geoopt faces)."""
+        if isinstance(pair, (str, bytes, np.ndarray, torch.Tensor)) or not isinstance(pair, Sequence) \
+                or len(pair) != 2:
+            got = (f"{len(pair)} items" if isinstance(pair, Sequence) and not isinstance(pair, str)
+                   else type(pair).__name__)
+            raise TypeError(f"{name} must be a pair ({', '.join(self.parts)}) of arrays of shapes "
+                            f"{self.shapes[0]} and {self.shapes[1]}, got {got}")
         tensors = []
-        for part, shape, rows in zip(parts, self.shapes, self.rows):
-            a = np.asarray(part, dtype=np.float64)
-            if a.shape != shape:
-                raise ValueError(f"array of shape {a.shape} where {shape} was expected")
-            if not a.flags.writeable or any(s < 0 for s in a.strides):
-                a = a.copy()  # torch.from_numpy refuses negative strides, warns on read-only
-            tensors.append(torch.from_numpy(a).reshape(rows, shape[-1]))
+        for part, label, shape, rows in zip(pair, self.parts, self.shapes, self.rows):
+            t = real_array_as_float64(f"{name}.{label}", part, shape)
+            if tangent:
+                all_finite(f"{name}.{label}", t)
+            tensors.append(t.reshape(rows, shape[-1]))
         return torch.cat(tensors, dim=0)
 
     def to_numpy(self, t: torch.Tensor, cls):

@@ -35,7 +35,7 @@ class RescalingQuotient(CoreQuotientManifold):
         self.geometry = RescalingGeometry(d, metric, retraction=retraction, eps=eps,
                                           exact_steps=exact_steps)
         self._d = d
-        self._conv = PairConverter(((d,), (d,)))
+        self._conv = PairConverter(((d,), (d,)), ("u", "v"))
         name = (f"rescaling quotient of (R*^{d})^2 by (R*)^{d} "
                 f"(metric={metric!r}, retraction={retraction!r}, eps={eps})")
         super().__init__(name, self.geometry.dim, point_layout=2)
