@@ -35,7 +35,6 @@ proposed block is a candidate: ``Layout.verify`` checks it on the model.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -44,8 +43,8 @@ from torch import nn
 from quotient_manifolds.core.groups import FULL_GL, Group
 
 from ._base import Context, Family, Match
-from ._structure import (ROLE_NAMES, Proj, _in_pieces, _int_attr, _lin, _Lin, _linear_children, _make_block,
-                         _out_pieces, _screen)
+from ._structure import (ROLE_NAMES, Proj, _forward_args, _in_pieces, _int_attr, _lin, _Lin, _linear_children,
+                         _make_block, _out_pieces, _screen)
 from .hf_rotary import QK_NORM_NAMES, _config_rotary_dim, rotary_group
 
 #: Packing of a packed projection by child name (module attributes ``new_decoder_architecture`` and
@@ -76,13 +75,6 @@ def _head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional
         hidden = _int_attr(cfg, ("hidden_size", "n_embd"))
         h = hidden // n_q if hidden and hidden % n_q == 0 else None
     return n_q, n_kv, h
-
-
-def _forward_args(mod: nn.Module) -> set:
-    try:
-        return set(inspect.signature(mod.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def _qk_group(mod: nn.Module, h: int) -> Tuple[Optional[Group], str]:
