@@ -197,3 +197,17 @@ def test_albert_layernorm_inside_the_attention_module_keeps_both_halves():
 
     layout = _check(model, _act(model, attentions), {"input_ids": _ids()}, [("qk", E + 1, E + 1), ("vo", E + 1, E)])
     assert all(not n.endswith("LayerNorm.weight") or n in layout.adaptive for n in layout.param_shapes)
+
+
+def test_declare_block_accepts_t5_qk_and_refuses_deberta_qk_without_its_positional_projections():
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=E, d_kv=H, d_ff=32, num_layers=1, num_decoder_layers=1,
+                                num_heads=HEADS, relative_attention_num_buckets=8)
+    t5 = transformers.T5ForConditionalGeneration(cfg).double()
+    a = "encoder.block.0.layer.0.SelfAttention"
+    assert adapters.declare_block(t5, q=f"{a}.q", k=f"{a}.k", num_heads=HEADS).group == FULL_GL
+    deberta = _deberta(pos_att_type=["c2p", "p2c"])
+    a = "deberta.encoder.layer.0.attention.self"
+    with pytest.raises(ValueError, match=r"(?s)leaves out the positional projection\(s\) pos_query_proj, "
+                                         r"pos_key_proj.*g=/h= FactorPieces"):
+        adapters.declare_block(deberta, q=f"{a}.query_proj", k=f"{a}.key_proj", num_heads=HEADS)
