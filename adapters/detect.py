@@ -89,8 +89,9 @@ CLIP, SigLIP vision (incl. its MHA pooling head), BART, GPT-2, ``nn.MultiheadAtt
 Phi (incl. ``qk_layernorm``), Phi-3, GPT-NeoX, T5 (encoder, decoder and cross-attention),
 DeBERTa-v2 (c2p, p2c, ``share_att_key``), ALBERT, and peft LoRA on BERT, GPT-2 and Llama.  Not
 covered (reported unsupported, declare by hand if symmetric): timm-style packed ``qkv`` Linear,
-Swin (relative position bias table as a bare parameter), rotary classes outside the allowlist (their V/O block is kept, Q/K is unsupported), grouped-query
-attention of unverified classes, DoRA and other LoRA variants.
+Swin (relative position bias table as a bare parameter), rotary classes outside the allowlist
+(their V/O block is kept, Q/K is unsupported), grouped-query attention of unverified classes, DoRA
+and other LoRA variants.
 """
 
 from __future__ import annotations
