@@ -95,14 +95,17 @@ def _check(model, acted, inputs, expected_blocks):
 
 
 # ---------------------------------------------------------------------------------------------- T5
-def test_t5_relative_position_bias_keeps_full_gl_on_qk():
+@pytest.mark.parametrize("name", ["T5", "UMT5"])
+def test_t5_relative_position_bias_keeps_full_gl_on_qk(name):
     """T5 adds a learned bias per head and relative position to the scores: it depends on neither q
     nor k, so Q/K keeps GL(h) in the encoder self-attention, the decoder self-attention and the
-    cross-attention (which gets the zero bias)."""
+    cross-attention (which gets the zero bias).  T5 passes the bias between layers (``forward``
+    takes ``position_bias``); UMT5 computes it in every self-attention from its own table."""
     torch.manual_seed(0)
-    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=E, d_kv=H, d_ff=32, num_layers=1, num_decoder_layers=1,
-                                num_heads=HEADS, relative_attention_num_buckets=8, relative_attention_max_distance=16)
-    model = transformers.T5ForConditionalGeneration(cfg).double().eval()
+    cfg = getattr(transformers, f"{name}Config")(vocab_size=VOCAB, d_model=E, d_kv=H, d_ff=32, num_layers=1,
+                                                 num_decoder_layers=1, num_heads=HEADS,
+                                                 relative_attention_num_buckets=8, relative_attention_max_distance=16)
+    model = getattr(transformers, f"{name}ForConditionalGeneration")(cfg).double().eval()
 
     def attentions(m):
         for stack in (m.encoder, m.decoder):
@@ -114,7 +117,8 @@ def test_t5_relative_position_bias_keeps_full_gl_on_qk():
     inputs = {"input_ids": ids, "decoder_input_ids": ids.flip(1)}
     layout = _check(model, _act(model, attentions), inputs, [("qk", E, E), ("vo", E, E)] * 3)
     sources = [b.group_source for b in layout.blocks if b.kind == "qk"]
-    assert all("position_bias" in s for s in sources) and sum("relative_attention_bias" in s for s in sources) == 2
+    assert all("depends on neither q nor k" in s for s in sources), sources
+    assert sum("per-head tables relative_attention_bias" in s for s in sources) == 2, sources
 
 
 # ------------------------------------------------------------------------------------------ DeBERTa

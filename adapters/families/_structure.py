@@ -320,6 +320,10 @@ def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Uni
 #: Q/K keeps the full GL(h).
 SCORE_BIAS_ARGS: Tuple[str, ...] = ("position_bias", "alibi")
 
+#: Boolean module attributes saying whether the module adds its own relative-position bias to the
+#: scores (T5, UMT5, LongT5: from a table with one scalar per head and bucket; none when False)
+SCORE_BIAS_FLAGS: Tuple[str, ...] = ("has_relative_attention_bias",)
+
 #: Positional projections that pair with one side of the scores, by child name -> the factor they
 #: join: ``"q"`` (a query-side projection of the positions, dotted with the keys: joins ``G``) or
 #: ``"k"`` (a key-side projection, dotted with the queries: joins ``H``).  DeBERTa-v2/v3.
@@ -394,10 +398,10 @@ def position_terms(path: str, mod: nn.Module, num_heads: Optional[int], width: O
       of the relative-position embeddings, head by head; ``(G A, H A⁻ᵀ)`` on ``G = [W_q; b_q;
       W_pq; b_pq]``, ``H = [W_k; b_k; W_pk; b_pk]`` keeps every term (:data:`POSITION_PAIR_HINTS`
       names the positional projections; with ``share_att_key`` they are the content ones);
-    * **score bias** (a ``forward`` argument of :data:`SCORE_BIAS_ARGS`): added to the scores,
-      depends on neither q nor k; embedding tables with one column per head (T5's
-      ``relative_attention_bias``: a per-head scalar per relative position) are the bias's own
-      parameters.
+    * **score bias** (a ``forward`` argument of :data:`SCORE_BIAS_ARGS` or a flag of
+      :data:`SCORE_BIAS_FLAGS`): added to the scores, depends on neither q nor k; embedding tables
+      with one column per head (T5's ``relative_attention_bias``: a per-head scalar per relative
+      position) are the bias's own parameters.
 
     ``num_heads`` / ``width``: the module's head count and ``num_heads * head_dim`` (the width the
     positional projections must have)."""
@@ -439,16 +443,18 @@ def position_terms(path: str, mod: nn.Module, num_heads: Optional[int], width: O
                         f"{shown}")
         return terms
     bias_args = [a for a in SCORE_BIAS_ARGS if a in args]
-    if not bias_args or "position_embeddings" in args:
-        return PositionTerms()
+    flag_names = [a for a in SCORE_BIAS_FLAGS if isinstance(getattr(mod, a, None), bool)]
+    flags = [f"{a}={getattr(mod, a)}" for a in flag_names]
     tables = [n for n, sub in mod.named_children() if isinstance(sub, nn.Embedding)
               and num_heads is not None and sub.embedding_dim == num_heads]
-    terms = PositionTerms(modelled=bias_args + tables)
+    if not (bias_args or flags) or "position_embeddings" in args:
+        return PositionTerms()
+    terms = PositionTerms(modelled=bias_args + flag_names + tables)
     for n in tables:
         terms.known |= {id(p) for p in getattr(mod, n).parameters()}
+    evidence = ", ".join(([f"forward takes {', '.join(bias_args)}"] if bias_args else []) + flags)
     per_head = f"; per-head tables {', '.join(tables)} (one scalar per head and position)" if tables else ""
-    terms.source = (f"structure: forward takes {', '.join(bias_args)}, a bias added to the scores (depends on neither "
-                    f"q nor k): full GL{per_head}")
+    terms.source = f"structure: {evidence}: any bias added to the scores depends on neither q nor k: full GL{per_head}"
     return terms
 
 
