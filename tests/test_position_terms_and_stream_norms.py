@@ -1,7 +1,8 @@
 """Attention with position terms that keep a GL symmetry (T5's relative position bias, DeBERTa-v2's
 disentangled attention) and with a norm on the model-width stream inside the attention module
 (ALBERT): both halves are detected, each is a symmetry, sharpness on the quotient does not see it,
-and the Lie algebra derived from the module's output is the hand-derived one.
+while elementwise (adaptive) sharpness does, and the Lie algebra derived from the module's output
+is the hand-derived one.
 
 Each family is a tiny model from config in float64 with head_dim 4.  The symmetry action is written
 here, independently of the detector, by editing the rows/columns that the family's own ``forward``
@@ -82,11 +83,14 @@ def _check(model, acted, inputs, expected_blocks):
     assert all(b.group == FULL_GL and b.num_heads == HEADS and b.head_dim == H for b in layout.blocks)
 
     batch = [(inputs, inputs["input_ids"])]
-    for geometry in ("geodesic-inv", "geodesic-mix"):
+    for geometry in ("geodesic-inv", "geodesic-mix", "adaptive"):
         kw = dict(geometry=geometry, rho=0.01, n_iters=2, loss_fn=_loss, layout=layout, check_retraction=False)
         base = adapters.sharpness(model, batch, **kw).value
         moved = adapters.sharpness(acted, batch, **kw).value
-        assert abs(moved / base - 1) < 1e-6, (geometry, base, moved)
+        if geometry == "adaptive":        # elementwise sharpness sees the action: the check can fail
+            assert abs(moved / base - 1) > 1e-2, (geometry, base, moved)
+        else:
+            assert abs(moved / base - 1) < 1e-6, (geometry, base, moved)
 
     derived, results = derive_groups(model, layout, inputs, use_cache=False)
     assert [(r.status, r.dim) for r in results] == [("derived", H * H)] * len(layout.blocks), results
@@ -127,7 +131,7 @@ def _deberta(**cfg):
     config = transformers.DebertaV2Config(vocab_size=VOCAB, hidden_size=E, num_hidden_layers=1,
                                           num_attention_heads=HEADS, intermediate_size=32,
                                           max_position_embeddings=32, relative_attention=True, position_buckets=8,
-                                          **cfg)
+                                          initializer_range=0.2, **cfg)     # attention far from uniform
     return transformers.DebertaV2ForMaskedLM(config).double().eval()
 
 
@@ -192,7 +196,8 @@ def test_albert_layernorm_inside_the_attention_module_keeps_both_halves():
     The layer is shared by both layers of the model: one action on the shared weights."""
     torch.manual_seed(0)
     cfg = transformers.AlbertConfig(vocab_size=VOCAB, embedding_size=8, hidden_size=E, num_hidden_layers=2,
-                                    num_attention_heads=HEADS, intermediate_size=32, max_position_embeddings=32)
+                                    num_attention_heads=HEADS, intermediate_size=32, max_position_embeddings=32,
+                                    initializer_range=0.2)
     model = transformers.AlbertForMaskedLM(cfg).double().eval()
 
     def attentions(m):
