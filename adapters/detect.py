@@ -87,7 +87,7 @@ Checked to work: BERT, RoBERTa, ELECTRA, MiniLM, DistilBERT, ViT (4.x and 5.x st
 CLIP, SigLIP vision (incl. its MHA pooling head), BART, GPT-2, ``nn.MultiheadAttention`` /
 ``nn.TransformerEncoder``, Llama (MHA, GQA, MQA), Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3,
 Phi (incl. ``qk_layernorm``), Phi-3, GPT-NeoX, T5 and UMT5 (encoder, decoder and cross-attention),
-DeBERTa-v2 (c2p, p2c, ``share_att_key``), ALBERT, and peft LoRA on BERT, GPT-2 and Llama.  Not
+DeBERTa-v2 (c2p, p2c, ``share_att_key``), ALBERT, MPT, and peft LoRA on BERT, GPT-2 and Llama.  Not
 covered (reported unsupported, declare by hand if symmetric): timm-style packed ``qkv`` Linear,
 Swin (relative position bias table as a bare parameter), rotary classes outside the allowlist
 (their V/O block is kept, Q/K is unsupported), grouped-query attention of unverified classes, DoRA

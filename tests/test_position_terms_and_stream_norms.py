@@ -46,20 +46,23 @@ def _left(lin: torch.nn.Linear, rows: slice, M: torch.Tensor) -> None:
 def _act(model, attentions, seed=0):
     """A copy of ``model`` acted on.  ``attentions(model)`` yields per attention module
     ``(q_side, k_side, v, o)``: lists of linear maps whose heads take ``Aᵀ`` (query side) or
-    ``A⁻¹`` (key side), the value projection and the output projection."""
+    ``A⁻¹`` (key side), the value projection and the output projection; a linear map given as
+    ``(lin, offset)`` has its heads from output feature ``offset`` on (a packed projection)."""
     new = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
+    at = lambda p: p if isinstance(p, tuple) else (p, 0)                           # noqa: E731
     with torch.no_grad():
         for q_side, k_side, v, o in attentions(new):
             for i in range(HEADS):
-                rows = slice(i * H, (i + 1) * H)
                 A, B = _gl(gen), _gl(gen)
-                for lin in q_side:
-                    _left(lin, rows, A.T)
-                for lin in k_side:
-                    _left(lin, rows, torch.linalg.inv(A))
-                _left(v, rows, B.T)
-                o.weight[:, rows] = o.weight[:, rows] @ torch.linalg.inv(B).T
+                for lin, start in map(at, q_side):
+                    _left(lin, slice(start + i * H, start + (i + 1) * H), A.T)
+                for lin, start in map(at, k_side):
+                    _left(lin, slice(start + i * H, start + (i + 1) * H), torch.linalg.inv(A))
+                lin, start = at(v)
+                _left(lin, slice(start + i * H, start + (i + 1) * H), B.T)
+                cols = slice(i * H, (i + 1) * H)
+                o.weight[:, cols] = o.weight[:, cols] @ torch.linalg.inv(B).T
     return new
 
 
@@ -123,6 +126,25 @@ def test_t5_relative_position_bias_keeps_full_gl_on_qk(name):
     sources = [b.group_source for b in layout.blocks if b.kind == "qk"]
     assert all("depends on neither q nor k" in s for s in sources), sources
     assert sum("per-head tables relative_attention_bias" in s for s in sources) == 2, sources
+
+
+def test_mpt_packed_projection_with_alibi_as_position_bias():
+    """MPT packs ``[q | k | v]`` in ``Wqkv`` and receives its ALiBi bias as ``position_bias``: the
+    structural family proposes both halves, Q/K with full GL; ``clip_qkv`` refuses the module."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=VOCAB, d_model=E, n_heads=HEADS, n_layers=2, max_seq_len=32)
+    model = transformers.MptForCausalLM(transformers.MptConfig(**cfg)).double().eval()
+
+    def attentions(m):
+        for block in m.transformer.blocks:
+            a = block.attn
+            yield [(a.Wqkv, 0)], [(a.Wqkv, E)], (a.Wqkv, 2 * E), a.out_proj
+
+    layout = _check(model, _act(model, attentions), {"input_ids": _ids()}, [("qk", E, E), ("vo", E, E)] * 2)
+    assert all("position_bias" in b.group_source for b in layout.blocks if b.kind == "qk")
+    clipped = transformers.MptForCausalLM(transformers.MptConfig(**cfg, attn_config={"clip_qkv": 2.0}))
+    lay = adapters.layout(clipped, allow_unsupported=True)
+    assert not lay.blocks and all("clip_qkv=2.0" in u.reason for u in lay.unsupported) and lay.unsupported
 
 
 # ------------------------------------------------------------------------------------------ DeBERTa
