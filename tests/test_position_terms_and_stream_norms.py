@@ -1,6 +1,6 @@
-"""Attention with position terms that keep a GL symmetry (T5's relative position bias, DeBERTa-v2's
-disentangled attention) and with a norm on the model-width stream inside the attention module
-(ALBERT): both halves are detected, each is a symmetry, sharpness on the quotient does not see it,
+"""Attention with position terms that keep a GL symmetry (T5's and UMT5's relative position bias,
+MPT's ALiBi given as ``position_bias``, DeBERTa-v2's disentangled attention) and with a norm on the
+model-width stream inside the attention module (ALBERT): both halves are detected, each is a symmetry, sharpness on the quotient does not see it,
 while elementwise (adaptive) sharpness does, and the Lie algebra derived from the module's output
 is the hand-derived one.
 
