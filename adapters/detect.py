@@ -52,6 +52,16 @@ the all-ones direction) survives, no continuous gauge shared by the pair: the Q/
 modules are treated elementwise (adaptive), deliberately, and the layout says so in
 ``layout.notes`` (not as unsupported).  V/O is unaffected and keeps GL(h).
 
+*Position terms that keep GL* (``families._structure.position_terms``, docs/maths.md §13.7): a bias
+added to the scores (a ``forward`` input ``position_bias`` or ``alibi``, with T5's per-head
+``relative_attention_bias`` table) depends on neither q nor k, so Q/K keeps GL(h).  DeBERTa-v2's
+disentangled terms (``pos_att_type``: c2p = q · key-side positional projection, p2c = k ·
+query-side positional projection) pair a query-side with a key-side vector of the same head: the
+positional projections named in ``POSITION_PAIR_HINTS`` are stacked under ``G`` (``pos_query_proj``)
+and ``H`` (``pos_key_proj``) of the Q/K block, which keeps GL(h) on the taller factors.  Norms whose
+parameters have the model width (ALBERT's residual LayerNorm inside the attention module) act on
+the stream, not on a head's q/k/v, and are not extra parameters.
+
 *LoRA*: a LoRA layer computes ``base(x) + s B A x``; only ``B A`` enters, and
 ``(B M)(M⁻¹ A) = B A`` for every M in GL(r): block ``G = B`` (out × r), ``H = Aᵀ`` (in × r),
 the action ``(G M, H M⁻ᵀ)``.  The base weight of an adapted projection is frozen and, with the
@@ -76,10 +86,12 @@ numerically, whatever found it.
 Checked to work: BERT, RoBERTa, ELECTRA, MiniLM, DistilBERT, ViT (4.x and 5.x structure), DeiT,
 CLIP, SigLIP vision (incl. its MHA pooling head), BART, GPT-2, ``nn.MultiheadAttention`` /
 ``nn.TransformerEncoder``, Llama (MHA, GQA, MQA), Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3,
-Phi (incl. ``qk_layernorm``), Phi-3, GPT-NeoX, and peft LoRA on BERT, GPT-2 and Llama.  Not covered (reported unsupported, declare by hand if symmetric): ALBERT (LayerNorm
-inside the attention module), timm-style packed ``qkv`` Linear, T5 / Swin (relative position bias),
-rotary classes outside the allowlist (their V/O block is kept, Q/K is unsupported), grouped-query
-attention of unverified classes, DoRA and other LoRA variants.
+Phi (incl. ``qk_layernorm``), Phi-3, GPT-NeoX, T5 and UMT5 (encoder, decoder and cross-attention),
+DeBERTa-v2 (c2p, p2c, ``share_att_key``), ALBERT, MPT, and peft LoRA on BERT, GPT-2 and Llama.  Not
+covered (reported unsupported, declare by hand if symmetric): timm-style packed ``qkv`` Linear,
+Swin (relative position bias table as a bare parameter), rotary classes outside the allowlist
+(their V/O block is kept, Q/K is unsupported), grouped-query attention of unverified classes, DoRA
+and other LoRA variants.
 """
 
 from __future__ import annotations

@@ -986,25 +986,38 @@ def _out_features(model: nn.Module, path: str, role: str) -> int:
     return int(W.shape[0] if transposed else W.shape[1])
 
 
-def _refuse_full_gl_on_rotary(model: nn.Module, module_path: str) -> None:
+def _refuse_full_gl_on_rotary(model: nn.Module, module_path: str, num_heads: int, params: Sequence[str]) -> None:
     """A Q/K block declared with the full GL(h) on a module whose forward applies position
     encodings between the projections (RoPE, relative positions) is not a symmetry: say so now
-    rather than let ``verify`` reject it later."""
-    from .families._structure import _screen  # families import this module
+    rather than let ``verify`` reject it later.  Position terms that keep GL (a bias added to the
+    scores; positional projections that pair with q or k, when the block holds them: ``params``,
+    the block's parameter names) are not refused."""
+    from .families._structure import _screen, position_terms  # families import this module
 
     try:
         mod = model.get_submodule(module_path)
     except AttributeError:
         return
-    reasons = _screen(mod, {id(p) for p in mod.parameters()}, source_scan=True).qk
+    terms = position_terms(module_path, mod, num_heads, None)
+    prefix = module_path + "." if module_path else ""
+    outside = [lin.path[len(prefix):] for lin in terms.q_pairs + terms.k_pairs
+               if not {n for n, p in model.named_parameters() if id(p) in lin.param_ids()} <= set(params)]
+    if outside:
+        raise ValueError(
+            f"declare_block: the Q/K block of {module_path or '<root>'} ({type(mod).__name__}) leaves out the "
+            f"positional projection(s) {', '.join(outside)}, whose scores pair them with q or k ({terms.source}): "
+            "without them Q/K has no GL symmetry.  Use the detected layout (adapters.layout(model)), or declare the "
+            "block with g=/h= FactorPieces that stack the query-side positional projection under q and the "
+            "key-side one under k, then check it with layout.verify(model, inputs).")
+    reasons = _screen(mod, {id(p) for p in mod.parameters()}, source_scan=True, modelled=terms.modelled).qk
     if reasons:
         raise ValueError(
             f"declare_block: the Q/K block of {module_path or '<root>'} ({type(mod).__name__}) would use the "
             f"full GL(head_dim), but {'; '.join(reasons)}. Rotary attention keeps only the rotations' "
             "commutant: pass group='rope' (Hugging Face rotate_half pairing, all coordinates rotated) or "
             "group=RotaryGroup(pairing='half'|'interleaved', rotary_dim=r) for partial rotary, then check "
-            "it with layout.verify(model, inputs); relative-position biases have no GL symmetry on Q/K "
-            "(leave Q/K adaptive and declare only the V/O block).")
+            "it with layout.verify(model, inputs); a position term that mixes q or k alone leaves Q/K no GL "
+            "symmetry (leave Q/K adaptive and declare only the V/O block).")
 
 
 def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str] = None,
@@ -1101,7 +1114,7 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
         nh = nkv
         mod = module if module is not None else _common_prefix([mg, mh])
     if kind == "qk" and group is None:
-        _refuse_full_gl_on_rotary(model, mod)
+        _refuse_full_gl_on_rotary(model, mod, pieces_g[0].num_heads, [p.param for p in (*pieces_g, *pieces_h)])
     n = sum(p.rows_per_head(shapes[p.param]) for p in pieces_g if p.param in shapes)
     m = sum(p.rows_per_head(shapes[p.param]) for p in pieces_h if p.param in shapes)
     block = GLBlock(name=name or f"{mod}/{kind}", kind=kind, module=mod, g_pieces=tuple(pieces_g),

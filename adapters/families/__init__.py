@@ -15,8 +15,8 @@ attention only by their class name.  Families and the maths of their groups are 
                                    GPT-NeoX): RoPE commutant on Q/K, grouped-query gauges, QK-norm
 ``structural``      ``structural`` any HF attention by structure + config: packed q/k/v (three packings),
                                    grouped-query, rotary / ALiBi evidence, QK-norm (V/O only)
-``qkvo``            ``qkvo``       four q/k/v/o projection children
-``hf_bert``         ``hf-bert``    q/k/v children + sibling ``output.dense``
+``qkvo``            ``qkvo``       four q/k/v/o projection children (T5's score bias, ALBERT's norm)
+``hf_bert``         ``hf-bert``    q/k/v children + sibling ``output.dense`` (DeBERTa-v2's pairs)
 ``attention_like``  ``unknown``    anything else that looks like attention: unsupported
 
 Adding a family for your own attention class::

@@ -10,7 +10,7 @@ import importlib.util
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -282,16 +282,20 @@ LORA_NOTE = "projections carry LoRA adapters: their GL(r) blocks are used instea
 def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Union[_Lin, Proj],
                      v: Union[_Lin, Proj], o: Union[_Lin, Proj], num_heads: int, head_dim: int,
                      num_kv_heads: Optional[int] = None, qk_group: Group = FULL_GL, qk: bool = True,
-                     vo: bool = True, qk_source: str = "", vo_source: str = "") -> None:
+                     vo: bool = True, qk_source: str = "", vo_source: str = "",
+                     q_pairs: Sequence[Union[_Lin, Proj]] = (), k_pairs: Sequence[Union[_Lin, Proj]] = ()) -> None:
     """Append the Q/K and V/O blocks of one attention module to ``match``.
 
     ``num_heads`` query heads, ``num_kv_heads`` (default ``num_heads``) key/value heads; query head
     ``i`` reads key/value head ``i // (num_heads // num_kv_heads)`` (HF ``repeat_kv``), so each
     key/value head is one gauge: QK ``G`` stacks its query slices, ``H`` is its key slice; VO ``G``
     is its value slice, ``H`` stacks its output-projection slices.  ``qk_group`` is the group of the
-    Q/K block (the rotary commutant for RoPE); V/O always has the full GL(head_dim).  A block whose
-    projections carry LoRA adapters is left out (with a note): acting on frozen base weights is no
-    symmetry once a low-rank delta is added to them.
+    Q/K block (the rotary commutant for RoPE); V/O always has the full GL(head_dim).
+    ``q_pairs`` / ``k_pairs``: positional projections split into heads like q / k whose scores pair
+    them with the other side (:func:`position_terms`): their slices are stacked under ``G`` / ``H``
+    of the Q/K block, so the same per-head ``A`` acts on them.  A block whose projections carry LoRA
+    adapters is left out (with a note): acting on frozen base weights is no symmetry once a low-rank
+    delta is added to them.
     """
     n_kv = num_kv_heads or num_heads
     if num_heads % n_kv:
@@ -302,8 +306,11 @@ def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Uni
     adapted: List[str] = []
     wanted = []
     if qk:
-        wanted.append(("qk", _in_pieces(ctx, q, num_heads, head_dim, rep), _in_pieces(ctx, k, n_kv, head_dim),
-                       qk_group, (q, k), qk_source))
+        q_side = [q, *(_as_proj(p) for p in q_pairs)]
+        k_side = [k, *(_as_proj(p) for p in k_pairs)]
+        wanted.append(("qk", [pc for p in q_side for pc in _in_pieces(ctx, p, num_heads, head_dim, rep)],
+                       [pc for p in k_side for pc in _in_pieces(ctx, p, n_kv, head_dim)], qk_group,
+                       (*q_side, *k_side), qk_source))
     if vo:
         wanted.append(("vo", _in_pieces(ctx, v, n_kv, head_dim), _out_pieces(ctx, o, num_heads, head_dim, rep),
                        FULL_GL, (v, o), vo_source))
@@ -317,6 +324,153 @@ def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Uni
         match.notes.append(f"{match.module}: no GL block over the base weights of {', '.join(adapted)}: the "
                            f"{LORA_NOTE} (a GL action on frozen base weights is no symmetry once a low-rank "
                            "delta is added to them)")
+
+
+# --------------------------------------------------------------------------------------------------
+# position terms that keep a GL symmetry, and norms on the model-width stream
+# --------------------------------------------------------------------------------------------------
+
+#: ``forward`` inputs that carry a bias added to the attention scores, computed from positions alone
+#: (T5's ``position_bias``, Bloom's and Falcon's ``alibi``): a bias depends on neither q nor k, so
+#: Q/K keeps the full GL(h).
+SCORE_BIAS_ARGS: Tuple[str, ...] = ("position_bias", "alibi")
+
+#: Boolean module attributes saying whether the module adds its own relative-position bias to the
+#: scores (T5, UMT5, LongT5: from a table with one scalar per head and bucket; none when False)
+SCORE_BIAS_FLAGS: Tuple[str, ...] = ("has_relative_attention_bias",)
+
+#: Positional projections that pair with one side of the scores, by child name -> the factor they
+#: join: ``"q"`` (a query-side projection of the positions, dotted with the keys: joins ``G``) or
+#: ``"k"`` (a key-side projection, dotted with the queries: joins ``H``).  DeBERTa-v2/v3.
+POSITION_PAIR_HINTS: Mapping[str, str] = {"pos_query_proj": "q", "pos_key_proj": "k"}
+
+#: Disentangled score terms (module attribute ``pos_att_type``) -> the side the positions take:
+#: ``c2p`` = content query · key-side positional projection, ``p2c`` = content key · query-side
+#: positional projection.  With ``share_att_key`` the positions go through the content projection of
+#: that side itself.
+DISENTANGLED_TERMS: Mapping[str, str] = {"c2p": "k", "p2c": "q"}
+
+#: ``forward`` inputs of a disentangled attention that carry the positions of its terms
+DISENTANGLED_ARGS: Tuple[str, ...] = ("relative_pos", "rel_embeddings")
+
+_NORM_CLASS = re.compile(r"norm", re.I)
+
+
+def stream_norms(mod: nn.Module, width: Optional[int]) -> Tuple[List[str], set]:
+    """Norm submodules of ``mod`` on the model-width stream and the ids of their parameters.
+
+    A norm whose parameters are all vectors of the model width (``width``) and whose name is not a
+    q/k norm's acts on the module's input or on its output projection's output (ALBERT keeps the
+    residual ``LayerNorm`` inside its attention module), never on one head's q, k or v: per-head
+    actions on Q/K and V/O leave its input, hence its output, unchanged.  A norm on the concatenated
+    heads before the output projection would look the same when ``width = num_heads * head_dim``:
+    verification (``Layout.verify``) is what rules that out."""
+    if width is None:
+        return [], set()
+    names, ids = [], set()
+    for name, sub in mod.named_modules():
+        params = list(sub.parameters(recurse=False))
+        if (name and params and _NORM_CLASS.search(type(sub).__name__)
+                and not _NORM_OR_GATE_NAME.search(name.rsplit(".", 1)[-1])
+                and all(p.dim() == 1 and p.shape[0] == width for p in params)):
+            names.append(name)
+            ids |= {id(p) for p in params}
+    return names, ids
+
+
+@dataclass
+class PositionTerms:
+    """How positions enter a module's attention scores, where they keep a GL symmetry of Q/K.
+
+    ``source``: the evidence, for ``GLBlock.group_source`` (empty: no position term modelled, the
+    screen decides); ``q_pairs`` / ``k_pairs``: positional projections whose heads join ``G`` / ``H``
+    of the Q/K block (the same per-head ``A`` acts on them: a taller factor); ``known``: ids of the
+    parameters these terms explain (per-head bias tables, positional projections); ``modelled``:
+    their submodule and ``forward`` argument names (for :func:`_screen`); ``reject``: why Q/K has no
+    candidate group although the terms were recognised."""
+
+    source: str = ""
+    q_pairs: List[_Lin] = field(default_factory=list)
+    k_pairs: List[_Lin] = field(default_factory=list)
+    known: set = field(default_factory=set)
+    modelled: List[str] = field(default_factory=list)
+    reject: str = ""
+
+
+def _forward_args(mod: nn.Module) -> set:
+    try:
+        return set(inspect.signature(mod.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def position_terms(path: str, mod: nn.Module, num_heads: Optional[int], width: Optional[int]) -> PositionTerms:
+    """The position terms of ``mod`` (at ``path``) that keep a GL symmetry of Q/K, from its
+    attributes, children and ``forward`` arguments (never its source):
+
+    * **disentangled** (attributes ``relative_attention`` and ``pos_att_type``): each term of
+      :data:`DISENTANGLED_TERMS` dots one side's content projection with the other side's projection
+      of the relative-position embeddings, head by head; ``(G A, H A⁻ᵀ)`` on ``G = [W_q; b_q;
+      W_pq; b_pq]``, ``H = [W_k; b_k; W_pk; b_pk]`` keeps every term (:data:`POSITION_PAIR_HINTS`
+      names the positional projections; with ``share_att_key`` they are the content ones);
+    * **score bias** (a ``forward`` argument of :data:`SCORE_BIAS_ARGS` or a flag of
+      :data:`SCORE_BIAS_FLAGS`): added to the scores, depends on neither q nor k; embedding tables
+      with one column per head (T5's ``relative_attention_bias``: a per-head scalar per relative
+      position) are the bias's own parameters.
+
+    ``num_heads`` / ``width``: the module's head count and ``num_heads * head_dim`` (the width the
+    positional projections must have)."""
+    args = _forward_args(mod)
+    if isinstance(getattr(mod, "relative_attention", None), bool) and hasattr(mod, "pos_att_type"):
+        terms = PositionTerms(modelled=[a for a in DISENTANGLED_ARGS if a in args])
+        if not mod.relative_attention:
+            terms.source = "config: relative_attention=False, no position term in the scores"
+            return terms
+        kinds = list(dict.fromkeys(mod.pos_att_type or ()))
+        unknown = [t for t in kinds if t not in DISENTANGLED_TERMS]
+        shared = getattr(mod, "share_att_key", False) is True
+        children = _linear_children(path, mod)
+        pairs = {side: [n for n, s in POSITION_PAIR_HINTS.items() if s == side and n in children] for side in "qk"}
+        missing, wrong = [], []
+        for term in kinds:
+            side = DISENTANGLED_TERMS.get(term)
+            if side is None or shared:
+                continue
+            if not pairs[side]:
+                missing.append(f"{term} needs a {side}-side positional projection "
+                               f"({', '.join(n for n, s in POSITION_PAIR_HINTS.items() if s == side)})")
+            for n in pairs[side]:
+                lin = children[n]
+                if width is not None and lin.out_features != width:
+                    wrong.append(f"{n} has {lin.out_features} features, expected {width}")
+                (terms.q_pairs if side == "q" else terms.k_pairs).append(lin)
+                terms.known |= lin.param_ids()
+                terms.modelled.append(n)
+        if unknown or missing or wrong:
+            terms.reject = "; ".join(
+                ([f"pos_att_type has {unknown}: only {', '.join(DISENTANGLED_TERMS)} pair a content projection with "
+                  "a positional one of the same head"] if unknown else []) + missing + wrong)
+        joins = [f"{n} joins {'G' if side == 'q' else 'H'}" for side in "qk" for n in pairs[side]
+                 if n in terms.modelled]
+        shown = "the content projections themselves (share_att_key)" if shared else ", ".join(joins) or "none"
+        terms.source = (f"config: disentangled attention (pos_att_type={kinds}): each position term pairs a query-side "
+                        f"with a key-side projection of one head, full GL on both together; positional projections: "
+                        f"{shown}")
+        return terms
+    bias_args = [a for a in SCORE_BIAS_ARGS if a in args]
+    flag_names = [a for a in SCORE_BIAS_FLAGS if isinstance(getattr(mod, a, None), bool)]
+    flags = [f"{a}={getattr(mod, a)}" for a in flag_names]
+    tables = [n for n, sub in mod.named_children() if isinstance(sub, nn.Embedding)
+              and num_heads is not None and sub.embedding_dim == num_heads]
+    if not (bias_args or flags) or "position_embeddings" in args:
+        return PositionTerms()
+    terms = PositionTerms(modelled=bias_args + flag_names + tables)
+    for n in tables:
+        terms.known |= {id(p) for p in getattr(mod, n).parameters()}
+    evidence = ", ".join(([f"forward takes {', '.join(bias_args)}"] if bias_args else []) + flags)
+    per_head = f"; per-head tables {', '.join(tables)} (one scalar per head and position)" if tables else ""
+    terms.source = f"structure: {evidence}: any bias added to the scores depends on neither q nor k: full GL{per_head}"
+    return terms
 
 
 # --------------------------------------------------------------------------------------------------
@@ -339,11 +493,16 @@ def _shown(names: Sequence[str]) -> str:
 
 
 def _screen(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Sequence[str] = (),
-            positions: bool = True) -> Screen:
+            positions: bool = True, modelled: Sequence[str] = (), stream_width: Optional[int] = None) -> Screen:
     """Screen a q/k/v/o-shaped module.  ``core_ids``: parameters whose role is understood;
     ``known``: submodule names whose role is understood (e.g. QK norms handled by the family);
-    ``positions=False`` skips the position-encoding checks (families that model them)."""
+    ``positions=False`` skips the position-encoding checks (families that model them);
+    ``modelled``: submodule and ``forward`` argument names of position terms the family models
+    (:func:`position_terms`): left out of the position checks, and the source scan's position words
+    (which cannot be attributed to one term) are not used; ``stream_width``: the model width, whose
+    norms (:func:`stream_norms`) are not extra parameters."""
     out = Screen()
+    core_ids = core_ids | stream_norms(mod, stream_width)[1]
     extra = [n for n, p in mod.named_parameters() if id(p) not in core_ids]
     if extra:
         out.module.append(f"parameters besides the q/k/v/o projections ({_shown(extra)}): relative-position "
@@ -358,7 +517,7 @@ def _screen(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Sequence
         out.module.append("rotary_value=True: the rotary encoding also turns the values, which breaks the V/O "
                           "symmetry too")
     if positions:
-        pos = [n for n, s in zip(names, last) if _POSITION_NAME.search(s)]
+        pos = [n for n, s in zip(names, last) if _POSITION_NAME.search(s) and n.split(".")[0] not in modelled]
         pos += [a for a in POSITION_ATTRS if getattr(mod, a, None) is not None and a not in pos]
         if pos:
             out.qk.append(f"submodules/buffers/attributes {_shown(pos)} look like rotary or relative position "
@@ -366,11 +525,8 @@ def _screen(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Sequence
         pet = getattr(mod, "position_embedding_type", None)
         if isinstance(pet, str) and pet != "absolute":
             out.qk.append(f"position_embedding_type={pet!r}: relative/rotary positions break the QK symmetry")
-        try:
-            sig_args = set(inspect.signature(mod.forward).parameters)
-        except (TypeError, ValueError):
-            sig_args = set()
-        args = [a for a in POSITION_ARGS if a in sig_args]
+        sig_args = _forward_args(mod)
+        args = [a for a in POSITION_ARGS if a in sig_args and a not in modelled]
         if args:
             out.qk.append(f"forward() takes positional inputs ({', '.join(args)}): rotary/relative position "
                           "encodings act between the projections and break the GL symmetry")
@@ -384,7 +540,7 @@ def _screen(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Sequence
         if clip:
             out.module.append(f"forward() source mentions {', '.join(clip)}: norms or clipping of q/k/v "
                               "break the GL symmetry")
-        hits = [w for w in words if positions and _POSITION_SOURCE.search(w)]
+        hits = [w for w in words if positions and not modelled and _POSITION_SOURCE.search(w)]
         if hits:
             out.qk.append(f"forward() source mentions {', '.join(hits)}: cannot prove the GL symmetry of Q/K")
     return out
@@ -418,13 +574,19 @@ def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: _Lin, k
                           core: set) -> Match:
     """Blocks of a module with plain q/k/v/o projections (``qkvo`` and ``hf-bert``): the whole module
     is unsupported on structural problems; only its Q/K half when the screen sees position
-    encodings (V/O is kept, and checked by ``Layout.verify`` like every block)."""
-    screen = _screen(mod, core, source_scan=not _verified_hf(mod))
+    encodings that :func:`position_terms` does not model (V/O is kept, and checked by
+    ``Layout.verify`` like every block).  Norms on the model-width stream (:func:`stream_norms`) and
+    the parameters of modelled position terms are not extra parameters."""
     nh, h, shape_reasons = _head_shapes(mod, q, k, v, o)
+    terms = position_terms(q.path.rpartition(".")[0], mod, nh, None if nh is None or h is None else nh * h)
+    screen = _screen(mod, core | terms.known, source_scan=not _verified_hf(mod), modelled=terms.modelled,
+                     stream_width=o.out_features)
     whole = screen.module + shape_reasons
     if whole:
-        return match.reject("; ".join(whole + screen.qk))
-    if screen.qk:
-        match.reject("; ".join(screen.qk), part="qk")
-    attention_blocks(ctx, match, q=q, k=k, v=v, o=o, num_heads=nh, head_dim=h, qk=not screen.qk)
+        return match.reject("; ".join(whole + screen.qk + ([terms.reject] if terms.reject else [])))
+    qk_reasons = screen.qk + ([terms.reject] if terms.reject else [])
+    if qk_reasons:
+        match.reject("; ".join(qk_reasons), part="qk")
+    attention_blocks(ctx, match, q=q, k=k, v=v, o=o, num_heads=nh, head_dim=h, qk=not qk_reasons,
+                     qk_source=terms.source, q_pairs=terms.q_pairs, k_pairs=terms.k_pairs)
     return match

@@ -1,8 +1,9 @@
 """``hf-bert``: q/k/v projections in one module, the output projection in a sibling ``output.dense``.
 
 ``BertAttention`` = ``self`` (``query``/``key``/``value``) + ``output`` (``dense``, LayerNorm): BERT,
-RoBERTa, MiniLM, ELECTRA, ViT/DeiT of transformers 4.x.  The block module is the parent, which must
-hold nothing else with parameters.  Screened like ``qkvo``.
+RoBERTa, MiniLM, ELECTRA, ViT/DeiT of transformers 4.x; DeBERTa-v2's ``self`` also holds the
+positional projections ``pos_query_proj`` / ``pos_key_proj``, which join the Q/K factors.  The block
+module is the parent, which must hold nothing else with parameters.  Screened like ``qkvo``.
 """
 
 from __future__ import annotations

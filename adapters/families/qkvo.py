@@ -4,7 +4,9 @@
 ``q/k/v/o``, ``query/key/value/dense`` ... of plain PyTorch modules, with an int head-count attribute
 (``num_heads``, ``num_attention_heads``, ``n_heads`` ...) or an HF ``config.num_attention_heads``.
 Screened (``_screen``): extra parameters, norms, gates or clipping make the module unsupported;
-position encodings make its Q/K half unsupported and keep the V/O block.
+position encodings make its Q/K half unsupported and keep the V/O block, unless they are position
+terms that keep GL (``position_terms``: T5's score bias, DeBERTa-v2's positional projections, which
+join the Q/K factors); norms on the model-width stream (ALBERT's LayerNorm) are not extra.
 """
 
 from __future__ import annotations

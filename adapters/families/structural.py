@@ -24,18 +24,19 @@ packing            rows                             evidence
 ================== ================================ =========================================
 
 The candidate group of each half comes from configuration evidence (``GLBlock.group_source`` says
-which): V/O always full GL(h); Q/K full GL(h) without positions or with ALiBi (a bias added to the
-scores depends on neither q nor k), the rotary commutant ``RotaryGroup`` when ``forward`` takes
+which): V/O always full GL(h); Q/K full GL(h) without positions or with ALiBi or another bias added
+to the scores (``forward`` takes ``alibi`` or ``position_bias``, as MPT: it depends on neither q nor
+k; see ``position_terms``), the rotary commutant ``RotaryGroup`` when ``forward`` takes
 ``position_embeddings`` (``rotate_half`` pairing; interleaved when the class's module defines
 GPT-J's ``rotate_every_two``), with ``rotary_dim`` from ``partial_rotary_factor`` / ``rotary_pct`` /
 ``rotary_ndims``.  Q/K with per-head or whole-width q/k normalisation (``q_norm``, ``k_norm``) has a
-smaller group that must be derived; it is reported for that half only and V/O is kept.  Every
-proposed block is a candidate: ``Layout.verify`` checks it on the model.
+smaller group that must be derived; it is reported for that half only and V/O is kept.
+``clip_qkv`` (module attribute or config) refuses the module; norms on the model-width stream are not
+extra parameters.  Every proposed block is a candidate: ``Layout.verify`` checks it on the model.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -44,8 +45,8 @@ from torch import nn
 from quotient_manifolds.core.groups import FULL_GL, Group
 
 from ._base import Context, Family, Match
-from ._structure import (ROLE_NAMES, Proj, _in_pieces, _int_attr, _lin, _Lin, _linear_children, add_block,
-                         _out_pieces, _screen)
+from ._structure import (ROLE_NAMES, Proj, _forward_args, _in_pieces, _int_attr, _lin, _Lin, _linear_children,
+                         add_block, _out_pieces, _screen, position_terms)
 from .hf_rotary import QK_NORM_NAMES, _config_rotary_dim, rotary_group
 
 #: Packing of a packed projection by child name (module attributes ``new_decoder_architecture`` and
@@ -63,8 +64,8 @@ def _config(mod: nn.Module):
 def _head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional[int]]:
     """Query heads, key/value heads and head dim from the module, then its config."""
     cfg = _config(mod)
-    n_q = _int_attr(mod, ("num_heads", "num_attention_heads", "n_head")) or _int_attr(cfg, ("num_attention_heads",
-                                                                                            "n_head"))
+    n_q = _int_attr(mod, ("num_heads", "num_attention_heads", "n_head", "n_heads")) or _int_attr(
+        cfg, ("num_attention_heads", "n_head"))
     if n_q is None:
         return None, None, None
     if getattr(mod, "multi_query", False) is True and getattr(mod, "new_decoder_architecture", False) is not True:
@@ -78,22 +79,16 @@ def _head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional
     return n_q, n_kv, h
 
 
-def _forward_args(mod: nn.Module) -> set:
-    try:
-        return set(inspect.signature(mod.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def _qk_group(mod: nn.Module, h: int) -> Tuple[Optional[Group], str]:
-    """Candidate Q/K group and how it was found (None: no candidate, the string says why)."""
+def _qk_group(mod: nn.Module, h: int, bias_source: str = "") -> Tuple[Optional[Group], str]:
+    """Candidate Q/K group and how it was found (None: no candidate, the string says why);
+    ``bias_source``: the evidence of a bias added to the scores (:func:`position_terms`), if any."""
     cfg = _config(mod)
     args = _forward_args(mod)
     if getattr(cfg, "alibi", False) is True or ("alibi" in args and "position_embeddings" not in args):
         return FULL_GL, "config: ALiBi bias added to the scores (depends on neither q nor k): full GL"
     rotary_attr = _int_attr(mod, ("rotary_ndims", "rotary_dim"))
     if "position_embeddings" not in args and rotary_attr is None:
-        return FULL_GL, "structure: plain attention (no position inputs)"
+        return FULL_GL, bias_source or "structure: plain attention (no position inputs)"
     if rotary_attr is not None:
         r = rotary_attr
     elif getattr(cfg, "rotary_pct", None) is not None:
@@ -165,10 +160,15 @@ class StructuralAttention(Family):
         wrong = [f"{n} has {got} features, expected {want} for {n_q} query / {n_kv} key-value heads of size {h} "
                  f"({packing} packing)" for n, (got, want) in widths.items() if got != want]
         norms = [n for n in QK_NORM_NAMES if isinstance(getattr(mod, n, None), nn.Module)]
-        core = proj_ids | o.param_ids() | {id(p) for n in norms for p in getattr(mod, n).parameters()}
-        reasons = wrong + _screen(mod, core, source_scan=False, known=norms, positions=False).module
-        if getattr(_config(mod), "clip_qkv", None) is not None:
-            reasons.append(f"config.clip_qkv={_config(mod).clip_qkv}: clipping q/k/v breaks every GL symmetry")
+        terms = position_terms(path, mod, n_q, n_q * h)
+        core = proj_ids | o.param_ids() | {id(p) for n in norms for p in getattr(mod, n).parameters()} | terms.known
+        reasons = wrong + _screen(mod, core, source_scan=False, known=norms, positions=False,
+                                  stream_width=o.out_features).module
+        clip = [f"{where}clip_qkv={v}" for where, v in (("", getattr(mod, "clip_qkv", None)),
+                                                         ("config.", getattr(_config(mod), "clip_qkv", None)))
+                if v is not None and v is not False]
+        if clip:
+            reasons.append(f"{clip[0]}: clipping q/k/v breaks every GL symmetry")
         if reasons:
             return res.reject("; ".join(reasons))
         if any(p.lin.adapted for p in qs + [k, v]) or o.adapted:
@@ -177,8 +177,11 @@ class StructuralAttention(Family):
         if norms:
             group, source = None, (f"q/k normalisation ({', '.join(norms)}): the Q/K group is smaller than GL and "
                                    "must be derived")
+        elif terms.reject or terms.q_pairs or terms.k_pairs:
+            group, source = None, terms.reject or "positional projections beside packed or grouped projections: " \
+                "not modelled, declare the blocks"
         else:
-            group, source = _qk_group(mod, h)
+            group, source = _qk_group(mod, h, terms.source)
         per_group = len(qs) > 1        # query heads of one key/value group are separate pieces
         q_pieces = [pc for q in qs for pc in _in_pieces(ctx, q, n_kv if per_group else n_q, h,
                                                          1 if per_group else rep)]
