@@ -16,12 +16,17 @@ Design
 * **The output as a function of one gauge.**  ``output_of(G, H)`` is the module's first output
   tensor, computed with ``torch.func.functional_call`` on a float64 copy of *that module's*
   parameters and buffers (and of its captured inputs) in which gauge ``j`` of the block is replaced
-  (``GLBlock.gather`` / ``scatter``); every other gauge and parameter stays as it is.  The user's
-  model is never modified or cast; eval mode is set for the passes and every submodule's flag is
-  restored.
+  (``GLBlock.gather`` / ``scatter``); the block's other gauges and the module's frozen parameters
+  stay as they are, its other trainable parameters are moved to a generic nearby point
+  (:data:`GENERIC_SHIFT`): sharpness perturbs them too, so the group must hold on a neighbourhood
+  of them, not only at their current values (QK-norm gains that are all ones admit rotations that
+  any other gains break: with trainable gains the Q/K half has no continuous symmetry, with frozen
+  gains it keeps the rotations).  The user's model is never modified or cast; eval mode is set
+  for the passes and every submodule's flag is restored.
 * **One derivation per module signature.**  Results are cached per (module class, its parameter
-  names and shapes, its scalar attributes, its config, the values of its small parameters that no
-  block touches — e.g. QK-norm gains, which decide the group —, the block's kind, heads, pieces and
+  names, shapes and trainable flags, its scalar attributes, its config, the values of its small
+  parameters that no block touches — e.g. frozen QK-norm gains, which decide the group —, the
+  block's kind, heads, pieces and
   sizes): the 32 identical layers of a decoder derive once.  Gauge 0 is derived; a second gauge
   (the last) is derived too when the head size is at most :data:`SECOND_GAUGE_MAX_HEAD_DIM` and must
   span the same algebra.
@@ -58,6 +63,9 @@ __all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_g
 #: form: GL, the orthogonal groups); the full null space costs h² of them and O(h⁶) algebra
 SECOND_GAUGE_MAX_HEAD_DIM = 32
 SECOND_GAUGE_MAX_EVALUATIONS = 16
+#: the module's other trainable weights are moved by this fraction of their RMS (Gaussian) for the
+#: derivation: a generic nearby point, where the group found holds on a neighbourhood
+GENERIC_SHIFT = 0.1
 #: parameters of the attention module outside its linear projections with at most this many
 #: entries enter the cache key by value (norm gains, scalars): they can change the group
 SMALL_PARAM_NUMEL = 1 << 16
@@ -175,6 +183,17 @@ def _module_output_fn(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dic
     prefix = block.module + "." if block.module else ""
     full = {prefix + n: p.detach().to(torch.float64) if p.is_floating_point() else p.detach()
             for n, p in mod.named_parameters()}
+    # the group must hold for every nearby value of the module's other trainable weights, which
+    # sharpness perturbs too: they are moved to a generic nearby point (a QK-norm gain vector of
+    # ones admits rotations that any other gain vector breaks); frozen weights stay as they are
+    gen = torch.Generator().manual_seed(0)
+    own = set(block.params)
+    for n, p in mod.named_parameters():
+        if prefix + n not in own and p.requires_grad and p.is_floating_point():
+            v = full[prefix + n]
+            rms = float(v.pow(2).mean().sqrt()) if v.numel() else 0.0
+            noise = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(v.device)
+            full[prefix + n] = v + GENERIC_SHIFT * (rms if rms > 0 else 1.0) * noise
     buffers = {n: b.to(torch.float64) if b.is_floating_point() else b for n, b in mod.named_buffers()}
     args, kwargs = _to_float64(inputs[0]), _to_float64(inputs[1])
     x0 = block.gather(full)
@@ -198,7 +217,7 @@ def _cache_key(model: nn.Module, block: GLBlock) -> Tuple:
     mod = model.get_submodule(block.module)
     prefix = block.module + "." if block.module else ""
     touched = set(block.params)
-    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in mod.named_parameters())
+    params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in mod.named_parameters())
     # values of small parameters outside the projections (norm gains, scalars) can decide the group
     projections = {f"{sub}.{n}" if sub else n for sub, m in mod.named_modules()
                    if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"

@@ -130,13 +130,19 @@ def test_qk_norm_group_from_rmsnorm_eps_and_gains(monkeypatch):
     are equal on each pair (as initialised: all ones); none for generic gains.  eps = 1e-2 and
     rope_theta = 100 here: with eps ≪ mean(q²) scaling q against k is a near-symmetry (singular
     value ~ eps / mean(q²)) and slow frequencies rotate little over 16 positions, which blur the
-    cut.  Gauge 0 only (the second-gauge check is what reports such blurred cuts inconclusive)."""
+    cut.  Gauge 0 only (the second-gauge check is what reports such blurred cuts inconclusive).
+    The gains are frozen first: trainable gains are moved to a generic nearby point for the
+    derivation (sharpness perturbs them), which leaves no continuous symmetry."""
     import adapters.derive as derive
 
     monkeypatch.setattr(derive, "SECOND_GAUGE_MAX_HEAD_DIM", 0)
+    monkeypatch.setattr(derive, "SECOND_GAUGE_MAX_EVALUATIONS", 0)
     model = _decoder("Qwen3", num_key_value_heads=2, head_dim=H, rms_norm_eps=1e-2,
                      rope_parameters={"rope_type": "default", "rope_theta": 100.0})
     attn = "model.layers.0.self_attn"
+    norms = [model.get_submodule(f"{attn}.{n}").weight for n in ("q_norm", "k_norm")]
+    for w in norms:
+        w.requires_grad_(False)
     qk = adapters.declare_block(model, q=f"{attn}.q_proj", k=f"{attn}.k_proj", num_heads=4, num_kv_heads=2,
                                 head_dim=H, group="rope")
     lay = adapters.layout(model, blocks=[qk])
@@ -152,6 +158,11 @@ def test_qk_norm_group_from_rmsnorm_eps_and_gains(monkeypatch):
     assert [r.status for r in results] == ["trivial", "derived"]
     assert [b.kind for b in derived.blocks] == ["vo"]
     assert any(u.module.endswith("/qk") and "no continuous symmetry" in u.reason for u in derived.unsupported)
+    with torch.no_grad():                 # trainable gains (even all ones): no continuous symmetry
+        for w in norms:
+            w.fill_(1.0).requires_grad_(True)
+    _, results = derive_groups(model, lay, _ids(), use_cache=False)
+    assert [r.status for r in results] == ["trivial", "derived"]
 
 
 # ------------------------------------------------------------------------------ normalised attention
