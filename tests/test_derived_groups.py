@@ -241,6 +241,26 @@ def test_normalised_attention_gets_its_true_group_and_invariant_sharpness():
         assert s1 == pytest.approx(s0, rel=1e-6, abs=1e-12), geometry
 
 
+def test_plain_sharpness_derives_the_normalised_groups_and_is_invariant():
+    """No layout passed: sharpness detects full GL on both halves (qkvo), verification rejects it,
+    the groups are derived (R₊·SO(h) on Q/K, SO(h) on V/O) and the value is invariant under the
+    action written by hand (ill-conditioned scalar times rotation on Q/K, rotation on V/O)."""
+    model, x, y = _normalised()
+    gen = torch.Generator().manual_seed(11)
+    A = ScaledOrthogonalGroup().random_element(H, (2,), cond=1e2, generator=gen)
+    O = OrthogonalGroup().random_element(H, (2,), generator=gen)
+    moved = _act_by_hand(model, A, O)
+    assert (moved(x) - model(x)).abs().max() < 1e-10                       # a symmetry, by hand
+    for geometry in ("geodesic-inv", "geodesic-mix"):
+        kw = dict(geometry=geometry, rho=0.05, n_iters=3)
+        s0 = adapters.sharpness(model, [(x, y)], **kw).value
+        s1 = adapters.sharpness(moved, [(x, y)], **kw).value
+        assert s1 == pytest.approx(s0, rel=1e-6, abs=1e-12), geometry
+    accepted, _ = adapters.accept_layout(model, adapters.layout(model), x)
+    assert [type(b.group) for b in accepted.blocks] == [ScaledOrthogonalGroup, OrthogonalGroup]
+    assert all("screened" in b.group_source for b in accepted.blocks)
+
+
 def test_unverified_mis_declared_block_is_refused_by_sharpness():
     """The normalised attention is detected with full GL on both halves (not a symmetry):
     sharpness verifies the layout on the first batch and refuses it."""

@@ -458,8 +458,8 @@ def derive_group(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Te
        closed forms not nested), :func:`derive_algebra` and :func:`recognise_algebra`: h²
        directional derivatives and O(N h⁴ + h⁶) dense algebra.
 
-    Cost of the screened path: about 3h + 10 directional derivatives, plus one per component of
-    the certificate (none for GL(h), 1 or 2 for the orthogonal groups, (h² − h)/2 for the rotary
+    Cost of the screened path: 4 + ``samples`` × (3h + 4) directional derivatives (the closed
+    forms of :func:`candidate_groups` with dim 𝔤 > 0), plus one per component of the certificate (none for GL(h), 1 or 2 for the orthogonal groups, (h² − h)/2 for the rotary
     commutant); no dense algebra."""
     G, H = G.detach(), H.detach()
     h = G.shape[-1]
