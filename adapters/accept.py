@@ -13,8 +13,11 @@ passed in:
   used at no extra cost;
 * otherwise ``verify`` runs once (all blocks together at five scales; block by block only when that
   fails, to name the culprit: six forward passes when it passes) and its result is remembered;
-* a failing block is refused with the verify report (``unsafe=True`` runs anyway, with a warning,
-  as before).
+* a failing block of a layout the entry point detected itself (``layout=None``) gets its group
+  derived from the model (:func:`accept_layout`: the candidate is replaced, the layout verified
+  again; what still fails is removed and reported with a warning);
+* a failing block of a layout passed in is refused with the verify report (``unsafe=True`` runs
+  anyway, with a warning, as before).
 
 The record is a ``WeakKeyDictionary`` model -> set of signatures, so it never keeps a model alive.
 A signature is what a verification depends on: the layout's blocks (by value: a layout detected

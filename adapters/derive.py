@@ -28,11 +28,15 @@ Design
   parameters that no block touches — e.g. frozen QK-norm gains, which decide the group —, the
   block's kind, heads, pieces and
   sizes): the 32 identical layers of a decoder derive once.  Gauge 0 is derived; a second gauge
-  (the last) is derived too when the head size is at most :data:`SECOND_GAUGE_MAX_HEAD_DIM` and must
-  span the same algebra.
-* **What is used.**  A derived algebra that is closed under the bracket and separated from the
-  rest of the spectrum by a clear gap replaces the block's candidate group (``group_source`` says
-  ``"derived: ..."``).  A trivial algebra (dimension 0) means the block carries no continuous
+  (the last) is derived too when the head size is at most :data:`SECOND_GAUGE_MAX_HEAD_DIM` or the
+  first was cheap (:data:`SECOND_GAUGE_MAX_EVALUATIONS`), and must give the same group.
+* **How.**  :func:`~quotient_manifolds.core.algebra.derive_group`: the closed forms are screened
+  with two random directions each and the largest that passes is certified maximal with one
+  directional derivative per irreducible component of its complement; otherwise the null space.
+* **What is used.**  A group found so (a certified closed form, or a null space that is closed
+  under the bracket and separated from the rest of the spectrum by a clear gap) replaces the
+  block's candidate group (``group_source`` says ``"derived: <group>, dim, gap, method, number of
+  directional derivatives"``).  A trivial algebra (dimension 0) means the block carries no continuous
   symmetry: the block is removed and its half reported in ``layout.unsupported`` with the reason;
   its parameters are then treated elementwise.  An inconclusive derivation (not closed, small gap,
   different spans on two gauges) keeps the candidate group, says so in ``group_source`` and
@@ -51,7 +55,7 @@ from typing import Any, Container, Dict, List, Mapping, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from quotient_manifolds.core.algebra import MIN_GAP  # noqa: F401  (re-exported: the trusted gap)
+from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
 
 from .layout import GLBlock, Layout, Unsupported, _split_inputs
 
@@ -188,12 +192,13 @@ def _module_output_fn(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dic
     # ones admits rotations that any other gain vector breaks); frozen weights stay as they are
     gen = torch.Generator().manual_seed(0)
     own = set(block.params)
+    rms = lambda v: float(v.pow(2).mean().sqrt()) if v.numel() else 0.0  # noqa: E731
+    typical = rms(torch.cat([v.reshape(-1) for v in full.values() if v.is_floating_point()] or [torch.zeros(1)]))
     for n, p in mod.named_parameters():
         if prefix + n not in own and p.requires_grad and p.is_floating_point():
             v = full[prefix + n]
-            rms = float(v.pow(2).mean().sqrt()) if v.numel() else 0.0
             noise = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(v.device)
-            full[prefix + n] = v + GENERIC_SHIFT * (rms if rms > 0 else 1.0) * noise
+            full[prefix + n] = v + GENERIC_SHIFT * (rms(v) or typical or 1.0) * noise   # zeros: the module's scale
     buffers = {n: b.to(torch.float64) if b.is_floating_point() else b for n, b in mod.named_buffers()}
     args, kwargs = _to_float64(inputs[0]), _to_float64(inputs[1])
     x0 = block.gather(full)
@@ -252,14 +257,12 @@ def _same_span(a: Tensor, b: Tensor, tol: float = 1e-6) -> bool:
     return bool(s[a.shape[0]:].max() <= tol * s[0]) if s.numel() > a.shape[0] else True
 
 
-def _derive_one(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dict], gauge: int, rtol: Optional[float]):
-    from quotient_manifolds.core.algebra import derive_group
-
+def _derive_one(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dict], gauge: int,
+                rtol: Optional[float]) -> GroupDerivation:
     output_of, G, H = _module_output_fn(model, block, inputs, gauge)
     try:
         return derive_group(output_of, G, H, **({} if rtol is None else {"rtol": rtol}))
     except ValueError as err:          # too few outputs for the null space
-        from quotient_manifolds.core.algebra import GroupDerivation
         return GroupDerivation(None, 0, 0.0, False, "null space", 0, str(err).split(":")[0])
 
 
