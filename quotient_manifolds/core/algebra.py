@@ -20,6 +20,12 @@ differentiation (``torch.func.jvp`` under ``vmap``, in chunks), the singular val
 the resulting N × h² matrix (via its Gram matrix, refined on the near-null subspace) and keeps the
 right singular vectors with σ ≤ rtol·σ_max. :func:`recognise_algebra` returns the closed-form group
 with exactly that span when one exists, else a :class:`SubalgebraGroup`.
+
+:func:`derive_group` is what a caller uses: it screens the closed forms with two random directions
+each and certifies the largest that passes with one directional derivative per irreducible
+component of its complement (:func:`complement_components`), so GL(h), the orthogonal groups and
+the rotary commutant cost O(h) to O(h²) directional derivatives and no dense algebra; the null
+space (:func:`derive_algebra`, h² directional derivatives and O(h⁶) algebra) only when that fails.
 """
 
 from __future__ import annotations
