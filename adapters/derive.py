@@ -305,8 +305,9 @@ def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple,
         res = BlockDerivation(block.name, "trivial", None, 0, d.gap, d.closed,
                               f"no continuous symmetry: the derived Lie algebra is trivial ({facts})", elapsed)
     else:
+        named = d.group.describe(h)
         res = BlockDerivation(block.name, "derived", d.group, d.dim, d.gap, d.closed,
-                              f"derived: {d.group.describe(h)}, {facts}", elapsed)
+                              f"derived: {named}, {facts.split(', ', 1)[1] if 'dim' in named else facts}", elapsed)
     if key is not None:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
