@@ -261,6 +261,22 @@ def test_plain_sharpness_derives_the_normalised_groups_and_is_invariant():
     assert all("screened" in b.group_source for b in accepted.blocks)
 
 
+def test_hessian_and_geodesic_sam_derive_the_groups_of_a_detected_layout():
+    """riemannian_hessian and GeodesicSAM with no layout: the failing full-GL candidates are
+    replaced by the derived groups (quotient dimension D − Σ heads·dim 𝔤), nothing is refused."""
+    pytest.importorskip("curvlinops")
+    model, x, y = _normalised()
+    hess = adapters.riemannian_hessian(model, [(x, y)], geometry="geodesic-inv")
+    total = sum(p.numel() for p in model.parameters())
+    assert hess.quotient_dim == total - 2 * (H * (H - 1) // 2 + 1) - 2 * (H * (H - 1) // 2)
+    sam = adapters.GeodesicSAM(model, torch.optim.SGD, rho=0.05, geometry="geodesic-inv", lr=0.0)
+    F.cross_entropy(model(x), y).backward()
+    sam.first_step(zero_grad=True)
+    F.cross_entropy(model(x), y).backward()
+    sam.second_step(zero_grad=True)
+    assert [type(b.group) for b in sam.layout.blocks] == [ScaledOrthogonalGroup, OrthogonalGroup]
+
+
 def test_unverified_mis_declared_block_is_refused_by_sharpness():
     """The normalised attention is detected with full GL on both halves (not a symmetry):
     sharpness verifies the layout on the first batch and refuses it."""
