@@ -394,7 +394,11 @@ def sharpness(model: torch.nn.Module,
     elementwise_second_order: also move the non-attention weights along the second-order geodesic
         w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).
     normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
-    layout: a precomputed :class:`~adapters.layout.Layout` (default: detected from the model).
+    layout: a precomputed :class:`~adapters.layout.Layout`, verified on the first batch and refused
+        when a block fails.  Default: detected from the model and accepted on the first batch
+        (:func:`~adapters.accept.accept_layout`): blocks whose candidate group fails verification
+        get the group derived from the model (e.g. R₊·SO(h) for L2-normalised q and k), what still
+        fails is treated elementwise, with a warning.
     allow_unsupported: run even if the layout reports unsupported attention modules (they are
         then treated adaptively) or none at all.
     unsafe: run a geodesic geometry even if the layout's last ``verify`` found blocks that are not
