@@ -171,8 +171,9 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
     removed = [u for u in derived.unsupported if u not in layout.unsupported]
     if warn and removed:
         lines = "; ".join(f"{u.module}: {u.reason}" for u in removed)
-        warnings.warn(f"{what}: {len(removed)} block(s) of the detected layout are not symmetries of the model "
-                      f"with any group found and are treated elementwise: {lines}", UserWarning, stacklevel=3)
+        warnings.warn(f"{what}: {len(removed)} block(s) of the detected layout have no group found under which "
+                      f"the model is unchanged (candidate or derived) and are treated elementwise: {lines}",
+                      UserWarning, stacklevel=3)
     return derived, report
 
 
