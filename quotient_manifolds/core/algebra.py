@@ -161,7 +161,8 @@ def derive_algebra(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: 
     Threshold: the singular values σ of the map (with Λ in Frobenius-orthonormal coordinates) with
     σ ≤ max(``rtol``·σ_max, ``atol``) are kept as the null space; relative to σ_max, so independent
     of the output's scale, unless the rounding of the derivatives (``atol``, see
-    :func:`derive_group`) is larger. Computation: the Gram matrix JᵀJ (eigh) locates the subspace with σ ≤ 1e-6·σ_max, and an
+    :func:`derive_group`) is larger. Computation: the Gram matrix JᵀJ (eigh) locates the subspace
+    with σ ≤ 1e-6·σ_max, and an
     SVD of J restricted to it gives those singular values to working precision (the Gram matrix
     alone resolves σ only down to ≈ 1e-8·σ_max). Cost: h² jvps of ``output_of`` plus O(N h⁴ + h⁶)
     dense linear algebra (see the benchmarks for timings).
@@ -465,7 +466,8 @@ def derive_group(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Te
        directional derivatives and O(N h⁴ + h⁶) dense algebra.
 
     Cost of the screened path: 4 + ``samples`` × (3h + 4) directional derivatives (the closed
-    forms of :func:`candidate_groups` with dim 𝔤 > 0), plus one per component of the certificate (none for GL(h), 1 or 2 for the orthogonal groups, (h² − h)/2 for the rotary
+    forms of :func:`candidate_groups` with dim 𝔤 > 0), plus one per component of the certificate
+    (none for GL(h), 1 or 2 for the orthogonal groups, (h² − h)/2 for the rotary
     commutant); no dense algebra."""
     G, H = G.detach(), H.detach()
     h = G.shape[-1]
