@@ -17,6 +17,7 @@ from .layout import (
     primary_output,
 )
 from .detect import Detection, detect, layout
+from .accept import accept_layout
 from .families import Family, Match, register_family, unregister_family
 from .sharpness import (
     GEOMETRIES,
@@ -49,7 +50,7 @@ from .solver import (
 )
 
 __all__ = [
-    "layout", "detect", "Detection", "Family", "Match", "register_family", "unregister_family", "declare_block", "FactorPiece", "GLBlock", "Layout", "Unsupported",
+    "layout", "accept_layout", "detect", "Detection", "Family", "Match", "register_family", "unregister_family", "declare_block", "FactorPiece", "GLBlock", "Layout", "Unsupported",
     "VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output",
     "sharpness", "sharpness_sweep", "calibrate_rho", "RhoCalibration", "distributed_sharpness", "next_token_loss", "SharpnessResult", "GEOMETRIES", "MEASURES", "build_ball", "auto_pgd",
     "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",

@@ -13,8 +13,11 @@ passed in:
   used at no extra cost;
 * otherwise ``verify`` runs once (all blocks together at five scales; block by block only when that
   fails, to name the culprit: six forward passes when it passes) and its result is remembered;
-* a failing block is refused with the verify report (``unsafe=True`` runs anyway, with a warning,
-  as before).
+* a failing block of a layout the entry point detected itself (``layout=None``) gets its group
+  derived from the model (:func:`accept_layout`: the candidate is replaced, the layout verified
+  again; what still fails is removed and reported with a warning);
+* a failing block of a layout passed in is refused with the verify report (``unsafe=True`` runs
+  anyway, with a warning, as before).
 
 The record is a ``WeakKeyDictionary`` model -> set of signatures, so it never keeps a model alive.
 A signature is what a verification depends on: the layout's blocks (by value: a layout detected
@@ -36,9 +39,11 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .layout import Layout, SymmetryError, VerifyReport, default_tolerance
+from .derive import derive_groups, with_blocks
+from .layout import Layout, SymmetryError, Unsupported, VerifyReport, default_tolerance
 
-__all__ = ["ensure_verified", "is_verified", "record_verification", "refuse_failed_blocks", "resolve_layout"]
+__all__ = ["accept_layout", "ensure_verified", "is_verified", "record_verification", "refuse_failed_blocks",
+           "resolve_layout"]
 
 #: model -> signatures of the layouts that passed verification on it (see the module docstring)
 _VERIFIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
@@ -140,6 +145,56 @@ def ensure_verified(model: nn.Module, layout: Optional[Layout], example_inputs: 
             f"lay.verify(model, inputs, output_fn=lambda out: out[...]), and pass layout=lay") from None
 
 
+def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what: str = "accept_layout",
+                  derive: bool = True, warn: bool = True) -> Tuple[Layout, Optional[VerifyReport]]:
+    """The layout to use on ``model``: ``layout`` when it passes verification; otherwise (with
+    ``derive``) the blocks that fail get their group derived from the model
+    (:func:`adapters.derive.derive_groups` on those blocks only), the derived groups replace the
+    candidates and the layout is verified again.  Blocks that still fail, or whose derived algebra is
+    trivial, are removed (their parameters treated elementwise) and reported in
+    ``layout.unsupported`` with the reason (and a ``UserWarning`` when ``warn``): a block is never
+    perturbed along a group that is not a symmetry.  Returns ``(layout, report)`` (report ``None``
+    when nothing had to run).  ``layout`` itself is never modified; ``what`` names the caller in
+    messages.
+
+    This is what the geodesic entry points do with a layout they detect themselves (``layout=None``);
+    call it to see the layout they use: ``print(adapters.accept_layout(model, adapters.layout(model),
+    inputs)[0])`` shows each block's group and how it was found (``GLBlock.group_source``)."""
+    report = ensure_verified(model, layout, example_inputs, what=what)
+    if layout is None or not derive or not layout.verify_failed:
+        return layout, report
+
+    failed = set(layout.verify_failed)
+    derived, _ = derive_groups(model, layout, example_inputs, only=failed)
+    report = ensure_verified(model, derived, example_inputs, what=what)
+    dropped = list(derived.verify_failed)
+    if dropped:
+        deviations = {c.name: c.max_rel_dev for c in (report.blocks if report is not None else [])}
+        unsupported = list(derived.unsupported)
+        for b in derived.blocks:
+            if b.name in dropped:
+                dev = deviations.get(b.name)
+                unsupported.append(Unsupported(
+                    f"{b.module}/{b.kind}", type(model.get_submodule(b.module)).__name__,
+                    f"not a symmetry with its group {b.group.describe(b.head_dim)} (output change "
+                    f"{'n/a' if dev is None else f'{dev:.1e}'} relative; group: {b.group_source})"))
+        derived = with_blocks(derived, [b for b in derived.blocks if b.name not in dropped], unsupported,
+                               list(derived.notes))
+        report = ensure_verified(model, derived, example_inputs, what=what)
+        if derived.verify_failed:            # blocks that fail only together: nothing left to trust
+            derived = with_blocks(derived, [], unsupported + [
+                Unsupported(f"{b.module}/{b.kind}", type(model.get_submodule(b.module)).__name__,
+                            "fails verification together with the other blocks") for b in derived.blocks],
+                list(derived.notes))
+    removed = [u for u in derived.unsupported if u not in layout.unsupported]
+    if warn and removed:
+        lines = "; ".join(f"{u.module}: {u.reason}" for u in removed)
+        warnings.warn(f"{what}: {len(removed)} block(s) of the detected layout have no group found under which "
+                      f"the model is unchanged (candidate or derived) and are treated elementwise: {lines}",
+                      UserWarning, stacklevel=3)
+    return derived, report
+
+
 def refuse_failed_blocks(layout: Optional[Layout], *, unsafe: bool, what: str, consequence: str,
                          report: Optional[VerifyReport] = None, stacklevel: int = 3) -> None:
     """Raise :class:`~adapters.layout.SymmetryError` (a ``ValueError`` too) when the layout's last
@@ -155,7 +210,9 @@ def refuse_failed_blocks(layout: Optional[Layout], *, unsafe: bool, what: str, c
     raise _Refused(
         f"{what}: block(s) {failed} of the layout are not symmetries of the model (the output changes "
         f"under random elements of their group): {consequence}. Inspect them with "
-        f"layout.verify(model, inputs); fix their declaration (group=, num_kv_heads=, offsets) or "
+        f"layout.verify(model, inputs); let adapters.accept_layout(model, layout, inputs) derive the "
+        f"groups the model really has (what sharpness does with a layout it detects itself, layout=None); "
+        f"fix their declaration (group=, num_kv_heads=, offsets) or "
         f"leave them out of the layout (adapters.layout(model, blocks=..., detect_blocks=False)), use "
         f"geometry='adaptive', or pass unsafe=True to run anyway{detail}", report)
 

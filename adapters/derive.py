@@ -16,18 +16,27 @@ Design
 * **The output as a function of one gauge.**  ``output_of(G, H)`` is the module's first output
   tensor, computed with ``torch.func.functional_call`` on a float64 copy of *that module's*
   parameters and buffers (and of its captured inputs) in which gauge ``j`` of the block is replaced
-  (``GLBlock.gather`` / ``scatter``); every other gauge and parameter stays as it is.  The user's
-  model is never modified or cast; eval mode is set for the passes and every submodule's flag is
-  restored.
+  (``GLBlock.gather`` / ``scatter``); the block's other gauges and the module's frozen parameters
+  stay as they are, its other trainable parameters are moved to a generic nearby point
+  (:data:`GENERIC_SHIFT`): sharpness perturbs them too, so the group must hold on a neighbourhood
+  of them, not only at their current values (QK-norm gains that are all ones admit rotations that
+  any other gains break: with trainable gains the Q/K half has no continuous symmetry, with frozen
+  gains it keeps the rotations).  The user's model is never modified or cast; eval mode is set
+  for the passes and every submodule's flag is restored.
 * **One derivation per module signature.**  Results are cached per (module class, its parameter
-  names and shapes, its scalar attributes, its config, the values of its small parameters that no
-  block touches — e.g. QK-norm gains, which decide the group —, the block's kind, heads, pieces and
+  names, shapes and trainable flags, its scalar attributes, its config, the values of its small
+  parameters that no block touches — e.g. frozen QK-norm gains, which decide the group —, the
+  block's kind, heads, pieces and
   sizes): the 32 identical layers of a decoder derive once.  Gauge 0 is derived; a second gauge
-  (the last) is derived too when the head size is at most :data:`SECOND_GAUGE_MAX_HEAD_DIM` and must
-  span the same algebra.
-* **What is used.**  A derived algebra that is closed under the bracket and separated from the
-  rest of the spectrum by a clear gap replaces the block's candidate group (``group_source`` says
-  ``"derived: ..."``).  A trivial algebra (dimension 0) means the block carries no continuous
+  (the last) is derived too when the head size is at most :data:`SECOND_GAUGE_MAX_HEAD_DIM` or the
+  first was cheap (:data:`SECOND_GAUGE_MAX_EVALUATIONS`), and must give the same group.
+* **How.**  :func:`~quotient_manifolds.core.algebra.derive_group`: the closed forms are screened
+  with two random directions each and the largest that passes is certified maximal with one
+  directional derivative per irreducible component of its complement; otherwise the null space.
+* **What is used.**  A group found so (a certified closed form, or a null space that is closed
+  under the bracket and separated from the rest of the spectrum by a clear gap) replaces the
+  block's candidate group (``group_source`` says ``"derived: <group>, dim, gap, method, number of
+  directional derivatives"``).  A trivial algebra (dimension 0) means the block carries no continuous
   symmetry: the block is removed and its half reported in ``layout.unsupported`` with the reason;
   its parameters are then treated elementwise.  An inconclusive derivation (not closed, small gap,
   different spans on two gauges) keeps the candidate group, says so in ``group_source`` and
@@ -41,25 +50,29 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Container, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
+
 from .layout import GLBlock, Layout, Unsupported, _split_inputs
 
-__all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "clear_cache",
+__all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "with_blocks", "clear_cache",
            "SECOND_GAUGE_MAX_HEAD_DIM"]
 
-#: derive a second gauge (and compare the spans) only for heads at most this wide (cost ∝ h²)
+#: derive a second gauge (and compare the groups) for heads at most this wide, or when the first
+#: gauge took at most SECOND_GAUGE_MAX_EVALUATIONS × h directional derivatives (a screened closed
+#: form: GL, the orthogonal groups); the full null space costs h² of them and O(h⁶) algebra
 SECOND_GAUGE_MAX_HEAD_DIM = 32
+SECOND_GAUGE_MAX_EVALUATIONS = 16
+#: the module's other trainable weights are moved by this fraction of their RMS (Gaussian) for the
+#: derivation: a generic nearby point, where the group found holds on a neighbourhood
+GENERIC_SHIFT = 0.1
 #: parameters of the attention module outside its linear projections with at most this many
 #: entries enter the cache key by value (norm gains, scalars): they can change the group
 SMALL_PARAM_NUMEL = 1 << 16
-#: a derived algebra is used only when the singular values of the linearised condition drop by at
-#: least this factor at the cut (an exact symmetry gives 1e7 .. inf; a near-symmetry, such as
-#: scaling q against k under RMSNorm with eps ≪ mean(q²), sits in between and is not trusted)
-MIN_GAP = 1e4
 _CACHE: Dict[Tuple, "BlockDerivation"] = {}
 _CACHE_SIZE = 512
 
@@ -174,6 +187,18 @@ def _module_output_fn(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dic
     prefix = block.module + "." if block.module else ""
     full = {prefix + n: p.detach().to(torch.float64) if p.is_floating_point() else p.detach()
             for n, p in mod.named_parameters()}
+    # the group must hold for every nearby value of the module's other trainable weights, which
+    # sharpness perturbs too: they are moved to a generic nearby point (a QK-norm gain vector of
+    # ones admits rotations that any other gain vector breaks); frozen weights stay as they are
+    gen = torch.Generator().manual_seed(0)
+    own = set(block.params)
+    rms = lambda v: float(v.pow(2).mean().sqrt()) if v.numel() else 0.0  # noqa: E731
+    typical = rms(torch.cat([v.reshape(-1) for v in full.values() if v.is_floating_point()] or [torch.zeros(1)]))
+    for n, p in mod.named_parameters():
+        if prefix + n not in own and p.requires_grad and p.is_floating_point():
+            v = full[prefix + n]
+            noise = torch.randn(v.shape, generator=gen, dtype=torch.float64).to(v.device)
+            full[prefix + n] = v + GENERIC_SHIFT * (rms(v) or typical or 1.0) * noise   # zeros: the module's scale
     buffers = {n: b.to(torch.float64) if b.is_floating_point() else b for n, b in mod.named_buffers()}
     args, kwargs = _to_float64(inputs[0]), _to_float64(inputs[1])
     x0 = block.gather(full)
@@ -197,7 +222,7 @@ def _cache_key(model: nn.Module, block: GLBlock) -> Tuple:
     mod = model.get_submodule(block.module)
     prefix = block.module + "." if block.module else ""
     touched = set(block.params)
-    params = tuple((n, tuple(p.shape), str(p.dtype)) for n, p in mod.named_parameters())
+    params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in mod.named_parameters())
     # values of small parameters outside the projections (norm gains, scalars) can decide the group
     projections = {f"{sub}.{n}" if sub else n for sub, m in mod.named_modules()
                    if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
@@ -232,39 +257,20 @@ def _same_span(a: Tensor, b: Tensor, tol: float = 1e-6) -> bool:
     return bool(s[a.shape[0]:].max() <= tol * s[0]) if s.numel() > a.shape[0] else True
 
 
-#: the linearised condition is zero (the whole of gl(h) leaves the output unchanged) when its
-#: largest singular value is below this fraction of the output's derivative along a generic
-#: direction: what remains is rounding, and a threshold relative to it would cut noise
-ROUNDING_FRACTION = 1e-10
-
-
-def _derive(derive_algebra, output_of, G: Tensor, H: Tensor, kwargs):
-    """``derive_algebra``, with the case of an exactly invariant output (every direction of gl(h)
-    in the null space, singular values at rounding level) recognised against a generic
-    direction's derivative."""
-    from torch.func import jvp
-
-    d = derive_algebra(output_of, G, H, **kwargs)
-    h = G.shape[-1]
-    if d.dim == h * h or not d.singular_values.numel():
-        return d
-    gen = torch.Generator().manual_seed(0)
-    dG = torch.randn(G.shape, generator=gen, dtype=G.dtype) * G.norm() / G.numel() ** 0.5
-    dH = torch.randn(H.shape, generator=gen, dtype=H.dtype) * H.norm() / H.numel() ** 0.5
-    generic = float(jvp(output_of, (G, H), (dG, dH))[1].detach().norm())
-    if float(d.singular_values[0]) > ROUNDING_FRACTION * generic * max(float(G.norm()), float(H.norm()), 1.0):
-        return d
-    basis = torch.eye(h * h, dtype=torch.float64).reshape(h * h, h, h)
-    return replace(d, basis=basis, singular_values=torch.zeros(h * h, dtype=torch.float64), gap=float("inf"),
-                   closed=True, closure_residual=0.0)
+def _derive_one(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dict], gauge: int,
+                rtol: Optional[float]) -> GroupDerivation:
+    output_of, G, H = _module_output_fn(model, block, inputs, gauge)
+    try:
+        return derive_group(output_of, G, H, **({} if rtol is None else {"rtol": rtol}))
+    except ValueError as err:          # too few outputs for the null space
+        return GroupDerivation(None, 0, 0.0, False, "null space", 0, str(err).split(":")[0])
 
 
 def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple, dict]], *,
                  rtol: Optional[float] = None, use_cache: bool = True) -> BlockDerivation:
     """Derive the group of ``block`` from its module's output at ``inputs`` (the module's captured
-    ``(args, kwargs)``, see :func:`capture_module_inputs`).  See the module docstring."""
-    from quotient_manifolds.core.algebra import derive_algebra, recognise_algebra
-
+    ``(args, kwargs)``, see :func:`capture_module_inputs`) with
+    :func:`~quotient_manifolds.core.algebra.derive_group`.  See the module docstring."""
     started = time.perf_counter()
     mod = model.get_submodule(block.module)
     if any(p.device.type == "meta" for p in mod.parameters()):
@@ -278,40 +284,30 @@ def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple,
         hit = _CACHE[key]
         return replace(hit, block=block.name, cached=True,
                        source=hit.source if hit.status == "derived" else _kept(block, hit.source))
-    kwargs = {} if rtol is None else {"rtol": rtol}
     # forward-mode AD: the fused CPU/GPU attention kernels have no jvp, the math kernel does
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
-        out0, G, H = _module_output_fn(model, block, inputs, 0)
-        d = _derive(derive_algebra, out0, G, H, kwargs)
-        spans_agree = True
-        if block.num_heads > 1 and block.head_dim <= SECOND_GAUGE_MAX_HEAD_DIM:
-            out1, G1, H1 = _module_output_fn(model, block, inputs, block.num_heads - 1)
-            d1 = _derive(derive_algebra, out1, G1, H1, kwargs)
-            spans_agree = _same_span(d.basis, d1.basis)
     h = block.head_dim
+    with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):
+        d = _derive_one(model, block, inputs, 0, rtol)
+        agree = True
+        if d.group is not None and block.num_heads > 1 and (
+                h <= SECOND_GAUGE_MAX_HEAD_DIM or d.evaluations <= SECOND_GAUGE_MAX_EVALUATIONS * h):
+            d1 = _derive_one(model, block, inputs, block.num_heads - 1, rtol)
+            agree = d1.group is not None and d1.group == d.group
     elapsed = time.perf_counter() - started
-    facts = f"dim {d.dim}, gap {_fmt(d.gap)}"
-    if not d.closed or not spans_agree or d.gap < MIN_GAP:
-        why = ("not closed under the bracket" if not d.closed else "two gauges give different algebras"
-               if not spans_agree else f"no clear gap in the singular values (< {MIN_GAP:g})")
+    facts = f"dim {d.dim}, gap {_fmt(d.gap)}, {d.method}, {d.evaluations} directional derivatives"
+    if d.group is None or not agree:
+        why = d.reason if d.group is None else "two gauges give different groups"
         res = BlockDerivation(block.name, "inconclusive", None, d.dim, d.gap, d.closed,
                               f"derivation inconclusive ({why}; {facts})", elapsed)
     elif d.dim == 0:
         res = BlockDerivation(block.name, "trivial", None, 0, d.gap, d.closed,
                               f"no continuous symmetry: the derived Lie algebra is trivial ({facts})", elapsed)
     else:
-        try:
-            group = recognise_algebra(d.basis, h)
-        except ValueError as err:          # the group of the span refuses it (closure to 1e-8)
-            group, why = None, str(err).split(";")[0]
-        if group is None:
-            res = BlockDerivation(block.name, "inconclusive", None, d.dim, d.gap, d.closed,
-                                  f"derivation inconclusive ({why}; {facts})", elapsed)
-        else:
-            res = BlockDerivation(block.name, "derived", group, d.dim, d.gap, d.closed,
-                                  f"derived: {group.describe(h)}, {facts}", elapsed)
+        named = d.group.describe(h)
+        res = BlockDerivation(block.name, "derived", d.group, d.dim, d.gap, d.closed,
+                              f"derived: {named}, {facts.split(', ', 1)[1] if 'dim' in named else facts}", elapsed)
     if key is not None:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -327,20 +323,23 @@ def _kept(block: GLBlock, why: str) -> str:
 
 
 def derive_groups(model: nn.Module, layout: Layout, example_inputs: Any, *, rtol: Optional[float] = None,
-                  use_cache: bool = True) -> Tuple[Layout, List[BlockDerivation]]:
+                  use_cache: bool = True, only: Optional[Container[str]] = None
+                  ) -> Tuple[Layout, List[BlockDerivation]]:
     """A new :class:`Layout` whose blocks carry their derived groups, and one
-    :class:`BlockDerivation` per block (module docstring).  Blocks whose derived algebra is trivial
+    :class:`BlockDerivation` per derived block (module docstring).  ``only``: names of the blocks to
+    derive (default: all); the others are kept as they are.  Blocks whose derived algebra is trivial
     are removed and reported in ``layout.unsupported`` (``"<module>/<kind>"``) with the reason; their
     parameters become adaptive.  ``layout`` and ``model`` are not modified."""
     layout.check_model(model, what="derive_groups()")
+    chosen = [b for b in layout.blocks if only is None or b.name in only]
     meta = any(p.device.type == "meta" for p in model.parameters())
-    inputs = {} if meta else capture_module_inputs(model, [b.module for b in layout.blocks], example_inputs)
+    inputs = {} if meta else capture_module_inputs(model, [b.module for b in chosen], example_inputs)
     flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
-    results: List[BlockDerivation] = []
+    results: Dict[str, BlockDerivation] = {}
     try:
         model.eval()
-        for b in layout.blocks:
-            results.append(derive_block(model, b, inputs.get(b.module), rtol=rtol, use_cache=use_cache))
+        for b in chosen:
+            results[b.name] = derive_block(model, b, inputs.get(b.module), rtol=rtol, use_cache=use_cache)
     finally:
         for name, mod in model.named_modules(remove_duplicate=False):
             if name in flags:
@@ -348,8 +347,11 @@ def derive_groups(model: nn.Module, layout: Layout, example_inputs: Any, *, rtol
     blocks: List[GLBlock] = []
     unsupported = list(layout.unsupported)
     notes = list(layout.notes)
-    for b, r in zip(layout.blocks, results):
-        if r.status == "derived":
+    for b in layout.blocks:
+        r = results.get(b.name)
+        if r is None:
+            blocks.append(b)
+        elif r.status == "derived":
             blocks.append(replace(b, group=r.group, group_source=r.source))
         elif r.status == "trivial":
             cls = type(model.get_submodule(b.module)).__name__
@@ -358,10 +360,10 @@ def derive_groups(model: nn.Module, layout: Layout, example_inputs: Any, *, rtol
             blocks.append(replace(b, group_source=r.source))
             if r.status == "inconclusive":
                 notes.append(f"block {b.name}: {r.source}")
-    return _with_blocks(layout, blocks, unsupported, notes), results
+    return with_blocks(layout, blocks, unsupported, notes), list(results.values())
 
 
-def _with_blocks(layout: Layout, blocks: List[GLBlock], unsupported: List[Unsupported],
+def with_blocks(layout: Layout, blocks: List[GLBlock], unsupported: List[Unsupported],
                  notes: List[str]) -> Layout:
     """``layout`` with another block list: GL masks and the adaptive list recomputed."""
     gl_masks: Dict[str, Tensor] = {}

@@ -351,7 +351,7 @@ def riemannian_hessian(model: torch.nn.Module,
     Riemannian Hessian's, the rest are exact zeros (vertical directions, fixed weights).
     Use :func:`trace`, :func:`top_eigenvalues`, or ``curvlinops.lanczos_approximate_spectrum(op, ncv)``.
     """
-    from .accept import ensure_verified, is_verified, refuse_failed_blocks, resolve_layout
+    from .accept import accept_layout, is_verified, refuse_failed_blocks, resolve_layout
 
     check.module("model", model)
     check.batches("batches", batches)
@@ -371,6 +371,7 @@ def riemannian_hessian(model: torch.nn.Module,
         raise ValueError(f"the model has no trainable parameter (all {len(all_params)} have "
                          f"requires_grad=False): the Hessian is taken with respect to the trainable "
                          f"weights; set requires_grad=True on the weights to include")
+    detected = geometry != "adaptive" and layout is None
     if geometry != "adaptive":
         layout = resolve_layout(model, layout, what=f"{geometry} Hessian", allow_unsupported=allow_unsupported)
         if not is_verified(model, layout):
@@ -398,7 +399,8 @@ def riemannian_hessian(model: torch.nn.Module,
         raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
     if geometry != "adaptive" and not (unsafe and layout.verify_failed):
         # a geodesic number never comes from an unverified block (adapters.accept)
-        report = ensure_verified(model, layout, data[0][0], what=f"{geometry} Hessian")
+        # a layout detected here gets derived groups for blocks whose candidate group fails
+        layout, report = accept_layout(model, layout, data[0][0], what=f"{geometry} Hessian", derive=detected)
         refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} Hessian",
                              consequence="its quotient Hessian would be meaningless", report=report)
     num_data = sum(sizes)

@@ -172,6 +172,8 @@ class GeodesicSAM(torch.optim.Optimizer):
         if self.geometry not in ("geodesic-inv", "geodesic-mix"):
             return None
         from .accept import capture_first_call, is_verified, refuse_failed_blocks, resolve_layout
+        #: a layout detected here gets derived groups for blocks whose candidate group fails
+        self._derive = layout is None
         layout = resolve_layout(self.model, layout, what=f"GeodesicSAM({self.geometry})",
                                 allow_unsupported=allow_unsupported)
         self._unsafe = unsafe
@@ -230,7 +232,7 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     def _verify_layout(self) -> None:
         """Verify the layout on the first batch's inputs (once; see :mod:`adapters.accept`)."""
-        from .accept import ensure_verified, refuse_failed_blocks
+        from .accept import accept_layout, refuse_failed_blocks
 
         captured = self._first_inputs
         what = f"GeodesicSAM({self.geometry})"
@@ -246,7 +248,8 @@ class GeodesicSAM(torch.optim.Optimizer):
                 f"was called with both positional and keyword arguments, which Layout.verify cannot "
                 f"replay. Verify the layout yourself once (lay = adapters.layout(model); "
                 f"lay.verify(model, {{...keyword inputs...}})) and pass layout=lay")
-        report = ensure_verified(self.model, self.layout, captured["inputs"], what=what)
+        self.layout, report = accept_layout(self.model, self.layout, captured["inputs"], what=what,
+                                            derive=self._derive)
         self._first_inputs, self._capture = {}, None
         refuse_failed_blocks(self.layout, unsafe=self._unsafe, what=what,
                              consequence="the ascent would not be invariant", report=report, stacklevel=4)

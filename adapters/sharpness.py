@@ -20,6 +20,7 @@ The maths: docs/maths.md §6 (blocks, total norm, ε), §7.3 (algorithm), §12 (
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import numbers
 import time
@@ -55,6 +56,8 @@ MEASURES = ("worst", "average")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: Models with at most this many parameters run on one thread (see ``num_threads``).
 SMALL_MODEL_PARAMS = 2 ** 20
+#: marks an empty iterable of batches (reported after the set-up, as before)
+_NO_BATCH = object()
 #: RK4 steps of the exact geodesic in the retraction check: the check needs the loss to a few per
 #: cent, and RK4's error falls as steps⁻⁴ (32 steps reach 1e-6 at t = 1 on trained weights)
 CHECK_EXACT_STEPS = 8
@@ -397,8 +400,12 @@ def sharpness(model: torch.nn.Module,
     elementwise_second_order: also move the non-attention weights along the second-order geodesic
         w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).
     normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
-    layout: a precomputed :class:`~adapters.layout.Layout` of this model (default: detected from the
-        model); one built for another model (other parameters, shapes or head counts) is refused.
+    layout: a precomputed :class:`~adapters.layout.Layout` of this model (one built for another model —
+        other parameters, shapes or head counts — is refused), verified on the first batch and refused
+        when a block fails.  Default: detected from the model and accepted on the first batch
+        (:func:`~adapters.accept.accept_layout`): blocks whose candidate group fails verification
+        get the group derived from the model (e.g. R₊·SO(h) for L2-normalised q and k), what still
+        fails is treated elementwise, with a warning.
     allow_unsupported: run even if the layout reports unsupported attention modules (they are
         then treated adaptively) or none at all.
     unsafe: run a geodesic geometry even if the layout's last ``verify`` found blocks that are not
@@ -449,7 +456,7 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
 def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
              options: Dict[str, Any]) -> List[SharpnessResult]:
     """The body of :func:`sharpness` and :func:`sharpness_sweep`: one result per radius."""
-    from .accept import ensure_verified, is_verified, refuse_failed_blocks, resolve_layout
+    from .accept import accept_layout, is_verified, refuse_failed_blocks, resolve_layout
 
     _check_options(options)
     check.module("model", model)
@@ -472,6 +479,7 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
             f"requires_grad=False): sharpness perturbs the trainable weights, the frozen ones stay fixed. Set "
             f"requires_grad=True on the weights to perturb (e.g. model.requires_grad_(True), or "
             f"only the adapter weights of a PEFT model)")
+    detected = geometry != "adaptive" and layout is None
     if geometry != "adaptive":
         layout = resolve_layout(model, layout, what=f"{geometry} sharpness",
                                 allow_unsupported=options["allow_unsupported"], include_frozen=include_frozen)
@@ -479,12 +487,6 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
         # a known failure is refused before any work; otherwise verified on the first batch
         refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",
                              consequence="the value would be meaningless", stacklevel=4)
-    if geometry != "adaptive" and not layout.blocks:
-        warnings.warn(f"the layout has no GL block (unsupported attention modules: "
-                      f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
-                      f"adaptively, so this {geometry} value is adaptive sharpness with the "
-                      f"geodesic settings", UserWarning, stacklevel=3)
-
     # half-precision tensors are evaluated as float32 copies (module docstring)
     upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
     params0 = {n: _as_compute(p, upcast) for n, p in params0.items()}
@@ -492,6 +494,27 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
         if not bool(torch.isfinite(p).all()):
             raise ValueError(f"parameter {name!r} contains non-finite values; sharpness is "
                              f"undefined at such weights")
+    try:
+        n_batches: Optional[int] = len(batches)  # type: ignore[arg-type]
+    except TypeError:  # a generator, an IterableDataset loader
+        n_batches = None
+    batches = iter(batches)
+    first = next(batches, _NO_BATCH)
+    if first is not _NO_BATCH:
+        batches = itertools.chain([first], batches)
+    if first is not _NO_BATCH and geometry != "adaptive" and not (unsafe and layout.verify_failed):
+        # a geodesic number never comes from an unverified block (adapters.accept); a layout
+        # detected here gets derived groups for the blocks whose candidate group fails
+        inputs = _split_batch(model, first, 0, loss_fn, normalize_logits)[0]
+        layout, report = accept_layout(model, layout, inputs, what=f"{geometry} sharpness", derive=detected)
+        refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",
+                             consequence="the value would be meaningless", report=report, stacklevel=4)
+    if geometry != "adaptive" and not layout.blocks:
+        warnings.warn(f"the layout has no GL block (unsupported attention modules: "
+                      f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
+                      f"adaptively, so this {geometry} value is adaptive sharpness with the "
+                      f"geodesic settings", UserWarning, stacklevel=3)
+
     frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items()
               if n not in params0}
     buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
@@ -520,21 +543,11 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
             if progress:
                 from tqdm.auto import tqdm
                 steps = n_iters if measure == "worst" else n_samples
-                try:
-                    n_batches = len(batches)  # type: ignore[arg-type]
-                except TypeError:  # a generator, an IterableDataset loader
-                    n_batches = None
                 bar = tqdm(total=None if n_batches is None else n_batches * steps * len(rhos),
                            desc=f"{geometry} sharpness", unit="it")
                 on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
             for index, batch in enumerate(batches):
                 inputs, targets, own_loss = _split_batch(model, batch, index, loss_fn, normalize_logits)
-                if index == 0 and geometry != "adaptive" and not (unsafe and layout.verify_failed):
-                    # a geodesic number never comes from an unverified block (adapters.accept)
-                    report = ensure_verified(model, layout, inputs, what=f"{geometry} sharpness")
-                    refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",
-                                         consequence="the value would be meaningless",
-                                         report=report, stacklevel=4)
                 closure.loss_fn = None if own_loss else (loss_fn or default_loss)
                 closure.inputs = _to_device(inputs, device, upcast)
                 closure.targets = _to_device(targets, device, upcast)

@@ -130,13 +130,19 @@ def test_qk_norm_group_from_rmsnorm_eps_and_gains(monkeypatch):
     are equal on each pair (as initialised: all ones); none for generic gains.  eps = 1e-2 and
     rope_theta = 100 here: with eps ≪ mean(q²) scaling q against k is a near-symmetry (singular
     value ~ eps / mean(q²)) and slow frequencies rotate little over 16 positions, which blur the
-    cut.  Gauge 0 only (the second-gauge check is what reports such blurred cuts inconclusive)."""
+    cut.  Gauge 0 only (the second-gauge check is what reports such blurred cuts inconclusive).
+    The gains are frozen first: trainable gains are moved to a generic nearby point for the
+    derivation (sharpness perturbs them), which leaves no continuous symmetry."""
     import adapters.derive as derive
 
     monkeypatch.setattr(derive, "SECOND_GAUGE_MAX_HEAD_DIM", 0)
+    monkeypatch.setattr(derive, "SECOND_GAUGE_MAX_EVALUATIONS", 0)
     model = _decoder("Qwen3", num_key_value_heads=2, head_dim=H, rms_norm_eps=1e-2,
                      rope_parameters={"rope_type": "default", "rope_theta": 100.0})
     attn = "model.layers.0.self_attn"
+    norms = [model.get_submodule(f"{attn}.{n}").weight for n in ("q_norm", "k_norm")]
+    for w in norms:
+        w.requires_grad_(False)
     qk = adapters.declare_block(model, q=f"{attn}.q_proj", k=f"{attn}.k_proj", num_heads=4, num_kv_heads=2,
                                 head_dim=H, group="rope")
     lay = adapters.layout(model, blocks=[qk])
@@ -152,6 +158,11 @@ def test_qk_norm_group_from_rmsnorm_eps_and_gains(monkeypatch):
     assert [r.status for r in results] == ["trivial", "derived"]
     assert [b.kind for b in derived.blocks] == ["vo"]
     assert any(u.module.endswith("/qk") and "no continuous symmetry" in u.reason for u in derived.unsupported)
+    with torch.no_grad():                 # trainable gains (even all ones): no continuous symmetry
+        for w in norms:
+            w.fill_(1.0).requires_grad_(True)
+    _, results = derive_groups(model, lay, _ids(), use_cache=False)
+    assert [r.status for r in results] == ["trivial", "derived"]
 
 
 # ------------------------------------------------------------------------------ normalised attention
@@ -228,6 +239,42 @@ def test_normalised_attention_gets_its_true_group_and_invariant_sharpness():
         s0 = adapters.sharpness(model, [(x, y)], layout=derived, **kw).value
         s1 = adapters.sharpness(moved, [(x, y)], layout=moved_layout, **kw).value
         assert s1 == pytest.approx(s0, rel=1e-6, abs=1e-12), geometry
+
+
+def test_plain_sharpness_derives_the_normalised_groups_and_is_invariant():
+    """No layout passed: sharpness detects full GL on both halves (qkvo), verification rejects it,
+    the groups are derived (R₊·SO(h) on Q/K, SO(h) on V/O) and the value is invariant under the
+    action written by hand (ill-conditioned scalar times rotation on Q/K, rotation on V/O)."""
+    model, x, y = _normalised()
+    gen = torch.Generator().manual_seed(11)
+    A = ScaledOrthogonalGroup().random_element(H, (2,), cond=1e2, generator=gen)
+    O = OrthogonalGroup().random_element(H, (2,), generator=gen)
+    moved = _act_by_hand(model, A, O)
+    assert (moved(x) - model(x)).abs().max() < 1e-10                       # a symmetry, by hand
+    for geometry in ("geodesic-inv", "geodesic-mix"):
+        kw = dict(geometry=geometry, rho=0.05, n_iters=3)
+        s0 = adapters.sharpness(model, [(x, y)], **kw).value
+        s1 = adapters.sharpness(moved, [(x, y)], **kw).value
+        assert s1 == pytest.approx(s0, rel=1e-6, abs=1e-12), geometry
+    accepted, _ = adapters.accept_layout(model, adapters.layout(model), x)
+    assert [type(b.group) for b in accepted.blocks] == [ScaledOrthogonalGroup, OrthogonalGroup]
+    assert all("screened" in b.group_source for b in accepted.blocks)
+
+
+def test_hessian_and_geodesic_sam_derive_the_groups_of_a_detected_layout():
+    """riemannian_hessian and GeodesicSAM with no layout: the failing full-GL candidates are
+    replaced by the derived groups (quotient dimension D − Σ heads·dim 𝔤), nothing is refused."""
+    pytest.importorskip("curvlinops")
+    model, x, y = _normalised()
+    hess = adapters.riemannian_hessian(model, [(x, y)], geometry="geodesic-inv")
+    total = sum(p.numel() for p in model.parameters())
+    assert hess.quotient_dim == total - 2 * (H * (H - 1) // 2 + 1) - 2 * (H * (H - 1) // 2)
+    sam = adapters.GeodesicSAM(model, torch.optim.SGD, rho=0.05, geometry="geodesic-inv", lr=0.0)
+    F.cross_entropy(model(x), y).backward()
+    sam.first_step(zero_grad=True)
+    F.cross_entropy(model(x), y).backward()
+    sam.second_step(zero_grad=True)
+    assert [type(b.group) for b in sam.layout.blocks] == [ScaledOrthogonalGroup, OrthogonalGroup]
 
 
 def test_unverified_mis_declared_block_is_refused_by_sharpness():

@@ -268,24 +268,92 @@ def test_gptj_interleaved_partial_rotary():
     _check(model, acted, layout, _blocks(n_q, h, E, n_q, RotaryGroup("interleaved", r)))
 
 
-def test_olmo2_qk_norm_keeps_vo_and_reports_qk():
-    E, n_q, h = 32, 4, 8
-    model = _model("Olmo2", vocab_size=VOCAB, hidden_size=E, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=n_q, num_key_value_heads=n_q, max_position_embeddings=64)
-    layout = adapters.layout(model, allow_unsupported=True)
-    acted = _act(model, _separate("self_attn"), n_q, n_q, h, None, lambda g: _gl(h, g))
-    _check(model, acted, layout, _blocks(n_q, h, E, n_q, qk=False))
-    assert all("q_norm" in reason for _, part, reason in layout.unsupported if part == "qk") and layout.unsupported
+def _olmo2(monkeypatch):
+    """Tiny OLMo2 (QK-norm over the whole projection width, then RoPE), float64.  HF's RMSNorm casts
+    to float32 inside; it is evaluated in the input's dtype here so that a float64 check sees float64
+    rounding (the function is the same).  rope_theta = 100: over 16 positions the default 5e5 turns
+    the slowest pairs so little that mixing them is only a near-symmetry."""
+    from transformers.models.olmo2 import modeling_olmo2
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_olmo2.Olmo2RMSNorm, "forward", rms_norm)
+    return _model("Olmo2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                  rope_parameters={"rope_type": "default", "rope_theta": 100.0})
 
 
-def test_olmo2_qk_group_derived():
-    """QK-norm over the whole width: q ↦ q A, k ↦ k A⁻ᵀ with one shared orthogonal-times-scale A on all
-    heads is no longer per head; what remains per head must come from the derivation."""
-    core = pytest.importorskip("quotient_manifolds.core")
-    if not hasattr(core, "derive_algebra"):
-        pytest.skip("quotient_manifolds.core.derive_algebra (group derivation) not available")
+def _pair_rotations(h: int, gen: torch.Generator) -> torch.Tensor:
+    """A random rotation of each rotary pair (i, i + h/2): an element of SO(2)^{h/2}."""
+    A = torch.zeros(h, h, dtype=torch.float64)
+    for i in range(h // 2):
+        t = float(2 * math.pi * torch.rand((), generator=gen, dtype=torch.float64))
+        j = i + h // 2
+        A[i, i] = A[j, j] = math.cos(t)
+        A[i, j], A[j, i] = math.sin(t), -math.sin(t)
+    return A
+
+
+def test_olmo2_qk_norm_proposes_a_candidate_and_keeps_vo(monkeypatch):
+    """The Q/K block under QK-norm is proposed with the rotary group as a candidate (said so in its
+    group source); verification rejects that candidate and accepts V/O."""
+    model = _olmo2(monkeypatch)
+    layout = adapters.layout(model)
+    qk = [b for b in layout.blocks if b.kind == "qk"]
+    assert len(qk) == 1 and all("q/k normalisation (q_norm, k_norm): candidate" in b.group_source for b in qk)
+    report = layout.verify(model, _ids(), raise_on_failure=False)
+    assert sorted(report.failing) == sorted(b.name for b in qk)
+
+
+def test_olmo2_qk_group_derived(monkeypatch):
+    """QK-norm over the whole width with frozen gains (all ones, as initialised): head j's
+    (G A, H A⁻ᵀ) must keep Σ_heads ‖q_i‖² (so A is orthogonal, A⁻ᵀ = A) and commute with every
+    RoPE rotation: A ∈ SO(2)^{h/2}, one rotation per frequency pair, dimension h/2 = 4.  A plain
+    geodesic sharpness call derives it and is invariant under an action written here."""
     E, n_q, h = 32, 4, 8
-    model = _model("Olmo2", vocab_size=VOCAB, hidden_size=E, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=n_q, num_key_value_heads=n_q, max_position_embeddings=64)
-    layout = adapters.layout(model, allow_unsupported=True)
-    assert {b.kind for b in layout.blocks} >= {"vo"}
+    model = _olmo2(monkeypatch)
+    for name, p in model.named_parameters():
+        p.requires_grad_("_norm." not in name)        # q_norm / k_norm gains frozen
+    ids = _ids()
+    accepted, _ = adapters.accept_layout(model, adapters.layout(model), {"input_ids": ids})
+    qk = [b for b in accepted.blocks if b.kind == "qk"]
+    assert len(qk) == 1 and not accepted.unsupported
+    rotations = torch.zeros(h // 2, h, h, dtype=torch.float64)       # J_p, written independently
+    for i in range(h // 2):
+        rotations[i, i, i + h // 2], rotations[i, i + h // 2, i] = 1.0, -1.0
+    for b in qk:
+        assert b.group.dim(h) == h // 2 and b.group_source.startswith("derived: ")
+        assert torch.allclose(b.group.project_algebra(rotations), rotations, atol=1e-10)
+    assert all(b.group == FULL_GL for b in accepted.blocks if b.kind == "vo")
+    assert "derived: " in str(accepted)
+
+    acted = _act(model, _separate("self_attn"), n_q, n_q, h, lambda g: _pair_rotations(h, g), lambda g: _gl(h, g))
+    change = (_logits(acted, ids) - _logits(model, ids)).abs().max().item()
+    assert change < 1e-10, f"the test's action is not a symmetry: output change {change:.2e}"
+    batch = [({"input_ids": ids}, ids)]
+    for geometry in ("geodesic-inv", "geodesic-mix"):
+        kw = dict(geometry=geometry, rho=0.01, n_iters=2, loss_fn=_loss, check_retraction=False)
+        base = adapters.sharpness(model, batch, **kw).value
+        moved = adapters.sharpness(acted, batch, **kw).value
+        assert abs(moved / base - 1) < 1e-6, (geometry, base, moved)
+
+
+def test_olmo2_trainable_qk_norm_gains_leave_qk_without_symmetry(monkeypatch):
+    """With trainable gains D the rotations hold only at D = ones (A D Aᵀ = D fails for nearby D),
+    and sharpness perturbs D: the Q/K half has no continuous symmetry.  A plain sharpness call
+    reports it (warning, layout.unsupported) and keeps V/O with GL(h)."""
+    model = _olmo2(monkeypatch)
+    ids = _ids()
+    with pytest.warns(UserWarning, match="no continuous symmetry"):
+        accepted, _ = adapters.accept_layout(model, adapters.layout(model), {"input_ids": ids})
+    assert [b.kind for b in accepted.blocks] == ["vo"]
+    assert {u.module.rsplit("/", 1)[1] for u in accepted.unsupported} == {"qk"}
+    acted = _act(model, _separate("self_attn"), 4, 4, 8, None, lambda g: _gl(8, g))
+    batch = [({"input_ids": ids}, ids)]
+    kw = dict(geometry="geodesic-inv", rho=0.01, n_iters=2, loss_fn=_loss, check_retraction=False)
+    with pytest.warns(UserWarning, match="no continuous symmetry"):
+        base = adapters.sharpness(model, batch, **kw).value
+    with pytest.warns(UserWarning, match="no continuous symmetry"):
+        moved = adapters.sharpness(acted, batch, **kw).value
+    assert abs(moved / base - 1) < 1e-6, (base, moved)

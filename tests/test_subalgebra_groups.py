@@ -453,3 +453,51 @@ def test_property_projection_idempotent_orthogonal_and_equivariant(problem):
         return
     A = geom.group.random_element(geom.h, cond=10.0, generator=gen)
     assert torch.allclose(geom.project(geom.act(x, A), geom.act(u, A)), geom.act(p, A), atol=1e-7 * scale)
+
+
+# ------------------------------------------------------------------------------ derive_group
+def test_derive_group_screens_closed_forms_with_few_directional_derivatives():
+    """Normalised scores q̂ k̂ᵀ: R₊·SO(h) found by screening and certified by one direction of
+    sym₀(h), with far fewer than h² directional derivatives; plain scores: GL(h) with a handful."""
+    import torch.nn.functional as F
+
+    from quotient_manifolds.core.algebra import derive_group
+
+    h = 12
+    gen = torch.Generator().manual_seed(0)
+    X, Y = (torch.randn(30, 2 * h, dtype=torch.float64, generator=gen) for _ in range(2))
+    G, H = (torch.randn(2 * h, h, dtype=torch.float64, generator=gen) for _ in range(2))
+    d = derive_group(lambda g, k: F.normalize(X @ g, dim=-1) @ F.normalize(Y @ k, dim=-1).T, G, H)
+    assert isinstance(d.group, ScaledOrthogonalGroup) and d.method == "screened" and d.gap > 1e8
+    assert d.evaluations == 4 + 2 * (3 * h + 4) + 1 < h * h           # screen + one certificate
+    d = derive_group(lambda g, k: X @ g @ k.T @ Y.T, G, H)
+    assert d.group == FULL_GL and d.evaluations <= 6
+
+
+def test_derive_group_falls_back_to_the_null_space_when_the_certificate_fails():
+    """f = (G Hᵀ, det GᵀG) is kept exactly by |det A| = 1: 𝔤 = sl(h), not a closed form. SO(h)
+    passes the screen but sym₀(h) answers zero in its certificate, so the null space is computed:
+    dimension h² − 1, the traceless matrices."""
+    from quotient_manifolds.core.algebra import derive_group
+
+    h = 4
+    gen = torch.Generator().manual_seed(1)
+    G, H = (torch.randn(3 * h, h, dtype=torch.float64, generator=gen) for _ in range(2))
+    f = lambda g, k: torch.cat(((g @ k.T).reshape(-1), torch.linalg.det(g.T @ g).reshape(1)))  # noqa: E731
+    d = d0 = derive_group(f, G, H)
+    assert d.method == "null space" and d.dim == h * h - 1 and isinstance(d.group, SubalgebraGroup)
+    traceless = torch.randn(h, h, dtype=torch.float64, generator=gen)
+    traceless -= torch.trace(traceless) / h * torch.eye(h, dtype=torch.float64)
+    assert torch.allclose(d0.group.project_algebra(traceless), traceless, atol=1e-8)
+    assert d.reason.startswith("SO(4) passes the screen")
+
+
+def test_one_closure_tolerance():
+    """The derivation and the group of a basis agree on what closed means (CLOSURE_RTOL)."""
+    import inspect
+
+    from quotient_manifolds.core.algebra import derive_algebra
+    from quotient_manifolds.core.subalgebra import CLOSURE_RTOL
+
+    assert inspect.signature(derive_algebra).parameters["closure_rtol"].default == CLOSURE_RTOL
+    assert inspect.signature(SubalgebraGroup).parameters["closure_rtol"].default == CLOSURE_RTOL

@@ -30,9 +30,11 @@ k; see ``position_terms``), the rotary commutant ``RotaryGroup`` when ``forward`
 ``position_embeddings`` (``rotate_half`` pairing; interleaved when the class's module defines
 GPT-J's ``rotate_every_two``), with ``rotary_dim`` from ``partial_rotary_factor`` / ``rotary_pct`` /
 ``rotary_ndims``.  Q/K with per-head or whole-width q/k normalisation (``q_norm``, ``k_norm``) has a
-smaller group that must be derived; it is reported for that half only and V/O is kept.
-``clip_qkv`` (module attribute or config) refuses the module; norms on the model-width stream are not
-extra parameters.  Every proposed block is a candidate: ``Layout.verify`` checks it on the model.
+smaller group: the block is proposed with the group it would have without the normalisation as a
+candidate, which fails verification, and its true group is derived when the layout is accepted on
+inputs (:func:`adapters.accept.accept_layout`, automatic in ``sharpness`` and the other geodesic
+entry points).  ``clip_qkv`` (module attribute or config) refuses the module; norms on the
+model-width stream are not extra parameters.  Every proposed block is a candidate: ``Layout.verify`` checks it on the model.
 """
 
 from __future__ import annotations
@@ -174,14 +176,14 @@ class StructuralAttention(Family):
         if any(p.lin.adapted for p in qs + [k, v]) or o.adapted:
             return None                                                         # LoRA: the nested family's blocks
 
-        if norms:
-            group, source = None, (f"q/k normalisation ({', '.join(norms)}): the Q/K group is smaller than GL and "
-                                   "must be derived")
-        elif terms.reject or terms.q_pairs or terms.k_pairs:
+        if terms.reject or terms.q_pairs or terms.k_pairs:
             group, source = None, terms.reject or "positional projections beside packed or grouped projections: " \
                 "not modelled, declare the blocks"
         else:
             group, source = _qk_group(mod, h, terms.source)
+        if norms and group is not None:      # a candidate only: verification fails, derivation finds the group
+            source = (f"q/k normalisation ({', '.join(norms)}): candidate {group.describe(h)} ({source}); the true "
+                      "group is smaller and is derived when the layout is accepted on inputs")
         per_group = len(qs) > 1        # query heads of one key/value group are separate pieces
         q_pieces = [pc for q in qs for pc in _in_pieces(ctx, q, n_kv if per_group else n_q, h,
                                                          1 if per_group else rep)]

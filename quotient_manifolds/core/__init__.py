@@ -2,7 +2,7 @@
 thin faces over these objects."""
 
 from .gl import METRICS, RETRACTIONS, GLFrame, GLQuotientGeometry, group_action
-from .algebra import AlgebraDerivation, derive_algebra, recognise_algebra
+from .algebra import AlgebraDerivation, GroupDerivation, derive_algebra, derive_group, recognise_algebra
 from .groups import FULL_GL, GLGroup, RotaryGroup, SymmetryGroup, as_group, sym
 from .subalgebra import (
     OrthogonalGroup,
@@ -23,7 +23,7 @@ __all__ = [
     "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "group_action", "sym", "FULL_GL",
     "GLGroup", "RotaryGroup", "SymmetryGroup", "as_group", "SubalgebraGroup", "TrivialGroup",
     "ScalarGroup", "OrthogonalGroup", "ScaledOrthogonalGroup", "AlgebraDerivation",
-    "derive_algebra", "recognise_algebra", "RescalingFrame",
+    "GroupDerivation", "derive_algebra", "derive_group", "recognise_algebra", "RescalingFrame",
     "RescalingGeometry", "beta_along_geodesic", "sharpness_inv_orthonormal_second_order",
     "sharpness_mix_orthonormal",
 ]

@@ -20,13 +20,19 @@ differentiation (``torch.func.jvp`` under ``vmap``, in chunks), the singular val
 the resulting N × h² matrix (via its Gram matrix, refined on the near-null subspace) and keeps the
 right singular vectors with σ ≤ rtol·σ_max. :func:`recognise_algebra` returns the closed-form group
 with exactly that span when one exists, else a :class:`SubalgebraGroup`.
+
+:func:`derive_group` is what a caller uses: it screens the closed forms with two random directions
+each and certifies the largest that passes with one directional derivative per irreducible
+component of its complement (:func:`complement_components`), so GL(h), the orthogonal groups and
+the rotary commutant cost O(h) to O(h²) directional derivatives and no dense algebra; the null
+space (:func:`derive_algebra`, h² directional derivatives and O(h⁶) algebra) only when that fails.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, List, Optional
 
 import torch
 
@@ -35,12 +41,21 @@ from .subalgebra import (
     OrthogonalGroup,
     ScalarGroup,
     ScaledOrthogonalGroup,
+    CLOSURE_RTOL,
     SubalgebraGroup,
     TrivialGroup,
     closure_residual,
+    skew,
 )
 
 Tensor = torch.Tensor
+
+#: Directions Λ with ‖J(GΛ, −HΛᵀ)‖ ≤ NULL_RTOL × (the largest response) leave the output unchanged.
+NULL_RTOL = 1e-8
+#: A derived algebra is trusted only when the responses drop by at least this factor between the
+#: directions kept (the algebra) and the others: an exact symmetry gives 1e7 .. inf; a
+#: near-symmetry (scaling q against k under RMSNorm with eps ≪ mean(q²)) sits in between.
+MIN_GAP = 1e4
 
 
 @dataclass(frozen=True)
@@ -82,45 +97,54 @@ class AlgebraDerivation:
         return recognise_algebra(self.basis, self.h, atol=atol)
 
 
-def _directions(G: Tensor, H: Tensor, idx: Tensor):
-    """(GΛ, −HΛᵀ) for Λ = e_i e_jᵀ, a = i·h + j in ``idx``: GΛ has column j = G[:, i], HΛᵀ has
-    column i = H[:, j]."""
-    h = G.shape[-1]
-    i, j = idx // h, idx % h
-    k = torch.arange(idx.numel())
-    dG = torch.zeros((idx.numel(),) + G.shape, dtype=G.dtype, device=G.device)
-    dH = torch.zeros((idx.numel(),) + H.shape, dtype=H.dtype, device=H.device)
-    dG[k, ..., j] = G[..., i].movedim(-1, 0)
-    dH[k, ..., i] = -H[..., j].movedim(-1, 0)
-    return dG, dH
+def _elementary(idx: Tensor, h: int, dtype, device) -> Tensor:
+    """Λ = e_i e_jᵀ for a = i·h + j in ``idx``: shape (len(idx), h, h)."""
+    lam = torch.zeros(idx.numel(), h * h, dtype=dtype, device=device)
+    lam[torch.arange(idx.numel()), idx] = 1.0
+    return lam.view(-1, h, h)
 
 
-def linearised_invariance(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Tensor, *,
-                          chunk: int = 256, vectorize: bool = True) -> Tensor:
-    r"""The N × h² matrix of Λ ↦ J(GΛ, −HΛᵀ) (column a = i·h + j for Λ = e_i e_jᵀ), by forward-mode
-    AD: ``torch.func.jvp`` under ``torch.func.vmap`` on ``chunk`` directions at a time (one jvp per
-    direction with ``vectorize=False``, for closures that vmap cannot trace)."""
+def directional_derivatives(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Tensor,
+                            lams: Tensor, *, chunk: int = 256, vectorize: bool = True) -> Tensor:
+    r"""The N × k matrix whose column a is J(GΛ_a, −HΛ_aᵀ) = d/dt output_of(G e^{tΛ_a},
+    H e^{−tΛ_aᵀ})|₀ for ``lams`` (k, h, h), by forward-mode AD: ``torch.func.jvp`` under
+    ``torch.func.vmap`` on ``chunk`` directions at a time (one jvp per direction with
+    ``vectorize=False``, for closures that vmap cannot trace)."""
     from torch.func import jvp, vmap
 
-    h = G.shape[-1]
     flat = lambda g, hh: output_of(g, hh).reshape(-1)  # noqa: E731
 
     def one(dG, dH):
         return jvp(flat, (G, H), (dG, dH))[1]
 
     cols = []
-    for start in range(0, h * h, chunk):
-        idx = torch.arange(start, min(start + chunk, h * h))
-        dG, dH = _directions(G, H, idx)
+    for start in range(0, lams.shape[0], chunk):
+        lam = lams[start:start + chunk].to(G.dtype)
+        dG, dH = G @ lam, -(H @ lam.mT)
         if vectorize:
             cols.append(vmap(one)(dG, dH).T)
         else:
             cols.append(torch.stack([one(a, b) for a, b in zip(dG, dH)], 1))
+    if not cols:
+        return torch.zeros(output_of(G, H).numel(), 0, dtype=G.dtype)
+    return torch.cat(cols, 1)
+
+
+def linearised_invariance(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Tensor, *,
+                          chunk: int = 256, vectorize: bool = True) -> Tensor:
+    r"""The N × h² matrix of Λ ↦ J(GΛ, −HΛᵀ) (column a = i·h + j for Λ = e_i e_jᵀ), see
+    :func:`directional_derivatives`."""
+    h = G.shape[-1]
+    cols = [directional_derivatives(output_of, G, H,
+                                    _elementary(torch.arange(s, min(s + chunk, h * h)), h, G.dtype, G.device),
+                                    chunk=chunk, vectorize=vectorize)
+            for s in range(0, h * h, chunk)]
     return torch.cat(cols, 1)
 
 
 def derive_algebra(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Tensor, *,
-                   rtol: float = 1e-8, closure_rtol: float = 1e-6, chunk: int = 256,
+                   rtol: float = NULL_RTOL, atol: float = 0.0, closure_rtol: float = CLOSURE_RTOL,
+                   chunk: int = 256,
                    vectorize: bool = True) -> AlgebraDerivation:
     r"""The Lie algebra of the per-head transformations (G, H) ↦ (G A, H A⁻ᵀ) that leave
     ``output_of(G, H)`` unchanged, as the null space of the linearised invariance condition
@@ -135,8 +159,10 @@ def derive_algebra(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: 
     dimension ≥ h² − N, so fewer outputs cannot determine the algebra (ValueError).
 
     Threshold: the singular values σ of the map (with Λ in Frobenius-orthonormal coordinates) with
-    σ ≤ ``rtol``·σ_max are kept as the null space; relative to σ_max, so independent of the output's
-    scale. Computation: the Gram matrix JᵀJ (eigh) locates the subspace with σ ≤ 1e-6·σ_max, and an
+    σ ≤ max(``rtol``·σ_max, ``atol``) are kept as the null space; relative to σ_max, so independent
+    of the output's scale, unless the rounding of the derivatives (``atol``, see
+    :func:`derive_group`) is larger. Computation: the Gram matrix JᵀJ (eigh) locates the subspace
+    with σ ≤ 1e-6·σ_max, and an
     SVD of J restricted to it gives those singular values to working precision (the Gram matrix
     alone resolves σ only down to ≈ 1e-8·σ_max). Cost: h² jvps of ``output_of`` plus O(N h⁴ + h⁶)
     dense linear algebra (see the benchmarks for timings).
@@ -171,7 +197,7 @@ def derive_algebra(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: 
             Vc = Vc @ Wh.mT
             sigma = torch.cat((sigma[:h * h - near], s_c))
             V = torch.cat((V[:, :h * h - near], Vc), 1)
-        kept = int((sigma <= rtol * sigma_max).sum())
+        kept = int((sigma <= max(rtol * sigma_max, atol)).sum())
         basis_vec = V[:, h * h - kept:]
     dropped = sigma[:h * h - kept]
     kept_vals = sigma[h * h - kept:]
@@ -210,6 +236,11 @@ def _candidates(h: int, d: int):
         if r + (h - r) ** 2 == d:
             for pairing in PAIRINGS:
                 yield RotaryGroup(pairing, None if r == h else r)
+    for r in range(2, h + 1, 2):
+        for scalars in (False, True):
+            if _PairRotations(PAIRINGS[0], r, scalars).dim(h) == d:
+                for pairing in PAIRINGS:
+                    yield _PairRotations(pairing, r, scalars).group(h)
 
 
 def recognise_algebra(basis, h: int, *, atol: float = 1e-6) -> SymmetryGroup:
@@ -224,7 +255,10 @@ def recognise_algebra(basis, h: int, *, atol: float = 1e-6) -> SymmetryGroup:
     :class:`~quotient_manifolds.core.subalgebra.OrthogonalGroup` (h(h−1)/2),
     :class:`~quotient_manifolds.core.subalgebra.ScaledOrthogonalGroup` (h(h−1)/2 + 1),
     :class:`~quotient_manifolds.core.groups.RotaryGroup` with either pairing and every even rotary
-    dimension r with r + (h − r)² = d (the rotated coordinates are the first r)."""
+    dimension r with r + (h − r)² = d (the rotated coordinates are the first r), and the
+    rotations of each rotary pair, SO(2)^{r/2} × SO(h − r), without or with the positive scalars
+    (dimension r/2 + (h−r)(h−r−1)/2, + 1; normalised q and k under RoPE), as a
+    :class:`~quotient_manifolds.core.subalgebra.SubalgebraGroup` labelled so."""
     if isinstance(basis, AlgebraDerivation):
         basis = basis.basis
     B = torch.as_tensor(basis).detach().to(device="cpu", dtype=torch.float64)
@@ -239,3 +273,266 @@ def recognise_algebra(basis, h: int, *, atol: float = 1e-6) -> SymmetryGroup:
         if _span_contained(B, group, atol):
             return group
     return SubalgebraGroup(B)
+
+
+
+# ------------------------------------------------------------------------------ the fast path
+class _PairRotations:
+    r"""𝔤 = span{J_p : rotary pairs p} ⊕ so(F) (⊕ R·I with ``scalars``), F the h − r coordinates
+    that are not rotated: the orthogonal (times positive scalars) elements of the rotary commutant,
+    the algebra of q and k normalised (whole width or per head) under RoPE.
+    J_p = e_q e_pᵀ − e_p e_qᵀ for the pair (p, q)."""
+
+    def __init__(self, pairing: str, r: int, scalars: bool):
+        self.pairing, self.r, self.scalars = pairing, r, scalars
+
+    def dim(self, h: int) -> int:
+        f = h - self.r
+        return self.r // 2 + f * (f - 1) // 2 + int(self.scalars)
+
+    def project_algebra(self, X: Tensor) -> Tensor:
+        h = X.shape[-1]
+        out = torch.zeros_like(X)
+        for p, q in RotaryGroup(self.pairing, self.r).pairs(h):
+            c = 0.5 * (X[..., q, p] - X[..., p, q])
+            out[..., q, p], out[..., p, q] = c, -c
+        out[..., self.r:, self.r:] = skew(X[..., self.r:, self.r:])
+        if self.scalars:
+            out = out + torch.diagonal(X, dim1=-2, dim2=-1).mean(-1)[..., None, None] * torch.eye(
+                h, dtype=X.dtype, device=X.device)
+        return out
+
+    def group(self, h: int) -> SymmetryGroup:
+        eye = torch.eye(h * h, dtype=torch.float64).reshape(h * h, h, h)
+        basis = self.project_algebra(eye)               # spans 𝔤 (the projection of every e_ie_jᵀ)
+        keep = basis.flatten(1).norm(dim=-1) > 0
+        f = h - self.r
+        what = f"SO(2)^{self.r // 2} [{self.pairing} pairs]" + (f" x SO({f})" if f > 1 else "")
+        return SubalgebraGroup(basis[keep], label=("R+ " if self.scalars else "") + what)
+
+
+def _pair_blocks(group: RotaryGroup, h: int):
+    """Index tensors of the rotary pairs and of the free coordinates."""
+    pairs = torch.tensor(group.pairs(h), dtype=torch.long).reshape(-1, 2)
+    return pairs, torch.arange(group.rotated(h), h)
+
+
+def complement_components(group: SymmetryGroup, h: int, *, generator=None) -> Optional[Tensor]:
+    r"""One random unit element of each irreducible component of gl(h) ⊖ 𝔤 under ad(𝔤), when
+    these components are pairwise non-isomorphic (then every ad(𝔤)-invariant subspace of the
+    complement is a sum of whole components); None for groups without such a decomposition here.
+
+    Why it decides maximality: if 𝔤 ⊆ 𝔨 (𝔨 the algebra of the true symmetry group), 𝔨 is a Lie
+    algebra, so [𝔤, 𝔨] ⊆ 𝔨 and 𝔨 = 𝔤 ⊕ (𝔨 ∩ complement) with 𝔨 ∩ complement ad(𝔤)-invariant, hence
+    a sum of whole components. As 𝔨 ⊆ null(J) at every point and for every input, one element v of a
+    component with J(v) ≠ 0 excludes that whole component from 𝔨. So 𝔨 = 𝔤 once every component
+    answers, at the cost of one directional derivative per component:
+
+    * GL(h): no complement.
+    * R₊·SO(h): sym₀(h) (traceless symmetric), irreducible under SO(h) (h ≥ 2).
+    * SO(h): R·I and sym₀(h) (h ≥ 2).
+    * Rotary commutant GL(1, ℂ)^{r/2} × GL(h − r): in the pair coordinates, for rotary pairs
+      a ≠ b the ℂ-linear and the ℂ-antilinear maps from pair b to pair a (two components each),
+      the antilinear maps of each pair to itself, and (when r < h) the maps from the free
+      coordinates to each pair and back (one component each). They are distinct joint
+      eigenspaces of ad(𝔤) (eigenvalues λ_a − λ_b, λ_a − λ̄_b, ... for generic λ ∈ ℂ^{r/2}), so
+      pairwise non-isomorphic; (h² − h)/2 components when r = h.
+    """
+    gen = generator if generator is not None else torch.Generator().manual_seed(1)
+    dt = torch.float64
+    randn = lambda *shape: torch.randn(*shape, generator=gen, dtype=dt)  # noqa: E731
+    if isinstance(group, GLGroup) and group.is_full:
+        return torch.zeros(0, h, h, dtype=dt)
+    if isinstance(group, (OrthogonalGroup, ScaledOrthogonalGroup)) and h >= 2:
+        S = randn(h, h)
+        S = S + S.T
+        S = S - torch.trace(S) / h * torch.eye(h, dtype=dt)
+        comps = [S / S.norm()]
+        if isinstance(group, OrthogonalGroup):
+            comps.append(torch.eye(h, dtype=dt) / math.sqrt(h))
+        return torch.stack(comps)
+    if isinstance(group, RotaryGroup):
+        pairs, free = _pair_blocks(group, h)
+        k = pairs.shape[0]
+        lin = lambda x, y: torch.stack((torch.stack((x, -y), -1), torch.stack((y, x), -1)), -2)  # noqa: E731
+        anti = lambda x, y: torch.stack((torch.stack((x, y), -1), torch.stack((y, -x), -1)), -2)  # noqa: E731
+        blocks, where = [], []
+        for a in range(k):
+            for b in range(k):
+                for form in ((lin, anti) if a != b else (anti,)):
+                    x, y = randn(2)
+                    blocks.append(form(x, y))
+                    where.append((a, b))
+        out = torch.zeros(len(blocks) + 2 * k * int(free.numel() > 0), h, h, dtype=dt)
+        for i, ((a, b), blk) in enumerate(zip(where, blocks)):
+            out[i][pairs[a][:, None], pairs[b][None, :]] = blk
+        if free.numel():
+            i = len(blocks)
+            for a in range(k):
+                out[i][pairs[a][:, None], free[None, :]] = randn(2, free.numel())
+                out[i + 1][free[:, None], pairs[a][None, :]] = randn(free.numel(), 2)
+                i += 2
+        return out / out.flatten(1).norm(dim=-1)[:, None, None]
+    return None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A closed-form algebra to screen: its dimension, Frobenius projection and group."""
+
+    name: str
+    dim: int
+    project: Callable[[Tensor], Tensor]
+    make: Callable[[], SymmetryGroup]
+
+
+def candidate_groups(h: int) -> List[Candidate]:
+    """The closed forms :func:`derive_group` screens, largest first: GL(h); the rotary commutants
+    and the rotations of each rotary pair (× SO(h − r), with and without scalars) for both
+    pairings and every even r; R₊·SO(h); SO(h); R₊·I; {I}."""
+    out = [Candidate("GL", h * h, lambda X: X, GLGroup)]
+    for r in range(2, h + 1, 2):
+        for pairing in PAIRINGS:
+            g = RotaryGroup(pairing, None if r == h else r)
+            out.append(Candidate(g.describe(h), g.dim(h), g.project_algebra, lambda g=g: g))
+            for scalars in (True, False):
+                pr = _PairRotations(pairing, r, scalars)
+                out.append(Candidate(f"pair rotations r={r} {pairing}{' + scalars' if scalars else ''}",
+                                     pr.dim(h), pr.project_algebra, lambda pr=pr: pr.group(h)))
+    if h > 1:
+        for g in (ScaledOrthogonalGroup(), OrthogonalGroup()):
+            out.append(Candidate(g.describe(h), g.dim(h), g.project_algebra, lambda g=g: g))
+    g = ScalarGroup()
+    out.append(Candidate(g.describe(h), 1, g.project_algebra, lambda: ScalarGroup()))
+    out.append(Candidate("trivial", 0, lambda X: torch.zeros_like(X), TrivialGroup))
+    out.sort(key=lambda c: -c.dim)           # stable: GL first, rotary before its rotations
+    return out
+
+
+@dataclass(frozen=True)
+class GroupDerivation:
+    r"""The result of :func:`derive_group`.
+
+    * ``group``: the group found (None when the derivation is inconclusive, see ``reason``);
+    * ``dim``: dim 𝔤; ``gap``: (smallest response outside 𝔤) / (largest response inside), as for
+      :class:`AlgebraDerivation`; ``closed``: closure under the commutator (always True for a
+      screened closed form);
+    * ``method``: ``"screened"`` (a closed form passed the screen and its maximality certificate:
+      :func:`complement_components`), ``"null space"`` (:func:`derive_algebra` then
+      :func:`recognise_algebra`) or ``"invariant"`` (the output does not depend on the factors
+      beyond rounding: all of gl(h));
+    * ``evaluations``: directional derivatives of ``output_of`` computed;
+    * ``reason``: why an inconclusive derivation was not trusted (empty otherwise);
+    * ``algebra``: the :class:`AlgebraDerivation` when the null space was computed."""
+
+    group: Optional[SymmetryGroup]
+    dim: int
+    gap: float
+    closed: bool
+    method: str
+    evaluations: int
+    reason: str = ""
+    algebra: Optional[AlgebraDerivation] = None
+
+
+#: the output is exactly invariant (all of gl(h) in the null space) when its response along random
+#: directions of gl(h) is below this fraction of its response to a generic change of (G, H) of the
+#: same size: what remains is rounding, and a threshold relative to it would cut noise
+ROUNDING_FRACTION = 1e-10
+#: a response is "zero" below FLOOR_FACTOR × the measured rounding of one directional derivative
+#: (J(Λ₁ + Λ₂) − J(Λ₁) − J(Λ₂), which is exactly zero in exact arithmetic): rounding differs from
+#: one direction to the next, and inside normalisations it can reach 1e-8 of the responses
+FLOOR_FACTOR = 1e3
+
+
+def derive_group(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Tensor, *,
+                 rtol: float = NULL_RTOL, min_gap: float = MIN_GAP, samples: int = 2,
+                 chunk: int = 256, vectorize: bool = True, generator=None) -> GroupDerivation:
+    r"""The symmetry group of ``output_of`` in the per-head action (G, H) ↦ (G A, H A⁻ᵀ), cheaply
+    when it is one of the closed forms, else from the null space (:func:`derive_algebra`).
+
+    1. *Scale.* The responses ρ(Λ) = ‖J(GΛ, −HΛᵀ)‖ of a few random unit Λ ∈ gl(h) give the
+       reference ρ_ref; a direction with ρ ≤ ``rtol``·ρ_ref is in the null space. When ρ_ref is at
+       rounding level against a generic change of (G, H), the output is invariant: GL(h).
+    2. *Screen* every closed form of :func:`candidate_groups` with ``samples`` random unit elements
+       of its algebra (random Gaussian combinations: a linear map that vanishes on them vanishes on
+       the whole algebra, almost surely): 2 directional derivatives each, whatever dim 𝔤.
+    3. *Certify* the largest closed form 𝔤 that passes (every other one that passes must lie in
+       it): one directional derivative per irreducible component of its complement
+       (:func:`complement_components`); each must respond, by at least ``min_gap`` × the largest
+       response inside 𝔤. This proves that no larger group leaves the output unchanged.
+    4. Otherwise (no certificate for this closed form, a component in the null space, passing
+       closed forms not nested), :func:`derive_algebra` and :func:`recognise_algebra`: h²
+       directional derivatives and O(N h⁴ + h⁶) dense algebra.
+
+    Cost of the screened path: 4 + ``samples`` × (3h + 4) directional derivatives (the closed
+    forms of :func:`candidate_groups` with dim 𝔤 > 0), plus one per component of the certificate
+    (none for GL(h), 1 or 2 for the orthogonal groups, (h² − h)/2 for the rotary
+    commutant); no dense algebra."""
+    G, H = G.detach(), H.detach()
+    h = G.shape[-1]
+    gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    dd = lambda lams: directional_derivatives(output_of, G, H, lams, chunk=chunk,  # noqa: E731
+                                              vectorize=vectorize).norm(dim=0)
+    unit = lambda X: X / X.flatten(-2).norm(dim=-1).clamp_min(1e-300)[..., None, None]  # noqa: E731
+    from torch.func import jvp
+
+    # 1. scale, rounding floor, and the exactly invariant output
+    probe = unit(torch.randn(2, h, h, generator=gen, dtype=torch.float64))
+    cols = directional_derivatives(output_of, G, H, torch.cat((probe, probe.sum(0, keepdim=True))),
+                                   chunk=chunk, vectorize=vectorize)
+    ref = float(cols[:, :2].norm(dim=0).max())
+    # J is linear: what J(Λ₁ + Λ₂) − J(Λ₁) − J(Λ₂) leaves is the rounding of one directional derivative
+    floor = float((cols[:, 2] - cols[:, 0] - cols[:, 1]).norm())
+    dG = torch.randn(G.shape, generator=gen, dtype=torch.float64).to(G.dtype) * G.norm() / G.numel() ** 0.5
+    dH = torch.randn(H.shape, generator=gen, dtype=torch.float64).to(H.dtype) * H.norm() / H.numel() ** 0.5
+    generic = float(jvp(output_of, (G, H), (dG, dH))[1].detach().norm())
+    evaluations = 4
+    if (ref <= ROUNDING_FRACTION * generic * max(float(G.norm()), float(H.norm()), 1.0)
+            or ref <= FLOOR_FACTOR * floor):
+        return GroupDerivation(GLGroup(), h * h, math.inf, True, "invariant", evaluations)
+    tol = max(rtol * ref, FLOOR_FACTOR * floor)
+
+    # 2. screen the closed forms (one batch of directional derivatives for all of them)
+    cands = candidate_groups(h)
+    tested = [c for c in cands if c.dim > 0]
+    lams = torch.cat([unit(c.project(torch.randn(samples, h, h, generator=gen, dtype=torch.float64)))
+                      for c in tested])
+    resp = dd(lams).view(len(tested), samples).amax(-1)
+    evaluations += lams.shape[0]
+    passing = [(c, float(r), lams[i * samples:(i + 1) * samples]) for i, (c, r) in enumerate(zip(tested, resp))
+               if float(r) <= tol]
+    best = passing[0] if passing else (cands[-1], 0.0, lams[:0])
+    nested = all(bool((x - best[0].project(x)).flatten(1).norm(dim=-1).max() <= 1e-8) for _, _, x in passing)
+
+    # 3. the maximality certificate
+    reason = ""
+    if nested:
+        group = best[0].make()
+        comps = complement_components(group, h, generator=gen)
+        if comps is not None:
+            out = dd(comps) if comps.shape[0] else torch.zeros(0, dtype=torch.float64)
+            evaluations += comps.shape[0]
+            low = float(out.min()) if out.numel() else math.inf
+            kept = best[1]
+            gap = math.inf if kept == 0.0 else low / kept
+            if low > tol and gap >= min_gap:
+                return GroupDerivation(group, group.dim(h), gap, True, "screened", evaluations)
+            reason = (f"{group.describe(h)} passes the screen but a direction outside it responds "
+                      f"only {low / ref:.1e} of the reference")
+
+    # 4. the null space
+    d = derive_algebra(output_of, G, H, rtol=rtol, atol=tol, chunk=chunk, vectorize=vectorize)
+    evaluations += h * h
+    if not d.closed:
+        return GroupDerivation(None, d.dim, d.gap, False, "null space", evaluations,
+                               "not closed under the bracket", d)
+    if d.dim and d.gap < min_gap:
+        return GroupDerivation(None, d.dim, d.gap, True, "null space", evaluations,
+                               f"no clear gap in the singular values (< {min_gap:g})", d)
+    if nested and passing and best[0].dim == d.dim:
+        # the screened closed form lies in the null space and has its dimension: it is the null space
+        group = best[0].make()
+    else:
+        group = recognise_algebra(d.basis, h)
+    return GroupDerivation(group, d.dim, d.gap, True, "null space", evaluations, reason, d)

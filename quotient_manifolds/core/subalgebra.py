@@ -485,6 +485,16 @@ class ScaledOrthogonalGroup(_ClosedForm):
         return _orthogonal_solver(self, frame, with_scalars=True)
 
 
+#: The one tolerance on closure under the commutator, for every basis found numerically or given by
+#: a user: ‖[X, Y] − Π[X, Y]‖_F ≤ CLOSURE_RTOL for unit-Frobenius X, Y of the span (relative, so
+#: independent of the basis' scale). A basis accurate to δ (each element within δ of the true span)
+#: gives residuals of about 4δ; a derived basis is accurate to (largest kept singular value) /
+#: (smallest dropped one) = 1/gap, at most 1e-8 with the smallest gap the derivation trusts (1e4 ×
+#: its threshold 1e-8·σ_max, see :func:`~quotient_manifolds.core.algebra.derive_algebra`), and to
+#: rounding (1e-13) for exact symmetries; a span that is not an algebra has residuals of order 1.
+CLOSURE_RTOL = 1e-6
+
+
 def closure_residual(basis: Tensor, *, samples: int = 4, generator=None) -> float:
     r"""How far span(basis) is from closed under the commutator: max over random pairs X, Y of
     unit-Frobenius elements of ‖[X, Y] − Π[X, Y]‖_F (Π the projection onto the span; ``basis``
@@ -510,7 +520,8 @@ class SubalgebraGroup(SymmetryGroup):
     ``basis``: (d, h, h) matrices spanning 𝔤 (any spanning set: it is orthonormalised in the
     Frobenius inner product by an SVD, keeping the directions with singular value above
     ``rank_rtol`` × the largest). The span must be closed under the commutator (checked with
-    :func:`closure_residual` against ``closure_rtol``; ValueError otherwise), since the vertical
+    :func:`closure_residual` against ``closure_rtol``, by default :data:`CLOSURE_RTOL`; ValueError
+    otherwise), since the vertical
     space of a group is the image of its Lie algebra. ``label`` names it in ``describe``.
 
     Immutable and hashable; two instances are equal when their spans are (to 1e-8). The vertical
@@ -522,7 +533,7 @@ class SubalgebraGroup(SymmetryGroup):
     name = "subalgebra"
 
     def __init__(self, basis, label: str = "derived", *, rank_rtol: float = 1e-10,
-                 closure_rtol: float = 1e-8, dense_max_dim: Optional[int] = None):
+                 closure_rtol: float = CLOSURE_RTOL, dense_max_dim: Optional[int] = None):
         B = torch.as_tensor(basis).detach().to(device="cpu", dtype=torch.float64)
         if B.ndim != 3 or B.shape[-1] != B.shape[-2] or B.shape[-1] < 1:
             raise ValueError(f"SubalgebraGroup needs a (d, h, h) basis of h×h matrices, got shape "
