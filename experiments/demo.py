@@ -67,6 +67,22 @@ def _tokenise(tokenizer, texts: Sequence[str]):
     return tokenizer(list(texts), padding=True, truncation=True, max_length=64, return_tensors="pt")
 
 
+def accuracy(model: torch.nn.Module, tokenizer, texts: Sequence[str], labels: np.ndarray,
+             idx: np.ndarray, name: str, started: float, chunk: int = 100) -> float:
+    """Accuracy of ``model`` on the sentences ``idx``, in chunks of ``chunk``, each announced as
+    it is done with the time since ``started``: the forward passes take tens of seconds on a
+    loaded CPU, and the demo must not fall silent."""
+    from .stats import error_rate
+    logits = []
+    with torch.no_grad():
+        for i in range(0, len(idx), chunk):
+            part = idx[i:i + chunk]
+            logits.append(model(**_tokenise(tokenizer, [texts[j] for j in part])).logits)
+            print(f"  {name}: {i + len(part)}/{len(idx)} sentences "
+                  f"[{time.perf_counter() - started:.0f} s]", flush=True)
+    return 1.0 - error_rate(torch.cat(logits).numpy(), labels[idx])
+
+
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -127,21 +143,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"accuracy on {len(train_idx[:400])} training and {len(test_idx)} test sentences, in "
           f"chunks of 100:", flush=True)
 
-    def accuracy(idx, name):
-        """Accuracy on ``idx``, in chunks of 100 sentences, each announced as it is done: the
-        forward passes take tens of seconds on a loaded CPU."""
-        from .stats import error_rate
-        logits = []
-        with torch.no_grad():
-            for i in range(0, len(idx), 100):
-                chunk = idx[i:i + 100]
-                logits.append(model(**_tokenise(tokenizer, [texts[j] for j in chunk])).logits)
-                print(f"  {name}: {i + len(chunk)}/{len(idx)} sentences "
-                      f"[{time.perf_counter() - started:.0f} s]", flush=True)
-        return 1.0 - error_rate(torch.cat(logits).numpy(), labels[idx])
-
-    train_acc = accuracy(train_idx[:400], "train")
-    test_acc = accuracy(test_idx, "test")
+    train_acc = accuracy(model, tokenizer, texts, labels, train_idx[:400], "train", started)
+    test_acc = accuracy(model, tokenizer, texts, labels, test_idx, "test", started)
     print(f"MiniLM ({args.layers} layers) fine-tuned on {len(train_idx)} MR sentences: "
           f"train acc {train_acc:.3f}, test acc {test_acc:.3f} "
           f"[{time.perf_counter() - started:.0f} s]", flush=True)

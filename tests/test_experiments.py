@@ -1284,3 +1284,32 @@ def test_report_reproduces_the_committed_sam_summary(tmp_path):
                 if key in want:      # base-2x has no same-process timing
                     assert got[key] == pytest.approx(want[key], nan_ok=True), (task, method, key)
     assert again["verdicts"] == committed["verdicts"]
+
+
+def test_demo_accuracy_reports_progress_per_chunk(capsys):
+    """The demo's accuracy evaluation (tens of seconds on the real MiniLM) prints one line per
+    chunk of sentences as it goes, and returns the accuracy of the argmax of the logits."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from experiments.demo import accuracy
+
+    texts = [f"sentence {i}" for i in range(250)]
+    labels = np.arange(250) % 2
+
+    def tokenizer(batch, **kwargs):                  # the sentence's number is its only token
+        return {"input_ids": torch.tensor([[int(t.split()[1])] for t in batch])}
+
+    def model(input_ids):                            # right on even sentences only
+        right = torch.nn.functional.one_hot(input_ids[:, 0] % 2, 2).double()
+        wrong = (input_ids[:, 0] % 4 >= 2).double()[:, None]
+        return SimpleNamespace(logits=torch.where(wrong.bool(), 1 - right, right))
+
+    idx = np.arange(250)
+    acc = accuracy(model, tokenizer, texts, labels, idx, "test", time.perf_counter())
+    assert acc == pytest.approx(np.mean(idx % 4 < 2))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("[")[0].strip() for line in lines] == [
+        "test: 100/250 sentences", "test: 200/250 sentences", "test: 250/250 sentences"]
