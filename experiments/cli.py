@@ -177,7 +177,7 @@ def _common(p: argparse.ArgumentParser, study: str, *, population: bool = True,
     g = p.add_argument_group("run")
     g.add_argument("--quick", action="store_true", help="small smoke-test version (seconds–minutes)")
     g.add_argument("--out", metavar="DIR", default=None,
-                   help=f"output directory (default: runs/{study}[-quick])")
+                   help="output directory (default: a folder under runs/)")
     g.add_argument("--workers", type=_positive_int, default=1,
                    help="models run in parallel processes (default: 1)")
     g.add_argument("--threads", type=_positive_int, default=None,
@@ -266,13 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n", type=_positive_int, default=None, help="training points (default: 80)")
     g.add_argument("--k", type=_positive_int, default=None, help="non-zeros of β* (default: 20)")
     g.add_argument("--draws", type=_seed_list, default=None, metavar="S1,...",
-                   help="data seeds, one draw each (default: 0,1,2,3,4)")
+                   help="data seeds, one draw each (default: 0,...,4; quick 0)")
     g.add_argument("--restarts", type=_positive_int, default=None,
-                   help="restarts per model, measure, ρ (default: 8)")
+                   help="restarts per model, measure, ρ (default: 8; quick 3)")
     g.add_argument("--pga-iters", type=_positive_int, default=None,
-                   help="PGA iterations (default: 600)")
+                   help="PGA iterations (default: 600; quick 60)")
     g.add_argument("--apgd-iters", type=_positive_int, default=None,
-                   help="auto_pgd iterations, --solver apgd (default: 100)")
+                   help="auto_pgd iterations, --solver apgd (default: 100; quick 10)")
     g.add_argument("--solver", choices=("pga", "apgd"), default=None,
                    help="batched PGA (default) or the library's auto_pgd")
     g.add_argument("--mix-literal", choices=("exact", "solver"), default=None,
@@ -341,9 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument("--pool-size", type=_positive_int, default=None,
                            help="training pool (default: 20000)")
             g.add_argument("--width", type=_positive_int, default=None,
-                           help="ViT width (default: 64)")
+                           help="ViT width (default: 64; quick 32)")
             g.add_argument("--depth", type=_positive_int, default=None,
-                           help="ViT blocks (default: 4)")
+                           help="ViT blocks (default: 4; quick 2)")
             g.add_argument("--heads", type=_positive_int, default=None,
                            help="heads per block (default: 4)")
         calibrated = "paper" if name == "text" else "finetune"
