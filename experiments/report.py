@@ -1173,8 +1173,9 @@ def read_records(path: str) -> List[Dict[str, Any]]:
 #: what each population study correlates with by default (the CLI's --target default)
 DEFAULT_TARGET = {"vision": "gap_own", "text": "gap"}
 POPULATION_STUDIES = ("vision", "text")
-#: the training studies (study name -> module), whose modules write their own reports
-TRAINING_STUDIES = {"sam": "sam_study", "lora": "lora"}
+#: the studies whose modules write their own reports (study name -> module): the training
+#: studies and the matched loss-rise study
+TRAINING_STUDIES = {"sam": "sam_study", "lora": "lora", "matched": "matched"}
 #: measures reported beside the main three when present: the paper's adaptive baseline and the
 #: exact-geodesic versions of the second-order measures
 EXTRA_MAIN = ("adaptive-andriushchenko", "inv-exact", "mix-exact")
@@ -1293,9 +1294,9 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
         own = importlib.import_module(f"experiments.{TRAINING_STUDIES[study]}").report
         return own(out_dir, records[0]["study_config"], chosen, records, source=src)
     if study not in ("diagonal",) + POPULATION_STUDIES:
-        raise ExperimentError(f"`report` recomputes the diagonal, vision, text, sam and lora "
-                              f"studies' summaries; {src} holds the {study!r} study (its summary is "
-                              f"written by its own run)")
+        raise ExperimentError(f"`report` recomputes the diagonal, vision, text, sam, lora and "
+                              f"matched studies' summaries; {src} holds the {study!r} study (its "
+                              f"summary is written by its own run)")
     os.makedirs(out_dir, exist_ok=True)
     if len(hashes) > 1:
         log(f"{src}: {len(hashes)} configurations; using {chosen} ({len(records)} models)")
