@@ -55,8 +55,12 @@ Resume: the pilot records go to ``DIR/calibration.jsonl``, the combined ρ* to
 per-model records to ``DIR/results.jsonl``, each appended as the model finishes (crash-safe:
 :mod:`experiments.runner`); a killed run resumes where it stopped.
 
-Cost (measured on one model of the real configuration, one CPU thread; experiments/README.md,
-"Matched loss rise"): see :data:`MEASURED_COST`.
+Cost, measured on one model of the real configuration (``benchmarks/bench_matched.py``, one
+thread, CPU seconds): the six measures once on 256 points take 113 s (inv-exact 51 s, mix-exact
+48 s, the four others 3.4–4.1 s each), so a model costs ≈ 266 s with two levels and its fine-tune
+and evaluation (≈ 40 s), and a pilot model ≈ 900 s more (4 sharpness runs per search); with the
+pretraining (≈ 220 s) the full study is ≈ 5.1 CPU-hours, ≈ 2.6 h wall with ``--workers 2
+--threads 1`` on an idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -79,9 +83,6 @@ MATCHED_MEASURES = ("adaptive-andriushchenko", "adaptive", "inv-exact", "geodesi
                     "mix-exact", "geodesic-mix")
 CALIBRATION = "calibration.json"
 PILOT_RESULTS = "calibration.jsonl"
-#: measured cost of the real configuration (one model, one thread of a shared 2-core machine):
-#: filled in from the timing run, see experiments/README.md
-MEASURED_COST: Dict[str, Any] = {}
 
 
 def defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
