@@ -287,12 +287,16 @@ def _entry(record: Dict[str, Any], measure: str, level: float) -> Optional[Dict[
 def values(records: Sequence[Dict[str, Any]], measure: str, level: float, key: str = "value"
            ) -> np.ndarray:
     """Per record, ``key`` of the entry of ``measure`` at ``level`` (NaN where absent);
-    ``key="gl_share"``: the mean over batches of ``gl_norm_shares``."""
+    ``key="gl_share"``: the mean over batches of ``gl_norm_shares``; ``key="gap"``: the largest
+    |relative gap| over batches of the second-order loss rise to the exact geodesic's
+    (``retraction_gaps``; inf where that geodesic left GL)."""
     out = []
     for r in records:
         e = _entry(r, measure, level) or {}
         if key == "gl_share":
             got = float(np.mean(e["gl_norm_shares"])) if e.get("gl_norm_shares") else None
+        elif key == "gap":
+            got = max(abs(g) for g in e["retraction_gaps"]) if e.get("retraction_gaps") else None
         else:
             got = e.get(key)
         out.append(float("nan") if got is None else float(got))
@@ -313,8 +317,15 @@ def _failures_sharpest(x: np.ndarray, fail: np.ndarray) -> np.ndarray:
     return x
 
 
+def _median(v: np.ndarray) -> Optional[float]:
+    """Median of the values that are not NaN (inf kept: a geodesic that left GL); None if none."""
+    v = v[~np.isnan(v)]
+    return float(np.median(v)) if v.size else None
+
+
 def _median_range(v: np.ndarray, fmt: str = "{:.3g}") -> str:
-    v = v[np.isfinite(v)]
+    """"median [min, max]" of the values that are not NaN; "—" if none."""
+    v = v[~np.isnan(v)]
     if not v.size:
         return "—"
     return f"{fmt.format(float(np.median(v)))} [{fmt.format(float(v.min()))}, " \
@@ -370,9 +381,12 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
               "the ball (value undefined; τ above is over the other models, the last column ranks "
               "them as the sharpest); GL share: share of the worst perturbation's squared metric "
               "norm in the GL blocks (median [min, max]; 0 for the adaptive measures, whose "
-              "geometry has no GL blocks).", "",
+              "geometry has no GL blocks); second-order gap: |S_exact/S − 1| at the worst "
+              "second-order perturbation, the exact geodesic (8 RK4 steps) taken with the same "
+              "initial velocity (median [min, max]; `retraction_gaps` of adapters.sharpness).", "",
               "| level (nats) | measure | ρ* | loss rise | failures | GL share "
-              "| τ-b, failures ranked sharpest |", "|---|---|---|---|---|---|---|"]
+              "| second-order gap | τ-b, failures ranked sharpest |",
+              "|---|---|---|---|---|---|---|---|"]
     for level in levels:
         for m in measures:
             x = values(used, m, level)
@@ -382,14 +396,15 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
             t_all = tau_ci_weighted(_failures_sharpest(x, fail), y, n_boot=PAIRED_N_BOOT,
                                     seed=PAIRED_SEED) if n_fail and len(used) >= 3 else None
             share = values(used, m, level, "gl_share")
+            gap = values(used, m, level, "gap")
             summary["matched"].setdefault(level_key(level), {})[m] = dict(
-                rho=rho, median_loss_rise=float(np.nanmedian(x)) if np.isfinite(x).any()
-                else float("nan"), failures=n_fail, models=len(used),
-                median_gl_share=float(np.nanmedian(share)) if np.isfinite(share).any()
-                else float("nan"),
+                rho=rho, median_loss_rise=_median(x), failures=n_fail, models=len(used),
+                median_gl_share=_median(share),
+                median_second_order_gap=_median(gap),
                 tau_failures_sharpest=t_all.as_dict() if t_all else None)
             lines.append(f"| {level:g} | {m} | {rho:.4g} | {_median_range(x)} | "
                          f"{n_fail} of {len(used)} | {_median_range(share, '{:.2f}')} | "
+                         f"{_median_range(gap, '{:.2g}')} | "
                          f"{t_all.fmt() if t_all else '(no failures)'} |")
     lines.append("")
     if len(used) >= 3:

@@ -125,6 +125,7 @@ def test_matched_report_table_figure_and_failures(tmp_path):
     assert row["tau_failures_sharpest"]["tau_b"] == pytest.approx(1.0)
     assert summary["paired"]["views"]["loss rise ≈ 1 nats"]["rows"]["mix-exact"]["n"] == 4
     assert summary["matched"]["0.1"]["geodesic-mix"]["median_gl_share"] == 0.5
+    assert summary["matched"]["0.1"]["adaptive"]["median_second_order_gap"] is None
     assert os.path.getsize(os.path.join(tmp_path, "fig_matched.png")) > 0
 
 
@@ -159,3 +160,16 @@ def test_matched_resume_after_interruption(tmp_path, monkeypatch):
         got, want = _lines(os.path.join(out, name)), _lines(os.path.join(ref, name))
         assert [r["model_id"] for r in got] == [r["model_id"] for r in want]
         assert _stable(got) == _stable(want), name
+
+
+def test_combine_roots_reproduces_the_committed_vision_calibration():
+    """calibrate.combine (now over combine_roots, which the matched study shares) gives the
+    committed calibration.json of the vision fine-tunes from its pilot records."""
+    from experiments import calibrate
+    d = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                     "results", "vision-finetune")
+    config = _json(os.path.join(d, "config.json"))
+    cal = _json(os.path.join(d, "calibration.json"))
+    got = calibrate.combine(_lines(os.path.join(d, "calibration.jsonl")), config["config"],
+                            config["config_hash"])
+    assert got["families"] == cal["families"] and got["rho"] == cal["rho"]
