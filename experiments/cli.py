@@ -516,8 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", formatter_class=_Formatter, usage="%(prog)s DIR [options]",
                        help="recompute a study's summary from its results.jsonl",
                        description="Recompute summary.md, summary.json and the figures of a "
-                                   "diagonal, vision, text, sam, lora or matched study, every number, from its "
-                                   "results.jsonl alone (each line holds the model's configuration, "
+                                   "diagonal, vision, text, sam, lora or matched study, every "
+                                   "number, from its results.jsonl alone (each line holds the model's configuration, "
                                    "hyperparameters, metrics and sharpness values; a vision/text "
                                    "directory's calibration.json adds the ρ calibration section). "
                                    "Read-only on the results.")
@@ -796,6 +796,19 @@ def cmd_text(args) -> int:
     return _calibrated_population(T, config, args)
 
 
+def _check_rho_unchanged(od, run_config: Dict[str, Any]) -> None:
+    """Refuse to go on when results.jsonl holds models measured at another ρ than the calibration
+    gives now (calibration.json changed or removed after they ran)."""
+    from .runner import load_current
+    stale = [r["model_id"] for r in load_current(od.path, od.hash)
+             if r.get("study_config", {}).get("rho") != run_config["rho"]]
+    if stale:
+        raise ExperimentError(
+            f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
+            f"{od.file('calibration.json')} gives ({run_config['rho']}); the calibration file "
+            f"was changed or removed. Restore it, or use another --out")
+
+
 def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> int:
     """A population whose ρ families listed in ``config["calibration"]`` (those not fixed by an
     explicit --rho-X) are first calibrated on its pilot models (``experiments/calibrate.py``;
@@ -813,7 +826,6 @@ def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> in
 
     def prepare(od, ckpt, threads):
         from . import calibrate
-        from .runner import load_current
         if before is not None:
             before(config, ckpt, threads)
         if cal is None:
@@ -822,13 +834,7 @@ def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> in
             mod, config, od, ckpt, data_dir=args.data_dir, workers=args.workers,
             threads=args.threads or threads, progress=not args.no_progress, log=_log)
         run_config = calibrate.resolved(config, found["calibration"])
-        stale = [r["model_id"] for r in load_current(od.path, od.hash)
-                 if r.get("study_config", {}).get("rho") != run_config["rho"]]
-        if stale:
-            raise ExperimentError(
-                f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
-                f"{od.file('calibration.json')} gives ({run_config['rho']}); the calibration file "
-                f"was changed or removed. Restore it, or use another --out")
+        _check_rho_unchanged(od, run_config)
         return None if getattr(args, "calibrate_only", False) else run_config
 
     def report_kwargs(run_config):
@@ -875,7 +881,6 @@ def _pretrain_vision(config: Dict[str, Any], ckpt: str, threads: int, data_dir: 
 
 def cmd_matched(args) -> int:
     from . import matched as MT
-    from .runner import load_current
     config = MT.defaults(args.quick, args.synthetic)
     if args.seed is not None:
         config["population"]["seed"] = args.seed
@@ -893,13 +898,7 @@ def cmd_matched(args) -> int:
                            threads=args.threads or threads, progress=not args.no_progress,
                            log=_log)
         run_config = MT.resolved(config, cal)
-        stale = [r["model_id"] for r in load_current(od.path, od.hash)
-                 if r.get("study_config", {}).get("rho") != run_config["rho"]]
-        if stale:
-            raise ExperimentError(
-                f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
-                f"{od.file('calibration.json')} gives; the calibration file was changed or "
-                f"removed. Restore it, or use another --out")
+        _check_rho_unchanged(od, run_config)
         return None if args.calibrate_only else run_config
 
     return run_population_study(MT, config, args, prepare=prepare,

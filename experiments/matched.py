@@ -74,15 +74,13 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from . import vision as V
-from .runner import ExperimentError, atomic_write_bytes
+from .calibrate import CALIBRATION, PILOT_RESULTS
 
 NAME = "matched"
 #: the baseline, our adaptive, and the geodesic measures along the exact geodesic with the
 #: second-order step beside them
 MATCHED_MEASURES = ("adaptive-andriushchenko", "adaptive", "inv-exact", "geodesic-inv",
                     "mix-exact", "geodesic-mix")
-CALIBRATION = "calibration.json"
-PILOT_RESULTS = "calibration.jsonl"
 
 
 def defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
@@ -199,7 +197,8 @@ def calibrate(config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optional[s
               workers: int, threads: Optional[int], progress: bool, log=print) -> Dict[str, Any]:
     """Run (or reuse) the pilot calibration in the output directory ``od``; returns
     calibration.json's content and records ρ* in config.json as ``rho_used``."""
-    from .runner import fmt_seconds, run_population
+    from .calibrate import run_pilot
+    from .runner import fmt_seconds
 
     found = load_calibration(od.file(CALIBRATION))
     if found is not None and found.get("config_hash") == od.hash:
@@ -209,18 +208,10 @@ def calibrate(config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optional[s
         log(f"calibration: ρ of {len(config['measures'])} measures × {len(config['levels'])} "
             f"levels so that the median loss rise of {len(pilot)} pilot models is each level "
             f"(per-model work in {od.file(PILOT_RESULTS)})")
-        started = time.perf_counter()
-        records, failed = run_population(
-            od, pilot_job, pilot, (config, ckpt_dir, data_dir, progress and workers <= 1),
-            workers=workers, progress=progress, log=log, desc="calibration", threads=threads,
-            results=PILOT_RESULTS)
-        if failed:
-            raise ExperimentError(f"calibration failed on pilot model(s) {failed} (see "
-                                  f"{od.file('errors.jsonl')}); rerun to retry them")
-        found = combine(records, config, od.hash)
-        found["wall_s"] = time.perf_counter() - started
-        atomic_write_bytes(od.file(CALIBRATION),
-                           (json.dumps(found, indent=1, sort_keys=True) + "\n").encode())
+        found = run_pilot(od, pilot_job, pilot, config, ckpt_dir,
+                          combine_records=lambda records: combine(records, config, od.hash),
+                          data_dir=data_dir, workers=workers, threads=threads,
+                          progress=progress, log=log)
         log(f"calibration done in {fmt_seconds(found['wall_s'])}")
     for key, d in found["searches"].items():
         log(f"  {key}: ρ* = {d['rho']:.4g} (predicted pilot median "
