@@ -66,8 +66,8 @@ pretraining (≈ 220 s) the full study is ≈ 5.1 CPU-hours, ≈ 2.6 h wall with
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
+import os
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -185,22 +185,14 @@ def combine(records: Sequence[Dict[str, Any]], config: Dict[str, Any], config_ha
     return out
 
 
-def load_calibration(path: str) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
-
-
 def calibrate(config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optional[str],
               workers: int, threads: Optional[int], progress: bool, log=print) -> Dict[str, Any]:
     """Run (or reuse) the pilot calibration in the output directory ``od``; returns
     calibration.json's content and records ρ* in config.json as ``rho_used``."""
-    from .calibrate import run_pilot
+    from .calibrate import load, run_pilot
     from .runner import fmt_seconds
 
-    found = load_calibration(od.file(CALIBRATION))
+    found = load(od.file(CALIBRATION))
     if found is not None and found.get("config_hash") == od.hash:
         log(f"calibration: reusing {od.file(CALIBRATION)}")
     else:
@@ -328,9 +320,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
            source: Optional[str] = None, **_: Any) -> Dict[str, Any]:
     """summary.md, summary.json and fig_matched.png from the records alone (module docstring);
     the same whether written by the run or by ``python -m experiments report DIR``."""
-    import os
-
-    from .report import PAIRED_N_BOOT, PAIRED_SEED, TARGET_LABEL, _write, paired_section
+    from .report import PAIRED_N_BOOT, PAIRED_SEED, TARGET_LABEL, paired_section, write_summary
     from .runner import display_path
     from .stats import tau_ci_weighted
 
@@ -403,7 +393,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
                      title=f"τ-b vs matched loss rise ({len(used)} ViTs"
                            + (", SYNTHETIC" if synthetic else "") + ")")
         lines += ["![τ vs loss-rise level](fig_matched.png)", ""]
-    _write(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary)
     return summary
 
 
