@@ -443,6 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description=summary(_matched.__doc__, "matched", "Matched loss rise"))
     _common(p, "matched")
     _data_args(p)
+    p.add_argument_group("run").add_argument(
+        "--device", default=None, metavar="DEV",
+        help="torch device that trains and measures every model: cpu (default), cuda, cuda:1, "
+             "…; part of the configuration, not of the checkpoints (as for vision)")
     g = p.add_argument_group("matched loss rise")
     g.add_argument("--levels", type=_float_list, default=None, metavar="L1,L2,...",
                    help="median loss rises (nats) each measure is calibrated to (default 0.1,1)")
@@ -887,6 +891,9 @@ def cmd_matched(args) -> int:
     for key in ("levels", "pilot_models", "n_iters"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
+    device = _device(args.device)
+    if device is not None:  # key only off the CPU, as for vision
+        config["population"]["device"] = device
     if not args.synthetic:
         from .data import find_fashion_mnist
         find_fashion_mnist(args.data_dir)
