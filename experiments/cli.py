@@ -891,6 +891,9 @@ def cmd_matched(args) -> int:
     for key in ("levels", "pilot_models", "n_iters"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
+    if len({MT.level_key(v) for v in config["levels"]}) != len(config["levels"]):
+        raise ExperimentError(f"--levels has repeated values: {config['levels']}; give each "
+                              f"loss rise once")
     device = _device(args.device)
     if device is not None:  # key only off the CPU, as for vision
         config["population"]["device"] = device

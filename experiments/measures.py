@@ -186,7 +186,7 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
     failing the model. The per-batch relative gap of the
     second-order point to the exact geodesic (``retraction_gaps``, docs/maths.md §12) and the share
     of the worst perturbation's squared metric norm in the GL blocks (``gl_norm_shares``) are kept;
-    the library's warning about it is recorded in ``warnings`` instead of printed."""
+    the library's warning about the gap is recorded in ``warnings`` instead of printed."""
     import adapters
     from adapters.sharpness import sharpness
 
