@@ -51,6 +51,7 @@ def _stable(obj):
     return obj
 
 
+@pytest.mark.slow
 def test_matched_pipeline_and_report(tmp_path):
     out = str(tmp_path / "m")
     assert main(["matched", *FAST, "--out", out]) == 0
@@ -129,6 +130,7 @@ def test_matched_report_table_figure_and_failures(tmp_path):
     assert os.path.getsize(os.path.join(tmp_path, "fig_matched.png")) > 0
 
 
+@pytest.mark.slow
 def test_matched_resume_after_interruption(tmp_path, monkeypatch):
     """Interrupted once in the pilot and once among the models, then resumed: the same records
     as an uninterrupted run (times, dates and checksums aside)."""
