@@ -14,4 +14,4 @@ BLAS thread count before numpy is loaded).
 
 __all__ = ["STUDIES"]
 
-STUDIES = ("diagonal", "text", "vision", "invariance", "retraction", "sam", "lora")
+STUDIES = ("diagonal", "text", "vision", "invariance", "retraction", "sam", "lora", "matched")

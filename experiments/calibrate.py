@@ -96,6 +96,26 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
 
 
 # ------------------------------------------------------------------------------------ combine
+def combine_roots(per: Dict[str, Dict[str, Any]], what: str = "ρ") -> Dict[str, Any]:
+    """ρ* = exp(median_i log ρᵢ) over the pilot models' :func:`find_rho` results ``per``
+    (model id -> {root, evals, converged}), with each model's loss rise interpolated at ρ*
+    (module docstring, step 3). Models without a finite positive root are left out of the median
+    (their evaluations are kept); none at all raises :class:`ExperimentError`."""
+    roots = np.array([p["root"] for p in per.values()], dtype=float)
+    good = roots[np.isfinite(roots) & (roots > 0)]
+    if good.size == 0:
+        raise ExperimentError(f"calibration of {what} failed on every pilot model (no "
+                              f"finite positive sharpness); see {PILOT_RESULTS}")
+    rho = float(np.exp(np.median(np.log(good))))
+    predicted = [interpolate_at(p["evals"], rho) for p in per.values()]
+    return dict(rho=rho, roots={k: p["root"] for k, p in per.items()},
+                predicted_pilot_median=float(np.nanmedian(predicted)),
+                predicted_pilot_values=dict(zip(per, predicted)),
+                converged=sum(bool(p["converged"]) for p in per.values()),
+                evals={k: p["evals"] for k, p in per.items()},
+                evaluations=int(sum(len(p["evals"]) for p in per.values())))
+
+
 def combine(records: Sequence[Dict[str, Any]], config: Dict[str, Any], config_hash: str
             ) -> Dict[str, Any]:
     """calibration.json from the pilot records (module docstring, step 3)."""
@@ -110,22 +130,9 @@ def combine(records: Sequence[Dict[str, Any]], config: Dict[str, Any], config_ha
                                created=_dt.datetime.now().isoformat(timespec="seconds"))
     for fam in fams:
         per = {str(r["model_id"]): r["families"][fam] for r in records}
-        roots = np.array([p["root"] for p in per.values()], dtype=float)
-        good = roots[np.isfinite(roots) & (roots > 0)]
-        if good.size == 0:
-            raise ExperimentError(f"calibration of the {fam} ρ failed on every pilot model (no "
-                                  f"finite positive sharpness); see {PILOT_RESULTS}")
-        rho = float(np.exp(np.median(np.log(good))))
-        predicted = [interpolate_at(p["evals"], rho) for p in per.values()]
-        out["rho"][fam] = rho
-        out["families"][fam] = dict(
-            measure=next(iter(per.values()))["measure"], rho=rho,
-            roots={k: p["root"] for k, p in per.items()},
-            predicted_pilot_median=float(np.nanmedian(predicted)),
-            predicted_pilot_values=dict(zip(per, predicted)),
-            converged=sum(bool(p["converged"]) for p in per.values()),
-            evals={k: p["evals"] for k, p in per.items()},
-            evaluations=int(sum(len(p["evals"]) for p in per.values())))
+        found = combine_roots(per, what=f"the {fam} ρ")
+        out["rho"][fam] = found["rho"]
+        out["families"][fam] = dict(measure=next(iter(per.values()))["measure"], **found)
     return out
 
 
@@ -144,7 +151,7 @@ def calibrate(mod, config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optio
               ) -> Optional[Dict[str, Any]]:
     """Run (or reuse) the calibration of ``config`` in the output directory ``od`` and return
     calibration.json's content; None when no family is calibrated."""
-    from .runner import fmt_seconds, run_population
+    from .runner import fmt_seconds
 
     fams = families_to_calibrate(config)
     if not fams:
@@ -159,19 +166,10 @@ def calibrate(mod, config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optio
     pilot = list(range(int(cal["pilot_models"])))
     log(f"calibration: ρ of {', '.join(fams)} so that the median sharpness of {len(pilot)} "
         f"pilot models is {cal['target']:g} nats (per-model work in {od.file(PILOT_RESULTS)})")
-    import time
-    started = time.perf_counter()
-    records, failed = run_population(
-        od, mod.calibration_job, pilot, (config, ckpt_dir, data_dir, progress and workers <= 1),
-        workers=workers, progress=progress, log=log, desc="calibration", threads=threads,
-        results=PILOT_RESULTS)
-    if failed:
-        raise ExperimentError(f"calibration failed on pilot model(s) {failed} (see "
-                              f"{od.file('errors.jsonl')}); rerun to retry them")
-    result = combine(records, config, od.hash)
-    result["wall_s"] = time.perf_counter() - started
-    atomic_write_bytes(od.file(CALIBRATION),
-                       (json.dumps(result, indent=1, sort_keys=True) + "\n").encode())
+    result = run_pilot(od, mod.calibration_job, pilot, config, ckpt_dir,
+                       combine_records=lambda records: combine(records, config, od.hash),
+                       data_dir=data_dir, workers=workers, threads=threads, progress=progress,
+                       log=log)
     for f in fams:
         d = result["families"][f]
         log(f"  {f}: ρ* = {d['rho']:.4g} (pilot roots "
@@ -180,6 +178,32 @@ def calibrate(mod, config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optio
             f"{d['converged']}/{len(pilot)} converged)")
     log(f"calibration done in {fmt_seconds(result['wall_s'])}")
     _record_rho(od, config, result)
+    return result
+
+
+def run_pilot(od, job, pilot: Sequence[int], config: Dict[str, Any], ckpt_dir: str, *,
+              combine_records, data_dir: Optional[str], workers: int, threads: Optional[int],
+              progress: bool, log=print) -> Dict[str, Any]:
+    """Run ``job(model_id, config, ckpt_dir, data_dir, progress)`` on the ``pilot`` models (their
+    records crash-safe in ``DIR/calibration.jsonl``, so a killed calibration resumes), combine
+    them with ``combine_records(records)`` and write the result, with its wall time, to
+    ``DIR/calibration.json``; returns it."""
+    import time
+
+    from .runner import run_population
+
+    started = time.perf_counter()
+    records, failed = run_population(
+        od, job, pilot, (config, ckpt_dir, data_dir, progress and workers <= 1),
+        workers=workers, progress=progress, log=log, desc="calibration", threads=threads,
+        results=PILOT_RESULTS)
+    if failed:
+        raise ExperimentError(f"calibration failed on pilot model(s) {failed} (see "
+                              f"{od.file('errors.jsonl')}); rerun to retry them")
+    result = combine_records(records)
+    result["wall_s"] = time.perf_counter() - started
+    atomic_write_bytes(od.file(CALIBRATION),
+                       (json.dumps(result, indent=1, sort_keys=True) + "\n").encode())
     return result
 
 

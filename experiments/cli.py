@@ -354,6 +354,21 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--pilot-models", type=_positive_int, default=None,
                        help=f"{calibrated}: pilot models")
 
+    from . import matched as _matched
+    p = sub.add_parser("matched", formatter_class=_Formatter,
+                       help="vision fine-tunes, every measure at the same loss rise",
+                       description=summary(_matched.__doc__, "matched"))
+    _common(p, "matched", device=True)
+    g = p.add_argument_group("matched loss rise")
+    g.add_argument("--levels", type=_float_list, default=None, metavar="L1,...",
+                   help="median loss rises in nats (default: 0.1,1)")
+    g.add_argument("--pilot-models", type=_positive_int, default=None,
+                   help="pilot models of the calibration (default: 6; quick 2)")
+    g.add_argument("--n-iters", type=_positive_int, default=None,
+                   help="Auto-PGD iterations (default: 20; quick 2)")
+    g.add_argument("--calibrate-only", action="store_true",
+                   help="stop after the calibration")
+
     p = sub.add_parser("invariance", formatter_class=_Formatter,
                        help="sharpness ratio under GL(h) reparametrisation",
                        description=summary(__import__("experiments.invariance", fromlist=["x"]).__doc__,
@@ -410,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", formatter_class=_Formatter, usage="%(prog)s DIR [options]",
                        help="recompute a study's summary from its results.jsonl",
                        description="Recompute summary.md, summary.json and the figures of a "
-                                   "diagonal, vision, text, sam or lora study, every number, from "
+                                   "diagonal, vision, text, sam, lora or matched study, every number, from "
                                    "its results.jsonl alone (and calibration.json where there is "
                                    "one). Read-only on the results.\n"
                                    f"Options in full: section 'report' of {DOCS_PAGE}.")
@@ -684,6 +699,19 @@ def cmd_text(args) -> int:
     return _calibrated_population(T, config, args)
 
 
+def _check_rho_unchanged(od, run_config: Dict[str, Any]) -> None:
+    """Refuse to go on when results.jsonl holds models measured at another ρ than the calibration
+    gives now (calibration.json changed or removed after they ran)."""
+    from .runner import load_current
+    stale = [r["model_id"] for r in load_current(od.path, od.hash)
+             if r.get("study_config", {}).get("rho") != run_config["rho"]]
+    if stale:
+        raise ExperimentError(
+            f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
+            f"{od.file('calibration.json')} gives ({run_config['rho']}); the calibration file "
+            f"was changed or removed. Restore it, or use another --out")
+
+
 def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> int:
     """A population whose ρ families listed in ``config["calibration"]`` (those not fixed by an
     explicit --rho-X) are first calibrated on its pilot models (``experiments/calibrate.py``;
@@ -701,7 +729,6 @@ def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> in
 
     def prepare(od, ckpt, threads):
         from . import calibrate
-        from .runner import load_current
         if before is not None:
             before(config, ckpt, threads)
         if cal is None:
@@ -710,13 +737,7 @@ def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> in
             mod, config, od, ckpt, data_dir=args.data_dir, workers=args.workers,
             threads=args.threads or threads, progress=not args.no_progress, log=_log)
         run_config = calibrate.resolved(config, found["calibration"])
-        stale = [r["model_id"] for r in load_current(od.path, od.hash)
-                 if r.get("study_config", {}).get("rho") != run_config["rho"]]
-        if stale:
-            raise ExperimentError(
-                f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
-                f"{od.file('calibration.json')} gives ({run_config['rho']}); the calibration file "
-                f"was changed or removed. Restore it, or use another --out")
+        _check_rho_unchanged(od, run_config)
         return None if getattr(args, "calibrate_only", False) else run_config
 
     def report_kwargs(run_config):
@@ -738,20 +759,59 @@ def cmd_vision(args) -> int:
     args.out = args.out or default_out("vision-finetune", args)
 
     def pretrain(config, ckpt, threads):
-        """The one pretrained ViT every fine-tune starts from, with every core."""
-        import torch
-        data = V.load_data(config, args.data_dir)
-        torch.set_num_threads(max(threads, cores()))  # nothing else runs while pretraining
-        try:
-            _, info = V.pretrained(config, data, ckpt, not args.no_progress)
-        finally:
-            torch.set_num_threads(threads)
-        _log(f"pretrained ViT: {info['checkpoint']} (pretraining-task error "
-             f"{info['coarse_train_error']:.4f} train, {info['coarse_test_error']:.4f} test; "
-             + ("reused)" if info["train_time_s"] == 0 else
-                f"trained in {fmt_seconds(info['train_time_s'])})"))
+        _pretrain_vision(config, ckpt, threads, args.data_dir, not args.no_progress)
 
     return _calibrated_population(V, config, args, before=pretrain)
+
+
+def _pretrain_vision(config: Dict[str, Any], ckpt: str, threads: int, data_dir: Optional[str],
+                     progress: bool) -> None:
+    """The one pretrained ViT every vision fine-tune starts from, with every core."""
+    import torch
+
+    from . import vision as V
+    data = V.load_data(config, data_dir)
+    torch.set_num_threads(max(threads, cores()))  # nothing else runs while pretraining
+    try:
+        _, info = V.pretrained(config, data, ckpt, progress)
+    finally:
+        torch.set_num_threads(threads)
+    _log(f"pretrained ViT: {info['checkpoint']} (pretraining-task error "
+         f"{info['coarse_train_error']:.4f} train, {info['coarse_test_error']:.4f} test; "
+         + ("reused)" if info["train_time_s"] == 0 else
+            f"trained in {fmt_seconds(info['train_time_s'])})"))
+
+
+def cmd_matched(args) -> int:
+    from . import matched as MT
+    config = MT.defaults(args.quick, args.synthetic)
+    if args.seed is not None:
+        config["population"]["seed"] = args.seed
+    for key in ("levels", "pilot_models", "n_iters"):
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
+    if len({MT.level_key(v) for v in config["levels"]}) != len(config["levels"]):
+        raise ExperimentError(f"--levels has repeated values: {config['levels']}; give each "
+                              f"loss rise once")
+    device = _device(args.device)
+    if device is not None:  # key only off the CPU, as for vision
+        config["population"]["device"] = device
+    if not args.synthetic:
+        from .data import find_fashion_mnist
+        find_fashion_mnist(args.data_dir)
+
+    def prepare(od, ckpt, threads):
+        _pretrain_vision(config["population"], ckpt, threads, args.data_dir,
+                         not args.no_progress)
+        cal = MT.calibrate(config, od, ckpt, data_dir=args.data_dir, workers=args.workers,
+                           threads=args.threads or threads, progress=not args.no_progress,
+                           log=_log)
+        run_config = MT.resolved(config, cal)
+        _check_rho_unchanged(od, run_config)
+        return None if args.calibrate_only else run_config
+
+    return run_population_study(MT, config, args, prepare=prepare,
+                                report_kwargs=dict(report_fn=MT.report))
 
 
 def cmd_invariance(args) -> int:
@@ -777,7 +837,7 @@ def cmd_sam(args) -> int:
 
 COMMANDS = {"demo": cmd_demo, "prepare-data": cmd_prepare, "diagonal": cmd_diagonal, "text": cmd_text,
             "vision": cmd_vision, "invariance": cmd_invariance, "retraction": cmd_retraction,
-            "report": cmd_report, "sam": cmd_sam}
+            "report": cmd_report, "sam": cmd_sam, "matched": cmd_matched}
 
 
 def cmd_lora(args) -> int:

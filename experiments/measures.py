@@ -184,8 +184,9 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
     A perturbation that makes the loss non-finite (ρ too large), or an exact geodesic that leaves
     the manifold inside the ball, gives ``value = nan`` with the message in ``error`` instead of
     failing the model. The per-batch relative gap of the
-    second-order point to the exact geodesic (``retraction_gaps``, docs/maths.md §12) is kept;
-    the library's warning about it is recorded in ``warnings`` instead of printed."""
+    second-order point to the exact geodesic (``retraction_gaps``, docs/maths.md §12) and the share
+    of the worst perturbation's squared metric norm in the GL blocks (``gl_norm_shares``) are kept;
+    the library's warning about the gap is recorded in ``warnings`` instead of printed."""
     import adapters
     from adapters.sharpness import sharpness
 
@@ -223,6 +224,8 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
                          n_forward=res.n_forward, n_backward=res.n_backward)
             if res.retraction_gaps:
                 entry["retraction_gaps"] = res.retraction_gaps
+            if res.gl_norm_shares:
+                entry["gl_norm_shares"] = res.gl_norm_shares
             if caught:
                 entry["warnings"] = sorted({str(w.message) for w in caught})
         except FloatingPointError as err:

@@ -255,7 +255,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                                **({"second_passes": list(second_passes)} if second_passes else {})}
     if len(used) < 2:
         lines.append("Fewer than 2 models: no correlations yet.")
-        _write(out_dir, lines, summary)
+        write_summary(out_dir, lines, summary)
         return summary
     present = measures_of(used)
     main = [m for m in main if m in present]
@@ -482,7 +482,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                      [(m, 0.0) for m in curvature], target, taus,
                      f"{study}: {TARGET_LABEL.get(target, target)} vs curvature"
                      + (" [SYNTHETIC]" if synthetic else ""), False, logy)
-    _write(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary)
     return summary
 
 
@@ -659,7 +659,8 @@ def knob_r2(records, target: str, measures: Sequence[Tuple[str, float]],
     return out
 
 
-def _write(out_dir: str, lines: List[str], summary: Dict[str, Any]) -> None:
+def write_summary(out_dir: str, lines: List[str], summary: Dict[str, Any]) -> None:
+    """DIR/summary.md (``lines``) and DIR/summary.json (``summary``), each written atomically."""
     from .runner import atomic_write_bytes
     atomic_write_bytes(os.path.join(out_dir, "summary.md"), ("\n".join(lines) + "\n").encode())
     atomic_write_bytes(os.path.join(out_dir, "summary.json"),
@@ -972,7 +973,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
                                "r2": {}}
     if len(used) < 3:
         lines.append("Fewer than 3 models: no correlations yet.")
-        _write(out_dir, lines, summary)
+        write_summary(out_dir, lines, summary)
         return summary
     y = np.array([float(r["metrics"]["test_loss"]) for r in used])
     ltrain = np.array([float(r["metrics"]["train_loss"]) for r in used])
@@ -1151,7 +1152,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
                           f"{len(draws)} draws)")
     _fig_diagonal_knobs(os.path.join(out_dir, "fig_knobs.png"), used,
                         "diagonal: what sets the test loss")
-    _write(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary)
     return summary
 
 
@@ -1173,8 +1174,9 @@ def read_records(path: str) -> List[Dict[str, Any]]:
 #: what each population study correlates with by default (the CLI's --target default)
 DEFAULT_TARGET = {"vision": "gap_own", "text": "gap"}
 POPULATION_STUDIES = ("vision", "text")
-#: the training studies (study name -> module), whose modules write their own reports
-TRAINING_STUDIES = {"sam": "sam_study", "lora": "lora"}
+#: the studies whose modules write their own reports (study name -> module): the training
+#: studies and the matched loss-rise study
+TRAINING_STUDIES = {"sam": "sam_study", "lora": "lora", "matched": "matched"}
 #: measures reported beside the main three when present: the paper's adaptive baseline and the
 #: exact-geodesic versions of the second-order measures
 EXTRA_MAIN = ("adaptive-andriushchenko", "inv-exact", "mix-exact")
@@ -1293,9 +1295,9 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
         own = importlib.import_module(f"experiments.{TRAINING_STUDIES[study]}").report
         return own(out_dir, records[0]["study_config"], chosen, records, source=src)
     if study not in ("diagonal",) + POPULATION_STUDIES:
-        raise ExperimentError(f"`report` recomputes the diagonal, vision, text, sam and lora "
-                              f"studies' summaries; {src} holds the {study!r} study (its summary is "
-                              f"written by its own run)")
+        raise ExperimentError(f"`report` recomputes the diagonal, vision, text, sam, lora and "
+                              f"matched studies' summaries; {src} holds the {study!r} study (its "
+                              f"summary is written by its own run)")
     os.makedirs(out_dir, exist_ok=True)
     if len(hashes) > 1:
         log(f"{src}: {len(hashes)} configurations; using {chosen} ({len(records)} models)")

@@ -683,7 +683,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
     (``python -m experiments report DIR`` rewrites them)."""
     import datetime as _dt
 
-    from .report import _write, display_path
+    from .report import display_path, write_summary
     s = summarise(records, config)
     syn = " [SYNTHETIC]" if synthetic(config) else ""
     lines = [f"# SAM training study{syn}", "",
@@ -759,7 +759,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
     _fig_curves(os.path.join(out_dir, "fig_curves.png"), s, config, syn)
     summary = dict(study=NAME, config_hash=config_hash, config=config, **s,
                    verdicts={task: verdict(task, ts) for task, ts in s["tasks"].items()})
-    _write(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary)
     return summary
 
 

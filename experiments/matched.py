@@ -1,0 +1,428 @@
+r"""Matched loss-rise study: every sharpness measure calibrated separately to the same median loss
+rise, on the width-64 ViT fine-tune population of the vision study.
+
+Why: a radius ρ means a different ball in every geometry (the adaptive and inv norms are
+scale-free, the mix metric has units), and the vision study calibrates each family to a median
+of 3 nats, a regime where the second-order mix step is far off its geodesic. Here each measure
+gets its own ρ for each of a few loss-rise *levels* (default ≈ 0.1 and ≈ 1 nat), so that the
+measures are compared at the same size of effect, and the geodesic measures are taken along the
+exact geodesic (with the second-order step beside them).
+
+Protocol
+--------
+* **Population**: the 48 fine-tunes of the vision study's default protocol (``python -m
+  experiments vision``: one pretrained ViT width 64, depth 4, 4 heads of dim 16; model i's
+  hyperparameters from ``default_rng([seed, i, 29])``), retrained deterministically from their
+  seeds with the vision study's own training function, or reused from its checkpoints
+  (``--checkpoint-dir runs/vision-finetune/checkpoints``: the checkpoint names and training hashes
+  are the vision study's).
+* **Points**: the first ``points`` (256) images of the fixed sharpness points of the vision study
+  (training points of every model), one batch, eval mode, ``n_iters`` (20) Auto-PGD iterations.
+* **Measures** (:data:`MATCHED_MEASURES`, :data:`experiments.measures.MEASURES`): the paper's
+  baseline ``adaptive-andriushchenko`` (elementwise adaptive sharpness with Andriushchenko et al.'s
+  ∇⊙|w| direction), our ``adaptive`` (∇⊙w²), and ``inv-exact`` / ``mix-exact`` (GL blocks along
+  the exact geodesic, RK4) with ``geodesic-inv`` / ``geodesic-mix`` (the second-order step) beside
+  them.
+* **Calibration** (the population *median* is the target, so it is a property of the population,
+  not of one model): on the first ``pilot_models`` (6) models, for every measure and level, the
+  library's safeguarded secant :func:`adapters.calibration.find_rho` (the search behind
+  :func:`adapters.calibrate_rho`) finds the ρᵢ at which model i's loss rise is the level
+  (tolerance factor 1.25, at most ``max_evals`` sharpness runs, starting from the vision study's
+  3-nat starting ρ of the family scaled by √(level / 3)); ρ* = exp(median log ρᵢ)
+  (:func:`experiments.calibrate.combine_roots`). An exact geodesic that leaves GL(h) inside the
+  ball counts as "above the level" in the search. Then **every** model (pilot ones included) is
+  measured at that one ρ* per measure and level: the achieved population median is reported
+  beside the level.
+* **Per model and (measure, level)** the record holds the sharpness value (the worst-case loss
+  rise over the ball, in nats: the measured loss rise at ρ*), the initial and worst losses, the
+  share of the worst perturbation's squared metric norm that lies in the GL blocks
+  (``gl_norm_shares`` of :class:`adapters.SharpnessResult`; the rest is in the elementwise blocks;
+  0 for the adaptive measures, whose geometry has no GL blocks), the second-order step's gap to
+  the exact geodesic (``retraction_gaps``), and, where the exact geodesic left GL (G or H lost
+  rank), ``value = NaN`` with the message in ``error``: a **failure**, counted in the report for
+  every measure and level and never dropped silently (τ is given over the models with a value,
+  with n, and again with the failures ranked as the sharpest models).
+* **Report** (``python -m experiments report DIR``): per level, τ-b of each measure with the
+  generalisation gap on the model's own training subset (``gap_own``, as the vision study) and
+  the paired-bootstrap Δτ against the baseline and against our adaptive (same resampled models
+  for both τ's; :func:`experiments.report.paired_section`), the calibrated ρ*, the achieved loss
+  rises, the failures and the GL shares; the figure ``fig_matched.png`` shows τ against the level
+  with the 95 % CIs. Models above the vision study's train-error target (5 %) are excluded and
+  listed, as there.
+
+Resume: the pilot records go to ``DIR/calibration.jsonl``, the combined ρ* to
+``DIR/calibration.json`` (reused on resume, written to ``config.json`` as ``rho_used``), the
+per-model records to ``DIR/results.jsonl``, each appended as the model finishes (crash-safe:
+:mod:`experiments.runner`); a killed run resumes where it stopped.
+
+Cost, measured on one model of the real configuration (``benchmarks/bench_matched.py``, one
+thread, CPU seconds): the six measures once on 256 points take 113 s (inv-exact 51 s, mix-exact
+48 s, the four others 3.4–4.1 s each), so a model costs ≈ 266 s with two levels and its fine-tune
+and evaluation (≈ 40 s), and a pilot model ≈ 900 s more (4 sharpness runs per search); with the
+pretraining (≈ 220 s) the full study is ≈ 5.1 CPU-hours, ≈ 2.6 h wall with ``--workers 2
+--threads 1`` on an idle 2-core machine.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from . import vision as V
+from .calibrate import CALIBRATION, PILOT_RESULTS
+
+NAME = "matched"
+#: the baseline, our adaptive, and the geodesic measures along the exact geodesic with the
+#: second-order step beside them
+MATCHED_MEASURES = ("adaptive-andriushchenko", "adaptive", "inv-exact", "geodesic-inv",
+                    "mix-exact", "geodesic-mix")
+
+
+def defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
+    """The study's configuration: the vision fine-tune population (``population``: the keys that
+    define data, pretraining and models; the vision study's sharpness settings left out) and the
+    matched-loss-rise settings (module docstring)."""
+    pop = V.finetune_defaults(quick, synthetic)
+    for key in ("measures", "calibration", "rho", "rho_sweep", "points", "hessian", "models",
+                "n_iters", "eps", "sharp_points", "sharp_batch"):
+        pop.pop(key)
+    c: Dict[str, Any] = dict(
+        population=pop, levels=[0.1, 1.0], points=256, batch=256, n_iters=20, eps=0.0,
+        measures=list(MATCHED_MEASURES), rho_start=dict(adaptive=2.0, inv=0.6, mix=0.03),
+        rho_start_level=3.0, pilot_models=6, tolerance=1.25, max_evals=6, target="gap_own",
+        models=48)
+    if quick:
+        c.update(points=32, batch=32, n_iters=2, pilot_models=2, max_evals=2, models=3)
+    return c
+
+
+def level_key(level: float) -> str:
+    return f"{float(level):g}"
+
+
+def _start(config: Dict[str, Any], measure: str, level: float) -> float:
+    """First ρ of the search: the family's starting ρ at ``rho_start_level`` nats scaled by
+    √(level / rho_start_level) (S ∝ ρ² near a minimum)."""
+    from .measures import MEASURES
+    fam = MEASURES[measure]["family"]
+    return float(config["rho_start"][fam]) * math.sqrt(level / float(config["rho_start_level"]))
+
+
+def _model_and_batches(model_id: int, config: Dict[str, Any], ckpt_dir: str,
+                       data_dir: Optional[str], progress: bool):
+    from .measures import on_study_device
+    pop = config["population"]
+    data = V.load_data(pop, data_dir)
+    model, hp, info = V.get_model(model_id, pop, data, ckpt_dir, progress)
+    batches = on_study_device(V.sharpness_batches(
+        {"sharp_points": config["points"], "sharp_batch": config["batch"]}, data), pop)
+    return data, model, hp, info, batches
+
+
+# ------------------------------------------------------------------------------------ pilot
+def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
+              progress: bool) -> Dict[str, Any]:
+    """One pilot model (run in a worker): train or reuse it, then :func:`find_rho` for every
+    measure and level on the study's points."""
+    from adapters.calibration import find_rho
+
+    from .measures import _batch_len, run_plan
+    from .runner import check_parent_alive
+
+    started = time.perf_counter()
+    _, model, hp, info, batches = _model_and_batches(model_id, config, ckpt_dir, data_dir,
+                                                     progress)
+    out: Dict[str, Any] = dict(hparams=hp, checkpoint=info["checkpoint"],
+                               n_points=sum(_batch_len(b) for b in batches), searches={})
+    for level in config["levels"]:
+        for measure in config["measures"]:
+            t0 = time.perf_counter()
+            errors: List[str] = []
+
+            def loss_rise(rho: float) -> float:
+                entry = run_plan(model, batches, [(measure, rho)], n_iters=config["n_iters"],
+                                 eps=config["eps"], check=check_parent_alive)[0]
+                if "error" in entry:
+                    errors.append(entry["error"])
+                return float(entry["value"])
+
+            res = find_rho(loss_rise, _start(config, measure, level), float(level),
+                           tolerance=float(config["tolerance"]),
+                           max_evals=int(config["max_evals"]))
+            out["searches"][f"{measure}@{level_key(level)}"] = dict(
+                measure=measure, level=float(level), failures=len(errors),
+                time_s=time.perf_counter() - t0, **res)
+    out["timing"] = dict(train_s=info["train_time_s"], total_s=time.perf_counter() - started)
+    return out
+
+
+def combine(records: Sequence[Dict[str, Any]], config: Dict[str, Any], config_hash: str
+            ) -> Dict[str, Any]:
+    """calibration.json from the pilot records: ρ* per measure and level
+    (:func:`experiments.calibrate.combine_roots`)."""
+    from .calibrate import combine_roots
+
+    out: Dict[str, Any] = dict(
+        config_hash=config_hash, levels=list(config["levels"]),
+        pilot_models=[r["model_id"] for r in records], points=config["points"],
+        n_iters=config["n_iters"], rho={}, searches={},
+        method="per pilot model: safeguarded secant in (log ρ, log S) "
+               "(adapters.calibration.find_rho); ρ* = geometric median of the per-model roots",
+        created=_dt.datetime.now().isoformat(timespec="seconds"))
+    for measure in config["measures"]:
+        for level in config["levels"]:
+            key = f"{measure}@{level_key(level)}"
+            per = {str(r["model_id"]): r["searches"][key] for r in records}
+            found = combine_roots(per, what=f"the {measure} ρ at {level:g} nats")
+            found["failures"] = {k: p["failures"] for k, p in per.items()}
+            out["rho"].setdefault(measure, {})[level_key(level)] = found["rho"]
+            out["searches"][key] = dict(measure=measure, level=float(level), **found)
+    return out
+
+
+def calibrate(config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optional[str],
+              workers: int, threads: Optional[int], progress: bool, log=print) -> Dict[str, Any]:
+    """Run (or reuse) the pilot calibration in the output directory ``od``; returns
+    calibration.json's content and records ρ* in config.json as ``rho_used``."""
+    from .calibrate import load, run_pilot
+    from .runner import fmt_seconds
+
+    found = load(od.file(CALIBRATION))
+    if found is not None and found.get("config_hash") == od.hash:
+        log(f"calibration: reusing {od.file(CALIBRATION)}")
+    else:
+        pilot = list(range(int(config["pilot_models"])))
+        log(f"calibration: ρ of {len(config['measures'])} measures × {len(config['levels'])} "
+            f"levels so that the median loss rise of {len(pilot)} pilot models is each level "
+            f"(per-model work in {od.file(PILOT_RESULTS)})")
+        found = run_pilot(od, pilot_job, pilot, config, ckpt_dir,
+                          combine_records=lambda records: combine(records, config, od.hash),
+                          data_dir=data_dir, workers=workers, threads=threads,
+                          progress=progress, log=log)
+        log(f"calibration done in {fmt_seconds(found['wall_s'])}")
+    for key, d in found["searches"].items():
+        log(f"  {key}: ρ* = {d['rho']:.4g} (predicted pilot median "
+            f"{d['predicted_pilot_median']:.3g} nats; {d['converged']} converged, "
+            f"{sum(d['failures'].values())} exact-geodesic failures in the search)")
+    od.record_in_config("rho_used", found["rho"])
+    return found
+
+
+def resolved(config: Dict[str, Any], calibration: Dict[str, Any]) -> Dict[str, Any]:
+    """``config`` with ``rho``: measure -> level -> the calibrated ρ*."""
+    return {**config, "rho": {m: {level_key(lv): float(calibration["rho"][m][level_key(lv)])
+                                  for lv in config["levels"]} for m in config["measures"]}}
+
+
+# ------------------------------------------------------------------------------------ models
+def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
+        progress: bool) -> Dict[str, Any]:
+    """One model (run in a worker): train or reuse, evaluate, then every measure at its ρ* of
+    every level (``config["rho"]``, from :func:`resolved`)."""
+    import torch
+
+    from .measures import run_plan
+    from .runner import check_parent_alive
+
+    started = time.perf_counter()
+    data, model, hp, info, batches = _model_and_batches(model_id, config, ckpt_dir, data_dir,
+                                                        progress)
+    t0 = time.perf_counter()
+    metrics = V.evaluate(model, config["population"], data, hp)
+    eval_s = time.perf_counter() - t0
+    pairs = [(m, float(config["rho"][m][level_key(lv)]))
+             for lv in config["levels"] for m in config["measures"]]
+    t0 = time.perf_counter()
+    entries = run_plan(model, batches, pairs, n_iters=config["n_iters"], eps=config["eps"],
+                       progress=progress, desc=f"matched m{model_id}", check=check_parent_alive)
+    levels = [float(lv) for lv in config["levels"] for _ in config["measures"]]
+    for entry, level in zip(entries, levels):
+        entry["level"] = level
+    return dict(seed=hp["seed"], hparams=hp, study_config=config, metrics=metrics,
+                sharpness=entries, checkpoint=info["checkpoint"],
+                reused_checkpoint=info["reused"], train_info=info["train"],
+                timing=dict(train_s=info["train_time_s"], eval_s=eval_s,
+                            sharpness_s=time.perf_counter() - t0,
+                            total_s=time.perf_counter() - started,
+                            threads=torch.get_num_threads()))
+
+
+def exclusions(records: Sequence[Dict[str, Any]]) -> Dict[int, str]:
+    """The vision study's exclusions (own-subset train error above its target)."""
+    return V.exclusions([{**r, "study_config": r["study_config"]["population"]}
+                         for r in records])
+
+
+# ------------------------------------------------------------------------------------ report
+def _entry(record: Dict[str, Any], measure: str, level: float) -> Optional[Dict[str, Any]]:
+    """The record's entry of ``measure`` at ``level`` (None if absent)."""
+    for e in record["sharpness"]:
+        if e["measure"] == measure and math.isclose(e["level"], level, rel_tol=1e-9):
+            return e
+    return None
+
+
+def values(records: Sequence[Dict[str, Any]], measure: str, level: float, key: str = "value"
+           ) -> np.ndarray:
+    """Per record, ``key`` of the entry of ``measure`` at ``level`` (NaN where absent);
+    ``key="gl_share"``: the mean over batches of ``gl_norm_shares``; ``key="gap"``: the largest
+    |relative gap| over batches of the second-order loss rise to the exact geodesic's
+    (``retraction_gaps``; inf where that geodesic left GL)."""
+    out = []
+    for r in records:
+        e = _entry(r, measure, level) or {}
+        if key == "gl_share":
+            got = float(np.mean(e["gl_norm_shares"])) if e.get("gl_norm_shares") else None
+        elif key == "gap":
+            got = max(abs(g) for g in e["retraction_gaps"]) if e.get("retraction_gaps") else None
+        else:
+            got = e.get(key)
+        out.append(float("nan") if got is None else float(got))
+    return np.array(out, dtype=float)
+
+
+def failed(records: Sequence[Dict[str, Any]], measure: str, level: float) -> np.ndarray:
+    """Per record: did the measure fail at ``level`` (the exact geodesic left GL(h))?"""
+    return np.array([("error" in (_entry(r, measure, level) or {})) for r in records], bool)
+
+
+def _failures_sharpest(x: np.ndarray, fail: np.ndarray) -> np.ndarray:
+    """``x`` with the failed models set above every finite value (tied among themselves):
+    Kendall τ only uses the order."""
+    x = x.copy()
+    top = np.nanmax(x[np.isfinite(x)]) if np.isfinite(x).any() else 0.0
+    x[fail] = top + 1.0
+    return x
+
+
+def _median(v: np.ndarray) -> Optional[float]:
+    """Median of the values that are not NaN (inf kept: a geodesic that left GL); None if none."""
+    v = v[~np.isnan(v)]
+    return float(np.median(v)) if v.size else None
+
+
+def _median_range(v: np.ndarray, fmt: str = "{:.3g}") -> str:
+    """"median [min, max]" of the values that are not NaN; "—" if none."""
+    v = v[~np.isnan(v)]
+    if not v.size:
+        return "—"
+    return f"{fmt.format(float(np.median(v)))} [{fmt.format(float(v.min()))}, " \
+           f"{fmt.format(float(v.max()))}]"
+
+
+def report(out_dir: str, config: Dict[str, Any], config_hash: str,
+           records: Sequence[Dict[str, Any]], *, wall_s: Optional[float] = None,
+           source: Optional[str] = None, **_: Any) -> Dict[str, Any]:
+    """summary.md, summary.json and fig_matched.png from the records alone (module docstring);
+    the same whether written by the run or by ``python -m experiments report DIR``."""
+    from .report import PAIRED_N_BOOT, PAIRED_SEED, TARGET_LABEL, paired_section, write_summary
+    from .runner import display_path
+    from .stats import tau_ci_weighted
+
+    source = source or os.path.join(out_dir, "results.jsonl")
+    excluded = exclusions(records)
+    used = [r for r in records if r["model_id"] not in excluded]
+    target = config.get("target", "gap_own")
+    levels = [float(lv) for lv in config["levels"]]
+    measures = list(config["measures"])
+    y = np.array([float(r["metrics"].get(target, np.nan)) for r in used])
+    synthetic = config["population"].get("data") == "synthetic"
+    summary: Dict[str, Any] = dict(study=NAME, config_hash=config_hash, target=target,
+                                   models=len(records), used=len(used),
+                                   excluded={str(k): v for k, v in excluded.items()},
+                                   levels=levels, measures=measures, synthetic=synthetic,
+                                   source=display_path(source),
+                                   wall_s=wall_s, matched={})
+    lines = [f"# Matched loss-rise study{' (SYNTHETIC DATA: tests only)' if synthetic else ''}",
+             "",
+             f"{len(used)} of {len(records)} models of the vision fine-tune population "
+             f"(ViT width {config['population']['arch']['width']}, "
+             f"{config['population']['arch']['heads']} heads); sharpness on the first "
+             f"{config['points']} fixed training points, {config['n_iters']} Auto-PGD iterations; "
+             f"every measure calibrated separately so that the median loss rise of the "
+             f"{config['pilot_models']} pilot models is each level (ρ* = geometric median of "
+             f"the pilot roots), then every model measured at that ρ*. Target: "
+             f"{TARGET_LABEL.get(target, target)}. Config hash {config_hash}.", ""]
+    if excluded:
+        lines += ["Excluded (above the train-error target): "
+                  + "; ".join(f"model {k}: {v}" for k, v in sorted(excluded.items())), ""]
+    views = []
+    for level in levels:
+        cols = {m: values(used, m, level) for m in measures}
+        views.append((f"loss rise ≈ {level:g} nats", "models resampled", {}, cols))
+    lines += paired_section(y, views, summary)
+    lines += ["## Calibration, achieved loss rise, exact-geodesic failures, GL share", "",
+              "ρ*: the calibrated radius; loss rise: the population's sharpness values at ρ* "
+              "(median [min, max], nats); failures: models whose exact geodesic left GL(h) inside "
+              "the ball (value undefined; τ above is over the other models, the last column ranks "
+              "them as the sharpest); GL share: share of the worst perturbation's squared metric "
+              "norm in the GL blocks (median [min, max]; 0 for the adaptive measures, whose "
+              "geometry has no GL blocks); second-order gap: |S_exact/S − 1| at the worst "
+              "second-order perturbation, the exact geodesic (8 RK4 steps) taken with the same "
+              "initial velocity (median [min, max]; `retraction_gaps` of adapters.sharpness).", "",
+              "| level (nats) | measure | ρ* | loss rise | failures | GL share "
+              "| second-order gap | τ-b, failures ranked sharpest |",
+              "|---|---|---|---|---|---|---|---|"]
+    for level in levels:
+        for m in measures:
+            x = values(used, m, level)
+            fail = failed(used, m, level)
+            n_fail = int(fail.sum())
+            rho = config["rho"][m][level_key(level)]
+            t_all = tau_ci_weighted(_failures_sharpest(x, fail), y, n_boot=PAIRED_N_BOOT,
+                                    seed=PAIRED_SEED) if n_fail and len(used) >= 3 else None
+            share = values(used, m, level, "gl_share")
+            gap = values(used, m, level, "gap")
+            summary["matched"].setdefault(level_key(level), {})[m] = dict(
+                rho=rho, median_loss_rise=_median(x), failures=n_fail, models=len(used),
+                median_gl_share=_median(share),
+                median_second_order_gap=_median(gap),
+                tau_failures_sharpest=t_all.as_dict() if t_all else None)
+            lines.append(f"| {level:g} | {m} | {rho:.4g} | {_median_range(x)} | "
+                         f"{n_fail} of {len(used)} | {_median_range(share, '{:.2f}')} | "
+                         f"{_median_range(gap, '{:.2g}')} | "
+                         f"{t_all.fmt() if t_all else '(no failures)'} |")
+    lines.append("")
+    if len(used) >= 3:
+        _fig_matched(os.path.join(out_dir, "fig_matched.png"), summary, levels, measures,
+                     title=f"τ-b vs matched loss rise ({len(used)} ViTs"
+                           + (", SYNTHETIC" if synthetic else "") + ")")
+        lines += ["![τ vs loss-rise level](fig_matched.png)", ""]
+    write_summary(out_dir, lines, summary)
+    return summary
+
+
+def _fig_matched(path: str, summary: Dict[str, Any], levels: Sequence[float],
+                 measures: Sequence[str], *, title: str) -> None:
+    """τ-b of each measure against the loss-rise level, with its 95 % bootstrap CI (the paired
+    section's resamples), measures side by side around each level."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .report import finish_figure
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    views = summary.get("paired", {}).get("views", {})
+    for k, m in enumerate(measures):
+        xs, ts, lo, hi = [], [], [], []
+        for level in levels:
+            row = views.get(f"loss rise ≈ {level:g} nats", {}).get("rows", {}).get(m)
+            if row is None or not math.isfinite(row["tau_b"]):
+                continue
+            xs.append(level * 1.08 ** (k - (len(measures) - 1) / 2))
+            ts.append(row["tau_b"])
+            lo.append(row["tau_b"] - row["ci_low"] if math.isfinite(row["ci_low"]) else 0.0)
+            hi.append(row["ci_high"] - row["tau_b"] if math.isfinite(row["ci_high"]) else 0.0)
+        if xs:
+            style = "--" if m.startswith("geodesic-") else "-"
+            ax.errorbar(xs, ts, yerr=[lo, hi], fmt="o" + style, ms=3, capsize=2, lw=1, label=m)
+    ax.axhline(0.0, color="0.6", lw=0.6)
+    ax.set_xscale("log")
+    finish_figure(fig, ax, path, title=title, xlabel="median loss rise at ρ* (nats)",
+                  ylabel="Kendall τ-b with the gap [95% CI]")

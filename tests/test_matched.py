@@ -1,0 +1,177 @@
+"""The matched loss-rise study (experiments/matched.py): the whole pipeline on a tiny synthetic
+configuration (pretraining, pilot calibration per measure and level, every model at ρ*, report
+and figure), `report DIR` reproducing it, and resume after an interruption giving the records of
+an uninterrupted run."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from experiments import matched as MT
+from experiments.cli import main
+from experiments.report import report_from_results
+
+# the pipeline is the study's; the RK4 steps of the exact geodesic are cut (32 and 8 -> 2: the
+# fixture below) so that the exact measures take a fraction of a second on the tiny model
+FAST = ["--quick", "--synthetic", "--no-progress", "--threads", "1", "--models", "2",
+        "--pilot-models", "1", "--n-iters", "1"]
+#: fields that differ between two runs of the same configuration (times, dates, checksums) or
+#: with where the checkpoints came from
+VOLATILE = {"timing", "finished", "_sha256", "time_s", "reused_checkpoint", "checkpoint", "created",
+            "wall_s"}
+
+
+@pytest.fixture(autouse=True)
+def _short_geodesics(monkeypatch):
+    import importlib
+
+    from quotient_manifolds.core.gl import GLQuotientGeometry
+    monkeypatch.setitem(GLQuotientGeometry.__init__.__kwdefaults__, "exact_steps", 2)
+    monkeypatch.setattr(importlib.import_module("adapters.sharpness"), "CHECK_EXACT_STEPS", 2)
+
+
+def _json(path):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _lines(path):
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def _stable(obj):
+    if isinstance(obj, dict):
+        return {k: _stable(v) for k, v in obj.items() if k not in VOLATILE}
+    if isinstance(obj, list):
+        return [_stable(v) for v in obj]
+    return obj
+
+
+@pytest.mark.slow
+def test_matched_pipeline_and_report(tmp_path):
+    out = str(tmp_path / "m")
+    assert main(["matched", *FAST, "--out", out]) == 0
+    cal = _json(os.path.join(out, "calibration.json"))
+    config = _json(os.path.join(out, "config.json"))
+    assert cal["pilot_models"] == [0] and config["rho_used"] == cal["rho"]
+    recs = _lines(os.path.join(out, "results.jsonl"))
+    assert [r["model_id"] for r in recs] == [0, 1]
+    pairs = {(m, lv) for m in MT.MATCHED_MEASURES for lv in (0.1, 1.0)}
+    for r in recs:
+        assert {(e["measure"], e["level"]) for e in r["sharpness"]} == pairs
+        for e in r["sharpness"]:
+            # every model at the one calibrated ρ* of its measure and level
+            assert e["rho"] == cal["rho"][e["measure"]][MT.level_key(e["level"])]
+            assert e["n_points"] == 32 and ("error" in e) == (not math.isfinite(e["value"]))
+            if "error" not in e:  # the share of the worst ξ's norm in the GL blocks
+                (share,) = e["gl_norm_shares"]  # (NaN: no ascent found, ξ = 0)
+                assert math.isnan(share) or 0.0 <= share <= 1.0
+                if e["geometry"] == "adaptive":
+                    assert share == 0.0 or math.isnan(share)
+        assert r["study_config"]["rho"] == cal["rho"] and "gap_own" in r["metrics"]
+    # the pilot's per-model search is kept: every evaluation, and how many left GL
+    pilot = _lines(os.path.join(out, "calibration.jsonl"))
+    assert len(pilot) == 1 and len(pilot[0]["searches"]) == len(pairs)
+    assert all("failures" in s and s["evals"] for s in pilot[0]["searches"].values())
+    summary = _json(os.path.join(out, "summary.json"))
+    views = summary["paired"]["views"]
+    assert set(views) == {"loss rise ≈ 0.1 nats", "loss rise ≈ 1 nats"}
+    for v in views.values():
+        assert v["references"] == ["adaptive-andriushchenko", "adaptive"]
+        assert set(v["rows"]["inv-exact"]["vs"]) == {"adaptive-andriushchenko", "adaptive"}
+    for level in ("0.1", "1"):
+        for m in MT.MATCHED_MEASURES:
+            got = summary["matched"][level][m]
+            assert got["failures"] == int(MT.failed(recs, m, float(level)).sum())
+    with open(os.path.join(out, "summary.md")) as fh:
+        md = fh.read()
+    assert "exact-geodesic failures" in md and "Δτ vs adaptive-andriushchenko" in md
+    # only 2 models: no τ, so no figure; `report DIR` rewrites the same summary
+    os.rename(os.path.join(out, "summary.json"), os.path.join(out, "run.json"))
+    report_from_results(out, log=lambda msg: None)
+    again = _json(os.path.join(out, "summary.json"))
+    assert _stable(again) == _stable(_json(os.path.join(out, "run.json")))
+
+
+def test_matched_report_table_figure_and_failures(tmp_path):
+    """The report of 5 synthetic records: τ and Δτ per level, a failure counted and ranked as
+    the sharpest in the last column, and the figure."""
+    config = MT.defaults(True, True)
+    levels = config["levels"]
+    config["rho"] = {m: {MT.level_key(lv): 0.1 * (k + 1) for lv in levels}
+                     for k, m in enumerate(config["measures"])}
+    rng = np.random.default_rng(0)
+    gaps = rng.uniform(0.0, 0.1, 5)
+    records = []
+    for i, gap in enumerate(gaps):
+        entries = []
+        for lv in levels:
+            for m in config["measures"]:
+                e = dict(measure=m, level=lv, rho=config["rho"][m][MT.level_key(lv)],
+                         value=float(lv * (1 + gap)),
+                         gl_norm_shares=[0.0 if m.startswith("adaptive") else 0.5])
+                if m == "mix-exact" and lv == 1.0 and i == int(np.argmax(gaps)):
+                    e.update(value=float("nan"), error="the exact geodesic left GL(h)")
+                entries.append(e)
+        records.append(dict(model_id=i, study_config=config, sharpness=entries,
+                            metrics=dict(gap_own=float(gap), own_train_error=0.0)))
+    summary = MT.report(str(tmp_path), config, "h", records)
+    row = summary["matched"]["1"]["mix-exact"]
+    assert row["failures"] == 1 and row["models"] == 5
+    # the failure is the model with the largest gap: ranked sharpest, τ-b is +1
+    assert row["tau_failures_sharpest"]["tau_b"] == pytest.approx(1.0)
+    assert summary["paired"]["views"]["loss rise ≈ 1 nats"]["rows"]["mix-exact"]["n"] == 4
+    assert summary["matched"]["0.1"]["geodesic-mix"]["median_gl_share"] == 0.5
+    assert summary["matched"]["0.1"]["adaptive"]["median_second_order_gap"] is None
+    assert os.path.getsize(os.path.join(tmp_path, "fig_matched.png")) > 0
+
+
+@pytest.mark.slow
+def test_matched_resume_after_interruption(tmp_path, monkeypatch):
+    """Interrupted once in the pilot and once among the models, then resumed: the same records
+    as an uninterrupted run (times, dates and checksums aside)."""
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "int")
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    real_pilot, real_job = MT.pilot_job, MT.job
+
+    def interrupt_at(fn, model_id):
+        def wrapped(i, *args):
+            if i == model_id:
+                raise KeyboardInterrupt  # as a kill between two models: nothing of i written
+            return fn(i, *args)
+        return wrapped
+
+    args = ["matched", *FAST, "--pilot-models", "2", "--levels", "1", "--out", out, *ckpt]
+    assert main(["matched", *FAST, "--pilot-models", "2", "--levels", "1", "--out", ref,
+                 *ckpt]) == 0
+    monkeypatch.setattr(MT, "pilot_job", interrupt_at(real_pilot, 1))
+    assert main(args) == 130
+    assert len(_lines(os.path.join(out, "calibration.jsonl"))) == 1
+    assert not os.path.exists(os.path.join(out, "results.jsonl"))
+    monkeypatch.setattr(MT, "pilot_job", real_pilot)
+    monkeypatch.setattr(MT, "job", interrupt_at(real_job, 1))
+    assert main(args) == 130
+    assert [r["model_id"] for r in _lines(os.path.join(out, "results.jsonl"))] == [0]
+    monkeypatch.setattr(MT, "job", real_job)
+    assert main(args) == 0
+    for name in ("calibration.jsonl", "results.jsonl"):
+        got, want = _lines(os.path.join(out, name)), _lines(os.path.join(ref, name))
+        assert [r["model_id"] for r in got] == [r["model_id"] for r in want]
+        assert _stable(got) == _stable(want), name
+
+
+def test_combine_roots_reproduces_the_committed_vision_calibration():
+    """calibrate.combine (now over combine_roots, which the matched study shares) gives the
+    committed calibration.json of the vision fine-tunes from its pilot records."""
+    from experiments import calibrate
+    d = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                     "results", "vision-finetune")
+    config = _json(os.path.join(d, "config.json"))
+    cal = _json(os.path.join(d, "calibration.json"))
+    got = calibrate.combine(_lines(os.path.join(d, "calibration.jsonl")), config["config"],
+                            config["config_hash"])
+    assert got["families"] == cal["families"] and got["rho"] == cal["rho"]
