@@ -270,7 +270,8 @@ def test_a_head_dim_larger_than_the_hidden_size_is_refused_naming_the_block():
     model = transformers.LlamaForCausalLM(cfg).double().eval()
     ids = torch.randint(0, 50, (2, 6))
     snap = _snapshot(model)
-    # the layout holds (the symmetry is real), but no quotient of full-rank factors exists
-    with pytest.raises(ValueError, match=r"(?s)block\(s\) model.layers.0.self_attn/qk.*h = 16 exceeds.*adaptive"):
+    # the symmetry is real, but no quotient of full-rank factors exists: refused when the layout is
+    # built, naming the block and the factor shapes
+    with pytest.raises(ValueError, match=r"(?s)model.layers.0.self_attn/qk.*head_dim 16 exceeds.*G 8, H 8.*adaptive"):
         sharpness(model, [{"input_ids": ids, "labels": ids}], rho=0.1, n_iters=1)
     _unchanged(model, snap)
