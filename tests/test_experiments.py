@@ -627,10 +627,12 @@ def _assert_same_paired(committed, again):
 @pytest.mark.slow
 def test_quick_vision_synthetic_with_workers(tmp_path):
     out = str(tmp_path / "vis")
+    # three models over two worker processes (partial τ needs three); small sharpness settings
+    small = ["--n-iters", "2", "--sharp-points", "16", "--sharp-batch", "16", "--rho-sweep", ""]
     assert run(["vision", "--quick", "--synthetic", "--no-progress", "--workers", "2",
-                 "--protocol", "scratch", "--out", out]) == 0
+                 "--protocol", "scratch", "--models", "3", "--out", out] + small) == 0
     s = _summary(out)
-    assert s["synthetic"] and s["n_models"] == 4
+    assert s["synthetic"] and s["n_models"] == 3
     assert set(s["main"]) == {"adaptive", "geodesic-inv", "geodesic-mix"}
     assert set(s["ablations"]) == {"inv-no-gamma", "mix-no-gamma", "inv-no-metric-norm",
                                    "mix-no-metric-norm"}
@@ -645,7 +647,7 @@ def test_quick_vision_synthetic_with_workers(tmp_path):
     out2 = str(tmp_path / "vis2")
     assert run(["vision", "--quick", "--synthetic", "--no-progress", "--out", out2,
                  "--checkpoint-dir", os.path.join(out, "checkpoints"), "--models", "2",
-                 "--rho-inv", "0.05", "--protocol", "scratch"]) == 0
+                 "--rho-inv", "0.05", "--protocol", "scratch"] + small) == 0
     assert all(r["reused_checkpoint"] for r in _lines(os.path.join(out2, "results.jsonl")))
 
 
@@ -653,15 +655,16 @@ def test_quick_vision_synthetic_with_workers(tmp_path):
 def test_quick_text_synthetic(tmp_path, capsys):
     pytest.importorskip("transformers")
     out = str(tmp_path / "txt")
+    small = ["--n-iters", "2", "--sharp-points", "8", "--sharp-batch", "8"]
     assert run(["text", "--quick", "--synthetic", "--no-progress", "--models", "3",
-                 "--out", out]) == 0
+                 "--out", out] + small) == 0
     s = _summary(out)
     assert s["synthetic"] and s["n_models"] == 3 and "geodesic-mix" in s["main"]
     # checkpoints are reused by a run with other sharpness settings (frozen embeddings and
     # non-persistent buffers must not make the stored state look inconsistent)
     out2 = str(tmp_path / "txt2")
     assert run(["text", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out2,
-                "--checkpoint-dir", os.path.join(out, "checkpoints"), "--rho-mix", "0.02"]) == 0
+                "--checkpoint-dir", os.path.join(out, "checkpoints"), "--rho-mix", "0.02"] + small) == 0
     assert all(r["reused_checkpoint"] for r in _lines(os.path.join(out2, "results.jsonl")))
     # a sweep-only second pass measures the new radii alone and merges into the first pass
     assert run(["text", "--quick", "--synthetic", "--no-progress", "--out", str(tmp_path / "x"),
@@ -670,7 +673,7 @@ def test_quick_text_synthetic(tmp_path, capsys):
     out3 = str(tmp_path / "txt3")
     assert run(["text", "--quick", "--synthetic", "--no-progress", "--models", "3", "--out", out3,
                 "--checkpoint-dir", os.path.join(out, "checkpoints"), "--sweep-only",
-                "--rho-sweep", "3", "--measures", "adaptive,geodesic-inv"]) == 0
+                "--rho-sweep", "3", "--measures", "adaptive,geodesic-inv"] + small) == 0
     rho = _lines(os.path.join(out, "results.jsonl"))[0]["study_config"]["rho"]
     assert [{(e["measure"], e["rho"]) for e in r["sharpness"]}
             for r in _lines(os.path.join(out3, "results.jsonl"))] == 3 * [
@@ -690,9 +693,13 @@ def test_quick_vision_real_data(tmp_path):
         pytest.skip("Fashion-MNIST not installed (python -m experiments prepare-data "
                     "--fashion-mnist)")
     out = str(tmp_path / "vis")
-    assert run(["vision", "--quick", "--no-progress", "--models", "3", "--out", out]) == 0
+    # the real data path at the smallest size that pretrains, calibrates, fine-tunes and measures
+    # two models (every measure and the sweep are covered by the synthetic fine-tune test)
+    assert run(["vision", "--quick", "--no-progress", "--models", "2", "--out", out,
+                "--measures", "adaptive,geodesic-inv,geodesic-mix", "--rho-sweep", "",
+                "--n-iters", "2", "--sharp-points", "8", "--sharp-batch", "8"]) == 0
     s = _summary(out)
-    assert not s["synthetic"] and s["n_models"] == 3
+    assert not s["synthetic"] and s["n_models"] == 2
 
 
 @pytest.mark.slow
@@ -734,7 +741,7 @@ def test_quick_invariance_geodesic_is_invariant(tmp_path):
 def test_quick_retraction_orders(tmp_path):
     out = str(tmp_path / "ret")
     assert run(["retraction", "--quick", "--synthetic", "--no-progress", "--models", "2",
-                "--n-iters", "2", "--sharp-points", "8", "--sharp-batch", "8", "--out", out]) == 0
+                "--n-iters", "2", "--sharp-points", "4", "--sharp-batch", "4", "--out", out]) == 0
     with open(os.path.join(out, "retraction_error.json")) as fh:
         res = json.load(fh)
     assert res
@@ -1076,7 +1083,8 @@ def test_quick_text_paper_synthetic(tmp_path, population):
     pytest.importorskip("transformers")
     out = str(tmp_path / population)
     assert run(["text", "--protocol", "paper", "--population", population, "--quick",
-                "--synthetic", "--no-progress", "--models", "3", "--out", out]) == 0
+                "--synthetic", "--no-progress", "--models", "3", "--out", out,
+                "--n-iters", "2", "--sharp-points", "8", "--sharp-batch", "8"]) == 0
     recs = _lines(os.path.join(out, "results.jsonl"))
     assert len(recs) == 3
     for r in recs:
