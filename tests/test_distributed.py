@@ -60,29 +60,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(world: int, tmp_path):
+def _run(worlds, tmp_path):
+    """Every rank of every world in ``worlds`` started at once (the worlds are independent process
+    groups, one port each: their imports overlap instead of queueing); the results per world."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=os.path.dirname(__file__)))
-    port = str(_free_port())
     procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, OUT=str(tmp_path / f"out{world}_{rank}.json"),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    for world in worlds:
+        port = str(_free_port())
+        for rank in range(world):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=port, OUT=str(tmp_path / f"out{world}_{rank}.json"),
+                       OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out.decode()[-3000:]
-    return [json.loads((tmp_path / f"out{world}_{rank}.json").read_text()) for rank in range(world)]
+    return [[json.loads((tmp_path / f"out{world}_{rank}.json").read_text()) for rank in range(world)]
+            for world in worlds]
 
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank_and_plain_sharpness(tmp_path):
     import adapters
 
-    one = _run(1, tmp_path)[0]
-    two = _run(2, tmp_path)
+    (one,), two = _run((1, 2), tmp_path)
     assert two[0] == two[1]                                   # every rank returns the same result
     for measure in ("worst", "average"):
         assert two[0][measure]["world"] == 2

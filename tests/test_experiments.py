@@ -804,7 +804,7 @@ def test_fashion_mnist_loader_and_vision_on_user_data_dir(tmp_path):
     out = str(tmp_path / "vis")
     assert run(["vision", "--quick", "--no-progress", "--models", "2", "--data-dir", where,
                 "--measures", "adaptive,geodesic-inv,geodesic-mix", "--rho-sweep", "2",
-                "--out", out]) == 0
+                "--n-iters", "2", "--sharp-points", "8", "--sharp-batch", "8", "--out", out]) == 0
     s = _summary(out)
     assert not s["synthetic"] and s["n_models"] == 2 and s["target"] == "gap_own"
 
