@@ -23,10 +23,11 @@ torch.set_num_threads(int(os.environ.get("QM_TEST_THREADS", "1")))
 # (setup, call and teardown, one thread). A study smoke test takes its smallest configuration
 # (few models, few sharpness points and iterations), a test that needs a loaded model shares a
 # fixture, a property test keeps its number of examples modest. Timings belong in benchmarks/.
-# Each test's CPU seconds (this process and the subprocesses it waited for: on a shared machine
-# its wall time says more about the neighbours than about the test) are checked against the
-# budget; tests over it are listed at the end of the run, and QM_TEST_BUDGET_STRICT=1 fails the
-# run on them (for CI on an idle machine).
+# A test is over budget when both its wall time and its CPU seconds (this process and the
+# subprocesses it waited for) exceed it: on a shared machine the wall time says more about the
+# neighbours than about the test, and a test whose subprocesses run side by side spends more CPU
+# seconds than wall time. Tests over it are listed at the end of the run, and
+# QM_TEST_BUDGET_STRICT=1 fails the run on them (for CI on an idle machine).
 TEST_BUDGET_S = 15.0
 _over_budget: list = []
 
@@ -43,16 +44,19 @@ def _cpu_seconds() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    started = _cpu_seconds()
+    import time
+
+    cpu, wall = _cpu_seconds(), time.perf_counter()
     yield
-    spent = _cpu_seconds() - started
+    spent = min(_cpu_seconds() - cpu, time.perf_counter() - wall)
     if spent > TEST_BUDGET_S:
         _over_budget.append((spent, item.nodeid))
 
 
 def pytest_terminal_summary(terminalreporter):
     if _over_budget:
-        terminalreporter.section(f"tests over the {TEST_BUDGET_S:.0f} s budget (CPU seconds)")
+        terminalreporter.section(f"tests over the {TEST_BUDGET_S:.0f} s budget "
+                                 "(the smaller of wall time and CPU seconds)")
         for spent, nodeid in sorted(_over_budget, reverse=True):
             terminalreporter.write_line(f"{spent:6.1f} s  {nodeid}")
 

@@ -943,7 +943,7 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     measures = ["adaptive", "adaptive-andriushchenko", "geodesic-inv", "geodesic-mix", "mix-exact",
                 "inv-no-gamma", "hess-trace-mix", "hess-lmax-euclidean"]
     argv = ["vision", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out,
-            "--measures", ",".join(measures), "--rho-sweep", "3", "--n-boot", "200", "--n-iters", "2"]
+            "--measures", ",".join(measures), "--rho-sweep", "3", "--n-boot", "200", "--n-iters", "1"]
     started = time.perf_counter()
     assert run(argv) == 0
     elapsed = time.perf_counter() - started
