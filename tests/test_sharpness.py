@@ -141,8 +141,8 @@ def test_geodesic_sharpness_invariant_float64(name):
 
 def test_invariance_on_real_minilm_weights(minilm):
     # the session's MiniLM (2 real layers), copied: a fresh head, and the 11.7M-weight embedding
-    # frozen as in the text study (perturbing it was 2/3 of this test's time; the GL blocks whose
-    # invariance is checked are all in the encoder)
+    # frozen as in the small text protocol (perturbing it was 2/3 of this test's time; the GL
+    # blocks whose invariance is checked are all in the encoder)
     model = copy.deepcopy(minilm[0])
     torch.manual_seed(0)
     nn.init.normal_(model.classifier.weight, std=0.5)
