@@ -666,7 +666,8 @@ def test_quick_text_synthetic(tmp_path, capsys):
     # non-persistent buffers must not make the stored state look inconsistent)
     out2 = str(tmp_path / "txt2")
     assert run(["text", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out2,
-                "--checkpoint-dir", os.path.join(out, "checkpoints"), "--rho-mix", "0.02"] + small) == 0
+                "--checkpoint-dir", os.path.join(out, "checkpoints"), "--rho-mix", "0.02"]
+               + small) == 0
     assert all(r["reused_checkpoint"] for r in _lines(os.path.join(out2, "results.jsonl")))
     # a sweep-only second pass measures the new radii alone and merges into the first pass
     assert run(["text", "--quick", "--synthetic", "--no-progress", "--out", str(tmp_path / "x"),
@@ -943,7 +944,8 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     measures = ["adaptive", "adaptive-andriushchenko", "geodesic-inv", "geodesic-mix", "mix-exact",
                 "inv-no-gamma", "hess-trace-mix", "hess-lmax-euclidean"]
     argv = ["vision", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out,
-            "--measures", ",".join(measures), "--rho-sweep", "3", "--n-boot", "200", "--n-iters", "1"]
+            "--measures", ",".join(measures), "--rho-sweep", "3", "--n-boot", "200",
+            "--n-iters", "1"]
     started = time.perf_counter()
     assert run(argv) == 0
     elapsed = time.perf_counter() - started
