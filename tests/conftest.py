@@ -18,6 +18,55 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(int(os.environ.get("QM_TEST_THREADS", "1")))
 
 
+# ------------------------------------------------------------------------------- time budget
+# The whole suite runs in about 5 minutes on 2 CPU cores, and no test may take more than 15 s
+# (setup, call and teardown, one thread). A study smoke test takes its smallest configuration
+# (few models, few sharpness points and iterations), a test that needs a loaded model shares a
+# fixture, a property test keeps its number of examples modest. Timings belong in benchmarks/.
+# A test is over budget when both its wall time and its CPU seconds (this process and the
+# subprocesses it waited for) exceed it: on a shared machine the wall time says more about the
+# neighbours than about the test, and a test whose subprocesses run side by side spends more CPU
+# seconds than wall time. Tests over it are listed at the end of the run, and
+# QM_TEST_BUDGET_STRICT=1 fails the run on them (for CI on an idle machine).
+TEST_BUDGET_S = 15.0
+_over_budget: list = []
+
+
+def _cpu_seconds() -> float:
+    try:
+        import resource
+    except ImportError:  # Windows: this process only
+        import time
+        return time.process_time()
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import time
+
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    yield
+    spent = min(_cpu_seconds() - cpu, time.perf_counter() - wall)
+    if spent > TEST_BUDGET_S:
+        _over_budget.append((spent, item.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _over_budget:
+        terminalreporter.section(f"tests over the {TEST_BUDGET_S:.0f} s budget "
+                                 "(the smaller of wall time and CPU seconds)")
+        for spent, nodeid in sorted(_over_budget, reverse=True):
+            terminalreporter.write_line(f"{spent:6.1f} s  {nodeid}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _over_budget and os.environ.get("QM_TEST_BUDGET_STRICT") == "1" and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 # ------------------------------------------------------------------------ plain-PyTorch modules
 class PlainAttention(nn.Module):
     """Multi-head self-attention with separate q/k/v/o ``nn.Linear`` and a ``num_heads`` attribute

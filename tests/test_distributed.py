@@ -18,17 +18,10 @@ WORKER = textwrap.dedent("""
     import torch, torch.distributed as dist
     torch.set_num_threads(1)
     sys.path.insert(0, {tests!r})
-    from test_distributed import build, batches
-    import adapters
+    from test_distributed import measure_both
     dist.init_process_group("gloo", init_method="env://")
-    out = {{}}
-    for measure in ("worst", "average"):
-        res = adapters.distributed_sharpness(build(), batches(), geometry="geodesic-mix", rho=0.05,
-                                             n_iters=3, measure=measure, n_samples=3, seed=7)
-        out[measure] = {{"value": res.value, "per_batch": res.per_batch,
-                        "world": res.options["world_size"]}}
     with open(os.environ["OUT"], "w") as fh:
-        json.dump(out, fh)
+        json.dump(measure_both(), fh)
     # No rank may tear down while another still talks to the store rank 0 hosts, and gloo's C++
     # threads must not meet interpreter finalisation: either can abort a worker at exit (SIGABRT,
     # "terminate called without an active exception"), as it once did in CI.
@@ -54,6 +47,30 @@ def batches():
             for _ in range(5)]
 
 
+def measure_both():
+    """Both measures of the distributed run, on the process group of this process."""
+    import adapters
+
+    out = {}
+    for measure in ("worst", "average"):
+        res = adapters.distributed_sharpness(build(), batches(), geometry="geodesic-mix", rho=0.05,
+                                             n_iters=3, measure=measure, n_samples=3, seed=7)
+        out[measure] = {"value": res.value, "per_batch": res.per_batch,
+                        "world": res.options["world_size"]}
+    return out
+
+
+def _one_rank_here():
+    """The world of one rank in this process (an in-memory store, no port), torn down after."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return measure_both()
+    finally:
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,6 +88,10 @@ def _run(world: int, tmp_path):
                    OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _results(world: int, procs, tmp_path):
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out.decode()[-3000:]
@@ -81,8 +102,9 @@ def _run(world: int, tmp_path):
 def test_two_ranks_equal_one_rank_and_plain_sharpness(tmp_path):
     import adapters
 
-    one = _run(1, tmp_path)[0]
-    two = _run(2, tmp_path)
+    procs = _run(2, tmp_path)   # the two ranks start; the one-rank world runs here meanwhile
+    one = _one_rank_here()
+    two = _results(2, procs, tmp_path)
     assert two[0] == two[1]                                   # every rank returns the same result
     for measure in ("worst", "average"):
         assert two[0][measure]["world"] == 2

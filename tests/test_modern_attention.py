@@ -22,7 +22,7 @@ from conftest import reparametrised_copy
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ = 64, 12
-SCALES = (1e-2, 1e-1, 1.0, 1e1, 1e2)
+SCALES = (1e-2, 1.0, 1e2)  # the extremes and a unit-scale random action
 
 
 def _decoder(cls_name: str, dtype=torch.float32, **extra):

