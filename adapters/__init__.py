@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 #: Names served by a module with an optional dependency, imported on first use (PEP 562) so that
-#: ``import adapters`` does not need it: adapters.hessian needs curvlinops.
+#: ``from quotient_manifolds import adapters`` does not need it: adapters.hessian needs curvlinops.
 _LAZY = {name: "hessian" for name in
          ("RiemannianHessian", "elementwise_rhess", "riemannian_hessian", "top_eigenvalues", "trace")}
 if _find_spec("curvlinops") is not None:

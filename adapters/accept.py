@@ -2,10 +2,10 @@ r"""Accept a layout's blocks only after verification: a geodesic number never co
 unverified block.
 
 A block is a symmetry of the model when acting on it with elements of its group leaves the output
-unchanged; :meth:`~adapters.layout.Layout.verify` checks this with random, ill-conditioned
+unchanged; :meth:`~quotient_manifolds.adapters.layout.Layout.verify` checks this with random, ill-conditioned
 elements of each block's *own* group (``group.random_element``) at several scales.  The geodesic
-entry points (:func:`~adapters.sharpness.sharpness`, :func:`~adapters.sharpness.sharpness_sweep`,
-:class:`~adapters.sam.GeodesicSAM`, :func:`~adapters.hessian.riemannian_hessian`) call
+entry points (:func:`~quotient_manifolds.adapters.sharpness.sharpness`, :func:`~quotient_manifolds.adapters.sharpness.sharpness_sweep`,
+:class:`~quotient_manifolds.adapters.sam.GeodesicSAM`, :func:`~quotient_manifolds.adapters.hessian.riemannian_hessian`) call
 :func:`ensure_verified` on the first batch before they use a layout, whether it was detected or
 passed in:
 
@@ -52,9 +52,9 @@ _VERIFIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictiona
 def resolve_layout(model: nn.Module, layout: Optional[Layout], *, what: str, allow_unsupported: bool = False,
                    include_frozen: bool = False) -> Layout:
     """The layout a geodesic entry point uses: ``layout`` once it is checked to belong to ``model``
-    (:meth:`~adapters.layout.Layout.check_model`: parameter names and shapes, head counts of every
+    (:meth:`~quotient_manifolds.adapters.layout.Layout.check_model`: parameter names and shapes, head counts of every
     block's module), or, when ``None``, the layout detected from ``model`` (``allow_unsupported`` and
-    ``include_frozen`` as in :func:`adapters.layout`).  ``what`` names the caller in messages."""
+    ``include_frozen`` as in :func:`quotient_manifolds.adapters.layout`).  ``what`` names the caller in messages."""
     if layout is None:
         from .detect import layout as detect_layout  # detect imports the families, which import layout
 
@@ -149,7 +149,7 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
                   derive: bool = True, warn: bool = True) -> Tuple[Layout, Optional[VerifyReport]]:
     """The layout to use on ``model``: ``layout`` when it passes verification; otherwise (with
     ``derive``) the blocks that fail get their group derived from the model
-    (:func:`adapters.derive.derive_groups` on those blocks only), the derived groups replace the
+    (:func:`quotient_manifolds.adapters.derive.derive_groups` on those blocks only), the derived groups replace the
     candidates and the layout is verified again.  Blocks that still fail, or whose derived algebra is
     trivial, are removed (their parameters treated elementwise) and reported in
     ``layout.unsupported`` with the reason (and a ``UserWarning`` when ``warn``): a block is never
@@ -197,7 +197,7 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
 
 def refuse_failed_blocks(layout: Optional[Layout], *, unsafe: bool, what: str, consequence: str,
                          report: Optional[VerifyReport] = None, stacklevel: int = 3) -> None:
-    """Raise :class:`~adapters.layout.SymmetryError` (a ``ValueError`` too) when the layout's last
+    """Raise :class:`~quotient_manifolds.adapters.layout.SymmetryError` (a ``ValueError`` too) when the layout's last
     verification found blocks that are not symmetries of the model, unless ``unsafe`` (then warn)."""
     failed = list(getattr(layout, "verify_failed", None) or [])
     if not failed:

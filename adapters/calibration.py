@@ -156,14 +156,14 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
     function find each geometry's ρ for it. Sharpness values of different geometries, or of
     models compared under one geometry's fixed ρ, are comparable only at a matched loss rise.
 
-    Each evaluation is one worst-case :func:`~adapters.sharpness` run (Auto-PGD over all
+    Each evaluation is one worst-case :func:`~quotient_manifolds.adapters.sharpness` run (Auto-PGD over all
     ``batches``); the search (:func:`find_rho`) needs 2–5 on a smooth loss. Pass the options you
     will measure with (``n_iters``, ``eps``, ``retraction``, ``loss_fn``, …) in
     ``sharpness_options``: the calibrated ρ is for those.
 
     Parameters
     ----------
-    model, batches: as for :func:`~adapters.sharpness` (``batches`` is re-iterated: a list).
+    model, batches: as for :func:`~quotient_manifolds.adapters.sharpness` (``batches`` is re-iterated: a list).
     geometry: ``"adaptive"``, ``"geodesic-inv"`` or ``"geodesic-mix"``.
     target_loss_rise: the worst-case loss rise S(ρ) = max L(w ⊕ ξ) − L(w) sought (> 0).
     rho_start: first radius tried (default 0.05 for mix, 0.1 otherwise: a few evaluations

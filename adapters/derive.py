@@ -12,7 +12,7 @@ Design
 * **Inputs.**  A module's output depends on its inputs (hidden states, masks, position
   embeddings), which only a forward pass of the model produces: :func:`capture_module_inputs`
   records the real inputs of each attention module with forward pre-hooks during one forward pass
-  of the model on ``example_inputs`` (the first batch, as for :meth:`~adapters.layout.Layout.verify`).
+  of the model on ``example_inputs`` (the first batch, as for :meth:`~quotient_manifolds.adapters.layout.Layout.verify`).
 * **The output as a function of one gauge.**  ``output_of(G, H)`` is the module's first output
   tensor, computed with ``torch.func.functional_call`` on a float64 copy of *that module's*
   parameters and buffers (and of its captured inputs) in which gauge ``j`` of the block is replaced
@@ -40,7 +40,7 @@ Design
   symmetry: the block is removed and its half reported in ``layout.unsupported`` with the reason;
   its parameters are then treated elementwise.  An inconclusive derivation (not closed, small gap,
   different spans on two gauges) keeps the candidate group, says so in ``group_source`` and
-  ``layout.notes``, and leaves the decision to verification (:mod:`adapters.accept`).
+  ``layout.notes``, and leaves the decision to verification (:mod:`quotient_manifolds.adapters.accept`).
   Meta-device modules cannot be evaluated: the candidate group is kept, marked
   ``"not derived (meta device)"``.
 """

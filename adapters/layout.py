@@ -244,7 +244,7 @@ class GLBlock:
     #: How ``group`` was found, for users reading a layout: e.g. ``"family hf-rotary"``,
     #: ``"structure: plain attention"``, ``"config: rotary_dim=32 interleaved"``, ``"declared"``,
     #: or ``"derived: ..."`` (the Lie algebra that leaves the module's output unchanged, see
-    #: :mod:`adapters.derive`); empty when not recorded.
+    #: :mod:`quotient_manifolds.adapters.derive`); empty when not recorded.
     group_source: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -627,7 +627,7 @@ class Layout:
                 f"{what}: the layout{built_for} was built for another model than this "
                 f"{type(model).__name__}:\n" + "\n".join(f"  - {p}" for p in shown) + "\n"
                 "Build the layout from this model (adapters.layout(model), declaring blocks with "
-                "adapters.declare_block(model, ...) on this model), or pass the model it was built for.")
+                "quotient_manifolds.adapters.declare_block(model, ...) on this model), or pass the model it was built for.")
 
     # -- lookup ------------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ A LoRA layer adds ``ΔW = s·B A`` (``B = lora_B.weight`` out×r, ``A = lora_A.w
 modules at it, so geoopt's Riemannian optimizers train ``ΔW`` and not a representative of it::
 
     import geoopt, peft
-    from adapters import InvariantRiemannianSGD, lora_quotient_parameters, merge_back
+    from quotient_manifolds.adapters import InvariantRiemannianSGD, lora_quotient_parameters, merge_back
 
     model = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     # peft starts B at 0 (rank 0): eps > 0 relaxes the metric to BᵀB + εI. Exactly invariant
@@ -233,7 +233,7 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
     ``model`` is modified (that is the point of the call): ``lora_A[adapter].weight`` and
     ``lora_B[adapter].weight`` become views of x (module docstring); its forward, merging and
     ``state_dict`` keys are unchanged. Pairs are found by the ``peft-lora`` family of
-    :func:`adapters.detect` (``G = lora_B.weight``, ``H = lora_A.weightᵀ``); adapters that family does
+    :func:`quotient_manifolds.adapters.detect` (``G = lora_B.weight``, ``H = lora_A.weightᵀ``); adapters that family does
     not model (DoRA and other variants, LoRA on embeddings or convolutions) stay plain parameters,
     with a warning.
 

@@ -31,7 +31,7 @@ representative. SAM perturbs a different function for every representative, ASAM
 beyond elementwise rescalings. Only the ascent is equivariant: the descent is the base
 optimizer's own (SGD or AdamW on the representative are not GL-equivariant).
 
-The ball is rebuilt from the current weights at every step (one :func:`~adapters.sharpness.build_ball`
+The ball is rebuilt from the current weights at every step (one :func:`~quotient_manifolds.adapters.sharpness.build_ball`
 call: a few batched h×h factorisations per block shape); the layout of the model is found once.
 """
 
@@ -61,7 +61,7 @@ class GeodesicSAM(torch.optim.Optimizer):
     Parameters
     ----------
     model: the ``nn.Module`` being trained; its attention blocks are found once
-        (:func:`adapters.layout`) unless ``layout`` is given.
+        (:func:`quotient_manifolds.adapters.layout`) unless ``layout`` is given.
     base_optimizer: an optimizer class (constructed as ``base_optimizer(params, **base_kwargs)`` on
         the model's trainable parameters), or an optimizer instance over parameters of ``model``.
         The parameters it updates (and that require grad) are the ones perturbed.
@@ -69,7 +69,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         geometries: inv and adaptive are scale-free (relative), mix scales like |w|⁴ and SAM like
         |w| (§2, §12.14), so tune ρ per geometry.
     geometry: ``"geodesic-mix"`` (default), ``"geodesic-inv"``, ``"adaptive"`` or ``"sam"``.
-    layout: a precomputed :class:`~adapters.layout.Layout` of ``model`` (geodesic geometries); one
+    layout: a precomputed :class:`~quotient_manifolds.adapters.layout.Layout` of ``model`` (geodesic geometries); one
         built for another model (other parameters, shapes or head counts) is refused.
     retraction: ``"second_order"`` (default), ``"first_order"`` (no Γ) or ``"exact"`` (geodesic ODE,
         GL blocks only). Ignored by ``"sam"`` (Euclidean geodesics are straight lines).
@@ -231,7 +231,7 @@ class GeodesicSAM(torch.optim.Optimizer):
             self.zero_grad()
 
     def _verify_layout(self) -> None:
-        """Verify the layout on the first batch's inputs (once; see :mod:`adapters.accept`)."""
+        """Verify the layout on the first batch's inputs (once; see :mod:`quotient_manifolds.adapters.accept`)."""
         from .accept import accept_layout, refuse_failed_blocks
 
         captured = self._first_inputs
@@ -311,7 +311,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         r"""w ← R(ε), ε = ρ g/‖g‖ in the ball of the current weights.
 
         The Euclidean gradient in ball coordinates is the gather of ∇ into the blocks' and the
-        elementwise layout (:class:`~adapters.sharpness.BallParameters`), the gradient of
+        elementwise layout (:class:`~quotient_manifolds.adapters.sharpness.BallParameters`), the gradient of
         ξ ↦ L(R(ξ)) at ξ = 0 since DR₀ = id for every retraction."""
         upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
         params0 = {n: _as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}

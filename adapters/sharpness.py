@@ -1,8 +1,8 @@
 r"""Adaptive and geodesic worst-case (and average-case) sharpness of a real model.
 
-``sharpness(model, batches, geometry=..., rho=...)`` turns a :class:`~adapters.layout.Layout` into a
-:class:`~adapters.solver.ProductBall` (one batched GL(h) quotient per block shape, the elementwise
-adaptive geometry for every other weight) and runs :func:`~adapters.solver.auto_pgd` per batch with a
+``sharpness(model, batches, geometry=..., rho=...)`` turns a :class:`~quotient_manifolds.adapters.layout.Layout` into a
+:class:`~quotient_manifolds.adapters.solver.ProductBall` (one batched GL(h) quotient per block shape, the elementwise
+adaptive geometry for every other weight) and runs :func:`~quotient_manifolds.adapters.solver.auto_pgd` per batch with a
 closure that evaluates the model through ``torch.func.functional_call``. The user's model is never
 modified: parameters and buffers are read once, detached; every submodule's train/eval flag is
 restored even after an exception or KeyboardInterrupt; no ``.grad`` is written (gradients come from
@@ -400,10 +400,10 @@ def sharpness(model: torch.nn.Module,
     elementwise_second_order: also move the non-attention weights along the second-order geodesic
         w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).
     normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
-    layout: a precomputed :class:`~adapters.layout.Layout` of this model (one built for another model —
+    layout: a precomputed :class:`~quotient_manifolds.adapters.layout.Layout` of this model (one built for another model —
         other parameters, shapes or head counts — is refused), verified on the first batch and refused
         when a block fails.  Default: detected from the model and accepted on the first batch
-        (:func:`~adapters.accept.accept_layout`): blocks whose candidate group fails verification
+        (:func:`~quotient_manifolds.adapters.accept.accept_layout`): blocks whose candidate group fails verification
         get the group derived from the model (e.g. R₊·SO(h) for L2-normalised q and k), what still
         fails is treated elementwise, with a warning.
     allow_unsupported: run even if the layout reports unsupported attention modules (they are

@@ -82,7 +82,7 @@ def optional_callable(name: str, value: Any, what: str) -> Any:
 
 
 def optional_layout(name: str, value: Any) -> Any:
-    """``value``, refused unless it is ``None`` or a :class:`~adapters.layout.Layout`."""
+    """``value``, refused unless it is ``None`` or a :class:`~quotient_manifolds.adapters.layout.Layout`."""
     from .layout import Layout
     if value is not None and not isinstance(value, Layout):
         raise TypeError(f"{name} must be an adapters.Layout (from adapters.layout(model)) or None to "

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import transformers  # noqa: E402
 
-import adapters  # noqa: E402
-from adapters.detect import layout as detect_layout  # noqa: E402
+from quotient_manifolds import adapters  # noqa: E402
+from quotient_manifolds.adapters.detect import layout as detect_layout  # noqa: E402
 
 torch.set_num_threads(1)
 CLEAR_TYPES = (ValueError, TypeError, FloatingPointError)
@@ -144,8 +144,8 @@ def case_sam_nan_grad():
 
 
 def case_report_corrupt_middle_line():
-    from experiments.report import read_records
-    from experiments.runner import ResultStore
+    from quotient_manifolds.experiments.report import read_records
+    from quotient_manifolds.experiments.runner import ResultStore
     d = tempfile.mkdtemp()
     path = os.path.join(d, "results.jsonl")
     store = ResultStore(path)
@@ -154,7 +154,7 @@ def case_report_corrupt_middle_line():
     lines = open(path).read().splitlines(True)
     lines[1] = lines[1].replace('"model_id":1', '"model_id":7')
     open(path, "w").write("".join(lines))
-    from experiments.runner import ExperimentError
+    from quotient_manifolds.experiments.runner import ExperimentError
     return None, lambda: _as_value_error(ExperimentError, lambda: read_records(path)), ["corrupt"]
 
 
@@ -173,7 +173,7 @@ def case_loss(loss_fn, words):
 
 
 def case_hessian_vector_loss():
-    from adapters.hessian import riemannian_hessian
+    from quotient_manifolds.adapters.hessian import riemannian_hessian
     m, x = bert()
     vec = lambda o, y: torch.nn.functional.cross_entropy(o.logits, y, reduction="none")  # noqa: E731
     return m, lambda: riemannian_hessian(m, batches(x), geometry="geodesic-inv", loss_fn=vec), ["one number"]
@@ -185,7 +185,7 @@ def case_n_samples_zero():
 
 
 def case_batch_size_fn_zero():
-    from adapters.hessian import riemannian_hessian
+    from quotient_manifolds.adapters.hessian import riemannian_hessian
     m, x = bert()
 
     def call():

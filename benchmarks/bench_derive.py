@@ -36,8 +36,8 @@ def _timed(fn):
 
 
 def bench(name: str, model, inputs) -> None:
-    import adapters
-    from adapters import derive
+    from quotient_manifolds import adapters
+    from quotient_manifolds.adapters import derive
 
     lay, t_layout = _timed(lambda: adapters.layout(model, allow_unsupported=True))
     derive.clear_cache()

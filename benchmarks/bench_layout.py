@@ -13,7 +13,7 @@ import time
 import torch
 import transformers
 
-import adapters
+from quotient_manifolds import adapters
 
 
 def _time_layout(name: str, build) -> None:

@@ -1,4 +1,4 @@
-"""Cost of the matched loss-rise study (``python -m experiments matched``) per model, measured on
+"""Cost of the matched loss-rise study (``quotient-manifolds matched``) per model, measured on
 its real configuration: the width-64 ViT of the vision fine-tunes (depth 4, 4 heads of dim 16,
 139,018 weights), the first 256 Fashion-MNIST pool images, 20 Auto-PGD iterations, each of the
 six measures once, one torch thread.
@@ -45,9 +45,9 @@ def main() -> None:
 
     import torch
     torch.set_num_threads(1)
-    from experiments import matched as MT
-    from experiments import vision as V
-    from experiments.measures import run_plan
+    from quotient_manifolds.experiments import matched as MT
+    from quotient_manifolds.experiments import vision as V
+    from quotient_manifolds.experiments.measures import run_plan
 
     config = MT.defaults(False, False)
     pop = config["population"]

@@ -37,7 +37,7 @@ def measure(model_name: str, method: str, steps: int, warmup: int, size: int, se
             threads: int, device: str, queue) -> None:
     import torch
 
-    import adapters
+    from quotient_manifolds import adapters
 
     torch.set_num_threads(threads)
     model = build(model_name, device).train()

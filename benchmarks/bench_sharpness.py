@@ -79,7 +79,7 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
             device: str, queue) -> None:
     import torch
 
-    import adapters
+    from quotient_manifolds import adapters
 
     torch.set_num_threads(threads)
     model = build(model_name, device)
@@ -104,7 +104,7 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
             stamp()
         times = [b - a for a, b in zip(stamps, stamps[1:])]
     else:
-        engine = importlib.import_module("adapters.sharpness")  # the module, not the function
+        engine = importlib.import_module("quotient_manifolds.adapters.sharpness")  # the module, not the function
         solver_run = engine.auto_pgd
 
         def timed(*args, **kwargs):

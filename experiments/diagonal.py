@@ -31,7 +31,7 @@ leaves n, X, the varied hyperparameters, the optimiser and ρ unstated, docs/mat
 Sharpness, maximised by normalised projected gradient ascent with restarts (docs/maths.md §8.6),
 batched over restarts and the ρ grid (``solver="pga"``), all through the closed-form geodesics of
 the rescaling quotient (:func:`quotient_manifolds.core.beta_along_geodesic`); ``solver="apgd"``
-runs the library's :func:`adapters.solver.auto_pgd` on a
+runs the library's :func:`quotient_manifolds.adapters.solver.auto_pgd` on a
 :class:`~quotient_manifolds.core.RescalingGeometry` instead (exact retraction, see
 :func:`sharpness_apgd`). ρ default 0.1 for every family, swept over 0.001…1 (three decades):
 
@@ -429,7 +429,7 @@ def mix_literal_exact(u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.ndarray
 
 def sharpness_apgd(measure: str, u: np.ndarray, v: np.ndarray, X, y, rho: float, n_iters: int,
                    restarts: int = 1, seed: int = 0) -> float:
-    """The same maximisation through the library: :func:`adapters.solver.auto_pgd` over a
+    """The same maximisation through the library: :func:`quotient_manifolds.adapters.solver.auto_pgd` over a
     :class:`~quotient_manifolds.core.RescalingGeometry` frame, or two elementwise components
     (adaptive). ``restarts`` > 1 adds runs warm-started at random points of the ball (the first
     run starts at ξ = 0, as auto_pgd alone does); the best value is returned.
@@ -445,7 +445,7 @@ def sharpness_apgd(measure: str, u: np.ndarray, v: np.ndarray, X, y, rho: float,
     """
     import torch
 
-    from adapters.solver import ElementwiseComponent, ProductBall, QuotientComponent, auto_pgd
+    from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall, QuotientComponent, auto_pgd
     from quotient_manifolds.core import RescalingGeometry
 
     Xt, yt = torch.tensor(X), torch.tensor(y)
@@ -502,7 +502,7 @@ def _apgd_classes():
     torch-based library class; importing this module stays torch-free)."""
     import torch
 
-    from adapters.solver import QuotientComponent
+    from quotient_manifolds.adapters.solver import QuotientComponent
 
     class BoxedMixComponent(QuotientComponent):
         """The mix quotient with the exact geodesic, restricted to 1 + 2bⁱ ≥ margin: the ball point

@@ -4,19 +4,19 @@ optimizers on the quotient, fine-tuning all-MiniLM-L6-v2 with LoRA on Rotten Tom
 A LoRA update ``ΔW = s·B A`` (``s = lora_alpha / r``) is unchanged by ``(B, A) ↦ (B M, M⁻¹ A)``,
 M ∈ GL(r). Plain AdamW on (A, B) is not invariant, nor is peft's ``create_riemannian_optimizer``
 (g_A ← (BᵀB + δI)⁻¹ g_A, g_B ← g_B (AAᵀ + δI)⁻¹, then AdamW's per-coordinate second moment);
-:func:`adapters.lora_quotient_parameters` makes each pair one point ``[B; Aᵀ]`` of the GL(r)
+:func:`quotient_manifolds.adapters.lora_quotient_parameters` makes each pair one point ``[B; Aᵀ]`` of the GL(r)
 quotient, trained by ``geoopt.optim.RiemannianAdam`` (one second-moment scalar per point) or
-:class:`adapters.InvariantRiemannianSGD` (maths: ``adapters/lora_training.py``). The question is
+:class:`quotient_manifolds.adapters.InvariantRiemannianSGD` (maths: ``adapters/lora_training.py``). The question is
 practical: which trains the classifier better and faster, and at what cost per step.
 
-Protocol (defaults; ``python -m experiments lora --help`` for the overrides)
+Protocol (defaults; ``quotient-manifolds lora --help`` for the overrides)
 ----------------------------------------------------------------------------
 * data: Rotten Tomatoes snippets (``prepare-data --rt``; ``--tasks rt,mr`` adds MR), one fixed
-  seeded class-balanced split (:func:`experiments.data.balanced_as_possible_split`): ``train_size``
+  seeded class-balanced split (:func:`quotient_manifolds.experiments.data.balanced_as_possible_split`): ``train_size``
   2,000 training sentences, ``val_size`` 400 validation sentences (the last 400 of the shuffled
   2,400-sentence train part; used only to pick the learning rates) and ``test_size`` 800 test
   sentences; max 64 tokens.
-* model: the real all-MiniLM-L6-v2 (all 6 layers, :func:`experiments.text.build_model`: masked
+* model: the real all-MiniLM-L6-v2 (all 6 layers, :func:`quotient_manifolds.experiments.text.build_model`: masked
   mean pooling + linear head, the pooling the model was trained with), frozen; peft LoRA on
   ``query`` and ``value`` of every layer, rank r ∈ {4, 16}, ``lora_alpha = 2 r`` (s = 2), no
   LoRA dropout, peft's initialisation (A Kaiming-uniform, B = 0); the head is peft's
@@ -37,10 +37,10 @@ Protocol (defaults; ``python -m experiments lora --help`` for the overrides)
     steps (likely cause, not verified: while B ≈ 0 the metric (BᵀB + εI) lets A take huge steps
     in the directions where B is tiny, and the cross term ξ_B ξ_A of the first-order retraction
     then changes B A far more than the step's metric length);
-  - ``ours-sgd``: the same points + :class:`adapters.InvariantRiemannianSGD` (momentum 0.9).
+  - ``ours-sgd``: the same points + :class:`quotient_manifolds.adapters.InvariantRiemannianSGD` (momentum 0.9).
 
 * training: ``steps`` (250) steps of ``batch_size`` (16) sentences (2 epochs of the 2,000),
-  length-bucketed batches (:func:`experiments.text._bucketed_batches`), dropout on, linear
+  length-bucketed batches (:func:`quotient_manifolds.experiments.text._bucketed_batches`), dropout on, linear
   warm-up over 10 % of the steps then linear decay to 0 (both optimizers), no gradient clipping
   (clipping by the Euclidean gradient norm is not GL-invariant). Data order, head and LoRA
   initialisation and dropout come from the seed and are identical across arms.
@@ -183,7 +183,7 @@ def pick_lrs(records: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------ data/model
 def _text_config(c: Dict[str, Any], task: str) -> Dict[str, Any]:
-    """The :mod:`experiments.text` configuration keys its loader and model builder read."""
+    """The :mod:`quotient_manifolds.experiments.text` configuration keys its loader and model builder read."""
     return dict(data="synthetic" if c["synthetic"] else task, split_seed=c["split_seed"],
                 train_size=c["train_size"] + c["val_size"], test_size=c["test_size"],
                 max_length=c["max_length"], layers=c["layers"], head=c["head"],
@@ -191,7 +191,7 @@ def _text_config(c: Dict[str, Any], task: str) -> Dict[str, Any]:
 
 
 def load_data(c: Dict[str, Any], task: str, data_dir: Optional[str]) -> Dict[str, Any]:
-    """Tokenised fixed splits (:func:`experiments.text.load_data`, cached per process) with the
+    """Tokenised fixed splits (:func:`quotient_manifolds.experiments.text.load_data`, cached per process) with the
     last ``val_size`` sentences of the shuffled train part split off as validation."""
     from . import text as T
     d = dict(T.load_data(_text_config(c, task), data_dir))
@@ -226,7 +226,7 @@ def make_optimizers(model, arm: str, lr: float, c: Dict[str, Any]):
     import geoopt
     import torch
 
-    import adapters
+    from quotient_manifolds import adapters
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     lora = [p for n, p in named if _is_lora(n)]
     head = [p for n, p in named if not _is_lora(n)]
@@ -570,7 +570,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
            records: Sequence[Dict[str, Any]], wall_s: Optional[float] = None,
            source: Optional[str] = None) -> Dict[str, Any]:
     """Write ``summary.md``, ``summary.json`` and ``fig_lora_accuracy.png`` from the records alone
-    (the same output from a run and from ``python -m experiments report DIR``)."""
+    (the same output from a run and from ``quotient-manifolds report DIR``)."""
     import datetime as _dt
     import json
 
@@ -648,7 +648,7 @@ def print_summary(summary: Dict[str, Any], log=print) -> None:
 
 # ------------------------------------------------------------------------------------ CLI
 def add_arguments(p) -> None:
-    """The study's own options (``python -m experiments lora --help``)."""
+    """The study's own options (``quotient-manifolds lora --help``)."""
     from .cli import _float_list, _int_list, _positive_int, _seed_list
     for action in p._actions:  # the common --seed: here it only seeds the data split
         if action.dest == "seed":
@@ -701,7 +701,7 @@ def config_from_args(args) -> Dict[str, Any]:
 
 
 def run(args, log=print) -> int:
-    """``python -m experiments lora``: the grid runs, the lr choice, the other seeds, the timing
+    """``quotient-manifolds lora``: the grid runs, the lr choice, the other seeds, the timing
     runs, the report; resumable (finished runs are skipped)."""
     from .cli import _set_threads, default_out
     from .runner import OutputDir, fmt_seconds, run_population

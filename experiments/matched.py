@@ -18,34 +18,34 @@ Protocol
   are the vision study's).
 * **Points**: the first ``points`` (256) images of the fixed sharpness points of the vision study
   (training points of every model), one batch, eval mode, ``n_iters`` (20) Auto-PGD iterations.
-* **Measures** (:data:`MATCHED_MEASURES`, :data:`experiments.measures.MEASURES`): the paper's
+* **Measures** (:data:`MATCHED_MEASURES`, :data:`quotient_manifolds.experiments.measures.MEASURES`): the paper's
   baseline ``adaptive-andriushchenko`` (elementwise adaptive sharpness with Andriushchenko et al.'s
   ∇⊙|w| direction), our ``adaptive`` (∇⊙w²), and ``inv-exact`` / ``mix-exact`` (GL blocks along
   the exact geodesic, RK4) with ``geodesic-inv`` / ``geodesic-mix`` (the second-order step) beside
   them.
 * **Calibration** (the population *median* is the target, so it is a property of the population,
   not of one model): on the first ``pilot_models`` (6) models, for every measure and level, the
-  library's safeguarded secant :func:`adapters.calibration.find_rho` (the search behind
-  :func:`adapters.calibrate_rho`) finds the ρᵢ at which model i's loss rise is the level
+  library's safeguarded secant :func:`quotient_manifolds.adapters.calibration.find_rho` (the search behind
+  :func:`quotient_manifolds.adapters.calibrate_rho`) finds the ρᵢ at which model i's loss rise is the level
   (tolerance factor 1.25, at most ``max_evals`` sharpness runs, starting from the vision study's
   3-nat starting ρ of the family scaled by √(level / 3)); ρ* = exp(median log ρᵢ)
-  (:func:`experiments.calibrate.combine_roots`). An exact geodesic that leaves GL(h) inside the
+  (:func:`quotient_manifolds.experiments.calibrate.combine_roots`). An exact geodesic that leaves GL(h) inside the
   ball counts as "above the level" in the search. Then **every** model (pilot ones included) is
   measured at that one ρ* per measure and level: the achieved population median is reported
   beside the level.
 * **Per model and (measure, level)** the record holds the sharpness value (the worst-case loss
   rise over the ball, in nats: the measured loss rise at ρ*), the initial and worst losses, the
   share of the worst perturbation's squared metric norm that lies in the GL blocks
-  (``gl_norm_shares`` of :class:`adapters.SharpnessResult`; the rest is in the elementwise blocks;
+  (``gl_norm_shares`` of :class:`quotient_manifolds.adapters.SharpnessResult`; the rest is in the elementwise blocks;
   0 for the adaptive measures, whose geometry has no GL blocks), the second-order step's gap to
   the exact geodesic (``retraction_gaps``), and, where the exact geodesic left GL (G or H lost
   rank), ``value = NaN`` with the message in ``error``: a **failure**, counted in the report for
   every measure and level and never dropped silently (τ is given over the models with a value,
   with n, and again with the failures ranked as the sharpest models).
-* **Report** (``python -m experiments report DIR``): per level, τ-b of each measure with the
+* **Report** (``quotient-manifolds report DIR``): per level, τ-b of each measure with the
   generalisation gap on the model's own training subset (``gap_own``, as the vision study) and
   the paired-bootstrap Δτ against the baseline and against our adaptive (same resampled models
-  for both τ's; :func:`experiments.report.paired_section`), the calibrated ρ*, the achieved loss
+  for both τ's; :func:`quotient_manifolds.experiments.report.paired_section`), the calibrated ρ*, the achieved loss
   rises, the failures and the GL shares; the figure ``fig_matched.png`` shows τ against the level
   with the 95 % CIs. Models above the vision study's train-error target (5 %) are excluded and
   listed, as there.
@@ -53,7 +53,7 @@ Protocol
 Resume: the pilot records go to ``DIR/calibration.jsonl``, the combined ρ* to
 ``DIR/calibration.json`` (reused on resume, written to ``config.json`` as ``rho_used``), the
 per-model records to ``DIR/results.jsonl``, each appended as the model finishes (crash-safe:
-:mod:`experiments.runner`); a killed run resumes where it stopped.
+:mod:`quotient_manifolds.experiments.runner`); a killed run resumes where it stopped.
 
 Cost, measured on one model of the real configuration (``benchmarks/bench_matched.py``, one
 thread, CPU seconds): the six measures once on 256 points take 113 s (inv-exact 51 s, mix-exact
@@ -129,7 +129,7 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
               progress: bool) -> Dict[str, Any]:
     """One pilot model (run in a worker): train or reuse it, then :func:`find_rho` for every
     measure and level on the study's points."""
-    from adapters.calibration import find_rho
+    from quotient_manifolds.adapters.calibration import find_rho
 
     from .measures import _batch_len, run_plan
     from .runner import check_parent_alive
@@ -164,7 +164,7 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
 def combine(records: Sequence[Dict[str, Any]], config: Dict[str, Any], config_hash: str
             ) -> Dict[str, Any]:
     """calibration.json from the pilot records: ρ* per measure and level
-    (:func:`experiments.calibrate.combine_roots`)."""
+    (:func:`quotient_manifolds.experiments.calibrate.combine_roots`)."""
     from .calibrate import combine_roots
 
     out: Dict[str, Any] = dict(
@@ -319,7 +319,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
            records: Sequence[Dict[str, Any]], *, wall_s: Optional[float] = None,
            source: Optional[str] = None, **_: Any) -> Dict[str, Any]:
     """summary.md, summary.json and fig_matched.png from the records alone (module docstring);
-    the same whether written by the run or by ``python -m experiments report DIR``."""
+    the same whether written by the run or by ``quotient-manifolds report DIR``."""
     from .report import PAIRED_N_BOOT, PAIRED_SEED, TARGET_LABEL, paired_section, write_summary
     from .runner import display_path
     from .stats import tau_ci_weighted

@@ -1,6 +1,6 @@
 r"""The sharpness and curvature measures of the correlation studies, and the per-model plan.
 
-Sharpness measures (all worst-case, Auto-PGD, :func:`adapters.sharpness.sharpness`):
+Sharpness measures (all worst-case, Auto-PGD, :func:`quotient_manifolds.adapters.sharpness.sharpness`):
 
 ========================  ===============  ============  =========================================
 name                      geometry         retraction    norm / ascent direction
@@ -17,7 +17,7 @@ mix-no-metric-norm        geodesic-mix     second_order  elementwise norm on GL 
 inv-exact, mix-exact      geodesic-*       exact (RK4)   the exact geodesic beside second order
 ========================  ===============  ============  =========================================
 
-Curvature measures (:mod:`adapters.hessian`, at the trained weights, no ρ): ``hess-trace-*`` and
+Curvature measures (:mod:`quotient_manifolds.adapters.hessian`, at the trained weights, no ρ): ``hess-trace-*`` and
 ``hess-lmax-*`` are the trace and the largest eigenvalue of the Riemannian Hessian of the loss on
 the quotient (docs/maths.md §4; GL blocks with the inv or mix metric, the other weights with the
 adaptive metric Σ ξ²/w²) for ``*`` = inv / mix, and of the Euclidean Hessian ∇²f for ``*`` =
@@ -164,7 +164,7 @@ def _batch_len(batch: Any) -> int:
 
 def on_study_device(batches: Sequence[Any], config: Dict[str, Any]) -> List[Any]:
     """The sharpness batches moved to the study's device once (not at every measure)."""
-    from adapters.sharpness import _to_device
+    from quotient_manifolds.adapters.sharpness import _to_device
 
     from .runner import study_device
     device = study_device(config)
@@ -187,8 +187,8 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
     second-order point to the exact geodesic (``retraction_gaps``, docs/maths.md §12) and the share
     of the worst perturbation's squared metric norm in the GL blocks (``gl_norm_shares``) are kept;
     the library's warning about the gap is recorded in ``warnings`` instead of printed."""
-    import adapters
-    from adapters.sharpness import sharpness
+    from quotient_manifolds import adapters
+    from quotient_manifolds.adapters.sharpness import sharpness
 
     layout = adapters.layout(model)
     batches = list(batches)
@@ -250,7 +250,7 @@ def run_curvature(model, batches, names: Sequence[str], *, trace_matvecs: int = 
     shared by its trace and λ_max."""
     import torch
 
-    from adapters import hessian as H
+    from quotient_manifolds.adapters import hessian as H
 
     batches = list(batches)
     n_points = sum(_batch_len(b) for b in batches)

@@ -217,7 +217,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                       ) -> Dict[str, Any]:
     """Write ``summary.md``, ``summary.json`` and figures of a text/vision population; return the
     summary dict. Every number is a function of ``records`` (the lines of results.jsonl), the
-    arguments and ``calibration`` (calibration.json), so ``python -m experiments report DIR``
+    arguments and ``calibration`` (calibration.json), so ``quotient-manifolds report DIR``
     reproduces it (:func:`report_from_results`; ``second_passes``: the directories of the second
     passes merged into ``records``, relative to ``source``'s directory, recorded in the summary so
     that it says how to recompute it).
@@ -234,7 +234,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
               "paper.**\n" if synthetic else "")
     span = _finish_span(records)
     when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
-             "recomputed from results.jsonl by `python -m experiments report`")
+             "recomputed from results.jsonl by `quotient-manifolds report`")
             + (f"; the models were computed over {span:.0f} s (first start to last finish)"
                if span is not None else ""))
     lines = [f"# {study} study: Kendall τ of sharpness vs {TARGET_LABEL.get(target, target)}",
@@ -686,7 +686,7 @@ def print_table(summary: Dict[str, Any], log=print) -> None:
 # The diagonal study has several data draws and several knobs per model; its report is its own:
 # τ pooled over all models, τ over within-draw pairs only, per draw, Kendall's partial τ given the
 # initialisation scale and given the step factor, and R² of log test loss per knob. Everything is
-# recomputed from the records alone (``python -m experiments report DIR``).
+# recomputed from the records alone (``quotient-manifolds report DIR``).
 def _signs(v: np.ndarray) -> np.ndarray:
     """sign(vᵢ − vⱼ) for every row of v (B, m) -> (B, m, m)."""
     return np.sign(v[:, :, None] - v[:, None, :])
@@ -932,7 +932,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
     """Write ``summary.md``, ``summary.json`` and figures of the diagonal study; return the summary.
 
     Everything is a function of ``records`` (the lines of ``results.jsonl``) and ``n_boot``:
-    ``python -m experiments report DIR`` reproduces every τ of a run's summary."""
+    ``quotient-manifolds report DIR`` reproduces every τ of a run's summary."""
     from .diagonal import DIAGNOSTIC, FAMILY, MAIN
 
     exclude = exclude or {}
@@ -949,7 +949,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
     total_s = sum(r.get("timing", {}).get("total_s", 0.0) for r in records)
     span = _finish_span(records)
     when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
-             "recomputed from results.jsonl by `python -m experiments report`")
+             "recomputed from results.jsonl by `quotient-manifolds report`")
             + (f"; the models were computed over {span:.0f} s (first start to last finish, "
                "from the records' timestamps)" if span is not None else ""))
     lines = ["# diagonal study: Kendall τ of sharpness vs test loss ‖β − β*‖²", "",
@@ -1159,7 +1159,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
 # ------------------------------------------------------------------------------------ `report`
 def read_records(path: str) -> List[Dict[str, Any]]:
     """The valid records of a results.jsonl, read only, as the runner reads them: a corrupt line
-    that is not the last raises :class:`~experiments.runner.ExperimentError` (a report must not
+    that is not the last raises :class:`~quotient_manifolds.experiments.runner.ExperimentError` (a report must not
     silently lose a model); a partial last line (a study still writing, or killed mid-write) is
     left out with a note on stderr and repaired by the next run of the study."""
     from .runner import ResultStore
@@ -1189,7 +1189,7 @@ def population_kwargs(study: str, config: Dict[str, Any], target: str,
     import importlib
 
     from .measures import ABLATIONS, CURVATURE, MAIN, MEASURES
-    mod = importlib.import_module(f"experiments.{study}")
+    mod = importlib.import_module(f"quotient_manifolds.experiments.{study}")
     rho = {m: config["rho"][MEASURES[m]["family"]] for m in MEASURES}
     rho.update({m: 0.0 for m in CURVATURE})
     measures = list(config["measures"])
@@ -1292,7 +1292,7 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
             raise ExperimentError(f"--extra merges second passes of the text / vision "
                                   f"populations; the {study} study has none")
         os.makedirs(out_dir, exist_ok=True)
-        own = importlib.import_module(f"experiments.{TRAINING_STUDIES[study]}").report
+        own = importlib.import_module(f"quotient_manifolds.experiments.{TRAINING_STUDIES[study]}").report
         return own(out_dir, records[0]["study_config"], chosen, records, source=src)
     if study not in ("diagonal",) + POPULATION_STUDIES:
         raise ExperimentError(f"`report` recomputes the diagonal, vision, text, sam, lora and "
@@ -1311,7 +1311,7 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
     import importlib
 
     from . import calibrate
-    mod = importlib.import_module(f"experiments.{study}")
+    mod = importlib.import_module(f"quotient_manifolds.experiments.{study}")
     if target is None:
         try:
             with open(os.path.join(src_dir, "summary.json")) as fh:

@@ -33,7 +33,7 @@ RETRACTION_MEASURES = ("geodesic-inv", "inv-no-gamma", "inv-exact",
 
 def block_sources(model, label: str) -> List[Tuple[str, Any, Dict[str, Any]]]:
     """[(label/block-name, block, params)] for every GL block of ``model``."""
-    import adapters
+    from quotient_manifolds import adapters
     lay = adapters.layout(model)
     params = {n: p.detach() for n, p in model.named_parameters()}
     return [(f"{label}: {b.name}", b, params) for b in lay.blocks]

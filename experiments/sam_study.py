@@ -1,9 +1,9 @@
 r"""SAM training study: does taking SAM's ascent step on the GL(h) quotient help training?
 
-``python -m experiments sam`` trains every arm below on two tasks, with the same number of
+``quotient-manifolds sam`` trains every arm below on two tasks, with the same number of
 optimizer updates per arm, and reports test accuracy at each method's validation-selected ρ.
 
-Arms (all through :class:`adapters.GeodesicSAM` except the base optimizer; ``METHODS``)::
+Arms (all through :class:`quotient_manifolds.adapters.GeodesicSAM` except the base optimizer; ``METHODS``)::
 
     base           AdamW alone: w ← AdamW(w, ∇L(w))
     base-2x        AdamW alone with twice the updates (as many gradients as a SAM arm)
@@ -16,19 +16,19 @@ Arms (all through :class:`adapters.GeodesicSAM` except the base optimizer; ``MET
 and every SAM arm then takes w ← AdamW(w, ∇L(w_adv)) (two gradients per update). The ascent of
 each arm is GeodesicSAM's ``geometry`` option ("sam"; "adaptive" with the first-order
 retraction, exactly ASAM; "geodesic-inv" / "geodesic-mix" with the second-order geodesic); the
-maths is in :mod:`adapters.sam`.
+maths is in :mod:`quotient_manifolds.adapters.sam`.
 
 Tasks (``defaults``):
 
-* ``vit``: the small ViT of :mod:`experiments.vit` (139k weights) trained **from scratch** on a
+* ``vit``: the small ViT of :mod:`quotient_manifolds.experiments.vit` (139k weights) trained **from scratch** on a
   Fashion-MNIST subset: the first ``train_size`` images of the vision study's fixed seeded order
-  (:func:`experiments.vision.load_data`), the next ``val_size`` are the validation split, test on
+  (:func:`quotient_manifolds.experiments.vision.load_data`), the next ``val_size`` are the validation split, test on
   the official test images. AdamW (not SGD + momentum): ViTs train poorly from scratch with SGD,
   the vision study's AdamW recipe (lr 1e-3, cosine, warm-up 5 %) is known to converge on these
   images, and SAM for ViTs is usually run on AdamW (Chen et al. 2022). No augmentation.
 * ``minilm``: all-MiniLM-L6-v2 (real weights, all 6 layers, mean-pool head,
-  :func:`experiments.text.build_model`) fine-tuned on Rotten Tomatoes snippets
-  (:func:`experiments.text.load_data`: one fixed class-balanced seeded split; the last
+  :func:`quotient_manifolds.experiments.text.build_model`) fine-tuned on Rotten Tomatoes snippets
+  (:func:`quotient_manifolds.experiments.text.load_data`: one fixed class-balanced seeded split; the last
   ``val_size`` sentences of the train part are the validation split). AdamW (the fine-tuning
   default), linear warm-up 10 % and decay to 0; token / position embeddings frozen as in the text
   study's small protocol (half of the 22.6M weights: freezing them halves AdamW's state and the
@@ -352,7 +352,7 @@ def get_task(name: str, cfg: Dict[str, Any], data_dir: Optional[str]) -> Task:
 # ------------------------------------------------------------------------------------ training
 def make_optimizer(model, cfg: Dict[str, Any], method: str, rho: float):
     """AdamW on the trainable weights (weight decay on matrices only; fused CPU kernel where
-    available), wrapped in :class:`adapters.GeodesicSAM` for the SAM arms. Returns
+    available), wrapped in :class:`quotient_manifolds.adapters.GeodesicSAM` for the SAM arms. Returns
     ``(base optimizer, SAM wrapper or None)``."""
     import torch
 
@@ -368,7 +368,7 @@ def make_optimizer(model, cfg: Dict[str, Any], method: str, rho: float):
     kwargs = METHODS[method]
     if kwargs is None:
         return opt, None
-    import adapters
+    from quotient_manifolds import adapters
     return opt, adapters.GeodesicSAM(model, opt, rho=rho, **kwargs)
 
 
@@ -680,7 +680,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
            records: Sequence[Dict[str, Any]], *, wall_s: Optional[float] = None,
            source: Optional[str] = None) -> Dict[str, Any]:
     """summary.md, summary.json, fig_rho_sweep.png and fig_curves.png, from the records alone
-    (``python -m experiments report DIR`` rewrites them)."""
+    (``quotient-manifolds report DIR`` rewrites them)."""
     import datetime as _dt
 
     from .report import display_path, write_summary
@@ -828,7 +828,7 @@ def _fig_curves(path: str, s: Dict[str, Any], config: Dict[str, Any], syn: str) 
 
 # ------------------------------------------------------------------------------------ CLI
 def add_arguments(p) -> None:
-    """The ``sam`` subcommand's own options (the common ones come from :mod:`experiments.cli`)."""
+    """The ``sam`` subcommand's own options (the common ones come from :mod:`quotient_manifolds.experiments.cli`)."""
     from .cli import _positive_int, _float_list
     g = p.add_argument_group("sam study")
     g.add_argument("--tasks", default=None, metavar="T1,T2",
@@ -895,7 +895,7 @@ def config_from_args(args) -> Dict[str, Any]:
 
 
 def run(args, log: Callable[[str], None] = print) -> int:
-    """``python -m experiments sam``: the sweep phase, the selection, the seeds phase, the
+    """``quotient-manifolds sam``: the sweep phase, the selection, the seeds phase, the
     report (each phase resumes from results.jsonl)."""
     from .cli import _set_threads, default_out
     from .runner import OutputDir, fmt_seconds, load_current, run_population

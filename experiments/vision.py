@@ -1,4 +1,4 @@
-r"""Vision population: fine-tunes of one pretrained small ViT (:mod:`experiments.vit`) on
+r"""Vision population: fine-tunes of one pretrained small ViT (:mod:`quotient_manifolds.experiments.vit`) on
 Fashion-MNIST (``--protocol finetune``, default), or ViTs trained from scratch
 (``--protocol scratch``, the earlier population).
 
@@ -38,9 +38,9 @@ hyperparameters, "model soups"; docs/maths.md §11.3):
   experiments/README.md) pool images in batches of ``sharp_batch`` (256), eval mode, no
   augmentation, ``n_iters`` (20) Auto-PGD iterations; ``points`` cuts the ablations, the ρ sweep
   (×0.1, ×10), the exact-retraction measure and the curvature measures to the first batch of 256
-  (cost; :func:`experiments.measures.points_of`);
+  (cost; :func:`quotient_manifolds.experiments.measures.points_of`);
 * ρ: calibrated per family (adaptive / inv / mix) on a pilot of models so that the median
-  sharpness is ``calibration.target`` nats (:mod:`experiments.calibrate`), then swept by
+  sharpness is ``calibration.target`` nats (:mod:`quotient_manifolds.experiments.calibrate`), then swept by
   ``rho_sweep``.
 
 Scratch protocol (the earlier population, unchanged): models trained from random init on nested
@@ -48,7 +48,7 @@ subsets 2k–20k with random lr, weight decay, batch, epochs 5–40, label smoot
 sharpness on 512 images in batches of 128 at fixed ρ. It adds a population whose fit varies
 widely (own-subset train error 0.006–0.53), i.e. the regime where sharpness tracks fit.
 
-``--synthetic`` uses SYNTHETIC images (:func:`experiments.data.synthetic_images`); tests only.
+``--synthetic`` uses SYNTHETIC images (:func:`quotient_manifolds.experiments.data.synthetic_images`); tests only.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ KNOBS = (("log lr", "lr", "log"), ("log weight decay", "weight_decay", "log"),
 def defaults(quick: bool, synthetic: bool, protocol: str = "scratch") -> Dict[str, Any]:
     """The configuration of ``protocol`` (module docstring). The module default stays "scratch"
     (the configuration, and hash, of the earlier population, also used by the invariance and
-    retraction studies); ``python -m experiments vision`` defaults to "finetune"."""
+    retraction studies); ``quotient-manifolds vision`` defaults to "finetune"."""
     if protocol == "finetune":
         return finetune_defaults(quick, synthetic)
     if protocol != "scratch":
@@ -489,7 +489,7 @@ def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional
 
 def calibration_job(model_id: int, config: Dict[str, Any], ckpt_dir: str,
                     data_dir: Optional[str], progress: bool) -> Dict[str, Any]:
-    """One pilot model of the ρ calibration (:mod:`experiments.calibrate`)."""
+    """One pilot model of the ρ calibration (:mod:`quotient_manifolds.experiments.calibrate`)."""
     from .calibrate import pilot_job
     return pilot_job(model_id, config, ckpt_dir, data_dir, progress, load_data=load_data,
                      get_model=get_model, sharpness_batches=sharpness_batches)

@@ -1,11 +1,11 @@
-r"""A small Vision Transformer in plain PyTorch (the model of :mod:`experiments.vision`).
+r"""A small Vision Transformer in plain PyTorch (the model of :mod:`quotient_manifolds.experiments.vision`).
 
 Default: 28×28×1 input, patch 7 → 16 patches + a cls token = 17 tokens, width 64, depth 4, 4 heads
 (head dim 16), pre-LN blocks, MLP width 128 (ratio 2), learned positional embedding, classifier on
 the cls token: 139,018 parameters.
 
 Every attention module has **separate** ``q_proj``/``k_proj``/``v_proj``/``o_proj`` ``nn.Linear``
-layers with biases and a ``num_heads`` attribute, so :func:`adapters.layout` finds its two GL(h)
+layers with biases and a ``num_heads`` attribute, so :func:`quotient_manifolds.adapters.layout` finds its two GL(h)
 blocks per head (QK: [W_q; b_q] with [W_k; b_k]; VO: [W_v; b_v] with W_o) structurally. Attention
 is written out (softmax(QKᵀ/√h)V) rather than through ``scaled_dot_product_attention``, so double
 backward (Hessian-vector products) works on CPU too.

@@ -190,7 +190,7 @@ def reparametrised_copy(model: nn.Module, *, scale: float, cond, seed: int = 0, 
     block's own group (``Layout.random_actions``: condition number ``cond``, or Gaussian entries for
     ``cond=None``, times ``scale``): the same function, another representative. The original is
     left alone."""
-    import adapters
+    from quotient_manifolds import adapters
 
     layout = layout or adapters.layout(model)
     params = {n: p.detach() for n, p in model.named_parameters()}

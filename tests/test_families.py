@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import adapters
-from adapters import FactorPiece, SymmetryError, declare_block
-from adapters.families import FAMILIES, Context, Family, Match, register_family, unregister_family
-from adapters.families._structure import LORA_NOTE, _lin, attention_blocks
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters import FactorPiece, SymmetryError, declare_block
+from quotient_manifolds.adapters.families import FAMILIES, Context, Family, Match, register_family, unregister_family
+from quotient_manifolds.adapters.families._structure import LORA_NOTE, _lin, attention_blocks
 from quotient_manifolds.core import FULL_GL, RotaryGroup
 
 T = pytest.importorskip("transformers")
@@ -245,7 +245,7 @@ def test_lora_several_adapters_dora_and_partial_targets():
 def test_lora_structure_without_peft(monkeypatch):
     """Without peft, LoRA layers are recognised by structure alone (base_layer + lora_A/lora_B
     ModuleDicts of nn.Linear); with peft installed, a look-alike must also be a peft BaseTunerLayer."""
-    from adapters.families import _structure
+    from quotient_manifolds.adapters.families import _structure
     class LoRALinear(nn.Module):
         def __init__(self, base, r=3):
             super().__init__()

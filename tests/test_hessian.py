@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch.func import functional_call, jacfwd
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import adapters
-from adapters.hessian import RiemannianHessian, riemannian_hessian, top_eigenvalues, trace
-from adapters.solver import QuotientComponent
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters.hessian import RiemannianHessian, riemannian_hessian, top_eigenvalues, trace
+from quotient_manifolds.adapters.solver import QuotientComponent
 from quotient_manifolds.core.groups import RotaryGroup
 from conftest import reparametrised_copy
 
@@ -388,13 +388,13 @@ def test_errors_are_actionable():
 
 
 def test_adapters_imports_without_curvlinops():
-    """``import adapters`` (the README's main command) must not need the optional curvlinops; the
+    """``from quotient_manifolds import adapters`` (the README's main command) must not need the optional curvlinops; the
     Hessian names then fail on first use with the install command."""
     import subprocess
     import sys
 
     code = ("import sys; sys.modules['curvlinops'] = None\n"
-            "import adapters\n"
+            "from quotient_manifolds import adapters\n"
             "assert 'riemannian_hessian' not in adapters.__all__\n"
             "try:\n"
             "    adapters.riemannian_hessian\n"

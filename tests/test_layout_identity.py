@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-import adapters
-from adapters.derive import derive_groups
-from adapters.sharpness import sharpness, sharpness_sweep
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters.derive import derive_groups
+from quotient_manifolds.adapters.sharpness import sharpness, sharpness_sweep
 
 T = pytest.importorskip("transformers")
 
@@ -54,7 +54,7 @@ def _sam(model, layout, monkeypatch):
 
 
 def _hessian(model, layout, monkeypatch):
-    from adapters.hessian import riemannian_hessian
+    from quotient_manifolds.adapters.hessian import riemannian_hessian
 
     pytest.importorskip("curvlinops")
     return riemannian_hessian(model, BATCHES, layout=layout)
@@ -195,7 +195,7 @@ def test_a_meta_model_is_refused_with_how_to_materialise_it(entry, monkeypatch):
     (IDS[0], r"batch 1: input_ids has shape \(5,\).*\.unsqueeze\(0\)"),
 ])
 def test_wrong_shaped_token_ids_name_the_batch_and_the_shape(entry, ids, words):
-    from adapters.hessian import riemannian_hessian
+    from quotient_manifolds.adapters.hessian import riemannian_hessian
 
     if entry == "riemannian_hessian":
         pytest.importorskip("curvlinops")
@@ -219,7 +219,7 @@ def test_an_attention_mask_of_another_shape_than_the_ids_is_refused():
 @pytest.mark.parametrize("size,error", [(0, ValueError), (-2, ValueError), (1.5, TypeError)])
 def test_batch_size_fn_must_give_a_positive_integer(size, error):
     pytest.importorskip("curvlinops")
-    from adapters.hessian import riemannian_hessian
+    from quotient_manifolds.adapters.hessian import riemannian_hessian
 
     with pytest.raises(error, match=r"batch_size_fn\(inputs\) of batch 0 must be an integer >= 1"):
         riemannian_hessian(tiny_bert(2), BATCHES, batch_size_fn=lambda inputs: size)

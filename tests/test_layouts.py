@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import adapters
+from quotient_manifolds import adapters
 from quotient_manifolds.core import FULL_GL
-from adapters import FactorPiece, GLBlock, Layout, SymmetryError, declare_block, default_tolerance
+from quotient_manifolds.adapters import FactorPiece, GLBlock, Layout, SymmetryError, declare_block, default_tolerance
 from conftest import PlainAttention, PlainViT
 
 

@@ -1,7 +1,7 @@
-"""The LoRA optimizer study (``python -m experiments lora``, experiments/lora.py): the --quick
+"""The LoRA optimizer study (``quotient-manifolds lora``, experiments/lora.py): the --quick
 (SYNTHETIC) run writes one complete record per (task, r, optimizer, lr / seed) and a timing record
 per r, picks each arm's lr by validation accuracy, resumes, and its report (also from
-``python -m experiments report DIR``) holds every arm; the arms are built as documented."""
+``quotient-manifolds report DIR``) holds every arm; the arms are built as documented."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("geoopt")
 
-from experiments import lora as L  # noqa: E402
-from experiments.cli import main  # noqa: E402
+from quotient_manifolds.experiments import lora as L  # noqa: E402
+from quotient_manifolds.experiments.cli import main  # noqa: E402
 
 
 def run(argv):
@@ -125,7 +125,7 @@ def test_arms_are_built_as_documented():
     import geoopt
     import torch
 
-    import adapters
+    from quotient_manifolds import adapters
     c = L.defaults(quick=True)
     for arm in L.ARMS:
         model = L.build_model(c, "rt", 2, seed=0)
@@ -154,7 +154,7 @@ def test_arms_are_built_as_documented():
 def test_helpers():
     assert L.steps_to([10, 20, 30], [0.5, 0.7, 0.9], 0.7) == 20
     assert L.steps_to([10, 20, 30], [0.5, float("nan"), 0.6], 0.7) is None
-    from experiments.runner import schedule_factor
+    from quotient_manifolds.experiments.runner import schedule_factor
     f = [schedule_factor(100, 0.1, "linear")(s) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[-1] < 0.02
     grid = [dict(kind="grid", task="rt", rank=4, arm="adamw", lr=lr, val_acc=a, val_loss=l)

@@ -16,7 +16,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 load_file = pytest.importorskip("safetensors.torch").load_file
 
-from adapters import (InvariantRiemannianSGD, init_momentum_buffers, lora_quotient_parameters,  # noqa: E402
+from quotient_manifolds.adapters import (InvariantRiemannianSGD, init_momentum_buffers, lora_quotient_parameters,  # noqa: E402
                       lora_quotient_points, merge_back)
 from quotient_manifolds.geoopt import GLQuotient  # noqa: E402
 

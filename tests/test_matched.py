@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from experiments import matched as MT
-from experiments.cli import main
-from experiments.report import report_from_results
+from quotient_manifolds.experiments import matched as MT
+from quotient_manifolds.experiments.cli import main
+from quotient_manifolds.experiments.report import report_from_results
 
 # the pipeline is the study's; the RK4 steps of the exact geodesic are cut (32 and 8 -> 2: the
 # fixture below) so that the exact measures take a fraction of a second on the tiny model
@@ -30,7 +30,7 @@ def _short_geodesics(monkeypatch):
 
     from quotient_manifolds.core.gl import GLQuotientGeometry
     monkeypatch.setitem(GLQuotientGeometry.__init__.__kwdefaults__, "exact_steps", 2)
-    monkeypatch.setattr(importlib.import_module("adapters.sharpness"), "CHECK_EXACT_STEPS", 2)
+    monkeypatch.setattr(importlib.import_module("quotient_manifolds.adapters.sharpness"), "CHECK_EXACT_STEPS", 2)
 
 
 def _json(path):
@@ -167,7 +167,7 @@ def test_matched_resume_after_interruption(tmp_path, monkeypatch):
 def test_combine_roots_reproduces_the_committed_vision_calibration():
     """calibrate.combine (now over combine_roots, which the matched study shares) gives the
     committed calibration.json of the vision fine-tunes from its pilot records."""
-    from experiments import calibrate
+    from quotient_manifolds.experiments import calibrate
     d = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                      "results", "vision-finetune")
     config = _json(os.path.join(d, "config.json"))

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import adapters
-from adapters import sharpness
-from adapters.layout import Layout
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters import sharpness
+from quotient_manifolds.adapters.layout import Layout
 from quotient_manifolds.core import FULL_GL, RotaryGroup
 from conftest import reparametrised_copy
 

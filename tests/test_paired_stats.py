@@ -4,7 +4,7 @@ against brute force: resampled index lists and scipy-free τ-b of the resampled 
 import numpy as np
 import pytest
 
-from experiments.stats import (bootstrap_ci, bootstrap_weights, kendall_tau_b, paired_delta_tau,
+from quotient_manifolds.experiments.stats import (bootstrap_ci, bootstrap_weights, kendall_tau_b, paired_delta_tau,
                                tau_ci_weighted)
 
 

@@ -20,8 +20,8 @@ import copy
 import pytest
 import torch
 
-import adapters
-from adapters.derive import derive_groups
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters.derive import derive_groups
 from quotient_manifolds.core import FULL_GL
 
 transformers = pytest.importorskip("transformers")

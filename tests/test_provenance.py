@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from experiments import calibrate
-from experiments.runner import OutputDir
+from quotient_manifolds.experiments import calibrate
+from quotient_manifolds.experiments.runner import OutputDir
 
 
 def test_calibrated_rho_is_recorded_without_changing_the_config_hash(tmp_path):

@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import adapters
-from adapters.detect import layout as detect_layout
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters.detect import layout as detect_layout
 from conftest import tiny_lora_bert
 
 transformers = pytest.importorskip("transformers")
@@ -179,7 +179,7 @@ def test_geodesic_sam(name, bad):
        bad=st.sampled_from(BAD))
 def test_riemannian_hessian(name, bad):
     pytest.importorskip("curvlinops")
-    from adapters.hessian import riemannian_hessian
+    from quotient_manifolds.adapters.hessian import riemannian_hessian
     before = _state(MODEL)
     args, kwargs = _with(name, bad, {"model": MODEL, "batches": BATCHES},
                          {"geometry": "geodesic-mix", "layout": LAYOUT})

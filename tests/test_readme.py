@@ -39,7 +39,7 @@ def test_readme_is_a_front_page():
     text = README.read_text()
     assert len(text.splitlines()) <= 200
     commands = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
-    assert len(commands) == 2 and commands[0].rstrip().endswith("python -m experiments demo")
+    assert len(commands) == 2 and commands[0].rstrip().endswith("quotient-manifolds demo")
     assert commands[1].rstrip().endswith("python -m pytest")
     quickstarts = re.findall(r"^## Quickstart \d: .*?\n\n(.*?)\n", text, flags=re.S | re.M)
     assert len(quickstarts) == 3 and all("pip install -e ." in q for q in quickstarts)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import adapters
-from adapters import GeodesicSAM
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters import GeodesicSAM
 from tests.conftest import PlainViT
 from conftest import reparametrised_copy
 

@@ -1,4 +1,4 @@
-"""The SAM training study (``python -m experiments sam``, experiments/sam_study.py): the job plan
+"""The SAM training study (``quotient-manifolds sam``, experiments/sam_study.py): the job plan
 and the ρ selection, one update of each arm against a hand-written reference, the shared dropout
 mask of the two SAM passes, and ``--quick`` runs end to end (resume, report from results.jsonl).
 Every test runs on one torch thread on SYNTHETIC data in seconds."""
@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from experiments import sam_study as S
-from experiments.cli import main
+from quotient_manifolds.experiments import sam_study as S
+from quotient_manifolds.experiments.cli import main
 
 
 def run(argv):

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import adapters
-from adapters.sharpness import GEOMETRIES, sharpness
-from adapters.solver import ProductBall, QuotientComponent, auto_pgd
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters.sharpness import GEOMETRIES, sharpness
+from quotient_manifolds.adapters.solver import ProductBall, QuotientComponent, auto_pgd
 from quotient_manifolds.core import RescalingGeometry, sharpness_mix_orthonormal
 from conftest import reparametrised_copy
 
@@ -360,7 +360,7 @@ def test_tiny_and_zero_weights_are_kept_fixed():
 def test_elementwise_second_order_point_is_the_exact_geodesic_to_second_order():
     """w + ξ + ξ²/(2w) vs the exact geodesic w·exp(ξ/w) of the metric Σ ξ²/w² (spec §10): the error
     shrinks like t³."""
-    from adapters.solver import ElementwiseComponent
+    from quotient_manifolds.adapters.solver import ElementwiseComponent
 
     w = torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64)
     xi = torch.tensor([0.3, 0.7, -1.1], dtype=torch.float64)

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import adapters
-from adapters.sharpness import GEOMETRIES, next_token_loss, sharpness
-from adapters.solver import ElementwiseComponent, ProductBall, auto_pgd
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters.sharpness import GEOMETRIES, next_token_loss, sharpness
+from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall, auto_pgd
 from quotient_manifolds._runtime import FrameCache, bounded_threads
 
 transformers = pytest.importorskip("transformers")
@@ -333,7 +333,7 @@ def test_pymanopt_frame_cache_reuses_frames_at_one_point(monkeypatch):
 
 # ------------------------------------------------------------------------------ rho sweeps, retraction check
 def _fitted_vit():
-    from experiments.vit import ViT, ViTConfig
+    from quotient_manifolds.experiments.vit import ViT, ViTConfig
 
     torch.manual_seed(0)
     model = ViT(ViTConfig(width=16, depth=1, heads=2)).eval()
@@ -399,7 +399,7 @@ def test_retraction_check_warns_when_second_order_leaves_its_range():
 def test_retraction_check_says_when_the_exact_geodesic_leaves_the_manifold(monkeypatch):
     """A gap of -inf (a factor of the exact geodesic loses rank) is reported in words, not as a
     meaningless "-inf%"."""
-    engine = sys.modules["adapters.sharpness"]      # the module (the package exports the function)
+    engine = sys.modules["quotient_manifolds.adapters.sharpness"]      # the module (the package exports the function)
     model, batches = _fitted_vit()
     monkeypatch.setattr(engine, "_retraction_gap", lambda *args: -math.inf)
     with pytest.warns(UserWarning, match="on batch 0 the exact geodesic leaves the manifold") as seen:
@@ -411,7 +411,7 @@ def test_retraction_check_says_when_the_exact_geodesic_leaves_the_manifold(monke
 def _toy_ball(dtype=torch.float64):
     """A GL(2) quotient (3 heads) and an elementwise part with a zero, a tiny and a masked-out
     weight, and a non-convex loss (restarts happen)."""
-    from adapters.solver import QuotientComponent
+    from quotient_manifolds.adapters.solver import QuotientComponent
     from quotient_manifolds.core import GLQuotientGeometry
 
     gen = torch.Generator().manual_seed(0)
@@ -634,7 +634,7 @@ def test_sharpness_records_where_the_worst_perturbation_lives():
                                   layout=adapters.layout(model))
     torch.manual_seed(1)
     u = ball.project([torch.randn_like(z) for z in ball.zeros()])
-    from adapters.solver import QuotientComponent
+    from quotient_manifolds.adapters.solver import QuotientComponent
     parts = [(isinstance(c, QuotientComponent), float(c.inner(a, a)))
              for c, a in zip(ball.components, u)]
     want = sum(v for q, v in parts if q) / sum(v for _, v in parts)

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-import adapters
+from quotient_manifolds import adapters
 from quotient_manifolds.core import FULL_GL, RotaryGroup
 
 transformers = pytest.importorskip("transformers")

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from adapters.detect import layout as detect_layout
-from adapters.sharpness import sharpness
+from quotient_manifolds.adapters.detect import layout as detect_layout
+from quotient_manifolds.adapters.sharpness import sharpness
 from conftest import tiny_lora_bert
 from quotient_manifolds.geoopt import GLQuotient
 
@@ -85,7 +85,7 @@ def test_glquotient_refuses_integer_and_mismatched_tangents():
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 @pytest.mark.parametrize("geometry", ["geodesic-inv", "adaptive"])
 def test_sam_first_step_refuses_nonfinite_grad_before_writing(tiny_bert, bad, geometry):
-    from adapters import GeodesicSAM
+    from quotient_manifolds.adapters import GeodesicSAM
     model, inputs = tiny_bert
     opt = GeodesicSAM(model, torch.optim.SGD, lr=0.1, rho=0.05, geometry=geometry)
     model(**inputs).logits.sum().backward()
@@ -131,7 +131,7 @@ def test_a_finite_loss_with_a_non_finite_gradient_is_not_blamed_on_rho(tiny_bert
 
 def test_a_vector_loss_is_refused_by_the_riemannian_hessian(tiny_bert):
     pytest.importorskip("curvlinops")
-    from adapters.hessian import riemannian_hessian
+    from quotient_manifolds.adapters.hessian import riemannian_hessian
     model, inputs = tiny_bert
     vector = lambda o, y: torch.nn.functional.cross_entropy(o.logits, y, reduction="none")  # noqa: E731
     with pytest.raises(ValueError, match="(?s)loss_fn.*one number"):
@@ -227,7 +227,7 @@ def test_geoopt_glquotient_refuses_nonfinite_and_unchecked_method_tangents():
                                                             "progress"),
 ])
 def test_distributed_sharpness_checks_every_argument_before_any_collective(tiny_bert, kw, error, name):
-    from adapters import distributed_sharpness
+    from quotient_manifolds.adapters import distributed_sharpness
     model, inputs = tiny_bert
     snap = _snapshot(model)
     # no process group is initialised: each bad argument is named before that is even looked at,
@@ -250,7 +250,7 @@ def test_distributed_sharpness_checks_every_argument_before_any_collective(tiny_
 ])
 def test_lora_quotient_parameters_checks_every_argument(kw, error, name):
     pytest.importorskip("peft")
-    from adapters.lora_training import lora_quotient_parameters, lora_quotient_points
+    from quotient_manifolds.adapters.lora_training import lora_quotient_parameters, lora_quotient_points
     model = tiny_lora_bert()
     snap = _snapshot(model)
     with pytest.raises(error, match=name):

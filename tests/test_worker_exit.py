@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 PARENT = textwrap.dedent("""
     import os, sys, time
-    from experiments.runner import OutputDir, run_population
+    from quotient_manifolds.experiments.runner import OutputDir, run_population
 
     def job(model_id, pids_dir):
         # a worker that never calls check_parent_alive: only the watchdog can end it

@@ -1,4 +1,4 @@
-"""Model families: the registry that :func:`adapters.detect` walks to find GL blocks.
+"""Model families: the registry that :func:`quotient_manifolds.adapters.detect` walks to find GL blocks.
 
 Detection visits the modules of a model in ``named_modules()`` order and asks the families of
 :data:`FAMILIES`, in order, to :meth:`Family.match` each one; the first :class:`Match` wins and
@@ -21,8 +21,8 @@ attention only by their class name.  Families and the maths of their groups are 
 
 Adding a family for your own attention class::
 
-    from adapters.families import Family, Match, register_family
-    from adapters.families._structure import _lin, attention_blocks
+    from quotient_manifolds.adapters.families import Family, Match, register_family
+    from quotient_manifolds.adapters.families._structure import _lin, attention_blocks
 
     class MyAttentionFamily(Family):
         name = "my-attention"

@@ -79,7 +79,7 @@ class Family:
     """A model family: recognises its attention (or adapter) modules and returns their blocks.
 
     Subclass, set ``name`` (unique, shown in layouts) and implement :meth:`match`; register with
-    :func:`adapters.families.register_family`.  ``nested = True`` makes detection also try the
+    :func:`quotient_manifolds.adapters.families.register_family`.  ``nested = True`` makes detection also try the
     family on modules inside modules already claimed by another family (LoRA layers live inside
     attention modules).
     """

@@ -32,7 +32,7 @@ GPT-J's ``rotate_every_two``), with ``rotary_dim`` from ``partial_rotary_factor`
 ``rotary_ndims``.  Q/K with per-head or whole-width q/k normalisation (``q_norm``, ``k_norm``) has a
 smaller group: the block is proposed with the group it would have without the normalisation as a
 candidate, which fails verification, and its true group is derived when the layout is accepted on
-inputs (:func:`adapters.accept.accept_layout`, automatic in ``sharpness`` and the other geodesic
+inputs (:func:`quotient_manifolds.adapters.accept.accept_layout`, automatic in ``sharpness`` and the other geodesic
 entry points).  ``clip_qkv`` (module attribute or config) refuses the module; norms on the
 model-width stream are not extra parameters.  Every proposed block is a candidate: ``Layout.verify`` checks it on the model.
 """

@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-import adapters
+from quotient_manifolds import adapters
 
 torch.manual_seed(0)
 config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
