@@ -37,7 +37,7 @@ import weakref
 from typing import Any, Optional, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .derive import derive_groups, with_blocks
 from .layout import Layout, SymmetryError, Unsupported, VerifyReport, default_tolerance

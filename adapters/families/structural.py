@@ -40,14 +40,14 @@ model-width stream are not extra parameters.  Every proposed block is a candidat
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 from torch import nn
 
 from quotient_manifolds.core.groups import FULL_GL, Group
 
 from ._base import Context, Family, Match
-from ._structure import (ROLE_NAMES, Proj, _forward_args, _in_pieces, _int_attr, _lin, _Lin, _linear_children,
+from ._structure import (ROLE_NAMES, Proj, _forward_args, _in_pieces, _int_attr, _Lin, _linear_children,
                          add_block, _out_pieces, _screen, position_terms)
 from .hf_rotary import QK_NORM_NAMES, _config_rotary_dim, rotary_group
 
