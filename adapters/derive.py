@@ -150,7 +150,7 @@ def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = _split_inputs(example_inputs, model)
     try:
         model.eval()
         with torch.enable_grad():

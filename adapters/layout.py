@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -460,12 +461,32 @@ def _fmt_int(n: int) -> str:
     return f"{n:,}"
 
 
-def _split_inputs(example_inputs) -> Tuple[tuple, dict]:
+def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it, also inside dicts, tuples and lists (a
+    batch's inputs or targets); anything else is returned as it is."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    if type(obj) in (tuple, list):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    return obj
+
+
+def _split_inputs(example_inputs, model: nn.Module) -> Tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call of ``model``, with every tensor on the model's device: inputs
+    prepared on the CPU work on a model moved to a GPU."""
+    device = next((t.device for t in itertools.chain(model.parameters(), model.buffers())
+                   if not t.is_meta), None)
+
+    def moved(x):
+        return x if device is None else map_tensors(lambda t: t.to(device), x)
+
     if isinstance(example_inputs, Mapping):
-        return (), dict(example_inputs)
+        return (), moved(dict(example_inputs))
     if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
+        return moved(tuple(example_inputs)), {}
+    return (moved(example_inputs),), {}
 
 
 def primary_output(out) -> Tensor:
@@ -802,7 +823,7 @@ class Layout:
         check.materialised(model, "verify()")
         self.check_model(model, what="verify()")
         fn = output_fn or primary_output
-        args, kwargs = _split_inputs(example_inputs)
+        args, kwargs = _split_inputs(example_inputs, model)
         flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
         scales = positive_finite_sequence("scales", scales)
         if cond is not None and positive_finite("cond", cond) < 1:

@@ -47,6 +47,7 @@ from .solver import (
     average_case,
 )
 from . import validation as check
+from .layout import map_tensors
 from .validation import materialised, scalar_loss, token_inputs
 
 Tensor = torch.Tensor
@@ -738,10 +739,4 @@ def _restore_training_flags(model: torch.nn.Module, flags: Dict[str, bool]) -> N
 
 
 def _to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
-    if isinstance(obj, Tensor):
-        return _as_compute(obj.to(device), upcast)
-    if isinstance(obj, Mapping):
-        return {k: _to_device(v, device, upcast) for k, v in obj.items()}
-    if type(obj) in (tuple, list):
-        return type(obj)(_to_device(v, device, upcast) for v in obj)
-    return obj
+    return map_tensors(lambda t: _as_compute(t.to(device), upcast), obj)

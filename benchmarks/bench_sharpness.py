@@ -1,6 +1,7 @@
 """Cost of one Auto-PGD iteration relative to a bare forward+backward (issue 3 §4).
 
-Prints, for MiniLM-L6 (real weights) and BERT-base (from config), batch 32:
+Prints, for MiniLM-L6 (real weights) and BERT-base (from config), batch 32 (and, with ``--models
+qwen2-0.5b``, a 494 M-parameter Qwen2-shaped decoder in bfloat16, from config):
   seconds per iteration of adaptive / geodesic-mix / geodesic-inv sharpness and of a bare
   forward+backward of the same batch, the ratios adaptive/(fwd+bwd), geodesic-mix/adaptive and
   geodesic-inv/adaptive measured in ONE run, and the peak memory over the bare model (max RSS of a
@@ -14,7 +15,7 @@ only) is dropped. Each measurement runs in its own process (peak RSS per method)
 are interleaved over ``--rounds`` rounds so that load from other processes spreads over all of
 them; the tables give the median over all iterations of all rounds (and the minimum).
 
-    python benchmarks/bench_sharpness.py [--models minilm bert-base] [--batch 32] [--seq 32]
+    python benchmarks/bench_sharpness.py [--models minilm bert-base qwen2-0.5b] [--batch 32] [--seq 32]
                                          [--iters 8] [--rounds 3] [--threads N] [--device cpu|cuda]
                                          [--passive]
 
@@ -39,6 +40,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 METHODS = ("fwd+bwd", "adaptive", "geodesic-mix", "geodesic-inv")
+#: half-precision models are measured in float32 (at their rounded weights), so their row also
+#: times a float32 forward+backward: the baseline of what the measurement itself adds
+HALF_PRECISION_MODELS = ("qwen2-0.5b",)
 
 
 def build(model_name: str, device: str):
@@ -54,8 +58,18 @@ def build(model_name: str, device: str):
     elif model_name == "bert-base":
         torch.manual_seed(0)
         model = transformers.BertForSequenceClassification(transformers.BertConfig(num_labels=2))
+    elif model_name == "qwen2-0.5b":
+        # Qwen2-0.5B's shape (24 layers, 14 query / 2 key-value heads of 64, rotary, biased q/k/v;
+        # 494 M parameters) from config with random weights, in bfloat16: the decoder row. Token
+        # ids start at 1000, so the pad id 0 never occurs and the last token is the one scored.
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+            num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+            tie_word_embeddings=True, num_labels=2, pad_token_id=0)
+        model = transformers.Qwen2ForSequenceClassification(config).to(torch.bfloat16)
     else:
-        raise ValueError(f"unknown model {model_name!r}; choose minilm or bert-base")
+        raise ValueError(f"unknown model {model_name!r}; choose minilm, bert-base or qwen2-0.5b")
     return model.to(device).eval()
 
 
@@ -85,6 +99,8 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
     model = build(model_name, device)
     inputs, targets = batch(model, size, seq, device)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if method == "fwd+bwd-fp32":
+        model = model.float()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -95,7 +111,7 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
         _sync(device)
         stamps.append(time.perf_counter())
 
-    if method == "fwd+bwd":
+    if method.startswith("fwd+bwd"):
         stamp()
         for _ in range(n_iters):
             loss = torch.nn.functional.cross_entropy(model(**inputs).logits, targets)
@@ -151,9 +167,10 @@ def main(argv=None) -> None:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # inherited by the spawned measurements
     results = {}
     for model_name in args.models:
-        samples = {m: {"times": [], "peak_mib": 0.0} for m in METHODS}
+        methods = METHODS + (("fwd+bwd-fp32",) if model_name in HALF_PRECISION_MODELS else ())
+        samples = {m: {"times": [], "peak_mib": 0.0} for m in methods}
         for _ in range(args.rounds):
-            for method in METHODS:
+            for method in methods:
                 got = run_one(model_name, method, args.iters, args.batch, args.seq, args.threads,
                               args.device)
                 samples[method]["times"] += got["times"]
@@ -177,6 +194,8 @@ def main(argv=None) -> None:
         ratios = {"adaptive / (fwd+bwd)": ada / rows["fwd+bwd"]["s_per_iter"],
                   "geodesic-mix / adaptive": rows["geodesic-mix"]["s_per_iter"] / ada,
                   "geodesic-inv / adaptive": rows["geodesic-inv"]["s_per_iter"] / ada}
+        if "fwd+bwd-fp32" in rows:
+            ratios["adaptive / (fwd+bwd fp32)"] = ada / rows["fwd+bwd-fp32"]["s_per_iter"]
         for key, val in ratios.items():
             print(f"{key:26s} {val:6.3f}")
         results[model_name] = {"rows": rows, "ratios": ratios, "param_mib": param_mib}

@@ -225,7 +225,9 @@ def test_population_study_on_cuda_and_its_checkpoints_on_the_cpu(study, tmp_path
     assert len(gpu_recs) == len(cpu_recs) == 2
     for g, c in zip(gpu_recs, cpu_recs):
         assert g["study_config"]["device"] == "cuda" and "device" not in c["study_config"]
-        assert not g["reused_checkpoint"] and c["reused_checkpoint"]
+        # the vision study's calibration pilot trains its first models, which the main pass then
+        # reuses; the CPU run must reuse every one of the GPU's checkpoints
+        assert c["reused_checkpoint"] and (study == "vision" or not g["reused_checkpoint"])
         assert all(math.isfinite(s["value"]) for s in g["sharpness"] if "error" not in s)
         # float32 on both devices, and cuDNN runs the ViT's patch convolution in TF32 by default
         for key in ("train_loss", "test_loss"):

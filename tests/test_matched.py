@@ -43,6 +43,18 @@ def _lines(path):
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def _rounded(obj, digits: int = 12):
+    """``obj`` with every float rounded to ``digits`` significant digits: another numpy release
+    (2.5 against 2.4) moves the last digits of the medians."""
+    if isinstance(obj, float):
+        return float(f"{obj:.{digits}g}")
+    if isinstance(obj, dict):
+        return {k: _rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rounded(v, digits) for v in obj]
+    return obj
+
+
 def _stable(obj):
     if isinstance(obj, dict):
         return {k: _stable(v) for k, v in obj.items() if k not in VOLATILE}
@@ -174,4 +186,5 @@ def test_combine_roots_reproduces_the_committed_vision_calibration():
     cal = _json(os.path.join(d, "calibration.json"))
     got = calibrate.combine(_lines(os.path.join(d, "calibration.jsonl")), config["config"],
                             config["config_hash"])
-    assert got["families"] == cal["families"] and got["rho"] == cal["rho"]
+    assert _rounded(got["families"]) == _rounded(cal["families"])
+    assert _rounded(got["rho"]) == _rounded(cal["rho"])
