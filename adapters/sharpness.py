@@ -89,6 +89,12 @@ class SharpnessResult:
     #: in the GL (quotient) blocks, the rest being in the elementwise blocks
     #: (``ProductBall.quotient_share``); empty for average-case sharpness
     gl_norm_shares: List[float] = field(default_factory=list)
+    #: per batch (worst case), the share of the worst perturbation's squared metric norm on the
+    #: weights of the layout's GL blocks (the attention weights), in every geometry: for the
+    #: geodesic ones it is ``gl_norm_shares``; for adaptive the blocks are those detected from the
+    #: model (or of ``layout=``), which says where an adaptive perturbation lives on the same
+    #: weights. Empty where no attention block is found, and for average-case sharpness
+    attention_norm_shares: List[float] = field(default_factory=list)
 
     def __str__(self) -> str:
         return (f"{self.measure}-case {self.geometry} sharpness (rho={self.rho:g}): {self.value:.6g} "
@@ -516,6 +522,8 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                       f"adaptively, so this {geometry} value is adaptive sharpness with the "
                       f"geodesic settings", UserWarning, stacklevel=3)
 
+    covered = (_attention_masks(model, layout, include_frozen) if geometry == "adaptive"
+               else getattr(layout, "gl_masks", None))
     frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items()
               if n not in params0}
     buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
@@ -566,7 +574,8 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                         previous = res
                         run = dict(init=res.init_loss, worst=res.worst_loss, norm=res.norm,
                                    fwd=res.n_forward, bwd=res.n_backward, gap=None,
-                                   share=ball.quotient_share(res.xi))
+                                   share=ball.quotient_share(res.xi),
+                                   attention=ball.share_on(res.xi, covered) if covered else None)
                         if check_gap:
                             run["gap"] = _retraction_gap(ball, closure, res)
                             run["fwd"] += 1
@@ -610,8 +619,26 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
             n_iters=n_iters, n_forward=sum(r["fwd"] for r in at),
             n_backward=sum(r["bwd"] for r in at),
             time_s=setup / len(rhos) + sum(r["time"] for r in at), options=recorded,
-            retraction_gaps=gaps, gl_norm_shares=[r["share"] for r in at if "share" in r]))
+            retraction_gaps=gaps, gl_norm_shares=[r["share"] for r in at if "share" in r],
+            attention_norm_shares=[r["attention"] for r in at if r.get("attention") is not None]))
     return results
+
+
+def _attention_masks(model: torch.nn.Module, layout: Any, include_frozen: bool) -> Optional[Dict[str, Tensor]]:
+    """The entries of the GL blocks of ``layout``, or of the layout detected from ``model`` (only
+    which weights its blocks hold is used: nothing is run or verified), as parameter name → boolean
+    mask; ``None`` where detection finds no block (the share is then not recorded)."""
+    if layout is None:
+        from .accept import resolve_layout
+
+        try:
+            with warnings.catch_warnings():  # adaptive sharpness did not ask for a layout
+                warnings.simplefilter("ignore")
+                layout = resolve_layout(model, None, what="adaptive sharpness", allow_unsupported=True,
+                                        include_frozen=include_frozen)
+        except (ValueError, TypeError, NotImplementedError, RuntimeError):
+            return None  # a model detection cannot read: where the perturbation lives is unknown
+    return dict(layout.gl_masks) if getattr(layout, "gl_masks", None) else None
 
 
 def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:

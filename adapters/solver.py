@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -262,6 +262,20 @@ class ElementwiseComponent:
             out += torch.dot(ta, ta if u is v else self._relative(b, w, fixed))
         return out
 
+    def sq_norm_on(self, u: Tensor, masks: Mapping[str, Tensor]) -> float:
+        """The part of ‖u‖² = Σ u²/w² on the entries that ``masks`` marks (parameter name → boolean
+        tensor of the parameter's shape; names not given count nothing)."""
+        total = 0.0
+        for i, a, b, s in self._pieces:
+            mask = masks.get(self.names[i])
+            if mask is None:
+                continue
+            fixed = self.fixed[i]
+            piece = u[i][a:b] if isinstance(u, list) else u[s:s + b - a]
+            t = self._relative(piece, self.weights[i][a:b], None if fixed is None else fixed[a:b])
+            total += float(torch.dot(t, t * mask.reshape(-1)[a:b].to(device=t.device, dtype=t.dtype)))
+        return total
+
     def project(self, u: Tensor) -> Tensor:
         # Every vector the solver forms is a combination of gradients ∇⊙w², already 0 where w is
         # fixed; random directions are masked in :meth:`random`. Nothing to project.
@@ -404,10 +418,20 @@ class ProductBall:
     def quotient_share(self, u: Tangent) -> float:
         """Share of ‖u‖² in the quotient (GL) components: Σ_{c quotient} ‖u_c‖² / Σ_c ‖u_c‖², each
         in its own metric (the rest is the elementwise components); nan for u = 0."""
+        return self.share_on(u, {})
+
+    def share_on(self, u: Tangent, covered: Mapping[str, Tensor]) -> float:
+        """Share of ‖u‖² on the quotient components and on the elementwise entries that ``covered``
+        marks (parameter name → boolean tensor of its shape), each in its own metric; nan for
+        u = 0. With ``covered`` the weights of a layout's GL blocks, it says how much of an
+        adaptive perturbation lies on the attention weights that the geodesic geometries move
+        along the quotient, comparably across geometries."""
         parts = [float(c.inner(a, a)) for c, a in zip(self.components, u)]
         total = sum(parts)
-        gl = sum(v for c, v in zip(self.components, parts) if isinstance(c, QuotientComponent))
-        return gl / total if total > 0 else float("nan")
+        on = sum(v if isinstance(c, QuotientComponent) else
+                 (c.sq_norm_on(a, covered) if covered and isinstance(c, ElementwiseComponent) else 0.0)
+                 for c, a, v in zip(self.components, u, parts))
+        return on / total if total > 0 else float("nan")
 
     def project(self, u: Tangent) -> Tangent:
         return [c.project(a) for c, a in zip(self.components, u)]

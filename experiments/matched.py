@@ -10,8 +10,8 @@ exact geodesic (with the second-order step beside them).
 
 Protocol
 --------
-* **Population**: the 48 fine-tunes of the vision study's default protocol (``python -m
-  experiments vision``: one pretrained ViT width 64, depth 4, 4 heads of dim 16; model i's
+* **Population**: the 48 fine-tunes of the vision study's default protocol (``quotient-manifolds
+  vision``: one pretrained ViT width 64, depth 4, 4 heads of dim 16; model i's
   hyperparameters from ``default_rng([seed, i, 29])``), retrained deterministically from their
   seeds with the vision study's own training function, or reused from its checkpoints
   (``--checkpoint-dir runs/vision-finetune/checkpoints``: the checkpoint names and training hashes
@@ -35,9 +35,10 @@ Protocol
   beside the level.
 * **Per model and (measure, level)** the record holds the sharpness value (the worst-case loss
   rise over the ball, in nats: the measured loss rise at ρ*), the initial and worst losses, the
-  share of the worst perturbation's squared metric norm that lies in the GL blocks
-  (``gl_norm_shares`` of :class:`quotient_manifolds.adapters.SharpnessResult`; the rest is in the elementwise blocks;
-  0 for the adaptive measures, whose geometry has no GL blocks), the second-order step's gap to
+  share of the worst perturbation's squared metric norm that lies on the attention weights (the
+  weights of the GL blocks; ``attention_norm_shares`` of
+  :class:`quotient_manifolds.adapters.SharpnessResult`, in each measure's own metric, for the
+  adaptive measures too: where each measure's worst perturbation lives), the second-order step's gap to
   the exact geodesic (``retraction_gaps``), and, where the exact geodesic left GL (G or H lost
   rank), ``value = NaN`` with the message in ``error``: a **failure**, counted in the report for
   every measure and level and never dropped silently (τ is given over the models with a value,
@@ -46,7 +47,7 @@ Protocol
   generalisation gap on the model's own training subset (``gap_own``, as the vision study) and
   the paired-bootstrap Δτ against the baseline and against our adaptive (same resampled models
   for both τ's; :func:`quotient_manifolds.experiments.report.paired_section`), the calibrated ρ*, the achieved loss
-  rises, the failures and the GL shares; the figure ``fig_matched.png`` shows τ against the level
+  rises, the failures and the attention shares; the figure ``fig_matched.png`` shows τ against the level
   with the 95 % CIs. Models above the vision study's train-error target (5 %) are excluded and
   listed, as there.
 
@@ -270,14 +271,16 @@ def _entry(record: Dict[str, Any], measure: str, level: float) -> Optional[Dict[
 def values(records: Sequence[Dict[str, Any]], measure: str, level: float, key: str = "value"
            ) -> np.ndarray:
     """Per record, ``key`` of the entry of ``measure`` at ``level`` (NaN where absent);
-    ``key="gl_share"``: the mean over batches of ``gl_norm_shares``; ``key="gap"``: the largest
+    ``key="attention_share"``: the mean over batches of ``attention_norm_shares`` (records
+    without it: ``gl_norm_shares``, which equals it for the geodesic measures); ``key="gap"``: the largest
     |relative gap| over batches of the second-order loss rise to the exact geodesic's
     (``retraction_gaps``; inf where that geodesic left GL)."""
     out = []
     for r in records:
         e = _entry(r, measure, level) or {}
-        if key == "gl_share":
-            got = float(np.mean(e["gl_norm_shares"])) if e.get("gl_norm_shares") else None
+        if key == "attention_share":
+            shares = e.get("attention_norm_shares") or e.get("gl_norm_shares")
+            got = float(np.mean(shares)) if shares else None
         elif key == "gap":
             got = max(abs(g) for g in e["retraction_gaps"]) if e.get("retraction_gaps") else None
         else:
@@ -356,16 +359,16 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
         cols = {m: values(used, m, level) for m in measures}
         views.append((f"loss rise ≈ {level:g} nats", "models resampled", {}, cols))
     lines += paired_section(y, views, summary)
-    lines += ["## Calibration, achieved loss rise, exact-geodesic failures, GL share", "",
+    lines += ["## Calibration, achieved loss rise, exact-geodesic failures, attention share", "",
               "ρ*: the calibrated radius; loss rise: the population's sharpness values at ρ* "
               "(median [min, max], nats); failures: models whose exact geodesic left GL(h) inside "
               "the ball (value undefined; τ above is over the other models, the last column ranks "
-              "them as the sharpest); GL share: share of the worst perturbation's squared metric "
-              "norm in the GL blocks (median [min, max]; 0 for the adaptive measures, whose "
-              "geometry has no GL blocks); second-order gap: |S_exact/S − 1| at the worst "
+              "them as the sharpest); attention share: share of the worst perturbation's squared "
+              "metric norm on the attention weights, the weights of the GL blocks (median [min, "
+              "max]; for every measure in its own metric, the adaptive ones included); second-order gap: |S_exact/S − 1| at the worst "
               "second-order perturbation, the exact geodesic (8 RK4 steps) taken with the same "
               "initial velocity (median [min, max]; `retraction_gaps` of adapters.sharpness).", "",
-              "| level (nats) | measure | ρ* | loss rise | failures | GL share "
+              "| level (nats) | measure | ρ* | loss rise | failures | attention share "
               "| second-order gap | τ-b, failures ranked sharpest |",
               "|---|---|---|---|---|---|---|---|"]
     for level in levels:
@@ -376,11 +379,11 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
             rho = config["rho"][m][level_key(level)]
             t_all = tau_ci_weighted(_failures_sharpest(x, fail), y, n_boot=PAIRED_N_BOOT,
                                     seed=PAIRED_SEED) if n_fail and len(used) >= 3 else None
-            share = values(used, m, level, "gl_share")
+            share = values(used, m, level, "attention_share")
             gap = values(used, m, level, "gap")
             summary["matched"].setdefault(level_key(level), {})[m] = dict(
                 rho=rho, median_loss_rise=_median(x), failures=n_fail, models=len(used),
-                median_gl_share=_median(share),
+                median_attention_share=_median(share),
                 median_second_order_gap=_median(gap),
                 tau_failures_sharpest=t_all.as_dict() if t_all else None)
             lines.append(f"| {level:g} | {m} | {rho:.4g} | {_median_range(x)} | "

@@ -185,7 +185,8 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
     the manifold inside the ball, gives ``value = nan`` with the message in ``error`` instead of
     failing the model. The per-batch relative gap of the
     second-order point to the exact geodesic (``retraction_gaps``, docs/maths.md §12) and the share
-    of the worst perturbation's squared metric norm in the GL blocks (``gl_norm_shares``) are kept;
+    of the worst perturbation's squared metric norm in the GL blocks (``gl_norm_shares``) and on the
+    attention weights, in every geometry (``attention_norm_shares``) are kept;
     the library's warning about the gap is recorded in ``warnings`` instead of printed."""
     from quotient_manifolds import adapters
     from quotient_manifolds.adapters.sharpness import sharpness
@@ -226,6 +227,8 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
                 entry["retraction_gaps"] = res.retraction_gaps
             if res.gl_norm_shares:
                 entry["gl_norm_shares"] = res.gl_norm_shares
+            if res.attention_norm_shares:
+                entry["attention_norm_shares"] = res.attention_norm_shares
             if caught:
                 entry["warnings"] = sorted({str(w.message) for w in caught})
         except FloatingPointError as err:

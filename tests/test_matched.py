@@ -82,8 +82,12 @@ def test_matched_pipeline_and_report(tmp_path):
             if "error" not in e:  # the share of the worst ξ's norm in the GL blocks
                 (share,) = e["gl_norm_shares"]  # (NaN: no ascent found, ξ = 0)
                 assert math.isnan(share) or 0.0 <= share <= 1.0
+                (on_attention,) = e["attention_norm_shares"]  # in every geometry
+                assert math.isnan(on_attention) or 0.0 <= on_attention <= 1.0
                 if e["geometry"] == "adaptive":
                     assert share == 0.0 or math.isnan(share)
+                else:
+                    assert on_attention == share or math.isnan(share)
         assert r["study_config"]["rho"] == cal["rho"] and "gap_own" in r["metrics"]
     # the pilot's per-model search is kept: every evaluation, and how many left GL
     pilot = _lines(os.path.join(out, "calibration.jsonl"))
@@ -125,7 +129,7 @@ def test_matched_report_table_figure_and_failures(tmp_path):
             for m in config["measures"]:
                 e = dict(measure=m, level=lv, rho=config["rho"][m][MT.level_key(lv)],
                          value=float(lv * (1 + gap)),
-                         gl_norm_shares=[0.0 if m.startswith("adaptive") else 0.5])
+                         attention_norm_shares=[0.25 if m.startswith("adaptive") else 0.5])
                 if m == "mix-exact" and lv == 1.0 and i == int(np.argmax(gaps)):
                     e.update(value=float("nan"), error="the exact geodesic left GL(h)")
                 entries.append(e)
@@ -137,7 +141,8 @@ def test_matched_report_table_figure_and_failures(tmp_path):
     # the failure is the model with the largest gap: ranked sharpest, τ-b is +1
     assert row["tau_failures_sharpest"]["tau_b"] == pytest.approx(1.0)
     assert summary["paired"]["views"]["loss rise ≈ 1 nats"]["rows"]["mix-exact"]["n"] == 4
-    assert summary["matched"]["0.1"]["geodesic-mix"]["median_gl_share"] == 0.5
+    assert summary["matched"]["0.1"]["geodesic-mix"]["median_attention_share"] == 0.5
+    assert summary["matched"]["0.1"]["adaptive"]["median_attention_share"] == 0.25
     assert summary["matched"]["0.1"]["adaptive"]["median_second_order_gap"] is None
     assert os.path.getsize(os.path.join(tmp_path, "fig_matched.png")) > 0
 

@@ -640,3 +640,25 @@ def test_sharpness_records_where_the_worst_perturbation_lives():
     want = sum(v for q, v in parts if q) / sum(v for _, v in parts)
     assert ball.quotient_share(u) == pytest.approx(want, rel=1e-12)
     assert math.isnan(ball.quotient_share(ball.zeros()))
+
+
+def test_attention_share_is_comparable_across_geometries():
+    """attention_norm_shares: the share of the worst ξ's squared norm on the GL blocks' weights:
+    the GL share for a geodesic geometry, and for adaptive the same weights of the detected layout
+    (share_on against a brute-force sum of (u/w)² over the masked entries)."""
+    model, batches = _fitted_vit()
+    res = adapters.sharpness(model, batches, geometry="geodesic-inv", rho=1e-2, n_iters=3)
+    assert res.attention_norm_shares == pytest.approx(res.gl_norm_shares, rel=1e-12)
+    ada = adapters.sharpness(model, batches, geometry="adaptive", rho=1e-2, n_iters=2)
+    assert len(ada.attention_norm_shares) == len(batches) and 0 < ada.attention_norm_shares[0] < 1
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    masks = adapters.layout(model).gl_masks
+    ball, _ = adapters.build_ball(model, params, geometry="adaptive")
+    torch.manual_seed(2)
+    u = [torch.randn_like(z) for z in ball.zeros()]
+    (component,), (flat,) = ball.components, u
+    parts = component.unflatten(flat)
+    on = sum(float(((parts[n] / params[n]) ** 2)[masks[n]].sum()) for n in masks)
+    total = sum(float(((parts[n] / params[n]) ** 2).sum()) for n in parts)
+    assert ball.share_on(u, masks) == pytest.approx(on / total, rel=1e-6)  # float32 sums
+    assert ball.share_on(u, {}) == 0.0
