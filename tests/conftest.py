@@ -43,15 +43,33 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
+_START = pytest.StashKey[tuple]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
     import time
 
-    cpu, wall = _cpu_seconds(), time.perf_counter()
-    yield
-    spent = min(_cpu_seconds() - cpu, time.perf_counter() - wall)
-    if spent > TEST_BUDGET_S:
-        _over_budget.append((spent, item.nodeid))
+    item.stash[_START] = (_cpu_seconds(), time.perf_counter())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # measured where the test ran and carried on its teardown report, so that the total reaches
+    # the process that prints the summary also under pytest-xdist (-n)
+    import time
+
+    outcome = yield
+    if call.when == "teardown" and _START in item.stash:
+        cpu, wall = item.stash[_START]
+        spent = min(_cpu_seconds() - cpu, time.perf_counter() - wall)
+        outcome.get_result().user_properties.append(("qm_spent_s", spent))
+
+
+def pytest_runtest_logreport(report):
+    for key, spent in report.user_properties:
+        if key == "qm_spent_s" and spent > TEST_BUDGET_S:
+            _over_budget.append((spent, report.nodeid))
 
 
 def pytest_terminal_summary(terminalreporter):
