@@ -34,6 +34,7 @@ extensions = [
     "sphinx_gallery.gen_gallery",
     "sphinx_copybutton",
     "offline_mathjax",                   # docs/_ext: MathJax served from the build, no CDN
+    "maths_links",                       # docs/_ext: "docs/maths.md §3.2" in docstrings -> a link
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
