@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .stats import TauResult, paired_delta_tau, partial_tau_with_ci, tau_ci_weighted, tau_with_ci
+from .stats import (TauResult, paired_delta_tau, partial_tau_with_ci, tau_ci_weighted, tau_with_ci,
+                    r_squared, within_partial_tau_with_ci, within_tau_with_ci)
 from .runner import display_path  # also imported from here by the studies
 
 # docs/maths.md §11.6 (paper Table 1). Our text study is the analogue of MNLI/BERT, vision of
@@ -687,101 +688,6 @@ def print_table(summary: Dict[str, Any], log=print) -> None:
 # τ pooled over all models, τ over within-draw pairs only, per draw, Kendall's partial τ given the
 # initialisation scale and given the step factor, and R² of log test loss per knob. Everything is
 # recomputed from the records alone (``quotient-manifolds report DIR``).
-def _signs(v: np.ndarray) -> np.ndarray:
-    """sign(vᵢ − vⱼ) for every row of v (B, m) -> (B, m, m)."""
-    return np.sign(v[:, :, None] - v[:, None, :])
-
-
-def _within_taus(columns, groups, n_boot: int, seed: int):
-    """τ-b over within-group pairs for every pair of ``columns`` (a list of (m,) arrays): the point
-    values {(i, j): τ} and their bootstrap replicates {(i, j): (n_boot,)}, resampling models
-    within each group (the same resample for all columns). Rows with a non-finite entry are
-    dropped; groups with fewer than 2 models contribute nothing."""
-    cols = [np.asarray(c, float) for c in columns]
-    groups = np.asarray(groups)
-    keep = np.all([np.isfinite(c) for c in cols], axis=0)
-    cols, groups = [c[keep] for c in cols], groups[keep]
-    pairs = [(i, j) for i in range(len(cols)) for j in range(i + 1, len(cols))]
-    k = len(cols)
-    num, den = {p: 0.0 for p in pairs}, np.zeros(k)
-    bnum, bden = {p: np.zeros(n_boot) for p in pairs}, np.zeros((k, n_boot))
-    rng = np.random.default_rng(seed)
-    used = 0
-    for g in dict.fromkeys(groups.tolist()):
-        sel = groups == g
-        if sel.sum() < 2:
-            continue
-        used += int(sel.sum())
-        cg = [c[sel] for c in cols]
-        signs = [_signs(c[None])[0] for c in cg]
-        for i in range(k):
-            den[i] += float((signs[i] ** 2).sum())
-        for p in pairs:
-            num[p] += float((signs[p[0]] * signs[p[1]]).sum())
-        idx = rng.integers(0, int(sel.sum()), size=(n_boot, int(sel.sum())))
-        for chunk in np.array_split(np.arange(n_boot), max(1, n_boot // 250)):
-            bs = [_signs(c[idx[chunk]]) for c in cg]
-            for i in range(k):
-                bden[i, chunk] += (bs[i] ** 2).sum(axis=(1, 2))
-            for p in pairs:
-                bnum[p][chunk] += (bs[p[0]] * bs[p[1]]).sum(axis=(1, 2))
-    point, boot = {}, {}
-    with np.errstate(invalid="ignore", divide="ignore"):
-        for p in pairs:
-            d = den[p[0]] * den[p[1]]
-            point[p] = float(num[p] / math.sqrt(d)) if d > 0 else float("nan")
-            bd = bden[p[0]] * bden[p[1]]
-            boot[p] = np.where(bd > 0, bnum[p] / np.sqrt(np.where(bd > 0, bd, 1.0)), np.nan)
-    return point, boot, used
-
-
-def _ci(stats: np.ndarray, n_boot: int, level: float) -> Tuple[float, float]:
-    stats = stats[np.isfinite(stats)]
-    if stats.size < n_boot / 2:
-        return float("nan"), float("nan")
-    a = (1 - level) / 2
-    return float(np.quantile(stats, a)), float(np.quantile(stats, 1 - a))
-
-
-def within_tau_with_ci(x, y, groups, *, n_boot: int = 2000, level: float = 0.95,
-                       seed: int = 0) -> TauResult:
-    """τ-b over the pairs of models that share a group (a data draw), i.e. Σ_g Σ_{i<j∈g}
-    sign(Δx)sign(Δy) / √(Σ_g Σ sign(Δx)² · Σ_g Σ sign(Δy)²); with one group it is τ-b. The
-    bootstrap resamples models within each group. ``tau_a`` holds the same value."""
-    point, boot, m = _within_taus([x, y], groups, n_boot, seed)
-    if m < 2:
-        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), m)
-    lo, hi = _ci(boot[(0, 1)], n_boot, level)
-    return TauResult(point[(0, 1)], point[(0, 1)], lo, hi, m)
-
-
-def within_partial_tau_with_ci(x, y, z, groups, *, n_boot: int = 2000, level: float = 0.95,
-                               seed: int = 0) -> TauResult:
-    """Kendall's partial τ of x and y given z built from within-group τ-b's (pairs of models of
-    the same draw only): (τ_xy − τ_xz τ_yz)/√((1 − τ_xz²)(1 − τ_yz²)); bootstrap within groups."""
-    point, boot, m = _within_taus([x, y, z], groups, n_boot, seed)
-    if m < 3:
-        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), m)
-
-    def partial(t):
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return (t[(0, 1)] - t[(0, 2)] * t[(1, 2)]) / np.sqrt((1 - t[(0, 2)] ** 2)
-                                                                 * (1 - t[(1, 2)] ** 2))
-    t = float(partial(point))
-    lo, hi = _ci(partial(boot), n_boot, level)
-    return TauResult(t, t, lo, hi, m)
-
-
-def r_squared(y, *columns) -> float:
-    """R² of the least-squares fit of y on an intercept and ``columns`` (each (m,) or (m, p))."""
-    y = np.asarray(y, float)
-    A = np.column_stack([np.ones_like(y)] + [np.asarray(c, float).reshape(y.size, -1)
-                                             for c in columns])
-    resid = y - A @ np.linalg.lstsq(A, y, rcond=None)[0]
-    total = float(((y - y.mean()) ** 2).sum())
-    return 1 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
-
-
 def _dummies(values) -> np.ndarray:
     """One-hot columns of a categorical variable, the first level dropped (intercept)."""
     values = np.asarray(values)

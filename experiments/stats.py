@@ -13,11 +13,14 @@ Everything is plain numpy, O(M²) in the number of models M (M ≤ a few hundred
   with z = training loss: sharpness grows as a model fits its data, and so does the gap. It is a
   descriptive adjustment, not a test of conditional independence (it is not 0 in general when x
   and y are related only through z).
+* within-group τ (:func:`within_tau_with_ci`): only pairs of models that share a group (e.g. a data
+  draw) count; the bootstrap resamples models within each group.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
@@ -26,7 +29,8 @@ import numpy as np
 __all__ = ["kendall_tau_a", "kendall_tau_b", "kendall_tau", "partial_kendall_tau", "bootstrap_ci",
            "TauResult", "tau_with_ci", "partial_tau_with_ci", "error_rate", "error_and_loss",
            "generalization_gap", "DeltaTauResult", "bootstrap_weights",
-           "paired_delta_tau", "tau_ci_weighted"]
+           "paired_delta_tau", "tau_ci_weighted", "within_tau_with_ci",
+           "within_partial_tau_with_ci", "r_squared"]
 
 
 def _pairs(x, y):
@@ -213,6 +217,17 @@ def generalization_gap(test_error: float, train_error: float) -> float:
     return float(test_error) - float(train_error)
 
 
+def r_squared(y: Sequence[float], *columns) -> float:
+    """R² = 1 − Σ residual² / Σ (y − ȳ)² of the least-squares fit of y on an intercept and
+    ``columns`` (each (m,) or (m, p)); ``nan`` if y is constant."""
+    y = np.asarray(y, float)
+    A = np.column_stack([np.ones_like(y)] + [np.asarray(c, float).reshape(y.size, -1)
+                                             for c in columns])
+    resid = y - A @ np.linalg.lstsq(A, y, rcond=None)[0]
+    total = float(((y - y.mean()) ** 2).sum())
+    return 1 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
+
+
 # ------------------------------------------------------------------ weighted (resampling) bootstrap
 # A bootstrap resample is a vector of multiplicities w (how often each model was drawn). The τ-b of
 # the resample is  wᵀ(Sx∘Sy)w / √(wᵀSx²w · wᵀSy²w)  with S_ij = sign(vᵢ − vⱼ): every ordered pair of
@@ -370,3 +385,45 @@ def tau_ci_weighted(x, y, *, n_boot: int, seed: int, level: float = 0.95,
                                 strata=sel[1], within=within)
     lo, hi = _percentile_ci(b, n_boot, level)
     return TauResult(t, t if within else kendall_tau_a(x, y), lo, hi, int(y.size))
+
+
+def _in_shared_groups(columns, groups):
+    """The rows of ``columns`` (1-D, one length) where every column is finite and whose group holds
+    at least two such rows (only those form within-group pairs), and their group labels."""
+    keep = _finite_rows(*columns)
+    groups = np.asarray(groups)[keep]
+    counts = Counter(groups.tolist())
+    shared = np.array([counts[g] >= 2 for g in groups.tolist()], dtype=bool)
+    return [np.asarray(c, dtype=float)[keep][shared] for c in columns], groups[shared]
+
+
+def within_tau_with_ci(x: Sequence[float], y: Sequence[float], groups: Sequence, *,
+                       n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> TauResult:
+    """τ-b over the pairs of models that share a group (a data draw), i.e. Σ_g Σ_{i<j∈g}
+    sign(Δx)sign(Δy) / √(Σ_g Σ sign(Δx)² · Σ_g Σ sign(Δy)²); with one group it is τ-b. The
+    bootstrap resamples models within each group (:func:`bootstrap_weights` with ``strata``).
+    ``tau_a`` holds the same value; ``n`` counts the models with finite x, y in groups of ≥ 2."""
+    (x, y), groups = _in_shared_groups([x, y], groups)
+    if y.size < 2:
+        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), int(y.size))
+    (t,), (b,) = _weighted_taus([x], y, n_boot=n_boot, seed=seed, strata=groups, within=True)
+    lo, hi = _percentile_ci(b, n_boot, level)
+    return TauResult(t, t, lo, hi, int(y.size))
+
+
+def within_partial_tau_with_ci(x: Sequence[float], y: Sequence[float], z: Sequence[float],
+                               groups: Sequence, *, n_boot: int = 2000, level: float = 0.95,
+                               seed: int = 0) -> TauResult:
+    """Kendall's partial τ of x and y given z built from within-group τ-b's (pairs of models of
+    the same group only, :func:`within_tau_with_ci`):
+    (τ_xy − τ_xz τ_yz) / √((1 − τ_xz²)(1 − τ_yz²)); the three τ's share each resample (models
+    resampled within groups). Needs ≥ 3 models in shared groups (else all nan)."""
+    (x, y, z), groups = _in_shared_groups([x, y, z], groups)
+    if y.size < 3:
+        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), int(y.size))
+    kw = dict(n_boot=n_boot, seed=seed, strata=groups, within=True)
+    (t_xz, t_yz), (b_xz, b_yz) = _weighted_taus([x, y], z, **kw)
+    (t_xy,), (b_xy,) = _weighted_taus([x], y, **kw)
+    t = float(_partial(t_xy, t_xz, t_yz))
+    lo, hi = _percentile_ci(_partial(b_xy, b_xz, b_yz), n_boot, level)
+    return TauResult(t, t, lo, hi, int(y.size))
