@@ -77,6 +77,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .runner import ExperimentError, check_parent_alive, schedule_factor
+from .stats import mean_std
 
 NAME = "lora"
 ARMS = ("adamw", "peft-riemannian", "ours-adam", "ours-sgd")
@@ -443,13 +444,6 @@ def job(model_id: int, config: Dict[str, Any], picked: Dict[str, float],
 
 
 # ------------------------------------------------------------------------------------ report
-def _mean_std(v: Sequence[float]) -> Tuple[float, float]:
-    a = np.asarray([x for x in v if x is not None and math.isfinite(x)], dtype=float)
-    if a.size == 0:
-        return float("nan"), float("nan")
-    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
-
-
 def comparison_runs(records: Sequence[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
     """Per ``task/r<rank>/arm``: the seed-0 grid run at the picked lr and the other seeds' runs."""
     picked = pick_lrs(records)
@@ -473,13 +467,17 @@ def summarise(config: Dict[str, Any], records: Sequence[Dict[str, Any]]) -> Dict
     for task in config["tasks"]:
         for rank in config["ranks"]:
             here = {a: runs.get(_cell(task, rank, a), []) for a in config["arms"]}
-            finals = {a: _mean_std([r["final_test_acc"] for r in rs]) for a, rs in here.items()}
+            # one seed: sd 0.0, not nan (this report's "mean ± sd" cells and summary.json have
+            # always shown a single run so; the SAM study's leave the sd out instead)
+            finals = {a: mean_std([r["final_test_acc"] for r in rs], sd_of_one=0.0)
+                      for a, rs in here.items()}
             valid = [m for m, _ in finals.values() if math.isfinite(m)]
             target = config["target_fraction"] * max(valid) if valid else float("nan")
             tkey = f"{task}/r{rank}"
             for a, rs in here.items():
                 st = [steps_to(r["eval_steps"], r["test_acc_curve"], target) for r in rs]
                 reached = [s for s in st if s is not None]
+                steps_mean, steps_std = mean_std(reached, sd_of_one=0.0)
                 t = timing.get(tkey)
                 grid = sorted((r for r in records if r.get("kind") == "grid" and r["task"] == task
                                and r["rank"] == rank and r["arm"] == a), key=lambda r: r["lr"])
@@ -488,8 +486,8 @@ def summarise(config: Dict[str, Any], records: Sequence[Dict[str, Any]]) -> Dict
                     seeds=[r["seed"] for r in rs], final_acc=[r["final_test_acc"] for r in rs],
                     diverged=sum(bool(r["diverged"]) for r in rs),
                     final_mean=finals[a][0], final_std=finals[a][1], target=target,
-                    steps_to_target=st, steps_mean=_mean_std(reached)[0],
-                    steps_std=_mean_std(reached)[1], reached=len(reached),
+                    steps_to_target=st, steps_mean=steps_mean,
+                    steps_std=steps_std, reached=len(reached),
                     median_step_ms=float(np.median([r["median_step_ms"] for r in rs]))
                     if rs else float("nan"),
                     timing_ratio=(t or {}).get("ratio_vs_adamw", {}).get(a, float("nan")),

@@ -74,6 +74,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .runner import ExperimentError, check_parent_alive
+from .stats import mean_std
 
 NAME = "sam"
 TASKS = ("vit", "minilm")
@@ -549,14 +550,6 @@ def job(model_id: int, config: Dict[str, Any], data_dir: Optional[str], progress
 
 
 # ------------------------------------------------------------------------------------ report
-def _mean_std(v: Sequence[float]) -> Tuple[float, float]:
-    """(mean, sample standard deviation) of the finite values (sd NaN below two)."""
-    v = [x for x in v if math.isfinite(x)]
-    if not v:
-        return float("nan"), float("nan")
-    return float(np.mean(v)), (float(np.std(v, ddof=1)) if len(v) > 1 else float("nan"))
-
-
 def _num(v: Optional[float], fmt: str) -> str:
     """``v`` formatted, or "—" when missing (records written before a field existed)."""
     return "—" if v is None or not math.isfinite(v) else format(v, fmt)
@@ -588,9 +581,9 @@ def summarise(records: Sequence[Dict[str, Any]], config: Dict[str, Any]) -> Dict
                       and r["seed"] < config["sweep_seeds"]]
                 sweep.setdefault(m, []).append(dict(
                     rho=rho, factor=t["rho_factors"][ri], n=len(rs),
-                    val_acc=_mean_std([r["metrics"]["val_acc"] for r in rs])[0],
-                    test_acc=_mean_std([r["metrics"]["test_acc"] for r in rs])[0],
-                    train_loss=_mean_std([r["metrics"]["train_loss"] for r in rs])[0],
+                    val_acc=mean_std([r["metrics"]["val_acc"] for r in rs])[0],
+                    test_acc=mean_std([r["metrics"]["test_acc"] for r in rs])[0],
+                    train_loss=mean_std([r["metrics"]["train_loss"] for r in rs])[0],
                     selected=selected.get((task, m)) == ri))
         methods: Dict[str, Any] = {}
         for m in config["methods"]:
@@ -601,10 +594,10 @@ def summarise(records: Sequence[Dict[str, Any]], config: Dict[str, Any]) -> Dict
                 continue
             acc = {r["seed"]: r["metrics"]["test_acc"] for r in rs}
             row = dict(rho=None if METHODS[m] is None else rho_grid(t, m)[ri], n_seeds=len(rs),
-                       seeds=sorted(acc), test_acc=_mean_std(list(acc.values())),
-                       val_acc=_mean_std([r["metrics"]["val_acc"] for r in rs]),
-                       train_loss=_mean_std([r["metrics"]["train_loss"] for r in rs]),
-                       train_acc=_mean_std([r["metrics"]["train_acc"] for r in rs]),
+                       seeds=sorted(acc), test_acc=mean_std(list(acc.values())),
+                       val_acc=mean_std([r["metrics"]["val_acc"] for r in rs]),
+                       train_loss=mean_std([r["metrics"]["train_loss"] for r in rs]),
+                       train_acc=mean_std([r["metrics"]["train_acc"] for r in rs]),
                        update_s=float(np.median([r["timing"]["update_median_s"] for r in rs])),
                        update_cpu_s=float(np.median([r["timing"].get("update_cpu_median_s",
                                                                      math.nan) for r in rs])),
@@ -620,7 +613,7 @@ def summarise(records: Sequence[Dict[str, Any]], config: Dict[str, Any]) -> Dict
             rs = [r for r in train if r["method"] == m and r["rho_index"] == selected[(task, m)]]
             diffs = [r["metrics"]["test_acc"] - sam_acc[r["seed"]] for r in rs
                      if r["seed"] in sam_acc]
-            row["diff_to_sam"] = _mean_std(diffs) if m != "sam" and diffs else None
+            row["diff_to_sam"] = mean_std(diffs) if m != "sam" and diffs else None
             if "sam" in methods:  # medians over runs made at different machine loads
                 row["update_ratio_runs"] = row["update_s"] / methods["sam"]["update_s"]
                 row["update_cpu_ratio_runs"] = row["update_cpu_s"] / methods["sam"]["update_cpu_s"]
@@ -639,7 +632,7 @@ def _mean_curve(rs: Sequence[Dict[str, Any]]) -> List[Tuple[int, float, float]]:
     out = []
     for k, u in enumerate(pts):
         v = [r["curve"][k]["val_acc"] for r in rs if len(r["curve"]) > k]
-        m, s = _mean_std(v)
+        m, s = mean_std(v)
         out.append((u, m, s))
     return out
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,7 +30,7 @@ __all__ = ["kendall_tau_a", "kendall_tau_b", "kendall_tau", "partial_kendall_tau
            "TauResult", "tau_with_ci", "partial_tau_with_ci", "error_rate", "error_and_loss",
            "generalization_gap", "DeltaTauResult", "bootstrap_weights",
            "paired_delta_tau", "tau_ci_weighted", "within_tau_with_ci",
-           "within_partial_tau_with_ci", "r_squared"]
+           "within_partial_tau_with_ci", "r_squared", "mean_std"]
 
 
 def _pairs(x, y):
@@ -215,6 +215,17 @@ def generalization_gap(test_error: float, train_error: float) -> float:
         if not (isinstance(v, (int, float, np.floating)) and math.isfinite(v)):
             raise ValueError(f"{name} must be a finite number, got {v!r}")
     return float(test_error) - float(train_error)
+
+
+def mean_std(values: Iterable[Optional[float]], *,
+             sd_of_one: float = float("nan")) -> Tuple[float, float]:
+    """(mean, sample standard deviation √(Σ(vᵢ − v̄)² / (n − 1))) of the finite values (``None``
+    and non-finite values are left out); ``(nan, nan)`` when none is left. With one value the
+    sample standard deviation is undefined: ``sd_of_one`` stands for it (default ``nan``)."""
+    a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if a.size == 0:
+        return float("nan"), float("nan")
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else float(sd_of_one)
 
 
 def r_squared(y: Sequence[float], *columns) -> float:
