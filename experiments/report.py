@@ -449,13 +449,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                                                    for col in [target] + r2_measures) + " |")
         lines.append("")
     # population description ----------------------------------------------------------------
-    lines += ["## Population", ""]
-    for key in sorted({k for r in used for k, v in r["metrics"].items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)}):
-        vals = np.array([float(r["metrics"][key]) for r in used
-                         if isinstance(r["metrics"].get(key), (int, float))])
-        lines.append(f"- {key}: min {vals.min():.4g}, median {np.median(vals):.4g}, "
-                     f"max {vals.max():.4g}")
+    lines += ["## Population", ""] + _metric_ranges(used)
     times = [r.get("timing", {}).get("total_s") for r in records if r.get("timing")]
     if times:
         parts = {k: [r["timing"].get(k) for r in records if r.get("timing", {}).get(k) is not None]
@@ -485,6 +479,18 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                      + (" [SYNTHETIC]" if synthetic else ""), False, logy)
     write_summary(out_dir, lines, summary)
     return summary
+
+
+def _metric_ranges(records) -> List[str]:
+    """"- key: min …, median …, max …" of every numeric metric of the records."""
+    lines = []
+    for key in sorted({k for r in records for k, v in r["metrics"].items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)}):
+        vals = np.array([float(r["metrics"][key]) for r in records
+                         if isinstance(r["metrics"].get(key), (int, float))])
+        lines.append(f"- {key}: min {vals.min():.4g}, median {np.median(vals):.4g}, "
+                     f"max {vals.max():.4g}")
+    return lines
 
 
 def _points(records, measure: str, rho: float) -> str:
@@ -1032,13 +1038,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
         lines.append(f"| {k} | {v:.2f} | {rng_} |")
     lines.append("")
     # population ------------------------------------------------------------------------------
-    lines += ["## Population", ""]
-    for key in sorted({k for r in used for k, v in r["metrics"].items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)}):
-        vals = np.array([float(r["metrics"][key]) for r in used
-                         if isinstance(r["metrics"].get(key), (int, float))])
-        lines.append(f"- {key}: min {vals.min():.4g}, median {np.median(vals):.4g}, "
-                     f"max {vals.max():.4g}")
+    lines += ["## Population", ""] + _metric_ranges(used)
     restarted = sum(r.get("train_info", {}).get("restarts", 0) > 0 for r in used)
     lines.append(f"- runs restarted at half the step after diverging: {restarted}")
     times = [r.get("timing", {}).get("total_s") for r in used if r.get("timing")]

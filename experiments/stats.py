@@ -133,21 +133,32 @@ def _percentile_ci(stats: np.ndarray, n_boot: int, level: float) -> tuple:
     return (float(np.quantile(stats, a)), float(np.quantile(stats, 1 - a)))
 
 
-@dataclass
-class TauResult:
-    tau_b: float
-    tau_a: float
-    ci_low: float
-    ci_high: float
-    n: int
+class _Estimate:
+    """``as_dict`` and ``fmt`` of the result dataclasses; ``_point`` names the estimate's field."""
+    _point = ""
+    _bare_without_ci = False  # fmt: the estimate alone, without "[nan, nan]", when there is no CI
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def fmt(self) -> str:
-        if not math.isfinite(self.tau_b):
+        """"+0.12 [+0.01, +0.20]" (the estimate and its CI); "n/a" if the estimate is undefined."""
+        value, low, high = getattr(self, self._point), self.ci_low, self.ci_high
+        if not math.isfinite(value):
             return "n/a"
-        return f"{self.tau_b:+.2f} [{self.ci_low:+.2f}, {self.ci_high:+.2f}]"
+        if self._bare_without_ci and not math.isfinite(low):
+            return f"{value:+.2f}"
+        return f"{value:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+
+@dataclass
+class TauResult(_Estimate):
+    tau_b: float
+    tau_a: float
+    ci_low: float
+    ci_high: float
+    n: int
+    _point = "tau_b"
 
 
 def tau_with_ci(x, y, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> TauResult:
@@ -246,7 +257,7 @@ def r_squared(y: Sequence[float], *columns) -> float:
 # (whole clusters drawn) and a stratified (models drawn within each stratum) bootstrap differ only
 # in how w is drawn, and two measures share one w: the *paired* bootstrap of Δτ.
 @dataclass
-class DeltaTauResult:
+class DeltaTauResult(_Estimate):
     """Δτ = τ-b(x₁, y) − τ-b(x₂, y) on the same models, with a paired bootstrap CI."""
     delta: float
     ci_low: float
@@ -254,16 +265,8 @@ class DeltaTauResult:
     tau_1: float
     tau_2: float
     n: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def fmt(self) -> str:
-        if not math.isfinite(self.delta):
-            return "n/a"
-        if not math.isfinite(self.ci_low):
-            return f"{self.delta:+.2f}"
-        return f"{self.delta:+.2f} [{self.ci_low:+.2f}, {self.ci_high:+.2f}]"
+    _point = "delta"
+    _bare_without_ci = True
 
 
 def bootstrap_weights(n: int, *, n_boot: int, seed: int, clusters: Optional[Sequence] = None,
