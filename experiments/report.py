@@ -205,6 +205,269 @@ def finish_figure(fig, ax, path: str, *, title: str, xlabel: str, ylabel: str) -
     plt.close(fig)
 
 
+class _PopulationTaus:
+    """The τ's of one population report, each computed once: τ-b of a (measure, ρ) with the target
+    and, where the control ``z`` (the training loss of the gap's train error) is known, the
+    partial τ given it."""
+
+    def __init__(self, used: List[Dict[str, Any]], target: str, default_rho: Dict[str, float],
+                 n_boot: int, y: List[float], z: Optional[List[float]]):
+        self.used, self.target, self.default_rho, self.n_boot = used, target, default_rho, n_boot
+        self.y, self.z = y, z
+        self.taus: Dict[Tuple[str, float], TauResult] = {}
+        self.partials: Dict[str, TauResult] = {}
+
+    def at(self, m: str, rho: float) -> TauResult:
+        t = self.taus.get((m, rho)) or tau_for(self.used, m, rho, self.target, n_boot=self.n_boot)
+        self.taus[(m, rho)] = t
+        return t
+
+    def row(self, m: str) -> Tuple[TauResult, Optional[TauResult]]:
+        """τ at the measure's main ρ and the partial τ given the control (None without one)."""
+        rho = self.default_rho[m]
+        t = self.at(m, rho)
+        if self.z is not None and m not in self.partials:
+            self.partials[m] = partial_tau_with_ci([value_of(r, m, rho) for r in self.used],
+                                                   self.y, self.z, n_boot=self.n_boot)
+        return t, self.partials.get(m)
+
+
+def _population_header(out_dir: str, study: str, config_hash: str, records, used, target: str,
+                       synthetic: bool, exclude: Dict[int, str], wall_s: Optional[float],
+                       n_boot: int, source: Optional[str], second_passes: Sequence[str]
+                       ) -> List[str]:
+    banner = ("\n> **SYNTHETIC DATA — smoke test only; these numbers mean nothing about the "
+              "paper.**\n" if synthetic else "")
+    span = _finish_span(records)
+    when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
+             "recomputed from results.jsonl by `quotient-manifolds report`")
+            + (f"; the models were computed over {span:.0f} s (first start to last finish)"
+               if span is not None else ""))
+    return [f"# {study} study: Kendall τ of sharpness vs {TARGET_LABEL.get(target, target)}",
+            banner,
+            f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
+            + (f"; records: `{display_path(source)}`" if source else "")
+            + "".join(f" + `{display_path(os.path.join(os.path.dirname(source), p))}`"
+                      for p in second_passes if source),
+            f"- models: {len(used)} used" + (f", {len(exclude)} excluded (listed under "
+                                             "Population)" if exclude else ""),
+            f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}",
+            f"- τ-b with 95 % percentile-bootstrap CI over models ({n_boot} resamples); τ-a is "
+            f"the paper's formula (docs/maths.md §11.1)", ""]
+
+
+def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[str, Any],
+                  control: Optional[str], summary: Dict[str, Any]) -> List[str]:
+    """τ-b, τ-a and partial τ of the main (and extra) measures beside the paper's Table 1 row."""
+    used, rho = taus.used, taus.default_rho
+    lines = [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
+             f"| measure | ρ | points | τ-b [95% CI] | τ-a | partial τ given {control or '—'} "
+             "| paper τ |", "|---|---|---|---|---|---|---|"]
+    for m in measures:
+        t, pt = taus.row(m)
+        ref = paper.get(m)
+        lines.append(f"| {m} | {_fmt_rho(rho[m])} | {_points(used, m, rho[m])} | "
+                     f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
+                     f"{'' if ref is None else f'{ref:+.2f}'} |")
+        summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref,
+                              **({"partial": pt.as_dict()} if pt else {})}
+    return lines + [""]
+
+
+def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float]
+                  ) -> List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]]:
+    """The views of :func:`paired_section` for a population: the calibrated ρ (all models, and
+    within stopping epochs where training stops at a threshold) and ρ × 0.1, ρ × 10."""
+    def at(factor: float) -> Dict[str, np.ndarray]:  # the measures with values at factor × ρ
+        cols = {m: np.array([value_of(r, m, default_rho[m] * factor) for r in used])
+                for m in measures}
+        return {m: v for m, v in cols.items() if np.isfinite(v).sum() >= 3}
+
+    plain = "models resampled with replacement"
+    views: List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]] = [
+        ("calibrated ρ", plain, {}, at(1.0))]
+    stop = [r["metrics"].get("epochs_used") for r in used]
+    if all(isinstance(v, (int, float)) for v in stop) and 1 < len(set(stop)) < len(used) / 2:
+        # training stops at a train-error threshold, so the epochs used track sharpness: compare
+        # only models that stopped at the same epoch
+        views.append(("calibrated ρ, within stopping epoch", "pairs of models that stopped at "
+                      "the same epoch; models resampled within each stopping epoch",
+                      {"strata": stop, "within": True}, at(1.0)))
+    for factor in (0.1, 10.0):  # the sweep's radii, where measured
+        views.append((f"ρ × {factor:g}", plain, {}, at(factor)))
+    return views
+
+
+def _curvature_section(taus: _PopulationTaus, curvature: Sequence[str], control: Optional[str],
+                       summary: Dict[str, Any]) -> List[str]:
+    summary["curvature"] = {}
+    lines = ["## Curvature at the trained weights (adapters.hessian)", "",
+             "Trace and largest eigenvalue of the Riemannian Hessian on the quotient (inv / "
+             "mix metric on the GL blocks, adaptive metric elsewhere; docs/maths.md §4) and "
+             "of the Euclidean Hessian (not GL-invariant), on the first "
+             f"{_points(taus.used, curvature[0], 0.0)} sharpness points.", "",
+             f"| measure | median value | τ-b [95% CI] | τ-a | partial τ given "
+             f"{control or '—'} |", "|---|---|---|---|---|"]
+    for m in curvature:
+        t, pt = taus.row(m)
+        vals = np.array([value_of(r, m, 0.0) for r in taus.used])
+        med = _nanmedian(vals)
+        lines.append(f"| {m} | {med:.4g} | {t.fmt()} | {t.tau_a:+.2f} | "
+                     f"{pt.fmt() if pt else '—'} |")
+        summary["curvature"][m] = {"median": med, **t.as_dict(),
+                                   **({"partial": pt.as_dict()} if pt else {})}
+    return lines + [""]
+
+
+def _sweep_section(taus: _PopulationTaus, main: Sequence[str], summary: Dict[str, Any],
+                   fig_path: str, title: str) -> List[str]:
+    """τ at every ρ of each main measure (and its figure, where a measure has several ρ)."""
+    used = taus.used
+    sweep: Dict[str, List[Tuple[float, TauResult]]] = {}
+    for m in main:
+        rows = [(rho, taus.at(m, rho)) for rho in rhos_of(used, m)]
+        sweep[m] = rows
+        summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r), **t.as_dict()}
+                               for r, t in rows]
+    if not any(len(v) > 1 for v in sweep.values()):
+        return []
+    lines = ["## ρ sweep (τ-b [95% CI]; points per value in parentheses)", "",
+             "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
+             "scale-free.", ""]
+    for m, rows in sweep.items():  # a radius measured on fewer models says so
+        lines.append(f"- **{m}**: " + "; ".join(
+            f"ρ={_fmt_rho(r)} ({_points(used, m, r)}"
+            + ("" if t.n == len(used) else f"; {t.n} of {len(used)} models")
+            + f"): {t.fmt()}" for r, t in rows))
+    lines.append("")
+    _fig_sweep(fig_path, sweep, title, relative_to={m: taus.default_rho[m] for m in sweep})
+    return lines
+
+
+def _ablation_section(taus: _PopulationTaus, abl: Sequence[str], summary: Dict[str, Any]
+                      ) -> List[str]:
+    used, rho = taus.used, taus.default_rho
+    lines = ["## Ablations at the calibrated ρ (docs/maths.md §11.8, paper App. G)", "",
+             "| measure | ρ | points | τ-b [95% CI] | τ-a | full measure τ-b |",
+             "|---|---|---|---|---|---|"]
+    for m in abl:
+        t, _ = taus.row(m)
+        full = "geodesic-" + m.split("-", 1)[0]
+        ft = taus.taus.get((full, rho.get(full, float("nan"))))
+        lines.append(f"| {m} | {_fmt_rho(rho[m])} | "
+                     f"{_points(used, m, rho[m])} | {t.fmt()} | {t.tau_a:+.2f} | "
+                     f"{ft.fmt() if ft else ''} |")
+        summary["ablations"][m] = {"rho": rho[m], **t.as_dict()}
+    return lines + [""]
+
+
+def _other_targets_section(taus: _PopulationTaus, others: Sequence[str], measures: Sequence[str],
+                           summary: Dict[str, Any]) -> List[str]:
+    lines = ["## Other targets (τ-b [95% CI])", "",
+             "| measure | ρ | " + " | ".join(others) + " |",
+             "|---|---|" + "---|" * len(others)]
+    for m in measures:
+        rho = taus.default_rho[m]
+        cells = []
+        for tg in others:
+            t = tau_for(taus.used, m, rho, tg, n_boot=taus.n_boot)
+            summary["other_targets"].setdefault(tg, {})[m] = t.as_dict()
+            cells.append(t.fmt())
+        lines.append(f"| {m} | {_fmt_rho(rho)} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _partial_section(taus: _PopulationTaus, control: str, measures: Sequence[str],
+                     summary: Dict[str, Any]) -> List[str]:
+    """τ of each measure with the target and with the control, and the partial τ given it."""
+    target, n_boot, z = taus.target, taus.n_boot, taus.z
+    lines = [f"## Partial τ given {control} (τ-b [95% CI])", "",
+             "Kendall's partial τ of sharpness and the gap with the training loss held fixed "
+             "(`stats.partial_kendall_tau`; descriptive: not 0 in general even when the two "
+             "are related only through the training loss).", "",
+             f"| measure | ρ | τ(S, {target}) | τ(S, {control}) | partial τ |",
+             "|---|---|---|---|---|"]
+    ty = tau_with_ci(z, taus.y, n_boot=n_boot)
+    for m in measures:
+        rho = taus.default_rho[m]
+        t, pt = taus.row(m)
+        tz = tau_with_ci([value_of(r, m, rho) for r in taus.used], z, n_boot=n_boot)
+        summary.setdefault("partial", {})[m] = {"rho": rho, "control": control,
+                                                 **pt.as_dict(), "tau_control": tz.as_dict()}
+        lines.append(f"| {m} | {_fmt_rho(rho)} | {t.fmt()} | {tz.fmt()} | {pt.fmt()} |")
+    lines += ["", f"τ({control}, {target}) = {ty.fmt()}.", ""]
+    summary["control_vs_target"] = ty.as_dict()
+    return lines
+
+
+def _within_section(taus: _PopulationTaus, knobs: Sequence[Tuple[str, str, str]],
+                    measures: Sequence[str], summary: Dict[str, Any]) -> List[str]:
+    """τ within the levels of each categorical knob with few levels (pairs of models that share
+    the knob's value only)."""
+    used = taus.used
+    strata = [(label, key) for label, key, how in knobs if how == "categorical"
+              and all(key in r["hparams"] for r in used)
+              and 1 < len({repr(r["hparams"][key]) for r in used}) < len(used) / 2]
+    if not strata:
+        return []
+    summary["within"] = {}
+    lines = ["## τ within the levels of each categorical knob (τ-b [95% CI])", "",
+             "Only pairs of models that share the knob's value (e.g. the same label "
+             "smoothing) are compared (`within_tau_with_ci`, bootstrap within levels): a knob "
+             "that moves sharpness and the gap together cannot make these τ's.", "",
+             "| measure | " + " | ".join(f"within {lab}" for lab, _ in strata) + " |",
+             "|---|" + "---|" * len(strata)]
+    for m in measures:
+        x = [value_of(r, m, taus.default_rho[m]) for r in used]
+        cells = []
+        for lab, key in strata:
+            w = within_tau_with_ci(x, taus.y, [repr(r["hparams"][key]) for r in used],
+                                   n_boot=taus.n_boot)
+            summary["within"].setdefault(m, {})[lab] = w.as_dict()
+            cells.append(w.fmt())
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _r2_section(used, target: str, measures: Sequence[str], default_rho: Dict[str, float],
+                knobs: Optional[Sequence[Tuple[str, str, str]]], summary: Dict[str, Any]
+                ) -> List[str]:
+    r2 = knob_r2(used, target, [(m, default_rho[m]) for m in measures], knobs)
+    if not r2["columns"]:
+        return []
+    summary["r2"] = r2
+    heads = [target] + [f"{'log ' if r2['log'].get(m) else ''}{m}" for m in measures]
+    lines = ["## R² of each hyperparameter (least squares on one knob; last row: all knobs)",
+             "", f"How much of the {target} and of each measure each knob explains "
+             "(measures: log of the value where all values are positive; categorical knobs "
+             "as dummies).", "",
+             "| knob | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for k in list(r2["columns"]) + ["all knobs"]:
+        lines.append(f"| {k} | " + " | ".join(_r2fmt(r2["values"][col].get(k))
+                                               for col in [target] + list(measures)) + " |")
+    return lines + [""]
+
+
+def _population_section(records, used, exclude: Dict[int, str], config: Dict[str, Any]
+                        ) -> List[str]:
+    """The metrics' ranges, time per model, the train-error target and the excluded models."""
+    lines = ["## Population", ""] + _metric_ranges(used)
+    times = [r.get("timing", {}).get("total_s") for r in records if r.get("timing")]
+    if times:
+        parts = {k: [r["timing"].get(k) for r in records if r.get("timing", {}).get(k) is not None]
+                 for k in ("train_s", "sharpness_s", "curvature_s")}
+        lines.append(f"- time per model (s): median {np.median(times):.1f}, max {max(times):.1f}, "
+                     f"sum {sum(times):.0f}" + "".join(
+                         f"; {k[:-2]} median {np.median(v):.1f}" for k, v in parts.items() if v))
+    target_err = config.get("train_error_target")
+    if target_err is not None:
+        lines.append(f"- train-error target (own subset) ≤ {target_err:g}: "
+                     f"{len(records) - len(exclude)} of {len(records)} models met it")
+    for mid, why in sorted(exclude.items()):
+        lines.append(f"- **excluded** model {mid}: {why}")
+    return lines + [""]
+
+
 def population_report(out_dir: str, study: str, config: Dict[str, Any], config_hash: str,
                       records: List[Dict[str, Any]], *, target: str, main: Sequence[str],
                       default_rho: Dict[str, float], extra_main: Sequence[str] = (),
@@ -230,25 +493,8 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     for every measure, the population and the excluded models."""
     exclude = exclude or {}
     used = [r for r in records if r["model_id"] not in exclude]
-    paper = PAPER.get(study, {})
-    banner = ("\n> **SYNTHETIC DATA — smoke test only; these numbers mean nothing about the "
-              "paper.**\n" if synthetic else "")
-    span = _finish_span(records)
-    when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
-             "recomputed from results.jsonl by `quotient-manifolds report`")
-            + (f"; the models were computed over {span:.0f} s (first start to last finish)"
-               if span is not None else ""))
-    lines = [f"# {study} study: Kendall τ of sharpness vs {TARGET_LABEL.get(target, target)}",
-             banner,
-             f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
-             + (f"; records: `{display_path(source)}`" if source else "")
-             + "".join(f" + `{display_path(os.path.join(os.path.dirname(source), p))}`"
-                       for p in second_passes if source),
-             f"- models: {len(used)} used" + (f", {len(exclude)} excluded (listed under "
-                                              "Population)" if exclude else ""),
-             f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}",
-             f"- τ-b with 95 % percentile-bootstrap CI over models ({n_boot} resamples); τ-a is "
-             f"the paper's formula (docs/maths.md §11.1)", ""]
+    lines = _population_header(out_dir, study, config_hash, records, used, target, synthetic,
+                               exclude, wall_s, n_boot, source, second_passes)
     summary: Dict[str, Any] = {"study": study, "config_hash": config_hash, "n_models": len(used),
                                "target": target, "synthetic": synthetic, "main": {},
                                "sweep": {}, "ablations": {}, "other_targets": {},
@@ -262,221 +508,50 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     main = [m for m in main if m in present]
     extra_main = [m for m in extra_main if m in present]
     curvature = [m for m in curvature if m in present]
+    abl = [m for m in ablations if m in present]
     y = [float(r["metrics"].get(target, float("nan"))) for r in used]
     control = GAP_CONTROL.get(target)
     z = ([float(r["metrics"][control]) for r in used]
          if control and all(control in r["metrics"] for r in used) and len(used) >= 3 else None)
-    taus: Dict[Tuple[str, float], TauResult] = {}
-    partials: Dict[str, TauResult] = {}
-
-    def tau_row(m: str) -> Tuple[TauResult, Optional[TauResult]]:
-        rho = default_rho[m]
-        t = taus.get((m, rho)) or tau_for(used, m, rho, target, n_boot=n_boot)
-        taus[(m, rho)] = t
-        if z is not None and m not in partials:
-            partials[m] = partial_tau_with_ci([value_of(r, m, rho) for r in used], y, z,
-                                              n_boot=n_boot)
-        return t, partials.get(m)
-
-    # main table -----------------------------------------------------------------------------
-    lines += [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
-              f"| measure | ρ | points | τ-b [95% CI] | τ-a | partial τ given {control or '—'} "
-              "| paper τ |", "|---|---|---|---|---|---|---|"]
-    for m in main + extra_main:
-        t, pt = tau_row(m)
-        ref = paper.get(m)
-        lines.append(f"| {m} | {_fmt_rho(default_rho[m])} | {_points(used, m, default_rho[m])} | "
-                     f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
-                     f"{'' if ref is None else f'{ref:+.2f}'} |")
-        summary["main"][m] = {"rho": default_rho[m], **t.as_dict(), "paper": ref,
-                              **({"partial": pt.as_dict()} if pt else {})}
-    lines.append("")
-    # paired Δτ ------------------------------------------------------------------------------
-    def at(factor: float) -> Dict[str, np.ndarray]:  # the measures with values at factor × ρ
-        cols = {m: np.array([value_of(r, m, default_rho[m] * factor) for r in used])
-                for m in main + extra_main}
-        return {m: v for m, v in cols.items() if np.isfinite(v).sum() >= 3}
-
-    plain = "models resampled with replacement"
-    views: List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]] = [
-        ("calibrated ρ", plain, {}, at(1.0))]
-    stop = [r["metrics"].get("epochs_used") for r in used]
-    if all(isinstance(v, (int, float)) for v in stop) and 1 < len(set(stop)) < len(used) / 2:
-        # training stops at a train-error threshold, so the epochs used track sharpness: compare
-        # only models that stopped at the same epoch
-        views.append(("calibrated ρ, within stopping epoch", "pairs of models that stopped at "
-                      "the same epoch; models resampled within each stopping epoch",
-                      {"strata": stop, "within": True}, at(1.0)))
-    for factor in (0.1, 10.0):  # the sweep's radii, where measured
-        views.append((f"ρ × {factor:g}", plain, {}, at(factor)))
-    lines += paired_section(np.asarray(y, float), views, summary)
-    # curvature ------------------------------------------------------------------------------
+    taus = _PopulationTaus(used, target, default_rho, n_boot, y, z)
+    tag = " [SYNTHETIC]" if synthetic else ""
+    lines += _main_section(taus, main + extra_main, PAPER.get(study, {}), control, summary)
+    lines += paired_section(np.asarray(y, float), _paired_views(used, main + extra_main,
+                                                                default_rho), summary)
     if curvature:
-        summary["curvature"] = {}
-        lines += ["## Curvature at the trained weights (adapters.hessian)", "",
-                  "Trace and largest eigenvalue of the Riemannian Hessian on the quotient (inv / "
-                  "mix metric on the GL blocks, adaptive metric elsewhere; docs/maths.md §4) and "
-                  "of the Euclidean Hessian (not GL-invariant), on the first "
-                  f"{_points(used, curvature[0], 0.0)} sharpness points.", "",
-                  f"| measure | median value | τ-b [95% CI] | τ-a | partial τ given "
-                  f"{control or '—'} |", "|---|---|---|---|---|"]
-        for m in curvature:
-            t, pt = tau_row(m)
-            vals = np.array([value_of(r, m, 0.0) for r in used])
-            med = _nanmedian(vals)
-            lines.append(f"| {m} | {med:.4g} | {t.fmt()} | {t.tau_a:+.2f} | "
-                         f"{pt.fmt() if pt else '—'} |")
-            summary["curvature"][m] = {"median": med, **t.as_dict(),
-                                       **({"partial": pt.as_dict()} if pt else {})}
-        lines.append("")
-    # calibration ----------------------------------------------------------------------------
+        lines += _curvature_section(taus, curvature, control, summary)
     if calibration:
         lines += _calibration_section(calibration, used, default_rho, summary)
-    # second order vs exact --------------------------------------------------------------------
     lines += _retraction_section(used, [m for m in extra_main if m.endswith("-exact")],
                                  default_rho, target, n_boot, summary)
-    # ρ sweep -------------------------------------------------------------------------------
-    sweep: Dict[str, List[Tuple[float, TauResult]]] = {}
-    for m in main:
-        rows = []
-        for rho in rhos_of(used, m):
-            t = taus.get((m, rho)) or tau_for(used, m, rho, target, n_boot=n_boot)
-            taus[(m, rho)] = t
-            rows.append((rho, t))
-        sweep[m] = rows
-        summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r), **t.as_dict()}
-                               for r, t in rows]
-    if any(len(v) > 1 for v in sweep.values()):
-        lines += ["## ρ sweep (τ-b [95% CI]; points per value in parentheses)", "",
-                  "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
-                  "scale-free.", ""]
-        for m, rows in sweep.items():  # a radius measured on fewer models says so
-            lines.append(f"- **{m}**: " + "; ".join(
-                f"ρ={_fmt_rho(r)} ({_points(used, m, r)}"
-                + ("" if t.n == len(used) else f"; {t.n} of {len(used)} models")
-                + f"): {t.fmt()}" for r, t in rows))
-        lines.append("")
-        _fig_sweep(os.path.join(out_dir, "fig_rho_sweep.png"), sweep,
-                   f"{study}: τ vs ρ" + (" [SYNTHETIC]" if synthetic else ""),
-                   relative_to={m: default_rho[m] for m in sweep})
-    # ablations -----------------------------------------------------------------------------
-    abl = [m for m in ablations if m in present]
+    lines += _sweep_section(taus, main, summary, os.path.join(out_dir, "fig_rho_sweep.png"),
+                            f"{study}: τ vs ρ{tag}")
     if abl:
-        lines += ["## Ablations at the calibrated ρ (docs/maths.md §11.8, paper App. G)", "",
-                  "| measure | ρ | points | τ-b [95% CI] | τ-a | full measure τ-b |",
-                  "|---|---|---|---|---|---|"]
-        for m in abl:
-            t, _ = tau_row(m)
-            full = "geodesic-" + m.split("-", 1)[0]
-            ft = taus.get((full, default_rho.get(full, float("nan"))))
-            lines.append(f"| {m} | {_fmt_rho(default_rho[m])} | "
-                         f"{_points(used, m, default_rho[m])} | {t.fmt()} | {t.tau_a:+.2f} | "
-                         f"{ft.fmt() if ft else ''} |")
-            summary["ablations"][m] = {"rho": default_rho[m], **t.as_dict()}
-        lines.append("")
+        lines += _ablation_section(taus, abl, summary)
         _fig_scatter(os.path.join(out_dir, "fig_ablations.png"), used,
-                     [(m, default_rho[m]) for m in abl], target, taus,
-                     f"{study}: ablations" + (" [SYNTHETIC]" if synthetic else ""), logx, logy)
-    # other targets -------------------------------------------------------------------------
+                     [(m, default_rho[m]) for m in abl], target, taus.taus,
+                     f"{study}: ablations{tag}", logx, logy)
     others = [t for t in other_targets if all(t in r["metrics"] for r in used)]
     if others:
-        lines += ["## Other targets (τ-b [95% CI])", "",
-                  "| measure | ρ | " + " | ".join(others) + " |",
-                  "|---|---|" + "---|" * len(others)]
-        for m in main + extra_main + curvature:
-            rho = default_rho[m]
-            cells = []
-            for tg in others:
-                t = tau_for(used, m, rho, tg, n_boot=n_boot)
-                summary["other_targets"].setdefault(tg, {})[m] = t.as_dict()
-                cells.append(t.fmt())
-            lines.append(f"| {m} | {_fmt_rho(rho)} | " + " | ".join(cells) + " |")
-        lines.append("")
-    # partial τ given the training loss ----------------------------------------------------
+        lines += _other_targets_section(taus, others, main + extra_main + curvature, summary)
     if z is not None:
-        lines += [f"## Partial τ given {control} (τ-b [95% CI])", "",
-                  "Kendall's partial τ of sharpness and the gap with the training loss held fixed "
-                  "(`stats.partial_kendall_tau`; descriptive: not 0 in general even when the two "
-                  "are related only through the training loss).", "",
-                  f"| measure | ρ | τ(S, {target}) | τ(S, {control}) | partial τ |",
-                  "|---|---|---|---|---|"]
-        ty = tau_with_ci(z, y, n_boot=n_boot)
-        for m in main + extra_main + abl + curvature:
-            rho = default_rho[m]
-            t, pt = tau_row(m)
-            tz = tau_with_ci([value_of(r, m, rho) for r in used], z, n_boot=n_boot)
-            summary.setdefault("partial", {})[m] = {"rho": rho, "control": control,
-                                                     **pt.as_dict(), "tau_control": tz.as_dict()}
-            lines.append(f"| {m} | {_fmt_rho(rho)} | {t.fmt()} | {tz.fmt()} | {pt.fmt()} |")
-        lines += ["", f"τ({control}, {target}) = {ty.fmt()}.", ""]
-        summary["control_vs_target"] = ty.as_dict()
-    # τ within the levels of each categorical knob ------------------------------------------------
-    strata = [(label, key) for label, key, how in
-              (knobs if knobs is not None else default_knobs(used)) if how == "categorical"
-              and all(key in r["hparams"] for r in used)
-              and 1 < len({repr(r["hparams"][key]) for r in used}) < len(used) / 2]
-    if strata:
-        summary["within"] = {}
-        lines += ["## τ within the levels of each categorical knob (τ-b [95% CI])", "",
-                  "Only pairs of models that share the knob's value (e.g. the same label "
-                  "smoothing) are compared (`within_tau_with_ci`, bootstrap within levels): a knob "
-                  "that moves sharpness and the gap together cannot make these τ's.", "",
-                  "| measure | " + " | ".join(f"within {lab}" for lab, _ in strata) + " |",
-                  "|---|" + "---|" * len(strata)]
-        for m in main + extra_main + curvature:
-            x = [value_of(r, m, default_rho[m]) for r in used]
-            cells = []
-            for lab, key in strata:
-                w = within_tau_with_ci(x, y, [repr(r["hparams"][key]) for r in used],
-                                       n_boot=n_boot)
-                summary["within"].setdefault(m, {})[lab] = w.as_dict()
-                cells.append(w.fmt())
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        lines.append("")
-    # R² per knob ----------------------------------------------------------------------------
-    r2_measures = main + extra_main + curvature
-    r2 = knob_r2(used, target, [(m, default_rho[m]) for m in r2_measures], knobs)
-    if r2["columns"]:
-        summary["r2"] = r2
-        heads = [target] + [f"{'log ' if r2['log'].get(m) else ''}{m}" for m in r2_measures]
-        lines += ["## R² of each hyperparameter (least squares on one knob; last row: all knobs)",
-                  "", f"How much of the {target} and of each measure each knob explains "
-                  "(measures: log of the value where all values are positive; categorical knobs "
-                  "as dummies).", "",
-                  "| knob | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
-        for k in list(r2["columns"]) + ["all knobs"]:
-            lines.append(f"| {k} | " + " | ".join(_r2fmt(r2["values"][col].get(k))
-                                                   for col in [target] + r2_measures) + " |")
-        lines.append("")
-    # population description ----------------------------------------------------------------
-    lines += ["## Population", ""] + _metric_ranges(used)
-    times = [r.get("timing", {}).get("total_s") for r in records if r.get("timing")]
-    if times:
-        parts = {k: [r["timing"].get(k) for r in records if r.get("timing", {}).get(k) is not None]
-                 for k in ("train_s", "sharpness_s", "curvature_s")}
-        lines.append(f"- time per model (s): median {np.median(times):.1f}, max {max(times):.1f}, "
-                     f"sum {sum(times):.0f}" + "".join(
-                         f"; {k[:-2]} median {np.median(v):.1f}" for k, v in parts.items() if v))
-    target_err = config.get("train_error_target")
-    if target_err is not None:
-        lines.append(f"- train-error target (own subset) ≤ {target_err:g}: "
-                     f"{len(records) - len(exclude)} of {len(records)} models met it")
-    for mid, why in sorted(exclude.items()):
-        lines.append(f"- **excluded** model {mid}: {why}")
-    lines.append("")
+        lines += _partial_section(taus, control, main + extra_main + abl + curvature, summary)
+    lines += _within_section(taus, knobs if knobs is not None else default_knobs(used),
+                             main + extra_main + curvature, summary)
+    lines += _r2_section(used, target, main + extra_main + curvature, default_rho, knobs, summary)
+    lines += _population_section(records, used, exclude, config)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     lines += ["## Configuration", "", "```json", json.dumps(config, indent=1, sort_keys=True,
                                                              default=str), "```", ""]
     _fig_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
-                 [(m, default_rho[m]) for m in main + extra_main], target, taus,
+                 [(m, default_rho[m]) for m in main + extra_main], target, taus.taus,
                  f"{study}: {TARGET_LABEL.get(target, target)} vs sharpness ({len(used)} models)"
-                 + (" [SYNTHETIC]" if synthetic else ""), logx, logy)
+                 + tag, logx, logy)
     if curvature:
         _fig_scatter(os.path.join(out_dir, "fig_curvature.png"), used,
-                     [(m, 0.0) for m in curvature], target, taus,
-                     f"{study}: {TARGET_LABEL.get(target, target)} vs curvature"
-                     + (" [SYNTHETIC]" if synthetic else ""), False, logy)
+                     [(m, 0.0) for m in curvature], target, taus.taus,
+                     f"{study}: {TARGET_LABEL.get(target, target)} vs curvature" + tag, False, logy)
     write_summary(out_dir, lines, summary)
     return summary
 
