@@ -647,31 +647,31 @@ def print_summary(summary: Dict[str, Any], log=print) -> None:
 # ------------------------------------------------------------------------------------ CLI
 def add_arguments(p) -> None:
     """The study's own options (``quotient-manifolds lora --help``)."""
-    from .cli import _float_list, _int_list, _positive_int, _seed_list
+    from .cli import float_list, int_list, positive_int, seed_list
     for action in p._actions:  # the common --seed: here it only seeds the data split
         if action.dest == "seed":
             action.help = "seed of the fixed train/validation/test split (default 0)"
     g = p.add_argument_group("lora study")
     g.add_argument("--tasks", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
                    default=None, metavar="T1,...", help="rt (default) and/or mr")
-    g.add_argument("--ranks", type=_int_list, default=None, metavar="R1,...",
+    g.add_argument("--ranks", type=int_list, default=None, metavar="R1,...",
                    help="LoRA ranks (default 4,16; quick 2,4)")
-    g.add_argument("--seeds", type=_seed_list, default=None, metavar="S1,...",
+    g.add_argument("--seeds", type=seed_list, default=None, metavar="S1,...",
                    help="seeds; the first picks the lrs (default 0,1,2; quick 0,1)")
     g.add_argument("--arms", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
                    default=None, metavar="A1,...", help=f"optimizers (default {','.join(ARMS)})")
     for a in ARMS:
-        g.add_argument(f"--lr-grid-{a}", type=_float_list, default=None, metavar="LR1,...",
+        g.add_argument(f"--lr-grid-{a}", type=float_list, default=None, metavar="LR1,...",
                        help=f"lr grid of {a} (default {','.join(f'{v:g}' for v in LR_GRID[a])})")
-    g.add_argument("--steps", type=_positive_int, default=None, help="training steps (default 250)")
-    g.add_argument("--eval-steps", type=_int_list, default=None, metavar="S1,...",
+    g.add_argument("--steps", type=positive_int, default=None, help="training steps (default 250)")
+    g.add_argument("--eval-steps", type=int_list, default=None, metavar="S1,...",
                    help="steps with a test evaluation, ending at --steps (default "
                         "25,50,100,150,200,250; with only --steps: 6 evenly spaced)")
-    g.add_argument("--batch-size", type=_positive_int, default=None, help="default 16")
-    g.add_argument("--train-size", type=_positive_int, default=None, help="default 2000")
-    g.add_argument("--val-size", type=_positive_int, default=None, help="default 400")
-    g.add_argument("--test-size", type=_positive_int, default=None, help="default 800")
-    g.add_argument("--timing-steps", type=_positive_int, default=None,
+    g.add_argument("--batch-size", type=positive_int, default=None, help="default 16")
+    g.add_argument("--train-size", type=positive_int, default=None, help="default 2000")
+    g.add_argument("--val-size", type=positive_int, default=None, help="default 400")
+    g.add_argument("--test-size", type=positive_int, default=None, help="default 800")
+    g.add_argument("--timing-steps", type=positive_int, default=None,
                    help="steps per arm of the interleaved timing run (default 30)")
 
 
@@ -701,7 +701,7 @@ def config_from_args(args) -> Dict[str, Any]:
 def run(args, log=print) -> int:
     """``quotient-manifolds lora``: the grid runs, the lr choice, the other seeds, the timing
     runs, the report; resumable (finished runs are skipped)."""
-    from .cli import _set_threads, default_out
+    from .cli import set_threads, default_out
     from .runner import OutputDir, fmt_seconds, run_population
 
     c = config_from_args(args)
@@ -718,7 +718,7 @@ def run(args, log=print) -> int:
         f"{len(ids_of(c, 'seed'))} seed runs, {len(ids_of(c, 'timing'))} timing runs) -> {out}\n"
         f"  results: {os.path.join(out, 'results.jsonl')} (one line per finished run; rerun to "
         f"resume)\n  report: {os.path.join(out, 'summary.md')}, fig_lora_accuracy.png")
-    threads = _set_threads(args.workers, args.threads)
+    threads = set_threads(args.workers, args.threads)
     failed: List[int] = []
     with OutputDir(out, NAME, c, force_mix=args.force_mix) as od:
         common = dict(workers=args.workers, progress=not args.no_progress, log=log,

@@ -822,23 +822,23 @@ def _fig_curves(path: str, s: Dict[str, Any], config: Dict[str, Any], syn: str) 
 # ------------------------------------------------------------------------------------ CLI
 def add_arguments(p) -> None:
     """The ``sam`` subcommand's own options (the common ones come from :mod:`quotient_manifolds.experiments.cli`)."""
-    from .cli import _positive_int, _float_list
+    from .cli import positive_int, float_list
     g = p.add_argument_group("sam study")
     g.add_argument("--tasks", default=None, metavar="T1,T2",
                    help=f"tasks to run (default all: {','.join(TASKS)})")
     g.add_argument("--methods", default=None, metavar="M1,M2,...",
                    help=f"arms (default all: {','.join(METHODS)}; 'sam' is required as the cost "
                         f"reference)")
-    g.add_argument("--seeds", type=_positive_int, default=None,
+    g.add_argument("--seeds", type=positive_int, default=None,
                    help="seeds per arm at the selected ρ (default 3; quick 2)")
-    g.add_argument("--sweep-seeds", type=_positive_int, default=None,
+    g.add_argument("--sweep-seeds", type=positive_int, default=None,
                    help="seeds on which every ρ of the sweep runs (default 1; --sweep-seeds "
                         "equal to --seeds sweeps every seed)")
-    g.add_argument("--vit-steps", type=_positive_int, default=None,
+    g.add_argument("--vit-steps", type=positive_int, default=None,
                    help="optimizer updates per ViT run (default 1000; base-2x runs twice that)")
-    g.add_argument("--minilm-steps", type=_positive_int, default=None,
+    g.add_argument("--minilm-steps", type=positive_int, default=None,
                    help="optimizer updates per MiniLM run (default 80)")
-    g.add_argument("--rho-factors", type=_float_list, default=None, metavar="F1,F2,...",
+    g.add_argument("--rho-factors", type=float_list, default=None, metavar="F1,F2,...",
                    help="multipliers of each arm's centre ρ in the sweep (default 0.25,1,4)")
     g.add_argument("--rho-centre", action="append", default=None, metavar="TASK:METHOD=RHO",
                    help="centre of an arm's ρ sweep (repeatable), e.g. vit:geodesic-mix=0.01 "
@@ -890,7 +890,7 @@ def config_from_args(args) -> Dict[str, Any]:
 def run(args, log: Callable[[str], None] = print) -> int:
     """``quotient-manifolds sam``: the sweep phase, the selection, the seeds phase, the
     report (each phase resumes from results.jsonl)."""
-    from .cli import _set_threads, default_out
+    from .cli import set_threads, default_out
     from .runner import OutputDir, fmt_seconds, load_current, run_population
 
     config = config_from_args(args)
@@ -904,7 +904,7 @@ def run(args, log: Callable[[str], None] = print) -> int:
             _model_path()
     out = os.path.abspath(args.out or default_out(NAME, args))
     started = time.perf_counter()
-    threads = _set_threads(args.workers, args.threads)
+    threads = set_threads(args.workers, args.threads)
     progress = not args.no_progress
     failed: List[int] = []
     with OutputDir(out, NAME, config, force_mix=args.force_mix) as od:
