@@ -700,7 +700,7 @@ def cmd_text(args) -> int:
     if not args.synthetic:  # fail early with the preparing command
         from .data import find_mr, find_rt
         (find_rt if paper else find_mr)(args.data_dir)
-        T._model_path()
+        T.model_path()
     if not paper:
         return run_population_study(T, config, args, report_kwargs=transformer_report_kwargs(
             T, config, args.synthetic, args.target))

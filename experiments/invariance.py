@@ -120,7 +120,7 @@ def run(args, log=print) -> int:
         else:
             from .data import find_mr
             find_mr(args.data_dir)
-            text._model_path()
+            text.model_path()
     scales = args.scales or ([1e-2, 1.0, 1e2] if args.quick
                              else [float(a) for a in np.logspace(-2, 2, 9)])
     rho = {"adaptive": pconf["rho"]["adaptive"], "geodesic-inv": pconf["rho"]["inv"],

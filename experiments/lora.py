@@ -40,7 +40,7 @@ Protocol (defaults; ``quotient-manifolds lora --help`` for the overrides)
   - ``ours-sgd``: the same points + :class:`quotient_manifolds.adapters.InvariantRiemannianSGD` (momentum 0.9).
 
 * training: ``steps`` (250) steps of ``batch_size`` (16) sentences (2 epochs of the 2,000),
-  length-bucketed batches (:func:`quotient_manifolds.experiments.text._bucketed_batches`), dropout on, linear
+  length-bucketed batches (:func:`quotient_manifolds.experiments.text.bucketed_batches`), dropout on, linear
   warm-up over 10 % of the steps then linear decay to 0 (both optimizers), no gradient clipping
   (clipping by the Euclidean gradient norm is not GL-invariant). Data order, head and LoRA
   initialisation and dropout come from the seed and are identical across arms.
@@ -301,7 +301,7 @@ def _batches(c: Dict[str, Any], data: Dict[str, Any], seed: int):
     lengths[idx] = [len(data["ids"][i]) for i in idx]
     rng = np.random.default_rng([seed, 2])
     while True:
-        for b in T._bucketed_batches(idx, lengths, c["batch_size"], rng):
+        for b in T.bucketed_batches(idx, lengths, c["batch_size"], rng):
             yield T.collate([data["ids"][i] for i in b], data["labels"][b])
 
 
@@ -710,7 +710,7 @@ def run(args, log=print) -> int:
         from .data import find_mr, find_rt
         for task in c["tasks"]:
             (find_rt if task == "rt" else find_mr)(args.data_dir)
-        T._model_path()
+        T.model_path()
     out = os.path.abspath(args.out or default_out(NAME, args))
     started = time.perf_counter()
     specs = run_specs(c)

@@ -166,7 +166,7 @@ def run(args, log=print) -> int:
         else:
             from .data import find_mr
             find_mr(args.data_dir)
-            text._model_path()
+            text.model_path()
     out = os.path.abspath(args.out or default_out(f"retraction-{args.population}", args))
     os.makedirs(out, exist_ok=True)
     ckpt = os.path.abspath(args.checkpoint_dir or os.path.join(out, "checkpoints"))

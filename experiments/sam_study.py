@@ -304,11 +304,11 @@ class Task:
                     b = perm[s:s + bs]
                     yield x[b], y[b]
         else:
-            from .text import _bucketed_batches, collate
+            from .text import bucketed_batches, collate
             rng = np.random.default_rng([seed, 2])
             idx, labels = self.idx["train"], self.data["labels"]
             while True:
-                for b in _bucketed_batches(idx, self.lengths, bs, rng):
+                for b in bucketed_batches(idx, self.lengths, bs, rng):
                     yield collate([self.data["ids"][i] for i in b], labels[b])
 
     def loss(self, model, batch):
@@ -896,12 +896,12 @@ def run(args, log: Callable[[str], None] = print) -> int:
     config = config_from_args(args)
     if not synthetic(config):  # fail early with the preparing command
         from .data import find_fashion_mnist, find_rt
-        from .text import _model_path
+        from .text import model_path
         if "vit" in config["tasks"]:
             find_fashion_mnist(args.data_dir)
         if "minilm" in config["tasks"]:
             find_rt(args.data_dir)
-            _model_path()
+            model_path()
     out = os.path.abspath(args.out or default_out(NAME, args))
     started = time.perf_counter()
     threads = set_threads(args.workers, args.threads)
