@@ -68,17 +68,17 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
     the first ``calibration.points`` sharpness points."""
     import time
 
-    from .measures import FAMILY_MEASURE, _batch_len, _first_points, on_study_device, run_plan
+    from .measures import FAMILY_MEASURE, batch_len, first_points, on_study_device, run_plan
     from .runner import check_parent_alive
 
     started = time.perf_counter()
     cal = config["calibration"]
     data = load_data(config, data_dir)
     model, hp, info = get_model(model_id, config, data, ckpt_dir, progress)
-    batches = on_study_device(_first_points(sharpness_batches(config, data), int(cal["points"])),
+    batches = on_study_device(first_points(sharpness_batches(config, data), int(cal["points"])),
                               config)
     out: Dict[str, Any] = dict(hparams=hp, checkpoint=info["checkpoint"],
-                               n_points=sum(_batch_len(b) for b in batches), families={})
+                               n_points=sum(batch_len(b) for b in batches), families={})
     for fam in families_to_calibrate(config):
         measure = FAMILY_MEASURE[fam]
         t0 = time.perf_counter()

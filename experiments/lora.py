@@ -40,7 +40,7 @@ Protocol (defaults; ``quotient-manifolds lora --help`` for the overrides)
   - ``ours-sgd``: the same points + :class:`quotient_manifolds.adapters.InvariantRiemannianSGD` (momentum 0.9).
 
 * training: ``steps`` (250) steps of ``batch_size`` (16) sentences (2 epochs of the 2,000),
-  length-bucketed batches (:func:`quotient_manifolds.experiments.text._bucketed_batches`), dropout on, linear
+  length-bucketed batches (:func:`quotient_manifolds.experiments.text.bucketed_batches`), dropout on, linear
   warm-up over 10 % of the steps then linear decay to 0 (both optimizers), no gradient clipping
   (clipping by the Euclidean gradient norm is not GL-invariant). Data order, head and LoRA
   initialisation and dropout come from the seed and are identical across arms.
@@ -77,6 +77,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .runner import ExperimentError, check_parent_alive, schedule_factor
+from .stats import mean_std
 
 NAME = "lora"
 ARMS = ("adamw", "peft-riemannian", "ours-adam", "ours-sgd")
@@ -300,7 +301,7 @@ def _batches(c: Dict[str, Any], data: Dict[str, Any], seed: int):
     lengths[idx] = [len(data["ids"][i]) for i in idx]
     rng = np.random.default_rng([seed, 2])
     while True:
-        for b in T._bucketed_batches(idx, lengths, c["batch_size"], rng):
+        for b in T.bucketed_batches(idx, lengths, c["batch_size"], rng):
             yield T.collate([data["ids"][i] for i in b], data["labels"][b])
 
 
@@ -443,13 +444,6 @@ def job(model_id: int, config: Dict[str, Any], picked: Dict[str, float],
 
 
 # ------------------------------------------------------------------------------------ report
-def _mean_std(v: Sequence[float]) -> Tuple[float, float]:
-    a = np.asarray([x for x in v if x is not None and math.isfinite(x)], dtype=float)
-    if a.size == 0:
-        return float("nan"), float("nan")
-    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else 0.0
-
-
 def comparison_runs(records: Sequence[Dict[str, Any]]) -> Dict[str, List[Dict[str, Any]]]:
     """Per ``task/r<rank>/arm``: the seed-0 grid run at the picked lr and the other seeds' runs."""
     picked = pick_lrs(records)
@@ -473,13 +467,17 @@ def summarise(config: Dict[str, Any], records: Sequence[Dict[str, Any]]) -> Dict
     for task in config["tasks"]:
         for rank in config["ranks"]:
             here = {a: runs.get(_cell(task, rank, a), []) for a in config["arms"]}
-            finals = {a: _mean_std([r["final_test_acc"] for r in rs]) for a, rs in here.items()}
+            # one seed: sd 0.0, not nan (this report's "mean ± sd" cells and summary.json have
+            # always shown a single run so; the SAM study's leave the sd out instead)
+            finals = {a: mean_std([r["final_test_acc"] for r in rs], sd_of_one=0.0)
+                      for a, rs in here.items()}
             valid = [m for m, _ in finals.values() if math.isfinite(m)]
             target = config["target_fraction"] * max(valid) if valid else float("nan")
             tkey = f"{task}/r{rank}"
             for a, rs in here.items():
                 st = [steps_to(r["eval_steps"], r["test_acc_curve"], target) for r in rs]
                 reached = [s for s in st if s is not None]
+                steps_mean, steps_std = mean_std(reached, sd_of_one=0.0)
                 t = timing.get(tkey)
                 grid = sorted((r for r in records if r.get("kind") == "grid" and r["task"] == task
                                and r["rank"] == rank and r["arm"] == a), key=lambda r: r["lr"])
@@ -488,8 +486,8 @@ def summarise(config: Dict[str, Any], records: Sequence[Dict[str, Any]]) -> Dict
                     seeds=[r["seed"] for r in rs], final_acc=[r["final_test_acc"] for r in rs],
                     diverged=sum(bool(r["diverged"]) for r in rs),
                     final_mean=finals[a][0], final_std=finals[a][1], target=target,
-                    steps_to_target=st, steps_mean=_mean_std(reached)[0],
-                    steps_std=_mean_std(reached)[1], reached=len(reached),
+                    steps_to_target=st, steps_mean=steps_mean,
+                    steps_std=steps_std, reached=len(reached),
                     median_step_ms=float(np.median([r["median_step_ms"] for r in rs]))
                     if rs else float("nan"),
                     timing_ratio=(t or {}).get("ratio_vs_adamw", {}).get(a, float("nan")),
@@ -649,31 +647,31 @@ def print_summary(summary: Dict[str, Any], log=print) -> None:
 # ------------------------------------------------------------------------------------ CLI
 def add_arguments(p) -> None:
     """The study's own options (``quotient-manifolds lora --help``)."""
-    from .cli import _float_list, _int_list, _positive_int, _seed_list
+    from .cli import float_list, int_list, positive_int, seed_list
     for action in p._actions:  # the common --seed: here it only seeds the data split
         if action.dest == "seed":
             action.help = "seed of the fixed train/validation/test split (default 0)"
     g = p.add_argument_group("lora study")
     g.add_argument("--tasks", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
                    default=None, metavar="T1,...", help="rt (default) and/or mr")
-    g.add_argument("--ranks", type=_int_list, default=None, metavar="R1,...",
+    g.add_argument("--ranks", type=int_list, default=None, metavar="R1,...",
                    help="LoRA ranks (default 4,16; quick 2,4)")
-    g.add_argument("--seeds", type=_seed_list, default=None, metavar="S1,...",
+    g.add_argument("--seeds", type=seed_list, default=None, metavar="S1,...",
                    help="seeds; the first picks the lrs (default 0,1,2; quick 0,1)")
     g.add_argument("--arms", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
                    default=None, metavar="A1,...", help=f"optimizers (default {','.join(ARMS)})")
     for a in ARMS:
-        g.add_argument(f"--lr-grid-{a}", type=_float_list, default=None, metavar="LR1,...",
+        g.add_argument(f"--lr-grid-{a}", type=float_list, default=None, metavar="LR1,...",
                        help=f"lr grid of {a} (default {','.join(f'{v:g}' for v in LR_GRID[a])})")
-    g.add_argument("--steps", type=_positive_int, default=None, help="training steps (default 250)")
-    g.add_argument("--eval-steps", type=_int_list, default=None, metavar="S1,...",
+    g.add_argument("--steps", type=positive_int, default=None, help="training steps (default 250)")
+    g.add_argument("--eval-steps", type=int_list, default=None, metavar="S1,...",
                    help="steps with a test evaluation, ending at --steps (default "
                         "25,50,100,150,200,250; with only --steps: 6 evenly spaced)")
-    g.add_argument("--batch-size", type=_positive_int, default=None, help="default 16")
-    g.add_argument("--train-size", type=_positive_int, default=None, help="default 2000")
-    g.add_argument("--val-size", type=_positive_int, default=None, help="default 400")
-    g.add_argument("--test-size", type=_positive_int, default=None, help="default 800")
-    g.add_argument("--timing-steps", type=_positive_int, default=None,
+    g.add_argument("--batch-size", type=positive_int, default=None, help="default 16")
+    g.add_argument("--train-size", type=positive_int, default=None, help="default 2000")
+    g.add_argument("--val-size", type=positive_int, default=None, help="default 400")
+    g.add_argument("--test-size", type=positive_int, default=None, help="default 800")
+    g.add_argument("--timing-steps", type=positive_int, default=None,
                    help="steps per arm of the interleaved timing run (default 30)")
 
 
@@ -703,7 +701,7 @@ def config_from_args(args) -> Dict[str, Any]:
 def run(args, log=print) -> int:
     """``quotient-manifolds lora``: the grid runs, the lr choice, the other seeds, the timing
     runs, the report; resumable (finished runs are skipped)."""
-    from .cli import _set_threads, default_out
+    from .cli import set_threads, default_out
     from .runner import OutputDir, fmt_seconds, run_population
 
     c = config_from_args(args)
@@ -712,7 +710,7 @@ def run(args, log=print) -> int:
         from .data import find_mr, find_rt
         for task in c["tasks"]:
             (find_rt if task == "rt" else find_mr)(args.data_dir)
-        T._model_path()
+        T.model_path()
     out = os.path.abspath(args.out or default_out(NAME, args))
     started = time.perf_counter()
     specs = run_specs(c)
@@ -720,7 +718,7 @@ def run(args, log=print) -> int:
         f"{len(ids_of(c, 'seed'))} seed runs, {len(ids_of(c, 'timing'))} timing runs) -> {out}\n"
         f"  results: {os.path.join(out, 'results.jsonl')} (one line per finished run; rerun to "
         f"resume)\n  report: {os.path.join(out, 'summary.md')}, fig_lora_accuracy.png")
-    threads = _set_threads(args.workers, args.threads)
+    threads = set_threads(args.workers, args.threads)
     failed: List[int] = []
     with OutputDir(out, NAME, c, force_mix=args.force_mix) as od:
         common = dict(workers=args.workers, progress=not args.no_progress, log=log,

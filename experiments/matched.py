@@ -132,14 +132,14 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
     measure and level on the study's points."""
     from quotient_manifolds.adapters.calibration import find_rho
 
-    from .measures import _batch_len, run_plan
+    from .measures import batch_len, run_plan
     from .runner import check_parent_alive
 
     started = time.perf_counter()
     _, model, hp, info, batches = _model_and_batches(model_id, config, ckpt_dir, data_dir,
                                                      progress)
     out: Dict[str, Any] = dict(hparams=hp, checkpoint=info["checkpoint"],
-                               n_points=sum(_batch_len(b) for b in batches), searches={})
+                               n_points=sum(batch_len(b) for b in batches), searches={})
     for level in config["levels"]:
         for measure in config["measures"]:
             t0 = time.perf_counter()

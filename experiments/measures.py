@@ -43,7 +43,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 MEASURES: Dict[str, Dict[str, Any]] = {
     "adaptive": dict(geometry="adaptive", retraction="second_order", use_metric_norm=True,
@@ -144,18 +145,20 @@ def points_of(config: Dict[str, Any], name: str, rho: Optional[float] = None) ->
     return min(full, int(points.get(group, full)))
 
 
-def _first_points(batches: Sequence[Any], n: int) -> List[Any]:
+def first_points(batches: Sequence[Any], n: int) -> List[Any]:
     """The whole batches that cover the first ``n`` points (at least one batch)."""
     out, seen = [], 0
     for b in batches:
         if seen >= n and out:
             break
         out.append(b)
-        seen += _batch_len(b)
+        seen += batch_len(b)
     return out
 
 
-def _batch_len(batch: Any) -> int:
+def batch_len(batch: Any) -> int:
+    """The number of points in a batch: the leading size of its input (the first element of a
+    tuple / list batch; of a dict, its first array)."""
     x = batch[0] if isinstance(batch, (tuple, list)) else batch
     if isinstance(x, dict):
         x = next(v for v in x.values() if hasattr(v, "shape"))
@@ -204,12 +207,12 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
         if check is not None:
             check()
         spec = MEASURES[name]
-        use = batches if n_points is None else _first_points(batches, int(n_points[k]))
+        use = batches if n_points is None else first_points(batches, int(n_points[k]))
         started = time.perf_counter()
         entry: Dict[str, Any] = dict(measure=name, rho=rho, geometry=spec["geometry"],
                                      retraction=spec["retraction"],
                                      use_metric_norm=spec["use_metric_norm"], n_iters=n_iters,
-                                     n_points=sum(_batch_len(b) for b in use))
+                                     n_points=sum(batch_len(b) for b in use))
         direction = spec.get("adaptive_direction", "riemannian")
         if direction != "riemannian":
             entry["adaptive_direction"] = direction
@@ -256,7 +259,7 @@ def run_curvature(model, batches, names: Sequence[str], *, trace_matvecs: int = 
     from quotient_manifolds.adapters import hessian as H
 
     batches = list(batches)
-    n_points = sum(_batch_len(b) for b in batches)
+    n_points = sum(batch_len(b) for b in batches)
     by_geometry: Dict[str, List[str]] = {}
     for n in names:
         by_geometry.setdefault(CURVATURE[n][0], []).append(n)
@@ -326,7 +329,7 @@ def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_di
     t0 = time.perf_counter()
     if curv:
         opts = {**HESSIAN_DEFAULTS, **(config.get("hessian") or {})}
-        sharp += run_curvature(model, _first_points(batches, points_of(config, curv[0])), curv,
+        sharp += run_curvature(model, first_points(batches, points_of(config, curv[0])), curv,
                                trace_matvecs=int(opts["trace_matvecs"]),
                                lanczos_tol=float(opts["lanczos_tol"]), seed=int(opts["seed"]),
                                check=check_parent_alive)
@@ -337,3 +340,17 @@ def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_di
                             sharpness_s=sharpness_s, curvature_s=time.perf_counter() - t0,
                             total_s=time.perf_counter() - started,
                             threads=torch.get_num_threads()))
+
+
+def population_jobs(load_data: Callable, get_model: Callable, evaluate: Callable,
+                    sharpness_batches: Callable) -> Tuple[Callable, Callable]:
+    """``(job, calibration_job)`` of a text or vision population from its four hooks:
+    :func:`population_job` (one model: train or reuse, evaluate, measure) and
+    :func:`~quotient_manifolds.experiments.calibrate.pilot_job` (one pilot model of the ρ
+    calibration), each ``f(model_id, config, ckpt_dir, data_dir, progress)``. They are
+    ``functools.partial`` objects of module-level functions, so they pickle into spawned worker
+    processes."""
+    from .calibrate import pilot_job
+
+    hooks = dict(load_data=load_data, get_model=get_model, sharpness_batches=sharpness_batches)
+    return partial(population_job, evaluate=evaluate, **hooks), partial(pilot_job, **hooks)

@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .stats import TauResult, paired_delta_tau, partial_tau_with_ci, tau_ci_weighted, tau_with_ci
+from .stats import (TauResult, paired_delta_tau, partial_tau_with_ci, tau_ci_weighted, tau_with_ci,
+                    r_squared, within_partial_tau_with_ci, within_tau_with_ci)
 from .runner import display_path  # also imported from here by the studies
 
 # docs/maths.md §11.6 (paper Table 1). Our text study is the analogue of MNLI/BERT, vision of
@@ -204,6 +205,269 @@ def finish_figure(fig, ax, path: str, *, title: str, xlabel: str, ylabel: str) -
     plt.close(fig)
 
 
+class _PopulationTaus:
+    """The τ's of one population report, each computed once: τ-b of a (measure, ρ) with the target
+    and, where the control ``z`` (the training loss of the gap's train error) is known, the
+    partial τ given it."""
+
+    def __init__(self, used: List[Dict[str, Any]], target: str, default_rho: Dict[str, float],
+                 n_boot: int, y: List[float], z: Optional[List[float]]):
+        self.used, self.target, self.default_rho, self.n_boot = used, target, default_rho, n_boot
+        self.y, self.z = y, z
+        self.taus: Dict[Tuple[str, float], TauResult] = {}
+        self.partials: Dict[str, TauResult] = {}
+
+    def at(self, m: str, rho: float) -> TauResult:
+        t = self.taus.get((m, rho)) or tau_for(self.used, m, rho, self.target, n_boot=self.n_boot)
+        self.taus[(m, rho)] = t
+        return t
+
+    def row(self, m: str) -> Tuple[TauResult, Optional[TauResult]]:
+        """τ at the measure's main ρ and the partial τ given the control (None without one)."""
+        rho = self.default_rho[m]
+        t = self.at(m, rho)
+        if self.z is not None and m not in self.partials:
+            self.partials[m] = partial_tau_with_ci([value_of(r, m, rho) for r in self.used],
+                                                   self.y, self.z, n_boot=self.n_boot)
+        return t, self.partials.get(m)
+
+
+def _population_header(out_dir: str, study: str, config_hash: str, records, used, target: str,
+                       synthetic: bool, exclude: Dict[int, str], wall_s: Optional[float],
+                       n_boot: int, source: Optional[str], second_passes: Sequence[str]
+                       ) -> List[str]:
+    banner = ("\n> **SYNTHETIC DATA — smoke test only; these numbers mean nothing about the "
+              "paper.**\n" if synthetic else "")
+    span = _finish_span(records)
+    when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
+             "recomputed from results.jsonl by `quotient-manifolds report`")
+            + (f"; the models were computed over {span:.0f} s (first start to last finish)"
+               if span is not None else ""))
+    return [f"# {study} study: Kendall τ of sharpness vs {TARGET_LABEL.get(target, target)}",
+            banner,
+            f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
+            + (f"; records: `{display_path(source)}`" if source else "")
+            + "".join(f" + `{display_path(os.path.join(os.path.dirname(source), p))}`"
+                      for p in second_passes if source),
+            f"- models: {len(used)} used" + (f", {len(exclude)} excluded (listed under "
+                                             "Population)" if exclude else ""),
+            f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}",
+            f"- τ-b with 95 % percentile-bootstrap CI over models ({n_boot} resamples); τ-a is "
+            f"the paper's formula (docs/maths.md §11.1)", ""]
+
+
+def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[str, Any],
+                  control: Optional[str], summary: Dict[str, Any]) -> List[str]:
+    """τ-b, τ-a and partial τ of the main (and extra) measures beside the paper's Table 1 row."""
+    used, rho = taus.used, taus.default_rho
+    lines = [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
+             f"| measure | ρ | points | τ-b [95% CI] | τ-a | partial τ given {control or '—'} "
+             "| paper τ |", "|---|---|---|---|---|---|---|"]
+    for m in measures:
+        t, pt = taus.row(m)
+        ref = paper.get(m)
+        lines.append(f"| {m} | {_fmt_rho(rho[m])} | {_points(used, m, rho[m])} | "
+                     f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
+                     f"{'' if ref is None else f'{ref:+.2f}'} |")
+        summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref,
+                              **({"partial": pt.as_dict()} if pt else {})}
+    return lines + [""]
+
+
+def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float]
+                  ) -> List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]]:
+    """The views of :func:`paired_section` for a population: the calibrated ρ (all models, and
+    within stopping epochs where training stops at a threshold) and ρ × 0.1, ρ × 10."""
+    def at(factor: float) -> Dict[str, np.ndarray]:  # the measures with values at factor × ρ
+        cols = {m: np.array([value_of(r, m, default_rho[m] * factor) for r in used])
+                for m in measures}
+        return {m: v for m, v in cols.items() if np.isfinite(v).sum() >= 3}
+
+    plain = "models resampled with replacement"
+    views: List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]] = [
+        ("calibrated ρ", plain, {}, at(1.0))]
+    stop = [r["metrics"].get("epochs_used") for r in used]
+    if all(isinstance(v, (int, float)) for v in stop) and 1 < len(set(stop)) < len(used) / 2:
+        # training stops at a train-error threshold, so the epochs used track sharpness: compare
+        # only models that stopped at the same epoch
+        views.append(("calibrated ρ, within stopping epoch", "pairs of models that stopped at "
+                      "the same epoch; models resampled within each stopping epoch",
+                      {"strata": stop, "within": True}, at(1.0)))
+    for factor in (0.1, 10.0):  # the sweep's radii, where measured
+        views.append((f"ρ × {factor:g}", plain, {}, at(factor)))
+    return views
+
+
+def _curvature_section(taus: _PopulationTaus, curvature: Sequence[str], control: Optional[str],
+                       summary: Dict[str, Any]) -> List[str]:
+    summary["curvature"] = {}
+    lines = ["## Curvature at the trained weights (adapters.hessian)", "",
+             "Trace and largest eigenvalue of the Riemannian Hessian on the quotient (inv / "
+             "mix metric on the GL blocks, adaptive metric elsewhere; docs/maths.md §4) and "
+             "of the Euclidean Hessian (not GL-invariant), on the first "
+             f"{_points(taus.used, curvature[0], 0.0)} sharpness points.", "",
+             f"| measure | median value | τ-b [95% CI] | τ-a | partial τ given "
+             f"{control or '—'} |", "|---|---|---|---|---|"]
+    for m in curvature:
+        t, pt = taus.row(m)
+        vals = np.array([value_of(r, m, 0.0) for r in taus.used])
+        med = _nanmedian(vals)
+        lines.append(f"| {m} | {med:.4g} | {t.fmt()} | {t.tau_a:+.2f} | "
+                     f"{pt.fmt() if pt else '—'} |")
+        summary["curvature"][m] = {"median": med, **t.as_dict(),
+                                   **({"partial": pt.as_dict()} if pt else {})}
+    return lines + [""]
+
+
+def _sweep_section(taus: _PopulationTaus, main: Sequence[str], summary: Dict[str, Any],
+                   fig_path: str, title: str) -> List[str]:
+    """τ at every ρ of each main measure (and its figure, where a measure has several ρ)."""
+    used = taus.used
+    sweep: Dict[str, List[Tuple[float, TauResult]]] = {}
+    for m in main:
+        rows = [(rho, taus.at(m, rho)) for rho in rhos_of(used, m)]
+        sweep[m] = rows
+        summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r), **t.as_dict()}
+                               for r, t in rows]
+    if not any(len(v) > 1 for v in sweep.values()):
+        return []
+    lines = ["## ρ sweep (τ-b [95% CI]; points per value in parentheses)", "",
+             "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
+             "scale-free.", ""]
+    for m, rows in sweep.items():  # a radius measured on fewer models says so
+        lines.append(f"- **{m}**: " + "; ".join(
+            f"ρ={_fmt_rho(r)} ({_points(used, m, r)}"
+            + ("" if t.n == len(used) else f"; {t.n} of {len(used)} models")
+            + f"): {t.fmt()}" for r, t in rows))
+    lines.append("")
+    _fig_sweep(fig_path, sweep, title, relative_to={m: taus.default_rho[m] for m in sweep})
+    return lines
+
+
+def _ablation_section(taus: _PopulationTaus, abl: Sequence[str], summary: Dict[str, Any]
+                      ) -> List[str]:
+    used, rho = taus.used, taus.default_rho
+    lines = ["## Ablations at the calibrated ρ (docs/maths.md §11.8, paper App. G)", "",
+             "| measure | ρ | points | τ-b [95% CI] | τ-a | full measure τ-b |",
+             "|---|---|---|---|---|---|"]
+    for m in abl:
+        t, _ = taus.row(m)
+        full = "geodesic-" + m.split("-", 1)[0]
+        ft = taus.taus.get((full, rho.get(full, float("nan"))))
+        lines.append(f"| {m} | {_fmt_rho(rho[m])} | "
+                     f"{_points(used, m, rho[m])} | {t.fmt()} | {t.tau_a:+.2f} | "
+                     f"{ft.fmt() if ft else ''} |")
+        summary["ablations"][m] = {"rho": rho[m], **t.as_dict()}
+    return lines + [""]
+
+
+def _other_targets_section(taus: _PopulationTaus, others: Sequence[str], measures: Sequence[str],
+                           summary: Dict[str, Any]) -> List[str]:
+    lines = ["## Other targets (τ-b [95% CI])", "",
+             "| measure | ρ | " + " | ".join(others) + " |",
+             "|---|---|" + "---|" * len(others)]
+    for m in measures:
+        rho = taus.default_rho[m]
+        cells = []
+        for tg in others:
+            t = tau_for(taus.used, m, rho, tg, n_boot=taus.n_boot)
+            summary["other_targets"].setdefault(tg, {})[m] = t.as_dict()
+            cells.append(t.fmt())
+        lines.append(f"| {m} | {_fmt_rho(rho)} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _partial_section(taus: _PopulationTaus, control: str, measures: Sequence[str],
+                     summary: Dict[str, Any]) -> List[str]:
+    """τ of each measure with the target and with the control, and the partial τ given it."""
+    target, n_boot, z = taus.target, taus.n_boot, taus.z
+    lines = [f"## Partial τ given {control} (τ-b [95% CI])", "",
+             "Kendall's partial τ of sharpness and the gap with the training loss held fixed "
+             "(`stats.partial_kendall_tau`; descriptive: not 0 in general even when the two "
+             "are related only through the training loss).", "",
+             f"| measure | ρ | τ(S, {target}) | τ(S, {control}) | partial τ |",
+             "|---|---|---|---|---|"]
+    ty = tau_with_ci(z, taus.y, n_boot=n_boot)
+    for m in measures:
+        rho = taus.default_rho[m]
+        t, pt = taus.row(m)
+        tz = tau_with_ci([value_of(r, m, rho) for r in taus.used], z, n_boot=n_boot)
+        summary.setdefault("partial", {})[m] = {"rho": rho, "control": control,
+                                                 **pt.as_dict(), "tau_control": tz.as_dict()}
+        lines.append(f"| {m} | {_fmt_rho(rho)} | {t.fmt()} | {tz.fmt()} | {pt.fmt()} |")
+    lines += ["", f"τ({control}, {target}) = {ty.fmt()}.", ""]
+    summary["control_vs_target"] = ty.as_dict()
+    return lines
+
+
+def _within_section(taus: _PopulationTaus, knobs: Sequence[Tuple[str, str, str]],
+                    measures: Sequence[str], summary: Dict[str, Any]) -> List[str]:
+    """τ within the levels of each categorical knob with few levels (pairs of models that share
+    the knob's value only)."""
+    used = taus.used
+    strata = [(label, key) for label, key, how in knobs if how == "categorical"
+              and all(key in r["hparams"] for r in used)
+              and 1 < len({repr(r["hparams"][key]) for r in used}) < len(used) / 2]
+    if not strata:
+        return []
+    summary["within"] = {}
+    lines = ["## τ within the levels of each categorical knob (τ-b [95% CI])", "",
+             "Only pairs of models that share the knob's value (e.g. the same label "
+             "smoothing) are compared (`within_tau_with_ci`, bootstrap within levels): a knob "
+             "that moves sharpness and the gap together cannot make these τ's.", "",
+             "| measure | " + " | ".join(f"within {lab}" for lab, _ in strata) + " |",
+             "|---|" + "---|" * len(strata)]
+    for m in measures:
+        x = [value_of(r, m, taus.default_rho[m]) for r in used]
+        cells = []
+        for lab, key in strata:
+            w = within_tau_with_ci(x, taus.y, [repr(r["hparams"][key]) for r in used],
+                                   n_boot=taus.n_boot)
+            summary["within"].setdefault(m, {})[lab] = w.as_dict()
+            cells.append(w.fmt())
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _r2_section(used, target: str, measures: Sequence[str], default_rho: Dict[str, float],
+                knobs: Optional[Sequence[Tuple[str, str, str]]], summary: Dict[str, Any]
+                ) -> List[str]:
+    r2 = knob_r2(used, target, [(m, default_rho[m]) for m in measures], knobs)
+    if not r2["columns"]:
+        return []
+    summary["r2"] = r2
+    heads = [target] + [f"{'log ' if r2['log'].get(m) else ''}{m}" for m in measures]
+    lines = ["## R² of each hyperparameter (least squares on one knob; last row: all knobs)",
+             "", f"How much of the {target} and of each measure each knob explains "
+             "(measures: log of the value where all values are positive; categorical knobs "
+             "as dummies).", "",
+             "| knob | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for k in list(r2["columns"]) + ["all knobs"]:
+        lines.append(f"| {k} | " + " | ".join(_r2fmt(r2["values"][col].get(k))
+                                               for col in [target] + list(measures)) + " |")
+    return lines + [""]
+
+
+def _population_section(records, used, exclude: Dict[int, str], config: Dict[str, Any]
+                        ) -> List[str]:
+    """The metrics' ranges, time per model, the train-error target and the excluded models."""
+    lines = ["## Population", ""] + _metric_ranges(used)
+    times = [r.get("timing", {}).get("total_s") for r in records if r.get("timing")]
+    if times:
+        parts = {k: [r["timing"].get(k) for r in records if r.get("timing", {}).get(k) is not None]
+                 for k in ("train_s", "sharpness_s", "curvature_s")}
+        lines.append(f"- time per model (s): median {np.median(times):.1f}, max {max(times):.1f}, "
+                     f"sum {sum(times):.0f}" + "".join(
+                         f"; {k[:-2]} median {np.median(v):.1f}" for k, v in parts.items() if v))
+    target_err = config.get("train_error_target")
+    if target_err is not None:
+        lines.append(f"- train-error target (own subset) ≤ {target_err:g}: "
+                     f"{len(records) - len(exclude)} of {len(records)} models met it")
+    for mid, why in sorted(exclude.items()):
+        lines.append(f"- **excluded** model {mid}: {why}")
+    return lines + [""]
+
+
 def population_report(out_dir: str, study: str, config: Dict[str, Any], config_hash: str,
                       records: List[Dict[str, Any]], *, target: str, main: Sequence[str],
                       default_rho: Dict[str, float], extra_main: Sequence[str] = (),
@@ -229,25 +493,8 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     for every measure, the population and the excluded models."""
     exclude = exclude or {}
     used = [r for r in records if r["model_id"] not in exclude]
-    paper = PAPER.get(study, {})
-    banner = ("\n> **SYNTHETIC DATA — smoke test only; these numbers mean nothing about the "
-              "paper.**\n" if synthetic else "")
-    span = _finish_span(records)
-    when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
-             "recomputed from results.jsonl by `quotient-manifolds report`")
-            + (f"; the models were computed over {span:.0f} s (first start to last finish)"
-               if span is not None else ""))
-    lines = [f"# {study} study: Kendall τ of sharpness vs {TARGET_LABEL.get(target, target)}",
-             banner,
-             f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
-             + (f"; records: `{display_path(source)}`" if source else "")
-             + "".join(f" + `{display_path(os.path.join(os.path.dirname(source), p))}`"
-                       for p in second_passes if source),
-             f"- models: {len(used)} used" + (f", {len(exclude)} excluded (listed under "
-                                              "Population)" if exclude else ""),
-             f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}",
-             f"- τ-b with 95 % percentile-bootstrap CI over models ({n_boot} resamples); τ-a is "
-             f"the paper's formula (docs/maths.md §11.1)", ""]
+    lines = _population_header(out_dir, study, config_hash, records, used, target, synthetic,
+                               exclude, wall_s, n_boot, source, second_passes)
     summary: Dict[str, Any] = {"study": study, "config_hash": config_hash, "n_models": len(used),
                                "target": target, "synthetic": synthetic, "main": {},
                                "sweep": {}, "ablations": {}, "other_targets": {},
@@ -261,229 +508,64 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     main = [m for m in main if m in present]
     extra_main = [m for m in extra_main if m in present]
     curvature = [m for m in curvature if m in present]
+    abl = [m for m in ablations if m in present]
     y = [float(r["metrics"].get(target, float("nan"))) for r in used]
     control = GAP_CONTROL.get(target)
     z = ([float(r["metrics"][control]) for r in used]
          if control and all(control in r["metrics"] for r in used) and len(used) >= 3 else None)
-    taus: Dict[Tuple[str, float], TauResult] = {}
-    partials: Dict[str, TauResult] = {}
-
-    def tau_row(m: str) -> Tuple[TauResult, Optional[TauResult]]:
-        rho = default_rho[m]
-        t = taus.get((m, rho)) or tau_for(used, m, rho, target, n_boot=n_boot)
-        taus[(m, rho)] = t
-        if z is not None and m not in partials:
-            partials[m] = partial_tau_with_ci([value_of(r, m, rho) for r in used], y, z,
-                                              n_boot=n_boot)
-        return t, partials.get(m)
-
-    # main table -----------------------------------------------------------------------------
-    lines += [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
-              f"| measure | ρ | points | τ-b [95% CI] | τ-a | partial τ given {control or '—'} "
-              "| paper τ |", "|---|---|---|---|---|---|---|"]
-    for m in main + extra_main:
-        t, pt = tau_row(m)
-        ref = paper.get(m)
-        lines.append(f"| {m} | {_fmt_rho(default_rho[m])} | {_points(used, m, default_rho[m])} | "
-                     f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
-                     f"{'' if ref is None else f'{ref:+.2f}'} |")
-        summary["main"][m] = {"rho": default_rho[m], **t.as_dict(), "paper": ref,
-                              **({"partial": pt.as_dict()} if pt else {})}
-    lines.append("")
-    # paired Δτ ------------------------------------------------------------------------------
-    def at(factor: float) -> Dict[str, np.ndarray]:  # the measures with values at factor × ρ
-        cols = {m: np.array([value_of(r, m, default_rho[m] * factor) for r in used])
-                for m in main + extra_main}
-        return {m: v for m, v in cols.items() if np.isfinite(v).sum() >= 3}
-
-    plain = "models resampled with replacement"
-    views: List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]] = [
-        ("calibrated ρ", plain, {}, at(1.0))]
-    stop = [r["metrics"].get("epochs_used") for r in used]
-    if all(isinstance(v, (int, float)) for v in stop) and 1 < len(set(stop)) < len(used) / 2:
-        # training stops at a train-error threshold, so the epochs used track sharpness: compare
-        # only models that stopped at the same epoch
-        views.append(("calibrated ρ, within stopping epoch", "pairs of models that stopped at "
-                      "the same epoch; models resampled within each stopping epoch",
-                      {"strata": stop, "within": True}, at(1.0)))
-    for factor in (0.1, 10.0):  # the sweep's radii, where measured
-        views.append((f"ρ × {factor:g}", plain, {}, at(factor)))
-    lines += paired_section(np.asarray(y, float), views, summary)
-    # curvature ------------------------------------------------------------------------------
+    taus = _PopulationTaus(used, target, default_rho, n_boot, y, z)
+    tag = " [SYNTHETIC]" if synthetic else ""
+    lines += _main_section(taus, main + extra_main, PAPER.get(study, {}), control, summary)
+    lines += paired_section(np.asarray(y, float), _paired_views(used, main + extra_main,
+                                                                default_rho), summary)
     if curvature:
-        summary["curvature"] = {}
-        lines += ["## Curvature at the trained weights (adapters.hessian)", "",
-                  "Trace and largest eigenvalue of the Riemannian Hessian on the quotient (inv / "
-                  "mix metric on the GL blocks, adaptive metric elsewhere; docs/maths.md §4) and "
-                  "of the Euclidean Hessian (not GL-invariant), on the first "
-                  f"{_points(used, curvature[0], 0.0)} sharpness points.", "",
-                  f"| measure | median value | τ-b [95% CI] | τ-a | partial τ given "
-                  f"{control or '—'} |", "|---|---|---|---|---|"]
-        for m in curvature:
-            t, pt = tau_row(m)
-            vals = np.array([value_of(r, m, 0.0) for r in used])
-            med = _nanmedian(vals)
-            lines.append(f"| {m} | {med:.4g} | {t.fmt()} | {t.tau_a:+.2f} | "
-                         f"{pt.fmt() if pt else '—'} |")
-            summary["curvature"][m] = {"median": med, **t.as_dict(),
-                                       **({"partial": pt.as_dict()} if pt else {})}
-        lines.append("")
-    # calibration ----------------------------------------------------------------------------
+        lines += _curvature_section(taus, curvature, control, summary)
     if calibration:
         lines += _calibration_section(calibration, used, default_rho, summary)
-    # second order vs exact --------------------------------------------------------------------
     lines += _retraction_section(used, [m for m in extra_main if m.endswith("-exact")],
                                  default_rho, target, n_boot, summary)
-    # ρ sweep -------------------------------------------------------------------------------
-    sweep: Dict[str, List[Tuple[float, TauResult]]] = {}
-    for m in main:
-        rows = []
-        for rho in rhos_of(used, m):
-            t = taus.get((m, rho)) or tau_for(used, m, rho, target, n_boot=n_boot)
-            taus[(m, rho)] = t
-            rows.append((rho, t))
-        sweep[m] = rows
-        summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r), **t.as_dict()}
-                               for r, t in rows]
-    if any(len(v) > 1 for v in sweep.values()):
-        lines += ["## ρ sweep (τ-b [95% CI]; points per value in parentheses)", "",
-                  "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
-                  "scale-free.", ""]
-        for m, rows in sweep.items():  # a radius measured on fewer models says so
-            lines.append(f"- **{m}**: " + "; ".join(
-                f"ρ={_fmt_rho(r)} ({_points(used, m, r)}"
-                + ("" if t.n == len(used) else f"; {t.n} of {len(used)} models")
-                + f"): {t.fmt()}" for r, t in rows))
-        lines.append("")
-        _fig_sweep(os.path.join(out_dir, "fig_rho_sweep.png"), sweep,
-                   f"{study}: τ vs ρ" + (" [SYNTHETIC]" if synthetic else ""),
-                   relative_to={m: default_rho[m] for m in sweep})
-    # ablations -----------------------------------------------------------------------------
-    abl = [m for m in ablations if m in present]
+    lines += _sweep_section(taus, main, summary, os.path.join(out_dir, "fig_rho_sweep.png"),
+                            f"{study}: τ vs ρ{tag}")
     if abl:
-        lines += ["## Ablations at the calibrated ρ (docs/maths.md §11.8, paper App. G)", "",
-                  "| measure | ρ | points | τ-b [95% CI] | τ-a | full measure τ-b |",
-                  "|---|---|---|---|---|---|"]
-        for m in abl:
-            t, _ = tau_row(m)
-            full = "geodesic-" + m.split("-", 1)[0]
-            ft = taus.get((full, default_rho.get(full, float("nan"))))
-            lines.append(f"| {m} | {_fmt_rho(default_rho[m])} | "
-                         f"{_points(used, m, default_rho[m])} | {t.fmt()} | {t.tau_a:+.2f} | "
-                         f"{ft.fmt() if ft else ''} |")
-            summary["ablations"][m] = {"rho": default_rho[m], **t.as_dict()}
-        lines.append("")
+        lines += _ablation_section(taus, abl, summary)
         _fig_scatter(os.path.join(out_dir, "fig_ablations.png"), used,
-                     [(m, default_rho[m]) for m in abl], target, taus,
-                     f"{study}: ablations" + (" [SYNTHETIC]" if synthetic else ""), logx, logy)
-    # other targets -------------------------------------------------------------------------
+                     [(m, default_rho[m]) for m in abl], target, taus.taus,
+                     f"{study}: ablations{tag}", logx, logy)
     others = [t for t in other_targets if all(t in r["metrics"] for r in used)]
     if others:
-        lines += ["## Other targets (τ-b [95% CI])", "",
-                  "| measure | ρ | " + " | ".join(others) + " |",
-                  "|---|---|" + "---|" * len(others)]
-        for m in main + extra_main + curvature:
-            rho = default_rho[m]
-            cells = []
-            for tg in others:
-                t = tau_for(used, m, rho, tg, n_boot=n_boot)
-                summary["other_targets"].setdefault(tg, {})[m] = t.as_dict()
-                cells.append(t.fmt())
-            lines.append(f"| {m} | {_fmt_rho(rho)} | " + " | ".join(cells) + " |")
-        lines.append("")
-    # partial τ given the training loss ----------------------------------------------------
+        lines += _other_targets_section(taus, others, main + extra_main + curvature, summary)
     if z is not None:
-        lines += [f"## Partial τ given {control} (τ-b [95% CI])", "",
-                  "Kendall's partial τ of sharpness and the gap with the training loss held fixed "
-                  "(`stats.partial_kendall_tau`; descriptive: not 0 in general even when the two "
-                  "are related only through the training loss).", "",
-                  f"| measure | ρ | τ(S, {target}) | τ(S, {control}) | partial τ |",
-                  "|---|---|---|---|---|"]
-        ty = tau_with_ci(z, y, n_boot=n_boot)
-        for m in main + extra_main + abl + curvature:
-            rho = default_rho[m]
-            t, pt = tau_row(m)
-            tz = tau_with_ci([value_of(r, m, rho) for r in used], z, n_boot=n_boot)
-            summary.setdefault("partial", {})[m] = {"rho": rho, "control": control,
-                                                     **pt.as_dict(), "tau_control": tz.as_dict()}
-            lines.append(f"| {m} | {_fmt_rho(rho)} | {t.fmt()} | {tz.fmt()} | {pt.fmt()} |")
-        lines += ["", f"τ({control}, {target}) = {ty.fmt()}.", ""]
-        summary["control_vs_target"] = ty.as_dict()
-    # τ within the levels of each categorical knob ------------------------------------------------
-    strata = [(label, key) for label, key, how in
-              (knobs if knobs is not None else default_knobs(used)) if how == "categorical"
-              and all(key in r["hparams"] for r in used)
-              and 1 < len({repr(r["hparams"][key]) for r in used}) < len(used) / 2]
-    if strata:
-        summary["within"] = {}
-        lines += ["## τ within the levels of each categorical knob (τ-b [95% CI])", "",
-                  "Only pairs of models that share the knob's value (e.g. the same label "
-                  "smoothing) are compared (`within_tau_with_ci`, bootstrap within levels): a knob "
-                  "that moves sharpness and the gap together cannot make these τ's.", "",
-                  "| measure | " + " | ".join(f"within {lab}" for lab, _ in strata) + " |",
-                  "|---|" + "---|" * len(strata)]
-        for m in main + extra_main + curvature:
-            x = [value_of(r, m, default_rho[m]) for r in used]
-            cells = []
-            for lab, key in strata:
-                w = within_tau_with_ci(x, y, [repr(r["hparams"][key]) for r in used],
-                                       n_boot=n_boot)
-                summary["within"].setdefault(m, {})[lab] = w.as_dict()
-                cells.append(w.fmt())
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        lines.append("")
-    # R² per knob ----------------------------------------------------------------------------
-    r2_measures = main + extra_main + curvature
-    r2 = knob_r2(used, target, [(m, default_rho[m]) for m in r2_measures], knobs)
-    if r2["columns"]:
-        summary["r2"] = r2
-        heads = [target] + [f"{'log ' if r2['log'].get(m) else ''}{m}" for m in r2_measures]
-        lines += ["## R² of each hyperparameter (least squares on one knob; last row: all knobs)",
-                  "", f"How much of the {target} and of each measure each knob explains "
-                  "(measures: log of the value where all values are positive; categorical knobs "
-                  "as dummies).", "",
-                  "| knob | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
-        for k in list(r2["columns"]) + ["all knobs"]:
-            lines.append(f"| {k} | " + " | ".join(_r2fmt(r2["values"][col].get(k))
-                                                   for col in [target] + r2_measures) + " |")
-        lines.append("")
-    # population description ----------------------------------------------------------------
-    lines += ["## Population", ""]
-    for key in sorted({k for r in used for k, v in r["metrics"].items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)}):
-        vals = np.array([float(r["metrics"][key]) for r in used
-                         if isinstance(r["metrics"].get(key), (int, float))])
-        lines.append(f"- {key}: min {vals.min():.4g}, median {np.median(vals):.4g}, "
-                     f"max {vals.max():.4g}")
-    times = [r.get("timing", {}).get("total_s") for r in records if r.get("timing")]
-    if times:
-        parts = {k: [r["timing"].get(k) for r in records if r.get("timing", {}).get(k) is not None]
-                 for k in ("train_s", "sharpness_s", "curvature_s")}
-        lines.append(f"- time per model (s): median {np.median(times):.1f}, max {max(times):.1f}, "
-                     f"sum {sum(times):.0f}" + "".join(
-                         f"; {k[:-2]} median {np.median(v):.1f}" for k, v in parts.items() if v))
-    target_err = config.get("train_error_target")
-    if target_err is not None:
-        lines.append(f"- train-error target (own subset) ≤ {target_err:g}: "
-                     f"{len(records) - len(exclude)} of {len(records)} models met it")
-    for mid, why in sorted(exclude.items()):
-        lines.append(f"- **excluded** model {mid}: {why}")
-    lines.append("")
+        lines += _partial_section(taus, control, main + extra_main + abl + curvature, summary)
+    lines += _within_section(taus, knobs if knobs is not None else default_knobs(used),
+                             main + extra_main + curvature, summary)
+    lines += _r2_section(used, target, main + extra_main + curvature, default_rho, knobs, summary)
+    lines += _population_section(records, used, exclude, config)
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     lines += ["## Configuration", "", "```json", json.dumps(config, indent=1, sort_keys=True,
                                                              default=str), "```", ""]
     _fig_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
-                 [(m, default_rho[m]) for m in main + extra_main], target, taus,
+                 [(m, default_rho[m]) for m in main + extra_main], target, taus.taus,
                  f"{study}: {TARGET_LABEL.get(target, target)} vs sharpness ({len(used)} models)"
-                 + (" [SYNTHETIC]" if synthetic else ""), logx, logy)
+                 + tag, logx, logy)
     if curvature:
         _fig_scatter(os.path.join(out_dir, "fig_curvature.png"), used,
-                     [(m, 0.0) for m in curvature], target, taus,
-                     f"{study}: {TARGET_LABEL.get(target, target)} vs curvature"
-                     + (" [SYNTHETIC]" if synthetic else ""), False, logy)
+                     [(m, 0.0) for m in curvature], target, taus.taus,
+                     f"{study}: {TARGET_LABEL.get(target, target)} vs curvature" + tag, False, logy)
     write_summary(out_dir, lines, summary)
     return summary
+
+
+def _metric_ranges(records) -> List[str]:
+    """"- key: min …, median …, max …" of every numeric metric of the records."""
+    lines = []
+    for key in sorted({k for r in records for k, v in r["metrics"].items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)}):
+        vals = np.array([float(r["metrics"][key]) for r in records
+                         if isinstance(r["metrics"].get(key), (int, float))])
+        lines.append(f"- {key}: min {vals.min():.4g}, median {np.median(vals):.4g}, "
+                     f"max {vals.max():.4g}")
+    return lines
 
 
 def _points(records, measure: str, rho: float) -> str:
@@ -687,101 +769,6 @@ def print_table(summary: Dict[str, Any], log=print) -> None:
 # τ pooled over all models, τ over within-draw pairs only, per draw, Kendall's partial τ given the
 # initialisation scale and given the step factor, and R² of log test loss per knob. Everything is
 # recomputed from the records alone (``quotient-manifolds report DIR``).
-def _signs(v: np.ndarray) -> np.ndarray:
-    """sign(vᵢ − vⱼ) for every row of v (B, m) -> (B, m, m)."""
-    return np.sign(v[:, :, None] - v[:, None, :])
-
-
-def _within_taus(columns, groups, n_boot: int, seed: int):
-    """τ-b over within-group pairs for every pair of ``columns`` (a list of (m,) arrays): the point
-    values {(i, j): τ} and their bootstrap replicates {(i, j): (n_boot,)}, resampling models
-    within each group (the same resample for all columns). Rows with a non-finite entry are
-    dropped; groups with fewer than 2 models contribute nothing."""
-    cols = [np.asarray(c, float) for c in columns]
-    groups = np.asarray(groups)
-    keep = np.all([np.isfinite(c) for c in cols], axis=0)
-    cols, groups = [c[keep] for c in cols], groups[keep]
-    pairs = [(i, j) for i in range(len(cols)) for j in range(i + 1, len(cols))]
-    k = len(cols)
-    num, den = {p: 0.0 for p in pairs}, np.zeros(k)
-    bnum, bden = {p: np.zeros(n_boot) for p in pairs}, np.zeros((k, n_boot))
-    rng = np.random.default_rng(seed)
-    used = 0
-    for g in dict.fromkeys(groups.tolist()):
-        sel = groups == g
-        if sel.sum() < 2:
-            continue
-        used += int(sel.sum())
-        cg = [c[sel] for c in cols]
-        signs = [_signs(c[None])[0] for c in cg]
-        for i in range(k):
-            den[i] += float((signs[i] ** 2).sum())
-        for p in pairs:
-            num[p] += float((signs[p[0]] * signs[p[1]]).sum())
-        idx = rng.integers(0, int(sel.sum()), size=(n_boot, int(sel.sum())))
-        for chunk in np.array_split(np.arange(n_boot), max(1, n_boot // 250)):
-            bs = [_signs(c[idx[chunk]]) for c in cg]
-            for i in range(k):
-                bden[i, chunk] += (bs[i] ** 2).sum(axis=(1, 2))
-            for p in pairs:
-                bnum[p][chunk] += (bs[p[0]] * bs[p[1]]).sum(axis=(1, 2))
-    point, boot = {}, {}
-    with np.errstate(invalid="ignore", divide="ignore"):
-        for p in pairs:
-            d = den[p[0]] * den[p[1]]
-            point[p] = float(num[p] / math.sqrt(d)) if d > 0 else float("nan")
-            bd = bden[p[0]] * bden[p[1]]
-            boot[p] = np.where(bd > 0, bnum[p] / np.sqrt(np.where(bd > 0, bd, 1.0)), np.nan)
-    return point, boot, used
-
-
-def _ci(stats: np.ndarray, n_boot: int, level: float) -> Tuple[float, float]:
-    stats = stats[np.isfinite(stats)]
-    if stats.size < n_boot / 2:
-        return float("nan"), float("nan")
-    a = (1 - level) / 2
-    return float(np.quantile(stats, a)), float(np.quantile(stats, 1 - a))
-
-
-def within_tau_with_ci(x, y, groups, *, n_boot: int = 2000, level: float = 0.95,
-                       seed: int = 0) -> TauResult:
-    """τ-b over the pairs of models that share a group (a data draw), i.e. Σ_g Σ_{i<j∈g}
-    sign(Δx)sign(Δy) / √(Σ_g Σ sign(Δx)² · Σ_g Σ sign(Δy)²); with one group it is τ-b. The
-    bootstrap resamples models within each group. ``tau_a`` holds the same value."""
-    point, boot, m = _within_taus([x, y], groups, n_boot, seed)
-    if m < 2:
-        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), m)
-    lo, hi = _ci(boot[(0, 1)], n_boot, level)
-    return TauResult(point[(0, 1)], point[(0, 1)], lo, hi, m)
-
-
-def within_partial_tau_with_ci(x, y, z, groups, *, n_boot: int = 2000, level: float = 0.95,
-                               seed: int = 0) -> TauResult:
-    """Kendall's partial τ of x and y given z built from within-group τ-b's (pairs of models of
-    the same draw only): (τ_xy − τ_xz τ_yz)/√((1 − τ_xz²)(1 − τ_yz²)); bootstrap within groups."""
-    point, boot, m = _within_taus([x, y, z], groups, n_boot, seed)
-    if m < 3:
-        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), m)
-
-    def partial(t):
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return (t[(0, 1)] - t[(0, 2)] * t[(1, 2)]) / np.sqrt((1 - t[(0, 2)] ** 2)
-                                                                 * (1 - t[(1, 2)] ** 2))
-    t = float(partial(point))
-    lo, hi = _ci(partial(boot), n_boot, level)
-    return TauResult(t, t, lo, hi, m)
-
-
-def r_squared(y, *columns) -> float:
-    """R² of the least-squares fit of y on an intercept and ``columns`` (each (m,) or (m, p))."""
-    y = np.asarray(y, float)
-    A = np.column_stack([np.ones_like(y)] + [np.asarray(c, float).reshape(y.size, -1)
-                                             for c in columns])
-    resid = y - A @ np.linalg.lstsq(A, y, rcond=None)[0]
-    total = float(((y - y.mean()) ** 2).sum())
-    return 1 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
-
-
 def _dummies(values) -> np.ndarray:
     """One-hot columns of a categorical variable, the first level dropped (intercept)."""
     values = np.asarray(values)
@@ -925,6 +912,215 @@ def diagonal_notes(config: Dict[str, Any]) -> List[str]:
     ]
 
 
+class _DiagonalColumns:
+    """The per-model columns of the diagonal report (test loss ``y``, final training loss, data
+    draw, α, step factor actually used), its measures and ρ, and the τ's already computed."""
+
+    def __init__(self, used: List[Dict[str, Any]], main: List[str], diag: List[str],
+                 rho: Dict[str, float], n_boot: int):
+        self.used, self.main, self.measures = used, main, main + diag
+        self.rho, self.n_boot = rho, n_boot
+        self.draws = sorted({r["hparams"]["data_seed"] for r in used})
+        self.y = np.array([float(r["metrics"]["test_loss"]) for r in used])
+        self.ltrain = np.array([float(r["metrics"]["train_loss"]) for r in used])
+        self.groups = np.array([r["hparams"]["data_seed"] for r in used])
+        self.alpha = np.array([r["hparams"]["alpha"] for r in used])
+        self.step = np.array([r.get("train_info", {}).get("lr_factor_used",
+                                                           r["hparams"]["lr_factor"]) for r in used])
+        self.taus: Dict[Tuple[str, float], TauResult] = {}
+
+    def xs(self, m: str, rho: float) -> np.ndarray:
+        return np.array([value_of(r, m, rho) for r in self.used])
+
+
+def _diagonal_header(out_dir: str, config_hash: str, records, used, draws, exclude: Dict[int, str],
+                     wall_s: Optional[float], n_boot: int, source: Optional[str]) -> List[str]:
+    per_draw_n = {s: sum(r["hparams"]["data_seed"] == s for r in used) for s in draws}
+    total_s = sum(r.get("timing", {}).get("total_s", 0.0) for r in records)
+    span = _finish_span(records)
+    when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
+             "recomputed from results.jsonl by `quotient-manifolds report`")
+            + (f"; the models were computed over {span:.0f} s (first start to last finish, "
+               "from the records' timestamps)" if span is not None else ""))
+    return ["# diagonal study: Kendall τ of sharpness vs test loss ‖β − β*‖²", "",
+            f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
+            + (f"; records: `{display_path(source)}`" if source else ""),
+            f"- models: {len(used)} used over {len(draws)} data draws ("
+            + ", ".join(f"draw {s}: {k}" for s, k in per_draw_n.items()) + ")"
+            + (f", {len(exclude)} excluded" if exclude else ""),
+            f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}; sum of "
+            f"per-model times {total_s:.0f} s",
+            f"- τ-b with 95 % percentile-bootstrap CI over models ({n_boot} resamples). *pooled*: "
+            "all pairs of models; *within draws*: only pairs of models of the same data draw "
+            "(bootstrap within draws); *per draw*: the τ of each draw taken alone. Draws "
+            "differ in how sparse the best interpolators are and in the scale of sharpness, so "
+            "the pooled τ mixes between-draw differences into the ranking.", ""]
+
+
+def _diagonal_headline(d: _DiagonalColumns, summary: Dict[str, Any]
+                       ) -> Tuple[List[str], List[str]]:
+    """The headline table (pooled, clustered, within-draw and per-draw τ beside the paper's) and
+    the rows of the partial-τ table (given α, given the step factor), both filled per measure."""
+    paper = PAPER["diagonal"]
+    paper_of = {"adaptive": paper["adaptive"], "geodesic-inv": paper["geodesic-inv"],
+                "geodesic-mix-manifold": paper["geodesic-mix"]}
+    y, groups, n_boot = d.y, d.groups, d.n_boot
+    lines = ["## Headline: τ(sharpness, test loss) (paper Table 1 row: Diagonal nets)", "",
+             "| measure | ρ | pooled τ [95% CI] | pooled τ, CI with draws resampled whole | "
+             "within draws τ [95% CI] | per draw (min … max) | paper τ |",
+             "|---|---|---|---|---|---|---|"]
+    partial_rows = []
+    for m in d.measures:
+        x = d.xs(m, d.rho[m])
+        t = tau_with_ci(x, y, n_boot=n_boot)
+        # nets share their data draw: the unit of resampling for a pooled τ is the draw
+        tc = tau_ci_weighted(x, y, n_boot=PAIRED_N_BOOT, seed=PAIRED_SEED, clusters=groups)
+        w = within_tau_with_ci(x, y, groups, n_boot=n_boot)
+        per = {}
+        for s in d.draws:
+            k = groups == s
+            per[s] = tau_with_ci(x[k], y[k], n_boot=n_boot)
+            pa_s = partial_tau_with_ci(x[k], y[k], d.alpha[k], n_boot=1).tau_b
+            ps_s = partial_tau_with_ci(x[k], y[k], d.step[k], n_boot=1).tau_b
+            summary["per_draw"].setdefault(str(s), {})[m] = dict(
+                per[s].as_dict(), partial_alpha=pa_s, partial_step=ps_s)
+        d.taus[(m, d.rho[m])] = t
+        ref = paper_of.get(m)
+        label = m if m in d.main else f"{m} (diagnostic)"
+        lines.append(f"| {label} | {_fmt_rho(d.rho[m])} | {t.fmt()} | {tc.fmt()} | {w.fmt()} | "
+                     f"{_rng_fmt([p.tau_b for p in per.values()])} | "
+                     f"{'' if ref is None else f'{ref:+.2f}'} |")
+        summary["main"][m] = {"rho": d.rho[m], **t.as_dict(), "paper": ref}
+        summary["within_draw"][m] = w.as_dict()
+        summary.setdefault("main_clustered", {})[m] = tc.as_dict()
+        cells = []
+        for key, z in (("alpha", d.alpha), ("step", d.step)):
+            pp = partial_tau_with_ci(x, y, z, n_boot=n_boot)
+            pw = within_partial_tau_with_ci(x, y, z, groups, n_boot=n_boot)
+            pd = [summary["per_draw"][str(s)][m][f"partial_{key}"] for s in d.draws]
+            summary[f"partial_{key}"][m] = pp.as_dict()
+            summary[f"partial_{key}_within_draw"][m] = pw.as_dict()
+            cells += [pp.fmt(), pw.fmt(), _rng_fmt(pd)]
+        partial_rows.append(f"| {label} | {_fmt_rho(d.rho[m])} | " + " | ".join(cells) + " |")
+    lines += ["", "The paper's mix value stands beside `geodesic-mix-manifold` (geodesics that "
+              "exist on the manifold); the literal `geodesic-mix` is a diagnostic, see below. "
+              f"The clustered CI resamples the {len(d.draws)} draws ({PAIRED_N_BOOT} resamples, "
+              f"seed {PAIRED_SEED}): with this few clusters it is coarse, but resampling nets as "
+              "if independent understates the spread between draws.", ""]
+    return lines, partial_rows
+
+
+def _diagonal_train_loss_section(d: _DiagonalColumns, polish_loss: float,
+                                 summary: Dict[str, Any]) -> List[str]:
+    """τ of each measure with the final training loss, and of the training loss with the test
+    loss and with α."""
+    ltrain, groups, n_boot = d.ltrain, d.groups, d.n_boot
+    lines = ["## Diagnostic: τ with the final training loss", "",
+             "Every model is polished to L ≤ "
+             f"{polish_loss:g}; what is left of the training residual "
+             "should not rank sharpness. At an interpolator the literal geodesic-mix is "
+             "ρ²λ_max(XᵀX/n) + O(ρ√L) for every model of a draw: within a draw only the residual "
+             "(its component along the top eigenvector of XᵀX) can rank it, and across draws "
+             "λ_max(XᵀX/n) does.", "",
+             "| measure | ρ | τ(S, test loss) pooled | τ(S, train loss) pooled | "
+             "τ(S, train loss) within draws | per draw (min … max) |", "|---|---|---|---|---|---|"]
+    for m in d.measures:
+        x = d.xs(m, d.rho[m])
+        t = tau_with_ci(x, ltrain, n_boot=n_boot)
+        w = within_tau_with_ci(x, ltrain, groups, n_boot=n_boot)
+        per = [tau_with_ci(x[groups == s], ltrain[groups == s], n_boot=1).tau_b for s in d.draws]
+        summary["train_loss"][m] = {"pooled": t.as_dict(), "within_draw": w.as_dict(),
+                                    "per_draw": dict(zip(map(str, d.draws), per))}
+        lines.append(f"| {m} | {_fmt_rho(d.rho[m])} | {d.taus[(m, d.rho[m])].fmt()} | {t.fmt()} | "
+                     f"{w.fmt()} | {_rng_fmt(per)} |")
+    tt = tau_with_ci(ltrain, d.y, n_boot=n_boot)
+    tw = within_tau_with_ci(ltrain, d.y, groups, n_boot=n_boot)
+    ta = tau_with_ci(ltrain, d.alpha, n_boot=n_boot)
+    summary["train_vs_test"] = {"pooled": tt.as_dict(), "within_draw": tw.as_dict(),
+                                "train_vs_alpha": ta.as_dict()}
+    lines += ["", f"The final training loss itself ranks with the test loss: τ(train loss, test "
+              f"loss) = {tt.fmt()} pooled, {tw.fmt()} within draws, because it ranks with α "
+              f"(τ(train loss, α) = {ta.fmt()}: polishing converges faster for larger α, so its "
+              "last check lands further below the threshold). A measure that follows the "
+              "residual inherits that τ without seeing the geometry."]
+    return lines + [""]
+
+
+def _diagonal_per_draw_section(d: _DiagonalColumns, summary: Dict[str, Any]) -> List[str]:
+    lines = ["## Per draw (ρ as above): τ-b [95% CI]; partial τ given α / given c", "",
+             "| draw | models | test loss | " + " | ".join(d.measures) + " |",
+             "|---|---|---|" + "---|" * len(d.measures)]
+    for s in d.draws:
+        k = d.groups == s
+        cells = []
+        for m in d.measures:
+            e = summary["per_draw"][str(s)][m]
+            t = TauResult(e["tau_b"], e["tau_a"], e["ci_low"], e["ci_high"], e["n"])
+            cells.append(f"{t.fmt()}; {_num(e['partial_alpha'])} / {_num(e['partial_step'])}")
+        lines.append(f"| {s} | {int(k.sum())} | {d.y[k].min():.3g} … {d.y[k].max():.3g} | "
+                     + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _diagonal_sweep_section(d: _DiagonalColumns, summary: Dict[str, Any], fig_path: str
+                            ) -> List[str]:
+    """Pooled τ (and the within-draw point value) at every ρ of each measure, and its figure."""
+    sweep: Dict[str, List[Tuple[float, TauResult]]] = {}
+    grids = {m: rhos_of(d.used, m) for m in d.measures}
+    first = grids[d.main[0]]
+    same = all(len(g) == len(first) and all(math.isclose(a, b) for a, b in zip(g, first))
+               for g in grids.values())
+    lines = ["## ρ sweep", "", "Pooled τ-b [95% CI]; within draws in parentheses. The mix ρ has "
+             "units (of β); inv and adaptive are scale-free.", ""]
+    if same:
+        lines += ["| measure | " + " | ".join(f"ρ={_fmt_rho(r_)}" for r_ in first)
+                  + " |", "|---|" + "---|" * len(first)]
+    for m in d.measures:
+        rows, cells = [], []
+        for r_ in grids[m]:
+            x = d.xs(m, r_)
+            t = d.taus.get((m, r_)) or tau_with_ci(x, d.y, n_boot=d.n_boot)
+            w = within_tau_with_ci(x, d.y, d.groups, n_boot=1)  # the point value only
+            d.taus[(m, r_)] = t
+            rows.append((r_, t))
+            cells.append(f"{t.fmt()} ({w.tau_b:+.2f})" if same else
+                         f"ρ={_fmt_rho(r_)}: {t.fmt()} ({w.tau_b:+.2f})")
+            summary["sweep"].setdefault(m, []).append({"rho": r_, **t.as_dict(),
+                                                       "within_draw": w.tau_b})
+        sweep[m] = rows
+        lines.append(f"| {m} | " + " | ".join(cells) + " |" if same
+                     else f"- **{m}**: " + "; ".join(cells))
+    _fig_sweep(fig_path, sweep, "diagonal: pooled τ vs ρ")
+    return lines + [""]
+
+
+def _diagonal_r2_section(used, draws, summary: Dict[str, Any]) -> List[str]:
+    """R² of log test loss on the knobs (:func:`diagonal_r2`), pooled and per draw."""
+    r2 = diagonal_r2(used)
+    per_r2 = {s: diagonal_r2([r for r in used if r["hparams"]["data_seed"] == s]) for s in draws}
+    summary["r2"] = {"pooled": r2, "per_draw": {str(s): v for s, v in per_r2.items()}}
+    lines = ["## What sets the test loss: R² of log test loss (least squares)", "",
+             "| knob | pooled | per draw (min … max) |", "|---|---|---|"]
+    for k, v in r2.items():
+        vals = [p[k] for p in per_r2.values() if k in p]
+        rng_ = f"{min(vals):.2f} … {max(vals):.2f}" if vals else "—"
+        lines.append(f"| {k} | {v:.2f} | {rng_} |")
+    return lines + [""]
+
+
+def _diagonal_population_section(used, exclude: Dict[int, str]) -> List[str]:
+    lines = ["## Population", ""] + _metric_ranges(used)
+    restarted = sum(r.get("train_info", {}).get("restarts", 0) > 0 for r in used)
+    lines.append(f"- runs restarted at half the step after diverging: {restarted}")
+    times = [r.get("timing", {}).get("total_s") for r in used if r.get("timing")]
+    if times:
+        lines.append(f"- time per model (s): median {np.median(times):.1f}, max {max(times):.1f}, "
+                     f"sum {sum(times):.0f}")
+    for mid, why in sorted(exclude.items()):
+        lines.append(f"- excluded model {mid}: {why}")
+    return lines + [""]
+
+
 def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
                     records: List[Dict[str, Any]], *, wall_s: Optional[float] = None,
                     exclude: Optional[Dict[int, str]] = None, n_boot: int = 2000,
@@ -937,34 +1133,13 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
 
     exclude = exclude or {}
     used = [r for r in records if r["model_id"] not in exclude]
-    paper = PAPER["diagonal"]
-    paper_of = {"adaptive": paper["adaptive"], "geodesic-inv": paper["geodesic-inv"],
-                "geodesic-mix-manifold": paper["geodesic-mix"]}
     present = measures_of(used)
     main = [m for m in MAIN if m in present]
     diag = [m for m in DIAGNOSTIC if m in present]
     rho = {m: float(config["rho"][FAMILY[m]]) for m in main + diag}
     draws = sorted({r["hparams"]["data_seed"] for r in used})
-    per_draw_n = {s: sum(r["hparams"]["data_seed"] == s for r in used) for s in draws}
-    total_s = sum(r.get("timing", {}).get("total_s", 0.0) for r in records)
-    span = _finish_span(records)
-    when = ((f"wall time of this run: {wall_s:.0f} s" if wall_s is not None else
-             "recomputed from results.jsonl by `quotient-manifolds report`")
-            + (f"; the models were computed over {span:.0f} s (first start to last finish, "
-               "from the records' timestamps)" if span is not None else ""))
-    lines = ["# diagonal study: Kendall τ of sharpness vs test loss ‖β − β*‖²", "",
-             f"- output: `{display_path(out_dir)}`  (config hash `{config_hash}`)"
-             + (f"; records: `{display_path(source)}`" if source else ""),
-             f"- models: {len(used)} used over {len(draws)} data draws ("
-             + ", ".join(f"draw {s}: {k}" for s, k in per_draw_n.items()) + ")"
-             + (f", {len(exclude)} excluded" if exclude else ""),
-             f"- generated: {_dt.datetime.now().isoformat(timespec='seconds')}; {when}; sum of "
-             f"per-model times {total_s:.0f} s",
-             f"- τ-b with 95 % percentile-bootstrap CI over models ({n_boot} resamples). *pooled*: "
-             "all pairs of models; *within draws*: only pairs of models of the same data draw "
-             "(bootstrap within draws); *per draw*: the τ of each draw taken alone. Draws "
-             "differ in how sparse the best interpolators are and in the scale of sharpness, so "
-             "the pooled τ mixes between-draw differences into the ranking.", ""]
+    lines = _diagonal_header(out_dir, config_hash, records, used, draws, exclude, wall_s, n_boot,
+                             source)
     summary: Dict[str, Any] = {"study": "diagonal", "config_hash": config_hash,
                                "n_models": len(used), "target": "test_loss", "draws": draws,
                                "main": {}, "within_draw": {}, "per_draw": {}, "partial_alpha": {},
@@ -975,179 +1150,32 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
         lines.append("Fewer than 3 models: no correlations yet.")
         write_summary(out_dir, lines, summary)
         return summary
-    y = np.array([float(r["metrics"]["test_loss"]) for r in used])
-    ltrain = np.array([float(r["metrics"]["train_loss"]) for r in used])
-    groups = np.array([r["hparams"]["data_seed"] for r in used])
-    alpha = np.array([r["hparams"]["alpha"] for r in used])
-    step = np.array([r.get("train_info", {}).get("lr_factor_used", r["hparams"]["lr_factor"])
-                     for r in used])
-
-    def xs(m, r_):
-        return np.array([value_of(r, m, r_) for r in used])
-
-    # headline --------------------------------------------------------------------------------
-    taus: Dict[Tuple[str, float], TauResult] = {}
-    lines += ["## Headline: τ(sharpness, test loss) (paper Table 1 row: Diagonal nets)", "",
-              "| measure | ρ | pooled τ [95% CI] | pooled τ, CI with draws resampled whole | "
-              "within draws τ [95% CI] | per draw (min … max) | paper τ |",
-              "|---|---|---|---|---|---|---|"]
-    partial_rows = []
-    for m in main + diag:
-        x = xs(m, rho[m])
-        t = tau_with_ci(x, y, n_boot=n_boot)
-        # nets share their data draw: the unit of resampling for a pooled τ is the draw
-        tc = tau_ci_weighted(x, y, n_boot=PAIRED_N_BOOT, seed=PAIRED_SEED, clusters=groups)
-        w = within_tau_with_ci(x, y, groups, n_boot=n_boot)
-        per = {}
-        for s in draws:
-            k = groups == s
-            per[s] = tau_with_ci(x[k], y[k], n_boot=n_boot)
-            pa_s = partial_tau_with_ci(x[k], y[k], alpha[k], n_boot=1).tau_b
-            ps_s = partial_tau_with_ci(x[k], y[k], step[k], n_boot=1).tau_b
-            summary["per_draw"].setdefault(str(s), {})[m] = dict(
-                per[s].as_dict(), partial_alpha=pa_s, partial_step=ps_s)
-        taus[(m, rho[m])] = t
-        ref = paper_of.get(m)
-        label = m if m in main else f"{m} (diagnostic)"
-        lines.append(f"| {label} | {_fmt_rho(rho[m])} | {t.fmt()} | {tc.fmt()} | {w.fmt()} | "
-                     f"{_rng_fmt([p.tau_b for p in per.values()])} | "
-                     f"{'' if ref is None else f'{ref:+.2f}'} |")
-        summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref}
-        summary["within_draw"][m] = w.as_dict()
-        summary.setdefault("main_clustered", {})[m] = tc.as_dict()
-        cells = []
-        for key, z in (("alpha", alpha), ("step", step)):
-            pp = partial_tau_with_ci(x, y, z, n_boot=n_boot)
-            pw = within_partial_tau_with_ci(x, y, z, groups, n_boot=n_boot)
-            pd = [summary["per_draw"][str(s)][m][f"partial_{key}"] for s in draws]
-            summary[f"partial_{key}"][m] = pp.as_dict()
-            summary[f"partial_{key}_within_draw"][m] = pw.as_dict()
-            cells += [pp.fmt(), pw.fmt(), _rng_fmt(pd)]
-        partial_rows.append(f"| {label} | {_fmt_rho(rho[m])} | " + " | ".join(cells) + " |")
-    lines += ["", "The paper's mix value stands beside `geodesic-mix-manifold` (geodesics that "
-              "exist on the manifold); the literal `geodesic-mix` is a diagnostic, see below. "
-              f"The clustered CI resamples the {len(draws)} draws ({PAIRED_N_BOOT} resamples, seed "
-              f"{PAIRED_SEED}): with this few clusters it is coarse, but resampling nets as if "
-              "independent understates the spread between draws.", ""]
-    columns = {m: xs(m, rho[m]) for m in main + diag}
-    lines += paired_section(y, [
-        ("pooled", "whole data draws resampled", {"clusters": groups}, columns),
+    d = _DiagonalColumns(used, main, diag, rho, n_boot)
+    headline, partial_rows = _diagonal_headline(d, summary)
+    lines += headline
+    columns = {m: d.xs(m, rho[m]) for m in d.measures}
+    lines += paired_section(d.y, [
+        ("pooled", "whole data draws resampled", {"clusters": d.groups}, columns),
         ("within draws", "pairs of nets of the same draw; nets resampled within each draw",
-         {"strata": groups, "within": True}, columns)], summary)
-    lines += [
-              "## Partial τ given the initialisation scale α and given the step factor c", "",
+         {"strata": d.groups, "within": True}, columns)], summary)
+    lines += ["## Partial τ given the initialisation scale α and given the step factor c", "",
               "Kendall's partial τ of sharpness and test loss with α (resp. the step factor c "
               "actually used) held fixed: pooled over all models, from within-draw τ's, and per "
               "draw.", "",
               "| measure | ρ | given α: pooled | given α: within draws | given α: per draw | "
               "given c: pooled | given c: within draws | given c: per draw |",
               "|---|---|---|---|---|---|---|---|"] + partial_rows + [""]
-    # training residual --------------------------------------------------------------------
-    lines += ["## Diagnostic: τ with the final training loss", "",
-              "Every model is polished to L ≤ "
-              f"{config.get('polish_loss', float('nan')):g}; what is left of the training residual "
-              "should not rank sharpness. At an interpolator the literal geodesic-mix is "
-              "ρ²λ_max(XᵀX/n) + O(ρ√L) for every model of a draw: within a draw only the residual "
-              "(its component along the top eigenvector of XᵀX) can rank it, and across draws "
-              "λ_max(XᵀX/n) does.", "",
-              "| measure | ρ | τ(S, test loss) pooled | τ(S, train loss) pooled | "
-              "τ(S, train loss) within draws | per draw (min … max) |", "|---|---|---|---|---|---|"]
-    for m in main + diag:
-        x = xs(m, rho[m])
-        t = tau_with_ci(x, ltrain, n_boot=n_boot)
-        w = within_tau_with_ci(x, ltrain, groups, n_boot=n_boot)
-        per = [tau_with_ci(x[groups == s], ltrain[groups == s], n_boot=1).tau_b for s in draws]
-        summary["train_loss"][m] = {"pooled": t.as_dict(), "within_draw": w.as_dict(),
-                                    "per_draw": dict(zip(map(str, draws), per))}
-        lines.append(f"| {m} | {_fmt_rho(rho[m])} | {taus[(m, rho[m])].fmt()} | {t.fmt()} | "
-                     f"{w.fmt()} | {_rng_fmt(per)} |")
-    tt = tau_with_ci(ltrain, y, n_boot=n_boot)
-    tw = within_tau_with_ci(ltrain, y, groups, n_boot=n_boot)
-    ta = tau_with_ci(ltrain, alpha, n_boot=n_boot)
-    summary["train_vs_test"] = {"pooled": tt.as_dict(), "within_draw": tw.as_dict(),
-                                "train_vs_alpha": ta.as_dict()}
-    lines += ["", f"The final training loss itself ranks with the test loss: τ(train loss, test "
-              f"loss) = {tt.fmt()} pooled, {tw.fmt()} within draws, because it ranks with α "
-              f"(τ(train loss, α) = {ta.fmt()}: polishing converges faster for larger α, so its "
-              "last check lands further below the threshold). A measure that follows the "
-              "residual inherits that τ without seeing the geometry."]
-    lines.append("")
-    # per draw --------------------------------------------------------------------------------
-    lines += ["## Per draw (ρ as above): τ-b [95% CI]; partial τ given α / given c", "",
-              "| draw | models | test loss | " + " | ".join(main + diag) + " |",
-              "|---|---|---|" + "---|" * len(main + diag)]
-    for s in draws:
-        k = groups == s
-        cells = []
-        for m in main + diag:
-            d = summary["per_draw"][str(s)][m]
-            t = TauResult(d["tau_b"], d["tau_a"], d["ci_low"], d["ci_high"], d["n"])
-            cells.append(f"{t.fmt()}; {_num(d['partial_alpha'])} / {_num(d['partial_step'])}")
-        lines.append(f"| {s} | {int(k.sum())} | {y[k].min():.3g} … {y[k].max():.3g} | "
-                     + " | ".join(cells) + " |")
-    lines.append("")
-    # ρ sweep -------------------------------------------------------------------------------
-    sweep: Dict[str, List[Tuple[float, TauResult]]] = {}
-    grids = {m: rhos_of(used, m) for m in main + diag}
-    same = all(len(g) == len(grids[main[0]]) and all(math.isclose(a, b) for a, b in
-                                                      zip(g, grids[main[0]]))
-               for g in grids.values())
-    lines += ["## ρ sweep", "", "Pooled τ-b [95% CI]; within draws in parentheses. The mix ρ has "
-              "units (of β); inv and adaptive are scale-free.", ""]
-    if same:
-        lines += ["| measure | " + " | ".join(f"ρ={_fmt_rho(r_)}" for r_ in grids[main[0]])
-                  + " |", "|---|" + "---|" * len(grids[main[0]])]
-    for m in main + diag:
-        rows, cells = [], []
-        for r_ in grids[m]:
-            x = xs(m, r_)
-            t = taus.get((m, r_)) or tau_with_ci(x, y, n_boot=n_boot)
-            w = within_tau_with_ci(x, y, groups, n_boot=1)  # the point value only
-            taus[(m, r_)] = t
-            rows.append((r_, t))
-            cells.append(f"{t.fmt()} ({w.tau_b:+.2f})" if same else
-                         f"ρ={_fmt_rho(r_)}: {t.fmt()} ({w.tau_b:+.2f})")
-            summary["sweep"].setdefault(m, []).append({"rho": r_, **t.as_dict(),
-                                                       "within_draw": w.tau_b})
-        sweep[m] = rows
-        lines.append(f"| {m} | " + " | ".join(cells) + " |" if same
-                     else f"- **{m}**: " + "; ".join(cells))
-    lines.append("")
-    _fig_sweep(os.path.join(out_dir, "fig_rho_sweep.png"), sweep, "diagonal: pooled τ vs ρ")
-    # what sets the test loss ---------------------------------------------------------------
-    r2 = diagonal_r2(used)
-    per_r2 = {s: diagonal_r2([r for r in used if r["hparams"]["data_seed"] == s]) for s in draws}
-    summary["r2"] = {"pooled": r2, "per_draw": {str(s): v for s, v in per_r2.items()}}
-    lines += ["## What sets the test loss: R² of log test loss (least squares)", "",
-              "| knob | pooled | per draw (min … max) |", "|---|---|---|"]
-    for k, v in r2.items():
-        vals = [p[k] for p in per_r2.values() if k in p]
-        rng_ = f"{min(vals):.2f} … {max(vals):.2f}" if vals else "—"
-        lines.append(f"| {k} | {v:.2f} | {rng_} |")
-    lines.append("")
-    # population ------------------------------------------------------------------------------
-    lines += ["## Population", ""]
-    for key in sorted({k for r in used for k, v in r["metrics"].items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)}):
-        vals = np.array([float(r["metrics"][key]) for r in used
-                         if isinstance(r["metrics"].get(key), (int, float))])
-        lines.append(f"- {key}: min {vals.min():.4g}, median {np.median(vals):.4g}, "
-                     f"max {vals.max():.4g}")
-    restarted = sum(r.get("train_info", {}).get("restarts", 0) > 0 for r in used)
-    lines.append(f"- runs restarted at half the step after diverging: {restarted}")
-    times = [r.get("timing", {}).get("total_s") for r in used if r.get("timing")]
-    if times:
-        lines.append(f"- time per model (s): median {np.median(times):.1f}, max {max(times):.1f}, "
-                     f"sum {sum(times):.0f}")
-    for mid, why in sorted(exclude.items()):
-        lines.append(f"- excluded model {mid}: {why}")
-    lines.append("")
+    lines += _diagonal_train_loss_section(d, config.get("polish_loss", float("nan")), summary)
+    lines += _diagonal_per_draw_section(d, summary)
+    lines += _diagonal_sweep_section(d, summary, os.path.join(out_dir, "fig_rho_sweep.png"))
+    lines += _diagonal_r2_section(used, draws, summary)
+    lines += _diagonal_population_section(used, exclude)
     notes = list(notes) + diagonal_notes(config)
     lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     lines += ["## Configuration", "", "```json", json.dumps(config, indent=1, sort_keys=True,
                                                              default=str), "```", ""]
     _fig_diagonal_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
-                          [(m, rho[m]) for m in main + diag], taus,
+                          [(m, rho[m]) for m in d.measures], d.taus,
                           f"diagonal: test loss vs sharpness ({len(used)} models, "
                           f"{len(draws)} draws)")
     _fig_diagonal_knobs(os.path.join(out_dir, "fig_knobs.png"), used,

@@ -145,7 +145,7 @@ def run(args, log=print) -> int:
     import json
 
     from . import text, vision
-    from .cli import _transformer_config, _transformer_report_kwargs, default_out, \
+    from .cli import transformer_config, transformer_report_kwargs, default_out, \
         run_population_study
     from .runner import atomic_write_bytes
 
@@ -155,7 +155,7 @@ def run(args, log=print) -> int:
     for k in ("rho_adaptive", "eps", "test_size", "layers", "train_size", "pool_size", "head"):
         if not hasattr(args, k):
             setattr(args, k, None)
-    config = _transformer_config(mod, args)
+    config = transformer_config(mod, args)
     if not args.quick:
         # exact retraction ≈ 60 s per measure per ViT model (1 thread): first 24 models by default
         config["models"] = min(config["models"], 24)
@@ -166,7 +166,7 @@ def run(args, log=print) -> int:
         else:
             from .data import find_mr
             find_mr(args.data_dir)
-            text._model_path()
+            text.model_path()
     out = os.path.abspath(args.out or default_out(f"retraction-{args.population}", args))
     os.makedirs(out, exist_ok=True)
     ckpt = os.path.abspath(args.checkpoint_dir or os.path.join(out, "checkpoints"))
@@ -210,8 +210,8 @@ def run(args, log=print) -> int:
         log("  " + n_)
 
     # Part B: population with each retraction
-    kwargs = _transformer_report_kwargs(mod, config, args.synthetic,
-                                        "gap" if mod is text else "gap_own")
+    kwargs = transformer_report_kwargs(mod, config, args.synthetic,
+                                       "gap" if mod is text else "gap_own")
     kwargs.update(main=list(RETRACTION_MEASURES), extra_main=[], ablations=[],
                   notes=notes + kwargs["notes"])
     kwargs["notes_fn"] = value_differences

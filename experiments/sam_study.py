@@ -74,6 +74,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from .runner import ExperimentError, check_parent_alive
+from .stats import mean_std
 
 NAME = "sam"
 TASKS = ("vit", "minilm")
@@ -303,11 +304,11 @@ class Task:
                     b = perm[s:s + bs]
                     yield x[b], y[b]
         else:
-            from .text import _bucketed_batches, collate
+            from .text import bucketed_batches, collate
             rng = np.random.default_rng([seed, 2])
             idx, labels = self.idx["train"], self.data["labels"]
             while True:
-                for b in _bucketed_batches(idx, self.lengths, bs, rng):
+                for b in bucketed_batches(idx, self.lengths, bs, rng):
                     yield collate([self.data["ids"][i] for i in b], labels[b])
 
     def loss(self, model, batch):
@@ -549,14 +550,6 @@ def job(model_id: int, config: Dict[str, Any], data_dir: Optional[str], progress
 
 
 # ------------------------------------------------------------------------------------ report
-def _mean_std(v: Sequence[float]) -> Tuple[float, float]:
-    """(mean, sample standard deviation) of the finite values (sd NaN below two)."""
-    v = [x for x in v if math.isfinite(x)]
-    if not v:
-        return float("nan"), float("nan")
-    return float(np.mean(v)), (float(np.std(v, ddof=1)) if len(v) > 1 else float("nan"))
-
-
 def _num(v: Optional[float], fmt: str) -> str:
     """``v`` formatted, or "—" when missing (records written before a field existed)."""
     return "—" if v is None or not math.isfinite(v) else format(v, fmt)
@@ -588,9 +581,9 @@ def summarise(records: Sequence[Dict[str, Any]], config: Dict[str, Any]) -> Dict
                       and r["seed"] < config["sweep_seeds"]]
                 sweep.setdefault(m, []).append(dict(
                     rho=rho, factor=t["rho_factors"][ri], n=len(rs),
-                    val_acc=_mean_std([r["metrics"]["val_acc"] for r in rs])[0],
-                    test_acc=_mean_std([r["metrics"]["test_acc"] for r in rs])[0],
-                    train_loss=_mean_std([r["metrics"]["train_loss"] for r in rs])[0],
+                    val_acc=mean_std([r["metrics"]["val_acc"] for r in rs])[0],
+                    test_acc=mean_std([r["metrics"]["test_acc"] for r in rs])[0],
+                    train_loss=mean_std([r["metrics"]["train_loss"] for r in rs])[0],
                     selected=selected.get((task, m)) == ri))
         methods: Dict[str, Any] = {}
         for m in config["methods"]:
@@ -601,10 +594,10 @@ def summarise(records: Sequence[Dict[str, Any]], config: Dict[str, Any]) -> Dict
                 continue
             acc = {r["seed"]: r["metrics"]["test_acc"] for r in rs}
             row = dict(rho=None if METHODS[m] is None else rho_grid(t, m)[ri], n_seeds=len(rs),
-                       seeds=sorted(acc), test_acc=_mean_std(list(acc.values())),
-                       val_acc=_mean_std([r["metrics"]["val_acc"] for r in rs]),
-                       train_loss=_mean_std([r["metrics"]["train_loss"] for r in rs]),
-                       train_acc=_mean_std([r["metrics"]["train_acc"] for r in rs]),
+                       seeds=sorted(acc), test_acc=mean_std(list(acc.values())),
+                       val_acc=mean_std([r["metrics"]["val_acc"] for r in rs]),
+                       train_loss=mean_std([r["metrics"]["train_loss"] for r in rs]),
+                       train_acc=mean_std([r["metrics"]["train_acc"] for r in rs]),
                        update_s=float(np.median([r["timing"]["update_median_s"] for r in rs])),
                        update_cpu_s=float(np.median([r["timing"].get("update_cpu_median_s",
                                                                      math.nan) for r in rs])),
@@ -620,7 +613,7 @@ def summarise(records: Sequence[Dict[str, Any]], config: Dict[str, Any]) -> Dict
             rs = [r for r in train if r["method"] == m and r["rho_index"] == selected[(task, m)]]
             diffs = [r["metrics"]["test_acc"] - sam_acc[r["seed"]] for r in rs
                      if r["seed"] in sam_acc]
-            row["diff_to_sam"] = _mean_std(diffs) if m != "sam" and diffs else None
+            row["diff_to_sam"] = mean_std(diffs) if m != "sam" and diffs else None
             if "sam" in methods:  # medians over runs made at different machine loads
                 row["update_ratio_runs"] = row["update_s"] / methods["sam"]["update_s"]
                 row["update_cpu_ratio_runs"] = row["update_cpu_s"] / methods["sam"]["update_cpu_s"]
@@ -639,7 +632,7 @@ def _mean_curve(rs: Sequence[Dict[str, Any]]) -> List[Tuple[int, float, float]]:
     out = []
     for k, u in enumerate(pts):
         v = [r["curve"][k]["val_acc"] for r in rs if len(r["curve"]) > k]
-        m, s = _mean_std(v)
+        m, s = mean_std(v)
         out.append((u, m, s))
     return out
 
@@ -829,23 +822,23 @@ def _fig_curves(path: str, s: Dict[str, Any], config: Dict[str, Any], syn: str) 
 # ------------------------------------------------------------------------------------ CLI
 def add_arguments(p) -> None:
     """The ``sam`` subcommand's own options (the common ones come from :mod:`quotient_manifolds.experiments.cli`)."""
-    from .cli import _positive_int, _float_list
+    from .cli import positive_int, float_list
     g = p.add_argument_group("sam study")
     g.add_argument("--tasks", default=None, metavar="T1,T2",
                    help=f"tasks to run (default all: {','.join(TASKS)})")
     g.add_argument("--methods", default=None, metavar="M1,M2,...",
                    help=f"arms (default all: {','.join(METHODS)}; 'sam' is required as the cost "
                         f"reference)")
-    g.add_argument("--seeds", type=_positive_int, default=None,
+    g.add_argument("--seeds", type=positive_int, default=None,
                    help="seeds per arm at the selected ρ (default 3; quick 2)")
-    g.add_argument("--sweep-seeds", type=_positive_int, default=None,
+    g.add_argument("--sweep-seeds", type=positive_int, default=None,
                    help="seeds on which every ρ of the sweep runs (default 1; --sweep-seeds "
                         "equal to --seeds sweeps every seed)")
-    g.add_argument("--vit-steps", type=_positive_int, default=None,
+    g.add_argument("--vit-steps", type=positive_int, default=None,
                    help="optimizer updates per ViT run (default 1000; base-2x runs twice that)")
-    g.add_argument("--minilm-steps", type=_positive_int, default=None,
+    g.add_argument("--minilm-steps", type=positive_int, default=None,
                    help="optimizer updates per MiniLM run (default 80)")
-    g.add_argument("--rho-factors", type=_float_list, default=None, metavar="F1,F2,...",
+    g.add_argument("--rho-factors", type=float_list, default=None, metavar="F1,F2,...",
                    help="multipliers of each arm's centre ρ in the sweep (default 0.25,1,4)")
     g.add_argument("--rho-centre", action="append", default=None, metavar="TASK:METHOD=RHO",
                    help="centre of an arm's ρ sweep (repeatable), e.g. vit:geodesic-mix=0.01 "
@@ -897,21 +890,21 @@ def config_from_args(args) -> Dict[str, Any]:
 def run(args, log: Callable[[str], None] = print) -> int:
     """``quotient-manifolds sam``: the sweep phase, the selection, the seeds phase, the
     report (each phase resumes from results.jsonl)."""
-    from .cli import _set_threads, default_out
+    from .cli import set_threads, default_out
     from .runner import OutputDir, fmt_seconds, load_current, run_population
 
     config = config_from_args(args)
     if not synthetic(config):  # fail early with the preparing command
         from .data import find_fashion_mnist, find_rt
-        from .text import _model_path
+        from .text import model_path
         if "vit" in config["tasks"]:
             find_fashion_mnist(args.data_dir)
         if "minilm" in config["tasks"]:
             find_rt(args.data_dir)
-            _model_path()
+            model_path()
     out = os.path.abspath(args.out or default_out(NAME, args))
     started = time.perf_counter()
-    threads = _set_threads(args.workers, args.threads)
+    threads = set_threads(args.workers, args.threads)
     progress = not args.no_progress
     failed: List[int] = []
     with OutputDir(out, NAME, config, force_mix=args.force_mix) as od:

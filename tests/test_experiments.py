@@ -340,11 +340,11 @@ def test_paper_text_protocol_takes_sharpness_points_up_to_its_train_size():
     """The paper's 1,024 sharpness points need a larger train split than the default 1,000: the
     check is against the resized split, not the default one."""
     from quotient_manifolds.experiments import text as T
-    from quotient_manifolds.experiments.cli import _text_overrides, _transformer_config, build_parser
+    from quotient_manifolds.experiments.cli import _text_overrides, transformer_config, build_parser
 
     def config(*opts):
         args = build_parser().parse_args(["text", "--protocol", "paper", *opts])
-        c = _transformer_config(T, args)
+        c = transformer_config(T, args)
         _text_overrides(c, args)
         return c
 
