@@ -116,6 +116,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from quotient_manifolds._runtime import bounded_threads
 from quotient_manifolds.core.gl import check_choice
+from quotient_manifolds.core.groups import sym
 
 from . import validation as check
 from .sharpness import (
@@ -483,7 +484,7 @@ def top_eigenvalues(op: PyTorchLinearOperator, k: int = 1, *, which: str = "LA",
         raise ValueError(f"k must be an integer in [1, {dim}] (the operator's size), got {k!r}")
     if k >= dim - 1:
         eye = torch.eye(dim, dtype=op.dtype, device=op.device)
-        vals = torch.linalg.eigvalsh(_sym(op @ eye).double().cpu())
+        vals = torch.linalg.eigvalsh(sym(op @ eye).double().cpu())
         order = {"LA": vals.argsort(descending=True), "SA": vals.argsort(),
                  "LM": vals.abs().argsort(descending=True)}[which]
         vals = vals[order[:k]]
@@ -492,10 +493,6 @@ def top_eigenvalues(op: PyTorchLinearOperator, k: int = 1, *, which: str = "LA",
         vals = torch.as_tensor(eigsh(op.to_scipy(dtype=np.float64), k=k, which=which, tol=tol,
                                      v0=v0, return_eigenvectors=False), dtype=torch.float64)
     return vals.sort(descending=True).values
-
-
-def _sym(a: Tensor) -> Tensor:
-    return 0.5 * (a + a.mT)
 
 
 @contextmanager
