@@ -503,6 +503,7 @@ def _apgd_classes():
     import torch
 
     from quotient_manifolds.adapters.solver import QuotientComponent
+    from quotient_manifolds.core import mix_geodesic_scale
 
     class BoxedMixComponent(QuotientComponent):
         """The mix quotient with the exact geodesic, restricted to 1 + 2bⁱ ≥ margin: the ball point
@@ -523,7 +524,7 @@ def _apgd_classes():
 
         def point(self, xi, retraction=None, exact_steps=None):
             b = _horizontal_b(xi, self.x0)
-            return torch.stack([self.x0[0] * (1 + 2 * b), self.x0[1]])
+            return torch.stack([self.x0[0] * mix_geodesic_scale(b), self.x0[1]])
 
     return BoxedMixComponent, PolynomialMixComponent
 

@@ -158,7 +158,7 @@ class RescalingGeometry:
         if bool(((bu - bv).abs() > 1e-6 * scale + 1e-12).any()):
             raise ValueError("the closed-form mix geodesic needs a horizontal tangent vector "
                              "(ξ_u/u = ξ_v/v per coordinate); project it first with `project`")
-        s = 1 + 2 * t * bu
+        s = mix_geodesic_scale(bu, t)
         if bool((s <= 0).any()):
             raise ValueError("the mix geodesic leaves the manifold (1 + 2b ≤ 0 for some coordinate, "
                              "docs/maths.md §8.3); use a shorter step")
@@ -199,6 +199,15 @@ class RescalingGeometry:
         return self.frame(y).project(v)
 
 
+def mix_geodesic_scale(b: Tensor, t: float = 1.0) -> Tensor:
+    r"""s(t) = 1 + 2bt, the squared scale of the mix geodesic with horizontal coefficient b
+    (docs/maths.md §8.3): (u, v)(t) = (u√s, v√s), so β(t) = β₀⊙s.
+
+    The geodesic exists while s > 0; β₀⊙s is a polynomial in t and continues past it.
+    """
+    return 1 + 2 * t * b
+
+
 # ---------------------------------------------------------------------- diagonal-net sharpness
 def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: str, t: float = 1.0) -> Tensor:
     """β(t) = u(t)⊙v(t) along the horizontal geodesic with coefficient b (docs/maths.md §8.3).
@@ -206,7 +215,7 @@ def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: str, t: float = 1.0) -
     inv: β₀ ⊙ e^{2bt};  mix: β₀ ⊙ (1 + 2bt) (polynomial, so it extends past 1 + 2bt ≤ 0).
     """
     check_choice(metric, ("inv", "mix"), "metric")
-    return beta0 * (torch.exp(2 * t * b) if metric == "inv" else 1 + 2 * t * b)
+    return beta0 * (torch.exp(2 * t * b) if metric == "inv" else mix_geodesic_scale(b, t))
 
 
 def sharpness_mix_orthonormal(beta0: Tensor, beta_star: Tensor, rho: float) -> Tensor:
