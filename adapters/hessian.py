@@ -124,13 +124,12 @@ from .sharpness import (
     HALF_DTYPES,
     _ModelClosure,
     _as_compute,
-    _restore_training_flags,
     _split_batch,
     _to_device,
-    _training_flags,
     build_ball,
     default_loss,
 )
+from .layout import eval_mode
 from .solver import ElementwiseComponent, QuotientComponent
 from .validation import integer_at_least, materialised
 
@@ -222,13 +221,8 @@ class RiemannianHessian(PyTorchLinearOperator):
     def _eval_mode(self):
         """Eval mode (flags restored afterwards) and the math kernel of scaled_dot_product_attention:
         the fused kernels (flash, memory-efficient) have no double backward."""
-        flags = _training_flags(self.model)
-        try:
-            self.model.eval()
-            with sdpa_kernel([SDPBackend.MATH]):
-                yield
-        finally:
-            _restore_training_flags(self.model, flags)
+        with eval_mode(self.model), sdpa_kernel([SDPBackend.MATH]):
+            yield
 
     def _batch_loss(self, leaves: List[Tensor], batch) -> Tensor:
         inputs, targets, loss_fn, weight = batch

@@ -47,7 +47,7 @@ from .solver import (
     average_case,
 )
 from . import validation as check
-from .layout import map_tensors
+from .layout import eval_mode, map_tensors
 from .validation import materialised, scalar_loss, token_inputs
 
 Tensor = torch.Tensor
@@ -523,12 +523,10 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     if num_threads is None and sum(p.numel() for p in all_params.values()) <= SMALL_MODEL_PARAMS:
         num_threads = 1
 
-    flags = _training_flags(model)
     started = time.perf_counter()
     bar = None
     try:
-        model.eval()
-        with bounded_threads(num_threads):
+        with eval_mode(model), bounded_threads(num_threads):
             ball, write_back = build_ball(
                 model, params0, geometry=geometry, layout=layout, retraction=retraction,
                 eps=options["eps"], use_metric_norm=options["use_metric_norm"],
@@ -583,7 +581,6 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     finally:
         if bar is not None:
             bar.close()
-        _restore_training_flags(model, flags)
     setup = time.perf_counter() - started - sum(r["time"] for at in runs for r in at)
     recorded = dict(options, compute_dtype="float32 (upcast from half precision)" if upcast else "model")
     for key in ("model", "layout", "loss_fn", "progress"):
@@ -724,18 +721,6 @@ def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise:
 def _as_compute(t: Tensor, upcast: bool) -> Tensor:
     """``t`` in the compute dtype: float32 for half-precision tensors when ``upcast``."""
     return t.float() if upcast and t.dtype in HALF_DTYPES else t
-
-
-def _training_flags(model: torch.nn.Module) -> Dict[str, bool]:
-    """Every submodule's own ``training`` flag (a plain ``model.train(flag)`` would overwrite
-    submodules deliberately kept in eval mode)."""
-    return {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
-
-
-def _restore_training_flags(model: torch.nn.Module, flags: Dict[str, bool]) -> None:
-    for name, mod in model.named_modules(remove_duplicate=False):
-        if name in flags:
-            mod.training = flags[name]
 
 
 def _to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
