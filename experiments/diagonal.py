@@ -259,8 +259,9 @@ def train(config: Dict[str, Any], hp: Dict[str, Any], X, y, beta_star, progress:
 
 # ------------------------------------------------------------------------------------ sharpness
 def _project_ball(Z: np.ndarray, r: np.ndarray) -> np.ndarray:
-    nrm = np.linalg.norm(Z, axis=1, keepdims=True)
-    return Z * np.minimum(1.0, r / np.maximum(nrm, 1e-300))
+    from quotient_manifolds.adapters.solver import ball_factor
+
+    return Z * ball_factor(np.linalg.norm(Z, axis=1, keepdims=True), r)
 
 
 def _project_ball_box(Z: np.ndarray, r: np.ndarray, lo: np.ndarray) -> np.ndarray:
@@ -271,6 +272,8 @@ def _project_ball_box(Z: np.ndarray, r: np.ndarray, lo: np.ndarray) -> np.ndarra
     t_i = lo_i/z_i (coordinates with z_i < lo_i clamp from t_i on); A_k, B_k are the sums of z_i²
     and lo_i² over the k coordinates clamped first. Sorting the breakpoints gives t in closed form.
     """
+    from quotient_manifolds.adapters.solver import ball_factor
+
     lo = np.broadcast_to(lo, Z.shape)
     P = np.maximum(Z, lo)
     inside = (np.linalg.norm(P, axis=1, keepdims=True) <= r)[:, 0]
@@ -300,8 +303,7 @@ def _project_ball_box(Z: np.ndarray, r: np.ndarray, lo: np.ndarray) -> np.ndarra
     out = P.copy()
     proj = np.maximum(t * z, low)
     # guard against round-off: rescale radially if still (barely) outside
-    nrm = np.linalg.norm(proj, axis=1, keepdims=True)
-    proj = np.where(nrm > rr, np.maximum(proj * (rr / nrm), low), proj)
+    proj = np.maximum(proj * ball_factor(np.linalg.norm(proj, axis=1, keepdims=True), rr), low)
     out[~inside] = proj
     return out
 
