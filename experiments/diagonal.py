@@ -389,42 +389,20 @@ def pga(f: Callable, dim: int, radii: Sequence[float], *, restarts: int, iters: 
 def mix_literal_exact(u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.ndarray,
                       rhos: Sequence[float]) -> np.ndarray:
     """The literal ``geodesic-mix`` exactly: L(β₀ + 2δ) − L(β₀) = gᵀδ + δᵀAδ with g = (2/n)Xᵀr,
-    A = (2/n)XᵀX is a convex quadratic, so its maximum over ‖δ‖ ≤ ρ/√2 is a trust-region problem
-    solved through its secular equation: with X = U S Vᵀ the maximiser is δ = Σᵢ cᵢvᵢ,
-    cᵢ = gᵢ/(2(μ − aᵢ)), μ > max a with ‖c‖ = ρ/√2 (bisection; the "hard case" gᵢ = 0 at the top
-    eigenvalue fills the norm along its eigenvector). Exact to round-off, where the PGA's ~1e-7
+    A = (2/n)XᵀX is a convex quadratic, so its maximum over ‖δ‖ ≤ ρ/√2 is a trust-region problem,
+    diagonal in the basis of X = U S Vᵀ: δ = Σᵢ cᵢvᵢ with c the maximiser of gᵀc + cᵀdiag(a)c
+    (:func:`~quotient_manifolds.core.diagonal_trust_region`, through its secular equation). Exact to round-off, where the PGA's ~1e-7
     relative error would swamp the O(ρ√L) differences that rank models of one draw."""
+    from quotient_manifolds.core import diagonal_trust_region
+
     n = X.shape[0]
     r = X @ (u * v) - y
     _, S, Vt = np.linalg.svd(X, full_matrices=False)
     a = 2.0 * S * S / n
     g = 2.0 * (Vt @ (X.T @ r)) / n
-    top = int(np.argmax(a))
     out = []
     for rho in rhos:
-        R = rho / math.sqrt(2)
-
-        def norm_c(mu):
-            return float(np.linalg.norm(g / (2 * (mu - a))))
-
-        lo = a[top]
-        hi = a[top] + float(np.linalg.norm(g)) / (2 * R) + 1e-300
-        if abs(g[top]) < 1e-300 or norm_c(lo + 1e-15 * max(1.0, lo)) <= R:  # hard case
-            mask = np.arange(a.size) != top
-            c = np.zeros_like(a)
-            c[mask] = g[mask] / (2 * (a[top] - a[mask]))
-            c[top] = math.sqrt(max(R * R - float(c @ c), 0.0))
-        else:
-            for _ in range(200):
-                mid = 0.5 * (lo + hi)
-                if norm_c(mid) > R:
-                    lo = mid
-                else:
-                    hi = mid
-                if hi - lo <= 1e-15 * hi:
-                    break
-            c = g / (2 * (hi - a))
-            c *= R / np.linalg.norm(c)
+        c = diagonal_trust_region(g, a, rho / math.sqrt(2))
         out.append(float(g @ c + (a * c * c).sum()))
     return np.array(out)
 
