@@ -391,8 +391,9 @@ def mix_literal_exact(u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.ndarray
     """The literal ``geodesic-mix`` exactly: L(β₀ + 2δ) − L(β₀) = gᵀδ + δᵀAδ with g = (2/n)Xᵀr,
     A = (2/n)XᵀX is a convex quadratic, so its maximum over ‖δ‖ ≤ ρ/√2 is a trust-region problem,
     diagonal in the basis of X = U S Vᵀ: δ = Σᵢ cᵢvᵢ with c the maximiser of gᵀc + cᵀdiag(a)c
-    (:func:`~quotient_manifolds.core.diagonal_trust_region`, through its secular equation). Exact to round-off, where the PGA's ~1e-7
-    relative error would swamp the O(ρ√L) differences that rank models of one draw."""
+    (:func:`~quotient_manifolds.core.diagonal_trust_region`, through its secular equation). Exact to
+    round-off, where the PGA's ~1e-7 relative error would swamp the O(ρ√L) differences that rank
+    models of one draw."""
     from quotient_manifolds.core import diagonal_trust_region
 
     n = X.shape[0]
