@@ -121,12 +121,11 @@ from quotient_manifolds.core.groups import sym
 from . import validation as check
 from .sharpness import (
     GEOMETRIES,
-    HALF_DTYPES,
     _ModelClosure,
-    _as_compute,
     _split_batch,
     _to_device,
     build_ball,
+    compute_weights,
     default_loss,
 )
 from .layout import eval_mode
@@ -346,7 +345,7 @@ def riemannian_hessian(model: torch.nn.Module,
     Riemannian Hessian's, the rest are exact zeros (vertical directions, fixed weights).
     Use :func:`trace`, :func:`top_eigenvalues`, or ``curvlinops.lanczos_approximate_spectrum(op, ncv)``.
     """
-    from .accept import accept_layout, is_verified, refuse_failed_blocks, resolve_layout
+    from .accept import accept_checked, checked_layout, verification_pending
 
     check.module("model", model)
     check.batches("batches", batches)
@@ -367,19 +366,11 @@ def riemannian_hessian(model: torch.nn.Module,
                          f"requires_grad=False): the Hessian is taken with respect to the trainable "
                          f"weights; set requires_grad=True on the weights to include")
     detected = geometry != "adaptive" and layout is None
+    what, consequence = f"{geometry} Hessian", "its quotient Hessian would be meaningless"
     if geometry != "adaptive":
-        layout = resolve_layout(model, layout, what=f"{geometry} Hessian", allow_unsupported=allow_unsupported)
-        if not is_verified(model, layout):
-            refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} Hessian",
-                                 consequence="its quotient Hessian would be meaningless")
-    upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
-    params0 = {n: _as_compute(p, upcast) for n, p in params0.items()}
-    for name, p in params0.items():
-        if not bool(torch.isfinite(p).all()):
-            raise ValueError(f"parameter {name!r} contains non-finite values; the Hessian is "
-                             f"undefined at such weights")
-    frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items() if not p.requires_grad}
-    buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
+        layout = checked_layout(model, layout, what=what, consequence=consequence, unsafe=unsafe,
+                                allow_unsupported=allow_unsupported)
+    params0, buffers, upcast = compute_weights(model, params0, what="the Hessian")
     device = next(iter(params0.values())).device
 
     if iter(batches) is batches:           # an iterator: keep its batches for repeated passes
@@ -392,12 +383,11 @@ def riemannian_hessian(model: torch.nn.Module,
         sizes.append(_batch_size(inputs, targets, index, batch_size_fn))
     if not data:
         raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
-    if geometry != "adaptive" and not (unsafe and layout.verify_failed):
+    if geometry != "adaptive" and verification_pending(layout, unsafe=unsafe):
         # a geodesic number never comes from an unverified block (adapters.accept)
         # a layout detected here gets derived groups for blocks whose candidate group fails
-        layout, report = accept_layout(model, layout, data[0][0], what=f"{geometry} Hessian", derive=detected)
-        refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} Hessian",
-                             consequence="its quotient Hessian would be meaningless", report=report)
+        layout = accept_checked(model, layout, data[0][0], what=what, consequence=consequence, unsafe=unsafe,
+                                derive=detected)
     num_data = sum(sizes)
     weights = [n / num_data if reduction == "mean" else 1.0 for n in sizes]
     data = [(*d, w) for d, w in zip(data, weights)]

@@ -457,7 +457,7 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
 def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
              options: Dict[str, Any]) -> List[SharpnessResult]:
     """The body of :func:`sharpness` and :func:`sharpness_sweep`: one result per radius."""
-    from .accept import accept_layout, is_verified, refuse_failed_blocks, resolve_layout
+    from .accept import accept_checked, checked_layout, verification_pending
 
     _check_options(options)
     check.module("model", model)
@@ -481,20 +481,12 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
             f"requires_grad=True on the weights to perturb (e.g. model.requires_grad_(True), or "
             f"only the adapter weights of a PEFT model)")
     detected = geometry != "adaptive" and layout is None
+    what, consequence = f"{geometry} sharpness", "the value would be meaningless"
     if geometry != "adaptive":
-        layout = resolve_layout(model, layout, what=f"{geometry} sharpness",
-                                allow_unsupported=options["allow_unsupported"], include_frozen=include_frozen)
-    if geometry != "adaptive" and not is_verified(model, layout):
-        # a known failure is refused before any work; otherwise verified on the first batch
-        refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",
-                             consequence="the value would be meaningless", stacklevel=4)
-    # half-precision tensors are evaluated as float32 copies (module docstring)
-    upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
-    params0 = {n: _as_compute(p, upcast) for n, p in params0.items()}
-    for name, p in params0.items():
-        if not bool(torch.isfinite(p).all()):
-            raise ValueError(f"parameter {name!r} contains non-finite values; sharpness is "
-                             f"undefined at such weights")
+        layout = checked_layout(model, layout, what=what, consequence=consequence, unsafe=unsafe,
+                                allow_unsupported=options["allow_unsupported"], include_frozen=include_frozen,
+                                stacklevel=4)
+    params0, buffers, upcast = compute_weights(model, params0, what="sharpness")
     try:
         n_batches: Optional[int] = len(batches)  # type: ignore[arg-type]
     except TypeError:  # a generator, an IterableDataset loader
@@ -503,22 +495,18 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     first = next(batches, _NO_BATCH)
     if first is not _NO_BATCH:
         batches = itertools.chain([first], batches)
-    if first is not _NO_BATCH and geometry != "adaptive" and not (unsafe and layout.verify_failed):
+    if first is not _NO_BATCH and geometry != "adaptive" and verification_pending(layout, unsafe=unsafe):
         # a geodesic number never comes from an unverified block (adapters.accept); a layout
         # detected here gets derived groups for the blocks whose candidate group fails
         inputs = _split_batch(model, first, 0, loss_fn, normalize_logits)[0]
-        layout, report = accept_layout(model, layout, inputs, what=f"{geometry} sharpness", derive=detected)
-        refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",
-                             consequence="the value would be meaningless", report=report, stacklevel=4)
+        layout = accept_checked(model, layout, inputs, what=what, consequence=consequence, unsafe=unsafe,
+                                derive=detected, stacklevel=4)
     if geometry != "adaptive" and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
                       f"adaptively, so this {geometry} value is adaptive sharpness with the "
                       f"geodesic settings", UserWarning, stacklevel=3)
 
-    frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items()
-              if n not in params0}
-    buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
     device = next(iter(params0.values())).device
     if num_threads is None and sum(p.numel() for p in all_params.values()) <= SMALL_MODEL_PARAMS:
         num_threads = 1
@@ -716,6 +704,25 @@ def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise:
                          f"batch)")
     inputs, targets = batch
     return inputs, targets, False
+
+
+def compute_weights(model: torch.nn.Module, params0: Dict[str, Tensor], *, what: str
+                    ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], bool]:
+    """``(params0, buffers, upcast)`` as an evaluation at the model's weights uses them: ``params0``
+    (the weights it varies) refused when not finite (``what`` names the quantity undefined there),
+    ``buffers`` the model's buffers and its other parameters (fixed), and ``upcast`` whether any
+    parameter or buffer is in half precision, in which case all of them are float32 copies."""
+    all_params = dict(model.named_parameters())
+    # half-precision tensors are evaluated as float32 copies (module docstring)
+    upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
+    params0 = {n: _as_compute(p, upcast) for n, p in params0.items()}
+    for name, p in params0.items():
+        if not bool(torch.isfinite(p).all()):
+            raise ValueError(f"parameter {name!r} contains non-finite values; {what} is "
+                             f"undefined at such weights")
+    frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items() if n not in params0}
+    buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
+    return params0, buffers, upcast
 
 
 def _as_compute(t: Tensor, upcast: bool) -> Tensor:
