@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
 
-from .layout import GLBlock, Layout, Unsupported, _split_inputs, eval_mode
+from .layout import GLBlock, Layout, Unsupported, split_inputs, eval_mode
 
 __all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "with_blocks", "clear_cache",
            "SECOND_GAUGE_MAX_HEAD_DIM"]
@@ -150,7 +150,7 @@ def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        args, kwargs = _split_inputs(example_inputs, model)
+        args, kwargs = split_inputs(example_inputs, model)
         with eval_mode(model), torch.enable_grad():
             model(*args, **kwargs)
     finally:

@@ -121,12 +121,12 @@ from quotient_manifolds.core.groups import sym
 from . import validation as check
 from .sharpness import (
     GEOMETRIES,
-    _ModelClosure,
-    _split_batch,
-    _to_device,
+    ModelClosure,
     build_ball,
     compute_weights,
     default_loss,
+    split_batch,
+    to_device,
 )
 from .layout import eval_mode
 from .solver import ElementwiseComponent, QuotientComponent
@@ -177,7 +177,7 @@ class RiemannianHessian(PyTorchLinearOperator):
         self.names = [c.name for c in self.components]
         self.geometry = geometry
         self.num_data = num_data
-        self._closure = _ModelClosure(model, params0, buffers, write_back, None, False)
+        self._closure = ModelClosure(model, params0, buffers, write_back, None, False)
         self._data = data
         self._dtype = params0[next(iter(params0))].dtype
         for p in params0.values():
@@ -377,8 +377,8 @@ def riemannian_hessian(model: torch.nn.Module,
         batches = list(batches)
     data, sizes = [], []
     for index, batch in enumerate(batches):
-        inputs, targets, own_loss = _split_batch(model, batch, index, loss_fn, False)
-        data.append((_to_device(inputs, device, upcast), _to_device(targets, device, upcast),
+        inputs, targets, own_loss = split_batch(model, batch, index, loss_fn, False)
+        data.append((to_device(inputs, device, upcast), to_device(targets, device, upcast),
                      None if own_loss else (loss_fn or default_loss)))
         sizes.append(_batch_size(inputs, targets, index, batch_size_fn))
     if not data:

@@ -490,7 +490,7 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
                 mod.training = flags[name]
 
 
-def _split_inputs(example_inputs, model: nn.Module) -> Tuple[tuple, dict]:
+def split_inputs(example_inputs, model: nn.Module) -> Tuple[tuple, dict]:
     """``(args, kwargs)`` of a call of ``model``, with every tensor on the model's device: inputs
     prepared on the CPU work on a model moved to a GPU."""
     device = next((t.device for t in itertools.chain(model.parameters(), model.buffers())
@@ -840,7 +840,7 @@ class Layout:
         check.materialised(model, "verify()")
         self.check_model(model, what="verify()")
         fn = output_fn or primary_output
-        args, kwargs = _split_inputs(example_inputs, model)
+        args, kwargs = split_inputs(example_inputs, model)
         scales = positive_finite_sequence("scales", scales)
         if cond is not None and positive_finite("cond", cond) < 1:
             raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "

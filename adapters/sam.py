@@ -48,7 +48,7 @@ from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
 from .sharpness import GEOMETRIES as BALL_GEOMETRIES
 from . import validation as check
-from .sharpness import HALF_DTYPES, _as_compute, _as_rho, build_ball
+from .sharpness import HALF_DTYPES, as_compute, as_rho, build_ball
 from .validation import materialised
 
 #: why a layout whose blocks fail verification is refused (``unsafe=True``: the warning's reason)
@@ -113,7 +113,7 @@ class GeodesicSAM(torch.optim.Optimizer):
                             f"torch.optim.SGD, lr=...)")
         materialised(model, "GeodesicSAM")
         self.model = model
-        self.rho = _as_rho(rho)
+        self.rho = as_rho(rho)
         self.geometry = check_choice(geometry, SAM_GEOMETRIES, "geometry")
         self.retraction = check_choice(retraction, RETRACTIONS, "retraction")
         if geometry == "adaptive" and retraction == "exact":
@@ -314,7 +314,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         elementwise layout (:class:`~quotient_manifolds.adapters.sharpness.BallParameters`), the gradient of
         ξ ↦ L(R(ξ)) at ξ = 0 since DR₀ = id for every retraction."""
         upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
-        params0 = {n: _as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}
+        params0 = {n: as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}
         ball, ball_params = build_ball(self.model, params0, geometry=self.geometry,
                                        layout=self.layout, retraction=self.retraction,
                                        eps=self.gram_eps,

@@ -155,7 +155,7 @@ def normalize_logits(logits: Tensor) -> Tensor:
     return centred / centred.norm(dim=-1, keepdim=True).clamp_min(1e-10)
 
 
-class _ModelClosure:
+class ModelClosure:
     """Evaluates the loss of ``model`` on one batch at the perturbed parameters given by a ball.
 
     ``loss_fn=None`` takes the model's own ``outputs.loss`` (Hugging Face models given labels)."""
@@ -430,7 +430,7 @@ def sharpness(model: torch.nn.Module,
     from the worst point of the previous one, so a larger ball never returns a smaller maximum.
     """
     options = {k: v for k, v in locals().items() if k not in ("model", "batches", "rho")}
-    return _measure(model, batches, [_as_rho(rho)], options)[0]
+    return _measure(model, batches, [as_rho(rho)], options)[0]
 
 
 def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence[float],
@@ -444,7 +444,7 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
     args = sharpness_options(options)
     if isinstance(rhos, (str, bytes)) or not isinstance(rhos, Iterable) or getattr(rhos, "ndim", 1) != 1:
         raise TypeError(f"rhos must be a sequence of radii, got {rhos!r} ({type(rhos).__name__})")
-    radii = [_as_rho(r, f"rhos[{i}]") for i, r in enumerate(rhos)]
+    radii = [as_rho(r, f"rhos[{i}]") for i, r in enumerate(rhos)]
     if not radii or any(b <= a for a, b in zip(radii, radii[1:])):
         raise ValueError(f"rhos must be a non-empty, strictly increasing sequence of radii, got "
                          f"{list(rhos)!r}")
@@ -498,7 +498,7 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     if first is not _NO_BATCH and geometry != "adaptive" and verification_pending(layout, unsafe=unsafe):
         # a geodesic number never comes from an unverified block (adapters.accept); a layout
         # detected here gets derived groups for the blocks whose candidate group fails
-        inputs = _split_batch(model, first, 0, loss_fn, normalize_logits)[0]
+        inputs = split_batch(model, first, 0, loss_fn, normalize_logits)[0]
         layout = accept_checked(model, layout, inputs, what=what, consequence=consequence, unsafe=unsafe,
                                 derive=detected, stacklevel=4)
     if geometry != "adaptive" and not layout.blocks:
@@ -523,7 +523,7 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
             check_gap = (options["check_retraction"] and retraction == "second_order"
                          and measure == "worst" and ball.has_quotients)
             # the loss function is set per batch (dict batches may use the model's own loss)
-            closure = _ModelClosure(model, params0, buffers, write_back, None, normalize_logits)
+            closure = ModelClosure(model, params0, buffers, write_back, None, normalize_logits)
             generator = torch.Generator(device=device).manual_seed(seed)
             runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]   # per radius, per batch
             on_iteration = None
@@ -534,10 +534,10 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                            desc=f"{geometry} sharpness", unit="it")
                 on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
             for index, batch in enumerate(batches):
-                inputs, targets, own_loss = _split_batch(model, batch, index, loss_fn, normalize_logits)
+                inputs, targets, own_loss = split_batch(model, batch, index, loss_fn, normalize_logits)
                 closure.loss_fn = None if own_loss else (loss_fn or default_loss)
-                closure.inputs = _to_device(inputs, device, upcast)
-                closure.targets = _to_device(targets, device, upcast)
+                closure.inputs = to_device(inputs, device, upcast)
+                closure.targets = to_device(targets, device, upcast)
                 if bar is not None:
                     bar.set_postfix(batch=index)
                 previous = None
@@ -615,7 +615,7 @@ def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:
 def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, Any]:
     """The keyword options of :func:`sharpness` (all but ``model``, ``batches``, ``rho``) with the
     defaults filled in, refused before any work if one, or ``rho``, is unknown or out of range."""
-    _as_rho(rho)
+    as_rho(rho)
     try:
         bound = inspect.signature(sharpness).bind(None, None, rho=1.0, **options)
     except TypeError as err:
@@ -656,7 +656,7 @@ def _check_options(options: Dict[str, Any]) -> None:
                          "layout(model, include_frozen=True), or pass include_frozen=False")
 
 
-def _as_rho(rho: Any, name: str = "rho") -> float:
+def as_rho(rho: Any, name: str = "rho") -> float:
     """``rho`` (the argument ``name``) as a float: Python / numpy scalars and 0-d arrays or tensors;
     finite and > 0."""
     value = rho
@@ -673,7 +673,7 @@ def _as_rho(rho: Any, name: str = "rho") -> float:
     return value
 
 
-def _split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],
+def split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],
                  normalise: bool) -> Tuple[Any, Any, bool]:
     """(inputs, targets, use the model's own loss) of one batch; see :func:`sharpness`.  Token
     inputs of the wrong shape are refused here, naming the batch (:func:`validation.token_inputs`)."""
@@ -715,20 +715,22 @@ def compute_weights(model: torch.nn.Module, params0: Dict[str, Tensor], *, what:
     all_params = dict(model.named_parameters())
     # half-precision tensors are evaluated as float32 copies (module docstring)
     upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
-    params0 = {n: _as_compute(p, upcast) for n, p in params0.items()}
+    params0 = {n: as_compute(p, upcast) for n, p in params0.items()}
     for name, p in params0.items():
         if not bool(torch.isfinite(p).all()):
             raise ValueError(f"parameter {name!r} contains non-finite values; {what} is "
                              f"undefined at such weights")
-    frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items() if n not in params0}
-    buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
+    frozen = {n: as_compute(p.detach(), upcast) for n, p in all_params.items() if n not in params0}
+    buffers = {**{n: as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
     return params0, buffers, upcast
 
 
-def _as_compute(t: Tensor, upcast: bool) -> Tensor:
+def as_compute(t: Tensor, upcast: bool) -> Tensor:
     """``t`` in the compute dtype: float32 for half-precision tensors when ``upcast``."""
     return t.float() if upcast and t.dtype in HALF_DTYPES else t
 
 
-def _to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
-    return map_tensors(lambda t: _as_compute(t.to(device), upcast), obj)
+def to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
+    """``obj`` (a tensor, or tuples, lists and dicts of them) with every tensor moved to ``device``,
+    in the compute dtype when ``upcast`` (:func:`as_compute`)."""
+    return map_tensors(lambda t: as_compute(t.to(device), upcast), obj)
