@@ -123,8 +123,8 @@ from .sharpness import (
     GEOMETRIES,
     ModelClosure,
     build_ball,
-    compute_weights,
     default_loss,
+    pre_run_checks,
     split_batch,
     to_device,
 )
@@ -345,7 +345,7 @@ def riemannian_hessian(model: torch.nn.Module,
     Riemannian Hessian's, the rest are exact zeros (vertical directions, fixed weights).
     Use :func:`trace`, :func:`top_eigenvalues`, or ``curvlinops.lanczos_approximate_spectrum(op, ncv)``.
     """
-    from .accept import accept_checked, checked_layout, verification_pending
+    from .accept import accept_checked, verification_pending
 
     check.module("model", model)
     check.batches("batches", batches)
@@ -359,18 +359,12 @@ def riemannian_hessian(model: torch.nn.Module,
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
     check_choice(reduction, REDUCTIONS, "reduction")
-    all_params = dict(model.named_parameters())
-    params0 = {n: p.detach() for n, p in all_params.items() if p.requires_grad}
-    if not params0:
-        raise ValueError(f"the model has no trainable parameter (all {len(all_params)} have "
-                         f"requires_grad=False): the Hessian is taken with respect to the trainable "
-                         f"weights; set requires_grad=True on the weights to include")
-    detected = geometry != "adaptive" and layout is None
     what, consequence = f"{geometry} Hessian", "its quotient Hessian would be meaningless"
-    if geometry != "adaptive":
-        layout = checked_layout(model, layout, what=what, consequence=consequence, unsafe=unsafe,
-                                allow_unsupported=allow_unsupported)
-    params0, buffers, upcast = compute_weights(model, params0, what="the Hessian")
+    params0, buffers, upcast, layout, detected = pre_run_checks(
+        model, layout, geometry=geometry, what=what, consequence=consequence, unsafe=unsafe,
+        allow_unsupported=allow_unsupported, undefined="the Hessian",
+        no_params=("the Hessian is taken with respect to the trainable weights; set requires_grad=True on "
+                   "the weights to include"))
     device = next(iter(params0.values())).device
 
     if iter(batches) is batches:           # an iterator: keep its batches for repeated passes

@@ -27,8 +27,8 @@ import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import (Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence,
-                    Tuple, Union)
+from typing import (Any, Callable, Dict, Hashable, Iterable, List, Mapping, NamedTuple, Optional,
+                    Sequence, Tuple, Union)
 
 import torch
 import torch.nn.functional as F
@@ -457,7 +457,7 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
 def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
              options: Dict[str, Any]) -> List[SharpnessResult]:
     """The body of :func:`sharpness` and :func:`sharpness_sweep`: one result per radius."""
-    from .accept import accept_checked, checked_layout, verification_pending
+    from .accept import accept_checked, verification_pending
 
     _check_options(options)
     check.module("model", model)
@@ -471,22 +471,13 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     normalize_logits, num_threads = options["normalize_logits"], options["num_threads"]
     include_frozen, progress = options["include_frozen"], options["progress"]
 
-    all_params = dict(model.named_parameters())
-    params0 = {n: p.detach() for n, p in all_params.items()
-               if p.requires_grad or (include_frozen and p.is_floating_point())}
-    if not params0:
-        raise ValueError(
-            f"the model has no trainable parameter (all {len(all_params)} have "
-            f"requires_grad=False): sharpness perturbs the trainable weights, the frozen ones stay fixed. Set "
-            f"requires_grad=True on the weights to perturb (e.g. model.requires_grad_(True), or "
-            f"only the adapter weights of a PEFT model)")
-    detected = geometry != "adaptive" and layout is None
     what, consequence = f"{geometry} sharpness", "the value would be meaningless"
-    if geometry != "adaptive":
-        layout = checked_layout(model, layout, what=what, consequence=consequence, unsafe=unsafe,
-                                allow_unsupported=options["allow_unsupported"], include_frozen=include_frozen,
-                                stacklevel=4)
-    params0, buffers, upcast = compute_weights(model, params0, what="sharpness")
+    params0, buffers, upcast, layout, detected = pre_run_checks(
+        model, layout, geometry=geometry, what=what, consequence=consequence, unsafe=unsafe,
+        allow_unsupported=options["allow_unsupported"], include_frozen=include_frozen, undefined="sharpness",
+        no_params=("sharpness perturbs the trainable weights, the frozen ones stay fixed. Set requires_grad=True "
+                   "on the weights to perturb (e.g. model.requires_grad_(True), or only the adapter weights of "
+                   "a PEFT model)"), stacklevel=4)
     try:
         n_batches: Optional[int] = len(batches)  # type: ignore[arg-type]
     except TypeError:  # a generator, an IterableDataset loader
@@ -508,7 +499,7 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                       f"geodesic settings", UserWarning, stacklevel=3)
 
     device = next(iter(params0.values())).device
-    if num_threads is None and sum(p.numel() for p in all_params.values()) <= SMALL_MODEL_PARAMS:
+    if num_threads is None and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL_PARAMS:
         num_threads = 1
 
     started = time.perf_counter()
@@ -706,23 +697,57 @@ def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise:
     return inputs, targets, False
 
 
-def compute_weights(model: torch.nn.Module, params0: Dict[str, Tensor], *, what: str
-                    ) -> Tuple[Dict[str, Tensor], Dict[str, Tensor], bool]:
-    """``(params0, buffers, upcast)`` as an evaluation at the model's weights uses them: ``params0``
-    (the weights it varies) refused when not finite (``what`` names the quantity undefined there),
-    ``buffers`` the model's buffers and its other parameters (fixed), and ``upcast`` whether any
-    parameter or buffer is in half precision, in which case all of them are float32 copies."""
+class PreRun(NamedTuple):
+    """What :func:`pre_run_checks` found: the weights an evaluation varies and the fixed tensors, in
+    the compute dtype, and the layout (``None`` for adaptive)."""
+
+    params0: Dict[str, Tensor]
+    buffers: Dict[str, Tensor]
+    upcast: bool
+    layout: Any
+    #: whether the layout was detected here (``layout=None``): failing blocks then get derived groups
+    detected: bool
+
+
+def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: str, consequence: str,
+                   unsafe: bool, allow_unsupported: bool, include_frozen: bool = False, undefined: str,
+                   no_params: str, stacklevel: int = 3) -> PreRun:
+    """The checks of an evaluation at the model's weights (sharpness, the Hessian) before its first
+    batch, and its set-up:
+
+    * the weights it varies: the trainable ones (and with ``include_frozen`` the frozen floating
+      ones); none is refused (``no_params`` says what to do);
+    * for a geodesic geometry, the layout (:func:`~quotient_manifolds.adapters.accept.checked_layout`:
+      a failure known from its last verification is refused before any work; ``what`` names the
+      caller, ``consequence`` what a failing block would do to the result);
+    * the weights refused when not finite (``undefined`` names what is undefined there);
+    * ``buffers``: the model's buffers and its other parameters (fixed); ``upcast``: whether any
+      parameter or buffer is in half precision, in which case all of them are float32 copies.
+
+    ``stacklevel`` is that of the warnings as if the caller issued them."""
+    from .accept import checked_layout
+
     all_params = dict(model.named_parameters())
+    params0 = {n: p.detach() for n, p in all_params.items()
+               if p.requires_grad or (include_frozen and p.is_floating_point())}
+    if not params0:
+        raise ValueError(f"the model has no trainable parameter (all {len(all_params)} have "
+                         f"requires_grad=False): {no_params}")
+    detected = geometry != "adaptive" and layout is None
+    if geometry != "adaptive":
+        layout = checked_layout(model, layout, what=what, consequence=consequence, unsafe=unsafe,
+                                allow_unsupported=allow_unsupported, include_frozen=include_frozen,
+                                stacklevel=stacklevel + 1)
     # half-precision tensors are evaluated as float32 copies (module docstring)
     upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
     params0 = {n: as_compute(p, upcast) for n, p in params0.items()}
     for name, p in params0.items():
         if not bool(torch.isfinite(p).all()):
-            raise ValueError(f"parameter {name!r} contains non-finite values; {what} is "
+            raise ValueError(f"parameter {name!r} contains non-finite values; {undefined} is "
                              f"undefined at such weights")
     frozen = {n: as_compute(p.detach(), upcast) for n, p in all_params.items() if n not in params0}
     buffers = {**{n: as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
-    return params0, buffers, upcast
+    return PreRun(params0, buffers, upcast, layout, detected)
 
 
 def as_compute(t: Tensor, upcast: bool) -> Tensor:
