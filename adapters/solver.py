@@ -440,7 +440,8 @@ class ProductBall:
         if not horizontal:
             xi = self.project(xi)
         # a float64 tensor ρ makes ρ/‖ξ‖ a true division (a Python ρ would multiply by 1/‖ξ‖)
-        factor = float(ball_factor(self.norm(xi).double(), torch.tensor(float(rho), dtype=torch.float64)))
+        nrm = self.norm(xi).double()
+        factor = float(ball_factor(nrm, nrm.new_tensor(float(rho))))
         if factor == 1:
             return xi
         if inplace:
