@@ -42,8 +42,8 @@ from torch import nn
 from .derive import derive_groups, with_blocks
 from .layout import Layout, SymmetryError, Unsupported, VerifyReport, default_tolerance
 
-__all__ = ["accept_layout", "ensure_verified", "is_verified", "record_verification", "refuse_failed_blocks",
-           "resolve_layout"]
+__all__ = ["accept_layout", "accept_checked", "checked_layout", "ensure_verified", "is_verified",
+           "record_verification", "refuse_failed_blocks", "resolve_layout", "verification_pending"]
 
 #: model -> signatures of the layouts that passed verification on it (see the module docstring)
 _VERIFIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
@@ -146,7 +146,7 @@ def ensure_verified(model: nn.Module, layout: Optional[Layout], example_inputs: 
 
 
 def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what: str = "accept_layout",
-                  derive: bool = True, warn: bool = True) -> Tuple[Layout, Optional[VerifyReport]]:
+                  derive: bool = True, warn: bool = True, stacklevel: int = 3) -> Tuple[Layout, Optional[VerifyReport]]:
     """The layout to use on ``model``: ``layout`` when it passes verification; otherwise (with
     ``derive``) the blocks that fail get their group derived from the model
     (:func:`quotient_manifolds.adapters.derive.derive_groups` on those blocks only), the derived groups replace the
@@ -155,7 +155,7 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
     ``layout.unsupported`` with the reason (and a ``UserWarning`` when ``warn``): a block is never
     perturbed along a group that is not a symmetry.  Returns ``(layout, report)`` (report ``None``
     when nothing had to run).  ``layout`` itself is never modified; ``what`` names the caller in
-    messages.
+    messages, ``stacklevel`` the warning's (as in ``warnings.warn`` from this function).
 
     This is what the geodesic entry points do with a layout they detect themselves (``layout=None``);
     call it to see the layout they use: ``print(adapters.accept_layout(model, adapters.layout(model),
@@ -191,7 +191,7 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
         lines = "; ".join(f"{u.module}: {u.reason}" for u in removed)
         warnings.warn(f"{what}: {len(removed)} block(s) of the detected layout have no group found under which "
                       f"the model is unchanged (candidate or derived) and are treated elementwise: {lines}",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=stacklevel)
     return derived, report
 
 
@@ -215,6 +215,38 @@ def refuse_failed_blocks(layout: Optional[Layout], *, unsafe: bool, what: str, c
         f"fix their declaration (group=, num_kv_heads=, offsets) or "
         f"leave them out of the layout (adapters.layout(model, blocks=..., detect_blocks=False)), use "
         f"geometry='adaptive', or pass unsafe=True to run anyway{detail}", report)
+
+
+def checked_layout(model: nn.Module, layout: Optional[Layout], *, what: str, consequence: str, unsafe: bool,
+                   allow_unsupported: bool = False, include_frozen: bool = False, stacklevel: int = 3) -> Layout:
+    """The pre-run check of a geodesic entry point: :func:`resolve_layout`, then a failure known from
+    the layout's last verification on this model refused before any work (:func:`refuse_failed_blocks`;
+    a layout not verified yet is verified on the first batch, :func:`accept_checked`).  ``stacklevel``
+    is that of the warning as if the caller issued it."""
+    layout = resolve_layout(model, layout, what=what, allow_unsupported=allow_unsupported,
+                            include_frozen=include_frozen)
+    if not is_verified(model, layout):
+        refuse_failed_blocks(layout, unsafe=unsafe, what=what, consequence=consequence, stacklevel=stacklevel + 1)
+    return layout
+
+
+def verification_pending(layout: Layout, *, unsafe: bool) -> bool:
+    """Whether a geodesic entry point verifies ``layout`` on its first batch (:func:`accept_checked`):
+    always, except a layout whose last verification failed, which ``unsafe=True`` runs as it is."""
+    return not (unsafe and layout.verify_failed)
+
+
+def accept_checked(model: nn.Module, layout: Layout, example_inputs: Any, *, what: str, consequence: str,
+                   unsafe: bool, derive: bool, stacklevel: int = 3) -> Layout:
+    """The layout a geodesic entry point uses on the first batch's inputs: :func:`accept_layout`
+    (``derive`` for a layout the entry point detected itself), then the blocks that still fail
+    refused with the verify report (:func:`refuse_failed_blocks`; ``unsafe=True`` warns).
+    ``stacklevel`` is that of the warnings as if the caller called these two itself."""
+    layout, report = accept_layout(model, layout, example_inputs, what=what, derive=derive,
+                                   stacklevel=stacklevel + 1)
+    refuse_failed_blocks(layout, unsafe=unsafe, what=what, consequence=consequence, report=report,
+                         stacklevel=stacklevel + 1)
+    return layout
 
 
 class _Refused(SymmetryError, ValueError):

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
 
-from .layout import GLBlock, Layout, Unsupported, _split_inputs
+from .layout import GLBlock, Layout, Unsupported, split_inputs, eval_mode
 
 __all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "with_blocks", "clear_cache",
            "SECOND_GAUGE_MAX_HEAD_DIM"]
@@ -149,18 +149,13 @@ def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example
             captured.setdefault(path, (detach_inputs(tuple(args)), _stateless(detach_inputs(kwargs))))
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
-    args, kwargs = _split_inputs(example_inputs, model)
     try:
-        model.eval()
-        with torch.enable_grad():
+        args, kwargs = split_inputs(example_inputs, model)
+        with eval_mode(model), torch.enable_grad():
             model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
-        for name, mod in model.named_modules(remove_duplicate=False):
-            if name in flags:
-                mod.training = flags[name]
     return captured
 
 
@@ -334,16 +329,10 @@ def derive_groups(model: nn.Module, layout: Layout, example_inputs: Any, *, rtol
     chosen = [b for b in layout.blocks if only is None or b.name in only]
     meta = any(p.device.type == "meta" for p in model.parameters())
     inputs = {} if meta else capture_module_inputs(model, [b.module for b in chosen], example_inputs)
-    flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
     results: Dict[str, BlockDerivation] = {}
-    try:
-        model.eval()
+    with eval_mode(model):
         for b in chosen:
             results[b.name] = derive_block(model, b, inputs.get(b.module), rtol=rtol, use_cache=use_cache)
-    finally:
-        for name, mod in model.named_modules(remove_duplicate=False):
-            if name in flags:
-                mod.training = flags[name]
     blocks: List[GLBlock] = []
     unsupported = list(layout.unsupported)
     notes = list(layout.notes)

@@ -116,20 +116,19 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from quotient_manifolds._runtime import bounded_threads
 from quotient_manifolds.core.gl import check_choice
+from quotient_manifolds.core.groups import sym
 
 from . import validation as check
 from .sharpness import (
     GEOMETRIES,
-    HALF_DTYPES,
-    _ModelClosure,
-    _as_compute,
-    _restore_training_flags,
-    _split_batch,
-    _to_device,
-    _training_flags,
+    ModelClosure,
     build_ball,
     default_loss,
+    pre_run_checks,
+    split_batch,
+    to_device,
 )
+from .layout import eval_mode
 from .solver import ElementwiseComponent, QuotientComponent
 from .validation import integer_at_least, materialised
 
@@ -178,7 +177,7 @@ class RiemannianHessian(PyTorchLinearOperator):
         self.names = [c.name for c in self.components]
         self.geometry = geometry
         self.num_data = num_data
-        self._closure = _ModelClosure(model, params0, buffers, write_back, None, False)
+        self._closure = ModelClosure(model, params0, buffers, write_back, None, False)
         self._data = data
         self._dtype = params0[next(iter(params0))].dtype
         for p in params0.values():
@@ -221,13 +220,8 @@ class RiemannianHessian(PyTorchLinearOperator):
     def _eval_mode(self):
         """Eval mode (flags restored afterwards) and the math kernel of scaled_dot_product_attention:
         the fused kernels (flash, memory-efficient) have no double backward."""
-        flags = _training_flags(self.model)
-        try:
-            self.model.eval()
-            with sdpa_kernel([SDPBackend.MATH]):
-                yield
-        finally:
-            _restore_training_flags(self.model, flags)
+        with eval_mode(self.model), sdpa_kernel([SDPBackend.MATH]):
+            yield
 
     def _batch_loss(self, leaves: List[Tensor], batch) -> Tensor:
         inputs, targets, loss_fn, weight = batch
@@ -351,7 +345,7 @@ def riemannian_hessian(model: torch.nn.Module,
     Riemannian Hessian's, the rest are exact zeros (vertical directions, fixed weights).
     Use :func:`trace`, :func:`top_eigenvalues`, or ``curvlinops.lanczos_approximate_spectrum(op, ncv)``.
     """
-    from .accept import accept_layout, is_verified, refuse_failed_blocks, resolve_layout
+    from .accept import accept_checked, verification_pending
 
     check.module("model", model)
     check.batches("batches", batches)
@@ -365,44 +359,29 @@ def riemannian_hessian(model: torch.nn.Module,
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
     check_choice(reduction, REDUCTIONS, "reduction")
-    all_params = dict(model.named_parameters())
-    params0 = {n: p.detach() for n, p in all_params.items() if p.requires_grad}
-    if not params0:
-        raise ValueError(f"the model has no trainable parameter (all {len(all_params)} have "
-                         f"requires_grad=False): the Hessian is taken with respect to the trainable "
-                         f"weights; set requires_grad=True on the weights to include")
-    detected = geometry != "adaptive" and layout is None
-    if geometry != "adaptive":
-        layout = resolve_layout(model, layout, what=f"{geometry} Hessian", allow_unsupported=allow_unsupported)
-        if not is_verified(model, layout):
-            refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} Hessian",
-                                 consequence="its quotient Hessian would be meaningless")
-    upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
-    params0 = {n: _as_compute(p, upcast) for n, p in params0.items()}
-    for name, p in params0.items():
-        if not bool(torch.isfinite(p).all()):
-            raise ValueError(f"parameter {name!r} contains non-finite values; the Hessian is "
-                             f"undefined at such weights")
-    frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items() if not p.requires_grad}
-    buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
+    what, consequence = f"{geometry} Hessian", "its quotient Hessian would be meaningless"
+    params0, buffers, upcast, layout, detected = pre_run_checks(
+        model, layout, geometry=geometry, what=what, consequence=consequence, unsafe=unsafe,
+        allow_unsupported=allow_unsupported, undefined="the Hessian",
+        no_params=("the Hessian is taken with respect to the trainable weights; set requires_grad=True on "
+                   "the weights to include"))
     device = next(iter(params0.values())).device
 
     if iter(batches) is batches:           # an iterator: keep its batches for repeated passes
         batches = list(batches)
     data, sizes = [], []
     for index, batch in enumerate(batches):
-        inputs, targets, own_loss = _split_batch(model, batch, index, loss_fn, False)
-        data.append((_to_device(inputs, device, upcast), _to_device(targets, device, upcast),
+        inputs, targets, own_loss = split_batch(model, batch, index, loss_fn, False)
+        data.append((to_device(inputs, device, upcast), to_device(targets, device, upcast),
                      None if own_loss else (loss_fn or default_loss)))
         sizes.append(_batch_size(inputs, targets, index, batch_size_fn))
     if not data:
         raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
-    if geometry != "adaptive" and not (unsafe and layout.verify_failed):
+    if geometry != "adaptive" and verification_pending(layout, unsafe=unsafe):
         # a geodesic number never comes from an unverified block (adapters.accept)
         # a layout detected here gets derived groups for blocks whose candidate group fails
-        layout, report = accept_layout(model, layout, data[0][0], what=f"{geometry} Hessian", derive=detected)
-        refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} Hessian",
-                             consequence="its quotient Hessian would be meaningless", report=report)
+        layout = accept_checked(model, layout, data[0][0], what=what, consequence=consequence, unsafe=unsafe,
+                                derive=detected)
     num_data = sum(sizes)
     weights = [n / num_data if reduction == "mean" else 1.0 for n in sizes]
     data = [(*d, w) for d, w in zip(data, weights)]
@@ -483,7 +462,7 @@ def top_eigenvalues(op: PyTorchLinearOperator, k: int = 1, *, which: str = "LA",
         raise ValueError(f"k must be an integer in [1, {dim}] (the operator's size), got {k!r}")
     if k >= dim - 1:
         eye = torch.eye(dim, dtype=op.dtype, device=op.device)
-        vals = torch.linalg.eigvalsh(_sym(op @ eye).double().cpu())
+        vals = torch.linalg.eigvalsh(sym(op @ eye).double().cpu())
         order = {"LA": vals.argsort(descending=True), "SA": vals.argsort(),
                  "LM": vals.abs().argsort(descending=True)}[which]
         vals = vals[order[:k]]
@@ -492,10 +471,6 @@ def top_eigenvalues(op: PyTorchLinearOperator, k: int = 1, *, which: str = "LA",
         vals = torch.as_tensor(eigsh(op.to_scipy(dtype=np.float64), k=k, which=which, tol=tol,
                                      v0=v0, return_eigenvectors=False), dtype=torch.float64)
     return vals.sort(descending=True).values
-
-
-def _sym(a: Tensor) -> Tensor:
-    return 0.5 * (a + a.mT)
 
 
 @contextmanager

@@ -25,12 +25,14 @@ is not.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple,
+                    Union)
 
 import torch
 from torch import Tensor, nn
@@ -473,7 +475,22 @@ def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
     return obj
 
 
-def _split_inputs(example_inputs, model: nn.Module) -> Tuple[tuple, dict]:
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``with eval_mode(model):`` runs the block with ``model`` in eval mode, then restores every
+    submodule's own ``training`` flag (a plain ``model.train(flag)`` afterwards would overwrite
+    submodules deliberately kept in eval mode), also when the block raises."""
+    flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
+    try:
+        model.eval()
+        yield model
+    finally:
+        for name, mod in model.named_modules(remove_duplicate=False):
+            if name in flags:
+                mod.training = flags[name]
+
+
+def split_inputs(example_inputs, model: nn.Module) -> Tuple[tuple, dict]:
     """``(args, kwargs)`` of a call of ``model``, with every tensor on the model's device: inputs
     prepared on the CPU work on a model moved to a GPU."""
     device = next((t.device for t in itertools.chain(model.parameters(), model.buffers())
@@ -823,14 +840,12 @@ class Layout:
         check.materialised(model, "verify()")
         self.check_model(model, what="verify()")
         fn = output_fn or primary_output
-        args, kwargs = _split_inputs(example_inputs, model)
-        flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
+        args, kwargs = split_inputs(example_inputs, model)
         scales = positive_finite_sequence("scales", scales)
         if cond is not None and positive_finite("cond", cond) < 1:
             raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
                              f"got {cond!r}")
-        try:
-            model.eval()
+        with eval_mode(model):
             with torch.no_grad():
                 params = {n: p.detach() for n, p in model.named_parameters()}
                 bad = [n for n, p in params.items() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
@@ -900,10 +915,6 @@ class Layout:
                         mx = max(per.values()) if per else 0.0
                         checks.append(BlockCheck(b.name, b.kind, b.module, per, mx,
                                                  all(ok(d, s) for s, d in per.items())))
-        finally:
-            for name, mod in model.named_modules(remove_duplicate=False):
-                if name in flags:
-                    mod.training = flags[name]
         tol_r = max(tols.values()) if tols else (float(rtol) if rtol is not None else default_tolerance(cdt, cond))
         report = VerifyReport(joint=joint, joint_passed=joint_passed, blocks=checks, rtol=tol_r, atol=tol_a,
                               dtype=cdt, cond=cond, scales=scales, output_scale=ymax,

@@ -48,8 +48,11 @@ from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
 from .sharpness import GEOMETRIES as BALL_GEOMETRIES
 from . import validation as check
-from .sharpness import HALF_DTYPES, _as_compute, _as_rho, build_ball
+from .sharpness import HALF_DTYPES, as_compute, as_rho, build_ball
 from .validation import materialised
+
+#: why a layout whose blocks fail verification is refused (``unsafe=True``: the warning's reason)
+SAM_CONSEQUENCE = "the ascent would not be invariant"
 
 #: The ascent geometries of :class:`GeodesicSAM`: those of the sharpness ball, and plain SAM.
 SAM_GEOMETRIES = BALL_GEOMETRIES + ("sam",)
@@ -110,7 +113,7 @@ class GeodesicSAM(torch.optim.Optimizer):
                             f"torch.optim.SGD, lr=...)")
         materialised(model, "GeodesicSAM")
         self.model = model
-        self.rho = _as_rho(rho)
+        self.rho = as_rho(rho)
         self.geometry = check_choice(geometry, SAM_GEOMETRIES, "geometry")
         self.retraction = check_choice(retraction, RETRACTIONS, "retraction")
         if geometry == "adaptive" and retraction == "exact":
@@ -171,18 +174,16 @@ class GeodesicSAM(torch.optim.Optimizer):
     def _checked_layout(self, layout, allow_unsupported: bool, unsafe: bool):
         if self.geometry not in ("geodesic-inv", "geodesic-mix"):
             return None
-        from .accept import capture_first_call, is_verified, refuse_failed_blocks, resolve_layout
+        from .accept import capture_first_call, checked_layout, is_verified, verification_pending
         #: a layout detected here gets derived groups for blocks whose candidate group fails
         self._derive = layout is None
-        layout = resolve_layout(self.model, layout, what=f"GeodesicSAM({self.geometry})",
-                                allow_unsupported=allow_unsupported)
+        layout = checked_layout(self.model, layout, what=f"GeodesicSAM({self.geometry})",
+                                consequence=SAM_CONSEQUENCE, unsafe=unsafe, allow_unsupported=allow_unsupported,
+                                stacklevel=4)
         self._unsafe = unsafe
-        if not is_verified(self.model, layout):
-            refuse_failed_blocks(layout, unsafe=unsafe, what=f"GeodesicSAM({self.geometry})",
-                                 consequence="the ascent would not be invariant", stacklevel=4)
-            if layout.blocks and not (unsafe and layout.verify_failed):
-                # verified on the inputs of the model's next forward pass (the first batch)
-                self._capture = capture_first_call(self.model, self._first_inputs)
+        if layout.blocks and not is_verified(self.model, layout) and verification_pending(layout, unsafe=unsafe):
+            # verified on the inputs of the model's next forward pass (the first batch)
+            self._capture = capture_first_call(self.model, self._first_inputs)
         outside = sorted({p for b in layout.blocks for p in b.params} - set(self._perturbed))
         if outside:
             raise ValueError(f"GL blocks of the layout touch parameter(s) {outside[:4]} that the "
@@ -232,7 +233,7 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     def _verify_layout(self) -> None:
         """Verify the layout on the first batch's inputs (once; see :mod:`quotient_manifolds.adapters.accept`)."""
-        from .accept import accept_layout, refuse_failed_blocks
+        from .accept import accept_checked
 
         captured = self._first_inputs
         what = f"GeodesicSAM({self.geometry})"
@@ -248,11 +249,10 @@ class GeodesicSAM(torch.optim.Optimizer):
                 f"was called with both positional and keyword arguments, which Layout.verify cannot "
                 f"replay. Verify the layout yourself once (lay = adapters.layout(model); "
                 f"lay.verify(model, {{...keyword inputs...}})) and pass layout=lay")
-        self.layout, report = accept_layout(self.model, self.layout, captured["inputs"], what=what,
-                                            derive=self._derive)
-        self._first_inputs, self._capture = {}, None
-        refuse_failed_blocks(self.layout, unsafe=self._unsafe, what=what,
-                             consequence="the ascent would not be invariant", report=report, stacklevel=4)
+        self.layout = accept_checked(self.model, self.layout, captured["inputs"], what=what,
+                                     consequence=SAM_CONSEQUENCE, unsafe=self._unsafe, derive=self._derive,
+                                     stacklevel=4)
+        self._first_inputs, self._capture = {}, None  # after a refusal the next step verifies again
 
     @torch.no_grad()
     def second_step(self, zero_grad: bool = False) -> None:
@@ -314,7 +314,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         elementwise layout (:class:`~quotient_manifolds.adapters.sharpness.BallParameters`), the gradient of
         ξ ↦ L(R(ξ)) at ξ = 0 since DR₀ = id for every retraction."""
         upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
-        params0 = {n: _as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}
+        params0 = {n: as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}
         ball, ball_params = build_ball(self.model, params0, geometry=self.geometry,
                                        layout=self.layout, retraction=self.retraction,
                                        eps=self.gram_eps,

@@ -27,8 +27,8 @@ import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import (Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence,
-                    Tuple, Union)
+from typing import (Any, Callable, Dict, Hashable, Iterable, List, Mapping, NamedTuple, Optional,
+                    Sequence, Tuple, Union)
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ from .solver import (
     average_case,
 )
 from . import validation as check
-from .layout import map_tensors
+from .layout import eval_mode, map_tensors
 from .validation import materialised, scalar_loss, token_inputs
 
 Tensor = torch.Tensor
@@ -161,7 +161,7 @@ def normalize_logits(logits: Tensor) -> Tensor:
     return centred / centred.norm(dim=-1, keepdim=True).clamp_min(1e-10)
 
 
-class _ModelClosure:
+class ModelClosure:
     """Evaluates the loss of ``model`` on one batch at the perturbed parameters given by a ball.
 
     ``loss_fn=None`` takes the model's own ``outputs.loss`` (Hugging Face models given labels)."""
@@ -436,7 +436,7 @@ def sharpness(model: torch.nn.Module,
     from the worst point of the previous one, so a larger ball never returns a smaller maximum.
     """
     options = {k: v for k, v in locals().items() if k not in ("model", "batches", "rho")}
-    return _measure(model, batches, [_as_rho(rho)], options)[0]
+    return _measure(model, batches, [as_rho(rho)], options)[0]
 
 
 def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence[float],
@@ -450,7 +450,7 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
     args = sharpness_options(options)
     if isinstance(rhos, (str, bytes)) or not isinstance(rhos, Iterable) or getattr(rhos, "ndim", 1) != 1:
         raise TypeError(f"rhos must be a sequence of radii, got {rhos!r} ({type(rhos).__name__})")
-    radii = [_as_rho(r, f"rhos[{i}]") for i, r in enumerate(rhos)]
+    radii = [as_rho(r, f"rhos[{i}]") for i, r in enumerate(rhos)]
     if not radii or any(b <= a for a, b in zip(radii, radii[1:])):
         raise ValueError(f"rhos must be a non-empty, strictly increasing sequence of radii, got "
                          f"{list(rhos)!r}")
@@ -463,7 +463,7 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
 def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
              options: Dict[str, Any]) -> List[SharpnessResult]:
     """The body of :func:`sharpness` and :func:`sharpness_sweep`: one result per radius."""
-    from .accept import accept_layout, is_verified, refuse_failed_blocks, resolve_layout
+    from .accept import accept_checked, verification_pending
 
     _check_options(options)
     check.module("model", model)
@@ -477,30 +477,13 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     normalize_logits, num_threads = options["normalize_logits"], options["num_threads"]
     include_frozen, progress = options["include_frozen"], options["progress"]
 
-    all_params = dict(model.named_parameters())
-    params0 = {n: p.detach() for n, p in all_params.items()
-               if p.requires_grad or (include_frozen and p.is_floating_point())}
-    if not params0:
-        raise ValueError(
-            f"the model has no trainable parameter (all {len(all_params)} have "
-            f"requires_grad=False): sharpness perturbs the trainable weights, the frozen ones stay fixed. Set "
-            f"requires_grad=True on the weights to perturb (e.g. model.requires_grad_(True), or "
-            f"only the adapter weights of a PEFT model)")
-    detected = geometry != "adaptive" and layout is None
-    if geometry != "adaptive":
-        layout = resolve_layout(model, layout, what=f"{geometry} sharpness",
-                                allow_unsupported=options["allow_unsupported"], include_frozen=include_frozen)
-    if geometry != "adaptive" and not is_verified(model, layout):
-        # a known failure is refused before any work; otherwise verified on the first batch
-        refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",
-                             consequence="the value would be meaningless", stacklevel=4)
-    # half-precision tensors are evaluated as float32 copies (module docstring)
-    upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
-    params0 = {n: _as_compute(p, upcast) for n, p in params0.items()}
-    for name, p in params0.items():
-        if not bool(torch.isfinite(p).all()):
-            raise ValueError(f"parameter {name!r} contains non-finite values; sharpness is "
-                             f"undefined at such weights")
+    what, consequence = f"{geometry} sharpness", "the value would be meaningless"
+    params0, buffers, upcast, layout, detected = pre_run_checks(
+        model, layout, geometry=geometry, what=what, consequence=consequence, unsafe=unsafe,
+        allow_unsupported=options["allow_unsupported"], include_frozen=include_frozen, undefined="sharpness",
+        no_params=("sharpness perturbs the trainable weights, the frozen ones stay fixed. Set requires_grad=True "
+                   "on the weights to perturb (e.g. model.requires_grad_(True), or only the adapter weights of "
+                   "a PEFT model)"), stacklevel=4)
     try:
         n_batches: Optional[int] = len(batches)  # type: ignore[arg-type]
     except TypeError:  # a generator, an IterableDataset loader
@@ -509,13 +492,12 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     first = next(batches, _NO_BATCH)
     if first is not _NO_BATCH:
         batches = itertools.chain([first], batches)
-    if first is not _NO_BATCH and geometry != "adaptive" and not (unsafe and layout.verify_failed):
+    if first is not _NO_BATCH and geometry != "adaptive" and verification_pending(layout, unsafe=unsafe):
         # a geodesic number never comes from an unverified block (adapters.accept); a layout
         # detected here gets derived groups for the blocks whose candidate group fails
-        inputs = _split_batch(model, first, 0, loss_fn, normalize_logits)[0]
-        layout, report = accept_layout(model, layout, inputs, what=f"{geometry} sharpness", derive=detected)
-        refuse_failed_blocks(layout, unsafe=unsafe, what=f"{geometry} sharpness",
-                             consequence="the value would be meaningless", report=report, stacklevel=4)
+        inputs = split_batch(model, first, 0, loss_fn, normalize_logits)[0]
+        layout = accept_checked(model, layout, inputs, what=what, consequence=consequence, unsafe=unsafe,
+                                derive=detected, stacklevel=4)
     if geometry != "adaptive" and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
@@ -524,19 +506,14 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
 
     covered = (_attention_masks(model, layout, include_frozen) if geometry == "adaptive"
                else getattr(layout, "gl_masks", None))
-    frozen = {n: _as_compute(p.detach(), upcast) for n, p in all_params.items()
-              if n not in params0}
-    buffers = {**{n: _as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
     device = next(iter(params0.values())).device
-    if num_threads is None and sum(p.numel() for p in all_params.values()) <= SMALL_MODEL_PARAMS:
+    if num_threads is None and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL_PARAMS:
         num_threads = 1
 
-    flags = _training_flags(model)
     started = time.perf_counter()
     bar = None
     try:
-        model.eval()
-        with bounded_threads(num_threads):
+        with eval_mode(model), bounded_threads(num_threads):
             ball, write_back = build_ball(
                 model, params0, geometry=geometry, layout=layout, retraction=retraction,
                 eps=options["eps"], use_metric_norm=options["use_metric_norm"],
@@ -545,7 +522,7 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
             check_gap = (options["check_retraction"] and retraction == "second_order"
                          and measure == "worst" and ball.has_quotients)
             # the loss function is set per batch (dict batches may use the model's own loss)
-            closure = _ModelClosure(model, params0, buffers, write_back, None, normalize_logits)
+            closure = ModelClosure(model, params0, buffers, write_back, None, normalize_logits)
             generator = torch.Generator(device=device).manual_seed(seed)
             runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]   # per radius, per batch
             on_iteration = None
@@ -556,10 +533,10 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                            desc=f"{geometry} sharpness", unit="it")
                 on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
             for index, batch in enumerate(batches):
-                inputs, targets, own_loss = _split_batch(model, batch, index, loss_fn, normalize_logits)
+                inputs, targets, own_loss = split_batch(model, batch, index, loss_fn, normalize_logits)
                 closure.loss_fn = None if own_loss else (loss_fn or default_loss)
-                closure.inputs = _to_device(inputs, device, upcast)
-                closure.targets = _to_device(targets, device, upcast)
+                closure.inputs = to_device(inputs, device, upcast)
+                closure.targets = to_device(targets, device, upcast)
                 if bar is not None:
                     bar.set_postfix(batch=index)
                 previous = None
@@ -592,7 +569,6 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     finally:
         if bar is not None:
             bar.close()
-        _restore_training_flags(model, flags)
     setup = time.perf_counter() - started - sum(r["time"] for at in runs for r in at)
     recorded = dict(options, compute_dtype="float32 (upcast from half precision)" if upcast else "model")
     for key in ("model", "layout", "loss_fn", "progress"):
@@ -657,7 +633,7 @@ def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:
 def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, Any]:
     """The keyword options of :func:`sharpness` (all but ``model``, ``batches``, ``rho``) with the
     defaults filled in, refused before any work if one, or ``rho``, is unknown or out of range."""
-    _as_rho(rho)
+    as_rho(rho)
     try:
         bound = inspect.signature(sharpness).bind(None, None, rho=1.0, **options)
     except TypeError as err:
@@ -698,7 +674,7 @@ def _check_options(options: Dict[str, Any]) -> None:
                          "layout(model, include_frozen=True), or pass include_frozen=False")
 
 
-def _as_rho(rho: Any, name: str = "rho") -> float:
+def as_rho(rho: Any, name: str = "rho") -> float:
     """``rho`` (the argument ``name``) as a float: Python / numpy scalars and 0-d arrays or tensors;
     finite and > 0."""
     value = rho
@@ -715,7 +691,7 @@ def _as_rho(rho: Any, name: str = "rho") -> float:
     return value
 
 
-def _split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],
+def split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],
                  normalise: bool) -> Tuple[Any, Any, bool]:
     """(inputs, targets, use the model's own loss) of one batch; see :func:`sharpness`.  Token
     inputs of the wrong shape are refused here, naming the batch (:func:`validation.token_inputs`)."""
@@ -748,22 +724,65 @@ def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise:
     return inputs, targets, False
 
 
-def _as_compute(t: Tensor, upcast: bool) -> Tensor:
+class PreRun(NamedTuple):
+    """What :func:`pre_run_checks` found: the weights an evaluation varies and the fixed tensors, in
+    the compute dtype, and the layout (``None`` for adaptive)."""
+
+    params0: Dict[str, Tensor]
+    buffers: Dict[str, Tensor]
+    upcast: bool
+    layout: Any
+    #: whether the layout was detected here (``layout=None``): failing blocks then get derived groups
+    detected: bool
+
+
+def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: str, consequence: str,
+                   unsafe: bool, allow_unsupported: bool, include_frozen: bool = False, undefined: str,
+                   no_params: str, stacklevel: int = 3) -> PreRun:
+    """The checks of an evaluation at the model's weights (sharpness, the Hessian) before its first
+    batch, and its set-up:
+
+    * the weights it varies: the trainable ones (and with ``include_frozen`` the frozen floating
+      ones); none is refused (``no_params`` says what to do);
+    * for a geodesic geometry, the layout (:func:`~quotient_manifolds.adapters.accept.checked_layout`:
+      a failure known from its last verification is refused before any work; ``what`` names the
+      caller, ``consequence`` what a failing block would do to the result);
+    * the weights refused when not finite (``undefined`` names what is undefined there);
+    * ``buffers``: the model's buffers and its other parameters (fixed); ``upcast``: whether any
+      parameter or buffer is in half precision, in which case all of them are float32 copies.
+
+    ``stacklevel`` is that of the warnings as if the caller issued them."""
+    from .accept import checked_layout
+
+    all_params = dict(model.named_parameters())
+    params0 = {n: p.detach() for n, p in all_params.items()
+               if p.requires_grad or (include_frozen and p.is_floating_point())}
+    if not params0:
+        raise ValueError(f"the model has no trainable parameter (all {len(all_params)} have "
+                         f"requires_grad=False): {no_params}")
+    detected = geometry != "adaptive" and layout is None
+    if geometry != "adaptive":
+        layout = checked_layout(model, layout, what=what, consequence=consequence, unsafe=unsafe,
+                                allow_unsupported=allow_unsupported, include_frozen=include_frozen,
+                                stacklevel=stacklevel + 1)
+    # half-precision tensors are evaluated as float32 copies (module docstring)
+    upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
+    params0 = {n: as_compute(p, upcast) for n, p in params0.items()}
+    for name, p in params0.items():
+        if not bool(torch.isfinite(p).all()):
+            raise ValueError(f"parameter {name!r} contains non-finite values; {undefined} is "
+                             f"undefined at such weights")
+    frozen = {n: as_compute(p.detach(), upcast) for n, p in all_params.items() if n not in params0}
+    buffers = {**{n: as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
+    return PreRun(params0, buffers, upcast, layout, detected)
+
+
+def as_compute(t: Tensor, upcast: bool) -> Tensor:
     """``t`` in the compute dtype: float32 for half-precision tensors when ``upcast``."""
     return t.float() if upcast and t.dtype in HALF_DTYPES else t
 
 
-def _training_flags(model: torch.nn.Module) -> Dict[str, bool]:
-    """Every submodule's own ``training`` flag (a plain ``model.train(flag)`` would overwrite
-    submodules deliberately kept in eval mode)."""
-    return {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
-
-
-def _restore_training_flags(model: torch.nn.Module, flags: Dict[str, bool]) -> None:
-    for name, mod in model.named_modules(remove_duplicate=False):
-        if name in flags:
-            mod.training = flags[name]
-
-
-def _to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
-    return map_tensors(lambda t: _as_compute(t.to(device), upcast), obj)
+def to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
+    """``obj`` (a tensor, or tuples, lists and dicts of them) with every tensor moved to ``device``,
+    in the compute dtype when ``upcast`` (:func:`as_compute`)."""
+    return map_tensors(lambda t: as_compute(t.to(device), upcast), obj)

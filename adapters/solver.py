@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from quotient_manifolds._runtime import bounded_threads, threads_for
@@ -462,13 +463,30 @@ class ProductBall:
         (linear combinations of horizontal vectors); ``inplace=True`` rescales ``xi`` itself."""
         if not horizontal:
             xi = self.project(xi)
-        nrm = float(self.norm(xi))
-        if nrm <= rho:
+        # a float64 tensor ρ makes ρ/‖ξ‖ a true division (a Python ρ would multiply by 1/‖ξ‖)
+        nrm = self.norm(xi).double()
+        factor = float(ball_factor(nrm, nrm.new_tensor(float(rho))))
+        if factor == 1:
             return xi
         if inplace:
-            torch._foreach_mul_(xi, rho / nrm)
+            torch._foreach_mul_(xi, factor)
             return xi
-        return scale(xi, rho / nrm)
+        return scale(xi, factor)
+
+
+def ball_factor(norm: Union[Tensor, np.ndarray], rho: Union[float, Tensor, np.ndarray],
+                a: Union[float, Tensor] = 1.0) -> Union[Tensor, np.ndarray]:
+    r"""The radial scaling of P_S onto the ball ‖ξ‖ ≤ ρ (docs/maths.md §3.2): for a horizontal y of
+    norm ``norm``, P_S(a·y) = f·y with
+
+        f = ρ/‖y‖ where a‖y‖ > ρ,   f = a otherwise (a = 1: f = min(1, ρ/‖y‖), 1 at y = 0).
+
+    Elementwise over tensors (0-d scalars stay on their device: no host sync) or numpy arrays, e.g.
+    the row norms of a batch of points with their radii; a numpy ``norm`` gives a numpy answer."""
+    if isinstance(norm, np.ndarray):
+        rho = torch.from_numpy(rho) if isinstance(rho, np.ndarray) else rho
+        return ball_factor(torch.from_numpy(norm), rho, a).numpy()
+    return torch.where(a * norm > rho, rho / norm, a)
 
 
 def scale(x: Tangent, a: float) -> Tangent:
@@ -634,7 +652,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         s = (torch.where(grad.sq > 0, eta / grad.sq.sqrt(), 0.0)
              if step_normalisation == "metric" else torch.full_like(grad.sq, eta))
         z_sq = (xi_sq + 2 * s * grad.dot + s * s * grad.sq).clamp_min(0)
-        c = torch.where(z_sq > rho * rho, rho / z_sq.sqrt(), 1.0)
+        c = ball_factor(z_sq.sqrt(), rho)
         if momentum == "none" or k == 0:
             A, C, B, project = c, 0.0, c * s, False
         elif momentum == "apgd":
@@ -646,7 +664,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
             b for b in pool if b is not xi and b is not xi_worst)
         y_sq = sum(comp.combine(o, x, None if C == 0 else u, C / A, B / A, g) for
                    comp, o, x, u, g in zip(comps, out, xi, xi_prev, grad.parts))
-        factor = torch.where(A * y_sq.sqrt() > rho, rho / y_sq.sqrt(), A) if project else A
+        factor = ball_factor(y_sq.sqrt(), rho, A) if project else A
         for comp, o in zip(comps, out):
             comp.scale_(o, factor)
         grad = None  # only the worst point's gradient outlives its step

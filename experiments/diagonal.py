@@ -259,8 +259,9 @@ def train(config: Dict[str, Any], hp: Dict[str, Any], X, y, beta_star, progress:
 
 # ------------------------------------------------------------------------------------ sharpness
 def _project_ball(Z: np.ndarray, r: np.ndarray) -> np.ndarray:
-    nrm = np.linalg.norm(Z, axis=1, keepdims=True)
-    return Z * np.minimum(1.0, r / np.maximum(nrm, 1e-300))
+    from quotient_manifolds.adapters.solver import ball_factor
+
+    return Z * ball_factor(np.linalg.norm(Z, axis=1, keepdims=True), r)
 
 
 def _project_ball_box(Z: np.ndarray, r: np.ndarray, lo: np.ndarray) -> np.ndarray:
@@ -271,6 +272,8 @@ def _project_ball_box(Z: np.ndarray, r: np.ndarray, lo: np.ndarray) -> np.ndarra
     t_i = lo_i/z_i (coordinates with z_i < lo_i clamp from t_i on); A_k, B_k are the sums of z_i²
     and lo_i² over the k coordinates clamped first. Sorting the breakpoints gives t in closed form.
     """
+    from quotient_manifolds.adapters.solver import ball_factor
+
     lo = np.broadcast_to(lo, Z.shape)
     P = np.maximum(Z, lo)
     inside = (np.linalg.norm(P, axis=1, keepdims=True) <= r)[:, 0]
@@ -300,8 +303,7 @@ def _project_ball_box(Z: np.ndarray, r: np.ndarray, lo: np.ndarray) -> np.ndarra
     out = P.copy()
     proj = np.maximum(t * z, low)
     # guard against round-off: rescale radially if still (barely) outside
-    nrm = np.linalg.norm(proj, axis=1, keepdims=True)
-    proj = np.where(nrm > rr, np.maximum(proj * (rr / nrm), low), proj)
+    proj = np.maximum(proj * ball_factor(np.linalg.norm(proj, axis=1, keepdims=True), rr), low)
     out[~inside] = proj
     return out
 
@@ -387,42 +389,21 @@ def pga(f: Callable, dim: int, radii: Sequence[float], *, restarts: int, iters: 
 def mix_literal_exact(u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.ndarray,
                       rhos: Sequence[float]) -> np.ndarray:
     """The literal ``geodesic-mix`` exactly: L(β₀ + 2δ) − L(β₀) = gᵀδ + δᵀAδ with g = (2/n)Xᵀr,
-    A = (2/n)XᵀX is a convex quadratic, so its maximum over ‖δ‖ ≤ ρ/√2 is a trust-region problem
-    solved through its secular equation: with X = U S Vᵀ the maximiser is δ = Σᵢ cᵢvᵢ,
-    cᵢ = gᵢ/(2(μ − aᵢ)), μ > max a with ‖c‖ = ρ/√2 (bisection; the "hard case" gᵢ = 0 at the top
-    eigenvalue fills the norm along its eigenvector). Exact to round-off, where the PGA's ~1e-7
-    relative error would swamp the O(ρ√L) differences that rank models of one draw."""
+    A = (2/n)XᵀX is a convex quadratic, so its maximum over ‖δ‖ ≤ ρ/√2 is a trust-region problem,
+    diagonal in the basis of X = U S Vᵀ: δ = Σᵢ cᵢvᵢ with c the maximiser of gᵀc + cᵀdiag(a)c
+    (:func:`~quotient_manifolds.core.diagonal_trust_region`, through its secular equation). Exact to
+    round-off, where the PGA's ~1e-7 relative error would swamp the O(ρ√L) differences that rank
+    models of one draw."""
+    from quotient_manifolds.core import diagonal_trust_region
+
     n = X.shape[0]
     r = X @ (u * v) - y
     _, S, Vt = np.linalg.svd(X, full_matrices=False)
     a = 2.0 * S * S / n
     g = 2.0 * (Vt @ (X.T @ r)) / n
-    top = int(np.argmax(a))
     out = []
     for rho in rhos:
-        R = rho / math.sqrt(2)
-
-        def norm_c(mu):
-            return float(np.linalg.norm(g / (2 * (mu - a))))
-
-        lo = a[top]
-        hi = a[top] + float(np.linalg.norm(g)) / (2 * R) + 1e-300
-        if abs(g[top]) < 1e-300 or norm_c(lo + 1e-15 * max(1.0, lo)) <= R:  # hard case
-            mask = np.arange(a.size) != top
-            c = np.zeros_like(a)
-            c[mask] = g[mask] / (2 * (a[top] - a[mask]))
-            c[top] = math.sqrt(max(R * R - float(c @ c), 0.0))
-        else:
-            for _ in range(200):
-                mid = 0.5 * (lo + hi)
-                if norm_c(mid) > R:
-                    lo = mid
-                else:
-                    hi = mid
-                if hi - lo <= 1e-15 * hi:
-                    break
-            c = g / (2 * (hi - a))
-            c *= R / np.linalg.norm(c)
+        c = diagonal_trust_region(g, a, rho / math.sqrt(2))
         out.append(float(g @ c + (a * c * c).sum()))
     return np.array(out)
 
@@ -503,6 +484,7 @@ def _apgd_classes():
     import torch
 
     from quotient_manifolds.adapters.solver import QuotientComponent
+    from quotient_manifolds.core import mix_geodesic_scale
 
     class BoxedMixComponent(QuotientComponent):
         """The mix quotient with the exact geodesic, restricted to 1 + 2bⁱ ≥ margin: the ball point
@@ -523,7 +505,7 @@ def _apgd_classes():
 
         def point(self, xi, retraction=None, exact_steps=None):
             b = _horizontal_b(xi, self.x0)
-            return torch.stack([self.x0[0] * (1 + 2 * b), self.x0[1]])
+            return torch.stack([self.x0[0] * mix_geodesic_scale(b), self.x0[1]])
 
     return BoxedMixComponent, PolynomialMixComponent
 

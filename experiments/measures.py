@@ -167,11 +167,11 @@ def batch_len(batch: Any) -> int:
 
 def on_study_device(batches: Sequence[Any], config: Dict[str, Any]) -> List[Any]:
     """The sharpness batches moved to the study's device once (not at every measure)."""
-    from quotient_manifolds.adapters.sharpness import _to_device
+    from quotient_manifolds.adapters.sharpness import to_device
 
     from .runner import study_device
     device = study_device(config)
-    return [_to_device(b, device) for b in batches]
+    return [to_device(b, device) for b in batches]
 
 
 def measure_key(name: str, rho: float) -> str:

@@ -15,6 +15,8 @@ from .rescaling import (
     RescalingFrame,
     RescalingGeometry,
     beta_along_geodesic,
+    diagonal_trust_region,
+    mix_geodesic_scale,
     sharpness_inv_orthonormal_second_order,
     sharpness_mix_orthonormal,
 )
@@ -24,6 +26,6 @@ __all__ = [
     "GLGroup", "RotaryGroup", "SymmetryGroup", "as_group", "SubalgebraGroup", "TrivialGroup",
     "ScalarGroup", "OrthogonalGroup", "ScaledOrthogonalGroup", "AlgebraDerivation",
     "GroupDerivation", "derive_algebra", "derive_group", "recognise_algebra", "RescalingFrame",
-    "RescalingGeometry", "beta_along_geodesic", "sharpness_inv_orthonormal_second_order",
-    "sharpness_mix_orthonormal",
+    "RescalingGeometry", "beta_along_geodesic", "diagonal_trust_region", "mix_geodesic_scale",
+    "sharpness_inv_orthonormal_second_order", "sharpness_mix_orthonormal",
 ]

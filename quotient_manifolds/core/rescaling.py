@@ -23,8 +23,9 @@ by the ``exact`` retraction when ε = 0:
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from .gl import RETRACTIONS, GLFrame, GLQuotientGeometry, check_choice
@@ -158,7 +159,7 @@ class RescalingGeometry:
         if bool(((bu - bv).abs() > 1e-6 * scale + 1e-12).any()):
             raise ValueError("the closed-form mix geodesic needs a horizontal tangent vector "
                              "(ξ_u/u = ξ_v/v per coordinate); project it first with `project`")
-        s = 1 + 2 * t * bu
+        s = mix_geodesic_scale(bu, t)
         if bool((s <= 0).any()):
             raise ValueError("the mix geodesic leaves the manifold (1 + 2b ≤ 0 for some coordinate, "
                              "docs/maths.md §8.3); use a shorter step")
@@ -199,6 +200,15 @@ class RescalingGeometry:
         return self.frame(y).project(v)
 
 
+def mix_geodesic_scale(b: Tensor, t: float = 1.0) -> Tensor:
+    r"""s(t) = 1 + 2bt, the squared scale of the mix geodesic with horizontal coefficient b
+    (docs/maths.md §8.3): (u, v)(t) = (u√s, v√s), so β(t) = β₀⊙s.
+
+    The geodesic exists while s > 0; β₀⊙s is a polynomial in t and continues past it.
+    """
+    return 1 + 2 * t * b
+
+
 # ---------------------------------------------------------------------- diagonal-net sharpness
 def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: str, t: float = 1.0) -> Tensor:
     """β(t) = u(t)⊙v(t) along the horizontal geodesic with coefficient b (docs/maths.md §8.3).
@@ -206,7 +216,7 @@ def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: str, t: float = 1.0) -
     inv: β₀ ⊙ e^{2bt};  mix: β₀ ⊙ (1 + 2bt) (polynomial, so it extends past 1 + 2bt ≤ 0).
     """
     check_choice(metric, ("inv", "mix"), "metric")
-    return beta0 * (torch.exp(2 * t * b) if metric == "inv" else 1 + 2 * t * b)
+    return beta0 * (torch.exp(2 * t * b) if metric == "inv" else mix_geodesic_scale(b, t))
 
 
 def sharpness_mix_orthonormal(beta0: Tensor, beta_star: Tensor, rho: float) -> Tensor:
@@ -224,35 +234,53 @@ def sharpness_inv_orthonormal_second_order(beta0: Tensor, beta_star: Tensor, rho
 
         max_{‖b‖ ≤ ρ/√2} 4bᵀr + 4bᵀDb,   r = β₀⊙(β₀ − β*),  D = diag(β₀⊙(2β₀ − β*)),
 
-    a trust-region subproblem solved through its secular equation (D is diagonal): the maximiser is
-    b = r/(2(λ − D)) with λ ≥ max(D, 0) and ‖b‖ = R (bisection on λ), the interior point −D⁻¹r/2
-    when D < 0 and it lies in the ball, or an eigenvector of max D in the hard case. Works on 1-D
-    inputs.
+    a trust-region subproblem with a diagonal quadratic (:func:`diagonal_trust_region`). Works on
+    1-D inputs.
     """
-    R = rho / math.sqrt(2)
     r = beta0 * (beta0 - beta_star)
     D = beta0 * (2 * beta0 - beta_star)
-    dmax = D.max()
-    # maximise 4(bᵀr + bᵀDb): stationarity r + 2D b = 2λ b  →  b = r / (2(λ − D)), λ > max D.
-    def bnorm(lam):
-        return torch.linalg.vector_norm(0.5 * r / (lam - D))
-    lo = dmax + 1e-300
-    hi = dmax + torch.linalg.vector_norm(r) / R + 1.0
-    if bool(dmax < 0) and bool(bnorm(torch.zeros_like(dmax)) <= R):
-        # concave objective whose unconstrained maximiser −D⁻¹r/2 lies in the ball (KKT: λ = 0)
-        b = 0.5 * r / (-D)
-    elif bool(bnorm(lo + 1e-12 * (1 + dmax.abs())) <= R):  # hard case: fill the rest with e_max
-        b = torch.zeros_like(r)
-        mask = D < dmax
-        b[mask] = 0.5 * r[mask] / (dmax - D[mask])
-        rest = max(R ** 2 - float((b ** 2).sum()), 0.0)
-        b[int(torch.argmax(D))] += math.sqrt(rest)
-    else:
-        for _ in range(200):
-            mid = 0.5 * (lo + hi)
-            if bnorm(mid) > R:
-                lo = mid
-            else:
-                hi = mid
-        b = 0.5 * r / (hi - D)
+    b = diagonal_trust_region(r, D, rho / math.sqrt(2))
     return 4 * (b @ r) + 4 * (b * D) @ b
+
+
+def diagonal_trust_region(g: Union[Tensor, np.ndarray], a: Union[Tensor, np.ndarray],
+                          radius: float) -> Union[Tensor, np.ndarray]:
+    r"""The maximiser x of q(x) = gᵀx + xᵀ diag(a) x over the ball ‖x‖ ≤ R (1-D g and a), through
+    the secular equation of this trust-region subproblem.
+
+    Stationarity g + 2a⊙x = 2λx gives x(λ) = g ⊘ (2(λ − a)), with λ ≥ max(a, 0) (KKT), and:
+
+    * the interior point x(0) = −g ⊘ (2a) when a < 0 (q concave) and it lies in the ball;
+    * otherwise ‖x(λ)‖ = R, which decreases in λ > max a: λ by bisection, x rescaled to norm R;
+    * the hard case, g (nearly) 0 where a is largest so that ‖x(λ)‖ ≤ R as λ → max a: x(max a) on the
+      other coordinates, the rest of the norm along the top one.
+
+    numpy arrays are computed as float64 tensors and given back as numpy arrays.
+    """
+    if isinstance(g, np.ndarray):
+        return diagonal_trust_region(torch.from_numpy(g), torch.from_numpy(np.asarray(a)), radius).numpy()
+    R = float(radius)
+    amax = float(a.max())
+
+    def xnorm(lam: float) -> float:
+        return float(torch.linalg.vector_norm(g / (2 * (lam - a))))
+
+    if amax < 0 and xnorm(0.0) <= R:
+        return g / (-2 * a)
+    if xnorm(amax + 1e-12 * max(1.0, abs(amax))) <= R:
+        x = torch.zeros_like(g)
+        mask = a < amax
+        x[mask] = g[mask] / (2 * (amax - a[mask]))
+        x[int(torch.argmax(a))] += math.sqrt(max(R * R - float(x @ x), 0.0))
+        return x
+    lo, hi = amax, amax + float(torch.linalg.vector_norm(g)) / (2 * R) + 1e-300
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if xnorm(mid) > R:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-15 * abs(hi):
+            break
+    x = g / (2 * (hi - a))
+    return x * (R / float(torch.linalg.vector_norm(x)))
