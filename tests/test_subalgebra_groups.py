@@ -15,6 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _projection_checks import check_projection
+
 from quotient_manifolds.core import (
     FULL_GL,
     METRICS,
@@ -443,12 +445,10 @@ def test_property_projection_idempotent_orthogonal_and_equivariant(problem):
     x = geom.random_point(2, dtype=F64, generator=gen)
     u = torch.randn(x.shape, dtype=F64, generator=gen)
     frame = geom.frame(x)
-    p = frame.project(u)
+    p = check_projection(frame, u)
     scale = float(u.abs().max())
-    assert float((frame.project(p) - p).abs().max()) <= 1e-8 * scale
     lam = frame.vertical_generator(u)
     assert torch.allclose(geom.group.project_algebra(lam), lam, atol=1e-10 * scale)
-    assert float(frame.inner(p, u - p).abs().max()) <= 1e-8 * scale ** 2
     if geom.eps:        # the ε-relaxed metric is not invariant, so equivariance holds for ε = 0 only
         return
     A = geom.group.random_element(geom.h, cond=10.0, generator=gen)
