@@ -19,8 +19,8 @@ torch.set_num_threads(int(os.environ.get("QM_TEST_THREADS", "1")))
 
 
 # ------------------------------------------------------------------------------- time budget
-# The whole suite runs in about 5 minutes on 2 CPU cores, and no test may take more than 15 s
-# (setup, call and teardown, one thread). A study smoke test takes its smallest configuration
+# The whole suite runs in about 3 minutes on 2 CPU cores (-n auto: one process per core), and no
+# test may take more than 15 s (setup, call and teardown, one thread). A study smoke test takes its smallest configuration
 # (few models, few sharpness points and iterations), a test that needs a loaded model shares a
 # fixture, a property test keeps its number of examples modest. Timings belong in benchmarks/.
 # A test is over budget when both its wall time and its CPU seconds (this process and the

@@ -40,7 +40,9 @@ def test_readme_is_a_front_page():
     assert len(text.splitlines()) <= 200
     commands = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     assert len(commands) == 2 and commands[0].rstrip().endswith("quotient-manifolds demo")
-    assert commands[1].rstrip().endswith("python -m pytest")
+    assert commands[1].rstrip().endswith("python -m pytest -n auto")
+    # CI runs the README's test command
+    assert "python -m pytest -q -n auto" in (README.parent / ".ci" / "run").read_text()
     quickstarts = re.findall(r"^## Quickstart \d: .*?\n\n(.*?)\n", text, flags=re.S | re.M)
     assert len(quickstarts) == 3 and all("pip install -e ." in q for q in quickstarts)
     flat = " ".join(text.split())
