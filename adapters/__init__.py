@@ -1,25 +1,19 @@
-"""Adapters from real models to the GL(h) quotient: layouts of attention blocks (``layout``) and
-adaptive / geodesic sharpness posed as Riemannian maximisation over a geodesic ball
-(``sharpness``, on top of the generic solver ``auto_pgd``)."""
+"""Adapters from real models to the GL(h) quotient: layouts of attention blocks (``layout``, module
+``detection``; ``blocks``, ``layouts``, ``verify``, ``declare``) and adaptive / geodesic sharpness posed as
+Riemannian maximisation over a geodesic ball (``sharpness``, module ``worst_case``, on top of the generic
+solver ``auto_pgd`` of ``solver``).  No public function is named like a module, so
+``import quotient_manifolds.adapters.<module>`` always gives the module."""
 
 from importlib.util import find_spec as _find_spec
 
-from .layout import (
-    BlockCheck,
-    FactorPiece,
-    GLBlock,
-    Layout,
-    SymmetryError,
-    Unsupported,
-    VerifyReport,
-    declare_block,
-    default_tolerance,
-    primary_output,
-)
-from .detect import Detection, detect, layout
+from .blocks import FactorPiece, GLBlock
+from .layouts import Layout, Unsupported
+from .verify import BlockCheck, SymmetryError, VerifyReport, default_tolerance, primary_output
+from .declare import declare_block
+from .detection import Detection, detect, layout
 from .accept import accept_layout
 from .families import Family, Match, register_family, unregister_family
-from .sharpness import (
+from .worst_case import (
     GEOMETRIES,
     MEASURES,
     SharpnessResult,

@@ -2,9 +2,9 @@ r"""Accept a layout's blocks only after verification: a geodesic number never co
 unverified block.
 
 A block is a symmetry of the model when acting on it with elements of its group leaves the output
-unchanged; :meth:`~quotient_manifolds.adapters.layout.Layout.verify` checks this with random, ill-conditioned
+unchanged; :meth:`~quotient_manifolds.adapters.Layout.verify` checks this with random, ill-conditioned
 elements of each block's *own* group (``group.random_element``) at several scales.  The geodesic
-entry points (:func:`~quotient_manifolds.adapters.sharpness.sharpness`, :func:`~quotient_manifolds.adapters.sharpness.sharpness_sweep`,
+entry points (:func:`~quotient_manifolds.adapters.sharpness`, :func:`~quotient_manifolds.adapters.sharpness_sweep`,
 :class:`~quotient_manifolds.adapters.sam.GeodesicSAM`, :func:`~quotient_manifolds.adapters.hessian.riemannian_hessian`) call
 :func:`ensure_verified` on the first batch before they use a layout, whether it was detected or
 passed in:
@@ -40,7 +40,9 @@ import torch
 from torch import nn
 
 from .derive import derive_groups, with_blocks
-from .layout import Layout, SymmetryError, Unsupported, VerifyReport, default_tolerance
+from .detection import layout as detect_layout
+from .layouts import Layout, Unsupported
+from .verify import SymmetryError, VerifyReport, default_tolerance
 
 __all__ = ["accept_layout", "accept_checked", "checked_layout", "ensure_verified", "is_verified",
            "record_verification", "refuse_failed_blocks", "resolve_layout", "verification_pending"]
@@ -52,12 +54,10 @@ _VERIFIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictiona
 def resolve_layout(model: nn.Module, layout: Optional[Layout], *, what: str, allow_unsupported: bool = False,
                    include_frozen: bool = False) -> Layout:
     """The layout a geodesic entry point uses: ``layout`` once it is checked to belong to ``model``
-    (:meth:`~quotient_manifolds.adapters.layout.Layout.check_model`: parameter names and shapes, head counts of every
+    (:meth:`~quotient_manifolds.adapters.Layout.check_model`: parameter names and shapes, head counts of every
     block's module), or, when ``None``, the layout detected from ``model`` (``allow_unsupported`` and
     ``include_frozen`` as in :func:`quotient_manifolds.adapters.layout`).  ``what`` names the caller in messages."""
     if layout is None:
-        from .detect import layout as detect_layout  # detect imports the families, which import layout
-
         return detect_layout(model, allow_unsupported=allow_unsupported, include_frozen=include_frozen)
     if not isinstance(layout, Layout):
         raise TypeError(f"{what}: layout= must be a Layout (e.g. adapters.layout(model)), got "
@@ -197,7 +197,7 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
 
 def refuse_failed_blocks(layout: Optional[Layout], *, unsafe: bool, what: str, consequence: str,
                          report: Optional[VerifyReport] = None, stacklevel: int = 3) -> None:
-    """Raise :class:`~quotient_manifolds.adapters.layout.SymmetryError` (a ``ValueError`` too) when the layout's last
+    """Raise :class:`~quotient_manifolds.adapters.SymmetryError` (a ``ValueError`` too) when the layout's last
     verification found blocks that are not symmetries of the model, unless ``unsafe`` (then warn)."""
     failed = list(getattr(layout, "verify_failed", None) or [])
     if not failed:

@@ -180,8 +180,8 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
         res = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=cal.rho, n_iters=10)
     """
     from . import validation as check
-    from .sharpness import GEOMETRIES, sharpness
-    from .sharpness import sharpness_options as checked_options
+    from .worst_case import GEOMETRIES, sharpness
+    from .worst_case import sharpness_options as checked_options
 
     check.module("model", model)
     check.batches("batches", batches)

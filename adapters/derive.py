@@ -12,7 +12,7 @@ Design
 * **Inputs.**  A module's output depends on its inputs (hidden states, masks, position
   embeddings), which only a forward pass of the model produces: :func:`capture_module_inputs`
   records the real inputs of each attention module with forward pre-hooks during one forward pass
-  of the model on ``example_inputs`` (the first batch, as for :meth:`~quotient_manifolds.adapters.layout.Layout.verify`).
+  of the model on ``example_inputs`` (the first batch, as for :meth:`~quotient_manifolds.adapters.Layout.verify`).
 * **The output as a function of one gauge.**  ``output_of(G, H)`` is the module's first output
   tensor, computed with ``torch.func.functional_call`` on a float64 copy of *that module's*
   parameters and buffers (and of its captured inputs) in which gauge ``j`` of the block is replaced
@@ -57,7 +57,9 @@ from torch import Tensor, nn
 
 from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
 
-from .layout import GLBlock, Layout, Unsupported, split_inputs, eval_mode
+from .blocks import GLBlock
+from .evaluation import eval_mode, split_inputs
+from .layouts import Layout, Unsupported
 
 __all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "with_blocks", "clear_cache",
            "SECOND_GAUGE_MAX_HEAD_DIM"]

@@ -4,7 +4,7 @@ The paper's protocol measures worst-case sharpness batch by batch and averages (
 own Auto-PGD maximisation; nothing couples two batches), so batches can be measured on different
 ranks and the per-batch results gathered. Batch ``i`` of the iterable goes to rank ``i mod world``
 and is measured with seed ``seed + i``; the result is assembled in batch order on every rank, so it
-is the same whatever the world size (and equal to :func:`~quotient_manifolds.adapters.sharpness.sharpness` run batch
+is the same whatever the world size (and equal to :func:`~quotient_manifolds.adapters.sharpness` run batch
 by batch with those seeds).
 
 Every rank must iterate over the same batches in the same order (e.g. a DataLoader with a fixed
@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from . import validation as check
-from .sharpness import SharpnessResult, sharpness, sharpness_options
+from .worst_case import SharpnessResult, sharpness, sharpness_options
 
 __all__ = ["distributed_sharpness"]
 
@@ -28,12 +28,12 @@ __all__ = ["distributed_sharpness"]
 def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
                           process_group: Optional[Any] = None, seed: int = 0,
                           **options) -> SharpnessResult:
-    """:func:`~quotient_manifolds.adapters.sharpness.sharpness` with the batches spread over the ranks of
+    """:func:`~quotient_manifolds.adapters.sharpness` with the batches spread over the ranks of
     ``process_group`` (default: the world). Call it on every rank; every rank returns the same
-    :class:`~quotient_manifolds.adapters.sharpness.SharpnessResult` (``value`` = mean over all batches, ``per_batch``
+    :class:`~quotient_manifolds.adapters.SharpnessResult` (``value`` = mean over all batches, ``per_batch``
     in batch order, ``n_forward``/``n_backward``/``time_s`` summed over ranks).
 
-    ``options`` are those of :func:`~quotient_manifolds.adapters.sharpness.sharpness` (``geometry``, ``rho``,
+    ``options`` are those of :func:`~quotient_manifolds.adapters.sharpness` (``geometry``, ``rho``,
     ``n_iters``, ``loss_fn``, ``layout`` …); ``progress`` shows this rank's share.
     """
     import torch.distributed as dist

@@ -3,7 +3,7 @@ operator for curvlinops (trace, top eigenvalues, spectral density).
 
 Setting
 -------
-The coordinates are those of the sharpness ball (:func:`~quotient_manifolds.adapters.sharpness.build_ball`, docs/maths.md
+The coordinates are those of the sharpness ball (:func:`~quotient_manifolds.adapters.build_ball`, docs/maths.md
 §6.2–§6.3) at the trained weights w⁰: per quotient component c the stacked block heads
 x_c = [G; H] ∈ R^{B_c×(n+m)×h}, and one flat vector w of every other trainable weight. The total
 space carries the product metric
@@ -119,7 +119,7 @@ from quotient_manifolds.core.gl import check_choice
 from quotient_manifolds.core.groups import sym
 
 from . import validation as check
-from .sharpness import (
+from .worst_case import (
     GEOMETRIES,
     ModelClosure,
     build_ball,
@@ -128,7 +128,7 @@ from .sharpness import (
     split_batch,
     to_device,
 )
-from .layout import eval_mode
+from .evaluation import eval_mode
 from .solver import ElementwiseComponent, QuotientComponent
 from .validation import integer_at_least, materialised
 
@@ -319,14 +319,14 @@ def riemannian_hessian(model: torch.nn.Module,
     ----------
     model: any ``torch.nn.Module``; never modified (evaluated in eval mode through
         ``torch.func.functional_call``; every submodule's train flag is restored after each pass).
-        Half-precision models are evaluated in float32, as in :func:`~quotient_manifolds.adapters.sharpness.sharpness`.
+        Half-precision models are evaluated in float32, as in :func:`~quotient_manifolds.adapters.sharpness`.
     batches: a re-iterable of ``(inputs, targets)`` pairs or Hugging Face dict batches (as in
-        :func:`~quotient_manifolds.adapters.sharpness.sharpness`); an iterator is materialised once. The same batches
+        :func:`~quotient_manifolds.adapters.sharpness`); an iterator is materialised once. The same batches
         are traversed for every product.
     geometry: ``"geodesic-mix"`` (default) or ``"geodesic-inv"``: GL blocks on their quotients (each
         block's group: GL(h), the rotary commutant, …) with that metric, every other trainable
         weight with the adaptive metric Σ ξ²/w²; ``"adaptive"``: every weight elementwise.
-    layout: a :class:`~quotient_manifolds.adapters.layout.Layout` of this model (default: detected from the model); one
+    layout: a :class:`~quotient_manifolds.adapters.Layout` of this model (default: detected from the model); one
         built for another model (other parameters, shapes or head counts) is refused.
     loss_fn: ``loss_fn(outputs, targets)`` (default mean cross-entropy; the model's own
         ``outputs.loss`` for dict batches without ``loss_fn``).
@@ -337,7 +337,7 @@ def riemannian_hessian(model: torch.nn.Module,
         (default: the leading dimension of the input tensor, of the first tensor of a dict input, or
         of the targets; an empty batch is refused).
     eps: Gram relaxation GᵀG + εI (docs/maths.md §6.4).
-    allow_unsupported, unsafe: as in :func:`~quotient_manifolds.adapters.sharpness.sharpness`.
+    allow_unsupported, unsafe: as in :func:`~quotient_manifolds.adapters.sharpness`.
 
     Returns
     -------

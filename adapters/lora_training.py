@@ -98,7 +98,7 @@ from quotient_manifolds.core.gl import METRICS, RETRACTIONS
 from quotient_manifolds.geoopt import GLQuotient
 
 from . import validation as check
-from .detect import detect
+from .detection import detect
 from .families import family
 
 __all__ = ["LoRAQuotientPoint", "lora_quotient_parameters", "lora_quotient_points", "merge_back",

@@ -31,7 +31,7 @@ representative. SAM perturbs a different function for every representative, ASAM
 beyond elementwise rescalings. Only the ascent is equivariant: the descent is the base
 optimizer's own (SGD or AdamW on the representative are not GL-equivariant).
 
-The ball is rebuilt from the current weights at every step (one :func:`~quotient_manifolds.adapters.sharpness.build_ball`
+The ball is rebuilt from the current weights at every step (one :func:`~quotient_manifolds.adapters.build_ball`
 call: a few batched h×h factorisations per block shape); the layout of the model is found once.
 """
 
@@ -46,9 +46,9 @@ from torch import Tensor, nn
 
 from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
-from .sharpness import GEOMETRIES as BALL_GEOMETRIES
+from .worst_case import GEOMETRIES as BALL_GEOMETRIES
 from . import validation as check
-from .sharpness import HALF_DTYPES, as_compute, as_rho, build_ball
+from .worst_case import HALF_DTYPES, as_compute, as_rho, build_ball
 from .validation import materialised
 
 #: why a layout whose blocks fail verification is refused (``unsafe=True``: the warning's reason)
@@ -72,7 +72,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         geometries: inv and adaptive are scale-free (relative), mix scales like |w|⁴ and SAM like
         |w| (§2, §12.14), so tune ρ per geometry.
     geometry: ``"geodesic-mix"`` (default), ``"geodesic-inv"``, ``"adaptive"`` or ``"sam"``.
-    layout: a precomputed :class:`~quotient_manifolds.adapters.layout.Layout` of ``model`` (geodesic geometries); one
+    layout: a precomputed :class:`~quotient_manifolds.adapters.Layout` of ``model`` (geodesic geometries); one
         built for another model (other parameters, shapes or head counts) is refused.
     retraction: ``"second_order"`` (default), ``"first_order"`` (no Γ) or ``"exact"`` (geodesic ODE,
         GL blocks only). Ignored by ``"sam"`` (Euclidean geodesics are straight lines).
@@ -311,7 +311,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         r"""w ← R(ε), ε = ρ g/‖g‖ in the ball of the current weights.
 
         The Euclidean gradient in ball coordinates is the gather of ∇ into the blocks' and the
-        elementwise layout (:class:`~quotient_manifolds.adapters.sharpness.BallParameters`), the gradient of
+        elementwise layout (:class:`~quotient_manifolds.adapters.worst_case.BallParameters`), the gradient of
         ξ ↦ L(R(ξ)) at ξ = 0 since DR₀ = id for every retraction."""
         upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
         params0 = {n: as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}

@@ -82,8 +82,8 @@ def optional_callable(name: str, value: Any, what: str) -> Any:
 
 
 def optional_layout(name: str, value: Any) -> Any:
-    """``value``, refused unless it is ``None`` or a :class:`~quotient_manifolds.adapters.layout.Layout`."""
-    from .layout import Layout
+    """``value``, refused unless it is ``None`` or a :class:`~quotient_manifolds.adapters.Layout`."""
+    from .layouts import Layout
     if value is not None and not isinstance(value, Layout):
         raise TypeError(f"{name} must be an adapters.Layout (from adapters.layout(model)) or None to "
                         f"detect it, got {type(value).__name__}")

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import transformers  # noqa: E402
 
 from quotient_manifolds import adapters  # noqa: E402
-from quotient_manifolds.adapters.detect import layout as detect_layout  # noqa: E402
+from quotient_manifolds.adapters.detection import layout as detect_layout  # noqa: E402
 
 torch.set_num_threads(1)
 CLEAR_TYPES = (ValueError, TypeError, FloatingPointError)

@@ -120,7 +120,7 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
             stamp()
         times = [b - a for a, b in zip(stamps, stamps[1:])]
     else:
-        engine = importlib.import_module("quotient_manifolds.adapters.sharpness")  # the module, not the function
+        engine = importlib.import_module("quotient_manifolds.adapters.worst_case")  # the module of sharpness()
         solver_run = engine.auto_pgd
 
         def timed(*args, **kwargs):

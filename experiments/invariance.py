@@ -56,7 +56,7 @@ def reparametrise(model, scale: float, seed: int):
 def _logits(model, batches):
     import torch
 
-    from quotient_manifolds.adapters.sharpness import logits_of
+    from quotient_manifolds.adapters.worst_case import logits_of
     outs = []
     with torch.no_grad():
         for x, _ in batches:
@@ -67,7 +67,7 @@ def _logits(model, batches):
 
 def job(item: int, config: Dict[str, Any], progress: bool) -> Dict[str, Any]:
     """Item 0 = the original model; item i ≥ 1 = scale ``config['scales'][i-1]``."""
-    from quotient_manifolds.adapters.sharpness import sharpness
+    from quotient_manifolds.adapters.worst_case import sharpness
 
     model, batches, _, info = _base(config)
     scale = None if item == 0 else config["scales"][item - 1]

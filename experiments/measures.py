@@ -167,7 +167,7 @@ def batch_len(batch: Any) -> int:
 
 def on_study_device(batches: Sequence[Any], config: Dict[str, Any]) -> List[Any]:
     """The sharpness batches moved to the study's device once (not at every measure)."""
-    from quotient_manifolds.adapters.sharpness import to_device
+    from quotient_manifolds.adapters.worst_case import to_device
 
     from .runner import study_device
     device = study_device(config)
@@ -192,7 +192,7 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
     attention weights, in every geometry (``attention_norm_shares``) are kept;
     the library's warning about the gap is recorded in ``warnings`` instead of printed."""
     from quotient_manifolds import adapters
-    from quotient_manifolds.adapters.sharpness import sharpness
+    from quotient_manifolds.adapters.worst_case import sharpness
 
     layout = adapters.layout(model)
     batches = list(batches)

@@ -11,7 +11,7 @@ import torch
 
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.derive import derive_groups
-from quotient_manifolds.adapters.sharpness import sharpness, sharpness_sweep
+from quotient_manifolds.adapters.worst_case import sharpness, sharpness_sweep
 
 T = pytest.importorskip("transformers")
 

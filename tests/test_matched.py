@@ -30,7 +30,7 @@ def _short_geodesics(monkeypatch):
 
     from quotient_manifolds.core.gl import GLQuotientGeometry
     monkeypatch.setitem(GLQuotientGeometry.__init__.__kwdefaults__, "exact_steps", 2)
-    monkeypatch.setattr(importlib.import_module("quotient_manifolds.adapters.sharpness"), "CHECK_EXACT_STEPS", 2)
+    monkeypatch.setattr(importlib.import_module("quotient_manifolds.adapters.worst_case"), "CHECK_EXACT_STEPS", 2)
 
 
 def _json(path):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters import sharpness
-from quotient_manifolds.adapters.layout import Layout
+from quotient_manifolds.adapters.layouts import Layout
 from quotient_manifolds.core import FULL_GL, RotaryGroup
 from conftest import reparametrised_copy
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quotient_manifolds import adapters
-from quotient_manifolds.adapters.detect import layout as detect_layout
+from quotient_manifolds.adapters.detection import layout as detect_layout
 from conftest import tiny_lora_bert
 
 transformers = pytest.importorskip("transformers")

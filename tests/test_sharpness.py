@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from quotient_manifolds import adapters
-from quotient_manifolds.adapters.sharpness import GEOMETRIES, sharpness
+from quotient_manifolds.adapters.worst_case import GEOMETRIES, sharpness
 from quotient_manifolds.adapters.solver import ProductBall, QuotientComponent, auto_pgd
 from quotient_manifolds.core import RescalingGeometry, sharpness_mix_orthonormal
 from conftest import reparametrised_copy

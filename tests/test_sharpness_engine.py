@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from quotient_manifolds import adapters
-from quotient_manifolds.adapters.sharpness import GEOMETRIES, next_token_loss, sharpness
+from quotient_manifolds.adapters.worst_case import GEOMETRIES, next_token_loss, sharpness
 from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall, auto_pgd
 from quotient_manifolds._runtime import FrameCache, bounded_threads
 
@@ -399,7 +399,7 @@ def test_retraction_check_warns_when_second_order_leaves_its_range():
 def test_retraction_check_says_when_the_exact_geodesic_leaves_the_manifold(monkeypatch):
     """A gap of -inf (a factor of the exact geodesic loses rank) is reported in words, not as a
     meaningless "-inf%"."""
-    engine = sys.modules["quotient_manifolds.adapters.sharpness"]      # the module (the package exports the function)
+    engine = sys.modules["quotient_manifolds.adapters.worst_case"]     # the module of the sharpness entry points
     model, batches = _fitted_vit()
     monkeypatch.setattr(engine, "_retraction_gap", lambda *args: -math.inf)
     with pytest.warns(UserWarning, match="on batch 0 the exact geodesic leaves the manifold") as seen:

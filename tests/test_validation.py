@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from quotient_manifolds.adapters.detect import layout as detect_layout
-from quotient_manifolds.adapters.sharpness import sharpness
+from quotient_manifolds.adapters.detection import layout as detect_layout
+from quotient_manifolds.adapters.worst_case import sharpness
 from conftest import tiny_lora_bert
 from quotient_manifolds.geoopt import GLQuotient
 

@@ -6,7 +6,7 @@ claims its ``module``.  Modules inside a claimed module are only offered to *nes
 (``peft-lora``: LoRA layers inside attention modules).  A second pass offers the remaining modules
 again with ``Context.by_name = True``, where the last family also reports modules that look like
 attention only by their class name.  Families and the maths of their groups are described in
-``adapters.detect``; each file here is one family:
+``adapters.detection``; each file here is one family:
 
 ``torch_mha``       ``torch-mha``  ``nn.MultiheadAttention``
 ``peft_lora``       ``peft-lora``  peft LoRA layers, one GL(r) block per adapter (nested)

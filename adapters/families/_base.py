@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..layout import GLBlock, _canonical_names
+from ..blocks import GLBlock, canonical_names
 
 __all__ = ["Match", "Family", "Context"]
 
@@ -62,7 +62,7 @@ class Context:
 
     @classmethod
     def of(cls, model: nn.Module) -> "Context":
-        canonical, _ = _canonical_names(model)
+        canonical, _ = canonical_names(model)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         return cls(model, canonical, shapes, dict(model.named_modules()))
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from quotient_manifolds.core.groups import FULL_GL, Group
 
-from ..layout import FactorPiece, GLBlock
+from ..blocks import FactorPiece, GLBlock
 from ._base import Context, Match
 
 ROLE_NAMES: Dict[str, Tuple[str, ...]] = {
@@ -386,7 +386,7 @@ class PositionTerms:
     screen decides); ``q_pairs`` / ``k_pairs``: positional projections whose heads join ``G`` / ``H``
     of the Q/K block (the same per-head ``A`` acts on them: a taller factor); ``known``: ids of the
     parameters these terms explain (per-head bias tables, positional projections); ``modelled``:
-    their submodule and ``forward`` argument names (for :func:`_screen`); ``reject``: why Q/K has no
+    their submodule and ``forward`` argument names (for :func:`screen_module`); ``reject``: why Q/K has no
     candidate group although the terms were recognised."""
 
     source: str = ""
@@ -492,7 +492,7 @@ def _shown(names: Sequence[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
 
-def _screen(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Sequence[str] = (),
+def screen_module(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Sequence[str] = (),
             positions: bool = True, modelled: Sequence[str] = (), stream_width: Optional[int] = None) -> Screen:
     """Screen a q/k/v/o-shaped module.  ``core_ids``: parameters whose role is understood;
     ``known``: submodule names whose role is understood (e.g. QK norms handled by the family);
@@ -579,7 +579,7 @@ def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: _Lin, k
     the parameters of modelled position terms are not extra parameters."""
     nh, h, shape_reasons = _head_shapes(mod, q, k, v, o)
     terms = position_terms(q.path.rpartition(".")[0], mod, nh, None if nh is None or h is None else nh * h)
-    screen = _screen(mod, core | terms.known, source_scan=not _verified_hf(mod), modelled=terms.modelled,
+    screen = screen_module(mod, core | terms.known, source_scan=not _verified_hf(mod), modelled=terms.modelled,
                      stream_width=o.out_features)
     whole = screen.module + shape_reasons
     if whole:

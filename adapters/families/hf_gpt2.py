@@ -11,7 +11,8 @@ from typing import Optional
 from torch import nn
 
 from ._base import Context, Family, Match
-from ._structure import Proj, _int_attr, _linear_children, _num_heads, _screen, attention_blocks, transformers_class
+from ._structure import (Proj, _int_attr, _linear_children, _num_heads, attention_blocks, screen_module,
+                         transformers_class)
 
 
 class HFGPT2Attention(Family):
@@ -28,7 +29,7 @@ class HFGPT2Attention(Family):
         if ca is None or cp is None or nh is None or h is None or E != nh * h:
             return res.reject("GPT2Attention without the expected c_attn/c_proj/num_heads/head_dim structure")
         core = ca.param_ids() | cp.param_ids() | (qa.param_ids() if qa is not None else set())
-        reasons = _screen(mod, core, source_scan=False).module
+        reasons = screen_module(mod, core, source_scan=False).module
         if qa is None:
             if ca.out_features != 3 * E:
                 reasons.append(f"c_attn has {ca.out_features} outputs, expected 3*{E}")

@@ -43,7 +43,7 @@ from torch import nn
 from quotient_manifolds.core.groups import FULL_GL, Group, RotaryGroup
 
 from ._base import Context, Family, Match
-from ._structure import Proj, _int_attr, _lin, _screen, attention_blocks, forward_owner
+from ._structure import Proj, _int_attr, _lin, screen_module, attention_blocks, forward_owner
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 
@@ -152,7 +152,7 @@ class HFRotaryAttention(Family):
         norms = [n for n in QK_NORM_NAMES if isinstance(getattr(mod, n, None), nn.Module)]
         core = set().union(*(lin.param_ids() for lin in lins.values()),
                            *({id(p) for p in getattr(mod, n).parameters()} for n in norms))
-        reasons = wrong + _screen(mod, core, source_scan=False, known=norms, positions=False).module
+        reasons = wrong + screen_module(mod, core, source_scan=False, known=norms, positions=False).module
         if reasons:
             return res.reject("; ".join(reasons))
 

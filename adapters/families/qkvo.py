@@ -3,7 +3,7 @@
 ``q_proj/k_proj/v_proj/o_proj`` of HF ViT 5.x, ``q_proj/k_proj/v_proj/out_proj`` of HF CLIP, BART,
 ``q/k/v/o``, ``query/key/value/dense`` ... of plain PyTorch modules, with an int head-count attribute
 (``num_heads``, ``num_attention_heads``, ``n_heads`` ...) or an HF ``config.num_attention_heads``.
-Screened (``_screen``): extra parameters, norms, gates or clipping make the module unsupported;
+Screened (``screen_module``): extra parameters, norms, gates or clipping make the module unsupported;
 position encodings make its Q/K half unsupported and keep the V/O block, unless they are position
 terms that keep GL (``position_terms``: T5's score bias, DeBERTa-v2's positional projections, which
 join the Q/K factors); norms on the model-width stream (ALBERT's LayerNorm) are not extra.

@@ -48,7 +48,7 @@ from quotient_manifolds.core.groups import FULL_GL, Group
 
 from ._base import Context, Family, Match
 from ._structure import (ROLE_NAMES, Proj, _forward_args, _in_pieces, _int_attr, _Lin, _linear_children,
-                         add_block, _out_pieces, _screen, position_terms)
+                         add_block, _out_pieces, screen_module, position_terms)
 from .hf_rotary import QK_NORM_NAMES, _config_rotary_dim, rotary_group
 
 #: Packing of a packed projection by child name (module attributes ``new_decoder_architecture`` and
@@ -164,7 +164,7 @@ class StructuralAttention(Family):
         norms = [n for n in QK_NORM_NAMES if isinstance(getattr(mod, n, None), nn.Module)]
         terms = position_terms(path, mod, n_q, n_q * h)
         core = proj_ids | o.param_ids() | {id(p) for n in norms for p in getattr(mod, n).parameters()} | terms.known
-        reasons = wrong + _screen(mod, core, source_scan=False, known=norms, positions=False,
+        reasons = wrong + screen_module(mod, core, source_scan=False, known=norms, positions=False,
                                   stream_width=o.out_features).module
         clip = [f"{where}clip_qkv={v}" for where, v in (("", getattr(mod, "clip_qkv", None)),
                                                          ("config.", getattr(_config(mod), "clip_qkv", None)))

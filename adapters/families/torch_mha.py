@@ -14,7 +14,7 @@ from typing import Optional
 
 from torch import nn
 
-from ..layout import FactorPiece
+from ..blocks import FactorPiece
 from ._base import Context, Family, Match
 from ._structure import add_block
 

@@ -1,6 +1,6 @@
 r"""Adaptive and geodesic worst-case (and average-case) sharpness of a real model.
 
-``sharpness(model, batches, geometry=..., rho=...)`` turns a :class:`~quotient_manifolds.adapters.layout.Layout` into a
+``sharpness(model, batches, geometry=..., rho=...)`` turns a :class:`~quotient_manifolds.adapters.Layout` into a
 :class:`~quotient_manifolds.adapters.solver.ProductBall` (one batched GL(h) quotient per block shape, the elementwise
 adaptive geometry for every other weight) and runs :func:`~quotient_manifolds.adapters.solver.auto_pgd` per batch with a
 closure that evaluates the model through ``torch.func.functional_call``. The user's model is never
@@ -47,7 +47,7 @@ from .solver import (
     average_case,
 )
 from . import validation as check
-from .layout import eval_mode, map_tensors
+from .evaluation import eval_mode, map_tensors
 from .validation import materialised, scalar_loss, token_inputs
 
 Tensor = torch.Tensor
@@ -407,7 +407,7 @@ def sharpness(model: torch.nn.Module,
     elementwise_second_order: also move the non-attention weights along the second-order geodesic
         w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).
     normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
-    layout: a precomputed :class:`~quotient_manifolds.adapters.layout.Layout` of this model (one built for another model —
+    layout: a precomputed :class:`~quotient_manifolds.adapters.Layout` of this model (one built for another model —
         other parameters, shapes or head counts — is refused), verified on the first batch and refused
         when a block fails.  Default: detected from the model and accepted on the first batch
         (:func:`~quotient_manifolds.adapters.accept.accept_layout`): blocks whose candidate group fails verification

@@ -104,7 +104,8 @@ from torch import nn
 
 from .families import FAMILIES, Context, Family
 from .families._structure import PACKED_NAMES, ROLE_NAMES
-from .layout import FactorPiece, GLBlock, Layout, Unsupported, _canonical_names, head_structure
+from .blocks import FactorPiece, GLBlock, canonical_names
+from .layouts import Layout, Unsupported, head_structure
 
 __all__ = ["layout", "detect", "Detection", "ROLE_NAMES", "PACKED_NAMES"]
 
@@ -212,7 +213,7 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
         check.flag(name, value)
     params = dict(model.named_parameters())
     shapes = {n: tuple(p.shape) for n, p in params.items()}
-    _, alias = _canonical_names(model)
+    _, alias = canonical_names(model)
     frozen = [n for n, p in params.items() if not p.requires_grad]
     det = detect(model) if detect_blocks else Detection([], [], [])
     notes: List[str] = list(det.notes)

@@ -1,0 +1,288 @@
+"""The symmetry self-check of a layout (:meth:`Layout.verify <quotient_manifolds.adapters.Layout.verify>`):
+random ill-conditioned per-head actions of every block must leave the model's output unchanged; the
+report (:class:`VerifyReport`) names the block that is not a symmetry."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from . import validation as check
+from .evaluation import eval_mode, split_inputs
+from .validation import positive_finite, positive_finite_sequence
+
+if TYPE_CHECKING:
+    from .layouts import Layout
+
+__all__ = ["VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output", "verify_layout",
+           "TOLERANCE_FACTOR"]
+
+class SymmetryError(AssertionError):
+    """A declared or detected GL block is not a symmetry of the model; ``.report`` has the details."""
+
+    def __init__(self, message: str, report: "VerifyReport"):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class BlockCheck:
+    name: str
+    kind: str
+    module: str
+    per_scale: Dict[float, float]
+    max_rel_dev: float
+    passed: bool
+
+
+@dataclass
+class VerifyReport:
+    """Result of :meth:`Layout.verify`.  Deviations are ``max|y' - y| / max|y|`` of the model output."""
+
+    joint: Dict[float, float]
+    joint_passed: bool
+    blocks: List[BlockCheck]
+    rtol: float
+    atol: float
+    dtype: torch.dtype
+    cond: Optional[float]
+    scales: Tuple[float, ...]
+    output_scale: float
+    per_block_checked: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.joint_passed and all(b.passed for b in self.blocks)
+
+    @property
+    def failing(self) -> List[str]:
+        return [b.name for b in self.blocks if not b.passed]
+
+    @property
+    def max_rel_dev(self) -> float:
+        vals = list(self.joint.values()) + [b.max_rel_dev for b in self.blocks]
+        return max(vals) if vals else 0.0
+
+    def __str__(self) -> str:
+        status = "PASSED" if self.passed else "FAILED"
+        thr = self.rtol + self.atol / max(self.output_scale, 1e-300)
+        lines = [
+            f"GL symmetry check {status}: compute dtype {str(self.dtype).replace('torch.', '')}, "
+            f"|y|max = {self.output_scale:.3g}, cond(A) = {self.cond}, "
+            f"scales {', '.join(f'{s:g}' for s in self.scales)}; tolerance rel {thr:.2e} "
+            f"(rtol {self.rtol:.1e}, atol {self.atol:.1e})",
+            "  all blocks at once: " + ", ".join(f"{s:g}: {d:.2e}" for s, d in self.joint.items())
+            + ("" if self.joint_passed else "   <-- FAIL"),
+        ]
+        if self.blocks:
+            w = max(len(b.name) for b in self.blocks)
+            for b in self.blocks:
+                lines.append(f"  {b.name:<{w}}  max rel dev {b.max_rel_dev:.2e}  {'ok' if b.passed else 'FAIL'}")
+        elif not self.per_block_checked:
+            lines.append("  (blocks not checked one by one)")
+        return "\n".join(lines)
+
+
+TOLERANCE_FACTOR = 30.0
+
+
+def default_tolerance(dtype: torch.dtype, cond: Optional[float] = 1e2) -> float:
+    """Default relative tolerance of :meth:`Layout.verify`: ``30 * eps(dtype) * max(cond, 10)``.
+
+    The action is computed in float64, so what remains is rounding: writing the acted factors back
+    in the model dtype perturbs the recomposed ``G Hᵀ`` by about ``eps * cond(A)`` relative to
+    ``|G||H|``, and the forward pass rounds in the amplified products ``(x G A)(x H A^{-T})ᵀ`` likewise.
+    Measured ``max|y' - y| / max|y|`` (real MiniLM-L6, 6 layers, 12 heads; tiny BERT/ViT/CLIP/GPT-2/MHA)
+    is about ``0.5 * eps * cond``: float32 ``3e-6`` at ``cond = 1e2``, ``3e-5`` at ``1e3``,
+    ``1.3e-4`` at ``1e4``; float64 ``5e-15`` at ``1e2``; the scale ``1e-2 .. 1e2`` does not matter
+    (the scalar part of ``A`` cancels exactly up to rounding).  So the default keeps a margin of about
+    100x (float32: ``3.6e-4`` at ``cond = 1e2``; float64: ``6.7e-13``), while a block that is not a
+    symmetry deviates by ``1e-2 .. 1`` (rotary QK, mis-declared heads, swapped k/v, missing bias_k).  Half-precision models are checked in float32 (see ``verify``).
+    """
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
+    c = 10.0 if cond is None else max(10.0, float(cond))
+    return TOLERANCE_FACTOR * eps * c
+
+
+def _max_cond(actions: Mapping[str, Tensor]) -> float:
+    worst = 1.0
+    for A in actions.values():
+        s = torch.linalg.svdvals(A.to(torch.float64))
+        c = float((s[..., 0] / s[..., -1]).max())
+        worst = max(worst, c if math.isfinite(c) else math.inf)
+    return worst
+
+def primary_output(out) -> Tensor:
+    """The tensor compared by :meth:`Layout.verify`: the tensor itself, or ``logits`` /
+    ``last_hidden_state`` / the first tensor field of a (HF ``ModelOutput``) mapping / tuple."""
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, Mapping):
+        for key in ("logits", "last_hidden_state"):
+            v = out.get(key, None)
+            if isinstance(v, Tensor):
+                return v
+        for v in out.values():
+            if isinstance(v, Tensor):
+                return v
+            if isinstance(v, (tuple, list, Mapping)):
+                try:
+                    return primary_output(v)
+                except TypeError:
+                    pass
+    if isinstance(out, (tuple, list)):
+        for v in out:
+            if isinstance(v, Tensor):
+                return v
+        for v in out:
+            try:
+                return primary_output(v)
+            except TypeError:
+                pass
+    raise TypeError(f"cannot find an output tensor in a {type(out).__name__}; pass output_fn=")
+
+
+def verify_layout(layout: "Layout", model: nn.Module, example_inputs, *,
+                  scales: Sequence[float] = (1e-2, 1e-1, 1.0, 1e1, 1e2), cond: Optional[float] = 1e2,
+                  rtol: Optional[float] = None, atol: Optional[float] = None, seed: int = 0,
+                  per_block: Union[bool, str] = True, raise_on_failure: bool = True,
+                  output_fn: Optional[Callable[[Any], Tensor]] = None,
+                  compute_dtype: Optional[torch.dtype] = None) -> VerifyReport:
+    """Check that every block of ``layout`` is a symmetry of ``model`` (this is :meth:`Layout.verify`):
+    the output must not change under random per-head GL actions (see :meth:`Layout.random_actions`; ``cond=None`` for Gaussian actions) at each of
+    ``scales``.
+
+    The model is never modified: the acted parameters go through ``torch.func.functional_call``;
+    the model is put in eval mode for the check (every submodule's ``training`` flag is restored
+    afterwards) and no gradients are recorded.  The actions are computed in float64 and written
+    back in the compute dtype, which is the model's dtype, or float32 for float16/bfloat16 models
+    (whose own rounding, ~1e-2, would hide a broken block); ``compute_dtype=`` overrides it (all
+    floating parameters, buffers and inputs are then cast for the check).
+
+    ``example_inputs``: a tensor, a tuple/list of positional arguments, or a dict of keyword
+    arguments.  The compared tensor is ``output_fn(output)`` or :func:`primary_output` (``logits``,
+    ``last_hidden_state`` or the first tensor).
+
+    Deviation ``max|y' - y| / max|y|``; a check passes when ``max|y' - y| <= atol + rtol * max|y|``.
+    Defaults: ``rtol = default_tolerance(compute_dtype, cond)`` (with ``cond=None`` the largest
+    condition number of the sampled actions), ``atol = 0``.  All blocks are acted on together; with
+    ``per_block=True`` (default) each block is also checked on its own, with ``per_block="auto"``
+    only when the joint check fails; this is what names the culprit.  Raises
+    :class:`SymmetryError` naming the failing block(s) unless ``raise_on_failure=False``.
+    """
+    check.module("model", model)
+    for name, tol in (("rtol", rtol), ("atol", atol)):
+        if tol is not None:
+            check.non_negative_finite(name, tol)
+    check.integer_at_least("seed", seed, -2 ** 63)
+    if not isinstance(per_block, (bool, str)) or per_block not in (True, False, "auto"):
+        raise ValueError(f"per_block must be True, False or 'auto', got {per_block!r}")
+    check.flag("raise_on_failure", raise_on_failure)
+    check.optional_callable("output_fn", output_fn, "output_fn(model output) -> tensor")
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
+                                          and compute_dtype.is_floating_point):
+        raise TypeError(f"compute_dtype must be a floating torch.dtype (e.g. torch.float64) or None "
+                        f"for the model's, got {compute_dtype!r}")
+    check.materialised(model, "verify()")
+    layout.check_model(model, what="verify()")
+    fn = output_fn or primary_output
+    args, kwargs = split_inputs(example_inputs, model)
+    scales = positive_finite_sequence("scales", scales)
+    if cond is not None and positive_finite("cond", cond) < 1:
+        raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
+                         f"got {cond!r}")
+    with eval_mode(model):
+        with torch.no_grad():
+            params = {n: p.detach() for n, p in model.named_parameters()}
+            bad = [n for n, p in params.items() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+            if bad:
+                shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
+                raise ValueError(f"verify(): the model's weights are not finite (nan or inf in {shown}); "
+                                 "the symmetry cannot be checked at such weights: load or train finite weights")
+            fdt = [p.dtype for p in params.values() if p.is_floating_point()]
+            model_dtype = fdt[0] if fdt else torch.get_default_dtype()
+            cdt = compute_dtype or (torch.float32 if model_dtype in (torch.float16, torch.bfloat16) else model_dtype)
+            extra: Dict[str, Tensor] = {}
+            if any(p.is_floating_point() and p.dtype != cdt for p in params.values()):
+                params = {n: p.to(cdt) if p.is_floating_point() else p for n, p in params.items()}
+                extra = {n: b.to(cdt) for n, b in model.named_buffers() if b.is_floating_point()}
+
+                def cast(x):
+                    if isinstance(x, Tensor):
+                        return x.to(cdt) if x.is_floating_point() else x
+                    if isinstance(x, (tuple, list)):
+                        return type(x)(cast(v) for v in x)
+                    if isinstance(x, dict):
+                        return {k: cast(v) for k, v in x.items()}
+                    return x
+
+                args, kwargs = cast(args), cast(kwargs)
+
+            def run(p):
+                return fn(functional_call(model, {**p, **extra}, args, kwargs)).detach()
+
+            y0 = run(params)
+            if not bool(torch.isfinite(y0).all()):
+                raise ValueError("verify(): the model's output at its own weights is not finite (nan or inf); "
+                                 "check example_inputs (and attention masks) before checking the symmetry")
+            ymax = float(y0.abs().max()) if y0.numel() else 0.0
+            tol_a = 0.0 if atol is None else float(atol)
+            denom = ymax if ymax > 0 else 1.0
+
+            def dev(p) -> float:
+                y = run(p)
+                if y.shape != y0.shape:
+                    return math.inf
+                if not y.numel():
+                    return 0.0
+                d = float((y.to(torch.float64) - y0.to(torch.float64)).abs().max())
+                return math.inf if not math.isfinite(d) else d / denom
+
+            gen = torch.Generator().manual_seed(seed)
+            joint: Dict[float, float] = {}
+            tols: Dict[float, float] = {}
+            actions_by_scale = {}
+            for s in scales:
+                actions = layout.random_actions(params, scale=s, cond=cond, generator=gen)
+                actions_by_scale[s] = actions
+                eff = cond if cond is not None else _max_cond(actions)
+                tols[s] = default_tolerance(cdt, eff) if rtol is None else float(rtol)
+                joint[s] = dev(layout.act(params, actions)) if layout.blocks else 0.0
+
+            def ok(d: float, s: float) -> bool:
+                return d * denom <= tol_a + tols[s] * ymax
+
+            joint_passed = all(ok(d, s) for s, d in joint.items())
+            check_blocks = per_block is True or (per_block == "auto" and not joint_passed)
+            checks: List[BlockCheck] = []
+            if check_blocks:
+                for b in layout.blocks:
+                    per = {s: dev(layout.act(params, {b.name: actions_by_scale[s][b.name]})) for s in scales}
+                    mx = max(per.values()) if per else 0.0
+                    checks.append(BlockCheck(b.name, b.kind, b.module, per, mx,
+                                             all(ok(d, s) for s, d in per.items())))
+    tol_r = max(tols.values()) if tols else (float(rtol) if rtol is not None else default_tolerance(cdt, cond))
+    report = VerifyReport(joint=joint, joint_passed=joint_passed, blocks=checks, rtol=tol_r, atol=tol_a,
+                          dtype=cdt, cond=cond, scales=scales, output_scale=ymax,
+                          per_block_checked=check_blocks)
+    layout.verify_failed = [] if report.passed else (report.failing or [b.name for b in layout.blocks])
+    from .accept import record_verification  # accept imports layouts, which import this module
+    record_verification(model, layout, report.passed)
+    if raise_on_failure and not report.passed:
+        failing = report.failing
+        if failing:
+            worst = {b.name: b.max_rel_dev for b in report.blocks if not b.passed}
+            what = "; ".join(f"{n} (max rel dev {d:.2e})" for n, d in worst.items())
+            msg = f"GL symmetry broken by block(s): {what}"
+        elif not report.per_block_checked:
+            msg = "GL symmetry broken when all blocks act together (blocks not checked one by one)"
+        else:
+            msg = ("GL symmetry broken when all blocks act together, although no single block fails "
+                   "on its own (blocks interact: overlapping or coupled parameters?)")
+        raise SymmetryError(f"{msg}; tolerance rel {tol_r:.1e}.\n{report}", report)
+    return report
