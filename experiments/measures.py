@@ -1,6 +1,6 @@
 r"""The sharpness and curvature measures of the correlation studies, and the per-model plan.
 
-Sharpness measures (all worst-case, Auto-PGD, :func:`quotient_manifolds.adapters.sharpness.sharpness`):
+Sharpness measures (all worst-case, Auto-PGD, :func:`quotient_manifolds.adapters.sharpness`):
 
 ========================  ===============  ============  =========================================
 name                      geometry         retraction    norm / ascent direction
