@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 
+from .options import float_list, sharpness_arguments
+from .population import apply_sharp_overrides, default_out, log_line, set_threads
 from .report import display_path, finish_figure
 from .runner import ExperimentError, OutputDir, atomic_write_bytes, fmt_seconds, run_population
 
@@ -103,9 +105,22 @@ def _figure(path: str, rows: List[Dict[str, Any]], base: Dict[str, float], title
                   ylabel="sharpness ratio S(reparam.) / S(orig.)")
 
 
-def run(args, log=print) -> int:
+def add_arguments(p) -> None:
+    """The study's options (``quotient-manifolds invariance --help``)."""
+    sharpness_arguments(p)
+    g = p.add_argument_group("invariance")
+    g.add_argument("--model", choices=("vision", "text"), default="vision",
+                   help="model 0 of the vision or text population")
+    g.add_argument("--scales", type=float_list, default=None, metavar="A1,...",
+                   help="action scales a (default: 9 in [1e-2, 1e2])")
+    g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="a population's checkpoints (default: DIR/checkpoints)")
+
+
+def run(args, log: Callable[[str], None] = log_line) -> int:
+    """``quotient-manifolds invariance``: model 0 of a population, its sharpness at each action
+    scale, the figure and the summary."""
     from . import text, vision
-    from .cli import set_threads, apply_sharp_overrides, default_out
 
     mod = vision if args.model == "vision" else text
     pconf = mod.defaults(args.quick, args.synthetic)

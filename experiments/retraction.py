@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 
+from .options import positive_float, positive_int
+from .population import default_out, log_line, run_population_study, transformer_config, \
+    transformer_report_kwargs
 from .runner import ExperimentError
 
 STEPS = [float(t) for t in np.logspace(-4, 0, 9)]
@@ -141,12 +144,25 @@ def value_differences(records) -> List[str]:
     return notes
 
 
-def run(args, log=print) -> int:
+def add_arguments(p) -> None:
+    """The study's options (``quotient-manifolds retraction --help``)."""
+    g = p.add_argument_group("retraction")
+    g.add_argument("--population", choices=("vision", "text"), default="vision",
+                   help="population whose sharpness is recomputed")
+    g.add_argument("--rho-inv", type=positive_float, default=None, help="ρ of the inv measures")
+    g.add_argument("--rho-mix", type=positive_float, default=None, help="ρ of the mix measures")
+    g.add_argument("--n-iters", type=positive_int, default=None, help="Auto-PGD iterations")
+    g.add_argument("--sharp-points", type=positive_int, default=None,
+                   help="training points sharpness is measured on")
+    g.add_argument("--sharp-batch", type=positive_int, default=None, help="batch size of sharpness")
+
+
+def run(args, log: Callable[[str], None] = log_line) -> int:
+    """``quotient-manifolds retraction``: part A (error vs step on model 0's attention blocks) and
+    part B (the population's sharpness with each retraction), and the report."""
     import json
 
     from . import text, vision
-    from .cli import transformer_config, transformer_report_kwargs, default_out, \
-        run_population_study
     from .runner import atomic_write_bytes
 
     mod = vision if args.population == "vision" else text
@@ -217,4 +233,4 @@ def run(args, log=print) -> int:
     kwargs["notes_fn"] = value_differences
     args.checkpoint_dir = ckpt
     args.out = out
-    return run_population_study(mod, config, args, report_kwargs=kwargs, study="retraction")
+    return run_population_study(mod, config, args, report_kwargs=kwargs, study="retraction", log=log)
