@@ -466,9 +466,8 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
     device = device_name(args.device)
     if device is not None:  # key only off the CPU, as for vision
         config["population"]["device"] = device
-    if not args.synthetic:
-        from .data import find_fashion_mnist
-        find_fashion_mnist(args.data_dir)
+    if not args.synthetic:  # fail early with the preparing command
+        V.require_data(config["population"], args.data_dir)
 
     def prepare(od, ckpt, threads):
         V.pretrain(config["population"], ckpt, threads, args.data_dir, not args.no_progress, log)

@@ -28,6 +28,7 @@ from .options import positive_float, positive_int
 from .population import default_out, log_line, run_population_study, transformer_config, \
     transformer_report_kwargs
 from .runner import ExperimentError
+from .studies import STUDY
 
 STEPS = [float(t) for t in np.logspace(-4, 0, 9)]
 RETRACTION_MEASURES = ("geodesic-inv", "inv-no-gamma", "inv-exact",
@@ -162,10 +163,10 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
     part B (the population's sharpness with each retraction), and the report."""
     import json
 
-    from . import text, vision
+    from . import text
     from .runner import atomic_write_bytes
 
-    mod = vision if args.population == "vision" else text
+    mod = STUDY[args.population].load()
     args.measures = list(RETRACTION_MEASURES)
     args.rho_sweep = []
     for k in ("rho_adaptive", "eps", "test_size", "layers", "train_size", "pool_size", "head"):
@@ -176,13 +177,7 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
         # exact retraction ≈ 60 s per measure per ViT model (1 thread): first 24 models by default
         config["models"] = min(config["models"], 24)
     if not args.synthetic:
-        if mod is vision:
-            from .data import find_fashion_mnist
-            find_fashion_mnist(args.data_dir)
-        else:
-            from .data import find_mr
-            find_mr(args.data_dir)
-            text.model_path()
+        mod.require_data(config, args.data_dir)
     out = os.path.abspath(args.out or default_out(f"retraction-{args.population}", args))
     os.makedirs(out, exist_ok=True)
     ckpt = os.path.abspath(args.checkpoint_dir or os.path.join(out, "checkpoints"))
@@ -227,7 +222,7 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
 
     # Part B: population with each retraction
     kwargs = transformer_report_kwargs(mod, config, args.synthetic,
-                                       "gap" if mod is text else "gap_own")
+                                       STUDY[args.population].target)
     kwargs.update(main=list(RETRACTION_MEASURES), extra_main=[], ablations=[],
                   notes=notes + kwargs["notes"])
     kwargs["notes_fn"] = value_differences

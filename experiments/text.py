@@ -748,6 +748,14 @@ def text_overrides(config: Dict[str, Any], args) -> None:
         config["train_embeddings"] = True
 
 
+def require_data(config: Dict[str, Any], data_dir: Optional[str]) -> None:
+    """Fail early, with the command that prepares them, when the data of ``config`` (MR, or
+    Rotten Tomatoes for --protocol paper) or the MiniLM weights are missing."""
+    from .data import find_mr, find_rt
+    (find_rt if config.get("protocol") == "paper" else find_mr)(data_dir)
+    model_path()
+
+
 def run(args, log: Callable[[str], None] = log_line) -> int:
     """``quotient-manifolds text``: the population and its report; with --protocol paper, the ρ
     calibration on the pilot models first."""
@@ -756,9 +764,7 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
     text_overrides(config, args)
     paper = config.get("protocol") == "paper"
     if not args.synthetic:  # fail early with the preparing command
-        from .data import find_mr, find_rt
-        (find_rt if paper else find_mr)(args.data_dir)
-        model_path()
+        require_data(config, args.data_dir)
     if not paper:
         return run_population_study(me, config, args, log=log, report_kwargs=transformer_report_kwargs(
             me, config, args.synthetic, args.target))

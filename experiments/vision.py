@@ -524,14 +524,19 @@ def pretrain(config: Dict[str, Any], ckpt: str, threads: int, data_dir: Optional
            f"trained in {fmt_seconds(info['train_time_s'])})"))
 
 
+def require_data(config: Dict[str, Any], data_dir: Optional[str]) -> None:
+    """Fail early, with the command that prepares it, when Fashion-MNIST is missing."""
+    from .data import find_fashion_mnist
+    find_fashion_mnist(data_dir)
+
+
 def run(args, log: Callable[[str], None] = log_line) -> int:
     """``quotient-manifolds vision``: the population and its report; with --protocol finetune, the
     pretrained ViT and the ρ calibration on the pilot models first."""
     me = sys.modules[__name__]
     config = transformer_config(me, args)
-    if not args.synthetic:
-        from .data import find_fashion_mnist
-        find_fashion_mnist(args.data_dir)
+    if not args.synthetic:  # fail early with the preparing command
+        require_data(config, args.data_dir)
     if config.get("protocol") != "finetune":
         return run_population_study(me, config, args, log=log, report_kwargs=transformer_report_kwargs(
             me, config, args.synthetic, args.target))
