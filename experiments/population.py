@@ -5,21 +5,24 @@ processes and the report (:func:`run_population_study`), with an optional ρ cal
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
-from typing import Any, Callable, Dict, Optional
+from types import ModuleType
+from typing import Any, Callable, Dict, Optional, Union
 
+from . import calibrate, report
 from .runner import ExperimentError, OutputDir, cores, fmt_seconds, run_population
 
 
-def default_out(study: str, args) -> str:
+def default_out(study: str, args: argparse.Namespace) -> str:
     """The output directory when --out is not given: ``runs/STUDY[-quick][-synthetic]``."""
     suffix = ("-quick" if getattr(args, "quick", False) else "") + \
              ("-synthetic" if getattr(args, "synthetic", False) else "")
     return os.path.join("runs", study + suffix)
 
 
-def apply_sharp_overrides(config: Dict[str, Any], args) -> None:
+def apply_sharp_overrides(config: Dict[str, Any], args: argparse.Namespace) -> None:
     """Apply the sharpness options (--rho-X, --rho-sweep, --measures, --n-iters, --sharp-points,
     --sharp-batch, --eps, --sweep-only) given on the command line to ``config``, in place."""
     rho = dict(config["rho"])
@@ -53,15 +56,14 @@ def set_threads(workers: int, threads: Optional[int] = None) -> int:
     return threads
 
 
-def run_population_study(mod, config: Dict[str, Any], args, *, report_kwargs,
-                         study: Optional[str] = None, prepare=None,
+def run_population_study(mod: ModuleType, config: Dict[str, Any], args: argparse.Namespace, *,
+                         report_kwargs: Union[Dict[str, Any], Callable[[Dict[str, Any]], Dict[str, Any]]],
+                         study: Optional[str] = None, prepare: Optional[Callable[..., Any]] = None,
                          log: Callable[[str], None] = log_line) -> int:
     """Run a population in its output directory and write its report. ``prepare(od, ckpt,
     threads)`` (optional) runs first, under the directory's lock, and returns the configuration
     the models run with (e.g. with calibrated ρ), or None to stop there; ``report_kwargs`` may be
     a function of that configuration."""
-    from . import report
-
     study = study or mod.NAME
     n_models = int(config.pop("models"))
     if args.models is not None:
@@ -129,7 +131,7 @@ def device_name(name: Optional[str]) -> Optional[str]:
     return str(device)
 
 
-def transformer_config(mod, args) -> Dict[str, Any]:
+def transformer_config(mod: ModuleType, args: argparse.Namespace) -> Dict[str, Any]:
     """The configuration of the text or vision population ``mod`` from its defaults (quick,
     synthetic, protocol) and the command line's overrides."""
     # --protocol (and, text, --population: dest text_population, since the retraction study's
@@ -172,15 +174,15 @@ def transformer_config(mod, args) -> Dict[str, Any]:
     return config
 
 
-def transformer_report_kwargs(mod, config: Dict[str, Any], synthetic: bool, target: str = "gap"
+def transformer_report_kwargs(mod: ModuleType, config: Dict[str, Any], synthetic: bool, target: str = "gap"
                               ) -> Dict[str, Any]:
     """:func:`~quotient_manifolds.experiments.report.population_kwargs` of the population
     ``mod``."""
-    from .report import population_kwargs
-    return population_kwargs(mod.NAME, config, target, synthetic)
+    return report.population_kwargs(mod.NAME, config, target, synthetic)
 
 
-def calibrated_population(mod, config: Dict[str, Any], args, before=None,
+def calibrated_population(mod: ModuleType, config: Dict[str, Any], args: argparse.Namespace,
+                          before: Optional[Callable[[Dict[str, Any], str, int], None]] = None,
                           log: Callable[[str], None] = log_line) -> int:
     """A population whose ρ families listed in ``config["calibration"]`` (those not fixed by an
     explicit --rho-X) are first calibrated on its pilot models (``experiments/calibrate.py``;
@@ -197,7 +199,6 @@ def calibrated_population(mod, config: Dict[str, Any], args, before=None,
     found: Dict[str, Any] = {}
 
     def prepare(od, ckpt, threads):
-        from . import calibrate
         if before is not None:
             before(config, ckpt, threads)
         if cal is None:
