@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from functools import partial
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import calibrate, report
+from .measures import population_job
 from .runner import ExperimentError, OutputDir, cores, fmt_seconds, run_population
 
 
@@ -217,3 +219,15 @@ def calibrated_population(mod: ModuleType, config: Dict[str, Any], args: argpars
     return run_population_study(mod, config, args, report_kwargs=report_kwargs, prepare=prepare,
                                 log=log)
 
+
+def population_jobs(load_data: Callable, get_model: Callable, evaluate: Callable,
+                    sharpness_batches: Callable) -> Tuple[Callable, Callable]:
+    """``(job, calibration_job)`` of a text or vision population from its four hooks:
+    :func:`~quotient_manifolds.experiments.measures.population_job` (one model: train or reuse,
+    evaluate, measure) and :func:`~quotient_manifolds.experiments.calibrate.pilot_job` (one pilot
+    model of the ρ calibration), each ``f(model_id, config, ckpt_dir, data_dir, progress)``. They are
+    ``functools.partial`` objects of module-level functions, so they pickle into spawned worker
+    processes."""
+    hooks = dict(load_data=load_data, get_model=get_model, sharpness_batches=sharpness_batches)
+    return (partial(population_job, evaluate=evaluate, **hooks),
+            partial(calibrate.pilot_job, **hooks))

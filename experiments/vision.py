@@ -61,8 +61,8 @@ import numpy as np
 
 from . import measures as M
 from .options import calibration_arguments, default_text, population_arguments, positive_int
-from .population import calibrated_population, default_out, log_line, run_population_study, transformer_config, \
-    transformer_report_kwargs
+from .population import calibrated_population, default_out, log_line, population_jobs, run_population_study, \
+    transformer_config, transformer_report_kwargs
 from .runner import (ExperimentError, TrainingLoop, check_parent_alive, config_hash, cores, fmt_seconds,
                      study_device, trained_model)
 
@@ -487,7 +487,7 @@ def report_notes(config: Dict[str, Any]) -> List[str]:
 
 #: ``job``: one model of the population (run in a worker process): train or reuse, evaluate,
 #: measure; ``calibration_job``: one pilot model of the ρ calibration
-job, calibration_job = M.population_jobs(load_data, get_model, evaluate, sharpness_batches)
+job, calibration_job = population_jobs(load_data, get_model, evaluate, sharpness_batches)
 
 
 # ------------------------------------------------------------------------------------ CLI
