@@ -43,7 +43,7 @@ import numpy as np
 
 from quotient_manifolds.adapters.calibration import find_rho, interpolate_at, root_estimate  # noqa: F401 (re-exported)
 
-from .runner import ExperimentError, atomic_write_bytes
+from .runner import ExperimentError, atomic_write_bytes, load_current
 
 CALIBRATION = "calibration.json"
 PILOT_RESULTS = "calibration.jsonl"
@@ -221,3 +221,16 @@ def resolved(config: Dict[str, Any], calibration: Optional[Dict[str, Any]]) -> D
     for f in calibration.get("calibrated", []):
         rho[f] = float(calibration["rho"][f])
     return {**config, "rho": rho}
+
+
+def check_rho_unchanged(od, run_config: Dict[str, Any]) -> None:
+    """Refuse to go on when results.jsonl holds models measured at another ρ than the calibration
+    gives now (calibration.json changed or removed after they ran)."""
+    stale = [r["model_id"] for r in load_current(od.path, od.hash)
+             if r.get("study_config", {}).get("rho") != run_config["rho"]]
+    if stale:
+        raise ExperimentError(
+            f"{od.file('results.jsonl')} holds models {stale[:8]} measured at another ρ than "
+            f"{od.file('calibration.json')} gives ({run_config['rho']}); the calibration file "
+            f"was changed or removed. Restore it, or use another --out")
+

@@ -58,12 +58,17 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .runner import check_parent_alive, config_hash, load_checkpoint, save_checkpoint
+from .options import int_list, positive_float, positive_int, seed_list, sharpness_arguments, value_range, \
+    default_text
+from .population import apply_sharp_overrides, log_line, run_population_study
+from .report import diagonal_report
+from .runner import ExperimentError, check_parent_alive, config_hash, load_checkpoint, save_checkpoint
 
 NAME = "diagonal"
 PAPER_KEY = "diagonal"
@@ -597,3 +602,66 @@ def exclusions(records: Sequence[Dict[str, Any]]) -> Dict[int, str]:
             out[r["model_id"]] = (f"not converged (train loss {m['train_loss']:.2e}, stopped at "
                                   f"{m.get('train_loss_stop') or float('nan'):.2e})")
     return out
+
+
+# ------------------------------------------------------------------------------------ CLI
+def add_arguments(p) -> None:
+    """The study's options (``quotient-manifolds diagonal --help``)."""
+    sharpness_arguments(p, transformer=False)
+    full, quick = defaults(False), defaults(True)
+
+    def default(key: str) -> str:
+        return default_text(full[key], quick[key])
+
+    g = p.add_argument_group("diagonal nets")
+    g.add_argument("--d", type=positive_int, default=None, help=f"dimension {default('d')}")
+    g.add_argument("--n", type=positive_int, default=None, help=f"training points {default('n')}")
+    g.add_argument("--k", type=positive_int, default=None, help=f"non-zeros of β* {default('k')}")
+    g.add_argument("--draws", type=seed_list, default=None, metavar="S1,...",
+                   help=f"data seeds, one draw each {default('draws')}")
+    g.add_argument("--restarts", type=positive_int, default=None,
+                   help=f"restarts per model, measure, ρ {default('restarts')}")
+    g.add_argument("--pga-iters", type=positive_int, default=None,
+                   help=f"PGA iterations {default('pga_iters')}")
+    g.add_argument("--apgd-iters", type=positive_int, default=None,
+                   help=f"auto_pgd iterations, --solver apgd {default('apgd_iters')}")
+    g.add_argument("--solver", choices=("pga", "apgd"), default=None,
+                   help="batched PGA (default) or the library's auto_pgd")
+    g.add_argument("--mix-literal", choices=("exact", "solver"), default=None,
+                   help="literal mix: exact (default) or the --solver")
+    g.add_argument("--alpha-range", type=value_range, default=None, metavar="LO,HI",
+                   help=f"init scale α, log-uniform {default('alpha_range')}")
+    g.add_argument("--lr-factor-range", type=value_range, default=None, metavar="LO,HI",
+                   help=f"step / stability limit, log-uniform {default('lr_factor_range')}")
+    g.add_argument("--batch-sizes", type=int_list, default=None, metavar="B1,...",
+                   help=f"SGD batch sizes {default('batch_choices')}")
+    g.add_argument("--phase-epochs-range", type=value_range, default=None, metavar="LO,HI",
+                   help=f"large-step phase in epochs {default('phase_epochs_range')}")
+    g.add_argument("--lr-decay", type=positive_float, default=None,
+                   help=f"step divisor after that phase {default('lr_decay')}")
+
+
+def run(args, log: Callable[[str], None] = log_line) -> int:
+    """``quotient-manifolds diagonal``: the nets of every data draw and the report."""
+    config = defaults(args.quick)
+    if args.seed is not None:
+        config["seed"] = args.seed
+    for key in ("d", "n", "k", "draws", "restarts", "pga_iters", "apgd_iters", "solver",
+                "mix_literal", "alpha_range", "lr_factor_range", "phase_epochs_range", "lr_decay"):
+        v = getattr(args, key)
+        if v is not None:
+            config[key] = v
+    if args.batch_sizes is not None:
+        config["batch_choices"] = args.batch_sizes
+    apply_sharp_overrides(config, args)
+    if config["k"] > config["d"]:
+        raise ExperimentError(f"--k {config['k']} exceeds --d {config['d']}")
+    if len(set(config["draws"])) != len(config["draws"]):
+        raise ExperimentError(f"--draws has repeated seeds: {config['draws']}")
+    # --models counts nets per draw; model ids are interleaved over the draws
+    args.models = (args.models or config["models"]) * len(config["draws"])
+    if args.threads is None:  # tiny dense algebra: one thread each (several stall on a busy box)
+        args.threads = 1
+    return run_population_study(sys.modules[__name__], config, args, log=log, report_kwargs=dict(
+        report_fn=diagonal_report, exclude_fn=exclusions))
+

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import numpy as np
 
+from .options import float_list, sharpness_arguments
+from .population import apply_sharp_overrides, default_out, log_line, set_threads
 from .report import display_path, finish_figure
+from .studies import STUDY
 from .runner import ExperimentError, OutputDir, atomic_write_bytes, fmt_seconds, run_population
 
 GEOMETRIES = ("adaptive", "geodesic-inv", "geodesic-mix")
@@ -31,8 +34,7 @@ def _base(config: Dict[str, Any]):
     key = repr(sorted((k, repr(v)) for k, v in config.items()))
     if _STATE.get("key") == key:
         return _STATE["value"]
-    from . import text, vision
-    mod = vision if config["model"] == "vision" else text
+    mod = STUDY[config["model"]].load()
     pconf = config["population"]
     data = mod.load_data(pconf, config["data_dir"])
     model, hp, info = mod.get_model(0, pconf, data, config["ckpt_dir"], False)
@@ -103,24 +105,29 @@ def _figure(path: str, rows: List[Dict[str, Any]], base: Dict[str, float], title
                   ylabel="sharpness ratio S(reparam.) / S(orig.)")
 
 
-def run(args, log=print) -> int:
-    from . import text, vision
-    from .cli import set_threads, apply_sharp_overrides, default_out
+def add_arguments(p) -> None:
+    """The study's options (``quotient-manifolds invariance --help``)."""
+    sharpness_arguments(p)
+    g = p.add_argument_group("invariance")
+    g.add_argument("--model", choices=("vision", "text"), default="vision",
+                   help="model 0 of the vision or text population")
+    g.add_argument("--scales", type=float_list, default=None, metavar="A1,...",
+                   help="action scales a (default: 9 in [1e-2, 1e2])")
+    g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="a population's checkpoints (default: DIR/checkpoints)")
 
-    mod = vision if args.model == "vision" else text
+
+def run(args, log: Callable[[str], None] = log_line) -> int:
+    """``quotient-manifolds invariance``: model 0 of a population, its sharpness at each action
+    scale, the figure and the summary."""
+    mod = STUDY[args.model].load()
     pconf = mod.defaults(args.quick, args.synthetic)
     apply_sharp_overrides(pconf, args)
     if args.seed is not None:
         pconf["seed"] = args.seed
     pconf.pop("models")
     if not args.synthetic:
-        if args.model == "vision":
-            from .data import find_fashion_mnist
-            find_fashion_mnist(args.data_dir)
-        else:
-            from .data import find_mr
-            find_mr(args.data_dir)
-            text.model_path()
+        mod.require_data(pconf, args.data_dir)
     scales = args.scales or ([1e-2, 1.0, 1e2] if args.quick
                              else [float(a) for a in np.logspace(-2, 2, 9)])
     rho = {"adaptive": pconf["rho"]["adaptive"], "geodesic-inv": pconf["rho"]["inv"],

@@ -72,10 +72,12 @@ import math
 import os
 import platform
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .options import float_list, int_list, positive_int, seed_list, shown
+from .population import default_out, log_line, set_threads
 from .runner import ExperimentError, check_parent_alive, schedule_factor
 from .stats import mean_std
 
@@ -647,32 +649,31 @@ def print_summary(summary: Dict[str, Any], log=print) -> None:
 # ------------------------------------------------------------------------------------ CLI
 def add_arguments(p) -> None:
     """The study's own options (``quotient-manifolds lora --help``)."""
-    from .cli import float_list, int_list, positive_int, seed_list
+    full, quick = defaults(False), defaults(True)  # the values the help states
     for action in p._actions:  # the common --seed: here it only seeds the data split
         if action.dest == "seed":
-            action.help = "seed of the fixed train/validation/test split (default 0)"
+            action.help = f"seed of the fixed train/validation/test split (default {full['split_seed']})"
     g = p.add_argument_group("lora study")
     g.add_argument("--tasks", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
                    default=None, metavar="T1,...", help="rt (default) and/or mr")
     g.add_argument("--ranks", type=int_list, default=None, metavar="R1,...",
-                   help="LoRA ranks (default 4,16; quick 2,4)")
+                   help=f"LoRA ranks (default {shown(full['ranks'])}; quick {shown(quick['ranks'])})")
     g.add_argument("--seeds", type=seed_list, default=None, metavar="S1,...",
-                   help="seeds; the first picks the lrs (default 0,1,2; quick 0,1)")
+                   help=f"seeds; the first picks the lrs (default {shown(full['seeds'])}; quick "
+                        f"{shown(quick['seeds'])})")
     g.add_argument("--arms", type=lambda s: [t.strip() for t in s.split(",") if t.strip()],
                    default=None, metavar="A1,...", help=f"optimizers (default {','.join(ARMS)})")
     for a in ARMS:
         g.add_argument(f"--lr-grid-{a}", type=float_list, default=None, metavar="LR1,...",
-                       help=f"lr grid of {a} (default {','.join(f'{v:g}' for v in LR_GRID[a])})")
-    g.add_argument("--steps", type=positive_int, default=None, help="training steps (default 250)")
+                       help=f"lr grid of {a} (default {shown(LR_GRID[a])})")
+    g.add_argument("--steps", type=positive_int, default=None, help=f"training steps (default {full['steps']})")
     g.add_argument("--eval-steps", type=int_list, default=None, metavar="S1,...",
-                   help="steps with a test evaluation, ending at --steps (default "
-                        "25,50,100,150,200,250; with only --steps: 6 evenly spaced)")
-    g.add_argument("--batch-size", type=positive_int, default=None, help="default 16")
-    g.add_argument("--train-size", type=positive_int, default=None, help="default 2000")
-    g.add_argument("--val-size", type=positive_int, default=None, help="default 400")
-    g.add_argument("--test-size", type=positive_int, default=None, help="default 800")
+                   help=f"steps with a test evaluation, ending at --steps (default "
+                        f"{shown(full['eval_steps'])}; with only --steps: 6 evenly spaced)")
+    for key in ("batch_size", "train_size", "val_size", "test_size"):
+        g.add_argument(f"--{key.replace('_', '-')}", type=positive_int, default=None, help=f"default {full[key]}")
     g.add_argument("--timing-steps", type=positive_int, default=None,
-                   help="steps per arm of the interleaved timing run (default 30)")
+                   help=f"steps per arm of the interleaved timing run (default {full['timing_steps']})")
 
 
 def config_from_args(args) -> Dict[str, Any]:
@@ -698,10 +699,9 @@ def config_from_args(args) -> Dict[str, Any]:
     return c
 
 
-def run(args, log=print) -> int:
+def run(args, log: Callable[[str], None] = log_line) -> int:
     """``quotient-manifolds lora``: the grid runs, the lr choice, the other seeds, the timing
     runs, the report; resumable (finished runs are skipped)."""
-    from .cli import set_threads, default_out
     from .runner import OutputDir, fmt_seconds, run_population
 
     c = config_from_args(args)

@@ -69,13 +69,17 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
+import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from . import vision as V
-from .calibrate import CALIBRATION, PILOT_RESULTS
+from .calibrate import CALIBRATION, PILOT_RESULTS, check_rho_unchanged
+from .options import default_text, float_list, positive_int
+from .population import device_name, log_line, run_population_study
+from .runner import ExperimentError
 
 NAME = "matched"
 #: the baseline, our adaptive, and the geodesic measures along the exact geodesic with the
@@ -429,3 +433,49 @@ def _fig_matched(path: str, summary: Dict[str, Any], levels: Sequence[float],
     ax.set_xscale("log")
     finish_figure(fig, ax, path, title=title, xlabel="median loss rise at ρ* (nats)",
                   ylabel="Kendall τ-b with the gap [95% CI]")
+
+
+# ------------------------------------------------------------------------------------ CLI
+def add_arguments(p) -> None:
+    """The study's options (``quotient-manifolds matched --help``)."""
+    # the configuration of a real run (synthetic=False) and of --quick
+    full, quick = defaults(False, False), defaults(True, False)
+    g = p.add_argument_group("matched loss rise")
+    g.add_argument("--levels", type=float_list, default=None, metavar="L1,...",
+                   help=f"median loss rises in nats {default_text(full['levels'], quick['levels'])}")
+    g.add_argument("--pilot-models", type=positive_int, default=None,
+                   help=f"pilot models of the calibration {default_text(full['pilot_models'], quick['pilot_models'])}")
+    g.add_argument("--n-iters", type=positive_int, default=None,
+                   help=f"Auto-PGD iterations {default_text(full['n_iters'], quick['n_iters'])}")
+    g.add_argument("--calibrate-only", action="store_true",
+                   help="stop after the calibration")
+
+
+def run(args, log: Callable[[str], None] = log_line) -> int:
+    """``quotient-manifolds matched``: the pretrained ViT, the calibration of every measure's ρ per
+    loss rise on the pilot models, then every model at those ρ, and the report."""
+    config = defaults(args.quick, args.synthetic)
+    if args.seed is not None:
+        config["population"]["seed"] = args.seed
+    for key in ("levels", "pilot_models", "n_iters"):
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
+    if len({level_key(v) for v in config["levels"]}) != len(config["levels"]):
+        raise ExperimentError(f"--levels has repeated values: {config['levels']}; give each "
+                              f"loss rise once")
+    device = device_name(args.device)
+    if device is not None:  # key only off the CPU, as for vision
+        config["population"]["device"] = device
+    if not args.synthetic:  # fail early with the preparing command
+        V.require_data(config["population"], args.data_dir)
+
+    def prepare(od, ckpt, threads):
+        V.pretrain(config["population"], ckpt, threads, args.data_dir, not args.no_progress, log)
+        cal = calibrate(config, od, ckpt, data_dir=args.data_dir, workers=args.workers,
+                        threads=args.threads or threads, progress=not args.no_progress, log=log)
+        run_config = resolved(config, cal)
+        check_rho_unchanged(od, run_config)
+        return None if args.calibrate_only else run_config
+
+    return run_population_study(sys.modules[__name__], config, args, prepare=prepare, log=log,
+                                report_kwargs=dict(report_fn=report))

@@ -43,8 +43,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 MEASURES: Dict[str, Dict[str, Any]] = {
     "adaptive": dict(geometry="adaptive", retraction="second_order", use_metric_norm=True,
@@ -340,17 +339,3 @@ def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_di
                             sharpness_s=sharpness_s, curvature_s=time.perf_counter() - t0,
                             total_s=time.perf_counter() - started,
                             threads=torch.get_num_threads()))
-
-
-def population_jobs(load_data: Callable, get_model: Callable, evaluate: Callable,
-                    sharpness_batches: Callable) -> Tuple[Callable, Callable]:
-    """``(job, calibration_job)`` of a text or vision population from its four hooks:
-    :func:`population_job` (one model: train or reuse, evaluate, measure) and
-    :func:`~quotient_manifolds.experiments.calibrate.pilot_job` (one pilot model of the ρ
-    calibration), each ``f(model_id, config, ckpt_dir, data_dir, progress)``. They are
-    ``functools.partial`` objects of module-level functions, so they pickle into spawned worker
-    processes."""
-    from .calibrate import pilot_job
-
-    hooks = dict(load_data=load_data, get_model=get_model, sharpness_batches=sharpness_batches)
-    return partial(population_job, evaluate=evaluate, **hooks), partial(pilot_job, **hooks)

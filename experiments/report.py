@@ -16,6 +16,7 @@ import numpy as np
 from .stats import (TauResult, paired_delta_tau, partial_tau_with_ci, tau_ci_weighted, tau_with_ci,
                     r_squared, within_partial_tau_with_ci, within_tau_with_ci)
 from .runner import display_path  # also imported from here by the studies
+from .studies import STUDY
 
 # docs/maths.md §11.6 (paper Table 1). Our text study is the analogue of MNLI/BERT, vision of
 # ImageNet/CLIP.
@@ -1129,14 +1130,13 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
 
     Everything is a function of ``records`` (the lines of ``results.jsonl``) and ``n_boot``:
     ``quotient-manifolds report DIR`` reproduces every τ of a run's summary."""
-    from .diagonal import DIAGNOSTIC, FAMILY, MAIN
-
+    spec = STUDY["diagonal"].load()  # the study's measures, from its module through the registry
     exclude = exclude or {}
     used = [r for r in records if r["model_id"] not in exclude]
     present = measures_of(used)
-    main = [m for m in MAIN if m in present]
-    diag = [m for m in DIAGNOSTIC if m in present]
-    rho = {m: float(config["rho"][FAMILY[m]]) for m in main + diag}
+    main = [m for m in spec.MAIN if m in present]
+    diag = [m for m in spec.DIAGNOSTIC if m in present]
+    rho = {m: float(config["rho"][spec.FAMILY[m]]) for m in main + diag}
     draws = sorted({r["hparams"]["data_seed"] for r in used})
     lines = _diagonal_header(out_dir, config_hash, records, used, draws, exclude, wall_s, n_boot,
                              source)
@@ -1199,12 +1199,6 @@ def read_records(path: str) -> List[Dict[str, Any]]:
     return records
 
 
-#: what each population study correlates with by default (the CLI's --target default)
-DEFAULT_TARGET = {"vision": "gap_own", "text": "gap"}
-POPULATION_STUDIES = ("vision", "text")
-#: the studies whose modules write their own reports (study name -> module): the training
-#: studies and the matched loss-rise study
-TRAINING_STUDIES = {"sam": "sam_study", "lora": "lora", "matched": "matched"}
 #: measures reported beside the main three when present: the paper's adaptive baseline and the
 #: exact-geodesic versions of the second-order measures
 EXTRA_MAIN = ("adaptive-andriushchenko", "inv-exact", "mix-exact")
@@ -1214,17 +1208,14 @@ def population_kwargs(study: str, config: Dict[str, Any], target: str,
                       synthetic: Optional[bool] = None) -> Dict[str, Any]:
     """The arguments of :func:`population_report` for a text or vision population, from its
     configuration alone (so a run and ``report DIR`` write the same summary)."""
-    import importlib
-
     from .measures import ABLATIONS, CURVATURE, MAIN, MEASURES
-    mod = importlib.import_module(f"quotient_manifolds.experiments.{study}")
+    mod = STUDY[study].load()
     rho = {m: config["rho"][MEASURES[m]["family"]] for m in MEASURES}
     rho.update({m: 0.0 for m in CURVATURE})
     measures = list(config["measures"])
     notes = [f"sharpness on {config['sharp_points']} fixed training points in batches of "
              f"{config['sharp_batch']}, {config['n_iters']} Auto-PGD iterations, eval mode "
-             f"(paper: {'1024 in batches of 128' if study == 'text' else '2048 in batches of 256'}"
-             ", 20 iterations)",
+             f"(paper: {mod.PAPER_SHARPNESS}, 20 iterations)",
              "gap = test error − error on the fixed full train split (clean labels); gap_own uses "
              "each model's own (possibly noisy) training subset"]
     notes += list(getattr(mod, "report_notes", lambda c: [])(config))
@@ -1312,34 +1303,31 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
     src = _results_file(path)
     chosen, records, hashes = _records_of_one_config(src, config_hash)
     study = records[0].get("study")
+    kind = STUDY[study].report if study in STUDY else None
     src_dir = os.path.dirname(os.path.abspath(src))
     out_dir = out_dir or src_dir
-    if study in TRAINING_STUDIES:  # their own reports, from the records alone
-        import importlib
+    if kind == "own":  # the study's own report, from the records alone
         if extra:
             raise ExperimentError(f"--extra merges second passes of the text / vision "
                                   f"populations; the {study} study has none")
         os.makedirs(out_dir, exist_ok=True)
-        own = importlib.import_module(f"quotient_manifolds.experiments.{TRAINING_STUDIES[study]}").report
-        return own(out_dir, records[0]["study_config"], chosen, records, source=src)
-    if study not in ("diagonal",) + POPULATION_STUDIES:
-        raise ExperimentError(f"`report` recomputes the diagonal, vision, text, sam, lora and "
-                              f"matched studies' summaries; {src} holds the {study!r} study (its "
+        return STUDY[study].own_report()(out_dir, records[0]["study_config"], chosen, records, source=src)
+    if kind is None:
+        reported = [n for n, s in STUDY.items() if s.report is not None]
+        raise ExperimentError(f"`report` recomputes the {', '.join(reported[:-1])} and {reported[-1]} "
+                              f"studies' summaries; {src} holds the {study!r} study (its "
                               f"summary is written by its own run)")
     os.makedirs(out_dir, exist_ok=True)
     if len(hashes) > 1:
         log(f"{src}: {len(hashes)} configurations; using {chosen} ({len(records)} models)")
-    if study == "diagonal":
+    if kind == "diagonal":
         if extra:
             raise ExperimentError("--extra merges second passes of the text / vision "
                                   "populations; the diagonal study has none")
-        from .diagonal import exclusions
         return diagonal_report(out_dir, records[0]["study_config"], chosen, records,
-                               exclude=exclusions(records), n_boot=n_boot, source=src)
-    import importlib
-
+                               exclude=STUDY[study].load().exclusions(records), n_boot=n_boot, source=src)
     from . import calibrate
-    mod = importlib.import_module(f"quotient_manifolds.experiments.{study}")
+    mod = STUDY[study].load()
     if target is None:
         try:
             with open(os.path.join(src_dir, "summary.json")) as fh:
@@ -1347,7 +1335,7 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
             target = old.get("target") if old.get("config_hash") == chosen else None
         except (OSError, ValueError):
             target = None
-    target = target or DEFAULT_TARGET[study]
+    target = target or STUDY[study].target
     config = records[0]["study_config"]
     for extra_path in extra:
         records, config = merge_second_pass(records, config, _results_file(extra_path), log=log)

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 
+from .options import positive_float, positive_int
+from .population import default_out, log_line, run_population_study, transformer_config, \
+    transformer_report_kwargs
 from .runner import ExperimentError
+from .studies import STUDY
 
 STEPS = [float(t) for t in np.logspace(-4, 0, 9)]
 RETRACTION_MEASURES = ("geodesic-inv", "inv-no-gamma", "inv-exact",
@@ -141,15 +145,28 @@ def value_differences(records) -> List[str]:
     return notes
 
 
-def run(args, log=print) -> int:
+def add_arguments(p) -> None:
+    """The study's options (``quotient-manifolds retraction --help``)."""
+    g = p.add_argument_group("retraction")
+    g.add_argument("--population", choices=("vision", "text"), default="vision",
+                   help="population whose sharpness is recomputed")
+    g.add_argument("--rho-inv", type=positive_float, default=None, help="ρ of the inv measures")
+    g.add_argument("--rho-mix", type=positive_float, default=None, help="ρ of the mix measures")
+    g.add_argument("--n-iters", type=positive_int, default=None, help="Auto-PGD iterations")
+    g.add_argument("--sharp-points", type=positive_int, default=None,
+                   help="training points sharpness is measured on")
+    g.add_argument("--sharp-batch", type=positive_int, default=None, help="batch size of sharpness")
+
+
+def run(args, log: Callable[[str], None] = log_line) -> int:
+    """``quotient-manifolds retraction``: part A (error vs step on model 0's attention blocks) and
+    part B (the population's sharpness with each retraction), and the report."""
     import json
 
-    from . import text, vision
-    from .cli import transformer_config, transformer_report_kwargs, default_out, \
-        run_population_study
+    from . import text
     from .runner import atomic_write_bytes
 
-    mod = vision if args.population == "vision" else text
+    mod = STUDY[args.population].load()
     args.measures = list(RETRACTION_MEASURES)
     args.rho_sweep = []
     for k in ("rho_adaptive", "eps", "test_size", "layers", "train_size", "pool_size", "head"):
@@ -160,13 +177,7 @@ def run(args, log=print) -> int:
         # exact retraction ≈ 60 s per measure per ViT model (1 thread): first 24 models by default
         config["models"] = min(config["models"], 24)
     if not args.synthetic:
-        if mod is vision:
-            from .data import find_fashion_mnist
-            find_fashion_mnist(args.data_dir)
-        else:
-            from .data import find_mr
-            find_mr(args.data_dir)
-            text.model_path()
+        mod.require_data(config, args.data_dir)
     out = os.path.abspath(args.out or default_out(f"retraction-{args.population}", args))
     os.makedirs(out, exist_ok=True)
     ckpt = os.path.abspath(args.checkpoint_dir or os.path.join(out, "checkpoints"))
@@ -211,10 +222,10 @@ def run(args, log=print) -> int:
 
     # Part B: population with each retraction
     kwargs = transformer_report_kwargs(mod, config, args.synthetic,
-                                       "gap" if mod is text else "gap_own")
+                                       STUDY[args.population].target)
     kwargs.update(main=list(RETRACTION_MEASURES), extra_main=[], ablations=[],
                   notes=notes + kwargs["notes"])
     kwargs["notes_fn"] = value_differences
     args.checkpoint_dir = ckpt
     args.out = out
-    return run_population_study(mod, config, args, report_kwargs=kwargs, study="retraction")
+    return run_population_study(mod, config, args, report_kwargs=kwargs, study="retraction", log=log)

@@ -73,6 +73,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from .options import float_list, positive_int, shown
+from .population import default_out, log_line, set_threads
 from .runner import ExperimentError, check_parent_alive
 from .stats import mean_std
 
@@ -821,8 +823,10 @@ def _fig_curves(path: str, s: Dict[str, Any], config: Dict[str, Any], syn: str) 
 
 # ------------------------------------------------------------------------------------ CLI
 def add_arguments(p) -> None:
-    """The ``sam`` subcommand's own options (the common ones come from :mod:`quotient_manifolds.experiments.cli`)."""
-    from .cli import positive_int, float_list
+    """The ``sam`` subcommand's own options (the common ones:
+    :func:`~quotient_manifolds.experiments.options.common_arguments`)."""
+    full, quick = defaults(False), defaults(True)  # the values the help states
+    vit, minilm = full["tasks"]["vit"], full["tasks"]["minilm"]
     g = p.add_argument_group("sam study")
     g.add_argument("--tasks", default=None, metavar="T1,T2",
                    help=f"tasks to run (default all: {','.join(TASKS)})")
@@ -830,16 +834,16 @@ def add_arguments(p) -> None:
                    help=f"arms (default all: {','.join(METHODS)}; 'sam' is required as the cost "
                         f"reference)")
     g.add_argument("--seeds", type=positive_int, default=None,
-                   help="seeds per arm at the selected ρ (default 3; quick 2)")
+                   help=f"seeds per arm at the selected ρ (default {full['seeds']}; quick {quick['seeds']})")
     g.add_argument("--sweep-seeds", type=positive_int, default=None,
-                   help="seeds on which every ρ of the sweep runs (default 1; --sweep-seeds "
+                   help=f"seeds on which every ρ of the sweep runs (default {full['sweep_seeds']}; --sweep-seeds "
                         "equal to --seeds sweeps every seed)")
     g.add_argument("--vit-steps", type=positive_int, default=None,
-                   help="optimizer updates per ViT run (default 1000; base-2x runs twice that)")
+                   help=f"optimizer updates per ViT run (default {vit['steps']}; base-2x runs twice that)")
     g.add_argument("--minilm-steps", type=positive_int, default=None,
-                   help="optimizer updates per MiniLM run (default 80)")
+                   help=f"optimizer updates per MiniLM run (default {minilm['steps']})")
     g.add_argument("--rho-factors", type=float_list, default=None, metavar="F1,F2,...",
-                   help="multipliers of each arm's centre ρ in the sweep (default 0.25,1,4)")
+                   help=f"multipliers of each arm's centre ρ in the sweep (default {shown(vit['rho_factors'])})")
     g.add_argument("--rho-centre", action="append", default=None, metavar="TASK:METHOD=RHO",
                    help="centre of an arm's ρ sweep (repeatable), e.g. vit:geodesic-mix=0.01 "
                         "(defaults in experiments/sam_study.py: matched loss increase in the "
@@ -887,10 +891,9 @@ def config_from_args(args) -> Dict[str, Any]:
     return config
 
 
-def run(args, log: Callable[[str], None] = print) -> int:
+def run(args, log: Callable[[str], None] = log_line) -> int:
     """``quotient-manifolds sam``: the sweep phase, the selection, the seeds phase, the
     report (each phase resumes from results.jsonl)."""
-    from .cli import set_threads, default_out
     from .runner import OutputDir, fmt_seconds, load_current, run_population
 
     config = config_from_args(args)

@@ -131,17 +131,24 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import measures as M
+from .options import calibration_arguments, default_text, int_list, nonneg_range, population_arguments, \
+    positive_float, positive_int, value_range
+from .population import calibrated_population, default_out, log_line, population_jobs, run_population_study, \
+    transformer_config, transformer_report_kwargs
 from .runner import ExperimentError, TrainingLoop, check_parent_alive, config_hash, \
     study_device, trained_model
 
 NAME = "text"
 PAPER_KEY = "text"
+#: the sharpness points of the paper's experiment (for the report's notes)
+PAPER_SHARPNESS = "1024 in batches of 128"
 # Paper-protocol defaults (chosen from the timing pilot of the module docstring).
 PAPER_TRAIN_SIZE = 1000
 PAPER_TEST_SIZE = 6752
@@ -640,7 +647,7 @@ def evaluate(model, config, data, hp) -> Dict[str, float]:
 
 #: ``job``: one model of the population (run in a worker process): train or reuse, evaluate,
 #: measure; ``calibration_job``: one pilot model of the ρ calibration (paper protocol)
-job, calibration_job = M.population_jobs(load_data, get_model, evaluate, sharpness_batches)
+job, calibration_job = population_jobs(load_data, get_model, evaluate, sharpness_batches)
 
 
 def report_notes(config: Dict[str, Any]) -> List[str]:
@@ -667,3 +674,100 @@ def report_notes(config: Dict[str, Any]) -> List[str]:
             f"≤ {c['target_train_error']:g}"
             + (" (models that miss it are excluded)" if c.get("exclude_unconverged", True)
                else " (models that miss it are kept)") + "."]
+
+
+# ------------------------------------------------------------------------------------ CLI
+def add_arguments(p) -> None:
+    """The study's options (``quotient-manifolds text --help``)."""
+    small, paper = defaults(False, False), defaults(False, False, "paper")  # what the help states
+    g = population_arguments(p, NAME)
+    g.add_argument("--protocol", choices=("small", "paper"), default=None,
+                   help="small: MR (default); paper: Rotten Tomatoes")
+    g.add_argument("--population", choices=("seeds", "random"), default=None,
+                   dest="text_population", metavar="P",
+                   help="paper: seeds (default) or random")
+    g.add_argument("--layers", type=positive_int, default=None,
+                   help=f"MiniLM layers kept (default: small {small['layers']}, paper {paper['layers']})")
+    g.add_argument("--train-size", type=positive_int, default=None,
+                   help=f"train split (default: small {small['train_size']}, paper {paper['train_size']})")
+    g.add_argument("--train-embeddings", action="store_true",
+                   help="small: also train the embeddings")
+    g.add_argument("--max-length", type=positive_int, default=None,
+                   help=f"tokens per sentence {default_text(small['max_length'])}")
+    g.add_argument("--head", choices=("mean", "cls"), default=None,
+                   help="mean pooling + linear (default) or [CLS] head")
+    g.add_argument("--lr", type=positive_float, default=None, help="paper, seeds: learning rate")
+    g.add_argument("--batch-size", type=positive_int, default=None,
+                   help="paper, seeds: batch size")
+    g.add_argument("--weight-decay", type=float, default=None,
+                   help="paper, seeds: AdamW weight decay")
+    g.add_argument("--max-epochs", type=positive_int, default=None,
+                   help="paper, seeds: epoch cap")
+    g.add_argument("--lr-range", type=value_range, default=None, metavar="LO,HI",
+                   help="random: lr, log-uniform")
+    g.add_argument("--epochs-range", type=int_list, default=None, metavar="LO,HI",
+                   help="random: epochs")
+    g.add_argument("--batch-choices", type=int_list, default=None, metavar="B1,...",
+                   help="random: batch sizes")
+    g.add_argument("--wd-range", type=nonneg_range, default=None, metavar="LO,HI",
+                   help="random: weight decay, uniform")
+    g.add_argument("--target-train-error", type=positive_float, default=None,
+                   help=f"paper: train to this error {default_text(paper['target_train_error'])}")
+    g.add_argument("--include-unconverged", action="store_true",
+                   help="paper: keep models that missed it in τ")
+    calibration_arguments(g, "paper")
+
+
+def text_overrides(config: Dict[str, Any], args) -> None:
+    """The text-only options (``quotient-manifolds text --help``), checked against the
+    protocol / population they apply to."""
+    paper = config.get("protocol") == "paper"
+    for opt, key in (("max_length", "max_length"), ("lr", "lr"), ("batch_size", "batch_size"),
+                     ("weight_decay", "weight_decay"), ("max_epochs", "max_epochs"),
+                     ("lr_range", "lr_range"), ("epochs_range", "epochs_range"),
+                     ("batch_choices", "batch_choices"), ("wd_range", "wd_range"),
+                     ("target_train_error", "target_train_error")):
+        v = getattr(args, opt, None)
+        if v is None:
+            continue
+        if key not in config:
+            where = ("the seeds population of --protocol paper" if key in ("lr", "batch_size",
+                     "weight_decay", "max_epochs") else "--protocol paper" if key ==
+                     "target_train_error" else "the random population (or --protocol small)")
+            raise ExperimentError(f"--{opt.replace('_', '-')} applies to {where}")
+        if key == "epochs_range" and (len(v) != 2 or v[0] > v[1]):
+            raise ExperimentError(f"--epochs-range: expected LO,HI with LO ≤ HI, got {v}")
+        if key == "weight_decay" and not (math.isfinite(v) and v >= 0):
+            raise ExperimentError(f"--weight-decay must be ≥ 0, got {v}")
+        config[key] = v
+    if getattr(args, "include_unconverged", False):
+        if not paper:
+            raise ExperimentError("--include-unconverged applies to --protocol paper")
+        config["exclude_unconverged"] = False
+    if paper:  # (subset_range is the whole split: transformer_config pins it)
+        config["train_embeddings"] = True
+
+
+def require_data(config: Dict[str, Any], data_dir: Optional[str]) -> None:
+    """Fail early, with the command that prepares them, when the data of ``config`` (MR, or
+    Rotten Tomatoes for --protocol paper) or the MiniLM weights are missing."""
+    from .data import find_mr, find_rt
+    (find_rt if config.get("protocol") == "paper" else find_mr)(data_dir)
+    model_path()
+
+
+def run(args, log: Callable[[str], None] = log_line) -> int:
+    """``quotient-manifolds text``: the population and its report; with --protocol paper, the ρ
+    calibration on the pilot models first."""
+    me = sys.modules[__name__]
+    config = transformer_config(me, args)
+    text_overrides(config, args)
+    paper = config.get("protocol") == "paper"
+    if not args.synthetic:  # fail early with the preparing command
+        require_data(config, args.data_dir)
+    if not paper:
+        return run_population_study(me, config, args, log=log, report_kwargs=transformer_report_kwargs(
+            me, config, args.synthetic, args.target))
+    if args.out is None:
+        args.out = default_out(f"text-paper-{config['population']}", args)
+    return calibrated_population(me, config, args, log=log)

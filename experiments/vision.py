@@ -54,16 +54,22 @@ widely (own-subset train error 0.006–0.53), i.e. the regime where sharpness tr
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from . import measures as M
-from .runner import (ExperimentError, TrainingLoop, check_parent_alive, config_hash, study_device,
-                     trained_model)
+from .options import calibration_arguments, default_text, population_arguments, positive_int
+from .population import calibrated_population, default_out, log_line, population_jobs, run_population_study, \
+    transformer_config, transformer_report_kwargs
+from .runner import (ExperimentError, TrainingLoop, check_parent_alive, config_hash, cores, fmt_seconds,
+                     study_device, trained_model)
 
 NAME = "vision"
 PAPER_KEY = "vision"
+#: the sharpness points of the paper's experiment (for the report's notes)
+PAPER_SHARPNESS = "2048 in batches of 256"
 MEAN, STD = 0.2860, 0.3530
 PROTOCOLS = ("finetune", "scratch")
 #: coarse pretraining task: Fashion-MNIST class -> group (upper body / trouser / dress / shoes / bag)
@@ -481,4 +487,62 @@ def report_notes(config: Dict[str, Any]) -> List[str]:
 
 #: ``job``: one model of the population (run in a worker process): train or reuse, evaluate,
 #: measure; ``calibration_job``: one pilot model of the ρ calibration
-job, calibration_job = M.population_jobs(load_data, get_model, evaluate, sharpness_batches)
+job, calibration_job = population_jobs(load_data, get_model, evaluate, sharpness_batches)
+
+
+# ------------------------------------------------------------------------------------ CLI
+def add_arguments(p) -> None:
+    """The study's options (``quotient-manifolds vision --help``)."""
+    g = population_arguments(p, NAME)
+    g.add_argument("--protocol", choices=PROTOCOLS, default="finetune",
+                   help="fine-tunes of one ViT, or from scratch")
+    # the configuration of a real run of the default protocol, and of --quick
+    full, quick = finetune_defaults(False, False), finetune_defaults(True, False)
+    g.add_argument("--pool-size", type=positive_int, default=None,
+                   help=f"training pool {default_text(full['pool_size'])}")
+    for key, what in (("width", "ViT width"), ("depth", "ViT blocks"), ("heads", "heads per block")):
+        g.add_argument(f"--{key}", type=positive_int, default=None,
+                       help=f"{what} {default_text(full['arch'][key], quick['arch'][key])}")
+    calibration_arguments(g, "finetune")
+
+
+def pretrain(config: Dict[str, Any], ckpt: str, threads: int, data_dir: Optional[str], progress: bool,
+             log: Callable[[str], None] = log_line) -> None:
+    """The one pretrained ViT every vision fine-tune starts from (:func:`pretrained`), trained or
+    reused with every core; ``threads`` are restored after it."""
+    import torch
+
+    data = load_data(config, data_dir)
+    torch.set_num_threads(max(threads, cores()))  # nothing else runs while pretraining
+    try:
+        _, info = pretrained(config, data, ckpt, progress)
+    finally:
+        torch.set_num_threads(threads)
+    log(f"pretrained ViT: {info['checkpoint']} (pretraining-task error "
+        f"{info['coarse_train_error']:.4f} train, {info['coarse_test_error']:.4f} test; "
+        + ("reused)" if info["train_time_s"] == 0 else
+           f"trained in {fmt_seconds(info['train_time_s'])})"))
+
+
+def require_data(config: Dict[str, Any], data_dir: Optional[str]) -> None:
+    """Fail early, with the command that prepares it, when Fashion-MNIST is missing."""
+    from .data import find_fashion_mnist
+    find_fashion_mnist(data_dir)
+
+
+def run(args, log: Callable[[str], None] = log_line) -> int:
+    """``quotient-manifolds vision``: the population and its report; with --protocol finetune, the
+    pretrained ViT and the ρ calibration on the pilot models first."""
+    me = sys.modules[__name__]
+    config = transformer_config(me, args)
+    if not args.synthetic:  # fail early with the preparing command
+        require_data(config, args.data_dir)
+    if config.get("protocol") != "finetune":
+        return run_population_study(me, config, args, log=log, report_kwargs=transformer_report_kwargs(
+            me, config, args.synthetic, args.target))
+    args.out = args.out or default_out("vision-finetune", args)
+
+    def before(config, ckpt, threads):
+        pretrain(config, ckpt, threads, args.data_dir, not args.no_progress, log)
+
+    return calibrated_population(me, config, args, before=before, log=log)

@@ -332,20 +332,21 @@ def test_device_and_architecture_options_are_checked(tmp_path, capsys):
     assert run(base + ["--width", "30", "--heads", "4"]) == 2
     assert "not divisible by --heads 4" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "v" / "results.jsonl")
-    from quotient_manifolds.experiments.cli import _device
-    assert _device(None) is None and _device("cpu") is None
+    from quotient_manifolds.experiments.population import device_name
+    assert device_name(None) is None and device_name("cpu") is None
 
 
 def test_paper_text_protocol_takes_sharpness_points_up_to_its_train_size():
     """The paper's 1,024 sharpness points need a larger train split than the default 1,000: the
     check is against the resized split, not the default one."""
     from quotient_manifolds.experiments import text as T
-    from quotient_manifolds.experiments.cli import _text_overrides, transformer_config, build_parser
+    from quotient_manifolds.experiments.cli import build_parser
+    from quotient_manifolds.experiments.population import transformer_config
 
     def config(*opts):
         args = build_parser().parse_args(["text", "--protocol", "paper", *opts])
         c = transformer_config(T, args)
-        _text_overrides(c, args)
+        T.text_overrides(c, args)
         return c
 
     c = config("--train-size", "6000", "--sharp-points", "1024", "--sharp-batch", "128")
