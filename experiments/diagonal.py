@@ -64,8 +64,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .options import int_list, positive_float, positive_int, seed_list, sharpness_arguments, value_range, \
-    default_text
+from .options import (defaults_of, int_list, positive_float, positive_int, seed_list, sharpness_arguments,
+                      value_range)
 from .population import apply_sharp_overrides, log_line, run_population_study
 from .report import diagonal_report
 from .runner import ExperimentError, check_parent_alive, config_hash, load_checkpoint, save_checkpoint
@@ -610,9 +610,7 @@ def add_arguments(p) -> None:
     sharpness_arguments(p, transformer=False)
     full, quick = defaults(False), defaults(True)
 
-    def default(key: str) -> str:
-        return default_text(full[key], quick[key])
-
+    default = defaults_of(full, quick)
     g = p.add_argument_group("diagonal nets")
     g.add_argument("--d", type=positive_int, default=None, help=f"dimension {default('d')}")
     g.add_argument("--n", type=positive_int, default=None, help=f"training points {default('n')}")

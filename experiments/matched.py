@@ -77,7 +77,7 @@ import numpy as np
 
 from . import vision as V
 from .calibrate import CALIBRATION, PILOT_RESULTS, check_rho_unchanged
-from .options import default_text, float_list, positive_int
+from .options import defaults_of, float_list, positive_int
 from .population import device_name, log_line, run_population_study
 from .runner import ExperimentError
 
@@ -439,14 +439,14 @@ def _fig_matched(path: str, summary: Dict[str, Any], levels: Sequence[float],
 def add_arguments(p) -> None:
     """The study's options (``quotient-manifolds matched --help``)."""
     # the configuration of a real run (synthetic=False) and of --quick
-    full, quick = defaults(False, False), defaults(True, False)
+    default = defaults_of(defaults(False, False), defaults(True, False))
     g = p.add_argument_group("matched loss rise")
     g.add_argument("--levels", type=float_list, default=None, metavar="L1,...",
-                   help=f"median loss rises in nats {default_text(full['levels'], quick['levels'])}")
+                   help=f"median loss rises in nats {default('levels')}")
     g.add_argument("--pilot-models", type=positive_int, default=None,
-                   help=f"pilot models of the calibration {default_text(full['pilot_models'], quick['pilot_models'])}")
+                   help=f"pilot models of the calibration {default('pilot_models')}")
     g.add_argument("--n-iters", type=positive_int, default=None,
-                   help=f"Auto-PGD iterations {default_text(full['n_iters'], quick['n_iters'])}")
+                   help=f"Auto-PGD iterations {default('n_iters')}")
     g.add_argument("--calibrate-only", action="store_true",
                    help="stop after the calibration")
 

@@ -114,6 +114,12 @@ def default_text(value, quick=None) -> str:
                                          f"; quick {shown(quick)}") + ")"
 
 
+def defaults_of(full: dict, quick: dict):
+    """``key -> default_text(full[key], quick[key])``: the help text of a study's options whose
+    defaults the full and the quick configurations hold under the same keys."""
+    return lambda key: default_text(full[key], quick[key])
+
+
 # ------------------------------------------------------------------------------------ parser
 def common_arguments(p: argparse.ArgumentParser, *, population: bool = True,
                      device: bool = False, data: bool = True, synthetic: bool = True) -> None:
