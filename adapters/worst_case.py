@@ -504,8 +504,9 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                       f"adaptively, so this {geometry} value is adaptive sharpness with the "
                       f"geodesic settings", UserWarning, stacklevel=3)
 
-    covered = (_attention_masks(model, layout, include_frozen) if geometry == "adaptive"
-               else getattr(layout, "gl_masks", None))
+    # the attention weights, for attention_norm_shares: a geodesic ball holds them in its GL
+    # components (the share is the GL share); an adaptive one finds them in the detected layout
+    covered = _attention_masks(model, layout, include_frozen) if geometry == "adaptive" else None
     device = next(iter(params0.values())).device
     if num_threads is None and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL_PARAMS:
         num_threads = 1
@@ -549,10 +550,12 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                                        on_iteration=on_iteration,
                                        start=None if previous is None else (previous.xi, previous.init_loss))
                         previous = res
+                        share = ball.quotient_share(res.xi)
+                        attention = (share if geometry != "adaptive" and layout.blocks else
+                                     ball.share_on(res.xi, covered) if covered else None)
                         run = dict(init=res.init_loss, worst=res.worst_loss, norm=res.norm,
                                    fwd=res.n_forward, bwd=res.n_backward, gap=None,
-                                   share=ball.quotient_share(res.xi),
-                                   attention=ball.share_on(res.xi, covered) if covered else None)
+                                   share=share, attention=attention)
                         if check_gap:
                             run["gap"] = _retraction_gap(ball, closure, res)
                             run["fwd"] += 1
