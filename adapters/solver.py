@@ -177,11 +177,17 @@ class ElementwiseComponent:
     reduction follows its operation in cache. Entries with w = 0 are fixed by these formulas
     (h = 0 there); only tensors with other fixed entries keep a boolean mask. ``x0``, ``abs_w``
     and ``inv_w2`` are formed on demand for other callers.
+
+    On an accelerator (``flat=None`` and a weight off the CPU, or ``flat=True``) the same passes are
+    bound by kernel launches, not memory: a pass per tensor piece costs hundreds of launches per
+    iteration for a transformer, each longer than its work. There the component keeps one
+    contiguous copy of the weights (one parameter-sized vector more), the closure's leaf is the
+    flat point alone (autograd returns one flat gradient), and every pass is one kernel.
     """
 
     def __init__(self, tensors: Dict[str, Tensor], *, masks: Optional[Dict[str, Tensor]] = None,
                  direction: str = "riemannian", second_order: bool = False,
-                 name: str = "elementwise"):
+                 name: str = "elementwise", flat: Optional[bool] = None):
         if not tensors:
             raise ValueError("an elementwise component needs at least one tensor")
         self.name = name
@@ -204,20 +210,29 @@ class ElementwiseComponent:
             if mask is not None:
                 fixed |= ~mask.to(w.device)
             self.fixed.append(fixed if bool(fixed.any()) else None)
-        # (tensor index, start, stop, offset in the flat vector) of every piece
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        self._pieces = [(i, a, min(a + CHUNK, size), offset + a)
-                        for i, (size, offset) in enumerate(zip(self.sizes, self.offsets))
-                        for a in range(0, size, CHUNK)]
+        self.flat = self.device.type != "cpu" if flat is None else bool(flat)
+        if self.flat:  # one piece over a contiguous copy (see the class docstring)
+            self._piece_weights = [self._flat_from(self.weights)]
+            self._piece_fixed = [None if all(f is None for f in self.fixed) else self._flat_from(
+                [torch.zeros(w.shape, dtype=torch.bool, device=w.device) if f is None else f
+                 for w, f in zip(self.weights, self.fixed)])]
+            self._pieces = [(0, 0, self.numel, 0)]
+        else:  # (tensor index, start, stop, offset in the flat vector) of every piece
+            self._piece_weights, self._piece_fixed = self.weights, self.fixed
+            self._pieces = [(i, a, min(a + CHUNK, size), offset + a)
+                            for i, (size, offset) in enumerate(zip(self.sizes, self.offsets))
+                            for a in range(0, size, CHUNK)]
         self._point: Optional[Tensor] = None
         self._live: Optional[Tuple[Tensor, List[Tensor]]] = None
 
     # -- pieces
     def _over(self, *vectors):
-        """(w, fixed, *pieces of ``vectors``) per piece; a vector is flat or a per-tensor list."""
+        """(w, fixed, *pieces of ``vectors``) per piece; a vector is flat or a list per tensor
+        (with ``flat``, a list of the one flat vector)."""
         for i, a, b, s in self._pieces:
-            fixed = self.fixed[i]
-            yield (self.weights[i][a:b], None if fixed is None else fixed[a:b],
+            fixed = self._piece_fixed[i]
+            yield (self._piece_weights[i][a:b], None if fixed is None else fixed[a:b],
                    *(v[i][a:b] if isinstance(v, list) else v[s:s + b - a] for v in vectors))
 
     @staticmethod
@@ -266,15 +281,19 @@ class ElementwiseComponent:
     def sq_norm_on(self, u: Tensor, masks: Mapping[str, Tensor]) -> float:
         """The part of ‖u‖² = Σ u²/w² on the entries that ``masks`` marks (parameter name → boolean
         tensor of the parameter's shape; names not given count nothing)."""
+        flat_u = u if isinstance(u, Tensor) else self._flat_from(u)
         total = 0.0
-        for i, a, b, s in self._pieces:
-            mask = masks.get(self.names[i])
+        for name, w, fixed, offset, size in zip(self.names, self.weights, self.fixed, self.offsets,
+                                                 self.sizes):
+            mask = masks.get(name)
             if mask is None:
                 continue
-            fixed = self.fixed[i]
-            piece = u[i][a:b] if isinstance(u, list) else u[s:s + b - a]
-            t = self._relative(piece, self.weights[i][a:b], None if fixed is None else fixed[a:b])
-            total += float(torch.dot(t, t * mask.reshape(-1)[a:b].to(device=t.device, dtype=t.dtype)))
+            mask = mask.reshape(-1)
+            for a in range(0, size, CHUNK):
+                b = min(a + CHUNK, size)
+                t = self._relative(flat_u[offset + a:offset + b], w[a:b],
+                                   None if fixed is None else fixed[a:b])
+                total += float(torch.dot(t, t * mask[a:b].to(device=t.device, dtype=t.dtype)))
         return total
 
     def project(self, u: Tensor) -> Tensor:
@@ -343,6 +362,9 @@ class ElementwiseComponent:
                 else:
                     torch.addcmul(w, w, x, out=p)
         flat = self._point.detach().requires_grad_(need_grad)
+        if self.flat:  # unflatten's views of the one leaf: autograd returns one flat gradient
+            self._live = None
+            return [flat], flat
         parts = [t.view(shape).detach().requires_grad_(need_grad) for t, shape in
                  zip(torch.split(self._point, self.sizes), self.shapes)]
         self._live = (flat, parts)
@@ -354,7 +376,13 @@ class ElementwiseComponent:
         ∇⊙sign(w) (⊙(1 + r)) for "andriushchenko" (∇⊙|w| in ξ); ‖h‖², ⟨h, r⟩. The Euclidean
         gradients are consumed where autograd returned tensors of their own."""
         flat, parts = grads[0], grads[1:]
-        h, seen = [], set()
+        if self.flat:
+            h = [torch.zeros(self.numel, dtype=self.dtype, device=self.device) if flat is None
+                 else flat.contiguous()]
+            parts = []
+        else:
+            h = []
+        seen = set()
         for i, (g, size) in enumerate(zip(parts, self.sizes)):
             g = None if g is None else g.reshape(-1)
             if flat is not None:
@@ -601,7 +629,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         flat = [t for ts in inputs for t in ts]
         grads = list(torch.autograd.grad(loss, flat, allow_unused=True))
         del loss, flat
-        if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+        finite = [torch.isfinite(g).all() for g in grads if g is not None]
+        if finite and not bool(torch.stack(finite).all()):  # one host sync, not one per tensor
             # a finite loss with a non-finite gradient is a kink of the model or loss (sqrt or log at
             # 0, a norm of a zero vector), not a step that went too far
             raise FloatingPointError(

@@ -518,11 +518,13 @@ def test_in_place_auto_pgd_follows_the_plain_algorithm(momentum):
         assert bool((fixed["b"][5:7] == 0).all()) and bool((fixed["b"] != 0).sum() > 5)
 
 
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("direction, second_order",
                          [("riemannian", False), ("riemannian", True), ("andriushchenko", False)])
-def test_elementwise_coordinates_match_the_adaptive_geometry(direction, second_order):
+def test_elementwise_coordinates_match_the_adaptive_geometry(direction, second_order, flat):
     """In r = ξ/w the solver's point, gradient, norm and inner product are those of the adaptive
-    geometry in ξ (point(ξ), rgrad, inner), with zero, tiny and masked-out weights fixed."""
+    geometry in ξ (point(ξ), rgrad, inner), with zero, tiny and masked-out weights fixed; the same
+    with the flat (accelerator) layout of the passes."""
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(7, 3, dtype=torch.float64, generator=gen)
     b = torch.randn(11, dtype=torch.float64, generator=gen)
@@ -530,7 +532,7 @@ def test_elementwise_coordinates_match_the_adaptive_geometry(direction, second_o
     mask = torch.ones(11, dtype=torch.bool)
     mask[5:7] = False
     comp = ElementwiseComponent({"a": a, "b": b}, masks={"b": mask}, direction=direction,
-                                second_order=second_order)
+                                second_order=second_order, flat=flat)
     xi = 0.1 * comp.random(gen)
     r = comp.zeros()
     comp.to_coords(xi, r)
@@ -541,7 +543,8 @@ def test_elementwise_coordinates_match_the_adaptive_geometry(direction, second_o
     leaf = xi.clone().requires_grad_()
     (egrad_xi,) = torch.autograd.grad(comp.point(leaf), leaf, grad_outputs=egrad)
     rgrad = comp.rgrad(egrad_xi.clone())
-    h, sq, dot = comp.gradient([None, *[t.clone() for t in egrad.split(comp.sizes)]], r)
+    h, sq, dot = comp.gradient([egrad.clone()] if flat else
+                               [None, *[t.clone() for t in egrad.split(comp.sizes)]], r)
     flat_h = torch.cat(h)
     assert torch.allclose(flat_h * comp.x0, rgrad, rtol=1e-12, atol=1e-300)
     assert float(sq) == pytest.approx(float(comp.inner(rgrad, rgrad)), rel=1e-12)
@@ -550,6 +553,39 @@ def test_elementwise_coordinates_match_the_adaptive_geometry(direction, second_o
     fixed[[0, 21 + 2, 21 + 5, 21 + 6]] = True
     assert bool((flat_h[fixed] == 0).all()) and bool((flat_h[~fixed] != 0).all())
     assert torch.allclose(comp.from_coords_(r), xi, rtol=1e-12, atol=1e-300)
+
+
+@pytest.mark.parametrize("direction, second_order",
+                         [("riemannian", False), ("riemannian", True), ("andriushchenko", False)])
+def test_flat_and_piecewise_passes_give_the_same_run(monkeypatch, direction, second_order):
+    """The accelerator layout (one contiguous copy, one flat leaf and gradient, one kernel per pass)
+    runs the same Auto-PGD as the piecewise CPU layout (pieces across tensor boundaries, zero and
+    masked-out weights): same losses, same worst perturbation and its attention share."""
+    import quotient_manifolds.adapters.solver as solver
+
+    monkeypatch.setattr(solver, "CHUNK", 37)  # several pieces per tensor
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"a": torch.randn(20, 9, dtype=torch.float64, generator=gen),
+               "b": torch.randn(50, dtype=torch.float64, generator=gen),
+               "c": torch.randn(7, 7, dtype=torch.float64, generator=gen)}
+    tensors["a"][3, 4] = 0.0
+    mask = torch.rand(50, generator=gen) > 0.2
+    runs = []
+    for flat in (False, True):
+        comp = ElementwiseComponent(tensors, masks={"b": mask}, direction=direction,
+                                    second_order=second_order, flat=flat)
+        assert len(comp._pieces) == (1 if flat else 9)
+
+        def closure(points, comp=comp):
+            p = comp.unflatten(points[0])
+            return torch.tanh(p["a"]).sum() + (p["b"] ** 3).sum() + torch.sin(p["c"] @ p["c"]).sum()
+
+        res = auto_pgd(ProductBall([comp]), closure, 0.3, n_iters=12)
+        runs.append((res, comp.sq_norm_on(res.xi[0], {"b": torch.ones(50, dtype=torch.bool)})))
+    (piecewise, share_p), (flat_run, share_f) = runs
+    assert flat_run.history == pytest.approx(piecewise.history, rel=1e-12)
+    torch.testing.assert_close(flat_run.xi[0], piecewise.xi[0], rtol=1e-10, atol=1e-14)
+    assert share_f == pytest.approx(share_p, rel=1e-12)
 
 
 def test_no_parameter_sized_allocation_per_iteration():
