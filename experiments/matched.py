@@ -406,32 +406,47 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
 
 def _fig_matched(path: str, summary: Dict[str, Any], levels: Sequence[float],
                  measures: Sequence[str], *, title: str) -> None:
-    """τ-b of each measure against the loss-rise level, with its 95 % bootstrap CI (the paired
-    section's resamples), measures side by side around each level."""
+    """Left: τ-b of each measure against the loss-rise level, with its 95 % bootstrap CI. Right:
+    Δτ of each measure against the paper's baseline (the first reference of the paired section),
+    with the paired CI. Measures side by side around each level; the paired section's resamples."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from .report import finish_figure
 
-    fig, ax = plt.subplots(figsize=(5.2, 3.4))
-    views = summary.get("paired", {}).get("views", {})
+    paired = summary.get("paired", {})
+    views = paired.get("views", {})
+    reference = (paired.get("references") or [None])[0]
+    fig, (ax_tau, ax_delta) = plt.subplots(1, 2, figsize=(9.0, 3.6), sharex=True)
     for k, m in enumerate(measures):
-        xs, ts, lo, hi = [], [], [], []
-        for level in levels:
-            row = views.get(f"loss rise ≈ {level:g} nats", {}).get("rows", {}).get(m)
-            if row is None or not math.isfinite(row["tau_b"]):
-                continue
-            xs.append(level * 1.08 ** (k - (len(measures) - 1) / 2))
-            ts.append(row["tau_b"])
-            lo.append(row["tau_b"] - row["ci_low"] if math.isfinite(row["ci_low"]) else 0.0)
-            hi.append(row["ci_high"] - row["tau_b"] if math.isfinite(row["ci_high"]) else 0.0)
-        if xs:
-            style = "--" if m.startswith("geodesic-") else "-"
-            ax.errorbar(xs, ts, yerr=[lo, hi], fmt="o" + style, ms=3, capsize=2, lw=1, label=m)
-    ax.axhline(0.0, color="0.6", lw=0.6)
-    ax.set_xscale("log")
-    finish_figure(fig, ax, path, title=title, xlabel="median loss rise at ρ* (nats)",
+        style = "o" + ("--" if m.startswith("geodesic-") else "-")
+        for ax, pick in ((ax_tau, lambda row: (row["tau_b"], row["ci_low"], row["ci_high"])),
+                         (ax_delta, lambda row: (lambda d: None if d is None else
+                                                 (d["delta"], d["ci_low"], d["ci_high"]))(
+                                                     row.get("vs", {}).get(reference)))):
+            xs, mid, lo, hi = [], [], [], []
+            for level in levels:
+                row = views.get(f"loss rise ≈ {level:g} nats", {}).get("rows", {}).get(m)
+                point = None if row is None else pick(row)
+                if point is None or not math.isfinite(point[0]):
+                    continue
+                xs.append(level * 1.08 ** (k - (len(measures) - 1) / 2))
+                mid.append(point[0])
+                lo.append(point[0] - point[1] if math.isfinite(point[1]) else 0.0)
+                hi.append(point[2] - point[0] if math.isfinite(point[2]) else 0.0)
+            if xs:
+                ax.errorbar(xs, mid, yerr=[lo, hi], fmt=style, ms=3, capsize=2, lw=1, label=m,
+                            color=f"C{k}")
+    for ax in (ax_tau, ax_delta):
+        ax.axhline(0.0, color="0.6", lw=0.6)
+        ax.set_xscale("log")
+    ax_delta.set_title(f"Δτ vs {reference} [paired 95% CI]", fontsize=9)
+    ax_delta.set_xlabel("loss-rise level: median over the pilot models (nats)", fontsize=8)
+    ax_delta.set_ylabel("Δτ-b (negative: ranks the gap better)", fontsize=8)
+    ax_delta.tick_params(labelsize=7)
+    finish_figure(fig, ax_tau, path, title=title,
+                  xlabel="loss-rise level: median over the pilot models (nats)",
                   ylabel="Kendall τ-b with the gap [95% CI]")
 
 
