@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from quotient_manifolds.core.groups import Group, as_group
 
 from .blocks import FactorPiece, GLBlock, canonical_names
-from .families._structure import position_terms, screen_module
+from .families.structure import position_terms, screen_module
 from .validation import integer_at_least
 
 __all__ = ["declare_block"]

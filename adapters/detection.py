@@ -52,7 +52,7 @@ the all-ones direction) survives, no continuous gauge shared by the pair: the Q/
 modules are treated elementwise (adaptive), deliberately, and the layout says so in
 ``layout.notes`` (not as unsupported).  V/O is unaffected and keeps GL(h).
 
-*Position terms that keep GL* (``families._structure.position_terms``, docs/maths.md §13.7): a bias
+*Position terms that keep GL* (``families.structure.position_terms``, docs/maths.md §13.7): a bias
 added to the scores (a ``forward`` input ``position_bias`` or ``alibi``, with T5's per-head
 ``relative_attention_bias`` table) depends on neither q nor k, so Q/K keeps GL(h).  DeBERTa-v2's
 disentangled terms (``pos_att_type``: c2p = q · key-side positional projection, p2c = k ·
@@ -103,7 +103,7 @@ import torch
 from torch import nn
 
 from .families import FAMILIES, Context, Family
-from .families._structure import PACKED_NAMES, ROLE_NAMES
+from .families.structure import PACKED_NAMES, ROLE_NAMES
 from .blocks import FactorPiece, GLBlock, canonical_names
 from .layouts import Layout, Unsupported, head_structure
 

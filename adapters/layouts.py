@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from quotient_manifolds.core.gl import group_action
 
 from .blocks import GLBlock
-from .families._structure import HEAD_DIM_ATTRS, HEADS_ATTRS
+from .families.structure import HEAD_DIM_ATTRS, HEADS_ATTRS
 from .families.structural import KV_HEADS_ATTRS
 from .verify import verify_layout
 
