@@ -102,6 +102,7 @@ from typing import Container, Dict, Iterable, List, Optional, Sequence, Tuple, U
 import torch
 from torch import nn
 
+from . import validation as check
 from .families import FAMILIES, Context, Family
 from .families.structure import PACKED_NAMES, ROLE_NAMES
 from .blocks import FactorPiece, GLBlock, canonical_names
@@ -205,7 +206,6 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
     model); a declared block touching them is an error. ``include_frozen=True`` treats frozen
     parameters as trainable (pass it to ``sharpness`` too).
     """
-    from . import validation as check
 
     check.module("model", model)
     for name, value in (("allow_unsupported", allow_unsupported), ("detect_blocks", detect_blocks),
