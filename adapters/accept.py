@@ -41,7 +41,7 @@ from torch import nn
 from .derive import derive_groups, detach_inputs, with_blocks
 from .detection import layout as detect_layout
 from .layouts import Layout, Unsupported
-from .verified import is_verified, record_verification  # noqa: F401  (record_verification re-exported)
+from .verified import is_verified, record_verification
 from .verify import SymmetryError, VerifyReport, default_tolerance
 
 __all__ = ["accept_layout", "accept_checked", "checked_layout", "ensure_verified", "is_verified",
