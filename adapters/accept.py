@@ -19,8 +19,8 @@ passed in:
 * a failing block of a layout passed in is refused with the verify report (``unsafe=True`` runs
   anyway, with a warning, as before).
 
-The record is a ``WeakKeyDictionary`` model -> set of signatures, so it never keeps a model alive.
-A signature is what a verification depends on: the layout's blocks (by value: a layout detected
+The record of what passed (:mod:`~quotient_manifolds.adapters.verified`) is kept per model, by a
+signature of what a verification depends on: the layout's blocks (by value: a layout detected
 again from the same model needs no new check) and, for every parameter a block touches, its shape,
 dtype, device and storage address.  Training updates parameters in place (same storage), so a
 ``GeodesicSAM`` run verifies once; replacing a parameter tensor or changing the layout's blocks
@@ -33,22 +33,19 @@ equal) is checked at the weights of the check.
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
 
-from .derive import derive_groups, with_blocks
+from .derive import derive_groups, detach_inputs, with_blocks
 from .detection import layout as detect_layout
 from .layouts import Layout, Unsupported
+from .verified import is_verified, record_verification
 from .verify import SymmetryError, VerifyReport, default_tolerance
 
 __all__ = ["accept_layout", "accept_checked", "checked_layout", "ensure_verified", "is_verified",
            "record_verification", "refuse_failed_blocks", "resolve_layout", "verification_pending"]
-
-#: model -> signatures of the layouts that passed verification on it (see the module docstring)
-_VERIFIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
 
 
 def resolve_layout(model: nn.Module, layout: Optional[Layout], *, what: str, allow_unsupported: bool = False,
@@ -66,22 +63,6 @@ def resolve_layout(model: nn.Module, layout: Optional[Layout], *, what: str, all
     return layout
 
 
-def _block_key(block) -> Any:
-    try:                                   # frozen dataclasses compare by value: a re-detected
-        hash(block)                        # layout with the same blocks counts as verified
-        return block
-    except TypeError:                      # a group holding tensors: by identity
-        return id(block)
-
-
-def _signature(model: nn.Module, layout: Layout) -> Tuple:
-    params = dict(model.named_parameters())
-    touched = sorted({p for b in layout.blocks for p in b.params})
-    state = tuple((n, tuple(params[n].shape), params[n].dtype, str(params[n].device), params[n].data_ptr())
-                  if n in params else (n, None) for n in touched)
-    return tuple(_block_key(b) for b in layout.blocks), state
-
-
 #: Relative tolerance of the automatic check, above ``default_tolerance`` (which is tuned to the
 #: rounding of moderate weights): float64 models ``1e-8`` (``default_tolerance`` is 6.7e-13;
 #: 1.4e-12 measured on a tiny random BERT), others ``AUTO_MARGIN`` times ``default_tolerance``
@@ -97,30 +78,6 @@ def _auto_rtol(model: nn.Module) -> float:
         return AUTO_RTOL_FLOAT64
     compute = torch.float64 if torch.float64 in dtypes else torch.float32
     return AUTO_MARGIN * default_tolerance(compute, 1e2)
-
-
-def record_verification(model: nn.Module, layout: Layout, passed: bool) -> None:
-    """Remember (``passed=True``) or forget that ``layout`` passed verification on ``model``
-    (called by :meth:`Layout.verify`)."""
-    try:
-        done = _VERIFIED.setdefault(model, set())
-    except TypeError:                       # a model that cannot be weakly referenced: no record
-        return
-    sig = _signature(model, layout)
-    if passed:
-        done.add(sig)
-    else:
-        done.discard(sig)
-
-
-def is_verified(model: nn.Module, layout: Layout) -> bool:
-    """Whether ``layout`` (or a layout with equal blocks) passed :meth:`Layout.verify` on ``model``
-    in its current state (same parameter tensors)."""
-    try:
-        done = _VERIFIED.get(model)
-    except TypeError:
-        return False
-    return bool(done) and _signature(model, layout) in done
 
 
 def ensure_verified(model: nn.Module, layout: Optional[Layout], example_inputs: Any, *,
@@ -259,13 +216,11 @@ def capture_first_call(model: nn.Module, store: dict) -> Any:
     ``store["inputs"]`` (detached) and removes itself; returns the hook handle."""
     handle_box = {}
 
-    from .derive import detach_inputs as detach
-
     def hook(module, args, kwargs):
         if args and kwargs:                  # Layout.verify takes positional OR keyword inputs
             store["inputs"], store["mixed"] = None, True
         else:
-            store["inputs"] = detach(tuple(args)) if args else dict(detach(kwargs))
+            store["inputs"] = detach_inputs(tuple(args)) if args else dict(detach_inputs(kwargs))
         handle_box["h"].remove()
 
     handle_box["h"] = model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -4,7 +4,7 @@ raw :class:`~quotient_manifolds.adapters.FactorPiece` objects, for attention tha
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import Tensor, nn
@@ -12,10 +12,11 @@ from torch import Tensor, nn
 from quotient_manifolds.core.groups import Group, as_group
 
 from .blocks import FactorPiece, GLBlock, canonical_names
-from .families._structure import position_terms, screen_module
+from .families.structure import position_terms, screen_module
 from .validation import integer_at_least
 
 __all__ = ["declare_block"]
+
 
 def _get(model: nn.Module, path: str):
     """Submodule or parameter at ``path`` ("" is the model itself)."""
@@ -145,7 +146,7 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
     VO); give it explicitly for packed projections.  ``name`` defaults to ``"<module>/<kind>"`` with
     ``module`` the deepest module containing all given paths.
     """
-    by_id, alias = canonical_names(model)
+    _, alias = canonical_names(model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     offsets = dict(offsets or {})
     bad = set(offsets) - {"q", "k", "v", "o"}
@@ -161,54 +162,9 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
         mod = module if module is not None else _common_prefix([p.param.rsplit(".", 1)[0] for p in g + h])
         pieces_g, pieces_h = list(g), list(h)
     else:
-        if num_heads is None:
-            raise ValueError("num_heads is required")
-        integer_at_least("num_heads", num_heads, 1)
-        for arg, value in (("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
-            if value is not None:
-                integer_at_least(arg, value, 1)
-        if q is not None and k is not None and v is None and o is None:
-            kind = kind or "qk"
-            (ga, gr, go), (ha, hr, ho) = (q, "in", offsets.get("q", 0)), (k, "in", offsets.get("k", 0))
-        elif v is not None and o is not None and q is None and k is None:
-            kind = kind or "vo"
-            (ga, gr, go), (ha, hr, ho) = (v, "in", offsets.get("v", 0)), (o, "out", offsets.get("o", 0))
-        else:
-            raise ValueError("declare either q= and k= (QK block) or v= and o= (VO block)")
-        # the block's name as it will be, for messages before the block exists
-        label = f"block {name or (module if module is not None else _common_prefix([ga, ha])) + '/' + kind!r}"
-        if head_dim is None:
-            if ga == ha:
-                raise ValueError(f"declare_block: {label}: head_dim is required when G and H come from the "
-                                 f"same (packed) projection {ga!r}")
-            heads_path, role, offset = (ga, gr, go) if kind == "qk" else (ha, hr, ho)
-            width = _out_features(model, heads_path, role) - offset
-            if width < 1 or width % num_heads:
-                raise ValueError(
-                    f"declare_block: {label}: cannot infer head_dim: {heads_path!r} gives {width} features "
-                    f"(from offset {offset}), not a multiple of num_heads={num_heads}; pass head_dim= "
-                    f"(and offsets= for a packed projection) so that num_heads * head_dim features are used")
-            head_dim = width // num_heads
-        nq, hd = int(num_heads), int(head_dim)
-        nkv = nq if num_kv_heads is None else int(num_kv_heads)
-        if nkv < 1 or nq % nkv:
-            raise ValueError(f"declare_block: {label}: num_kv_heads={num_kv_heads} must divide "
-                             f"num_heads={num_heads}")
-        kv_path, kv_role, kv_offset = (ha, hr, ho) if kind == "qk" else (ga, gr, go)
-        kv_width = _out_features(model, kv_path, kv_role) - kv_offset
-        if num_kv_heads is None and kv_width < nq * hd:
-            advice = (f"for grouped-query / multi-query attention pass num_kv_heads={kv_width // hd}"
-                      if kv_width >= hd else f"a head of {hd} does not fit: check num_heads / head_dim")
-            raise ValueError(
-                f"declare_block: {label}: {kv_path!r} gives {kv_width} features but {nq} heads x {hd} "
-                f"need {nq * hd}: {advice}")
-        rep = nq // nkv
-        # the query (QK, G) or output (VO, H) projection has num_heads heads, `rep` per gauge
-        g_heads, h_heads = (nq, nkv) if kind == "qk" else (nkv, nq)
-        pieces_g, mg = _proj_pieces(model, ga, gr, g_heads, hd, go, bias, rep if kind == "qk" else 1)
-        pieces_h, mh = _proj_pieces(model, ha, hr, h_heads, hd, ho, bias, 1 if kind == "qk" else rep)
-        nh = nkv
-        mod = module if module is not None else _common_prefix([mg, mh])
+        kind, pieces_g, pieces_h, nh, hd, paths = _from_paths(model, dict(q=q, k=k, v=v, o=o), offsets, kind,
+                                                              num_heads, head_dim, num_kv_heads, bias, name, module)
+        mod = module if module is not None else _common_prefix(paths)
     if kind == "qk" and group is None:
         _refuse_full_gl_on_rotary(model, mod, pieces_g[0].num_heads, [p.param for p in (*pieces_g, *pieces_h)])
     n = sum(p.rows_per_head(shapes[p.param]) for p in pieces_g if p.param in shapes)
@@ -218,3 +174,91 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
                     group=as_group(group))
     block.validate(shapes)
     return block
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One factor of a declared block: the projection at ``path``, its ``role`` (``"in"``: q/k/v,
+    heads along the output features; ``"out"``: the output projection) and the ``offset`` of its heads."""
+
+    path: str
+    role: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class _Sides:
+    """The block kind (``"qk"`` / ``"vo"``, or the caller's ``kind=``) and its ``G`` and ``H`` sides."""
+
+    kind: str
+    g: _Side
+    h: _Side
+
+    @classmethod
+    def of(cls, q: Optional[str], k: Optional[str], v: Optional[str], o: Optional[str],
+           offsets: Mapping[str, int], kind: Optional[str]) -> "_Sides":
+        if q is not None and k is not None and v is None and o is None:
+            return cls(kind or "qk", _Side(q, "in", offsets.get("q", 0)), _Side(k, "in", offsets.get("k", 0)))
+        if v is not None and o is not None and q is None and k is None:
+            return cls(kind or "vo", _Side(v, "in", offsets.get("v", 0)), _Side(o, "out", offsets.get("o", 0)))
+        raise ValueError("declare either q= and k= (QK block) or v= and o= (VO block)")
+
+    @property
+    def heads(self) -> _Side:
+        """The side whose features give ``head_dim``: the queries (QK) or the values (VO)."""
+        return self.g if self.kind == "qk" else self.h
+
+    @property
+    def kv(self) -> _Side:
+        """The side with one head per key/value head: the keys (QK) or the values (VO)."""
+        return self.h if self.kind == "qk" else self.g
+
+
+def _from_paths(model: nn.Module, paths: Mapping[str, Optional[str]], offsets: Mapping[str, int],
+                kind: Optional[str], num_heads: Optional[int], head_dim: Optional[int], num_kv_heads: Optional[int],
+                bias: bool, name: Optional[str], module: Optional[str]
+                ) -> Tuple[str, List[FactorPiece], List[FactorPiece], int, int, Tuple[str, str]]:
+    """``(kind, G pieces, H pieces, gauges per block, head_dim, (G module, H module))`` of a block
+    declared by projection ``paths`` (``q``, ``k``, ``v``, ``o`` of :func:`declare_block`), head
+    counts checked against the projections' features."""
+    if num_heads is None:
+        raise ValueError("num_heads is required")
+    integer_at_least("num_heads", num_heads, 1)
+    for arg, value in (("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
+        if value is not None:
+            integer_at_least(arg, value, 1)
+    sides = _Sides.of(**paths, offsets=offsets, kind=kind)
+    kind, g, h = sides.kind, sides.g, sides.h
+    # the block's name as it will be, for messages before the block exists
+    label = f"block {name or (module if module is not None else _common_prefix([g.path, h.path])) + '/' + kind!r}"
+    if head_dim is None:
+        if g.path == h.path:
+            raise ValueError(f"declare_block: {label}: head_dim is required when G and H come from the "
+                             f"same (packed) projection {g.path!r}")
+        heads = sides.heads
+        width = _out_features(model, heads.path, heads.role) - heads.offset
+        if width < 1 or width % num_heads:
+            raise ValueError(
+                f"declare_block: {label}: cannot infer head_dim: {heads.path!r} gives {width} features "
+                f"(from offset {heads.offset}), not a multiple of num_heads={num_heads}; pass head_dim= "
+                f"(and offsets= for a packed projection) so that num_heads * head_dim features are used")
+        head_dim = width // num_heads
+    nq, hd = int(num_heads), int(head_dim)
+    nkv = nq if num_kv_heads is None else int(num_kv_heads)
+    if nkv < 1 or nq % nkv:
+        raise ValueError(f"declare_block: {label}: num_kv_heads={num_kv_heads} must divide "
+                         f"num_heads={num_heads}")
+    kv = sides.kv
+    kv_width = _out_features(model, kv.path, kv.role) - kv.offset
+    if num_kv_heads is None and kv_width < nq * hd:
+        advice = (f"for grouped-query / multi-query attention pass num_kv_heads={kv_width // hd}"
+                  if kv_width >= hd else f"a head of {hd} does not fit: check num_heads / head_dim")
+        raise ValueError(
+            f"declare_block: {label}: {kv.path!r} gives {kv_width} features but {nq} heads x {hd} "
+            f"need {nq * hd}: {advice}")
+    rep = nq // nkv
+    # the query (QK, G) or output (VO, H) projection has num_heads heads, `rep` per gauge
+    g_heads, h_heads = (nq, nkv) if kind == "qk" else (nkv, nq)
+    pieces_g, mg = _proj_pieces(model, g.path, g.role, g_heads, hd, g.offset, bias, rep if kind == "qk" else 1)
+    pieces_h, mh = _proj_pieces(model, h.path, h.role, h_heads, hd, h.offset, bias, 1 if kind == "qk" else rep)
+    return kind, pieces_g, pieces_h, nkv, hd, (mg, mh)

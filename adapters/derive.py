@@ -244,16 +244,6 @@ def _fmt(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:.1e}"
 
 
-def _same_span(a: Tensor, b: Tensor, tol: float = 1e-6) -> bool:
-    """Whether two bases ``(k, h, h)`` span the same subspace of gl(h)."""
-    if a.shape[0] != b.shape[0]:
-        return False
-    if a.shape[0] == 0:
-        return True
-    s = torch.linalg.svdvals(torch.cat([a.flatten(1), b.flatten(1)]).to(torch.float64))
-    return bool(s[a.shape[0]:].max() <= tol * s[0]) if s.numel() > a.shape[0] else True
-
-
 def _derive_one(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dict], gauge: int,
                 rtol: Optional[float]) -> GroupDerivation:
     output_of, G, H = _module_output_fn(model, block, inputs, gauge)

@@ -52,7 +52,7 @@ the all-ones direction) survives, no continuous gauge shared by the pair: the Q/
 modules are treated elementwise (adaptive), deliberately, and the layout says so in
 ``layout.notes`` (not as unsupported).  V/O is unaffected and keeps GL(h).
 
-*Position terms that keep GL* (``families._structure.position_terms``, docs/maths.md §13.7): a bias
+*Position terms that keep GL* (``families.structure.position_terms``, docs/maths.md §13.7): a bias
 added to the scores (a ``forward`` input ``position_bias`` or ``alibi``, with T5's per-head
 ``relative_attention_bias`` table) depends on neither q nor k, so Q/K keeps GL(h).  DeBERTa-v2's
 disentangled terms (``pos_att_type``: c2p = q · key-side positional projection, p2c = k ·
@@ -102,8 +102,9 @@ from typing import Container, Dict, Iterable, List, Optional, Sequence, Tuple, U
 import torch
 from torch import nn
 
+from . import validation as check
 from .families import FAMILIES, Context, Family
-from .families._structure import PACKED_NAMES, ROLE_NAMES
+from .families.structure import PACKED_NAMES, ROLE_NAMES
 from .blocks import FactorPiece, GLBlock, canonical_names
 from .layouts import Layout, Unsupported, head_structure
 
@@ -205,7 +206,6 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
     model); a declared block touching them is an error. ``include_frozen=True`` treats frozen
     parameters as trainable (pass it to ``sharpness`` too).
     """
-    from . import validation as check
 
     check.module("model", model)
     for name, value in (("allow_unsupported", allow_unsupported), ("detect_blocks", detect_blocks),
@@ -213,21 +213,53 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
         check.flag(name, value)
     params = dict(model.named_parameters())
     shapes = {n: tuple(p.shape) for n, p in params.items()}
-    _, alias = canonical_names(model)
     frozen = [n for n, p in params.items() if not p.requires_grad]
     det = detect(model) if detect_blocks else Detection([], [], [])
     notes: List[str] = list(det.notes)
+    user = _declared(model, blocks, shapes)
+    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
+    kept, unsupported = _yield_to_declared(det, user, params, order, notes)
 
+    kind_order = {"qk": 0, "vo": 1}
+    all_blocks = sorted(kept + user, key=lambda b: (order.get(b.module, len(order)), kind_order.get(b.kind, 2)))
+    names = [b.name for b in all_blocks]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"duplicate block names {dup}: pass name= to declare_block")
+    frozen_set = set() if include_frozen else set(frozen)
+    final = _without_frozen(all_blocks, {id(b) for b in user}, frozen_set, notes)
+    gl_masks = _gl_masks(final, params)
+    _refuse_unmapped(model, unsupported, final, det, notes, allow_unsupported)
+
+    adaptive = [n for n in params if n not in frozen_set and (n not in gl_masks or not bool(gl_masks[n].all()))]
+    if include_frozen:
+        frozen = []
+    return Layout(blocks=final, adaptive=adaptive, gl_masks=gl_masks, frozen=frozen, unsupported=unsupported,
+                  param_shapes=shapes, model_name=type(model).__name__, notes=notes,
+                  head_structure=head_structure(model, [b.module for b in final]))
+
+
+def _declared(model: nn.Module, blocks: Union[None, GLBlock, Sequence], shapes: Dict[str, tuple]) -> List[GLBlock]:
+    """The user-declared ``blocks=`` of :func:`layout`, with the canonical names of tied parameters
+    (everything else, grouping, stride and group, kept), each checked against ``shapes``."""
+    _, alias = canonical_names(model)
     user: List[GLBlock] = []
     for b in _flatten(blocks):
         if not isinstance(b, GLBlock):
             raise TypeError(f"blocks= must contain GLBlock objects (see declare_block), got {type(b).__name__}")
-        # canonical parameter names for tied aliases; everything else (grouping, stride, group) kept
         canon_b = replace(b, g_pieces=tuple(replace(p, param=alias.get(p.param, p.param)) for p in b.g_pieces),
                           h_pieces=tuple(replace(p, param=alias.get(p.param, p.param)) for p in b.h_pieces))
         canon_b.validate(shapes)
         user.append(canon_b)
+    return user
 
+
+def _yield_to_declared(det: Detection, user: List[GLBlock], params: Dict[str, torch.Tensor],
+                       order: Dict[str, int], notes: List[str]) -> Tuple[List[GLBlock], List[Unsupported]]:
+    """``(detected blocks kept, unsupported modules left)``: declared blocks replace the detected
+    blocks they overlap, and cover an unsupported module (or part ``"<module>/qk"``) when they touch
+    its parameters other than those of its own detected blocks (a declared V/O block does not cover
+    an unsupported Q/K).  What was replaced or covered is noted in ``notes``."""
     user_masks: Dict[str, torch.Tensor] = {}
     for b in user:
         for p in b.pieces:
@@ -239,12 +271,9 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
             notes.append(f"detected block {b.name} replaced by user-declared blocks")
         else:
             kept.append(b)
-    # an unsupported module (or part "<module>/qk") is covered when user blocks touch its parameters
-    # other than those of its own detected blocks (a declared V/O block does not cover an unsupported Q/K)
     detected_params: Dict[str, set] = {}
     for b in det.blocks:
         detected_params.setdefault(b.module, set()).update(b.params)
-    order = {p: i for i, (p, _) in enumerate(model.named_modules())}
     unsupported = []
     for u in det.unsupported:
         module, part = _split_part(u.module, order)
@@ -255,18 +284,16 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
             notes.append(f"unsupported {what} [{u.cls}] covered by user-declared blocks")
         else:
             unsupported.append(u)
+    return kept, unsupported
 
-    kind_order = {"qk": 0, "vo": 1}
-    all_blocks = sorted(kept + user, key=lambda b: (order.get(b.module, len(order)), kind_order.get(b.kind, 2)))
-    names = [b.name for b in all_blocks]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"duplicate block names {dup}: pass name= to declare_block")
-    frozen_set = set() if include_frozen else set(frozen)
+
+def _without_frozen(blocks: List[GLBlock], declared: Container[int], frozen: Container[str],
+                    notes: List[str]) -> List[GLBlock]:
+    """``blocks`` less the detected ones touching a ``frozen`` parameter (noted); a declared one
+    (``id`` in ``declared``) touching one is refused."""
     final = []
-    declared = {id(b) for b in user}
-    for b in all_blocks:
-        fz = [p for p in b.params if p in frozen_set]
+    for b in blocks:
+        fz = [p for p in b.params if p in frozen]
         if fz and id(b) in declared:
             raise ValueError(
                 f"declared block {b.name} touches frozen parameter(s) {', '.join(fz)} "
@@ -276,10 +303,14 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
             notes.append(f"block {b.name} dropped: it touches frozen parameter(s) {', '.join(fz)}")
         else:
             final.append(b)
+    return final
 
+
+def _gl_masks(blocks: List[GLBlock], params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Per parameter, the entries some block covers; blocks that overlap are refused."""
     gl_masks: Dict[str, torch.Tensor] = {}
     owner: Dict[str, List[str]] = {}
-    for b in final:
+    for b in blocks:
         for p in b.pieces:
             mk = p.mask(params[p.param])
             if p.param in gl_masks:
@@ -289,8 +320,16 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
             else:
                 gl_masks[p.param] = mk
             owner.setdefault(p.param, []).append(b.name)
+    return gl_masks
 
-    if unsupported and not allow_unsupported:
+
+def _refuse_unmapped(model: nn.Module, unsupported: List[Unsupported], final: List[GLBlock], det: Detection,
+                     notes: List[str], allow_unsupported: bool) -> None:
+    """Unless ``allow_unsupported``: refuse attention-like modules left unmapped, then a layout
+    without any block, saying what was seen and how to declare blocks."""
+    if allow_unsupported:
+        return
+    if unsupported:
         lines = [f"layout(): {len(unsupported)} attention-like module(s) or Q/K part(s) ('<module>/qk') of "
                  f"{type(model).__name__} cannot be mapped to GL blocks:"]
         lines += [f"  - {u.module} [{u.cls}]: {u.reason}" for u in unsupported]
@@ -303,7 +342,7 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
             "or pass allow_unsupported=True to treat their parameters adaptively (elementwise)."
         )
         raise ValueError("\n".join(lines))
-    if not final and not allow_unsupported:
+    if not final:
         seen = [f"  - {p} [{c}]: {f}" for p, c, f in det.seen]
         dropped = [n for n in notes if "dropped" in n]
         msg = [f"layout(): no GL block found in {type(model).__name__}."]
@@ -312,10 +351,3 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
         msg.append("Declare blocks with blocks=[adapters.declare_block(model, ...)], or pass "
                    "allow_unsupported=True for a purely adaptive layout.")
         raise ValueError("\n".join(msg))
-
-    adaptive = [n for n in params if n not in frozen_set and (n not in gl_masks or not bool(gl_masks[n].all()))]
-    if include_frozen:
-        frozen = []
-    return Layout(blocks=final, adaptive=adaptive, gl_masks=gl_masks, frozen=frozen, unsupported=unsupported,
-                  param_shapes=shapes, model_name=type(model).__name__, notes=notes,
-                  head_structure=head_structure(model, [b.module for b in final]))

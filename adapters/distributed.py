@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from . import validation as check
+from .accept import resolve_layout
 from .worst_case import SharpnessResult, sharpness, sharpness_options
 
 __all__ = ["distributed_sharpness"]
@@ -55,8 +56,6 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
     if geometry != "adaptive":
         # resolved (detected, or checked to belong to the model) once, on every rank alike, before
         # any rank measures or waits for the others
-        from .accept import resolve_layout
-
         options["layout"] = resolve_layout(model, options.get("layout"), what=f"distributed {geometry} sharpness",
                                            allow_unsupported=options.get("allow_unsupported", False),
                                            include_frozen=options.get("include_frozen", False))

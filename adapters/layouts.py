@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -34,9 +34,10 @@ from torch import Tensor, nn
 from quotient_manifolds.core.gl import group_action
 
 from .blocks import GLBlock
-from .families._structure import HEAD_DIM_ATTRS, HEADS_ATTRS
+from .families.structure import HEAD_DIM_ATTRS, HEADS_ATTRS
 from .families.structural import KV_HEADS_ATTRS
-from .verify import verify_layout
+from .verified import record_verification
+from .verify import SymmetryError, VerifyReport, verify_layout
 
 __all__ = ["Layout", "Unsupported", "head_structure"]
 
@@ -317,4 +318,50 @@ class Layout:
 
     # -- symmetry self-check -----------------------------------------------------------------------
 
-    verify = verify_layout
+    def verify(self, model: nn.Module, example_inputs: Any, *,
+               scales: Sequence[float] = (1e-2, 1e-1, 1.0, 1e1, 1e2), cond: Optional[float] = 1e2,
+               rtol: Optional[float] = None, atol: Optional[float] = None, seed: int = 0,
+               per_block: Union[bool, str] = True, raise_on_failure: bool = True,
+               output_fn: Optional[Callable[[Any], Tensor]] = None,
+               compute_dtype: Optional[torch.dtype] = None) -> VerifyReport:
+        """Check that every block of the layout is a symmetry of ``model``: the output must not change
+        under random per-head GL actions (see :meth:`random_actions`; ``cond=None`` for Gaussian
+        actions) at each of ``scales``.
+
+        The model is never modified: the acted parameters go through ``torch.func.functional_call``;
+        the model is put in eval mode for the check (every submodule's ``training`` flag is restored
+        afterwards) and no gradients are recorded.  The actions are computed in float64 and written
+        back in the compute dtype, which is the model's dtype, or float32 for float16/bfloat16 models
+        (whose own rounding, ~1e-2, would hide a broken block); ``compute_dtype=`` overrides it (all
+        floating parameters, buffers and inputs are then cast for the check).
+
+        ``example_inputs``: a tensor, a tuple/list of positional arguments, or a dict of keyword
+        arguments.  The compared tensor is ``output_fn(output)`` or
+        :func:`~quotient_manifolds.adapters.primary_output` (``logits``, ``last_hidden_state`` or the
+        first tensor).
+
+        Deviation ``max|y' - y| / max|y|``; a check passes when ``max|y' - y| <= atol + rtol * max|y|``.
+        Defaults: ``rtol = default_tolerance(compute_dtype, cond)`` (with ``cond=None`` the largest
+        condition number of the sampled actions), ``atol = 0``.  All blocks are acted on together; with
+        ``per_block=True`` (default) each block is also checked on its own, with ``per_block="auto"``
+        only when the joint check fails; this is what names the culprit.  Raises
+        :class:`~quotient_manifolds.adapters.SymmetryError` naming the failing block(s) unless
+        ``raise_on_failure=False``.
+
+        The outcome is recorded: ``verify_failed`` lists the failing blocks (all blocks when only the
+        joint check failed), and a layout that passed is not verified again by the geodesic entry points
+        on this model in its current state (:mod:`~quotient_manifolds.adapters.verified`).
+        """
+        try:
+            report = verify_layout(self, model, example_inputs, scales=scales, cond=cond, rtol=rtol, atol=atol,
+                                   seed=seed, per_block=per_block, raise_on_failure=raise_on_failure,
+                                   output_fn=output_fn, compute_dtype=compute_dtype)
+        except SymmetryError as err:
+            self._record(model, err.report)
+            raise
+        self._record(model, report)
+        return report
+
+    def _record(self, model: nn.Module, report: VerifyReport) -> None:
+        self.verify_failed = [] if report.passed else (report.failing or [b.name for b in self.blocks])
+        record_verification(model, self, report.passed)

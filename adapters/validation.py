@@ -81,10 +81,16 @@ def optional_callable(name: str, value: Any, what: str) -> Any:
     return value
 
 
+#: The qualified name of :class:`~quotient_manifolds.adapters.Layout`, for :func:`optional_layout`.
+LAYOUT_CLASS = f"{__package__}.layouts.Layout"
+
+
 def optional_layout(name: str, value: Any) -> Any:
-    """``value``, refused unless it is ``None`` or a :class:`~quotient_manifolds.adapters.Layout`."""
-    from .layouts import Layout
-    if value is not None and not isinstance(value, Layout):
+    """``value``, refused unless it is ``None`` or a :class:`~quotient_manifolds.adapters.Layout`
+    (or an instance of a subclass)."""
+    # every adapters module imports this one (layouts too, through verify): it names the class
+    # rather than importing it
+    if value is not None and not any(f"{c.__module__}.{c.__qualname__}" == LAYOUT_CLASS for c in type(value).__mro__):
         raise TypeError(f"{name} must be an adapters.Layout (from adapters.layout(model)) or None to "
                         f"detect it, got {type(value).__name__}")
     return value

@@ -6,21 +6,36 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import validation as check
+from .blocks import GLBlock
 from .evaluation import eval_mode, split_inputs
 from .validation import positive_finite, positive_finite_sequence
 
-if TYPE_CHECKING:
-    from .layouts import Layout
-
 __all__ = ["VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output", "verify_layout",
-           "TOLERANCE_FACTOR"]
+           "TOLERANCE_FACTOR", "Checkable"]
+
+
+class Checkable(Protocol):
+    """What the check needs of a layout (a :class:`~quotient_manifolds.adapters.Layout` is one, whose
+    ``verify`` calls :func:`verify_layout`): its blocks, random elements of their groups and their
+    action, and the check that it belongs to the model."""
+
+    blocks: List[GLBlock]
+
+    def check_model(self, model: nn.Module, *, what: str = "layout") -> None: ...
+
+    def random_actions(self, params: Optional[Mapping[str, Tensor]] = None, *, scale: float,
+                       cond: Optional[float] = 1e2, generator: Optional[torch.Generator] = None,
+                       dtype: torch.dtype = torch.float64) -> Dict[str, Tensor]: ...
+
+    def act(self, params: Mapping[str, Tensor], actions: Mapping[str, Tensor]) -> Dict[str, Tensor]: ...
+
 
 class SymmetryError(AssertionError):
     """A declared or detected GL block is not a symmetry of the model; ``.report`` has the details."""
@@ -102,7 +117,8 @@ def default_tolerance(dtype: torch.dtype, cond: Optional[float] = 1e2) -> float:
     ``1.3e-4`` at ``1e4``; float64 ``5e-15`` at ``1e2``; the scale ``1e-2 .. 1e2`` does not matter
     (the scalar part of ``A`` cancels exactly up to rounding).  So the default keeps a margin of about
     100x (float32: ``3.6e-4`` at ``cond = 1e2``; float64: ``6.7e-13``), while a block that is not a
-    symmetry deviates by ``1e-2 .. 1`` (rotary QK, mis-declared heads, swapped k/v, missing bias_k).  Half-precision models are checked in float32 (see ``verify``).
+    symmetry deviates by ``1e-2 .. 1`` (rotary QK, mis-declared heads, swapped k/v, missing bias_k).
+    Half-precision models are checked in float32 (see ``verify``).
     """
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else torch.finfo(torch.float32).eps
     c = 10.0 if cond is None else max(10.0, float(cond))
@@ -117,7 +133,7 @@ def _max_cond(actions: Mapping[str, Tensor]) -> float:
         worst = max(worst, c if math.isfinite(c) else math.inf)
     return worst
 
-def primary_output(out) -> Tensor:
+def primary_output(out: Any) -> Tensor:
     """The tensor compared by :meth:`Layout.verify`: the tensor itself, or ``logits`` /
     ``last_hidden_state`` / the first tensor field of a (HF ``ModelOutput``) mapping / tuple."""
     if isinstance(out, Tensor):
@@ -147,34 +163,80 @@ def primary_output(out) -> Tensor:
     raise TypeError(f"cannot find an output tensor in a {type(out).__name__}; pass output_fn=")
 
 
-def verify_layout(layout: "Layout", model: nn.Module, example_inputs, *,
+def verify_layout(layout: Checkable, model: nn.Module, example_inputs, *,
                   scales: Sequence[float] = (1e-2, 1e-1, 1.0, 1e1, 1e2), cond: Optional[float] = 1e2,
                   rtol: Optional[float] = None, atol: Optional[float] = None, seed: int = 0,
                   per_block: Union[bool, str] = True, raise_on_failure: bool = True,
                   output_fn: Optional[Callable[[Any], Tensor]] = None,
                   compute_dtype: Optional[torch.dtype] = None) -> VerifyReport:
-    """Check that every block of ``layout`` is a symmetry of ``model`` (this is :meth:`Layout.verify`):
-    the output must not change under random per-head GL actions (see :meth:`Layout.random_actions`; ``cond=None`` for Gaussian actions) at each of
-    ``scales``.
+    """The check of :meth:`Layout.verify <quotient_manifolds.adapters.Layout.verify>` (arguments and
+    result as there), which also records the outcome on the layout and for the model.  This function
+    mutates nothing: it returns the :class:`VerifyReport`, or raises :class:`SymmetryError` (carrying
+    it) when a block fails and ``raise_on_failure``."""
+    args, kwargs, scales = _checked_arguments(layout, model, example_inputs, scales=scales, cond=cond, rtol=rtol,
+                                              atol=atol, seed=seed, per_block=per_block,
+                                              raise_on_failure=raise_on_failure, output_fn=output_fn,
+                                              compute_dtype=compute_dtype)
+    fn = output_fn or primary_output
+    with eval_mode(model), torch.no_grad():
+        params = _finite_parameters(model)
+        cdt, params, extra, args, kwargs = _in_compute_dtype(model, params, args, kwargs, compute_dtype)
 
-    The model is never modified: the acted parameters go through ``torch.func.functional_call``;
-    the model is put in eval mode for the check (every submodule's ``training`` flag is restored
-    afterwards) and no gradients are recorded.  The actions are computed in float64 and written
-    back in the compute dtype, which is the model's dtype, or float32 for float16/bfloat16 models
-    (whose own rounding, ~1e-2, would hide a broken block); ``compute_dtype=`` overrides it (all
-    floating parameters, buffers and inputs are then cast for the check).
+        def run(p):
+            return fn(functional_call(model, {**p, **extra}, args, kwargs)).detach()
 
-    ``example_inputs``: a tensor, a tuple/list of positional arguments, or a dict of keyword
-    arguments.  The compared tensor is ``output_fn(output)`` or :func:`primary_output` (``logits``,
-    ``last_hidden_state`` or the first tensor).
+        y0 = run(params)
+        if not bool(torch.isfinite(y0).all()):
+            raise ValueError("verify(): the model's output at its own weights is not finite (nan or inf); "
+                             "check example_inputs (and attention masks) before checking the symmetry")
+        ymax = float(y0.abs().max()) if y0.numel() else 0.0
+        tol_a = 0.0 if atol is None else float(atol)
+        denom = ymax if ymax > 0 else 1.0
 
-    Deviation ``max|y' - y| / max|y|``; a check passes when ``max|y' - y| <= atol + rtol * max|y|``.
-    Defaults: ``rtol = default_tolerance(compute_dtype, cond)`` (with ``cond=None`` the largest
-    condition number of the sampled actions), ``atol = 0``.  All blocks are acted on together; with
-    ``per_block=True`` (default) each block is also checked on its own, with ``per_block="auto"``
-    only when the joint check fails; this is what names the culprit.  Raises
-    :class:`SymmetryError` naming the failing block(s) unless ``raise_on_failure=False``.
-    """
+        def dev(p) -> float:
+            y = run(p)
+            if y.shape != y0.shape:
+                return math.inf
+            if not y.numel():
+                return 0.0
+            d = float((y.to(torch.float64) - y0.to(torch.float64)).abs().max())
+            return math.inf if not math.isfinite(d) else d / denom
+
+        gen = torch.Generator().manual_seed(seed)
+        joint: Dict[float, float] = {}
+        tols: Dict[float, float] = {}
+        actions_by_scale = {}
+        for s in scales:
+            actions = layout.random_actions(params, scale=s, cond=cond, generator=gen)
+            actions_by_scale[s] = actions
+            eff = cond if cond is not None else _max_cond(actions)
+            tols[s] = default_tolerance(cdt, eff) if rtol is None else float(rtol)
+            joint[s] = dev(layout.act(params, actions)) if layout.blocks else 0.0
+
+        def ok(d: float, s: float) -> bool:
+            return d * denom <= tol_a + tols[s] * ymax
+
+        joint_passed = all(ok(d, s) for s, d in joint.items())
+        check_blocks = per_block is True or (per_block == "auto" and not joint_passed)
+        checks: List[BlockCheck] = []
+        if check_blocks:
+            for b in layout.blocks:
+                per = {s: dev(layout.act(params, {b.name: actions_by_scale[s][b.name]})) for s in scales}
+                mx = max(per.values()) if per else 0.0
+                checks.append(BlockCheck(b.name, b.kind, b.module, per, mx, all(ok(d, s) for s, d in per.items())))
+    tol_r = max(tols.values()) if tols else (float(rtol) if rtol is not None else default_tolerance(cdt, cond))
+    report = VerifyReport(joint=joint, joint_passed=joint_passed, blocks=checks, rtol=tol_r, atol=tol_a,
+                          dtype=cdt, cond=cond, scales=scales, output_scale=ymax,
+                          per_block_checked=check_blocks)
+    if raise_on_failure and not report.passed:
+        raise SymmetryError(f"{_failure(report)}; tolerance rel {tol_r:.1e}.\n{report}", report)
+    return report
+
+
+def _checked_arguments(layout: Checkable, model: nn.Module, example_inputs, *, scales, cond, rtol, atol, seed,
+                       per_block, raise_on_failure, output_fn, compute_dtype) -> Tuple[tuple, dict, Tuple[float, ...]]:
+    """The arguments of :func:`verify_layout` checked, in the order of its parameters (the layout
+    against the model after the options): ``(args, kwargs, scales)``."""
     check.module("model", model)
     for name, tol in (("rtol", rtol), ("atol", atol)):
         if tol is not None:
@@ -190,99 +252,59 @@ def verify_layout(layout: "Layout", model: nn.Module, example_inputs, *,
                         f"for the model's, got {compute_dtype!r}")
     check.materialised(model, "verify()")
     layout.check_model(model, what="verify()")
-    fn = output_fn or primary_output
     args, kwargs = split_inputs(example_inputs, model)
     scales = positive_finite_sequence("scales", scales)
     if cond is not None and positive_finite("cond", cond) < 1:
         raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
                          f"got {cond!r}")
-    with eval_mode(model):
-        with torch.no_grad():
-            params = {n: p.detach() for n, p in model.named_parameters()}
-            bad = [n for n, p in params.items() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
-            if bad:
-                shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
-                raise ValueError(f"verify(): the model's weights are not finite (nan or inf in {shown}); "
-                                 "the symmetry cannot be checked at such weights: load or train finite weights")
-            fdt = [p.dtype for p in params.values() if p.is_floating_point()]
-            model_dtype = fdt[0] if fdt else torch.get_default_dtype()
-            cdt = compute_dtype or (torch.float32 if model_dtype in (torch.float16, torch.bfloat16) else model_dtype)
-            extra: Dict[str, Tensor] = {}
-            if any(p.is_floating_point() and p.dtype != cdt for p in params.values()):
-                params = {n: p.to(cdt) if p.is_floating_point() else p for n, p in params.items()}
-                extra = {n: b.to(cdt) for n, b in model.named_buffers() if b.is_floating_point()}
+    return args, kwargs, scales
 
-                def cast(x):
-                    if isinstance(x, Tensor):
-                        return x.to(cdt) if x.is_floating_point() else x
-                    if isinstance(x, (tuple, list)):
-                        return type(x)(cast(v) for v in x)
-                    if isinstance(x, dict):
-                        return {k: cast(v) for k, v in x.items()}
-                    return x
 
-                args, kwargs = cast(args), cast(kwargs)
+def _finite_parameters(model: nn.Module) -> Dict[str, Tensor]:
+    """The model's parameters (detached), refused when one is not finite."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    bad = [n for n, p in params.items() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
+        raise ValueError(f"verify(): the model's weights are not finite (nan or inf in {shown}); "
+                         "the symmetry cannot be checked at such weights: load or train finite weights")
+    return params
 
-            def run(p):
-                return fn(functional_call(model, {**p, **extra}, args, kwargs)).detach()
 
-            y0 = run(params)
-            if not bool(torch.isfinite(y0).all()):
-                raise ValueError("verify(): the model's output at its own weights is not finite (nan or inf); "
-                                 "check example_inputs (and attention masks) before checking the symmetry")
-            ymax = float(y0.abs().max()) if y0.numel() else 0.0
-            tol_a = 0.0 if atol is None else float(atol)
-            denom = ymax if ymax > 0 else 1.0
+def _in_compute_dtype(model: nn.Module, params: Dict[str, Tensor], args: tuple, kwargs: dict,
+                      compute_dtype: Optional[torch.dtype]) -> Tuple[torch.dtype, Dict[str, Tensor],
+                                                                     Dict[str, Tensor], tuple, dict]:
+    """``(dtype, params, buffers, args, kwargs)`` of the check: the compute dtype (``compute_dtype``,
+    else the model's, float32 for a half-precision model) and, where the model has floating weights
+    of another dtype, the floating parameters, buffers and inputs cast to it (buffers empty when
+    nothing is cast)."""
+    fdt = [p.dtype for p in params.values() if p.is_floating_point()]
+    model_dtype = fdt[0] if fdt else torch.get_default_dtype()
+    cdt = compute_dtype or (torch.float32 if model_dtype in (torch.float16, torch.bfloat16) else model_dtype)
+    if not any(p.is_floating_point() and p.dtype != cdt for p in params.values()):
+        return cdt, params, {}, args, kwargs
+    params = {n: p.to(cdt) if p.is_floating_point() else p for n, p in params.items()}
+    extra = {n: b.to(cdt) for n, b in model.named_buffers() if b.is_floating_point()}
 
-            def dev(p) -> float:
-                y = run(p)
-                if y.shape != y0.shape:
-                    return math.inf
-                if not y.numel():
-                    return 0.0
-                d = float((y.to(torch.float64) - y0.to(torch.float64)).abs().max())
-                return math.inf if not math.isfinite(d) else d / denom
+    def cast(x):
+        if isinstance(x, Tensor):
+            return x.to(cdt) if x.is_floating_point() else x
+        if isinstance(x, (tuple, list)):
+            return type(x)(cast(v) for v in x)
+        if isinstance(x, dict):
+            return {k: cast(v) for k, v in x.items()}
+        return x
 
-            gen = torch.Generator().manual_seed(seed)
-            joint: Dict[float, float] = {}
-            tols: Dict[float, float] = {}
-            actions_by_scale = {}
-            for s in scales:
-                actions = layout.random_actions(params, scale=s, cond=cond, generator=gen)
-                actions_by_scale[s] = actions
-                eff = cond if cond is not None else _max_cond(actions)
-                tols[s] = default_tolerance(cdt, eff) if rtol is None else float(rtol)
-                joint[s] = dev(layout.act(params, actions)) if layout.blocks else 0.0
+    return cdt, params, extra, cast(args), cast(kwargs)
 
-            def ok(d: float, s: float) -> bool:
-                return d * denom <= tol_a + tols[s] * ymax
 
-            joint_passed = all(ok(d, s) for s, d in joint.items())
-            check_blocks = per_block is True or (per_block == "auto" and not joint_passed)
-            checks: List[BlockCheck] = []
-            if check_blocks:
-                for b in layout.blocks:
-                    per = {s: dev(layout.act(params, {b.name: actions_by_scale[s][b.name]})) for s in scales}
-                    mx = max(per.values()) if per else 0.0
-                    checks.append(BlockCheck(b.name, b.kind, b.module, per, mx,
-                                             all(ok(d, s) for s, d in per.items())))
-    tol_r = max(tols.values()) if tols else (float(rtol) if rtol is not None else default_tolerance(cdt, cond))
-    report = VerifyReport(joint=joint, joint_passed=joint_passed, blocks=checks, rtol=tol_r, atol=tol_a,
-                          dtype=cdt, cond=cond, scales=scales, output_scale=ymax,
-                          per_block_checked=check_blocks)
-    layout.verify_failed = [] if report.passed else (report.failing or [b.name for b in layout.blocks])
-    from .accept import record_verification  # accept imports layouts, which import this module
-    record_verification(model, layout, report.passed)
-    if raise_on_failure and not report.passed:
-        failing = report.failing
-        if failing:
-            worst = {b.name: b.max_rel_dev for b in report.blocks if not b.passed}
-            what = "; ".join(f"{n} (max rel dev {d:.2e})" for n, d in worst.items())
-            msg = f"GL symmetry broken by block(s): {what}"
-        elif not report.per_block_checked:
-            msg = "GL symmetry broken when all blocks act together (blocks not checked one by one)"
-        else:
-            msg = ("GL symmetry broken when all blocks act together, although no single block fails "
-                   "on its own (blocks interact: overlapping or coupled parameters?)")
-        raise SymmetryError(f"{msg}; tolerance rel {tol_r:.1e}.\n{report}", report)
-    return report
+def _failure(report: VerifyReport) -> str:
+    """What broke the symmetry, for the :class:`SymmetryError` of a failed report."""
+    if report.failing:
+        worst = {b.name: b.max_rel_dev for b in report.blocks if not b.passed}
+        what = "; ".join(f"{n} (max rel dev {d:.2e})" for n, d in worst.items())
+        return f"GL symmetry broken by block(s): {what}"
+    if not report.per_block_checked:
+        return "GL symmetry broken when all blocks act together (blocks not checked one by one)"
+    return ("GL symmetry broken when all blocks act together, although no single block fails "
+            "on its own (blocks interact: overlapping or coupled parameters?)")

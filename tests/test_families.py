@@ -15,7 +15,7 @@ import torch.nn as nn
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters import FactorPiece, SymmetryError, declare_block
 from quotient_manifolds.adapters.families import FAMILIES, Context, Family, Match, register_family, unregister_family
-from quotient_manifolds.adapters.families._structure import LORA_NOTE, _lin, attention_blocks
+from quotient_manifolds.adapters.families.structure import LORA_NOTE, projection, attention_blocks
 from quotient_manifolds.core import FULL_GL, RotaryGroup
 
 T = pytest.importorskip("transformers")
@@ -245,7 +245,7 @@ def test_lora_several_adapters_dora_and_partial_targets():
 def test_lora_structure_without_peft(monkeypatch):
     """Without peft, LoRA layers are recognised by structure alone (base_layer + lora_A/lora_B
     ModuleDicts of nn.Linear); with peft installed, a look-alike must also be a peft BaseTunerLayer."""
-    from quotient_manifolds.adapters.families import _structure
+    from quotient_manifolds.adapters.families import structure
     class LoRALinear(nn.Module):
         def __init__(self, base, r=3):
             super().__init__()
@@ -258,9 +258,9 @@ def test_lora_structure_without_peft(monkeypatch):
 
     torch.manual_seed(0)
     model = nn.Sequential(LoRALinear(nn.Linear(6, 5)), nn.Tanh(), nn.Linear(5, 2))
-    if _structure.peft_tuner_layer() is not None:
+    if structure.peft_tuner_layer() is not None:
         assert adapters.layout(model, allow_unsupported=True).blocks == []
-    monkeypatch.setattr(_structure, "peft_tuner_layer", lambda: None)
+    monkeypatch.setattr(structure, "peft_tuner_layer", lambda: None)
     lay = adapters.layout(model)
     assert lay.block_names == ["0/lora[a]"] and "0.lora_B.a.bias" in lay.adaptive
     assert lay.verify(model, torch.randn(4, 6)).passed
@@ -336,7 +336,7 @@ class OddFamily(Family):
         if not isinstance(module, OddAttention):
             return None
         res = Match(path, self.name, type(module).__name__)
-        lin = {n: _lin(f"{path}.{n}", getattr(module, n)) for n in ("wa", "wb", "wc", "wd")}
+        lin = {n: projection(f"{path}.{n}", getattr(module, n)) for n in ("wa", "wb", "wc", "wd")}
         attention_blocks(ctx, res, q=lin["wa"], k=lin["wb"], v=lin["wc"], o=lin["wd"], num_heads=module.heads,
                          head_dim=module.hd)
         res.notes.append(f"{path}: matched by the odd family")

@@ -19,10 +19,14 @@ attention only by their class name.  Families and the maths of their groups are 
 ``hf_bert``         ``hf-bert``    q/k/v children + sibling ``output.dense`` (DeBERTa-v2's pairs)
 ``attention_like``  ``unknown``    anything else that looks like attention: unsupported
 
-Adding a family for your own attention class::
+Adding a family for your own attention class: subclass :class:`Family`, build its blocks with the
+helpers of ``quotient_manifolds.adapters.families.structure`` (``projection`` reads a
+linear child, ``attention_blocks`` assembles the Q/K and V/O blocks, grouped-query
+and rotary groups included), and register it::
 
+    from quotient_manifolds import adapters
     from quotient_manifolds.adapters.families import Family, Match, register_family
-    from quotient_manifolds.adapters.families._structure import _lin, attention_blocks
+    from quotient_manifolds.adapters.families.structure import attention_blocks, projection
 
     class MyAttentionFamily(Family):
         name = "my-attention"
@@ -31,7 +35,7 @@ Adding a family for your own attention class::
             if not isinstance(module, MyAttention):
                 return None
             res = Match(path, self.name, type(module).__name__)
-            lin = {n: _lin(f"{path}.{n}", getattr(module, n)) for n in ("wq", "wk", "wv", "wo")}
+            lin = {n: projection(f"{path}.{n}", getattr(module, n)) for n in ("wq", "wk", "wv", "wo")}
             attention_blocks(ctx, res, q=lin["wq"], k=lin["wk"], v=lin["wv"], o=lin["wo"],
                              num_heads=module.heads, head_dim=module.head_dim)
             return res

@@ -15,10 +15,10 @@ from typing import Dict, List, Optional
 from torch import nn
 
 from ._base import Context, Family, Match
-from ._structure import PACKED_NAMES, _Lin, _linear_children, _roles
+from .structure import PACKED_NAMES, Projection, children_by_role, linear_children
 
 
-def _attention_like(mod: nn.Module, children: Dict[str, _Lin], roles: Dict[str, List[str]],
+def _attention_like(mod: nn.Module, children: Dict[str, Projection], roles: Dict[str, List[str]],
                     by_name: bool) -> Optional[str]:
     if isinstance(mod, nn.MultiheadAttention):
         return "nn.MultiheadAttention"
@@ -38,8 +38,8 @@ class UnknownAttention(Family):
     name = "unknown"
 
     def match(self, ctx: Context, path: str, mod: nn.Module) -> Optional[Match]:
-        children = _linear_children(path, mod)
-        roles = _roles(children)
+        children = linear_children(path, mod)
+        roles = children_by_role(children)
         why = _attention_like(mod, children, roles, ctx.by_name)
         if why is None:
             return None

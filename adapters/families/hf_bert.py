@@ -13,22 +13,23 @@ from typing import Optional
 from torch import nn
 
 from ._base import Context, Family, Match
-from ._structure import _join, _lin, _linear_children, _roles, plain_attention_match
+from .structure import children_by_role, join_path, linear_children, plain_attention_match, projection
 
 
 class HFBertSelfAttention(Family):
     name = "hf-bert"
 
     def match(self, ctx: Context, path: str, mod: nn.Module) -> Optional[Match]:
-        children = _linear_children(path, mod)
-        roles = _roles(children)
+        children = linear_children(path, mod)
+        roles = children_by_role(children)
         if [len(roles[r]) for r in "qkvo"] != [1, 1, 1, 0]:
             return None
         q, k, v = (children[roles[r][0]] for r in "qkv")
         parent_path, _, own = path.rpartition(".")
         parent = ctx.modules.get(parent_path) if path else None
         out = getattr(parent, "output", None) if parent is not None else None
-        dense = _lin(_join(parent_path, "output.dense"), getattr(out, "dense", None) if isinstance(out, nn.Module) else None)
+        dense = projection(join_path(parent_path, "output.dense"),
+                           getattr(out, "dense", None) if isinstance(out, nn.Module) else None)
         if parent is None or dense is None or getattr(parent, own, None) is not mod:
             return Match(path, self.name, type(mod).__name__).reject(
                 "has q/k/v projections but no output projection (neither a child o_proj/out_proj/dense/... nor "

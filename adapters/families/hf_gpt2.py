@@ -11,8 +11,8 @@ from typing import Optional
 from torch import nn
 
 from ._base import Context, Family, Match
-from ._structure import (Proj, _int_attr, _linear_children, _num_heads, attention_blocks, screen_module,
-                         transformers_class)
+from .structure import (Heads, attention_blocks, int_attr, linear_children, num_heads_of, screen_module,
+                        transformers_class)
 
 
 class HFGPT2Attention(Family):
@@ -22,9 +22,9 @@ class HFGPT2Attention(Family):
         if transformers_class(mod, ("GPT2Attention",)) is None:
             return None
         res = Match(path, self.name, type(mod).__name__)
-        children = _linear_children(path, mod)
+        children = linear_children(path, mod)
         ca, cp, qa = children.get("c_attn"), children.get("c_proj"), children.get("q_attn")
-        nh, h = _num_heads(mod), _int_attr(mod, ("head_dim",))
+        nh, h = num_heads_of(mod), int_attr(mod, ("head_dim",))
         E = getattr(mod, "embed_dim", None)
         if ca is None or cp is None or nh is None or h is None or E != nh * h:
             return res.reject("GPT2Attention without the expected c_attn/c_proj/num_heads/head_dim structure")
@@ -33,11 +33,11 @@ class HFGPT2Attention(Family):
         if qa is None:
             if ca.out_features != 3 * E:
                 reasons.append(f"c_attn has {ca.out_features} outputs, expected 3*{E}")
-            q, k, v = Proj(ca, 0), Proj(ca, E), Proj(ca, 2 * E)
+            q, k, v = Heads(ca, 0), Heads(ca, E), Heads(ca, 2 * E)
         else:
             if ca.out_features != 2 * E or qa.out_features != E:
                 reasons.append("cross-attention c_attn/q_attn of unexpected size")
-            q, k, v = Proj(qa, 0), Proj(ca, 0), Proj(ca, E)
+            q, k, v = Heads(qa, 0), Heads(ca, 0), Heads(ca, E)
         if cp.in_features != E:
             reasons.append(f"c_proj takes {cp.in_features} features, expected {E}")
         if reasons:

@@ -43,7 +43,7 @@ from torch import nn
 from quotient_manifolds.core.groups import FULL_GL, Group, RotaryGroup
 
 from ._base import Context, Family, Match
-from ._structure import Proj, _int_attr, _lin, screen_module, attention_blocks, forward_owner
+from .structure import Heads, attention_blocks, forward_owner, int_attr, projection, screen_module
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 
@@ -85,7 +85,9 @@ ROTARY_CLASSES: Mapping[str, RotaryClass] = {
 }
 
 
-def _config_rotary_dim(mod: nn.Module, head_dim: int) -> int:
+def config_rotary_dim(mod: nn.Module, head_dim: int) -> int:
+    """The rotary dimension ``r = head_dim * partial_rotary_factor`` of a module's HF config (the
+    module's layer type's ``rope_parameters`` first, then the config's; no factor: ``r = head_dim``)."""
     cfg = getattr(mod, "config", None)
     params = getattr(cfg, "rope_parameters", None)
     params = params if isinstance(params, Mapping) else {}
@@ -121,10 +123,10 @@ class HFRotaryAttention(Family):
             return None
         res = Match(path, self.name, type(mod).__name__)
         cfg = getattr(mod, "config", None)
-        h = _int_attr(mod, ("head_dim", "head_size"))
-        n_q = _int_attr(cfg, ("num_attention_heads",))
-        n_kv = _int_attr(cfg, ("num_key_value_heads",)) or n_q
-        lins = {n: _lin(f"{path}.{n}", getattr(mod, n, None)) for n in spec.projection_names}
+        h = int_attr(mod, ("head_dim", "head_size"))
+        n_q = int_attr(cfg, ("num_attention_heads",))
+        n_kv = int_attr(cfg, ("num_key_value_heads",)) or n_q
+        lins = {n: projection(f"{path}.{n}", getattr(mod, n, None)) for n in spec.projection_names}
         missing = [n for n, lin in lins.items() if lin is None]
         if missing or h is None or n_q is None:
             return res.reject(f"{owner.__name__} without the expected structure (projections {', '.join(lins)}, "
@@ -134,16 +136,16 @@ class HFRotaryAttention(Family):
                               f"(num_key_value_groups={getattr(mod, 'num_key_value_groups', None)})")
         o = lins[spec.out]
         if spec.projections == "separate":
-            q, k, v = (Proj(lins[n]) for n in ("q_proj", "k_proj", "v_proj"))
+            q, k, v = (Heads(lins[n]) for n in ("q_proj", "k_proj", "v_proj"))
             widths = {"q_proj": (q.lin.out_features, n_q * h), "k_proj": (k.lin.out_features, n_kv * h),
                       "v_proj": (v.lin.out_features, n_kv * h)}
         elif spec.projections == "packed":
             qkv = lins["qkv_proj"]
-            q, k, v = Proj(qkv, 0), Proj(qkv, n_q * h), Proj(qkv, (n_q + n_kv) * h)
+            q, k, v = Heads(qkv, 0), Heads(qkv, n_q * h), Heads(qkv, (n_q + n_kv) * h)
             widths = {"qkv_proj": (qkv.out_features, (n_q + 2 * n_kv) * h)}
         else:
             qkv = lins["query_key_value"]
-            q, k, v = Proj(qkv, 0, 3 * h), Proj(qkv, h, 3 * h), Proj(qkv, 2 * h, 3 * h)
+            q, k, v = Heads(qkv, 0, 3 * h), Heads(qkv, h, 3 * h), Heads(qkv, 2 * h, 3 * h)
             widths = {"query_key_value": (qkv.out_features, 3 * n_q * h)}
             if n_kv != n_q:
                 return res.reject("GPT-NeoX packs one key/value head per query head; num_key_value_heads differs")
@@ -156,7 +158,7 @@ class HFRotaryAttention(Family):
         if reasons:
             return res.reject("; ".join(reasons))
 
-        r = int(getattr(mod, spec.rotary_dim_attr)) if spec.rotary_dim_attr else _config_rotary_dim(mod, h)
+        r = int(getattr(mod, spec.rotary_dim_attr)) if spec.rotary_dim_attr else config_rotary_dim(mod, h)
         qk = not norms
         group: Group = FULL_GL
         if norms:

@@ -22,7 +22,8 @@ from typing import Optional
 from torch import nn
 
 from ._base import Context, Family, Match
-from ._structure import _Lin, _in_pieces, _lin, _make_block, _out_pieces, lora_base, lora_layer
+from .structure import (Projection, in_projection_pieces, lora_base, lora_layer, make_block, out_projection_pieces,
+                        projection)
 
 
 class PeftLoRA(Family):
@@ -34,7 +35,7 @@ class PeftLoRA(Family):
             return None
         res = Match(path, self.name, type(mod).__name__)
         base = lora_base(mod)
-        if _lin(path, base) is None:
+        if projection(path, base) is None:
             res.notes.append(f"{path}: LoRA on {type(base).__name__} is not modelled (GL(r) blocks only for LoRA "
                              "on nn.Linear / Conv1D): its adapter weights are treated elementwise (adaptive)")
             return res
@@ -59,7 +60,7 @@ class PeftLoRA(Family):
                 res.notes.append(f"{path}: adapter {adapter!r} {why}: its factors are treated elementwise (adaptive)")
                 continue
             r = A.out_features
-            g = _out_pieces(ctx, _Lin(f"{path}.lora_B.{adapter}", B, False), 1, r)
-            h = _in_pieces(ctx, _Lin(f"{path}.lora_A.{adapter}", A, False), 1, r)
-            res.blocks.append(_make_block(path, "lora", self.name, g, h, ctx.shapes, name=f"{path}/lora[{adapter}]"))
+            g = out_projection_pieces(ctx, Projection(f"{path}.lora_B.{adapter}", B, False), 1, r)
+            h = in_projection_pieces(ctx, Projection(f"{path}.lora_A.{adapter}", A, False), 1, r)
+            res.blocks.append(make_block(path, "lora", self.name, g, h, ctx.shapes, name=f"{path}/lora[{adapter}]"))
         return res

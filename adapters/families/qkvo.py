@@ -16,15 +16,15 @@ from typing import Optional
 from torch import nn
 
 from ._base import Context, Family, Match
-from ._structure import _linear_children, _roles, plain_attention_match
+from .structure import children_by_role, linear_children, plain_attention_match
 
 
 class PlainQKVO(Family):
     name = "qkvo"
 
     def match(self, ctx: Context, path: str, mod: nn.Module) -> Optional[Match]:
-        children = _linear_children(path, mod)
-        roles = _roles(children)
+        children = linear_children(path, mod)
+        roles = children_by_role(children)
         if [len(roles[r]) for r in "qkvo"] != [1, 1, 1, 1]:
             return None
         q, k, v, o = (children[roles[r][0]] for r in "qkvo")

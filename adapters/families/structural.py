@@ -47,9 +47,9 @@ from torch import nn
 from quotient_manifolds.core.groups import FULL_GL, Group
 
 from ._base import Context, Family, Match
-from ._structure import (ROLE_NAMES, Proj, _forward_args, _in_pieces, _int_attr, _Lin, _linear_children,
-                         add_block, _out_pieces, screen_module, position_terms)
-from .hf_rotary import QK_NORM_NAMES, _config_rotary_dim, rotary_group
+from .structure import (ROLE_NAMES, Heads, Projection, add_block, forward_args, in_projection_pieces, int_attr,
+                        linear_children, out_projection_pieces, position_terms, screen_module)
+from .hf_rotary import QK_NORM_NAMES, config_rotary_dim, rotary_group
 
 #: Packing of a packed projection by child name (module attributes ``new_decoder_architecture`` and
 #: ``multi_query`` override it, see the module docstring).
@@ -66,17 +66,17 @@ def _config(mod: nn.Module):
 def _head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional[int]]:
     """Query heads, key/value heads and head dim from the module, then its config."""
     cfg = _config(mod)
-    n_q = _int_attr(mod, ("num_heads", "num_attention_heads", "n_head", "n_heads")) or _int_attr(
+    n_q = int_attr(mod, ("num_heads", "num_attention_heads", "n_head", "n_heads")) or int_attr(
         cfg, ("num_attention_heads", "n_head"))
     if n_q is None:
         return None, None, None
     if getattr(mod, "multi_query", False) is True and getattr(mod, "new_decoder_architecture", False) is not True:
         n_kv = 1                                       # Falcon keeps multi_query=True beside the new layout
     else:
-        n_kv = _int_attr(mod, KV_HEADS_ATTRS) or _int_attr(cfg, KV_HEADS_ATTRS) or n_q
-    h = _int_attr(mod, ("head_dim", "head_size"))
+        n_kv = int_attr(mod, KV_HEADS_ATTRS) or int_attr(cfg, KV_HEADS_ATTRS) or n_q
+    h = int_attr(mod, ("head_dim", "head_size"))
     if h is None:
-        hidden = _int_attr(cfg, ("hidden_size", "n_embd"))
+        hidden = int_attr(cfg, ("hidden_size", "n_embd"))
         h = hidden // n_q if hidden and hidden % n_q == 0 else None
     return n_q, n_kv, h
 
@@ -85,10 +85,10 @@ def _qk_group(mod: nn.Module, h: int, bias_source: str = "") -> Tuple[Optional[G
     """Candidate Q/K group and how it was found (None: no candidate, the string says why);
     ``bias_source``: the evidence of a bias added to the scores (:func:`position_terms`), if any."""
     cfg = _config(mod)
-    args = _forward_args(mod)
+    args = forward_args(mod)
     if getattr(cfg, "alibi", False) is True or ("alibi" in args and "position_embeddings" not in args):
         return FULL_GL, "config: ALiBi bias added to the scores (depends on neither q nor k): full GL"
-    rotary_attr = _int_attr(mod, ("rotary_ndims", "rotary_dim"))
+    rotary_attr = int_attr(mod, ("rotary_ndims", "rotary_dim"))
     if "position_embeddings" not in args and rotary_attr is None:
         return FULL_GL, bias_source or "structure: plain attention (no position inputs)"
     if rotary_attr is not None:
@@ -96,34 +96,34 @@ def _qk_group(mod: nn.Module, h: int, bias_source: str = "") -> Tuple[Optional[G
     elif getattr(cfg, "rotary_pct", None) is not None:
         r = int(h * float(cfg.rotary_pct))
     else:
-        r = _config_rotary_dim(mod, h)
+        r = config_rotary_dim(mod, h)
     pairing = "interleaved" if hasattr(sys.modules.get(type(mod).__module__), "rotate_every_two") else "half"
     if r % 2 or not 0 <= r <= h:
         return None, f"rotary dimension {r} is not an even number in [0, head_dim={h}]"
     return rotary_group(pairing, r, h), f"config: rotary_dim={r} {pairing}"
 
 
-def _packed(lin: _Lin, packing: str, n_q: int, n_kv: int, h: int):
-    """q, k, v projections (lists of per-key/value-head :class:`Proj` for q under ``per_group``)."""
+def _packed(lin: Projection, packing: str, n_q: int, n_kv: int, h: int):
+    """q, k, v projections (lists of per-key/value-head :class:`Heads` for q under ``per_group``)."""
     if packing == "stacked":
-        return [Proj(lin, 0)], Proj(lin, n_q * h), Proj(lin, (n_q + n_kv) * h), (n_q + 2 * n_kv) * h
+        return [Heads(lin, 0)], Heads(lin, n_q * h), Heads(lin, (n_q + n_kv) * h), (n_q + 2 * n_kv) * h
     if packing == "per_head":
-        return [Proj(lin, 0, 3 * h)], Proj(lin, h, 3 * h), Proj(lin, 2 * h, 3 * h), 3 * n_q * h
+        return [Heads(lin, 0, 3 * h)], Heads(lin, h, 3 * h), Heads(lin, 2 * h, 3 * h), 3 * n_q * h
     rep = n_q // n_kv       # per_group: [q_1 … q_rep k v] per key/value head
     stride = (rep + 2) * h
-    return ([Proj(lin, j * h, stride) for j in range(rep)], Proj(lin, rep * h, stride),
-            Proj(lin, (rep + 1) * h, stride), n_kv * stride)
+    return ([Heads(lin, j * h, stride) for j in range(rep)], Heads(lin, rep * h, stride),
+            Heads(lin, (rep + 1) * h, stride), n_kv * stride)
 
 
 class StructuralAttention(Family):
     name = "structural"
 
     def match(self, ctx: Context, path: str, mod: nn.Module) -> Optional[Match]:
-        children = _linear_children(path, mod)
+        children = linear_children(path, mod)
         packed = [n for n in children if n in PACKING_HINTS
                   and not (n == "c_attn" and children[n].transposed)]          # GPT-2's Conv1D: hf-gpt2
         roles = {r: [n for n in children if n in (OUT_NAMES if r == "o" else ROLE_NAMES[r])] for r in "qkvo"}
-        args = _forward_args(mod)
+        args = forward_args(mod)
         n_q, n_kv, h = _head_counts(mod)
         if n_q is None or h is None or len(roles["o"]) != 1:
             return None
@@ -139,7 +139,7 @@ class StructuralAttention(Family):
         elif separate and not packed:
             lins = {r: children[roles[r][0]] for r in "qkv"}
             evidence = ({"position_embeddings", "alibi"} & args or lins["k"].out_features != lins["q"].out_features
-                        or _int_attr(mod, ("rotary_dim", "rotary_ndims")) is not None)
+                        or int_attr(mod, ("rotary_dim", "rotary_ndims")) is not None)
             if not evidence:
                 return None                                                     # the plain qkvo family's
             packing = "separate"
@@ -151,7 +151,7 @@ class StructuralAttention(Family):
             return res.reject(f"{n_q} query heads cannot share {n_kv} key/value heads evenly")
         rep = n_q // n_kv
         if packing == "separate":
-            qs, k, v = [Proj(lins["q"])], Proj(lins["k"]), Proj(lins["v"])
+            qs, k, v = [Heads(lins["q"])], Heads(lins["k"]), Heads(lins["v"])
             widths = {roles[r][0]: (lins[r].out_features, (n_q if r == "q" else n_kv) * h) for r in "qkv"}
             proj_ids = set().union(*(lin.param_ids() for lin in lins.values()))
         else:
@@ -185,14 +185,15 @@ class StructuralAttention(Family):
             source = (f"q/k normalisation ({', '.join(norms)}): candidate {group.describe(h)} ({source}); the true "
                       "group is smaller and is derived when the layout is accepted on inputs")
         per_group = len(qs) > 1        # query heads of one key/value group are separate pieces
-        q_pieces = [pc for q in qs for pc in _in_pieces(ctx, q, n_kv if per_group else n_q, h,
+        q_pieces = [pc for q in qs for pc in in_projection_pieces(ctx, q, n_kv if per_group else n_q, h,
                                                          1 if per_group else rep)]
         if group is None:
             res.reject(source, part="qk")
         else:
-            add_block(res, "qk", q_pieces, _in_pieces(ctx, k, n_kv, h), ctx.shapes, group, group_source=source)
-        o_pieces = ([pc for j in range(rep) for pc in _out_pieces(ctx, Proj(o, j * h, rep * h), n_kv, h)]
-                    if per_group else _out_pieces(ctx, o, n_q, h, rep))
-        add_block(res, "vo", _in_pieces(ctx, v, n_kv, h), o_pieces, ctx.shapes, FULL_GL,
+            add_block(res, "qk", q_pieces, in_projection_pieces(ctx, k, n_kv, h), ctx.shapes, group,
+                      group_source=source)
+        o_pieces = ([pc for j in range(rep) for pc in out_projection_pieces(ctx, Heads(o, j * h, rep * h), n_kv, h)]
+                    if per_group else out_projection_pieces(ctx, o, n_q, h, rep))
+        add_block(res, "vo", in_projection_pieces(ctx, v, n_kv, h), o_pieces, ctx.shapes, FULL_GL,
                   group_source=f"structure: {packing} projections, V/O full GL")
         return res

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..blocks import FactorPiece
 from ._base import Context, Family, Match
-from ._structure import add_block
+from .structure import add_block
 
 
 class TorchMultiheadAttention(Family):

@@ -1,7 +1,16 @@
-"""Structural helpers shared by the families: projections (``nn.Linear`` / HF ``Conv1D``, seen
-through peft LoRA wrappers), role names, head counts, factor pieces and blocks, the screen for
-position encodings / extra parameters, and the one place where the Q/K and V/O blocks of an
-attention module are assembled (:func:`attention_blocks`, grouped-query attention included)."""
+"""Structural helpers shared by the families, and the toolkit for writing your own
+(:class:`~quotient_manifolds.adapters.Family`, see the ``adapters.families`` package docstring).
+
+* projections: :func:`projection` reads an ``nn.Linear`` / HF ``Conv1D`` child (seeing through peft
+  LoRA wrappers) as a :class:`Projection`; :class:`Heads` selects its heads inside a packed one;
+  :func:`linear_children`, :func:`children_by_role` (names of :data:`ROLE_NAMES`), :func:`join_path`;
+* head counts: :func:`num_heads_of`, :func:`int_attr`;
+* blocks: :func:`attention_blocks` assembles the Q/K and V/O blocks of an attention module (the one
+  place that does, grouped-query attention included); :func:`in_projection_pieces`,
+  :func:`out_projection_pieces`, :func:`make_block` and :func:`add_block` build other blocks
+  (LoRA pairs);
+* the screen for position encodings and extra parameters (:func:`screen_module`,
+  :func:`position_terms`, :func:`stream_norms`, :func:`forward_args`)."""
 
 from __future__ import annotations
 
@@ -10,7 +19,7 @@ import importlib.util
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -117,8 +126,9 @@ def lora_base(mod: nn.Module) -> nn.Module:
 
 
 @dataclass
-class _Lin:
-    """A linear projection: ``nn.Linear`` (weight ``(out, in)``) or HF ``Conv1D`` (weight ``(in, out)``).
+class Projection:
+    """A linear projection found in a model (built by :func:`projection`): ``nn.Linear`` (weight
+    ``(out, in)``) or HF ``Conv1D`` (weight ``(in, out)``, ``transposed``).
 
     ``module`` holds the weight; ``wrapper`` is the module found in the model (the peft LoRA layer
     around ``module``, or ``module`` itself)."""
@@ -139,19 +149,23 @@ class _Lin:
 
     @property
     def weight(self) -> torch.Tensor:
+        """The weight the blocks slice (of the base layer under LoRA)."""
         return self.module.weight
 
     @property
     def bias(self) -> Optional[torch.Tensor]:
+        """The bias, or None."""
         b = getattr(self.module, "bias", None)
         return b if isinstance(b, torch.Tensor) else None
 
     @property
     def in_features(self) -> int:
+        """Width of the input ``x``."""
         return int(self.weight.shape[0] if self.transposed else self.weight.shape[1])
 
     @property
     def out_features(self) -> int:
+        """Width of the output ``y``."""
         return int(self.weight.shape[1] if self.transposed else self.weight.shape[0])
 
     def param_ids(self) -> set:
@@ -159,39 +173,48 @@ class _Lin:
         return {id(p) for p in self.wrapper.parameters()}
 
 
-def _lin(path: str, mod: Optional[nn.Module]) -> Optional[_Lin]:
-    """``mod`` as a projection (seeing through a peft LoRA layer), or None."""
+def projection(path: str, mod: Optional[nn.Module]) -> Optional[Projection]:
+    """``mod`` (found at ``path`` in the model) as a :class:`Projection`, or None when it is no
+    linear map: an ``nn.Linear`` (``y = x Wᵀ + b``), an HF ``Conv1D`` (``y = x W + b``, so
+    ``transposed``), or a peft LoRA layer around one of these (``wrapper`` is then the LoRA layer,
+    ``module`` the base layer whose weight the blocks slice)."""
     if isinstance(mod, nn.Module) and lora_layer(mod):
-        inner = _lin(path, lora_base(mod))
-        return None if inner is None else _Lin(path, inner.module, inner.transposed, wrapper=mod)
+        inner = projection(path, lora_base(mod))
+        return None if inner is None else Projection(path, inner.module, inner.transposed, wrapper=mod)
     W = getattr(mod, "weight", None)
     if not isinstance(W, torch.Tensor) or W.dim() != 2:
         return None
     if isinstance(mod, nn.Linear):
-        return _Lin(path, mod, False)
+        return Projection(path, mod, False)
     if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):
-        return _Lin(path, mod, True)
+        return Projection(path, mod, True)
     return None
 
 
-def _join(prefix: str, name: str) -> str:
+def join_path(prefix: str, name: str) -> str:
+    """The module path of child ``name`` of the module at ``prefix`` (``""``: the model itself)."""
     return f"{prefix}.{name}" if prefix else name
 
 
-def _linear_children(path: str, mod: nn.Module) -> Dict[str, _Lin]:
+def linear_children(path: str, mod: nn.Module) -> Dict[str, Projection]:
+    """The direct children of ``mod`` (at ``path``) that are projections (:func:`projection`), by
+    child name."""
     out = {}
     for name, child in mod.named_children():
-        info = _lin(_join(path, name), child)
+        info = projection(join_path(path, name), child)
         if info is not None:
             out[name] = info
     return out
 
 
-def _roles(children: Dict[str, _Lin]) -> Dict[str, List[str]]:
+def children_by_role(children: Dict[str, Projection]) -> Dict[str, List[str]]:
+    """Per role ``"q"``, ``"k"``, ``"v"``, ``"o"``: the names among ``children`` that
+    :data:`ROLE_NAMES` gives that role (e.g. ``{"q": ["q_proj"], "k": ["k_proj"], ...}``)."""
     return {r: [n for n in children if n in names] for r, names in ROLE_NAMES.items()}
 
 
-def _int_attr(obj, names: Sequence[str]) -> Optional[int]:
+def int_attr(obj: Any, names: Sequence[str]) -> Optional[int]:
+    """The first attribute of ``obj`` among ``names`` that is a positive int (not a bool), else None."""
     for a in names:
         v = getattr(obj, a, None)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -199,12 +222,14 @@ def _int_attr(obj, names: Sequence[str]) -> Optional[int]:
     return None
 
 
-def _num_heads(mod: nn.Module) -> Optional[int]:
-    v = _int_attr(mod, HEADS_ATTRS)
+def num_heads_of(mod: nn.Module) -> Optional[int]:
+    """The head count of an attention module: an attribute of :data:`HEADS_ATTRS`, else its HF
+    ``config.num_attention_heads``; None when neither is there."""
+    v = int_attr(mod, HEADS_ATTRS)
     if v is None:
         cfg = getattr(mod, "config", None)
         if cfg is not None:
-            v = _int_attr(cfg, ("num_attention_heads",))
+            v = int_attr(cfg, ("num_attention_heads",))
     return v
 
 
@@ -214,23 +239,29 @@ def _num_heads(mod: nn.Module) -> Optional[int]:
 
 
 @dataclass(frozen=True)
-class Proj:
+class Heads:
     """Heads of a projection: head ``i`` is features ``offset + i * stride ...`` (``stride`` None:
-    heads side by side), e.g. ``Proj(c_attn, offset=E)`` for the keys of GPT-2's packed ``c_attn``."""
+    heads side by side), e.g. ``Heads(c_attn, offset=E)`` for the keys of GPT-2's packed ``c_attn``."""
 
-    lin: _Lin
+    lin: Projection
     offset: int = 0
     stride: Optional[int] = None
 
 
-def _as_proj(p: Union[_Lin, Proj]) -> Proj:
-    return p if isinstance(p, Proj) else Proj(p)
+#: A projection, or some heads of one (``q=``, ``k=``, ... of :func:`attention_blocks`).
+ProjectionLike = Union[Projection, Heads]
 
 
-def _in_pieces(ctx: Context, proj: Union[_Lin, Proj], num_heads: int, head_dim: int,
-               group_size: int = 1) -> List[FactorPiece]:
-    """``[Wᵀ ; b]`` per head of a q/k/v projection (heads along the output features)."""
-    p = _as_proj(proj)
+def _as_heads(p: ProjectionLike) -> Heads:
+    return p if isinstance(p, Heads) else Heads(p)
+
+
+def in_projection_pieces(ctx: Context, proj: ProjectionLike, num_heads: int, head_dim: int,
+                         group_size: int = 1) -> List[FactorPiece]:
+    """The factor pieces ``[Wᵀ ; b]`` per head of a q/k/v projection (heads along its output
+    features; the bias is a row because the input is ``[x 1]``).  ``group_size`` query heads share
+    one key/value head's gauge (grouped-query attention)."""
+    p = _as_heads(proj)
     kw = dict(offset=p.offset, num_heads=num_heads, head_dim=head_dim, group_size=group_size, stride=p.stride)
     pieces = [FactorPiece(ctx.name(p.lin.weight), "cols" if p.lin.transposed else "rows", **kw)]
     if p.lin.bias is not None:
@@ -238,10 +269,11 @@ def _in_pieces(ctx: Context, proj: Union[_Lin, Proj], num_heads: int, head_dim: 
     return pieces
 
 
-def _out_pieces(ctx: Context, proj: Union[_Lin, Proj], num_heads: int, head_dim: int,
-                group_size: int = 1) -> List[FactorPiece]:
-    """``W[:, head]`` of an output projection (heads along the input features; its bias is outside)."""
-    p = _as_proj(proj)
+def out_projection_pieces(ctx: Context, proj: ProjectionLike, num_heads: int, head_dim: int,
+                          group_size: int = 1) -> List[FactorPiece]:
+    """The factor pieces ``W[:, head]`` of an output projection (heads along its input features; its
+    bias is in no block).  ``group_size`` as in :func:`in_projection_pieces`."""
+    p = _as_heads(proj)
     return [FactorPiece(ctx.name(p.lin.weight), "rows" if p.lin.transposed else "cols", p.offset, num_heads,
                         head_dim, group_size=group_size, stride=p.stride)]
 
@@ -250,9 +282,13 @@ def _rows(pieces: Sequence[FactorPiece], shapes: Dict[str, tuple]) -> int:
     return sum(p.rows_per_head(shapes[p.param]) for p in pieces)
 
 
-def _make_block(module: str, kind: str, family: str, g: List[FactorPiece], h: List[FactorPiece],
-                shapes: Dict[str, tuple], group: Group = FULL_GL, name: Optional[str] = None,
-                group_source: str = "") -> GLBlock:
+def make_block(module: str, kind: str, family: str, g: List[FactorPiece], h: List[FactorPiece],
+               shapes: Dict[str, tuple], group: Group = FULL_GL, name: Optional[str] = None,
+               group_source: str = "") -> GLBlock:
+    """The :class:`~quotient_manifolds.adapters.GLBlock` ``(G, H)`` of ``module`` with factor pieces
+    ``g`` and ``h``, acted on by ``(G A, H A⁻ᵀ)`` with ``A`` in ``group`` per head; ``n`` and ``m`` are
+    the rows per head of the pieces at parameter ``shapes``.  Named ``<module>/<kind>`` unless
+    ``name``; checked against ``shapes`` (``GLBlock.validate``)."""
     b = GLBlock(name=name or f"{module}/{kind}", kind=kind, module=module, g_pieces=tuple(g), h_pieces=tuple(h),
                 num_heads=g[0].block_heads, head_dim=g[0].head_dim, n=_rows(g, shapes), m=_rows(h, shapes),
                 family=family, group=group, group_source=group_source or f"family {family}")
@@ -272,18 +308,18 @@ def add_block(match: Match, kind: str, g: List[FactorPiece], h: List[FactorPiece
                      f"(G {n}, H {m}): they cannot have full column rank, so GL({head_dim}) has no "
                      f"quotient there (its weights can only be treated adaptively)", part=kind)
         return
-    match.blocks.append(_make_block(match.module, kind, match.family, g, h, shapes, group,
+    match.blocks.append(make_block(match.module, kind, match.family, g, h, shapes, group,
                                     group_source=group_source))
 
 
 LORA_NOTE = "projections carry LoRA adapters: their GL(r) blocks are used instead"
 
 
-def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Union[_Lin, Proj],
-                     v: Union[_Lin, Proj], o: Union[_Lin, Proj], num_heads: int, head_dim: int,
-                     num_kv_heads: Optional[int] = None, qk_group: Group = FULL_GL, qk: bool = True,
-                     vo: bool = True, qk_source: str = "", vo_source: str = "",
-                     q_pairs: Sequence[Union[_Lin, Proj]] = (), k_pairs: Sequence[Union[_Lin, Proj]] = ()) -> None:
+def attention_blocks(ctx: Context, match: Match, *, q: ProjectionLike, k: ProjectionLike, v: ProjectionLike,
+                     o: ProjectionLike, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
+                     qk_group: Group = FULL_GL, qk: bool = True, vo: bool = True, qk_source: str = "",
+                     vo_source: str = "", q_pairs: Sequence[ProjectionLike] = (),
+                     k_pairs: Sequence[ProjectionLike] = ()) -> None:
     """Append the Q/K and V/O blocks of one attention module to ``match``.
 
     ``num_heads`` query heads, ``num_kv_heads`` (default ``num_heads``) key/value heads; query head
@@ -302,18 +338,18 @@ def attention_blocks(ctx: Context, match: Match, *, q: Union[_Lin, Proj], k: Uni
         raise ValueError(f"{match.module}: {num_heads} query heads cannot share {n_kv} key/value heads evenly; "
                          "num_kv_heads must divide num_heads")
     rep = num_heads // n_kv
-    q, k, v, o = (_as_proj(p) for p in (q, k, v, o))
+    q, k, v, o = (_as_heads(p) for p in (q, k, v, o))
     adapted: List[str] = []
     wanted = []
     if qk:
-        q_side = [q, *(_as_proj(p) for p in q_pairs)]
-        k_side = [k, *(_as_proj(p) for p in k_pairs)]
-        wanted.append(("qk", [pc for p in q_side for pc in _in_pieces(ctx, p, num_heads, head_dim, rep)],
-                       [pc for p in k_side for pc in _in_pieces(ctx, p, n_kv, head_dim)], qk_group,
+        q_side = [q, *(_as_heads(p) for p in q_pairs)]
+        k_side = [k, *(_as_heads(p) for p in k_pairs)]
+        wanted.append(("qk", [pc for p in q_side for pc in in_projection_pieces(ctx, p, num_heads, head_dim, rep)],
+                       [pc for p in k_side for pc in in_projection_pieces(ctx, p, n_kv, head_dim)], qk_group,
                        (*q_side, *k_side), qk_source))
     if vo:
-        wanted.append(("vo", _in_pieces(ctx, v, n_kv, head_dim), _out_pieces(ctx, o, num_heads, head_dim, rep),
-                       FULL_GL, (v, o), vo_source))
+        wanted.append(("vo", in_projection_pieces(ctx, v, n_kv, head_dim),
+                       out_projection_pieces(ctx, o, num_heads, head_dim, rep), FULL_GL, (v, o), vo_source))
     for kind, g, h, group, projs, source in wanted:
         lora = [p.lin.path.rsplit(".", 1)[-1] for p in projs if p.lin.adapted]
         if lora:
@@ -390,14 +426,15 @@ class PositionTerms:
     candidate group although the terms were recognised."""
 
     source: str = ""
-    q_pairs: List[_Lin] = field(default_factory=list)
-    k_pairs: List[_Lin] = field(default_factory=list)
+    q_pairs: List[Projection] = field(default_factory=list)
+    k_pairs: List[Projection] = field(default_factory=list)
     known: set = field(default_factory=set)
     modelled: List[str] = field(default_factory=list)
     reject: str = ""
 
 
-def _forward_args(mod: nn.Module) -> set:
+def forward_args(mod: nn.Module) -> set:
+    """Names of the parameters of ``mod.forward`` (empty when its signature cannot be read)."""
     try:
         return set(inspect.signature(mod.forward).parameters)
     except (TypeError, ValueError):
@@ -420,7 +457,7 @@ def position_terms(path: str, mod: nn.Module, num_heads: Optional[int], width: O
 
     ``num_heads`` / ``width``: the module's head count and ``num_heads * head_dim`` (the width the
     positional projections must have)."""
-    args = _forward_args(mod)
+    args = forward_args(mod)
     if isinstance(getattr(mod, "relative_attention", None), bool) and hasattr(mod, "pos_att_type"):
         terms = PositionTerms(modelled=[a for a in DISENTANGLED_ARGS if a in args])
         if not mod.relative_attention:
@@ -429,7 +466,7 @@ def position_terms(path: str, mod: nn.Module, num_heads: Optional[int], width: O
         kinds = list(dict.fromkeys(mod.pos_att_type or ()))
         unknown = [t for t in kinds if t not in DISENTANGLED_TERMS]
         shared = getattr(mod, "share_att_key", False) is True
-        children = _linear_children(path, mod)
+        children = linear_children(path, mod)
         pairs = {side: [n for n, s in POSITION_PAIR_HINTS.items() if s == side and n in children] for side in "qk"}
         missing, wrong = [], []
         for term in kinds:
@@ -525,7 +562,7 @@ def screen_module(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Se
         pet = getattr(mod, "position_embedding_type", None)
         if isinstance(pet, str) and pet != "absolute":
             out.qk.append(f"position_embedding_type={pet!r}: relative/rotary positions break the QK symmetry")
-        sig_args = _forward_args(mod)
+        sig_args = forward_args(mod)
         args = [a for a in POSITION_ARGS if a in sig_args and a not in modelled]
         if args:
             out.qk.append(f"forward() takes positional inputs ({', '.join(args)}): rotary/relative position "
@@ -546,14 +583,14 @@ def screen_module(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Se
     return out
 
 
-def _head_shapes(mod: nn.Module, lq: _Lin, lk: _Lin, lv: _Lin,
-                 lo: _Lin) -> Tuple[Optional[int], Optional[int], List[str]]:
+def _head_shapes(mod: nn.Module, lq: Projection, lk: Projection, lv: Projection,
+                 lo: Projection) -> Tuple[Optional[int], Optional[int], List[str]]:
     """Head count, head dim and structural reasons against per-head GL blocks of a plain module."""
     reasons: List[str] = []
-    nh = _num_heads(mod)
+    nh = num_heads_of(mod)
     if nh is None:
         return None, None, [f"no head-count attribute ({', '.join(HEADS_ATTRS[:3])}, ...): declare the blocks"]
-    h = _int_attr(mod, HEAD_DIM_ATTRS)
+    h = int_attr(mod, HEAD_DIM_ATTRS)
     if h is None:
         if lq.out_features % nh:
             return nh, None, [f"q has {lq.out_features} features, not divisible by {nh} heads"]
@@ -570,8 +607,8 @@ def _head_shapes(mod: nn.Module, lq: _Lin, lk: _Lin, lv: _Lin,
     return nh, h, reasons
 
 
-def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: _Lin, k: _Lin, v: _Lin, o: _Lin,
-                          core: set) -> Match:
+def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: Projection, k: Projection,
+                          v: Projection, o: Projection, core: set) -> Match:
     """Blocks of a module with plain q/k/v/o projections (``qkvo`` and ``hf-bert``): the whole module
     is unsupported on structural problems; only its Q/K half when the screen sees position
     encodings that :func:`position_terms` does not model (V/O is kept, and checked by
