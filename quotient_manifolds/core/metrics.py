@@ -86,7 +86,7 @@ class GLMetric:
     def skew_pencils(self, frame: "GLFrame") -> Tuple[Tuple[Tensor, Tensor], ...]:
         """Pairs (M, N) of SPD matrices such that the mean of the inverses of Λ ↦ Π_so(2MΛN) over
         the pairs approximates Π_so L⁻¹ on so(h): the preconditioner of the orthogonal groups'
-        solver (exact when :meth:`closed_form_projection`; docs/maths.md §14)."""
+        solver (exact when :meth:`closed_form_projection`; docs/maths.md §14.4)."""
         raise NotImplementedError
 
     def christoffel(self, frame: "GLFrame", uG: Tensor, uH: Tensor, vG: Optional[Tensor] = None,
