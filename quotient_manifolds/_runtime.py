@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 
 from ._validation import all_finite
+from .core.metrics import GLMetric
 
 Tensor = torch.Tensor
 
@@ -150,13 +151,6 @@ def finite_step(geometry, name: str, step: Tensor) -> Tensor:
 
 
 def _smaller_steps(geometry) -> str:
-    """How to take smaller steps under ``geometry``'s metric."""
-    advice = "Reduce the optimiser's learning rate"
-    if getattr(geometry, "metric", None) == "inv":
-        advice += (": metric='inv' scales the gradient by the Gram matrices of the factors "
-                   "(GᵀG, HᵀH), so it needs steps about 1/(‖G‖²‖H‖²) of those metric='mix' "
-                   "takes (lr=5e-4 against mix's 0.2 in the README's matrix-completion example); "
-                   "or use metric='mix', whose step does not grow with the scale of the factors")
-    else:
-        advice += ", or the momentum"
-    return advice
+    """How to take smaller steps under ``geometry``'s metric (its ``step_advice``)."""
+    metric = getattr(geometry, "gl_metric", None) or GLMetric()
+    return "Reduce the optimiser's learning rate" + metric.step_advice

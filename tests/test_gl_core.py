@@ -23,7 +23,15 @@ import pytest
 import scipy.linalg
 import torch
 
-from quotient_manifolds.core import METRICS, RETRACTIONS, GLQuotientGeometry
+from quotient_manifolds.core import (
+    METRICS,
+    RETRACTIONS,
+    GLMetric,
+    GLQuotientGeometry,
+    InvMetric,
+    MixMetric,
+    as_metric,
+)
 
 F64 = torch.float64
 DTYPES = [torch.float64, torch.float32]
@@ -721,6 +729,24 @@ def test_errors_nonfinite_and_unknown_names():
         geom.retract(x, torch.zeros_like(x), "cayley")
     with pytest.raises(ValueError, match="floating point"):
         geom.frame(torch.ones(12, 3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_metric_object_is_the_metric_of_its_name(metric):
+    """metric= takes the name or the object; the geometry keeps the name in ``metric`` and the object
+    in ``gl_metric``, and both give the same numbers, bit for bit."""
+    obj = as_metric(metric)
+    assert isinstance(obj, GLMetric) and obj.name == metric and as_metric(obj) is obj
+    assert type(obj) is {"inv": InvMetric, "mix": MixMetric}[metric]
+    by_name, by_object = GLQuotientGeometry(N, M, H, metric, eps=0.3), GLQuotientGeometry(N, M, H, obj, eps=0.3)
+    assert by_object.metric == metric and by_object.gl_metric is obj and repr(by_object) == repr(by_name)
+    x = by_name.random_point(2, dtype=F64, generator=gen(230))
+    u, v = randn(x.shape, 231), randn(x.shape, 232)
+    f, g = by_name.frame(x), by_object.frame(x)
+    assert f.metric == metric and f.gl_metric is obj
+    for name, args in (("inner", (u, v)), ("project", (u,)), ("egrad2rgrad", (u,)), ("christoffel", (u, v)),
+                       ("ehess2rhess", (u, v, f.project(u))), ("retract", (0.1 * f.project(u),))):
+        assert torch.equal(getattr(f, name)(*args), getattr(g, name)(*args)), name
 
 
 # ---------------------------------------------------------------------------------------------- batching

@@ -1,7 +1,8 @@
 """The one geometry core: pure torch, batched, device-agnostic. The geoopt and pymanopt classes are
 thin faces over these objects."""
 
-from .gl import METRICS, RETRACTIONS, GLFrame, GLQuotientGeometry, group_action
+from .gl import METRICS, RETRACTIONS, GLFrame, GLQuotientGeometry, as_metric, group_action
+from .metrics import GLMetric, InvMetric, MixMetric, mix_geodesic_scale
 from .algebra import AlgebraDerivation, GroupDerivation, derive_algebra, derive_group, recognise_algebra
 from .groups import FULL_GL, GLGroup, RotaryGroup, SymmetryGroup, as_group, sym
 from .subalgebra import (
@@ -16,13 +17,13 @@ from .rescaling import (
     RescalingGeometry,
     beta_along_geodesic,
     diagonal_trust_region,
-    mix_geodesic_scale,
     sharpness_inv_orthonormal_second_order,
     sharpness_mix_orthonormal,
 )
 
 __all__ = [
-    "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "group_action", "sym", "FULL_GL",
+    "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "GLMetric", "InvMetric", "MixMetric",
+    "as_metric", "group_action", "sym", "FULL_GL",
     "GLGroup", "RotaryGroup", "SymmetryGroup", "as_group", "SubalgebraGroup", "TrivialGroup",
     "ScalarGroup", "OrthogonalGroup", "ScaledOrthogonalGroup", "AlgebraDerivation",
     "GroupDerivation", "derive_algebra", "derive_group", "recognise_algebra", "RescalingFrame",

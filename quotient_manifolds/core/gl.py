@@ -10,12 +10,11 @@ Notation (docs/maths.md §1): P = GᵀG + εI, Q = HᵀH + εI (the ε relaxatio
 
 Metrics (docs/maths.md §2). Both are of the form
 
-    g_x(u, v) = tr(M_G u_Gᵀ v_G) + tr(M_H u_Hᵀ v_H)
+    g_x(u, v) = tr(M_G u_Gᵀ v_G) + tr(M_H u_Hᵀ v_H),
 
-    inv:  M_G = P⁻¹, M_H = Q⁻¹      (Manopt ``fixedrankfactory_2factors``)
-    mix:  M_G = Q,   M_H = P        (Mishra–Sepulchre, ``fixedrankfactory_2factors_preconditioned``)
-
-and we write N_G = M_G⁻¹, N_H = M_H⁻¹ for the inverse weights (inv: P, Q; mix: Q⁻¹, P⁻¹).
+with N_G = M_G⁻¹, N_H = M_H⁻¹ the inverse weights; the formulas in which "inv" and "mix" differ
+are methods of their classes in :mod:`quotient_manifolds.core.metrics`, and everything below is
+written once, for both.
 
 Everything that depends on the point alone (Gram matrices, Cholesky factors, the eigenstructure
 of the projection) is computed once per point in a :class:`GLFrame`; the sharpness engine keeps
@@ -31,8 +30,11 @@ from typing import Optional, Tuple
 import torch
 
 from .groups import FULL_GL, Group, as_group, pencil_basis, sym
+from .metrics import GLMetric, InvMetric, MixMetric
 
-METRICS = ("inv", "mix")
+#: The metric of each name users may pass as ``metric=``.
+METRIC_BY_NAME = {metric.name: metric for metric in (InvMetric(), MixMetric())}
+METRICS = tuple(METRIC_BY_NAME)
 RETRACTIONS = ("first_order", "second_order", "exact")
 
 Tensor = torch.Tensor
@@ -43,6 +45,14 @@ def check_choice(value: str, valid: Tuple[str, ...], what: str) -> str:
     if value not in valid:
         raise ValueError(f"unknown {what} {value!r}; valid choices are: {', '.join(map(repr, valid))}")
     return value
+
+
+def as_metric(metric: "str | GLMetric") -> GLMetric:
+    """The metric object of ``metric``: a :class:`~quotient_manifolds.core.metrics.GLMetric` as
+    given, or the one named by a string of :data:`METRICS` (any other raises a ValueError)."""
+    if isinstance(metric, GLMetric):
+        return metric
+    return METRIC_BY_NAME[check_choice(metric, METRICS, "metric")]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -79,6 +89,7 @@ class GLFrame:
     def __init__(self, geometry: "GLQuotientGeometry", x: Tensor, *, check: bool = True):
         self.geometry = geometry
         self.metric = geometry.metric
+        self.gl_metric = geometry.gl_metric
         self.eps = geometry.eps
         n = geometry.n
         if check:
@@ -134,12 +145,12 @@ class GLFrame:
     @functools.cached_property
     def metric_weights(self) -> Tuple[Tensor, Tensor]:
         """(M_G, M_H) with g(u, v) = tr(M_G u_Gᵀv_G) + tr(M_H u_Hᵀv_H)."""
-        return (self.P_inv, self.Q_inv) if self.metric == "inv" else (self.Q, self.P)
+        return self.gl_metric.weights(self)
 
     @functools.cached_property
     def inverse_metric_weights(self) -> Tuple[Tensor, Tensor]:
         """(N_G, N_H) = (M_G⁻¹, M_H⁻¹); the Riemannian gradient is (∇_G N_G, ∇_H N_H)."""
-        return (self.P, self.Q) if self.metric == "inv" else (self.Q_inv, self.P_inv)
+        return self.gl_metric.inverse_weights(self)
 
     @functools.cached_property
     def _projection_basis(self) -> Tuple[Tensor, Tensor, Tensor]:
@@ -158,13 +169,8 @@ class GLFrame:
         d₁ = d₂ = 1 and the formula is the closed form Λ = ½ P⁻¹ C Q⁻¹ = ½[P⁻¹Gᵀu_G − u_HᵀH Q⁻¹]; no
         eigendecomposition is needed then.
         """
-        if self.metric == "inv":
-            F_G, F_H = self.chol_P, self.chol_Q  # N_G = P = L_P L_Pᵀ, N_H = Q
-        else:
-            # N_G = Q⁻¹ = L_Q⁻ᵀ L_Q⁻¹, so F_G = L_Q⁻ᵀ (any factor with N = F Fᵀ works).
-            F_G = torch.linalg.solve_triangular(self.chol_Q, self.eye, upper=False).mT
-            F_H = torch.linalg.solve_triangular(self.chol_P, self.eye, upper=False).mT
-        if self.metric == "mix" and not self.eps:
+        F_G, F_H = self.gl_metric.inverse_weight_factors(self)
+        if self.gl_metric.closed_form_projection(self.eps):
             two = torch.full(self.P.shape[:-2] + (1, 1), 2.0, dtype=self.cdtype, device=self.P.device)
             return F_H, F_G, two
         return pencil_basis(F_H, self.gram_G, F_G, self.gram_H)
@@ -270,10 +276,7 @@ class GLFrame:
         N_G, N_H = self.inverse_metric_weights
         dP = 2 * sym(self.G.mT @ uG)
         dQ = 2 * sym(self.H.mT @ uH)
-        if self.metric == "inv":
-            dN_G, dN_H = dP, dQ
-        else:
-            dN_G, dN_H = -self.Q_inv @ dQ @ self.Q_inv, -self.P_inv @ dP @ self.P_inv
+        dN_G, dN_H = self.gl_metric.inverse_weights_derivative(self, dP, dQ)
         rgrad = self._pack(gG @ N_G, gH @ N_H)
         d_rgrad = self._pack(hG @ N_G + gG @ dN_G, hH @ N_H + gH @ dN_H)
         return self._out(self.project(d_rgrad + self.christoffel(rgrad, self._in(u))), u)
@@ -281,50 +284,16 @@ class GLFrame:
     # ------------------------------------------------------------------ connection
     def christoffel(self, u: Tensor, v: Optional[Tensor] = None) -> Tensor:
         r"""Symmetric Christoffel map Γ_x(u, v) of the (ε-relaxed) total-space metric
-        (docs/maths.md §5), with P = GᵀG + εI, Q = HᵀH + εI.
-
-        inv (paper Eq. 11), and Γ_H the same with H, Q in place of G, P:
-
-        .. math::
-
-            \Gamma_G = -u_G P^{-1}\operatorname{sym}(G^\top v_G) - v_G P^{-1}\operatorname{sym}(G^\top u_G)
-                        + G P^{-1}\operatorname{sym}(v_G^\top u_G)
-
-        mix (paper Eq. 12):
-
-        .. math::
-
-            \Gamma_G &= \bigl[u_G \operatorname{sym}(v_H^\top H) + v_G \operatorname{sym}(u_H^\top H)
-                        - G \operatorname{sym}(v_H^\top u_H)\bigr] Q^{-1},\\
-            \Gamma_H &= \bigl[u_H \operatorname{sym}(v_G^\top G) + v_H \operatorname{sym}(u_G^\top G)
-                        - H \operatorname{sym}(v_G^\top u_G)\bigr] P^{-1}.
+        (docs/maths.md §5), with P = GᵀG + εI, Q = HᵀH + εI: for each metric the formula of
+        :meth:`~quotient_manifolds.core.metrics.GLMetric.christoffel` (paper Eq. 11 for inv,
+        Eq. 12 for mix).
 
         Geodesics satisfy :math:`\ddot\gamma + \Gamma(\dot\gamma, \dot\gamma) = 0`, and the
         connection is :math:`\nabla_u v = Dv[u] + \Gamma(u, v)`.
         """
-        uc = self._in(u)
-        same = v is None
-        vc = uc if same else self._in(v)
-        uG, uH = self._split(uc)
-        vG, vH = self._split(vc)
-        G, H = self.G, self.H
-        if self.metric == "inv":
-            def block(A, uA, vA, inv):
-                if same:
-                    return (-2 * uA @ (inv @ sym(A.mT @ uA))) + A @ (inv @ (uA.mT @ uA))
-                return (-(uA @ (inv @ sym(A.mT @ vA))) - vA @ (inv @ sym(A.mT @ uA))
-                        + A @ (inv @ sym(vA.mT @ uA)))
-            out = self._pack(block(G, uG, vG, self.P_inv), block(H, uH, vH, self.Q_inv))
-        else:
-            # the h×h factor Q⁻¹ (P⁻¹) is folded into the small matrices: one n×h×h product less
-            def block(A, uA, vA, uB, vB, B, inv):
-                if same:
-                    return uA @ (2 * sym(uB.mT @ B) @ inv) - A @ ((uB.mT @ uB) @ inv)
-                return (uA @ (sym(vB.mT @ B) @ inv) + vA @ (sym(uB.mT @ B) @ inv)
-                        - A @ (sym(vB.mT @ uB) @ inv))
-            out = self._pack(block(G, uG, vG, uH, vH, H, self.Q_inv),
-                             block(H, uH, vH, uG, vG, G, self.P_inv))
-        return self._out(out, u)
+        uG, uH = self._split(self._in(u))
+        vG, vH = (None, None) if v is None else self._split(self._in(v))
+        return self._out(self._pack(*self.gl_metric.christoffel(self, uG, uH, vG, vH)), u)
 
     # ------------------------------------------------------------------ retractions
     def retract(self, u: Tensor, method: Optional[str] = None, *,
@@ -361,7 +330,9 @@ class GLQuotientGeometry:
     n, m, h:
         Shapes of G (n×h) and H (m×h); h ≤ min(n, m).
     metric:
-        ``"inv"`` or ``"mix"`` (docs/maths.md §2).
+        ``"inv"`` or ``"mix"`` (docs/maths.md §2), or a
+        :class:`~quotient_manifolds.core.metrics.GLMetric`. ``metric`` is its name and
+        ``gl_metric`` the object.
     retraction:
         ``"first_order"``, ``"second_order"`` (default) or ``"exact"`` (docs/maths.md §5).
     eps:
@@ -377,7 +348,7 @@ class GLQuotientGeometry:
         (the metric is GL(h)-invariant); the vertical space, the projection and ``dim`` do.
     """
 
-    def __init__(self, n: int, m: int, h: int, metric: str = "mix", *,
+    def __init__(self, n: int, m: int, h: int, metric: "str | GLMetric" = "mix", *,
                  retraction: str = "second_order", eps: float = 0.0,
                  exact_steps: int = 32, exact_method: str = "rk4",
                  group: "str | Group | None" = None):
@@ -389,7 +360,8 @@ class GLQuotientGeometry:
                 f"h = {h} exceeds n = {n} or m = {m}: G (n×h) and H (m×h) cannot have full column "
                 f"rank h unless h ≤ min(n, m)")
         self.n, self.m, self.h = n, m, h
-        self.metric = check_choice(metric, METRICS, "metric")
+        self.gl_metric = as_metric(metric)
+        self.metric = self.gl_metric.name
         self.retraction = check_choice(retraction, RETRACTIONS, "retraction")
         if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
             raise ValueError(f"eps must be a finite number ≥ 0, got {eps!r}")

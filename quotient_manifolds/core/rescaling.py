@@ -14,7 +14,8 @@ they are those of :class:`~quotient_manifolds.core.gl.GLQuotientGeometry` applie
     horizontal (both): ξ_uⁱ/uⁱ = ξ_vⁱ/vⁱ =: bⁱ
 
 What is specific to d = 1 per coordinate is the closed-form geodesic (docs/maths.md §8.3), used
-by the ``exact`` retraction when ε = 0:
+by the ``exact`` retraction when ε = 0 (written with the other formulas of each metric, in
+:meth:`~quotient_manifolds.core.metrics.GLMetric.gl1_geodesic`):
 
     inv: (u e^{ξ_u/u}, v e^{ξ_v/v})            (any ξ; = (u e^{b}, v e^{b}) for horizontal ξ)
     mix: (u √(1+2b), v √(1+2b))                 (horizontal ξ, needs 1 + 2b > 0)
@@ -28,7 +29,8 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from .gl import RETRACTIONS, GLFrame, GLQuotientGeometry, check_choice
+from .gl import RETRACTIONS, GLFrame, GLQuotientGeometry, as_metric, check_choice
+from .metrics import GLMetric
 
 Tensor = torch.Tensor
 
@@ -99,12 +101,13 @@ class RescalingGeometry:
     r"""The quotient (R∖{0})^d × (R∖{0})^d / (R∖{0})^d of diagonal networks β = u⊙v
     (docs/maths.md §8).
 
-    Parameters: ``d`` (number of coordinates), ``metric`` (``"inv"`` | ``"mix"``), ``retraction``
+    Parameters: ``d`` (number of coordinates), ``metric`` (``"inv"`` | ``"mix"`` or a
+    :class:`~quotient_manifolds.core.metrics.GLMetric`), ``retraction``
     (``"first_order"`` | ``"second_order"`` | ``"exact"``), ``eps`` (relaxation, u² + ε), and the
     ODE settings used by ``exact`` when ε > 0.
     """
 
-    def __init__(self, d: int, metric: str = "mix", *, retraction: str = "second_order",
+    def __init__(self, d: int, metric: "str | GLMetric" = "mix", *, retraction: str = "second_order",
                  eps: float = 0.0, exact_steps: int = 32):
         if not isinstance(d, int) or d < 1:
             raise ValueError(f"d must be a positive integer, got {d!r}")
@@ -112,6 +115,7 @@ class RescalingGeometry:
         self.gl = GLQuotientGeometry(1, 1, 1, metric, retraction=retraction, eps=eps,
                                      exact_steps=exact_steps)
         self.metric, self.retraction, self.eps = self.gl.metric, self.gl.retraction, self.gl.eps
+        self.gl_metric = self.gl.gl_metric
 
     def __repr__(self) -> str:
         return (f"RescalingGeometry(d={self.d}, metric={self.metric!r}, "
@@ -153,17 +157,7 @@ class RescalingGeometry:
         ξ = (b⊙u, b⊙v); a non-horizontal ξ or 1 + 2bt ≤ 0 (the mix geodesic is incomplete) raise.
         """
         bu, bv = u[..., 0, :] / x[..., 0, :], u[..., 1, :] / x[..., 1, :]
-        if self.metric == "inv":
-            return x * torch.exp(t * torch.stack((bu, bv), dim=-2))
-        scale = (bu.abs() + bv.abs()).clamp_min(torch.finfo(x.dtype).tiny)
-        if bool(((bu - bv).abs() > 1e-6 * scale + 1e-12).any()):
-            raise ValueError("the closed-form mix geodesic needs a horizontal tangent vector "
-                             "(ξ_u/u = ξ_v/v per coordinate); project it first with `project`")
-        s = mix_geodesic_scale(bu, t)
-        if bool((s <= 0).any()):
-            raise ValueError("the mix geodesic leaves the manifold (1 + 2b ≤ 0 for some coordinate, "
-                             "docs/maths.md §8.3); use a shorter step")
-        return x * s.sqrt()[..., None, :]
+        return self.gl_metric.gl1_geodesic(x, bu, bv, t)
 
     def random_point(self, *batch: int, dtype=None, device=None, generator=None) -> Tensor:
         return torch.randn(tuple(batch) + (2, self.d), dtype=dtype, device=device,
@@ -200,23 +194,13 @@ class RescalingGeometry:
         return self.frame(y).project(v)
 
 
-def mix_geodesic_scale(b: Tensor, t: float = 1.0) -> Tensor:
-    r"""s(t) = 1 + 2bt, the squared scale of the mix geodesic with horizontal coefficient b
-    (docs/maths.md §8.3): (u, v)(t) = (u√s, v√s), so β(t) = β₀⊙s.
-
-    The geodesic exists while s > 0; β₀⊙s is a polynomial in t and continues past it.
-    """
-    return 1 + 2 * t * b
-
-
 # ---------------------------------------------------------------------- diagonal-net sharpness
-def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: str, t: float = 1.0) -> Tensor:
+def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: "str | GLMetric", t: float = 1.0) -> Tensor:
     """β(t) = u(t)⊙v(t) along the horizontal geodesic with coefficient b (docs/maths.md §8.3).
 
     inv: β₀ ⊙ e^{2bt};  mix: β₀ ⊙ (1 + 2bt) (polynomial, so it extends past 1 + 2bt ≤ 0).
     """
-    check_choice(metric, ("inv", "mix"), "metric")
-    return beta0 * (torch.exp(2 * t * b) if metric == "inv" else mix_geodesic_scale(b, t))
+    return beta0 * as_metric(metric).gl1_beta_scale(b, t)
 
 
 def sharpness_mix_orthonormal(beta0: Tensor, beta_star: Tensor, rho: float) -> Tensor:

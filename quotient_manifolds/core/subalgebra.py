@@ -240,25 +240,19 @@ class SkewPencilSolver:
 
 
 def _orthogonal_solver(group: "SymmetryGroup", frame, with_scalars: bool):
-    r"""The exact solver for so(h) (⊕ R·I): the closed form :class:`SkewPencilSolver` for mix with
-    ε = 0; otherwise conjugate gradients preconditioned by closed forms of nearby operators, with
-    the dense normal equations (structured O(h⁴) matrix) as fallback.
+    r"""The exact solver for so(h) (⊕ R·I): the closed form :class:`SkewPencilSolver` where the
+    metric's vertical operator is one pencil (mix with ε = 0); otherwise conjugate gradients
+    preconditioned by the mean of the closed-form inverses of the metric's nearby pencils
+    (:meth:`~quotient_manifolds.core.metrics.GLMetric.skew_pencils`: (P, Q) for mix with ε > 0,
+    (P, P⁻¹) and (Q, Q⁻¹) for inv), with the dense normal equations (structured O(h⁴) matrix) as
+    fallback."""
+    metric = frame.gl_metric
+    pencils = [SkewPencilSolver(M, N, with_scalars=with_scalars) for M, N in metric.skew_pencils(frame)]
+    if metric.closed_form_projection(frame.eps):
+        return pencils[0]
 
-    * mix, ε > 0: L(Λ) = (GᵀG)ΛQ + PΛ(HᵀH) ≈ 2PΛQ with the relaxed P, Q: the pencil (P, Q).
-    * inv: Π_so L(Λ) = T_P(Λ) + T_Q(Λ) with T_P(Λ) = ½(PΛP⁻¹ + P⁻¹ΛP), T_Q(Λ) = ½(QΛQ⁻¹ + Q⁻¹ΛQ)
-      (ε = 0), each exactly invertible as the pencils (P, P⁻¹), (Q, Q⁻¹); the preconditioner is
-      ¼(T_P⁻¹ + T_Q⁻¹) ⪰ (T_P + T_Q)⁻¹ (operator convexity of the inverse)."""
-    if frame.metric == "mix":
-        pencil = SkewPencilSolver(frame.P, frame.Q, with_scalars=with_scalars)
-        if not frame.eps:
-            return pencil
-        precondition = pencil.solve
-    else:
-        pencil_P = SkewPencilSolver(frame.P, frame.P_inv, with_scalars=with_scalars)
-        pencil_Q = SkewPencilSolver(frame.Q, frame.Q_inv, with_scalars=with_scalars)
-
-        def precondition(r: Tensor) -> Tensor:   # pencil.solve inverts 2·T_P (resp. 2·T_Q)
-            return 0.5 * (pencil_P.solve(r) + pencil_Q.solve(r))
+    def precondition(r: Tensor) -> Tensor:   # the mean of the pencils' inverses
+        return sum(pencil.solve(r) for pencil in pencils) / len(pencils)
     h = frame.G.shape[-1]
 
     def dense():

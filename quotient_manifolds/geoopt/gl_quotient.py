@@ -14,6 +14,7 @@ import torch
 
 from ..core.gl import GLQuotientGeometry
 from ..core.groups import Group
+from ..core.metrics import GLMetric
 from ._base import CoreQuotientManifold
 
 Tensor = torch.Tensor
@@ -29,7 +30,8 @@ class GLQuotient(CoreQuotientManifold):
     ----------
     n, m, h : shapes of G (n×h) and H (m×h), h ≤ min(n, m).
     metric : ``"mix"`` tr(Q u_Gᵀv_G) + tr(P u_Hᵀv_H) (default) or ``"inv"``
-        tr(P⁻¹u_Gᵀv_G) + tr(Q⁻¹u_Hᵀv_H), with P = GᵀG + εI, Q = HᵀH + εI (docs/maths.md §2).
+        tr(P⁻¹u_Gᵀv_G) + tr(Q⁻¹u_Hᵀv_H), with P = GᵀG + εI, Q = HᵀH + εI (docs/maths.md §2), or
+        a :class:`~quotient_manifolds.core.metrics.GLMetric`.
     retraction : ``"second_order"`` x + u − ½Γ_x(u, u) (default), ``"first_order"`` x + u, or
         ``"exact"`` (numerically integrated geodesic) — used by :meth:`retr` (docs/maths.md §5.1).
     eps : relaxation ε ≥ 0 of the Gram matrices (docs/maths.md §6.4); needed for rank-deficient
@@ -48,7 +50,7 @@ class GLQuotient(CoreQuotientManifold):
     name = "GLQuotient"
     _group = "GL(h)"
 
-    def __init__(self, n: int, m: int, h: int, metric: str = "mix",
+    def __init__(self, n: int, m: int, h: int, metric: "str | GLMetric" = "mix",
                  retraction: str = "second_order", eps: float = 0.0, exact_steps: int = 32,
                  group: "str | Group | None" = None):
         super().__init__()

@@ -12,6 +12,7 @@ from typing import Tuple
 import torch
 
 from ..core.rescaling import RescalingGeometry
+from ..core.metrics import GLMetric
 from ._base import CoreQuotientManifold
 
 Tensor = torch.Tensor
@@ -27,7 +28,7 @@ class RescalingQuotient(CoreQuotientManifold):
     ----------
     d : number of coordinates.
     metric : ``"mix"`` Σ ξ_uη_u v² + ξ_vη_v u² (default) or ``"inv"`` Σ ξ_uη_u/u² + ξ_vη_v/v²
-        (docs/maths.md §8.1).
+        (docs/maths.md §8.1), or a :class:`~quotient_manifolds.core.metrics.GLMetric`.
     retraction : ``"second_order"`` (default), ``"first_order"`` or ``"exact"`` (the closed-form
         geodesic of docs/maths.md §8.3 when ε = 0) — used by :meth:`retr`.
     eps : relaxation ε ≥ 0 (u² + ε in place of u²); needed if a coordinate can be 0.
@@ -39,7 +40,7 @@ class RescalingQuotient(CoreQuotientManifold):
     name = "RescalingQuotient"
     _group = "(R∖{0})^d"
 
-    def __init__(self, d: int, metric: str = "mix", retraction: str = "second_order",
+    def __init__(self, d: int, metric: "str | GLMetric" = "mix", retraction: str = "second_order",
                  eps: float = 0.0, exact_steps: int = 32):
         super().__init__()
         self.geometry = RescalingGeometry(d, metric, retraction=retraction, eps=eps,

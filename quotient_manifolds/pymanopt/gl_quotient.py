@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..core.gl import GLQuotientGeometry
 from ..core.groups import Group
+from ..core.metrics import GLMetric
 from ._base import CoreQuotientManifold
 from ._tangent import GLPoint, GLTangentVector, PairConverter
 
@@ -35,7 +36,7 @@ class GLQuotient(CoreQuotientManifold):
     _tangent_cls = GLTangentVector
     _group = "GL(h)"
 
-    def __init__(self, n: int, m: int, h: int, metric: str = "mix",
+    def __init__(self, n: int, m: int, h: int, metric: "str | GLMetric" = "mix",
                  retraction: str = "second_order", eps: float = 0.0, exact_steps: int = 32,
                  group: "str | Group | None" = None):
         self.geometry = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
@@ -44,7 +45,7 @@ class GLQuotient(CoreQuotientManifold):
         self._n, self._m, self._h = n, m, h
         self._conv = PairConverter(((n, h), (m, h)))
         name = (f"{self._group} quotient of R*^({n}x{h}) x R*^({m}x{h}) "
-                f"(metric={metric!r}, retraction={retraction!r}, eps={eps})")
+                f"(metric={self.geometry.metric!r}, retraction={retraction!r}, eps={eps})")
         super().__init__(name, self.geometry.dim, point_layout=2)
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from ..core.rescaling import RescalingGeometry
+from ..core.metrics import GLMetric
 from ._base import CoreQuotientManifold
 from ._tangent import PairConverter, RescalingPoint, RescalingTangentVector
 
@@ -30,14 +31,14 @@ class RescalingQuotient(CoreQuotientManifold):
     _tangent_cls = RescalingTangentVector
     _group = "(R∖{0})^d"
 
-    def __init__(self, d: int, metric: str = "mix", retraction: str = "second_order",
+    def __init__(self, d: int, metric: "str | GLMetric" = "mix", retraction: str = "second_order",
                  eps: float = 0.0, exact_steps: int = 32):
         self.geometry = RescalingGeometry(d, metric, retraction=retraction, eps=eps,
                                           exact_steps=exact_steps)
         self._d = d
         self._conv = PairConverter(((d,), (d,)), ("u", "v"))
         name = (f"rescaling quotient of (R*^{d})^2 by (R*)^{d} "
-                f"(metric={metric!r}, retraction={retraction!r}, eps={eps})")
+                f"(metric={self.geometry.metric!r}, retraction={retraction!r}, eps={eps})")
         super().__init__(name, self.geometry.dim, point_layout=2)
 
     @property
