@@ -562,7 +562,7 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
                     else:
                         res = average_case(ball, closure, rho, n_samples=n_samples,
                                            generator=generator, on_iteration=on_iteration)
-                        run = dict(init=res["init_loss"], worst=res["mean_loss"], norm=rho,
+                        run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
                                    fwd=1 + n_samples, bwd=0, gap=None)
                     run["time"] = time.perf_counter() - started_at
                     runs_at.append(run)
