@@ -234,9 +234,9 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
     ``model`` is modified (that is the point of the call): ``lora_A[adapter].weight`` and
     ``lora_B[adapter].weight`` become views of x (module docstring); its forward, merging and
     ``state_dict`` keys are unchanged. Pairs are found by the ``peft-lora`` family of
-    :func:`quotient_manifolds.adapters.detect` (``G = lora_B.weight``, ``H = lora_A.weightᵀ``); adapters that family does
-    not model (DoRA and other variants, LoRA on embeddings or convolutions) stay plain parameters,
-    with a warning.
+    :func:`quotient_manifolds.adapters.detect` (``G = lora_B.weight``, ``H = lora_A.weightᵀ``);
+    adapters that family does not model (DoRA and other variants, LoRA on embeddings or
+    convolutions) stay plain parameters, with a warning.
 
     Parameters
     ----------
