@@ -166,8 +166,9 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
     model, batches: as for :func:`~quotient_manifolds.adapters.sharpness` (``batches`` is re-iterated: a list).
     geometry: ``"adaptive"``, ``"geodesic-inv"`` or ``"geodesic-mix"``.
     target_loss_rise: the worst-case loss rise S(ρ) = max L(w ⊕ ξ) − L(w) sought (> 0).
-    rho_start: first radius tried (default 0.05 for mix, 0.1 otherwise: a few evaluations
-        from most models' answer).
+    rho_start: first radius tried (default: the geometry's ``rho_start``,
+        :data:`~quotient_manifolds.adapters.ball.GEOMETRY_TABLE`, 0.05 for mix and 0.1 otherwise: a
+        few evaluations from most models' answer).
     tolerance: accept ρ when S(ρ)/target lies in [1/tolerance, tolerance] (default 1.25).
     max_evals: at most this many sharpness runs (default 7).
 
@@ -180,12 +181,12 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
         res = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=cal.rho, n_iters=10)
     """
     from . import validation as check
-    from .worst_case import GEOMETRIES, sharpness
-    from .worst_case import sharpness_options as checked_options
+    from .ball import geometry_of
+    from .worst_case import SharpnessOptions, run_sharpness
 
     check.module("model", model)
     check.batches("batches", batches)
-    check.choice("geometry", geometry, GEOMETRIES)
+    spec = geometry_of(geometry)
     target_loss_rise = check.positive_finite("target_loss_rise", target_loss_rise)
     if rho_start is not None:
         rho_start = check.positive_finite("rho_start", rho_start)
@@ -198,14 +199,13 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
     if "rho" in sharpness_options:
         raise TypeError("calibrate_rho finds rho itself: drop rho= (pass rho_start= to choose the "
                         "first radius tried)")
-    checked_options(sharpness_options)
+    options = SharpnessOptions.from_keywords({**sharpness_options, "geometry": geometry})
     batches = list(batches)
-    start = rho_start if rho_start is not None else (0.05 if geometry == "geodesic-mix" else 0.1)
+    start = rho_start if rho_start is not None else spec.rho_start
     measured: Dict[float, float] = {}
 
     def loss_rise(rho: float) -> float:
-        value = float(sharpness(model, batches, geometry=geometry, rho=rho,
-                                **sharpness_options).value)
+        value = float(run_sharpness(model, batches, [rho], options, stacklevel=5)[0].value)
         measured[rho] = value
         return value
 

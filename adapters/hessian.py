@@ -119,15 +119,8 @@ from quotient_manifolds.core.gl import check_choice
 from quotient_manifolds.core.groups import sym
 
 from . import validation as check
-from .worst_case import (
-    GEOMETRIES,
-    ModelClosure,
-    build_ball,
-    default_loss,
-    pre_run_checks,
-    split_batch,
-    to_device,
-)
+from .ball import build_ball, geometry_of, gram_eps_of
+from .worst_case import ModelClosure, default_loss, pre_run_checks, split_batch, to_device
 from .evaluation import eval_mode
 from .solver import ElementwiseComponent, QuotientComponent
 from .validation import integer_at_least, materialised
@@ -310,8 +303,9 @@ def riemannian_hessian(model: torch.nn.Module,
                        batches: Iterable[Union[Tuple[Any, Any], Mapping[str, Any]]], *,
                        geometry: str = "geodesic-mix", layout=None,
                        loss_fn: Optional[Callable] = None, reduction: Optional[str] = None,
-                       batch_size_fn: Optional[Callable[[Any], int]] = None, eps: float = 0.0,
-                       allow_unsupported: bool = False, unsafe: bool = False) -> RiemannianHessian:
+                       batch_size_fn: Optional[Callable[[Any], int]] = None, gram_eps: float = 0.0,
+                       allow_unsupported: bool = False, unsafe: bool = False,
+                       eps: Optional[float] = None) -> RiemannianHessian:
     r"""The Riemannian Hessian of the loss of ``model`` on ``batches`` at its trained weights, on the
     quotient of its attention blocks, as a symmetric curvlinops linear operator (module docstring).
 
@@ -336,8 +330,9 @@ def riemannian_hessian(model: torch.nn.Module,
     batch_size_fn: ``batch_size_fn(inputs)`` = |b| for ``"mean"``, like curvlinops', an integer >= 1
         (default: the leading dimension of the input tensor, of the first tensor of a dict input, or
         of the targets; an empty batch is refused).
-    eps: Gram relaxation GᵀG + εI (docs/maths.md §6.4).
+    gram_eps: Gram relaxation GᵀG + εI of the quotient metrics (docs/maths.md §6.4).
     allow_unsupported, unsafe: as in :func:`~quotient_manifolds.adapters.sharpness`.
+    eps: the former name of ``gram_eps`` (deprecated: it warns, and will be removed).
 
     Returns
     -------
@@ -351,10 +346,10 @@ def riemannian_hessian(model: torch.nn.Module,
     check.batches("batches", batches)
     check.optional_layout("layout", layout)
     check.optional_callable("loss_fn", loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
-    eps = check.non_negative_finite("eps", eps)
+    gram_eps = check.non_negative_finite("gram_eps", gram_eps_of(gram_eps, eps))
     check.flag("allow_unsupported", allow_unsupported)
     check.flag("unsafe", unsafe)
-    check_choice(geometry, GEOMETRIES, "geometry")
+    geodesic = geometry_of(geometry).geodesic
     materialised(model, f"{geometry} Hessian")
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
@@ -365,8 +360,22 @@ def riemannian_hessian(model: torch.nn.Module,
         allow_unsupported=allow_unsupported, undefined="the Hessian",
         no_params=("the Hessian is taken with respect to the trainable weights; set requires_grad=True on "
                    "the weights to include"))
-    device = next(iter(params0.values())).device
+    data, num_data = _weighted_batches(model, batches, loss_fn, reduction, batch_size_fn,
+                                       next(iter(params0.values())).device, upcast)
+    if geodesic and verification_pending(layout, unsafe=unsafe):
+        # a geodesic number never comes from an unverified block (adapters.accept)
+        # a layout detected here gets derived groups for blocks whose candidate group fails
+        layout = accept_checked(model, layout, data[0][0], what=what, consequence=consequence, unsafe=unsafe,
+                                derive=detected)
+    ball, write_back = build_ball(model, params0, geometry=geometry, layout=layout, gram_eps=gram_eps)
+    return RiemannianHessian(model, ball, write_back, params0, buffers, data, num_data, geometry)
 
+
+def _weighted_batches(model: torch.nn.Module, batches: Iterable[Any], loss_fn: Optional[Callable],
+                      reduction: str, batch_size_fn: Optional[Callable[[Any], int]], device: torch.device,
+                      upcast: bool) -> Tuple[List[tuple], int]:
+    """``[(inputs, targets, loss_fn, weight)]`` of every batch on ``device`` (weight |b|/N for
+    ``"mean"``, 1 for ``"sum"``) and the number N of data points; an empty ``batches`` is refused."""
     if iter(batches) is batches:           # an iterator: keep its batches for repeated passes
         batches = list(batches)
     data, sizes = [], []
@@ -377,17 +386,9 @@ def riemannian_hessian(model: torch.nn.Module,
         sizes.append(_batch_size(inputs, targets, index, batch_size_fn))
     if not data:
         raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
-    if geometry != "adaptive" and verification_pending(layout, unsafe=unsafe):
-        # a geodesic number never comes from an unverified block (adapters.accept)
-        # a layout detected here gets derived groups for blocks whose candidate group fails
-        layout = accept_checked(model, layout, data[0][0], what=what, consequence=consequence, unsafe=unsafe,
-                                derive=detected)
     num_data = sum(sizes)
     weights = [n / num_data if reduction == "mean" else 1.0 for n in sizes]
-    data = [(*d, w) for d, w in zip(data, weights)]
-
-    ball, write_back = build_ball(model, params0, geometry=geometry, layout=layout, eps=eps)
-    return RiemannianHessian(model, ball, write_back, params0, buffers, data, num_data, geometry)
+    return [(*d, w) for d, w in zip(data, weights)], num_data
 
 
 def _batch_size(inputs: Any, targets: Any, index: int,

@@ -11,9 +11,9 @@ modules at it, so geoopt's Riemannian optimizers train ``ΔW`` and not a represe
     from quotient_manifolds.adapters import InvariantRiemannianSGD, lora_quotient_parameters, merge_back
 
     model = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-    # peft starts B at 0 (rank 0): eps > 0 relaxes the metric to BᵀB + εI. Exactly invariant
-    # with eps=0 once B and A have full rank (e.g. after lora_B.weight.normal_(0, 1e-3)).
-    groups = lora_quotient_parameters(model, metric="mix", eps=1e-6)   # [B; Aᵀ] points + the rest
+    # peft starts B at 0 (rank 0): gram_eps > 0 relaxes the metric to BᵀB + εI. Exactly invariant
+    # with gram_eps=0 once B and A have full rank (e.g. after lora_B.weight.normal_(0, 1e-3)).
+    groups = lora_quotient_parameters(model, metric="mix", gram_eps=1e-6)   # [B; Aᵀ] points + the rest
     opt = geoopt.optim.RiemannianAdam(groups, lr=1e-3)   # or InvariantRiemannianSGD(groups, lr, momentum=0.9)
     for batch in loader:
         opt.zero_grad()
@@ -79,7 +79,7 @@ steps have ‖ξ‖_x ≈ lr, so its lr is a Frobenius length of the change of B
 ``"inv"`` weights by BᵀB and AAᵀ instead (its step grows with |w|⁴).
 ``retraction="first_order"`` (x + ξ, default) is invariant and cheap; ``"second_order"`` adds
 −½Γ(ξ, ξ), whose mix form divides by BᵀB and misbehaves near B = 0. The quotient needs B and A
-of full rank r: peft's default initialisation B = 0 is refused with an error unless ``eps > 0``;
+of full rank r: peft's default initialisation B = 0 is refused with an error unless ``gram_eps > 0``;
 then P = BᵀB + εI, Q = AAᵀ + εI everywhere (the damping of Riemannian-preconditioned LoRA), and
 invariance holds up to O(ε / eigenvalues of the Gram matrices) (docs/maths.md §6.4).
 """
@@ -98,6 +98,7 @@ from quotient_manifolds.core.gl import METRICS, RETRACTIONS
 from quotient_manifolds.geoopt import GLQuotient
 
 from . import validation as check
+from .ball import gram_eps_of
 from .detection import detect
 from .families import family
 
@@ -225,26 +226,28 @@ def _adapter_of(block) -> str:
 
 
 def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retraction: str = "first_order",
-                             eps: float = 0.0, adapters: Optional[Sequence[str]] = None
-                             ) -> List[dict]:
+                             gram_eps: float = 0.0, adapters: Optional[Sequence[str]] = None,
+                             eps: Optional[float] = None) -> List[dict]:
     r"""Re-point every trainable peft LoRA pair of ``model`` at one GL(r)-quotient point
     ``x = [B; Aᵀ]`` and return optimizer parameter groups.
 
     ``model`` is modified (that is the point of the call): ``lora_A[adapter].weight`` and
     ``lora_B[adapter].weight`` become views of x (module docstring); its forward, merging and
     ``state_dict`` keys are unchanged. Pairs are found by the ``peft-lora`` family of
-    :func:`quotient_manifolds.adapters.detect` (``G = lora_B.weight``, ``H = lora_A.weightᵀ``); adapters that family does
-    not model (DoRA and other variants, LoRA on embeddings or convolutions) stay plain parameters,
-    with a warning.
+    :func:`quotient_manifolds.adapters.detect` (``G = lora_B.weight``, ``H = lora_A.weightᵀ``);
+    adapters that family does not model (DoRA and other variants, LoRA on embeddings or
+    convolutions) stay plain parameters, with a warning.
 
     Parameters
     ----------
-    metric, retraction, eps:
-        Passed to :class:`~quotient_manifolds.geoopt.GLQuotient` for every pair (module docstring:
-        ``"mix"``, ``"first_order"``, ε = 0 keep exact invariance; ε > 0 is needed for a
-        rank-deficient B or A, e.g. peft's initialisation B = 0).
+    metric, retraction, gram_eps:
+        Passed to :class:`~quotient_manifolds.geoopt.GLQuotient` for every pair (``gram_eps`` as its
+        ``eps``; module docstring: ``"mix"``, ``"first_order"``, ε = 0 keep exact invariance; ε > 0
+        is needed for a rank-deficient B or A, e.g. peft's initialisation B = 0).
     adapters:
         Names of the adapters to re-point (default: every adapter whose two factors are trainable).
+    eps:
+        The former name of ``gram_eps`` (deprecated: it warns, and will be removed).
 
     Returns
     -------
@@ -256,17 +259,39 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
     check.module("model", model)
     check.choice("metric", metric, METRICS)
     check.choice("retraction", retraction, RETRACTIONS)
-    eps = check.non_negative_finite("eps", eps)
+    gram_eps = check.non_negative_finite("gram_eps", gram_eps_of(gram_eps, eps))
     wanted = None if adapters is None else set(check.names("adapters", adapters))
     if any(True for _ in _views(model)):
         raise ValueError("the LoRA pairs of this model are already re-pointed at quotient points: use the "
                          "parameter groups of the first call (or lora_quotient_points(model)), or call "
                          "merge_back(model) first")
-    found = detect(model, families=[family("peft-lora")])
     params = dict(model.named_parameters())
+    # build and check every point before touching the model
+    built = [(b_name, a_name, _quotient_point(block, b_name, a_name, params, metric, retraction, gram_eps))
+             for block, b_name, a_name in _trainable_pairs(model, params, wanted)]
+    points = []
+    for b_name, a_name, point in built:
+        for name, factor in ((b_name, "B"), (a_name, "A")):
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            parametrize.register_parametrization(module, "weight", _FactorView(point, factor))
+            point._hooks.append(module.register_state_dict_post_hook(_save_hook))
+            point._hooks.append(module.register_load_state_dict_pre_hook(_load_hook))
+        points.append(point.x)
+    ids = {id(p) for p in points}
+    others = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    groups = [{"params": points, "weight_decay": 0.0}]
+    if others:
+        groups.append({"params": others})
+    return groups
+
+
+def _trainable_pairs(model: nn.Module, params: Dict[str, Tensor], wanted: Optional[set]) -> List[tuple]:
+    """(block, B's name, A's name) of every peft LoRA pair of ``wanted`` adapters (default: all) whose
+    two factors are trainable, refused when there is none; a note of detection is a warning."""
+    found = detect(model, families=[family("peft-lora")])
     for note in found.notes:
         warnings.warn(f"{note}; such factors are trained as plain parameters, not GL(r)-invariantly",
-                      stacklevel=2)
+                      stacklevel=3)
     pairs = []
     for block in found.blocks:
         adapter = _adapter_of(block)
@@ -286,41 +311,31 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
                          + (f" for adapters {sorted(wanted)}" if wanted is not None else "")
                          + ": build the model with peft.get_peft_model(base, LoraConfig(...)) and make "
                          "sure the adapter is active and trainable")
-    # build and check every point before touching the model
-    built = []
-    for block, b_name, a_name in pairs:
-        with torch.no_grad():
-            x = block.gather(params)[0].detach().clone()
-        try:
-            manifold = GLQuotient(block.n, block.m, block.head_dim, metric=metric, retraction=retraction,
-                                  eps=eps)
-        except ValueError as err:
-            raise ValueError(f"{block.name}: cannot be a GL(r) quotient point: {err}") from None
-        ok, reason = manifold.check_point_on_manifold(x, explain=True)
-        if not ok:
-            zero = [f for f, t in (("lora_B", params[b_name]), ("lora_A", params[a_name]))
-                    if not bool(t.detach().any())]
-            hint = (f" ({' and '.join(zero)} is all zeros: peft initialises lora_B at zero)" if zero else "")
-            raise ValueError(
-                f"{block.name}: the LoRA factors must have full rank r = {block.head_dim} for the exact "
-                f"quotient{hint}. Either pass eps > 0 (relaxed metric BᵀB + εI, AAᵀ + εI: the damping of "
-                f"Riemannian-preconditioned LoRA, invariant up to O(ε); e.g. eps=1e-6), or give B and A "
-                f"full rank first (e.g. lora_B.weight.normal_(0, 1e-3)). Core message: {reason}")
-        built.append((block, b_name, a_name, LoRAQuotientPoint(x, manifold, block.name)))
-    points = []
-    for block, b_name, a_name, point in built:
-        for name, factor in ((b_name, "B"), (a_name, "A")):
-            module = model.get_submodule(name.rsplit(".", 1)[0])
-            parametrize.register_parametrization(module, "weight", _FactorView(point, factor))
-            point._hooks.append(module.register_state_dict_post_hook(_save_hook))
-            point._hooks.append(module.register_load_state_dict_pre_hook(_load_hook))
-        points.append(point.x)
-    ids = {id(p) for p in points}
-    others = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
-    groups = [{"params": points, "weight_decay": 0.0}]
-    if others:
-        groups.append({"params": others})
-    return groups
+    return pairs
+
+
+def _quotient_point(block, b_name: str, a_name: str, params: Dict[str, Tensor], metric: str,
+                    retraction: str, gram_eps: float) -> "LoRAQuotientPoint":
+    """The point ``[B; Aᵀ]`` of one pair (a copy of its factors) on its GL(r) quotient, refused with
+    what to do when the factors are not of full rank (the model is not touched)."""
+    with torch.no_grad():
+        x = block.gather(params)[0].detach().clone()
+    try:
+        manifold = GLQuotient(block.n, block.m, block.head_dim, metric=metric, retraction=retraction,
+                              eps=gram_eps)
+    except ValueError as err:
+        raise ValueError(f"{block.name}: cannot be a GL(r) quotient point: {err}") from None
+    ok, reason = manifold.check_point_on_manifold(x, explain=True)
+    if not ok:
+        zero = [f for f, t in (("lora_B", params[b_name]), ("lora_A", params[a_name]))
+                if not bool(t.detach().any())]
+        hint = (f" ({' and '.join(zero)} is all zeros: peft initialises lora_B at zero)" if zero else "")
+        raise ValueError(
+            f"{block.name}: the LoRA factors must have full rank r = {block.head_dim} for the exact "
+            f"quotient{hint}. Either pass gram_eps > 0 (relaxed metric BᵀB + εI, AAᵀ + εI: the damping of "
+            f"Riemannian-preconditioned LoRA, invariant up to O(ε); e.g. gram_eps=1e-6), or give B and A "
+            f"full rank first (e.g. lora_B.weight.normal_(0, 1e-3)). Core message: {reason}")
+    return LoRAQuotientPoint(x, manifold, block.name)
 
 
 def merge_back(model: nn.Module) -> int:

@@ -46,16 +46,17 @@ from torch import Tensor, nn
 
 from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
-from .worst_case import GEOMETRIES as BALL_GEOMETRIES
 from . import validation as check
-from .worst_case import HALF_DTYPES, as_compute, as_rho, build_ball
+from .ball import GEOMETRY_TABLE, build_ball, geometry_of
+from .worst_case import HALF_DTYPES, as_compute, as_rho
 from .validation import materialised
 
 #: why a layout whose blocks fail verification is refused (``unsafe=True``: the warning's reason)
 SAM_CONSEQUENCE = "the ascent would not be invariant"
 
-#: The ascent geometries of :class:`GeodesicSAM`: those of the sharpness ball, and plain SAM.
-SAM_GEOMETRIES = BALL_GEOMETRIES + ("sam",)
+#: The ascent geometries of :class:`GeodesicSAM`: those of the sharpness ball, and plain SAM (every
+#: entry of :data:`~quotient_manifolds.adapters.ball.GEOMETRY_TABLE`).
+SAM_GEOMETRIES = tuple(GEOMETRY_TABLE)
 
 
 class GeodesicSAM(torch.optim.Optimizer):
@@ -114,14 +115,16 @@ class GeodesicSAM(torch.optim.Optimizer):
         materialised(model, "GeodesicSAM")
         self.model = model
         self.rho = as_rho(rho)
-        self.geometry = check_choice(geometry, SAM_GEOMETRIES, "geometry")
+        spec = geometry_of(geometry, SAM_GEOMETRIES)
+        self.geometry = spec.name
         self.retraction = check_choice(retraction, RETRACTIONS, "retraction")
-        if geometry == "adaptive" and retraction == "exact":
+        if spec.adaptive and retraction == "exact":
             raise ValueError("retraction='exact' integrates the geodesic of GL blocks, and "
                              "geometry='adaptive' has none: use 'first_order' (ASAM) or "
                              "'second_order' (w + ξ + ξ²/(2w))")
         if elementwise_second_order is None:
-            elementwise_second_order = geometry == "adaptive" and retraction != "first_order"
+            # the adaptive geometry is the elementwise metric itself: its geodesic by default
+            elementwise_second_order = spec.adaptive and retraction != "first_order"
         self.elementwise_second_order = check.flag("elementwise_second_order", elementwise_second_order)
         self.gram_eps = check.non_negative_finite("gram_eps", gram_eps)
         check.optional_layout("layout", layout)
@@ -172,7 +175,7 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ set-up
     def _checked_layout(self, layout, allow_unsupported: bool, unsafe: bool):
-        if self.geometry not in ("geodesic-inv", "geodesic-mix"):
+        if not GEOMETRY_TABLE[self.geometry].geodesic:
             return None
         from .accept import capture_first_call, checked_layout, is_verified, verification_pending
         #: a layout detected here gets derived groups for blocks whose candidate group fails
@@ -221,7 +224,7 @@ class GeodesicSAM(torch.optim.Optimizer):
             self._verify_layout()
         self._saved = {n: p.detach().clone() for n, p in self._perturbed.items()}
         try:
-            if self.geometry == "sam":
+            if not GEOMETRY_TABLE[self.geometry].ball:
                 self._euclidean_ascent_(grads)
             else:
                 self._ball_ascent_(grads)
@@ -311,13 +314,13 @@ class GeodesicSAM(torch.optim.Optimizer):
         r"""w ← R(ε), ε = ρ g/‖g‖ in the ball of the current weights.
 
         The Euclidean gradient in ball coordinates is the gather of ∇ into the blocks' and the
-        elementwise layout (:class:`~quotient_manifolds.adapters.worst_case.BallParameters`), the gradient of
+        elementwise layout (:class:`~quotient_manifolds.adapters.ball.BallParameters`), the gradient of
         ξ ↦ L(R(ξ)) at ξ = 0 since DR₀ = id for every retraction."""
         upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
         params0 = {n: as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}
         ball, ball_params = build_ball(self.model, params0, geometry=self.geometry,
                                        layout=self.layout, retraction=self.retraction,
-                                       eps=self.gram_eps,
+                                       gram_eps=self.gram_eps,
                                        elementwise_second_order=self.elementwise_second_order)
         rgrad = ball.rgrad(ball_params.gather(grads))
         norm = float(ball.norm(rgrad))

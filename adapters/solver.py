@@ -726,10 +726,36 @@ def finite_loss(loss: Tensor, perturbation_norm: float) -> float:
     return value
 
 
+@dataclass
+class AverageCaseResult:
+    """Outcome of :func:`average_case`: the loss at the centre, the loss at each random point of the
+    sphere ‖ξ‖ = ρ, and their mean. ``sharpness`` = ``mean_loss`` − ``init_loss``.
+
+    ``result["init_loss"]`` (the dict of version 0.1.0) still reads a field, with a
+    DeprecationWarning: use the attribute."""
+
+    init_loss: float
+    mean_loss: float
+    losses: List[float] = field(default_factory=list)
+
+    @property
+    def sharpness(self) -> float:
+        return self.mean_loss - self.init_loss
+
+    def __getitem__(self, key: str) -> Union[float, List[float]]:
+        if key not in ("init_loss", "mean_loss", "losses"):
+            raise KeyError(key)
+        import warnings  # only this deprecated path warns
+
+        warnings.warn(f"average_case returns an AverageCaseResult: read result.{key} instead of "
+                      f"result[{key!r}]", DeprecationWarning, stacklevel=2)
+        return getattr(self, key)
+
+
 def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,
                  n_samples: int = 10, generator: Optional[torch.Generator] = None,
                  on_iteration: Optional[Callable[[int, float], None]] = None
-                 ) -> Dict[str, float]:
+                 ) -> AverageCaseResult:
     """E_ξ[L(R(ξ))] − L(w⁰) over random horizontal ξ on the sphere ‖ξ‖ = ρ (forward passes only).
 
     Directions are Gaussian in the metric's natural scaling (projected horizontally), rescaled to
@@ -746,4 +772,4 @@ def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], r
             losses.append(finite_loss(closure(ball.points(u)), rho))
             if on_iteration is not None:
                 on_iteration(k, losses[-1])
-    return {"init_loss": loss0, "mean_loss": sum(losses) / len(losses), "losses": losses}
+    return AverageCaseResult(loss0, sum(losses) / len(losses), losses)

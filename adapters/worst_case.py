@@ -19,40 +19,38 @@ The maths: docs/maths.md §6 (blocks, total norm, ε), §7.3 (algorithm), §12 (
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 import numbers
 import time
 import warnings
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import (Any, Callable, Dict, Hashable, Iterable, List, Mapping, NamedTuple, Optional,
-                    Sequence, Tuple, Union)
+from dataclasses import dataclass, field, fields
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
 from quotient_manifolds._runtime import bounded_threads
-from quotient_manifolds.core.gl import RETRACTIONS, GLQuotientGeometry
+from quotient_manifolds.core.gl import RETRACTIONS
 
-from .solver import (
-    MOMENTUM_FORMS,
-    STEP_NORMALISATIONS,
-    ElementwiseComponent,
-    ProductBall,
-    QuotientComponent,
-    auto_pgd,
-    average_case,
+from .ball import (  # GEOMETRIES and build_ball are served here too (the adapters' public names)
+    ADAPTIVE_DIRECTIONS,
+    GEOMETRIES,
+    GEOMETRY_TABLE,
+    Geometry,
+    build_ball,
+    geometry_of,
+    gram_eps_of,
 )
+from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS, APGDResult, ProductBall, auto_pgd, average_case
 from . import validation as check
 from .evaluation import eval_mode, map_tensors
 from .validation import materialised, scalar_loss, token_inputs
 
 Tensor = torch.Tensor
 
-GEOMETRIES = ("adaptive", "geodesic-inv", "geodesic-mix")
 MEASURES = ("worst", "average")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: Models with at most this many parameters run on one thread (see ``num_threads``).
@@ -204,162 +202,95 @@ class ModelClosure:
             p.requires_grad for p in points))
 
 
-def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: str,
-               layout=None, retraction: str = "second_order", eps: float = 0.0,
-               use_metric_norm: bool = True, adaptive_direction: str = "riemannian",
-               elementwise_second_order: bool = False
-               ) -> Tuple[ProductBall, "BallParameters"]:
-    """The ball of perturbations and the map between ball points and the parameter dict
-    (:class:`BallParameters`: call it on points; ``gather`` reads gradients into the ball).
+@dataclass(frozen=True)
+class SharpnessOptions:
+    """The options of :func:`sharpness` (every keyword but ``rho``), checked once when built: an
+    unknown name or an out-of-range value is refused before any work, naming the option. The
+    meaning of each is documented at :func:`sharpness`; :func:`sharpness_sweep`,
+    :func:`~quotient_manifolds.adapters.calibrate_rho` and :func:`run_sharpness` take them as they are."""
 
-    ``geodesic-*``: blocks with equal :func:`_component_key` (n, m, h, symmetry group) are stacked into
-    ONE batched GLQuotientGeometry over all their heads (e.g. all QK blocks of a BERT), so the
-    geometry costs a few batched h×h factorisations per group; every weight not covered by a GL
-    block (or the uncovered entries of a partially covered one) is elementwise. adaptive: every
-    trainable weight is elementwise.
-    """
-    trainable = list(params0)
-    components: List = []
-    groups: List[Tuple[List, List[int]]] = []  # (blocks, head counts) per quotient component
-    if geometry != "adaptive":
-        metric = geometry.split("-", 1)[1]
-        by_key: "OrderedDict[Tuple[int, int, int, Hashable], List]" = OrderedDict()
-        for block in layout.blocks:
-            by_key.setdefault(_component_key(block), []).append(block)
-        runs = [(key, run) for key, blocks in by_key.items()
-                for run in _runs_of_blocks(blocks, key, params0[blocks[0].g_pieces[0].param])]
-        for (n, m, h, group), blocks in runs:
-            try:
-                geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
-                                          **({"group": group} if group is not None else {}))
-            except ValueError as err:   # e.g. a head dimension h larger than n or m
-                raise ValueError(f"block(s) {', '.join(b.name for b in blocks)}: {err}; measure this "
-                                 f"model with geometry='adaptive', or pass a layout= without these "
-                                 f"blocks") from None
-            counts = [block.num_heads for block in blocks]
-            like = params0[blocks[0].g_pieces[0].param]
-            x0 = _gather_heads(blocks, counts, params0, like.device)
-            frame = _frame_or_explain(geom, x0, blocks, counts)
-            name = f"GL(h={h}) n={n} m={m} [{len(blocks)} blocks]"
-            # iterates in the model's dtype; the frame does its Gram-matrix work in float64
-            components.append(QuotientComponent(name, frame, x0, retraction=retraction,
-                                                use_metric_norm=use_metric_norm, dtype=like.dtype))
-            groups.append((blocks, counts))
-        masks = getattr(layout, "gl_masks", {})
-        elementwise = [(n, ~masks[n].to(params0[n].device) if n in masks else None)
-                       for n in layout.adaptive if n in params0]
-    else:
-        elementwise = [(n, None) for n in trainable]
-    # one flat elementwise component per (dtype, device), so each solver step is one pass
-    by_kind: "OrderedDict[Tuple, Dict[str, Tensor]]" = OrderedDict()
-    mask_of = dict(elementwise)
-    for name, _ in elementwise:
-        by_kind.setdefault((params0[name].dtype, params0[name].device), {})[name] = params0[name]
-    for tensors in by_kind.values():
-        components.append(ElementwiseComponent(tensors, masks={n: mask_of[n] for n in tensors},
-                                               direction=adaptive_direction,
-                                               second_order=elementwise_second_order))
-    return ProductBall(components), BallParameters(params0, components, groups)
+    geometry: str = "geodesic-mix"
+    n_iters: int = 20
+    retraction: str = "second_order"
+    loss_fn: Optional[Callable] = None
+    measure: str = "worst"
+    n_samples: int = 10
+    gram_eps: float = 0.0
+    use_metric_norm: bool = True
+    momentum: str = "apgd"
+    step_normalisation: str = "metric"
+    adaptive_direction: str = "riemannian"
+    elementwise_second_order: bool = False
+    normalize_logits: bool = False
+    step_size_mult: float = 1.0
+    layout: Any = None
+    allow_unsupported: bool = False
+    unsafe: bool = False
+    seed: int = 0
+    progress: bool = False
+    num_threads: Optional[int] = None
+    include_frozen: bool = False
+    check_retraction: bool = True
+    retraction_tolerance: float = 0.1
 
+    def __post_init__(self) -> None:
+        geometry_of(self.geometry)
+        check.choice("retraction", self.retraction, RETRACTIONS)
+        check.choice("measure", self.measure, MEASURES)
+        check.choice("momentum", self.momentum, MOMENTUM_FORMS)
+        check.choice("step_normalisation", self.step_normalisation, STEP_NORMALISATIONS)
+        check.choice("adaptive_direction", self.adaptive_direction, ADAPTIVE_DIRECTIONS)
+        check.positive_finite("step_size_mult", self.step_size_mult)
+        check.integer_at_least("n_iters", self.n_iters, 1)
+        check.integer_at_least("n_samples", self.n_samples, 1)
+        check.integer_at_least("seed", self.seed, -2 ** 63)
+        check.non_negative_finite("gram_eps", self.gram_eps)
+        check.positive_finite("retraction_tolerance", self.retraction_tolerance)
+        if self.num_threads is not None:
+            check.integer_at_least("num_threads", self.num_threads, 1)
+        check.optional_callable("loss_fn", self.loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
+        for name in ("use_metric_norm", "elementwise_second_order", "normalize_logits", "allow_unsupported",
+                     "unsafe", "progress", "include_frozen", "check_retraction"):
+            check.flag(name, getattr(self, name))
+        check.optional_layout("layout", self.layout)
+        if self.include_frozen and self.layout is not None and getattr(self.layout, "frozen", None):
+            raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
+                             "parameters, so they would be in no part of the ball; rebuild it with "
+                             "layout(model, include_frozen=True), or pass include_frozen=False")
 
-class BallParameters:
-    """The map between the points of a :func:`build_ball` ball and the model's parameters.
+    @classmethod
+    def from_keywords(cls, options: Mapping[str, Any], *, stacklevel: int = 3) -> "SharpnessOptions":
+        """The options given as keywords of :func:`sharpness` (``eps``, the former name of
+        ``gram_eps``, is accepted with a DeprecationWarning issued ``stacklevel`` frames up)."""
+        options = dict(options)
+        if "eps" in options:
+            options["gram_eps"] = gram_eps_of(options.get("gram_eps", 0.0), options.pop("eps"),
+                                              stacklevel=stacklevel + 1)
+        unknown = [k for k in options if k not in SHARPNESS_OPTION_NAMES]
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
+                            f"those of adapters.sharpness (rho, {', '.join(SHARPNESS_OPTION_NAMES)})")
+        return cls(**options)
 
-    ``ball_params(points)`` is the full parameter dict at those points (a scatter: elementwise
-    components replace whole tensors, GL blocks their slices; differentiable in the points).
-    ``ball_params.gather(tensors)`` reads parameter-shaped tensors (weights, or gradients with
-    ``None`` for zero) into the ball's coordinates: the adjoint of the scatter, so for the gradient
-    ∇ of a loss at the centre it is the Euclidean gradient of ξ ↦ L(R(ξ)) at ξ = 0 (DR₀ = id for
-    every retraction). Entries of an elementwise component that a GL block owns are gathered too;
-    the component keeps them fixed (its mask), so they never move.
-    """
+    @property
+    def spec(self) -> Geometry:
+        """The entry of :data:`~quotient_manifolds.adapters.ball.GEOMETRY_TABLE` of ``geometry``."""
+        return GEOMETRY_TABLE[self.geometry]
 
-    def __init__(self, params0: Dict[str, Tensor], components: List, groups: List):
-        self.params0 = params0
-        self._quotients = list(zip(groups, components[:len(groups)]))
-        self._elementwise = components[len(groups):]
-
-    def __call__(self, points: List[Tensor]) -> Dict[str, Tensor]:
-        n_quotient = len(self._quotients)
-        params = dict(self.params0)
-        for comp, point in zip(self._elementwise, points[n_quotient:]):
-            params.update(comp.unflatten(point))
-        for ((blocks, counts), _), point in zip(self._quotients, points[:n_quotient]):
-            for block, x in zip(blocks, torch.split(point, counts, dim=0)):
-                dtype = params[block.g_pieces[0].param].dtype
-                params = block.scatter(params, x.to(dtype))
-        return params
-
-    def gather(self, tensors: Mapping[str, Optional[Tensor]]) -> List[Tensor]:
-        full = {n: torch.zeros_like(w) if tensors.get(n) is None else tensors[n]
-                for n, w in self.params0.items()}
-        out = [_gather_heads(blocks, counts, full, comp.x0.device)
-               for (blocks, counts), comp in self._quotients]
-        return out + [torch.cat([full[n].reshape(-1).to(comp.dtype) for n in comp.names])
-                      for comp in self._elementwise]
+    def as_dict(self) -> Dict[str, Any]:
+        """The options as a dict (name → value, in the order of :func:`sharpness`'s keywords)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _gather_heads(blocks: List, counts: List[int], tensors: Mapping[str, Tensor],
-                  device: torch.device) -> Tensor:
-    """The heads ``[G; H]`` of all ``blocks`` stacked, in float64, filled block by block (no
-    float64 copy per block)."""
-    n, m, h = blocks[0].n, blocks[0].m, blocks[0].head_dim
-    x = torch.empty((sum(counts), n + m, h), dtype=torch.float64, device=device)
-    for block, part in zip(blocks, torch.split(x, counts)):
-        part.copy_(block.gather(tensors))
-    return x
-
-
-#: On CPU, blocks of one shape are batched into components of at most this many bytes of float64
-#: heads (whole blocks; a larger block is a component of its own): a temporary of the geometry
-#: (tens per iteration) then stays in cache and in glibc's heap, which reuses it, instead of a
-#: fresh mmap that page-faults on every touch (BERT-base, 1 thread: a pass over all 144 QK heads
-#: at once ran at 0.5 GB/s; the geometry's share of an iteration fell from 9.9 s to 4.7–5.1 s).
-#: On GPU all heads of a shape form one batch.
-CPU_COMPONENT_BYTES = 4 * 2 ** 20
-
-
-def _runs_of_blocks(blocks: List, key: Tuple[int, int, int, Hashable], like: Tensor) -> List[List]:
-    """``blocks`` (of one component key) cut into consecutive runs for :data:`CPU_COMPONENT_BYTES`."""
-    if like.device.type != "cpu":
-        return [blocks]
-    n, m, h, _ = key
-    runs: List[List] = [[]]
-    size = 0
-    for block in blocks:
-        nbytes = block.num_heads * (n + m) * h * 8
-        if runs[-1] and size + nbytes > CPU_COMPONENT_BYTES:
-            runs.append([])
-            size = 0
-        runs[-1].append(block)
-        size += nbytes
-    return runs
-
-
-def _component_key(block) -> Tuple[int, int, int, Hashable]:
-    """Blocks with equal keys share one batched quotient geometry: the shapes (n, m, h) and the
-    symmetry group (``None``: the full GL(h))."""
-    return (block.n, block.m, block.head_dim, getattr(block, "group", None))
-
-
-def _frame_or_explain(geom: GLQuotientGeometry, x0: Tensor, blocks, counts):
-    try:
-        return geom.frame(x0)
-    except ValueError:
-        for block, x in zip(blocks, torch.split(x0, counts)):
-            try:
-                geom.frame(x)
-            except ValueError as err:
-                raise ValueError(f"GL block {block.name!r} ({block.num_heads} heads, G {block.n}×"
-                                 f"{block.head_dim}, H {block.m}×{block.head_dim}): {err}") from None
-        raise
+#: the names of :class:`SharpnessOptions`, in the order of :func:`sharpness`'s keywords
+SHARPNESS_OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(SharpnessOptions))
 
 
 def sharpness(model: torch.nn.Module,
               batches: Iterable[Union[Tuple[Any, Any], Mapping[str, Any]]], *,
               geometry: str = "geodesic-mix", rho: float, n_iters: int = 20,
               retraction: str = "second_order", loss_fn: Optional[Callable] = None,
-              measure: str = "worst", n_samples: int = 10, eps: float = 0.0,
+              measure: str = "worst", n_samples: int = 10, gram_eps: float = 0.0,
               use_metric_norm: bool = True, momentum: str = "apgd",
               step_normalisation: str = "metric", adaptive_direction: str = "riemannian",
               elementwise_second_order: bool = False, normalize_logits: bool = False,
@@ -367,7 +298,7 @@ def sharpness(model: torch.nn.Module,
               allow_unsupported: bool = False, unsafe: bool = False, seed: int = 0,
               progress: bool = False, num_threads: Optional[int] = None,
               include_frozen: bool = False, check_retraction: bool = True,
-              retraction_tolerance: float = 0.1) -> SharpnessResult:
+              retraction_tolerance: float = 0.1, eps: Optional[float] = None) -> SharpnessResult:
     r"""Worst-case (Auto-PGD) or average-case sharpness of ``model`` on ``batches``.
 
     Parameters
@@ -397,7 +328,7 @@ def sharpness(model: torch.nn.Module,
         ``(inputs, targets)`` batches, the model's ``outputs.loss`` for dict batches.
     measure: ``"worst"`` (Auto-PGD) or ``"average"`` (mean over ``n_samples`` random horizontal
         directions on the sphere of radius rho; seeded by ``seed``).
-    eps: Gram relaxation GᵀG + εI (docs/maths.md §6.4).
+    gram_eps: Gram relaxation GᵀG + εI of the quotient metrics (docs/maths.md §6.4).
     use_metric_norm: False = ablation "no corrected norm": the GL blocks are measured with the
         elementwise adaptive norm (docs/maths.md §7.3).
     momentum: ``"apgd"`` (paper Alg. 1), ``"andriushchenko"`` (their code), ``"none"``.
@@ -431,12 +362,22 @@ def sharpness(model: torch.nn.Module,
         second-order step is then outside its range of validity: at large rho, especially for the
         mix metric where GᵀG or HᵀH have small singular values; use ``retraction="exact"`` or a
         smaller rho). One forward pass and one geodesic integration per batch.
+    eps: the former name of ``gram_eps`` (deprecated: it warns, and will be removed).
 
     For sharpness as a function of rho use :func:`sharpness_sweep`: it warm-starts each radius
     from the worst point of the previous one, so a larger ball never returns a smaller maximum.
     """
-    options = {k: v for k, v in locals().items() if k not in ("model", "batches", "rho")}
-    return _measure(model, batches, [as_rho(rho)], options)[0]
+    gram_eps = gram_eps_of(gram_eps, eps)
+    rho = as_rho(rho)
+    options = SharpnessOptions(
+        geometry=geometry, n_iters=n_iters, retraction=retraction, loss_fn=loss_fn, measure=measure,
+        n_samples=n_samples, gram_eps=gram_eps, use_metric_norm=use_metric_norm, momentum=momentum,
+        step_normalisation=step_normalisation, adaptive_direction=adaptive_direction,
+        elementwise_second_order=elementwise_second_order, normalize_logits=normalize_logits,
+        step_size_mult=step_size_mult, layout=layout, allow_unsupported=allow_unsupported, unsafe=unsafe,
+        seed=seed, progress=progress, num_threads=num_threads, include_frozen=include_frozen,
+        check_retraction=check_retraction, retraction_tolerance=retraction_tolerance)
+    return run_sharpness(model, batches, [rho], options, stacklevel=3)[0]
 
 
 def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence[float],
@@ -447,43 +388,68 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
     perturbation found at ρ_{k−1} (inside the larger ball), so the values never decrease along the
     sweep, which independent single-start runs do not guarantee. Costs one Auto-PGD run per
     radius and batch, like separate calls, minus the repeated set-up."""
-    args = sharpness_options(options)
+    args = SharpnessOptions.from_keywords(options)
     if isinstance(rhos, (str, bytes)) or not isinstance(rhos, Iterable) or getattr(rhos, "ndim", 1) != 1:
         raise TypeError(f"rhos must be a sequence of radii, got {rhos!r} ({type(rhos).__name__})")
     radii = [as_rho(r, f"rhos[{i}]") for i, r in enumerate(rhos)]
     if not radii or any(b <= a for a, b in zip(radii, radii[1:])):
         raise ValueError(f"rhos must be a non-empty, strictly increasing sequence of radii, got "
                          f"{list(rhos)!r}")
-    if args["measure"] != "worst":
+    if args.measure != "worst":
         raise ValueError("sharpness_sweep chains worst-case runs; for average-case sharpness call "
                          "sharpness(..., measure='average') per radius")
-    return _measure(model, batches, radii, args)
+    return run_sharpness(model, batches, radii, args, stacklevel=3)
 
 
-def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
-             options: Dict[str, Any]) -> List[SharpnessResult]:
-    """The body of :func:`sharpness` and :func:`sharpness_sweep`: one result per radius."""
-    from .accept import accept_checked, verification_pending
-
-    _check_options(options)
+def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence[float],
+                  options: SharpnessOptions, *, stacklevel: int = 2) -> List[SharpnessResult]:
+    """One :class:`SharpnessResult` per radius of ``rhos`` (each > 0, increasing: on every batch the
+    run at a radius starts from the worst point at the one before), with ``options`` checked: the
+    body of :func:`sharpness` and :func:`sharpness_sweep`. ``stacklevel`` is that of the warnings
+    as if this function's caller issued them."""
     check.module("model", model)
     check.batches("batches", batches)
-    materialised(model, f"{options['geometry']} sharpness")
+    materialised(model, f"{options.geometry} sharpness")
+    prepared = _prepare(model, batches, options, stacklevel + 1)
+    started = time.perf_counter()
+    runs = _run_batches(model, prepared, rhos, options)
+    setup = time.perf_counter() - started - sum(r["time"] for at in runs for r in at)
+    results = []
+    for rho, at in zip(rhos, runs):  # a loop, not a comprehension: its frame would shift the warnings
+        results.append(_result(rho, at, options, setup / len(rhos), prepared.upcast, stacklevel + 1))
+    return results
 
-    geometry, retraction, measure = options["geometry"], options["retraction"], options["measure"]
-    n_iters, n_samples, seed = options["n_iters"], options["n_samples"], options["seed"]
-    momentum, step_normalisation = options["momentum"], options["step_normalisation"]
-    loss_fn, layout, unsafe = options["loss_fn"], options["layout"], options["unsafe"]
-    normalize_logits, num_threads = options["normalize_logits"], options["num_threads"]
-    include_frozen, progress = options["include_frozen"], options["progress"]
 
-    what, consequence = f"{geometry} sharpness", "the value would be meaningless"
+class _Prepared(NamedTuple):
+    """The set-up of a sharpness run before its first batch (:func:`_prepare`)."""
+
+    params0: Dict[str, Tensor]
+    buffers: Dict[str, Tensor]
+    upcast: bool
+    layout: Any
+    batches: Iterator[Any]
+    n_batches: Optional[int]
+    #: the attention weights of an adaptive run (for ``attention_norm_shares``), else None
+    covered: Optional[Dict[str, Tensor]]
+    device: torch.device
+    num_threads: Optional[int]
+
+
+def _prepare(model: torch.nn.Module, batches: Iterable[Any], options: SharpnessOptions,
+             stacklevel: int) -> _Prepared:
+    """The weights and fixed tensors (:func:`pre_run_checks`), the layout accepted on the first
+    batch for a geodesic geometry, and the batches (the first one read already)."""
+    from .accept import accept_checked, verification_pending
+
+    geodesic, unsafe = options.spec.geodesic, options.unsafe
+    what, consequence = f"{options.geometry} sharpness", "the value would be meaningless"
     params0, buffers, upcast, layout, detected = pre_run_checks(
-        model, layout, geometry=geometry, what=what, consequence=consequence, unsafe=unsafe,
-        allow_unsupported=options["allow_unsupported"], include_frozen=include_frozen, undefined="sharpness",
+        model, options.layout, geometry=options.geometry, what=what, consequence=consequence, unsafe=unsafe,
+        allow_unsupported=options.allow_unsupported, include_frozen=options.include_frozen,
+        undefined="sharpness",
         no_params=("sharpness perturbs the trainable weights, the frozen ones stay fixed. Set requires_grad=True "
                    "on the weights to perturb (e.g. model.requires_grad_(True), or only the adapter weights of "
-                   "a PEFT model)"), stacklevel=4)
+                   "a PEFT model)"), stacklevel=stacklevel + 1)
     try:
         n_batches: Optional[int] = len(batches)  # type: ignore[arg-type]
     except TypeError:  # a generator, an IterableDataset loader
@@ -492,78 +458,72 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     first = next(batches, _NO_BATCH)
     if first is not _NO_BATCH:
         batches = itertools.chain([first], batches)
-    if first is not _NO_BATCH and geometry != "adaptive" and verification_pending(layout, unsafe=unsafe):
+    if first is not _NO_BATCH and geodesic and verification_pending(layout, unsafe=unsafe):
         # a geodesic number never comes from an unverified block (adapters.accept); a layout
         # detected here gets derived groups for the blocks whose candidate group fails
-        inputs = split_batch(model, first, 0, loss_fn, normalize_logits)[0]
+        inputs = split_batch(model, first, 0, options.loss_fn, options.normalize_logits)[0]
         layout = accept_checked(model, layout, inputs, what=what, consequence=consequence, unsafe=unsafe,
-                                derive=detected, stacklevel=4)
-    if geometry != "adaptive" and not layout.blocks:
+                                derive=detected, stacklevel=stacklevel + 1)
+    if geodesic and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
-                      f"adaptively, so this {geometry} value is adaptive sharpness with the "
-                      f"geodesic settings", UserWarning, stacklevel=3)
-
+                      f"adaptively, so this {options.geometry} value is adaptive sharpness with the "
+                      f"geodesic settings", UserWarning, stacklevel=stacklevel)
     # the attention weights, for attention_norm_shares: a geodesic ball holds them in its GL
     # components (the share is the GL share); an adaptive one finds them in the detected layout
-    covered = _attention_masks(model, layout, include_frozen) if geometry == "adaptive" else None
-    device = next(iter(params0.values())).device
+    covered = None if geodesic else _attention_masks(model, layout, options.include_frozen)
+    num_threads = options.num_threads
     if num_threads is None and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL_PARAMS:
         num_threads = 1
+    return _Prepared(params0, buffers, upcast, layout, batches, n_batches, covered,
+                     next(iter(params0.values())).device, num_threads)
 
-    started = time.perf_counter()
+
+def _run_batches(model: torch.nn.Module, prepared: _Prepared, rhos: Sequence[float],
+                 options: SharpnessOptions) -> List[List[Dict[str, Any]]]:
+    """The runs (dicts of losses, norms, pass counts, shares, time) per radius and per batch, in
+    eval mode on a ball built once."""
+    runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]
     bar = None
     try:
-        with eval_mode(model), bounded_threads(num_threads):
+        with eval_mode(model), bounded_threads(prepared.num_threads):
             ball, write_back = build_ball(
-                model, params0, geometry=geometry, layout=layout, retraction=retraction,
-                eps=options["eps"], use_metric_norm=options["use_metric_norm"],
-                adaptive_direction=options["adaptive_direction"],
-                elementwise_second_order=options["elementwise_second_order"])
-            check_gap = (options["check_retraction"] and retraction == "second_order"
-                         and measure == "worst" and ball.has_quotients)
+                model, prepared.params0, geometry=options.geometry, layout=prepared.layout,
+                retraction=options.retraction, gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm,
+                adaptive_direction=options.adaptive_direction,
+                elementwise_second_order=options.elementwise_second_order)
+            check_gap = (options.check_retraction and options.retraction == "second_order"
+                         and options.measure == "worst" and ball.has_quotients)
             # the loss function is set per batch (dict batches may use the model's own loss)
-            closure = ModelClosure(model, params0, buffers, write_back, None, normalize_logits)
-            generator = torch.Generator(device=device).manual_seed(seed)
-            runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]   # per radius, per batch
+            closure = ModelClosure(model, prepared.params0, prepared.buffers, write_back, None,
+                                   options.normalize_logits)
+            generator = torch.Generator(device=prepared.device).manual_seed(options.seed)
             on_iteration = None
-            if progress:
+            if options.progress:
                 from tqdm.auto import tqdm
-                steps = n_iters if measure == "worst" else n_samples
-                bar = tqdm(total=None if n_batches is None else n_batches * steps * len(rhos),
-                           desc=f"{geometry} sharpness", unit="it")
+                steps = options.n_iters if options.measure == "worst" else options.n_samples
+                bar = tqdm(total=None if prepared.n_batches is None else prepared.n_batches * steps * len(rhos),
+                           desc=f"{options.geometry} sharpness", unit="it")
                 on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
-            for index, batch in enumerate(batches):
-                inputs, targets, own_loss = split_batch(model, batch, index, loss_fn, normalize_logits)
-                closure.loss_fn = None if own_loss else (loss_fn or default_loss)
-                closure.inputs = to_device(inputs, device, upcast)
-                closure.targets = to_device(targets, device, upcast)
+            for index, batch in enumerate(prepared.batches):
+                inputs, targets, own_loss = split_batch(model, batch, index, options.loss_fn,
+                                                        options.normalize_logits)
+                closure.loss_fn = None if own_loss else (options.loss_fn or default_loss)
+                closure.inputs = to_device(inputs, prepared.device, prepared.upcast)
+                closure.targets = to_device(targets, prepared.device, prepared.upcast)
                 if bar is not None:
                     bar.set_postfix(batch=index)
                 previous = None
                 for runs_at, rho in zip(runs, rhos):
                     started_at = time.perf_counter()
-                    if measure == "worst":
-                        res = auto_pgd(ball, closure, rho, n_iters=n_iters, momentum=momentum,
-                                       step_normalisation=step_normalisation,
-                                       step_size_mult=options["step_size_mult"],
-                                       on_iteration=on_iteration,
-                                       start=None if previous is None else (previous.xi, previous.init_loss))
-                        previous = res
-                        share = ball.quotient_share(res.xi)
-                        attention = (share if geometry != "adaptive" and layout.blocks else
-                                     ball.share_on(res.xi, covered) if covered else None)
-                        run = dict(init=res.init_loss, worst=res.worst_loss, norm=res.norm,
-                                   fwd=res.n_forward, bwd=res.n_backward, gap=None,
-                                   share=share, attention=attention)
-                        if check_gap:
-                            run["gap"] = _retraction_gap(ball, closure, res)
-                            run["fwd"] += 1
+                    if options.measure == "worst":
+                        previous, run = _worst_case_run(ball, closure, rho, options, previous, prepared,
+                                                        check_gap, on_iteration)
                     else:
-                        res = average_case(ball, closure, rho, n_samples=n_samples,
+                        res = average_case(ball, closure, rho, n_samples=options.n_samples,
                                            generator=generator, on_iteration=on_iteration)
-                        run = dict(init=res["init_loss"], worst=res["mean_loss"], norm=rho,
-                                   fwd=1 + n_samples, bwd=0, gap=None)
+                        run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
+                                   fwd=1 + options.n_samples, bwd=0, gap=None)
                     run["time"] = time.perf_counter() - started_at
                     runs_at.append(run)
         if not runs[0]:
@@ -572,35 +532,58 @@ def _measure(model: torch.nn.Module, batches: Iterable[Any], rhos: List[float],
     finally:
         if bar is not None:
             bar.close()
-    setup = time.perf_counter() - started - sum(r["time"] for at in runs for r in at)
-    recorded = dict(options, compute_dtype="float32 (upcast from half precision)" if upcast else "model")
-    for key in ("model", "layout", "loss_fn", "progress"):
-        recorded.pop(key, None)
-    results = []
-    for rho, at in zip(rhos, runs):
-        per_batch = [r["worst"] - r["init"] for r in at]
-        gaps = [r["gap"] for r in at] if at[0]["gap"] is not None else []
-        bad = [(i, g) for i, g in enumerate(gaps) if not abs(g) <= options["retraction_tolerance"]]
-        if bad:
-            i, g = max(bad, key=lambda item: abs(item[1]) if math.isfinite(item[1]) else math.inf)
-            worst_gap = (f"sharpness {g:+.0%} relative on batch {i}" if math.isfinite(g) else
-                         f"on batch {i} the exact geodesic leaves the manifold before reaching it")
-            warnings.warn(
-                f"{geometry} sharpness at rho={rho:g}: the second-order geodesic step is off the "
-                f"exact geodesic at the worst perturbation ({worst_gap}; "
-                f"{len(bad)} of {len(gaps)} batches beyond {options['retraction_tolerance']:.0%}). "
-                f"rho is past the range where x + ξ − ½Γ(ξ, ξ) approximates the geodesic for this "
-                f"model; use retraction='exact' or a smaller rho", UserWarning, stacklevel=3)
-        results.append(SharpnessResult(
-            value=sum(per_batch) / len(per_batch), per_batch=per_batch,
-            init_losses=[r["init"] for r in at], worst_losses=[r["worst"] for r in at],
-            norms=[r["norm"] for r in at], rho=rho, geometry=geometry, measure=measure,
-            n_iters=n_iters, n_forward=sum(r["fwd"] for r in at),
-            n_backward=sum(r["bwd"] for r in at),
-            time_s=setup / len(rhos) + sum(r["time"] for r in at), options=recorded,
-            retraction_gaps=gaps, gl_norm_shares=[r["share"] for r in at if "share" in r],
-            attention_norm_shares=[r["attention"] for r in at if r.get("attention") is not None]))
-    return results
+    return runs
+
+
+def _worst_case_run(ball: ProductBall, closure: ModelClosure, rho: float, options: SharpnessOptions,
+                    previous: Optional[APGDResult], prepared: _Prepared, check_gap: bool,
+                    on_iteration: Optional[Callable[[int, float], None]]) -> Tuple[APGDResult, Dict[str, Any]]:
+    """One Auto-PGD run on the closure's batch, warm-started at ``previous`` (the run at the radius
+    before): its result and its record."""
+    res = auto_pgd(ball, closure, rho, n_iters=options.n_iters, momentum=options.momentum,
+                   step_normalisation=options.step_normalisation, step_size_mult=options.step_size_mult,
+                   on_iteration=on_iteration,
+                   start=None if previous is None else (previous.xi, previous.init_loss))
+    share = ball.quotient_share(res.xi)
+    covered = prepared.covered
+    attention = (share if options.spec.geodesic and prepared.layout.blocks else
+                 ball.share_on(res.xi, covered) if covered else None)
+    run = dict(init=res.init_loss, worst=res.worst_loss, norm=res.norm, fwd=res.n_forward,
+               bwd=res.n_backward, gap=None, share=share, attention=attention)
+    if check_gap:
+        run["gap"] = _retraction_gap(ball, closure, res)
+        run["fwd"] += 1
+    return res, run
+
+
+def _result(rho: float, runs: List[Dict[str, Any]], options: SharpnessOptions, setup_s: float,
+            upcast: bool, stacklevel: int) -> SharpnessResult:
+    """The :class:`SharpnessResult` of the runs at ``rho`` (one per batch), with a warning when the
+    second-order step is off the exact geodesic beyond ``retraction_tolerance``."""
+    per_batch = [r["worst"] - r["init"] for r in runs]
+    gaps = [r["gap"] for r in runs] if runs[0]["gap"] is not None else []
+    tolerance = options.retraction_tolerance
+    bad = [(i, g) for i, g in enumerate(gaps) if not abs(g) <= tolerance]
+    if bad:
+        i, g = max(bad, key=lambda item: abs(item[1]) if math.isfinite(item[1]) else math.inf)
+        worst_gap = (f"sharpness {g:+.0%} relative on batch {i}" if math.isfinite(g) else
+                     f"on batch {i} the exact geodesic leaves the manifold before reaching it")
+        warnings.warn(
+            f"{options.geometry} sharpness at rho={rho:g}: the second-order geodesic step is off the "
+            f"exact geodesic at the worst perturbation ({worst_gap}; "
+            f"{len(bad)} of {len(gaps)} batches beyond {tolerance:.0%}). "
+            f"rho is past the range where x + ξ − ½Γ(ξ, ξ) approximates the geodesic for this "
+            f"model; use retraction='exact' or a smaller rho", UserWarning, stacklevel=stacklevel)
+    recorded = {k: v for k, v in options.as_dict().items() if k not in ("layout", "loss_fn", "progress")}
+    recorded["compute_dtype"] = "float32 (upcast from half precision)" if upcast else "model"
+    return SharpnessResult(
+        value=sum(per_batch) / len(per_batch), per_batch=per_batch,
+        init_losses=[r["init"] for r in runs], worst_losses=[r["worst"] for r in runs],
+        norms=[r["norm"] for r in runs], rho=rho, geometry=options.geometry, measure=options.measure,
+        n_iters=options.n_iters, n_forward=sum(r["fwd"] for r in runs),
+        n_backward=sum(r["bwd"] for r in runs), time_s=setup_s + sum(r["time"] for r in runs),
+        options=recorded, retraction_gaps=gaps, gl_norm_shares=[r["share"] for r in runs if "share" in r],
+        attention_norm_shares=[r["attention"] for r in runs if r.get("attention") is not None])
 
 
 def _attention_masks(model: torch.nn.Module, layout: Any, include_frozen: bool) -> Optional[Dict[str, Tensor]]:
@@ -635,46 +618,10 @@ def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:
 
 def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, Any]:
     """The keyword options of :func:`sharpness` (all but ``model``, ``batches``, ``rho``) with the
-    defaults filled in, refused before any work if one, or ``rho``, is unknown or out of range."""
+    defaults filled in (:meth:`SharpnessOptions.as_dict`), refused before any work if one, or ``rho``,
+    is unknown or out of range."""
     as_rho(rho)
-    try:
-        bound = inspect.signature(sharpness).bind(None, None, rho=1.0, **options)
-    except TypeError as err:
-        raise TypeError(f"{err}: the options are those of adapters.sharpness "
-                        f"({', '.join(p for p in inspect.signature(sharpness).parameters if p not in ('model', 'batches'))})"
-                        ) from None
-    bound.apply_defaults()
-    args = {k: v for k, v in bound.arguments.items() if k not in ("model", "batches", "rho")}
-    _check_options(args)
-    return args
-
-
-def _check_options(options: Dict[str, Any]) -> None:
-    """Refuse out-of-range options of :func:`sharpness` before any work (messages name the option)."""
-    check.choice("geometry", options["geometry"], GEOMETRIES)
-    check.choice("retraction", options["retraction"], RETRACTIONS)
-    check.choice("measure", options["measure"], MEASURES)
-    check.choice("momentum", options["momentum"], MOMENTUM_FORMS)
-    check.choice("step_normalisation", options["step_normalisation"], STEP_NORMALISATIONS)
-    check.choice("adaptive_direction", options["adaptive_direction"], ("riemannian", "andriushchenko"))
-    check.positive_finite("step_size_mult", options["step_size_mult"])
-    check.integer_at_least("n_iters", options["n_iters"], 1)
-    check.integer_at_least("n_samples", options["n_samples"], 1)
-    check.integer_at_least("seed", options["seed"], -2 ** 63)
-    check.non_negative_finite("eps", options["eps"])
-    check.positive_finite("retraction_tolerance", options["retraction_tolerance"])
-    if options["num_threads"] is not None:
-        check.integer_at_least("num_threads", options["num_threads"], 1)
-    check.optional_callable("loss_fn", options["loss_fn"], "loss_fn(outputs, targets) -> scalar tensor")
-    for name in ("use_metric_norm", "elementwise_second_order", "normalize_logits", "allow_unsupported",
-                 "unsafe", "progress", "include_frozen", "check_retraction"):
-        check.flag(name, options[name])
-    check.optional_layout("layout", options["layout"])
-    if options["include_frozen"] and options["layout"] is not None and getattr(
-            options["layout"], "frozen", None):
-        raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
-                         "parameters, so they would be in no part of the ball; rebuild it with "
-                         "layout(model, include_frozen=True), or pass include_frozen=False")
+    return SharpnessOptions.from_keywords(options, stacklevel=3).as_dict()
 
 
 def as_rho(rho: Any, name: str = "rho") -> float:
@@ -763,8 +710,9 @@ def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: 
     if not params0:
         raise ValueError(f"the model has no trainable parameter (all {len(all_params)} have "
                          f"requires_grad=False): {no_params}")
-    detected = geometry != "adaptive" and layout is None
-    if geometry != "adaptive":
+    geodesic = geometry_of(geometry).geodesic
+    detected = geodesic and layout is None
+    if geodesic:
         layout = checked_layout(model, layout, what=what, consequence=consequence, unsafe=unsafe,
                                 allow_unsupported=allow_unsupported, include_frozen=include_frozen,
                                 stacklevel=stacklevel + 1)

@@ -29,7 +29,7 @@ Protocol (defaults; ``quotient-manifolds lora --help`` for the overrides)
   - ``peft-riemannian``: ``peft.optimizers.create_riemannian_optimizer(model, AdamW, lr,
     reg=1e-2)`` (peft's default damping δ), weight decay 0; the head is hidden from it
     (``requires_grad`` off while it is built) so that it gets the shared head optimizer;
-  - ``ours-adam``: ``lora_quotient_parameters(model, metric="mix", eps=1e-3)`` +
+  - ``ours-adam``: ``lora_quotient_parameters(model, metric="mix", gram_eps=1e-3)`` +
     ``geoopt.optim.RiemannianAdam``. ε > 0 because peft starts at B = 0 (metric BᵀB + εI,
     AAᵀ + εI: invariant up to O(ε / eigenvalues of the Gram matrices)); 1e-3 (a tenth of peft's
     δ) from the pilot: with ε = 1e-6 and lr 3e-2 the loss rose to 1.08 within 10 steps and the
@@ -251,7 +251,7 @@ def make_optimizers(model, arm: str, lr: float, c: Dict[str, Any]):
                 p.requires_grad_(True)
         return opt, head_opt
     if arm in ("ours-adam", "ours-sgd"):
-        groups = adapters.lora_quotient_parameters(model, metric=c["metric"], eps=c["eps"])
+        groups = adapters.lora_quotient_parameters(model, metric=c["metric"], gram_eps=c["eps"])
         others = {id(p) for g in groups[1:] for p in g["params"]}
         if others != {id(p) for p in head}:
             raise ExperimentError("lora_quotient_parameters left other trainable parameters than "

@@ -221,7 +221,7 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
                 res = sharpness(model, use, geometry=spec["geometry"], rho=rho, n_iters=n_iters,
                                 retraction=spec["retraction"],
                                 use_metric_norm=spec["use_metric_norm"],
-                                adaptive_direction=direction, eps=eps, layout=layout)
+                                adaptive_direction=direction, gram_eps=eps, layout=layout)
             entry.update(value=res.value, per_batch=res.per_batch, init_losses=res.init_losses,
                          worst_losses=res.worst_losses, norms=res.norms,
                          n_forward=res.n_forward, n_backward=res.n_backward)

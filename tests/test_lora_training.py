@@ -182,11 +182,11 @@ def test_actionable_errors():
         lora_quotient_parameters(model)                       # peft's initialisation B = 0
     assert lora_quotient_points(model) == {}                  # nothing was modified
     with pytest.raises(ValueError, match=r"no trainable peft LoRA pair.*for adapters \['other'\]"):
-        lora_quotient_parameters(model, eps=1e-6, adapters=["other"])
-    groups = lora_quotient_parameters(model, eps=1e-6)
+        lora_quotient_parameters(model, gram_eps=1e-6, adapters=["other"])
+    groups = lora_quotient_parameters(model, gram_eps=1e-6)
     assert groups[0]["params"][0].manifold.eps == 1e-6
     with pytest.raises(ValueError, match="already re-pointed"):
-        lora_quotient_parameters(model, eps=1e-6)
+        lora_quotient_parameters(model, gram_eps=1e-6)
     dora = peft.get_peft_model(transformers.BertForSequenceClassification(cfg).to(DT), peft.LoraConfig(
         r=R, target_modules=["query"], use_dora=True, task_type="SEQ_CLS"))
     with pytest.warns(UserWarning, match="LoRA variant.*trained as plain parameters"), \
@@ -296,7 +296,7 @@ CONVERGENCE = {   # name: (init, eps, optimizer, steps)
 def test_low_rank_regression_converges(name):
     init, eps, make, steps = CONVERGENCE[name]
     model, X, Y, w_star = low_rank_regression(init)
-    opt = make(lora_quotient_parameters(model, eps=eps))
+    opt = make(lora_quotient_parameters(model, gram_eps=eps))
     scale = 0.5 * float((Y ** 2).sum()) / len(X)
     for _ in range(steps):
         opt.zero_grad()

@@ -93,7 +93,7 @@ def _value_finite(res):
     return all(math.isfinite(r.value) for r in values)
 
 
-SHARPNESS_ARGS = ["rho", "geometry", "n_iters", "measure", "n_samples", "eps", "step_size_mult", "seed",
+SHARPNESS_ARGS = ["rho", "geometry", "n_iters", "measure", "n_samples", "gram_eps", "step_size_mult", "seed",
                   "retraction", "momentum", "step_normalisation", "adaptive_direction", "num_threads",
                   "loss_fn", "layout", "retraction_tolerance", "progress", "unsafe", "include_frozen",
                   "model", "batches"]
@@ -115,7 +115,7 @@ def test_sharpness(name, bad):
 
 
 @PROPERTY
-@given(name=st.sampled_from(["rhos", "n_iters", "geometry", "eps", "model", "batches"]),
+@given(name=st.sampled_from(["rhos", "n_iters", "geometry", "gram_eps", "model", "batches"]),
        bad=st.sampled_from(BAD + [[0.2, 0.1], [0.1, math.nan]]))
 def test_sharpness_sweep(name, bad):
     before = _state(MODEL)
@@ -128,7 +128,7 @@ def test_sharpness_sweep(name, bad):
 
 
 @PROPERTY
-@given(name=st.sampled_from(["rho", "seed", "n_iters", "geometry", "eps", "model", "batches", "measure"]),
+@given(name=st.sampled_from(["rho", "seed", "n_iters", "geometry", "gram_eps", "model", "batches", "measure"]),
        bad=st.sampled_from(BAD))
 def test_distributed_sharpness(name, bad):
     # no process group: valid arguments end at the "needs an initialised process group" error
@@ -175,7 +175,7 @@ def test_geodesic_sam(name, bad):
 
 
 @PROPERTY
-@given(name=st.sampled_from(["geometry", "loss_fn", "reduction", "eps", "layout", "model", "batches"]),
+@given(name=st.sampled_from(["geometry", "loss_fn", "reduction", "gram_eps", "layout", "model", "batches"]),
        bad=st.sampled_from(BAD))
 def test_riemannian_hessian(name, bad):
     pytest.importorskip("curvlinops")
@@ -209,7 +209,7 @@ LORA = None
 
 
 @PROPERTY
-@given(name=st.sampled_from(["metric", "retraction", "eps", "adapters", "model"]), bad=st.sampled_from(BAD))
+@given(name=st.sampled_from(["metric", "retraction", "gram_eps", "adapters", "model"]), bad=st.sampled_from(BAD))
 def test_lora_quotient_parameters(name, bad):
     global LORA
     pytest.importorskip("peft")

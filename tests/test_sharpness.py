@@ -242,7 +242,7 @@ def test_result_fields_and_ablations_run():
                dict(momentum="none"), dict(step_normalisation="none"),
                dict(adaptive_direction="andriushchenko"), dict(normalize_logits=True),
                dict(elementwise_second_order=True),
-               dict(eps=1e-6), dict(measure="average", n_samples=2)):
+               dict(gram_eps=1e-6), dict(measure="average", n_samples=2)):
         r = sharpness(model, batches[:1], geometry="geodesic-mix", rho=0.1, n_iters=3, **kw)
         assert math.isfinite(r.value), kw
 
@@ -340,7 +340,7 @@ def test_near_singular_gram_names_block_and_suggests_eps():
     batches = batches_for("bert", model)
     with pytest.raises(ValueError, match=r"(?s)layer\.1.*eps"):
         sharpness(model, batches, geometry="geodesic-mix", rho=0.1, n_iters=2)
-    res = sharpness(model, batches, geometry="geodesic-mix", rho=0.1, n_iters=2, eps=1e-6)
+    res = sharpness(model, batches, geometry="geodesic-mix", rho=0.1, n_iters=2, gram_eps=1e-6)
     assert math.isfinite(res.value)
 
 

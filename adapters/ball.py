@@ -1,0 +1,262 @@
+r"""The geometries of the perturbation ball, and the ball of a model.
+
+:data:`GEOMETRY_TABLE` is the one table of the geometries the adapters know, name → :class:`Geometry`
+(the metric of the GL blocks, whether a product ball is built at all); every public entry point
+(``sharpness``, ``sharpness_sweep``, ``calibrate_rho``, ``riemannian_hessian``, ``GeodesicSAM``)
+validates its ``geometry=`` once with :func:`geometry_of` and reads the maths from the entry:
+
+=================  ==========  ==========================================================================
+name               GL metric   ball
+=================  ==========  ==========================================================================
+``adaptive``       –           elementwise metric Σ ξ²/w² on every weight (Andriushchenko et al., Kwon et al.)
+``geodesic-inv``   ``inv``     GL blocks on their quotient with the inv metric, every other weight adaptive
+``geodesic-mix``   ``mix``     the same with the mix metric (its ρ has units: ‖·‖_mix scales like |w|⁴)
+``sam``            –           no ball: plain Euclidean SAM (:class:`~quotient_manifolds.adapters.GeodesicSAM` only)
+=================  ==========  ==========================================================================
+
+:func:`build_ball` turns a model's parameters and :class:`~quotient_manifolds.adapters.Layout` into a
+:class:`~quotient_manifolds.adapters.solver.ProductBall` for one of the ball geometries
+(:data:`GEOMETRIES`). The maths: docs/maths.md §6 (blocks, total norm, ε).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Tuple
+
+import torch
+
+from quotient_manifolds.core.gl import GLQuotientGeometry
+
+from . import validation as check
+from .solver import ElementwiseComponent, ProductBall, QuotientComponent
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One geometry of the perturbation ball (an entry of :data:`GEOMETRY_TABLE`)."""
+
+    #: the name users pass as ``geometry=``
+    name: str
+    #: the quotient metric of the GL blocks (``"inv"`` or ``"mix"``); ``None``: no quotient, every
+    #: weight in the elementwise (adaptive) metric
+    metric: Optional[str]
+    #: whether the geometry has a :class:`~quotient_manifolds.adapters.solver.ProductBall` (False only
+    #: for plain Euclidean SAM)
+    ball: bool = True
+    #: the first radius :func:`~quotient_manifolds.adapters.calibrate_rho` tries: a few evaluations
+    #: from most models' answer (mix's ρ has units of the weights)
+    rho_start: float = 0.1
+
+    @property
+    def geodesic(self) -> bool:
+        """Whether the attention blocks live on their GL(h) quotient (a layout is needed and verified)."""
+        return self.metric is not None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether every weight is in the elementwise metric Σ ξ²/w² (a ball without a quotient)."""
+        return self.ball and self.metric is None
+
+
+#: name → :class:`Geometry`: the one table of the geometries (module docstring)
+GEOMETRY_TABLE: Mapping[str, Geometry] = MappingProxyType({g.name: g for g in (
+    Geometry("adaptive", None),
+    Geometry("geodesic-inv", "inv"),
+    Geometry("geodesic-mix", "mix", rho_start=0.05),
+    Geometry("sam", None, ball=False),
+)})
+#: the geometries of the sharpness ball (:func:`~quotient_manifolds.adapters.sharpness`,
+#: :func:`build_ball`, the Hessian), in the order results list them
+GEOMETRIES: Tuple[str, ...] = tuple(name for name, g in GEOMETRY_TABLE.items() if g.ball)
+
+
+#: the ascent directions of the elementwise (adaptive) weights: ``"riemannian"`` ∇⊙w² (the paper's
+#: Alg. 1) or ``"andriushchenko"`` ∇⊙|w| (their code)
+ADAPTIVE_DIRECTIONS: Tuple[str, ...] = ("riemannian", "andriushchenko")
+
+
+def gram_eps_of(gram_eps: Any, eps: Any = None, *, stacklevel: int = 3) -> Any:
+    """The Gram relaxation ε of GᵀG + εI (docs/maths.md §6.4) given as ``gram_eps``, or as ``eps``,
+    its former name in ``sharpness``, ``build_ball``, ``riemannian_hessian`` and
+    ``lora_quotient_parameters``: accepted with a DeprecationWarning ``stacklevel`` frames up once
+    its value is checked (a bad one is refused naming ``eps``, the argument given)."""
+    if eps is None:
+        return gram_eps
+    check.non_negative_finite("eps", eps)
+    if not (isinstance(gram_eps, (int, float)) and gram_eps == 0):
+        raise TypeError(f"both gram_eps={gram_eps!r} and eps={eps!r} were given: eps is the former name "
+                        f"of gram_eps, pass gram_eps only")
+    warnings.warn("eps= is renamed gram_eps= (the Gram relaxation GᵀG + εI); eps= will be removed",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return eps
+
+
+def geometry_of(name: object, allowed: Tuple[str, ...] = GEOMETRIES, argument: str = "geometry") -> Geometry:
+    """The :class:`Geometry` called ``name``, refused (ValueError listing the valid names, and the
+    one meant when ``name`` is a bare metric such as ``"mix"``) unless it is one of ``allowed``."""
+    if isinstance(name, str) and name not in allowed:
+        meant = [g for g in allowed if GEOMETRY_TABLE[g].metric == name]
+        if meant:
+            raise ValueError(f"{argument} must be one of {', '.join(map(repr, allowed))}, got {name!r}: "
+                             f"for the {name} metric on the GL blocks pass {argument}={meant[0]!r}")
+    return GEOMETRY_TABLE[check.choice(argument, name, allowed)]
+
+
+def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: str,
+               layout=None, retraction: str = "second_order", gram_eps: float = 0.0,
+               use_metric_norm: bool = True, adaptive_direction: str = "riemannian",
+               elementwise_second_order: bool = False, eps: Optional[float] = None
+               ) -> Tuple[ProductBall, "BallParameters"]:
+    """The ball of perturbations and the map between ball points and the parameter dict
+    (:class:`BallParameters`: call it on points; ``gather`` reads gradients into the ball).
+
+    ``geometry``: one of :data:`GEOMETRIES`. A geodesic one (``"geodesic-inv"``, ``"geodesic-mix"``):
+    blocks with equal :func:`_component_key` (n, m, h, symmetry group) are stacked into ONE batched
+    GLQuotientGeometry over all their heads (e.g. all QK blocks of a BERT), so the geometry costs a
+    few batched h×h factorisations per group; every weight not covered by a GL block (or the
+    uncovered entries of a partially covered one) is elementwise. ``"adaptive"``: every trainable
+    weight is elementwise. ``gram_eps``: the Gram relaxation GᵀG + εI of the quotient
+    metrics (docs/maths.md §6.4; ``eps`` is its deprecated former name).
+    """
+    metric = geometry_of(geometry).metric
+    gram_eps = gram_eps_of(gram_eps, eps)
+    trainable = list(params0)
+    components: List = []
+    groups: List[Tuple[List, List[int]]] = []  # (blocks, head counts) per quotient component
+    if metric is not None:
+        by_key: "OrderedDict[Tuple[int, int, int, Hashable], List]" = OrderedDict()
+        for block in layout.blocks:
+            by_key.setdefault(_component_key(block), []).append(block)
+        runs = [(key, run) for key, blocks in by_key.items()
+                for run in _runs_of_blocks(blocks, key, params0[blocks[0].g_pieces[0].param])]
+        for (n, m, h, group), blocks in runs:
+            try:
+                geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=gram_eps,
+                                          **({"group": group} if group is not None else {}))
+            except ValueError as err:   # e.g. a head dimension h larger than n or m
+                raise ValueError(f"block(s) {', '.join(b.name for b in blocks)}: {err}; measure this "
+                                 f"model with geometry='adaptive', or pass a layout= without these "
+                                 f"blocks") from None
+            counts = [block.num_heads for block in blocks]
+            like = params0[blocks[0].g_pieces[0].param]
+            x0 = _gather_heads(blocks, counts, params0, like.device)
+            frame = _frame_or_explain(geom, x0, blocks, counts)
+            name = f"GL(h={h}) n={n} m={m} [{len(blocks)} blocks]"
+            # iterates in the model's dtype; the frame does its Gram-matrix work in float64
+            components.append(QuotientComponent(name, frame, x0, retraction=retraction,
+                                                use_metric_norm=use_metric_norm, dtype=like.dtype))
+            groups.append((blocks, counts))
+        masks = getattr(layout, "gl_masks", {})
+        elementwise = [(n, ~masks[n].to(params0[n].device) if n in masks else None)
+                       for n in layout.adaptive if n in params0]
+    else:
+        elementwise = [(n, None) for n in trainable]
+    # one flat elementwise component per (dtype, device), so each solver step is one pass
+    by_kind: "OrderedDict[Tuple, Dict[str, Tensor]]" = OrderedDict()
+    mask_of = dict(elementwise)
+    for name, _ in elementwise:
+        by_kind.setdefault((params0[name].dtype, params0[name].device), {})[name] = params0[name]
+    for tensors in by_kind.values():
+        components.append(ElementwiseComponent(tensors, masks={n: mask_of[n] for n in tensors},
+                                               direction=adaptive_direction,
+                                               second_order=elementwise_second_order))
+    return ProductBall(components), BallParameters(params0, components, groups)
+
+
+class BallParameters:
+    """The map between the points of a :func:`build_ball` ball and the model's parameters.
+
+    ``ball_params(points)`` is the full parameter dict at those points (a scatter: elementwise
+    components replace whole tensors, GL blocks their slices; differentiable in the points).
+    ``ball_params.gather(tensors)`` reads parameter-shaped tensors (weights, or gradients with
+    ``None`` for zero) into the ball's coordinates: the adjoint of the scatter, so for the gradient
+    ∇ of a loss at the centre it is the Euclidean gradient of ξ ↦ L(R(ξ)) at ξ = 0 (DR₀ = id for
+    every retraction). Entries of an elementwise component that a GL block owns are gathered too;
+    the component keeps them fixed (its mask), so they never move.
+    """
+
+    def __init__(self, params0: Dict[str, Tensor], components: List, groups: List):
+        self.params0 = params0
+        self._quotients = list(zip(groups, components[:len(groups)]))
+        self._elementwise = components[len(groups):]
+
+    def __call__(self, points: List[Tensor]) -> Dict[str, Tensor]:
+        n_quotient = len(self._quotients)
+        params = dict(self.params0)
+        for comp, point in zip(self._elementwise, points[n_quotient:]):
+            params.update(comp.unflatten(point))
+        for ((blocks, counts), _), point in zip(self._quotients, points[:n_quotient]):
+            for block, x in zip(blocks, torch.split(point, counts, dim=0)):
+                dtype = params[block.g_pieces[0].param].dtype
+                params = block.scatter(params, x.to(dtype))
+        return params
+
+    def gather(self, tensors: Mapping[str, Optional[Tensor]]) -> List[Tensor]:
+        full = {n: torch.zeros_like(w) if tensors.get(n) is None else tensors[n]
+                for n, w in self.params0.items()}
+        out = [_gather_heads(blocks, counts, full, comp.x0.device)
+               for (blocks, counts), comp in self._quotients]
+        return out + [torch.cat([full[n].reshape(-1).to(comp.dtype) for n in comp.names])
+                      for comp in self._elementwise]
+
+
+def _gather_heads(blocks: List, counts: List[int], tensors: Mapping[str, Tensor],
+                  device: torch.device) -> Tensor:
+    """The heads ``[G; H]`` of all ``blocks`` stacked, in float64, filled block by block (no
+    float64 copy per block)."""
+    n, m, h = blocks[0].n, blocks[0].m, blocks[0].head_dim
+    x = torch.empty((sum(counts), n + m, h), dtype=torch.float64, device=device)
+    for block, part in zip(blocks, torch.split(x, counts)):
+        part.copy_(block.gather(tensors))
+    return x
+
+
+#: On CPU, blocks of one shape are batched into components of at most this many bytes of float64
+#: heads (whole blocks; a larger block is a component of its own): a temporary of the geometry
+#: (tens per iteration) then stays in cache and in glibc's heap, which reuses it, instead of a
+#: fresh mmap that page-faults on every touch (BERT-base, 1 thread: a pass over all 144 QK heads
+#: at once ran at 0.5 GB/s; the geometry's share of an iteration fell from 9.9 s to 4.7–5.1 s).
+#: On GPU all heads of a shape form one batch.
+CPU_COMPONENT_BYTES = 4 * 2 ** 20
+
+
+def _runs_of_blocks(blocks: List, key: Tuple[int, int, int, Hashable], like: Tensor) -> List[List]:
+    """``blocks`` (of one component key) cut into consecutive runs for :data:`CPU_COMPONENT_BYTES`."""
+    if like.device.type != "cpu":
+        return [blocks]
+    n, m, h, _ = key
+    runs: List[List] = [[]]
+    size = 0
+    for block in blocks:
+        nbytes = block.num_heads * (n + m) * h * 8
+        if runs[-1] and size + nbytes > CPU_COMPONENT_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(block)
+        size += nbytes
+    return runs
+
+
+def _component_key(block) -> Tuple[int, int, int, Hashable]:
+    """Blocks with equal keys share one batched quotient geometry: the shapes (n, m, h) and the
+    symmetry group (``None``: the full GL(h))."""
+    return (block.n, block.m, block.head_dim, getattr(block, "group", None))
+
+
+def _frame_or_explain(geom: GLQuotientGeometry, x0: Tensor, blocks, counts):
+    try:
+        return geom.frame(x0)
+    except ValueError:
+        for block, x in zip(blocks, torch.split(x0, counts)):
+            try:
+                geom.frame(x)
+            except ValueError as err:
+                raise ValueError(f"GL block {block.name!r} ({block.num_heads} heads, G {block.n}×"
+                                 f"{block.head_dim}, H {block.m}×{block.head_dim}): {err}") from None
+        raise

@@ -1,0 +1,75 @@
+"""The table of geometries (adapters/ball.py), the options of sharpness, the gram_eps rename and the
+result type of average_case."""
+
+import inspect
+
+import pytest
+import torch
+
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters.ball import GEOMETRY_TABLE, geometry_of
+from quotient_manifolds.adapters.solver import AverageCaseResult
+from quotient_manifolds.adapters.worst_case import SHARPNESS_OPTION_NAMES, SharpnessOptions
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).double()
+    batches = [(torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,)))]
+    return model, batches
+
+
+def test_the_options_are_the_keywords_of_sharpness_with_their_defaults():
+    params = inspect.signature(adapters.sharpness).parameters
+    keywords = [p for p in params if p not in ("model", "batches", "rho", "eps")]
+    assert list(SHARPNESS_OPTION_NAMES) == keywords
+    defaults = SharpnessOptions()
+    assert all(getattr(defaults, name) == params[name].default for name in keywords)
+
+
+def test_the_table_serves_every_list_of_geometries():
+    assert adapters.GEOMETRIES == ("adaptive", "geodesic-inv", "geodesic-mix")
+    assert adapters.SAM_GEOMETRIES == tuple(GEOMETRY_TABLE)
+    assert [GEOMETRY_TABLE[g].metric for g in adapters.GEOMETRIES] == [None, "inv", "mix"]
+    assert GEOMETRY_TABLE["adaptive"].adaptive and not GEOMETRY_TABLE["sam"].adaptive
+    assert geometry_of("geodesic-inv").geodesic
+    with pytest.raises(ValueError, match="geometry must be one of .* got 'mix'.*geometry='geodesic-mix'"):
+        geometry_of("mix")
+    with pytest.raises(ValueError, match="geometry must be one of"):
+        geometry_of("sam")                      # not a ball geometry
+    for entry in (lambda g: adapters.sharpness(*_mlp(), geometry=g, rho=0.1),
+                  lambda g: adapters.GeodesicSAM(_mlp()[0], torch.optim.SGD, geometry=g, lr=0.1)):
+        with pytest.raises(ValueError, match="geometry must be one of"):
+            entry("euclidean")
+
+
+def test_eps_is_the_deprecated_name_of_gram_eps():
+    model, batches = _mlp()
+    new = adapters.sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=2, gram_eps=1e-3)
+    with pytest.warns(DeprecationWarning, match="renamed gram_eps"):
+        old = adapters.sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=2, eps=1e-3)
+    assert old.value == new.value and old.options == new.options and new.options["gram_eps"] == 1e-3
+    with pytest.warns(DeprecationWarning, match="renamed gram_eps"):
+        swept = adapters.sharpness_sweep(model, batches, [0.1], geometry="adaptive", n_iters=2, eps=1e-3)
+    assert swept[0].value == new.value
+    with pytest.raises(TypeError, match="both gram_eps"):
+        adapters.sharpness(model, batches, geometry="adaptive", rho=0.1, gram_eps=1e-3, eps=1e-3)
+    with pytest.raises(TypeError, match="the options are those of adapters.sharpness"):
+        adapters.sharpness_sweep(model, batches, [0.1], n_itres=2)
+
+
+def test_average_case_returns_a_result_whose_keys_still_read():
+    model, batches = _mlp()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    ball, write_back = adapters.build_ball(model, params, geometry="adaptive")
+    inputs, targets = batches[0]
+
+    def closure(points):
+        return torch.nn.functional.cross_entropy(torch.func.functional_call(model, write_back(points), inputs),
+                                                 targets)
+
+    res = adapters.average_case(ball, closure, 0.1, n_samples=3, generator=torch.Generator().manual_seed(0))
+    assert isinstance(res, AverageCaseResult) and len(res.losses) == 3
+    assert res.sharpness == res.mean_loss - res.init_loss
+    with pytest.warns(DeprecationWarning, match="result.mean_loss"):
+        assert res["mean_loss"] == res.mean_loss
