@@ -32,7 +32,7 @@ import torch
 from quotient_manifolds.core.gl import GLQuotientGeometry
 
 from . import validation as check
-from .solver import ElementwiseComponent, ProductBall, QuotientComponent
+from .solver import ADAPTIVE_DIRECTIONS, ElementwiseComponent, ProductBall, QuotientComponent
 
 Tensor = torch.Tensor
 
@@ -74,11 +74,6 @@ GEOMETRY_TABLE: Mapping[str, Geometry] = MappingProxyType({g.name: g for g in (
 #: the geometries of the sharpness ball (:func:`~quotient_manifolds.adapters.sharpness`,
 #: :func:`build_ball`, the Hessian), in the order results list them
 GEOMETRIES: Tuple[str, ...] = tuple(name for name, g in GEOMETRY_TABLE.items() if g.ball)
-
-
-#: the ascent directions of the elementwise (adaptive) weights: ``"riemannian"`` ∇⊙w² (the paper's
-#: Alg. 1) or ``"andriushchenko"`` ∇⊙|w| (their code)
-ADAPTIVE_DIRECTIONS: Tuple[str, ...] = ("riemannian", "andriushchenko")
 
 
 def gram_eps_of(gram_eps: Any, eps: Any = None, *, stacklevel: int = 3) -> Any:

@@ -31,6 +31,9 @@ Tangent = List[Tensor]
 
 MOMENTUM_FORMS = ("apgd", "andriushchenko", "none")
 STEP_NORMALISATIONS = ("metric", "none")
+#: the ascent directions of the elementwise (adaptive) weights: ``"riemannian"`` ∇⊙w² (the paper's
+#: Alg. 1) or ``"andriushchenko"`` ∇⊙|w| (their code)
+ADAPTIVE_DIRECTIONS: Tuple[str, ...] = ("riemannian", "andriushchenko")
 
 
 # ---------------------------------------------------------------------------------- components
@@ -197,7 +200,7 @@ class ElementwiseComponent:
         self.weights = [tensors[n].detach().reshape(-1) for n in self.names]  # views, no copy
         self.dtype, self.device = self.weights[0].dtype, self.weights[0].device
         self.numel = sum(self.sizes)
-        self.direction = check_choice(direction, ("riemannian", "andriushchenko"),
+        self.direction = check_choice(direction, ADAPTIVE_DIRECTIONS,
                                       "adaptive direction")
         self.second_order = second_order
         tiny = torch.finfo(self.dtype).tiny
