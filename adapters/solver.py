@@ -572,6 +572,47 @@ class _Gradient:
     dot: Tensor
 
 
+def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Tangent,
+              need_grad: bool, xi_sq: Tensor) -> Tuple[float, Optional[_Gradient]]:
+    """ℓ at the point of ξ and, with ``need_grad``, the Riemannian gradient there (one forward,
+    one backward); a finite loss with a non-finite gradient is refused."""
+    inputs, points = zip(*(c.leaf_point(x, need_grad) for c, x in zip(comps, xi)))
+    with torch.enable_grad() if need_grad else torch.no_grad():
+        loss = closure(list(points))
+    del points  # a retraction's point (float64 for GL blocks) is not needed by the backward
+    value = finite_loss(loss, math.sqrt(float(xi_sq)))
+    if not need_grad:
+        return value, None
+    flat = [t for ts in inputs for t in ts]
+    grads = list(torch.autograd.grad(loss, flat, allow_unused=True))
+    del loss, flat
+    finite = [torch.isfinite(g).all() for g in grads if g is not None]
+    if finite and not bool(torch.stack(finite).all()):  # one host sync, not one per tensor
+        # a finite loss with a non-finite gradient is a kink of the model or loss (sqrt or log at
+        # 0, a norm of a zero vector), not a step that went too far
+        raise FloatingPointError(
+            f"the loss is finite ({value}) but its gradient is not (nan or inf) at a perturbation "
+            f"of norm {math.sqrt(float(xi_sq)):.3g}: the model or loss_fn is not differentiable "
+            f"there (e.g. sqrt or log at 0, the norm of a zero vector); make it differentiable, "
+            f"e.g. add a small epsilon inside sqrt/log")
+    parts, at = [], 0
+    for c, x, ts in zip(comps, xi, inputs):
+        parts.append(c.gradient(grads[at:at + len(ts)], x))
+        at += len(ts)
+    del grads
+    return value, _Gradient([p[0] for p in parts], sum(p[1] for p in parts),
+                            sum(p[2] for p in parts))
+
+
+def _step_coefficients(momentum: str, first: bool, alpha: float, c: Tensor, s: Tensor):
+    """(A, C, B, project) of ξ⁺ = A ξ + C ξ⁻ + B g for the momentum form (see :func:`auto_pgd`)."""
+    if momentum == "none" or first:
+        return c, 0.0, c * s, False
+    if momentum == "apgd":
+        return alpha * c + 2 * (1 - alpha), alpha - 1, alpha * c * s, True
+    return 0.75 * c, 0.25, 0.75 * c * s, False
+
+
 def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,
              n_iters: int = 20, step_size_mult: float = 1.0, alpha: float = 0.75,
              momentum: str = "apgd", step_normalisation: str = "metric",
@@ -621,40 +662,12 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     checkpoints = set(apgd_checkpoints(n_iters))
     comps = ball.components
 
-    def evaluate(xi: Tangent, need_grad: bool, xi_sq: float):
-        inputs, points = zip(*(c.leaf_point(x, need_grad) for c, x in zip(comps, xi)))
-        with torch.enable_grad() if need_grad else torch.no_grad():
-            loss = closure(list(points))
-        del points  # a retraction's point (float64 for GL blocks) is not needed by the backward
-        value = finite_loss(loss, math.sqrt(float(xi_sq)))
-        if not need_grad:
-            return value, None
-        flat = [t for ts in inputs for t in ts]
-        grads = list(torch.autograd.grad(loss, flat, allow_unused=True))
-        del loss, flat
-        finite = [torch.isfinite(g).all() for g in grads if g is not None]
-        if finite and not bool(torch.stack(finite).all()):  # one host sync, not one per tensor
-            # a finite loss with a non-finite gradient is a kink of the model or loss (sqrt or log at
-            # 0, a norm of a zero vector), not a step that went too far
-            raise FloatingPointError(
-                f"the loss is finite ({value}) but its gradient is not (nan or inf) at a perturbation "
-                f"of norm {math.sqrt(float(xi_sq)):.3g}: the model or loss_fn is not differentiable "
-                f"there (e.g. sqrt or log at 0, the norm of a zero vector); make it differentiable, "
-                f"e.g. add a small epsilon inside sqrt/log")
-        parts, at = [], 0
-        for c, x, ts in zip(comps, xi, inputs):
-            parts.append(c.gradient(grads[at:at + len(ts)], x))
-            at += len(ts)
-        del grads
-        return value, _Gradient([p[0] for p in parts], sum(p[1] for p in parts),
-                                sum(p[2] for p in parts))
-
     pool = [ball.zeros() for _ in range(3)]
     eta = 2 * rho * step_size_mult
     if start is None:
         xi = pool[0]
         xi_sq = torch.zeros((), dtype=torch.float64, device=xi[0].device)
-        loss0, grad = evaluate(xi, True, xi_sq)
+        loss0, grad = _evaluate(comps, closure, xi, True, xi_sq)
         worst = loss0
     else:
         given, loss0 = start
@@ -665,7 +678,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         xi = pool[0]
         for comp, buf, t in zip(comps, xi, given):
             comp.to_coords(t, buf)
-        worst, grad = evaluate(xi, True, xi_sq)
+        worst, grad = _evaluate(comps, closure, xi, True, xi_sq)
     xi_prev = xi
     n_fwd, n_bwd = 1, 1
     xi_worst, worst_sq, grad_worst = xi, xi_sq, grad
@@ -685,12 +698,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
              if step_normalisation == "metric" else torch.full_like(grad.sq, eta))
         z_sq = (xi_sq + 2 * s * grad.dot + s * s * grad.sq).clamp_min(0)
         c = ball_factor(z_sq.sqrt(), rho)
-        if momentum == "none" or k == 0:
-            A, C, B, project = c, 0.0, c * s, False
-        elif momentum == "apgd":
-            A, C, B, project = alpha * c + 2 * (1 - alpha), alpha - 1, alpha * c * s, True
-        else:
-            A, C, B, project = 0.75 * c, 0.25, 0.75 * c * s, False
+        A, C, B, project = _step_coefficients(momentum, k == 0, alpha, c, s)
         # ξ⁺ = A·y with y = ξ + (C/A) ξ⁻ + (B/A) g, written over ξ⁻ unless ξ⁻ is ξ or the worst
         out = xi_prev if all(xi_prev is not t for t in (xi, xi_worst)) else next(
             b for b in pool if b is not xi and b is not xi_worst)
@@ -702,7 +710,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         grad = None  # only the worst point's gradient outlives its step
         xi_prev, xi, xi_sq = xi, out, factor * factor * y_sq
         last = k == n_iters - 1
-        loss, grad = evaluate(xi, not last, xi_sq)
+        loss, grad = _evaluate(comps, closure, xi, not last, xi_sq)
         n_fwd += 1
         n_bwd += 0 if last else 1
         history.append(loss)
