@@ -21,6 +21,7 @@ import torch
 
 from . import validation as check
 from .accept import resolve_layout
+from .ball import GEOMETRY_TABLE
 from .worst_case import SharpnessResult, sharpness, sharpness_options
 
 __all__ = ["distributed_sharpness"]
@@ -46,19 +47,19 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
     if "rho" not in options:
         raise TypeError("distributed_sharpness needs rho= (the radius of the ball), as "
                         "quotient_manifolds.adapters.sharpness does")
-    sharpness_options({k: v for k, v in options.items() if k != "rho"}, rho=options["rho"])
+    resolved = sharpness_options({k: v for k, v in options.items() if k != "rho"}, rho=options["rho"])
     check.batches("batches", batches)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("distributed_sharpness needs an initialised torch.distributed process "
                            "group (torch.distributed.init_process_group(...), e.g. under torchrun); "
                            "for one process call adapters.sharpness instead")
-    geometry = options.get("geometry", "geodesic-mix")
-    if geometry != "adaptive":
+    geometry = resolved["geometry"]
+    if GEOMETRY_TABLE[geometry].geodesic:
         # resolved (detected, or checked to belong to the model) once, on every rank alike, before
         # any rank measures or waits for the others
         options["layout"] = resolve_layout(model, options.get("layout"), what=f"distributed {geometry} sharpness",
-                                           allow_unsupported=options.get("allow_unsupported", False),
-                                           include_frozen=options.get("include_frozen", False))
+                                           allow_unsupported=resolved["allow_unsupported"],
+                                           include_frozen=resolved["include_frozen"])
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     rows = []
     for index, batch in itertools.islice(enumerate(batches), rank, None, world):
@@ -74,8 +75,8 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch), per_batch=list(per_batch), init_losses=list(init),
         worst_losses=list(worst), norms=list(norms), rho=float(options["rho"]),
-        geometry=options.get("geometry", "geodesic-mix"), measure=options.get("measure", "worst"),
-        n_iters=options.get("n_iters", 20), n_forward=sum(n_fwd), n_backward=sum(n_bwd),
+        geometry=geometry, measure=resolved["measure"],
+        n_iters=resolved["n_iters"], n_forward=sum(n_fwd), n_backward=sum(n_bwd),
         time_s=sum(seconds),
         options={**{k: v for k, v in options.items() if k != "layout"}, "seed": seed,
                  "world_size": world})
