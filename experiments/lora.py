@@ -68,6 +68,7 @@ Pilot (one thread, the 2-core machine busy with two other jobs): see experiments
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -78,8 +79,9 @@ import numpy as np
 
 from .options import float_list, int_list, positive_int, seed_list, shown
 from .population import default_out, log_line, set_threads
-from .runner import ExperimentError, check_parent_alive, schedule_factor
+from .runner import ExperimentError, check_parent_alive
 from .stats import mean_std
+from .training import schedule_factor, train_steps
 
 NAME = "lora"
 ARMS = ("adamw", "peft-riemannian", "ours-adam", "ours-sgd")
@@ -356,10 +358,10 @@ def train_run(c: Dict[str, Any], spec: Dict[str, Any], data: Dict[str, Any],
                    leave=False, dynamic_ncols=True)
     started = time.perf_counter()
     eval_s = 0.0
-    for step in range(1, c["steps"] + 1):
-        check_parent_alive()
-        inputs, labels = next(batches)
-        loss, s, o = trainer.step(inputs, labels)
+
+    def after(step: int, out: Tuple[float, float, float]) -> bool:
+        nonlocal diverged, eval_s
+        loss, s, o = out
         losses.append(loss)
         step_s.append(s)
         opt_s.append(o)
@@ -367,13 +369,16 @@ def train_run(c: Dict[str, Any], spec: Dict[str, Any], data: Dict[str, Any],
             bar.update(1)
         if not math.isfinite(loss):
             diverged = True
-            break
+            return True
         if step in evals:
             t = time.perf_counter()
             acc, tl = evaluate(trainer.model, data, "test")
             curve.append(acc)
             curve_loss.append(tl)
             eval_s += time.perf_counter() - t
+        return False
+
+    train_steps(lambda batch: trainer.step(*batch), itertools.islice(batches, c["steps"]), after)
     if bar is not None:
         bar.close()
     nan = float("nan")

@@ -65,6 +65,7 @@ tiny ViT and a tiny random BERT in seconds (tests only).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import statistics
@@ -77,6 +78,7 @@ from .options import float_list, positive_int, shown
 from .population import default_out, log_line, set_threads
 from .runner import ExperimentError, check_parent_alive
 from .stats import mean_std
+from .training import TrainingLoop, adamw, train_steps
 
 NAME = "sam"
 TASKS = ("vit", "minilm")
@@ -357,17 +359,10 @@ def make_optimizer(model, cfg: Dict[str, Any], method: str, rho: float):
     """AdamW on the trainable weights (weight decay on matrices only; fused CPU kernel where
     available), wrapped in :class:`quotient_manifolds.adapters.GeodesicSAM` for the SAM arms. Returns
     ``(base optimizer, SAM wrapper or None)``."""
-    import torch
-
     if cfg["optimizer"] != "adamw":
         raise ExperimentError(f"optimizer {cfg['optimizer']!r}: only 'adamw' is implemented")
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    try:
-        opt = torch.optim.AdamW(groups, lr=cfg["lr"], fused=True)
-    except (RuntimeError, TypeError):  # pragma: no cover - a torch without the CPU kernel
-        opt = torch.optim.AdamW(groups, lr=cfg["lr"])
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg["lr"],
+                weight_decay=cfg["weight_decay"], fused=True)
     kwargs = METHODS[method]
     if kwargs is None:
         return opt, None
@@ -423,8 +418,6 @@ def train_run(task: Task, cfg: Dict[str, Any], method: str, rho: float, seed: in
     on the curve points and at the end."""
     import torch
 
-    from .runner import TrainingLoop
-
     torch.manual_seed(seed)
     model = task.build(seed)
     model.train()
@@ -440,20 +433,23 @@ def train_run(task: Task, cfg: Dict[str, Any], method: str, rho: float, seed: in
     torch.manual_seed(seed)  # dropout
     times, cpu, losses, adv, curve = [], [], [], [], []
     eval_s = 0.0
-    started = time.perf_counter()
-    for k in range(1, steps + 1):
-        check_parent_alive()
-        batch = next(stream)
+
+    def timed(batch) -> float:
         t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(update(batch))
+        loss = update(batch)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        return loss
+
+    def after(k: int, loss: float) -> bool:
+        nonlocal eval_s
+        losses.append(loss)
         if update.loss_adv is not None:
-            adv.append(update.loss_adv - losses[-1])
+            adv.append(update.loss_adv - loss)
         if loop.bar is not None:
             loop.bar.update(1)
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"{task.name}/{method} ρ={rho:g}: training loss {losses[-1]} "
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"{task.name}/{method} ρ={rho:g}: training loss {loss} "
                                      f"at update {k}; lower the lr or ρ")
         if k in at:
             t0 = time.perf_counter()
@@ -462,6 +458,10 @@ def train_run(task: Task, cfg: Dict[str, Any], method: str, rho: float, seed: in
             curve.append(dict(update=k, val_acc=acc, val_loss=vloss,
                               running_train_loss=float(np.mean(tail))))
             eval_s += time.perf_counter() - t0
+        return False
+
+    started = time.perf_counter()
+    train_steps(timed, itertools.islice(stream, steps), after)
     train_s = time.perf_counter() - started - eval_s
     if loop.bar is not None:
         loop.bar.close()

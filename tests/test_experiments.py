@@ -850,7 +850,7 @@ def test_fashion_mnist_loader_and_vision_on_user_data_dir(tmp_path):
 def test_training_loop_schedule_and_clipping():
     import torch
 
-    from quotient_manifolds.experiments.runner import TrainingLoop
+    from quotient_manifolds.experiments.training import TrainingLoop
 
     def loop(decay, params=None):
         params = params or [torch.nn.Parameter(torch.zeros(3))]
