@@ -67,7 +67,7 @@ import numpy as np
 from .options import (defaults_of, int_list, positive_float, positive_int, seed_list, sharpness_arguments,
                       value_range)
 from .population import apply_sharp_overrides, log_line, run_population_study
-from .report import diagonal_report
+from .diagonal_summary import diagonal_report
 from .runner import ExperimentError, check_parent_alive, config_hash, load_checkpoint, save_checkpoint
 
 NAME = "diagonal"

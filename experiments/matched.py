@@ -46,7 +46,7 @@ Protocol
 * **Report** (``quotient-manifolds report DIR``): per level, τ-b of each measure with the
   generalisation gap on the model's own training subset (``gap_own``, as the vision study) and
   the paired-bootstrap Δτ against the baseline and against our adaptive (same resampled models
-  for both τ's; :func:`quotient_manifolds.experiments.report.paired_section`), the calibrated ρ*, the achieved loss
+  for both τ's; :func:`quotient_manifolds.experiments.reporting.paired_section`), the calibrated ρ*, the achieved loss
   rises, the failures and the attention shares; the figure ``fig_matched.png`` shows τ against the level
   with the 95 % CIs. Models above the vision study's train-error target (5 %) are excluded and
   listed, as there.
@@ -327,7 +327,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
            source: Optional[str] = None, **_: Any) -> Dict[str, Any]:
     """summary.md, summary.json and fig_matched.png from the records alone (module docstring);
     the same whether written by the run or by ``quotient-manifolds report DIR``."""
-    from .report import PAIRED_N_BOOT, PAIRED_SEED, TARGET_LABEL, paired_section, write_summary
+    from .reporting import PAIRED_N_BOOT, PAIRED_SEED, TARGET_LABEL, paired_section, write_summary
     from .runner import display_path
     from .stats import tau_ci_weighted
 
@@ -412,7 +412,7 @@ def _fig_matched(path: str, summary: Dict[str, Any], levels: Sequence[float],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import finish_figure
+    from .reporting import finish_figure
 
     fig, ax = plt.subplots(figsize=(5.2, 3.4))
     views = summary.get("paired", {}).get("views", {})

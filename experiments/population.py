@@ -18,7 +18,9 @@ from functools import partial
 from types import ModuleType
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-from . import calibrate, report
+from . import calibrate
+from .population_summary import population_kwargs, population_report
+from .reporting import print_table
 from .measures import population_job
 from .runner import ExperimentError, OutputDir, cores, fmt_seconds, restore_exact, run_population, trained_model
 
@@ -106,10 +108,10 @@ def run_population_study(mod: ModuleType, config: Dict[str, Any], args: argparse
             summary = report_fn(od.path, config, od.hash, records, wall_s=wall, exclude=exclude,
                                 n_boot=args.n_boot, **report_kwargs)
         else:
-            summary = report.population_report(od.path, study, config, od.hash, records,
+            summary = population_report(od.path, study, config, od.hash, records,
                                                wall_s=wall, exclude=exclude, n_boot=args.n_boot,
                                                **report_kwargs)
-    report.print_table(summary, log)
+    print_table(summary, log)
     log(f"{study}: {len(records)} models done in {fmt_seconds(wall)} this run"
          + (f"; {len(failed)} FAILED (see {os.path.join(out, 'errors.jsonl')}; rerun retries "
             f"them)" if failed else "") + f"\n  summary: {os.path.join(out, 'summary.md')}")
@@ -184,9 +186,9 @@ def transformer_config(mod: ModuleType, args: argparse.Namespace) -> Dict[str, A
 
 def transformer_report_kwargs(mod: ModuleType, config: Dict[str, Any], synthetic: bool, target: str = "gap"
                               ) -> Dict[str, Any]:
-    """:func:`~quotient_manifolds.experiments.report.population_kwargs` of the population
+    """:func:`~quotient_manifolds.experiments.population_summary.population_kwargs` of the population
     ``mod``."""
-    return report.population_kwargs(mod.NAME, config, target, synthetic)
+    return population_kwargs(mod.NAME, config, target, synthetic)
 
 
 def calibrated_population(mod: ModuleType, config: Dict[str, Any], args: argparse.Namespace,

@@ -678,7 +678,8 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
     (``quotient-manifolds report DIR`` rewrites them)."""
     import datetime as _dt
 
-    from .report import display_path, write_summary
+    from .reporting import write_summary
+    from .runner import display_path
     s = summarise(records, config)
     syn = " [SYNTHETIC]" if synthetic(config) else ""
     lines = [f"# SAM training study{syn}", "",
@@ -767,7 +768,7 @@ def _fig_sweep(path: str, s: Dict[str, Any], config: Dict[str, Any], syn: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import finish_figure
+    from .reporting import finish_figure
     tasks = list(s["tasks"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.8 * len(tasks), 3.1), squeeze=False)
     for ax, task in zip(axes[0], tasks):
@@ -805,7 +806,7 @@ def _fig_curves(path: str, s: Dict[str, Any], config: Dict[str, Any], syn: str) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import finish_figure
+    from .reporting import finish_figure
     tasks = list(s["tasks"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.8 * len(tasks), 3.1), squeeze=False)
     for ax, task in zip(axes[0], tasks):

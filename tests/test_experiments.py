@@ -915,7 +915,8 @@ def test_find_rho_and_the_median_property_of_the_calibration():
 
 def test_measure_plan_points_and_knob_r2():
     from quotient_manifolds.experiments import measures as M
-    from quotient_manifolds.experiments.report import default_knobs, knob_r2, r_squared
+    from quotient_manifolds.experiments.population_summary import default_knobs, knob_r2
+    from quotient_manifolds.experiments.stats import r_squared
 
     config = dict(sharp_points=2048, rho=dict(adaptive=1.0, inv=0.5, mix=0.1),
                   points=dict(ablations=512, sweep=256, exact=256, hessian=256))
