@@ -7,15 +7,15 @@ factor, and R² of log test loss per knob. Everything is recomputed from the rec
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .reporting import (PAIRED_N_BOOT, PAIRED_SEED, PAPER, fig_sweep, finish_figure, finish_span, fmt_rho,
-                        measures_of, metric_ranges, paired_section, rhos_of, value_of, write_summary)
+from .reporting import (PAIRED_N_BOOT, PAIRED_SEED, PAPER, closing_sections, fig_sweep, finish_figure,
+                        finish_span, fmt_rho, measures_of, metric_ranges, paired_section, rhos_of, value_of,
+                        write_summary)
 from .runner import display_path
 from .stats import (TauResult, dummies, partial_tau_with_ci, r_squared, tau_ci_weighted, tau_with_ci,
                     within_partial_tau_with_ci, within_tau_with_ci)
@@ -71,9 +71,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
     lines += _diagonal_r2_section(used, draws, summary)
     lines += _diagonal_population_section(used, exclude)
     notes = list(notes) + diagonal_notes(config)
-    lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    lines += ["## Configuration", "", "```json", json.dumps(config, indent=1, sort_keys=True,
-                                                             default=str), "```", ""]
+    lines += closing_sections(notes, config)
     _fig_diagonal_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
                           [(m, rho[m]) for m in d.measures], d.taus,
                           f"diagonal: test loss vs sharpness ({len(used)} models, "

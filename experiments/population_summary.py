@@ -8,15 +8,14 @@ Figs. 3–5 (generalisation gap against sharpness, one panel per measure, τ in 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .reporting import (PAPER, TARGET_LABEL, fig_sweep, finish_span, fmt_rho, measures_of, metric_ranges,
-                        paired_section, rhos_of, tau_for, value_of, write_summary)
+from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, measures_of,
+                        metric_ranges, paired_section, rhos_of, tau_for, value_of, write_summary)
 from .runner import display_path
 from .stats import TauResult, dummies, partial_tau_with_ci, r_squared, tau_with_ci, within_tau_with_ci
 from .studies import STUDY
@@ -156,20 +155,25 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                              main + extra_main + curvature, summary)
     lines += _r2_section(used, target, main + extra_main + curvature, default_rho, knobs, summary)
     lines += _population_section(records, used, exclude, config)
-    if notes:
-        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    lines += ["## Configuration", "", "```json", json.dumps(config, indent=1, sort_keys=True,
-                                                             default=str), "```", ""]
+    lines += closing_sections(notes, config)
+    _population_figures(out_dir, study, taus, main + extra_main, curvature, tag, logx, logy)
+    write_summary(out_dir, lines, summary)
+    return summary
+
+
+def _population_figures(out_dir: str, study: str, taus: _PopulationTaus, measures: Sequence[str],
+                        curvature: Sequence[str], tag: str, logx: bool, logy: bool) -> None:
+    """fig_scatter.png (the target against each measure at its main ρ) and, with curvature
+    measures, fig_curvature.png."""
+    used, target = taus.used, taus.target
     _fig_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
-                 [(m, default_rho[m]) for m in main + extra_main], target, taus.taus,
+                 [(m, taus.default_rho[m]) for m in measures], target, taus.taus,
                  f"{study}: {TARGET_LABEL.get(target, target)} vs sharpness ({len(used)} models)"
                  + tag, logx, logy)
     if curvature:
         _fig_scatter(os.path.join(out_dir, "fig_curvature.png"), used,
                      [(m, 0.0) for m in curvature], target, taus.taus,
                      f"{study}: {TARGET_LABEL.get(target, target)} vs curvature" + tag, False, logy)
-    write_summary(out_dir, lines, summary)
-    return summary
 
 
 def _population_header(out_dir: str, study: str, config_hash: str, records, used, target: str,

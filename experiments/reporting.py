@@ -209,6 +209,14 @@ def write_summary(out_dir: str, lines: List[str], summary: Dict[str, Any]) -> No
                        (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n").encode())
 
 
+def closing_sections(notes: Sequence[str], config: Dict[str, Any]) -> List[str]:
+    """The last sections of a summary: the notes (if any), one bullet each, and the configuration
+    as JSON."""
+    lines = ["## Notes", ""] + [f"- {n}" for n in notes] + [""] if notes else []
+    return lines + ["## Configuration", "", "```json", json.dumps(config, indent=1, sort_keys=True,
+                                                                  default=str), "```", ""]
+
+
 def print_table(summary: Dict[str, Any], log=print) -> None:
     """The main table of a summary (τ-b, CI, τ-a and the paper's τ per measure) on ``log``."""
     main = summary.get("main", {})

@@ -697,57 +697,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
               f"seed(s), selected by validation accuracy, then {config['seeds']} seeds at it "
               "(same init and data order per seed for every arm).", ""]
     for task, t in tasks_of(config):
-        ts = s["tasks"][task]
-        desc = (f"ViT {t['arch']} from scratch on {t['train_size']} Fashion-MNIST images"
-                if task == "vit" else
-                f"MiniLM ({t['layers']} layers, embeddings "
-                f"{'trained' if t['train_embeddings'] else 'frozen'}) on {t['train_size']} "
-                f"Rotten Tomatoes snippets")
-        if t["data"] == "synthetic":
-            desc = "SYNTHETIC data, tiny model"
-        lines += [f"## {task}: {desc}", "",
-                  f"val {t['val_size']}, test {t['test_size']}; AdamW lr {t['lr']:g}, weight decay "
-                  f"{t['weight_decay']:g}, batch {t['batch_size']}, {t['steps']} updates "
-                  f"({t['decay']} schedule, warm-up {t['warmup']:g}), grad-norm clip 1.", "",
-                  "| method | selected ρ | test acc % (mean ± sd) | seeds | val acc % | train loss "
-                  "| train acc % | s / update (wall / CPU) | × SAM same process (wall / CPU) | "
-                  "× SAM runs (CPU) | test − SAM (paired, pts) | gradients |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for m, row in ts["methods"].items():
-            d = row.get("diff_to_sam")
-            same = (f"{_num(row.get('update_ratio_same_process'), '.2f')} / "
-                    f"{_num(row.get('update_cpu_ratio_same_process'), '.2f')}")
-            rho = "—" if row["rho"] is None else f"{row['rho']:.4g}"
-            lines.append(
-                f"| {m} | {rho} | "
-                f"{_pm(*row['test_acc'])} | {row['n_seeds']} | {_pm(*row['val_acc'])} | "
-                f"{row['train_loss'][0]:.4f} | {_pm(*row['train_acc'])} | "
-                f"{row['update_s']:.3f} / {_num(row['update_cpu_s'], '.3f')} | {same} | "
-                f"{_num(row.get('update_cpu_ratio_runs'), '.2f')} | "
-                f"{'—' if d is None else _pm(*d)} | {row['grad_evals']} |")
-        timing = ts["timing"]
-        if timing:
-            lines += ["", f"Same-process timing ({timing['timed_updates']} timed updates per arm, "
-                      f"interleaved, {timing['threads']} thread(s)): "
-                      + ", ".join(f"{m} {v:.3f} s" for m, v in timing["update_median_s"].items())
-                      + " (wall; CPU: " + ", ".join(
-                          f"{m} {v:.3f} s" for m, v in timing.get("update_cpu_median_s",
-                                                                   {}).items())
-                      + "). Loss increase L(w_adv) − L(w) at each arm's centre ρ (its strength "
-                      "over the first updates of training): "
-                      + ", ".join(f"{m} {v:.3g} (ρ {timing['rho'][m]:g}, ‖g‖ "
-                                  f"{timing['grad_norm'][m]:.3g})"
-                                  for m, v in timing["loss_increase"].items()) + "."]
-        lines += ["", f"ρ sweep (mean over the first {config['sweep_seeds']} seed(s); * = "
-                  "selected by validation accuracy):", "",
-                  "| method | " + " | ".join(f"×{f:g}" for f in t["rho_factors"]) + " |",
-                  "|---|" + "---|" * len(t["rho_factors"])]
-        for m, pts in ts["sweep"].items():
-            cells = [(f"ρ {p['rho']:.3g}: val {p['val_acc'] * 100:.2f} / test "
-                      f"{p['test_acc'] * 100:.2f}" + (" *" if p["selected"] else ""))
-                     if p["n"] else "—" for p in pts]
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        lines += ["", f"**{verdict(task, ts)}**", ""]
+        lines += _task_section(task, t, s["tasks"][task], config)
     lines += ["Figures: `fig_rho_sweep.png` (test and validation accuracy against ρ / centre per "
               "method; base arms as lines), `fig_curves.png` (validation accuracy along training "
               "at the selected ρ, mean over seeds)."]
@@ -757,6 +707,63 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
                    verdicts={task: verdict(task, ts) for task, ts in s["tasks"].items()})
     write_summary(out_dir, lines, summary)
     return summary
+
+
+def _task_section(task: str, t: Dict[str, Any], ts: Dict[str, Any], config: Dict[str, Any]
+                  ) -> List[str]:
+    """The report of one task: its protocol, the table of every method at its selected ρ, the
+    same-process timing, the ρ sweep and the verdict."""
+    desc = (f"ViT {t['arch']} from scratch on {t['train_size']} Fashion-MNIST images"
+            if task == "vit" else
+            f"MiniLM ({t['layers']} layers, embeddings "
+            f"{'trained' if t['train_embeddings'] else 'frozen'}) on {t['train_size']} "
+            f"Rotten Tomatoes snippets")
+    if t["data"] == "synthetic":
+        desc = "SYNTHETIC data, tiny model"
+    lines = [f"## {task}: {desc}", "",
+             f"val {t['val_size']}, test {t['test_size']}; AdamW lr {t['lr']:g}, weight decay "
+             f"{t['weight_decay']:g}, batch {t['batch_size']}, {t['steps']} updates "
+             f"({t['decay']} schedule, warm-up {t['warmup']:g}), grad-norm clip 1.", "",
+             "| method | selected ρ | test acc % (mean ± sd) | seeds | val acc % | train loss "
+             "| train acc % | s / update (wall / CPU) | × SAM same process (wall / CPU) | "
+             "× SAM runs (CPU) | test − SAM (paired, pts) | gradients |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, row in ts["methods"].items():
+        d = row.get("diff_to_sam")
+        same = (f"{_num(row.get('update_ratio_same_process'), '.2f')} / "
+                f"{_num(row.get('update_cpu_ratio_same_process'), '.2f')}")
+        rho = "—" if row["rho"] is None else f"{row['rho']:.4g}"
+        lines.append(
+            f"| {m} | {rho} | "
+            f"{_pm(*row['test_acc'])} | {row['n_seeds']} | {_pm(*row['val_acc'])} | "
+            f"{row['train_loss'][0]:.4f} | {_pm(*row['train_acc'])} | "
+            f"{row['update_s']:.3f} / {_num(row['update_cpu_s'], '.3f')} | {same} | "
+            f"{_num(row.get('update_cpu_ratio_runs'), '.2f')} | "
+            f"{'—' if d is None else _pm(*d)} | {row['grad_evals']} |")
+    timing = ts["timing"]
+    if timing:
+        lines += ["", f"Same-process timing ({timing['timed_updates']} timed updates per arm, "
+                  f"interleaved, {timing['threads']} thread(s)): "
+                  + ", ".join(f"{m} {v:.3f} s" for m, v in timing["update_median_s"].items())
+                  + " (wall; CPU: " + ", ".join(
+                      f"{m} {v:.3f} s" for m, v in timing.get("update_cpu_median_s",
+                                                               {}).items())
+                  + "). Loss increase L(w_adv) − L(w) at each arm's centre ρ (its strength "
+                  "over the first updates of training): "
+                  + ", ".join(f"{m} {v:.3g} (ρ {timing['rho'][m]:g}, ‖g‖ "
+                              f"{timing['grad_norm'][m]:.3g})"
+                              for m, v in timing["loss_increase"].items()) + "."]
+    lines += ["", f"ρ sweep (mean over the first {config['sweep_seeds']} seed(s); * = "
+              "selected by validation accuracy):", "",
+              "| method | " + " | ".join(f"×{f:g}" for f in t["rho_factors"]) + " |",
+              "|---|" + "---|" * len(t["rho_factors"])]
+    for m, pts in ts["sweep"].items():
+        cells = [(f"ρ {p['rho']:.3g}: val {p['val_acc'] * 100:.2f} / test "
+                  f"{p['test_acc'] * 100:.2f}" + (" *" if p["selected"] else ""))
+                 if p["n"] else "—" for p in pts]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", f"**{verdict(task, ts)}**", ""]
+    return lines
 
 
 _COLORS = {"base": "#7f7f7f", "base-2x": "#000000", "sam": "#1f77b4", "asam": "#ff7f0e",
