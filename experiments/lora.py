@@ -299,14 +299,8 @@ class _Trainer:
 
 def _batches(c: Dict[str, Any], data: Dict[str, Any], seed: int):
     """An endless stream of length-bucketed training batches (epochs reshuffled), from the seed."""
-    from . import text as T
-    idx = data["train"]
-    lengths = np.zeros(len(data["ids"]), dtype=np.int64)
-    lengths[idx] = [len(data["ids"][i]) for i in idx]
-    rng = np.random.default_rng([seed, 2])
-    while True:
-        for b in T.bucketed_batches(idx, lengths, c["batch_size"], rng):
-            yield T.collate([data["ids"][i] for i in b], data["labels"][b])
+    from .text import batch_stream
+    return batch_stream(data, data["train"], c["batch_size"], seed)
 
 
 def evaluate(model, data: Dict[str, Any], split: str) -> Tuple[float, float]:

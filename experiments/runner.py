@@ -38,7 +38,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 RESULTS = "results.jsonl"
 ERRORS = "errors.jsonl"
@@ -76,6 +76,13 @@ def _json_default(obj):
 
 def config_hash(config: Dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(config).encode()).hexdigest()[:16]
+
+
+def keys_hash(study: str, config: Dict[str, Any], keys: Sequence[str], **extra: Any) -> str:
+    """:func:`config_hash` of ``{"study": study, the entries keys of config, **extra}``: the hash
+    of what a trained model depends on (its checkpoint is named by it), e.g. the data and model
+    settings and the model's hyperparameters (``hp=...``), not the sharpness settings."""
+    return config_hash({"study": study, **{k: config[k] for k in keys}, **extra})
 
 
 def _line_digest(record: Dict[str, Any]) -> str:

@@ -286,7 +286,6 @@ class Task:
         self.data = text.load_data(self.tconf, data_dir)
         tr = self.data["train"]
         self.idx = {"train": tr[:n], "val": tr[n:n + v], "test": self.data["test"]}
-        self.lengths = np.array([len(s) if s is not None else 0 for s in self.data["ids"]])
 
     def build(self, seed: int):
         if self.name == "vit":
@@ -308,12 +307,8 @@ class Task:
                     b = perm[s:s + bs]
                     yield x[b], y[b]
         else:
-            from .text import bucketed_batches, collate
-            rng = np.random.default_rng([seed, 2])
-            idx, labels = self.idx["train"], self.data["labels"]
-            while True:
-                for b in bucketed_batches(idx, self.lengths, bs, rng):
-                    yield collate([self.data["ids"][i] for i in b], labels[b])
+            from .text import batch_stream
+            yield from batch_stream(self.data, self.idx["train"], bs, seed)
 
     def loss(self, model, batch):
         import torch.nn.functional as F

@@ -142,7 +142,7 @@ from .options import calibration_arguments, default_text, int_list, nonneg_range
     positive_float, positive_int, value_range
 from .population import log_line, population_jobs, population_member, population_metrics, \
     run_transformer_population, transformer_config
-from .runner import ExperimentError, config_hash, study_device
+from .runner import ExperimentError, keys_hash, study_device
 from .training import TrainingLoop, adamw, train_epochs
 
 NAME = "text"
@@ -429,6 +429,19 @@ def bucketed_batches(idx: np.ndarray, lengths: np.ndarray, batch: int, rng) -> L
     return [batches[k] for k in rng.permutation(len(batches))]
 
 
+def batch_stream(data: Dict[str, Any], idx: np.ndarray, batch: int, seed: int
+                 ) -> Iterator[Tuple[Dict[str, Any], Any]]:
+    """Epochs of :func:`bucketed_batches` of the sentences ``idx``, forever, collated (on the CPU)
+    with their labels; the order is drawn from ``default_rng([seed, 2])`` (the SAM and LoRA
+    studies' training batches)."""
+    lengths = np.zeros(len(data["ids"]), dtype=np.int64)
+    lengths[idx] = [len(data["ids"][i]) for i in idx]
+    rng = np.random.default_rng([seed, 2])
+    while True:
+        for b in bucketed_batches(idx, lengths, batch, rng):
+            yield collate([data["ids"][i] for i in b], data["labels"][b])
+
+
 def predict(model, data, idx: np.ndarray, batch: int = 128) -> np.ndarray:
     """Logits (float64, shape (len(idx), 2)) of the sentences ``idx``, eval mode, no grad."""
     import torch
@@ -594,11 +607,12 @@ def exclusions(records: List[Dict[str, Any]]) -> Dict[int, str]:
 
 
 def train_hash(config: Dict[str, Any], hp: Dict[str, Any]) -> str:
+    """The training hash of the model with hyperparameters ``hp`` (its checkpoint's name)."""
     keys = ("data", "split_seed", "train_size", "test_size", "layers", "max_length",
             "train_embeddings", "head", "warmup", "sharp_points")
     if config.get("protocol") == "paper":  # (the small protocol's hashes stay as they were)
         keys += ("protocol", "target_train_error")
-    return config_hash({"study": NAME, **{k: config[k] for k in keys}, "hp": hp})
+    return keys_hash(NAME, config, keys, hp=hp)
 
 
 def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):

@@ -63,7 +63,7 @@ from . import measures as M
 from .options import calibration_arguments, default_text, population_arguments, positive_int
 from .population import log_line, population_jobs, population_member, population_metrics, \
     run_transformer_population, transformer_config
-from .runner import ExperimentError, config_hash, cores, fmt_seconds, restore_exact, study_device, trained_model
+from .runner import ExperimentError, cores, fmt_seconds, keys_hash, restore_exact, study_device, trained_model
 from .training import TrainingLoop, train_epochs
 
 NAME = "vision"
@@ -318,8 +318,8 @@ def sharpness_batches(config, data):
 
 # ------------------------------------------------------------------------------------ pretraining
 def pretrain_hash(config: Dict[str, Any]) -> str:
-    keys = ("data", "split_seed", "pool_size", "arch", "pretrain")
-    return config_hash({"study": f"{NAME}-pretrain", **{k: config[k] for k in keys}})
+    """The hash of the pretrained ViT of the fine-tune protocol (its checkpoint's name)."""
+    return keys_hash(f"{NAME}-pretrain", config, ("data", "split_seed", "pool_size", "arch", "pretrain"))
 
 
 _PRETRAINED: Dict[str, Any] = {}
@@ -387,9 +387,10 @@ def finetune_start(config: Dict[str, Any], data, ckpt_dir: str, progress: bool =
 
 # ------------------------------------------------------------------------------------ population
 def train_hash(config: Dict[str, Any], hp: Dict[str, Any]) -> str:
-    keys = ("data", "split_seed", "pool_size", "arch", "warmup")
+    """The training hash of the model with hyperparameters ``hp`` (its checkpoint's name); a
+    fine-tune's includes its pretrained ViT's."""
     extra = {"pretrained": pretrain_hash(config)} if config.get("protocol") == "finetune" else {}
-    return config_hash({"study": NAME, **{k: config[k] for k in keys}, **extra, "hp": hp})
+    return keys_hash(NAME, config, ("data", "split_seed", "pool_size", "arch", "warmup"), **extra, hp=hp)
 
 
 def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
