@@ -176,11 +176,11 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from . import report
-    summary = report.report_from_results(args.path, args.out, n_boot=args.n_boot,
-                                         config_hash=args.config_hash, target=args.target,
-                                         extra=args.extra, log=log_line)
-    report.print_table(summary, log_line)
+    from .report import report_from_results
+    from .reporting import print_table
+    summary = report_from_results(args.path, args.out, n_boot=args.n_boot, config_hash=args.config_hash,
+                                  target=args.target, extra=args.extra, log=log_line)
+    print_table(summary, log_line)
     out = args.out or (args.path if os.path.isdir(args.path) else os.path.dirname(args.path))
     log_line(f"summary: {os.path.join(out, 'summary.md')}")
     return 0

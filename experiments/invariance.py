@@ -21,7 +21,8 @@ import numpy as np
 
 from .options import float_list, sharpness_arguments
 from .population import apply_sharp_overrides, default_out, log_line, set_threads
-from .report import display_path, finish_figure
+from .reporting import finish_figure
+from .runner import display_path
 from .studies import STUDY
 from .runner import ExperimentError, OutputDir, atomic_write_bytes, fmt_seconds, run_population
 

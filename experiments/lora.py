@@ -68,6 +68,7 @@ Pilot (one thread, the 2-core machine busy with two other jobs): see experiments
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
@@ -78,8 +79,9 @@ import numpy as np
 
 from .options import float_list, int_list, positive_int, seed_list, shown
 from .population import default_out, log_line, set_threads
-from .runner import ExperimentError, check_parent_alive, schedule_factor
+from .runner import ExperimentError, check_parent_alive
 from .stats import mean_std
+from .training import schedule_factor, train_steps
 
 NAME = "lora"
 ARMS = ("adamw", "peft-riemannian", "ours-adam", "ours-sgd")
@@ -297,14 +299,8 @@ class _Trainer:
 
 def _batches(c: Dict[str, Any], data: Dict[str, Any], seed: int):
     """An endless stream of length-bucketed training batches (epochs reshuffled), from the seed."""
-    from . import text as T
-    idx = data["train"]
-    lengths = np.zeros(len(data["ids"]), dtype=np.int64)
-    lengths[idx] = [len(data["ids"][i]) for i in idx]
-    rng = np.random.default_rng([seed, 2])
-    while True:
-        for b in T.bucketed_batches(idx, lengths, c["batch_size"], rng):
-            yield T.collate([data["ids"][i] for i in b], data["labels"][b])
+    from .text import batch_stream
+    return batch_stream(data, data["train"], c["batch_size"], seed)
 
 
 def evaluate(model, data: Dict[str, Any], split: str) -> Tuple[float, float]:
@@ -356,10 +352,10 @@ def train_run(c: Dict[str, Any], spec: Dict[str, Any], data: Dict[str, Any],
                    leave=False, dynamic_ncols=True)
     started = time.perf_counter()
     eval_s = 0.0
-    for step in range(1, c["steps"] + 1):
-        check_parent_alive()
-        inputs, labels = next(batches)
-        loss, s, o = trainer.step(inputs, labels)
+
+    def after(step: int, out: Tuple[float, float, float]) -> bool:
+        nonlocal diverged, eval_s
+        loss, s, o = out
         losses.append(loss)
         step_s.append(s)
         opt_s.append(o)
@@ -367,13 +363,16 @@ def train_run(c: Dict[str, Any], spec: Dict[str, Any], data: Dict[str, Any],
             bar.update(1)
         if not math.isfinite(loss):
             diverged = True
-            break
+            return True
         if step in evals:
             t = time.perf_counter()
             acc, tl = evaluate(trainer.model, data, "test")
             curve.append(acc)
             curve_loss.append(tl)
             eval_s += time.perf_counter() - t
+        return False
+
+    train_steps(lambda batch: trainer.step(*batch), itertools.islice(batches, c["steps"]), after)
     if bar is not None:
         bar.close()
     nan = float("nan")

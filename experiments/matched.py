@@ -46,7 +46,7 @@ Protocol
 * **Report** (``quotient-manifolds report DIR``): per level, τ-b of each measure with the
   generalisation gap on the model's own training subset (``gap_own``, as the vision study) and
   the paired-bootstrap Δτ against the baseline and against our adaptive (same resampled models
-  for both τ's; :func:`quotient_manifolds.experiments.report.paired_section`), the calibrated ρ*, the achieved loss
+  for both τ's; :func:`quotient_manifolds.experiments.reporting.paired_section`), the calibrated ρ*, the achieved loss
   rises, the failures and the attention shares; the figure ``fig_matched.png`` shows τ against the level
   with the 95 % CIs. Models above the vision study's train-error target (5 %) are excluded and
   listed, as there.
@@ -327,9 +327,8 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
            source: Optional[str] = None, **_: Any) -> Dict[str, Any]:
     """summary.md, summary.json and fig_matched.png from the records alone (module docstring);
     the same whether written by the run or by ``quotient-manifolds report DIR``."""
-    from .report import PAIRED_N_BOOT, PAIRED_SEED, TARGET_LABEL, paired_section, write_summary
+    from .reporting import TARGET_LABEL, paired_section, write_summary
     from .runner import display_path
-    from .stats import tau_ci_weighted
 
     source = source or os.path.join(out_dir, "results.jsonl")
     excluded = exclusions(records)
@@ -363,18 +362,38 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
         cols = {m: values(used, m, level) for m in measures}
         views.append((f"loss rise ≈ {level:g} nats", "models resampled", {}, cols))
     lines += paired_section(y, views, summary)
-    lines += ["## Calibration, achieved loss rise, exact-geodesic failures, attention share", "",
-              "ρ*: the calibrated radius; loss rise: the population's sharpness values at ρ* "
-              "(median [min, max], nats); failures: models whose exact geodesic left GL(h) inside "
-              "the ball (value undefined; τ above is over the other models, the last column ranks "
-              "them as the sharpest); attention share: share of the worst perturbation's squared "
-              "metric norm on the attention weights, the weights of the GL blocks (median [min, "
-              "max]; for every measure in its own metric, the adaptive ones included); second-order gap: |S_exact/S − 1| at the worst "
-              "second-order perturbation, the exact geodesic (8 RK4 steps) taken with the same "
-              "initial velocity (median [min, max]; `retraction_gaps` of adapters.sharpness).", "",
-              "| level (nats) | measure | ρ* | loss rise | failures | attention share "
-              "| second-order gap | τ-b, failures ranked sharpest |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += _calibration_table(config, used, y, levels, measures, summary)
+    if len(used) >= 3:
+        _fig_matched(os.path.join(out_dir, "fig_matched.png"), summary, levels, measures,
+                     title=f"τ-b vs matched loss rise ({len(used)} ViTs"
+                           + (", SYNTHETIC" if synthetic else "") + ")")
+        lines += ["![τ vs loss-rise level](fig_matched.png)", ""]
+    write_summary(out_dir, lines, summary)
+    return summary
+
+
+def _calibration_table(config: Dict[str, Any], used: Sequence[Dict[str, Any]], y: np.ndarray,
+                       levels: Sequence[float], measures: Sequence[str], summary: Dict[str, Any]
+                       ) -> List[str]:
+    """Per level and measure: ρ*, the achieved loss rise, the exact-geodesic failures, the
+    attention share, the second-order gap and τ with the failures ranked sharpest (also into
+    ``summary["matched"]``)."""
+    from .reporting import PAIRED_N_BOOT, PAIRED_SEED
+    from .stats import tau_ci_weighted
+
+    lines = ["## Calibration, achieved loss rise, exact-geodesic failures, attention share", "",
+             "ρ*: the calibrated radius; loss rise: the population's sharpness values at ρ* "
+             "(median [min, max], nats); failures: models whose exact geodesic left GL(h) inside "
+             "the ball (value undefined; τ above is over the other models, the last column ranks "
+             "them as the sharpest); attention share: share of the worst perturbation's squared "
+             "metric norm on the attention weights, the weights of the GL blocks (median [min, "
+             "max]; for every measure in its own metric, the adaptive ones included); second-order "
+             "gap: |S_exact/S − 1| at the worst "
+             "second-order perturbation, the exact geodesic (8 RK4 steps) taken with the same "
+             "initial velocity (median [min, max]; `retraction_gaps` of adapters.sharpness).", "",
+             "| level (nats) | measure | ρ* | loss rise | failures | attention share "
+             "| second-order gap | τ-b, failures ranked sharpest |",
+             "|---|---|---|---|---|---|---|---|"]
     for level in levels:
         for m in measures:
             x = values(used, m, level)
@@ -395,13 +414,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
                          f"{_median_range(gap, '{:.2g}')} | "
                          f"{t_all.fmt() if t_all else '(no failures)'} |")
     lines.append("")
-    if len(used) >= 3:
-        _fig_matched(os.path.join(out_dir, "fig_matched.png"), summary, levels, measures,
-                     title=f"τ-b vs matched loss rise ({len(used)} ViTs"
-                           + (", SYNTHETIC" if synthetic else "") + ")")
-        lines += ["![τ vs loss-rise level](fig_matched.png)", ""]
-    write_summary(out_dir, lines, summary)
-    return summary
+    return lines
 
 
 def _fig_matched(path: str, summary: Dict[str, Any], levels: Sequence[float],
@@ -413,7 +426,7 @@ def _fig_matched(path: str, summary: Dict[str, Any], levels: Sequence[float],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import finish_figure
+    from .reporting import finish_figure
 
     paired = summary.get("paired", {})
     views = paired.get("views", {})

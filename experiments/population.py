@@ -1,7 +1,13 @@
 r"""The run of a population study shared by the studies: its output directory, threads, configuration
 from the command line (:func:`transformer_config` for text and vision), the models in worker
 processes and the report (:func:`run_population_study`), with an optional ρ calibration first
-(:func:`calibrated_population`)."""
+(:func:`calibrated_population`).
+
+The text and vision populations share one skeleton, written here once: a model of the population
+is trained or restored from its checkpoint (:func:`population_member`), evaluated on its splits
+(:func:`population_metrics`), measured in a worker (:func:`population_jobs`), and the study runs
+plain or calibrated (:func:`run_transformer_population`). Their modules keep what differs: data,
+model, hyperparameters, training, protocol notes and options."""
 
 from __future__ import annotations
 
@@ -12,9 +18,11 @@ from functools import partial
 from types import ModuleType
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-from . import calibrate, report
+from . import calibrate
+from .population_summary import population_kwargs, population_report
+from .reporting import print_table
 from .measures import population_job
-from .runner import ExperimentError, OutputDir, cores, fmt_seconds, run_population
+from .runner import ExperimentError, OutputDir, cores, fmt_seconds, restore_exact, run_population, trained_model
 
 
 def default_out(study: str, args: argparse.Namespace) -> str:
@@ -100,10 +108,10 @@ def run_population_study(mod: ModuleType, config: Dict[str, Any], args: argparse
             summary = report_fn(od.path, config, od.hash, records, wall_s=wall, exclude=exclude,
                                 n_boot=args.n_boot, **report_kwargs)
         else:
-            summary = report.population_report(od.path, study, config, od.hash, records,
+            summary = population_report(od.path, study, config, od.hash, records,
                                                wall_s=wall, exclude=exclude, n_boot=args.n_boot,
                                                **report_kwargs)
-    report.print_table(summary, log)
+    print_table(summary, log)
     log(f"{study}: {len(records)} models done in {fmt_seconds(wall)} this run"
          + (f"; {len(failed)} FAILED (see {os.path.join(out, 'errors.jsonl')}; rerun retries "
             f"them)" if failed else "") + f"\n  summary: {os.path.join(out, 'summary.md')}")
@@ -178,9 +186,9 @@ def transformer_config(mod: ModuleType, args: argparse.Namespace) -> Dict[str, A
 
 def transformer_report_kwargs(mod: ModuleType, config: Dict[str, Any], synthetic: bool, target: str = "gap"
                               ) -> Dict[str, Any]:
-    """:func:`~quotient_manifolds.experiments.report.population_kwargs` of the population
+    """:func:`~quotient_manifolds.experiments.population_summary.population_kwargs` of the population
     ``mod``."""
-    return report.population_kwargs(mod.NAME, config, target, synthetic)
+    return population_kwargs(mod.NAME, config, target, synthetic)
 
 
 def calibrated_population(mod: ModuleType, config: Dict[str, Any], args: argparse.Namespace,
@@ -231,3 +239,54 @@ def population_jobs(load_data: Callable, get_model: Callable, evaluate: Callable
     hooks = dict(load_data=load_data, get_model=get_model, sharpness_batches=sharpness_batches)
     return (partial(population_job, evaluate=evaluate, **hooks),
             partial(calibrate.pilot_job, **hooks))
+
+
+def population_member(mod: ModuleType, model_id: int, config: Dict[str, Any], ckpt_dir: str, *,
+                      build: Callable[[Dict[str, Any]], Any],
+                      train: Callable[[Any, Dict[str, Any]], Dict[str, Any]],
+                      restore: Callable[[Any, Dict[str, Any]], bool] = restore_exact,
+                      stored_state: Optional[Callable[[Any], Dict[str, Any]]] = None
+                      ) -> Tuple[Any, Dict[str, Any], Dict[str, Any]]:
+    """Model ``model_id`` of the population ``mod`` (text or vision): its hyperparameters
+    ``mod.hparams(config, model_id)``, then the model restored from its checkpoint (named by
+    ``mod.train_hash``) or ``build(hp)``, ``train(model, hp)`` and checkpointed
+    (:func:`~quotient_manifolds.experiments.runner.trained_model`; by default every tensor is
+    stored and restored). Returns ``(model, hp, info)``."""
+    hp = mod.hparams(config, model_id)
+    model, info = trained_model(
+        mod.NAME, model_id, mod.train_hash(config, hp), ckpt_dir, hp=hp, build=lambda: build(hp),
+        train=lambda model: train(model, hp), restore=restore,
+        stored_state=stored_state or (lambda model: model.state_dict()))
+    return model, hp, info
+
+
+def population_metrics(train: Tuple[float, float], own: Tuple[float, float], test: Tuple[float, float]
+                       ) -> Dict[str, float]:
+    """The metrics of a model of a population from the (error, mean loss) pairs on the whole train
+    split (or pool), on the model's own training subset and on the test split; ``gap`` and
+    ``gap_own``: test error − train error on the split and on the own subset
+    (:func:`~quotient_manifolds.experiments.stats.generalization_gap`)."""
+    from .stats import generalization_gap
+
+    (tr_err, tr_loss), (own_err, own_loss), (te_err, te_loss) = train, own, test
+    return dict(train_error=tr_err, train_loss=tr_loss, test_error=te_err, test_loss=te_loss,
+                own_train_error=own_err, own_train_loss=own_loss,
+                gap=generalization_gap(te_err, tr_err), gap_own=generalization_gap(te_err, own_err))
+
+
+def run_transformer_population(mod: ModuleType, config: Dict[str, Any], args: argparse.Namespace, *,
+                               calibrated: bool, out_name: str,
+                               before: Optional[Callable[[Dict[str, Any], str, int], None]] = None,
+                               log: Callable[[str], None] = log_line) -> int:
+    """``quotient-manifolds text`` / ``vision`` once ``config`` is read from the command line: the
+    data checked first (``mod.require_data``, which names the command that prepares them; not
+    with --synthetic), then the population with its report, ``calibrated`` (ρ calibrated on the
+    pilot models first, :func:`calibrated_population`, output by default in
+    ``runs/OUT_NAME...``) or plain (:func:`run_population_study`)."""
+    if not args.synthetic:
+        mod.require_data(config, args.data_dir)
+    if not calibrated:
+        return run_population_study(mod, config, args, log=log, report_kwargs=transformer_report_kwargs(
+            mod, config, args.synthetic, args.target))
+    args.out = args.out or default_out(out_name, args)
+    return calibrated_population(mod, config, args, before=before, log=log)

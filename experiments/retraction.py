@@ -124,7 +124,7 @@ def _figure_a(path: str, results: Dict[str, Any], title: str) -> None:
 
 def value_differences(records) -> List[str]:
     """Notes: median/max over models of |S(retraction) − S(exact)| / S(exact)."""
-    from .report import value_of
+    from .reporting import value_of
     notes = []
     for metric in ("inv", "mix"):
         exact = f"{metric}-exact"

@@ -38,7 +38,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 RESULTS = "results.jsonl"
 ERRORS = "errors.jsonl"
@@ -76,6 +76,13 @@ def _json_default(obj):
 
 def config_hash(config: Dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(config).encode()).hexdigest()[:16]
+
+
+def keys_hash(study: str, config: Dict[str, Any], keys: Sequence[str], **extra: Any) -> str:
+    """:func:`config_hash` of ``{"study": study, the entries keys of config, **extra}``: the hash
+    of what a trained model depends on (its checkpoint is named by it), e.g. the data and model
+    settings and the model's hyperparameters (``hp=...``), not the sharpness settings."""
+    return config_hash({"study": study, **{k: config[k] for k in keys}, **extra})
 
 
 def _line_digest(record: Dict[str, Any]) -> str:
@@ -358,6 +365,16 @@ def trained_model(study: str, model_id: int, train_hash: str, ckpt_dir: str, *,
                        train_time_s=elapsed)
 
 
+def restore_exact(model, tensors: Dict[str, Any]) -> bool:
+    """``restore`` of :func:`trained_model` for a checkpoint of every tensor of the model: loads
+    ``tensors`` strictly; False (retrain) when they do not fit the model."""
+    try:
+        model.load_state_dict(tensors, strict=True)
+        return True
+    except RuntimeError:
+        return False
+
+
 def study_device(config: Dict[str, Any]):
     """The torch device a population trains and measures on: ``config["device"]`` (set by
     ``--device``; absent = CPU, so that CPU configurations keep their hash)."""
@@ -521,68 +538,3 @@ def fmt_seconds(s: float) -> str:
     if s < 90:
         return f"{s:.1f} s"
     return f"{s / 60:.1f} min"
-
-
-def schedule_factor(total: int, warmup: float, decay: str) -> Callable[[int], float]:
-    """The learning-rate multiplier at step s of ``total``: linear warm-up over the first
-    ``warmup`` fraction of the steps, then ``decay`` ("linear" to 0 at ``total``, or "cosine")."""
-    warm = max(1, int(warmup * total))
-    if decay == "linear":
-        def factor(s: int) -> float:
-            return min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm)))
-    elif decay == "cosine":
-        def factor(s: int) -> float:
-            progress_ = min(1.0, (s - warm) / max(1, total - warm))
-            after = 0.5 * (1 + math.cos(math.pi * progress_)) if s >= warm else 1.0
-            return min((s + 1) / warm, after)
-    else:
-        raise ValueError(f"unknown decay {decay!r}; valid: 'linear', 'cosine'")
-    return factor
-
-
-class TrainingLoop:
-    """The bookkeeping the text and vision training loops share: a linear warm-up over the first
-    ``warmup`` fraction of the steps, then ``decay`` ("linear" to 0, or "cosine"); per step
-    backward, gradient-norm clipping to 1, optimiser and schedule step; a progress bar."""
-
-    def __init__(self, opt, params, *, steps_per_epoch: int, epochs: int, warmup: float,
-                 decay: str, progress: bool):
-        import torch
-
-        total = steps_per_epoch * epochs
-        factor = schedule_factor(total, warmup, decay)
-        self.opt, self.params = opt, list(params)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-        self.steps_per_epoch, self.total = steps_per_epoch, total
-        self.losses: List[float] = []
-        self.bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            self.bar = tqdm(total=total, desc="train", unit="step", leave=False,
-                            dynamic_ncols=True)
-
-    def step(self, loss) -> None:
-        import torch
-
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.opt.step()
-        self.sched.step()
-        # kept as tensors: a float() per step would wait for the GPU after every step
-        self.losses.append(loss.detach())
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{float(torch.stack(self.losses[-20:]).mean()):.3f}")
-
-    def finish(self, model) -> Dict[str, Any]:
-        """Close the bar, put the model in eval mode; steps and the last epoch's mean loss."""
-        import torch
-
-        if self.bar is not None:
-            self.bar.close()
-        model.eval()
-        last = self.losses[-max(1, self.steps_per_epoch):]
-        return dict(steps=self.total,
-                    final_train_loss=float(torch.stack(last).double().mean()) if last
-                    else float("nan"))

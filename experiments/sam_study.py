@@ -65,6 +65,7 @@ tiny ViT and a tiny random BERT in seconds (tests only).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import statistics
@@ -77,6 +78,7 @@ from .options import float_list, positive_int, shown
 from .population import default_out, log_line, set_threads
 from .runner import ExperimentError, check_parent_alive
 from .stats import mean_std
+from .training import TrainingLoop, adamw, train_steps
 
 NAME = "sam"
 TASKS = ("vit", "minilm")
@@ -284,7 +286,6 @@ class Task:
         self.data = text.load_data(self.tconf, data_dir)
         tr = self.data["train"]
         self.idx = {"train": tr[:n], "val": tr[n:n + v], "test": self.data["test"]}
-        self.lengths = np.array([len(s) if s is not None else 0 for s in self.data["ids"]])
 
     def build(self, seed: int):
         if self.name == "vit":
@@ -306,12 +307,8 @@ class Task:
                     b = perm[s:s + bs]
                     yield x[b], y[b]
         else:
-            from .text import bucketed_batches, collate
-            rng = np.random.default_rng([seed, 2])
-            idx, labels = self.idx["train"], self.data["labels"]
-            while True:
-                for b in bucketed_batches(idx, self.lengths, bs, rng):
-                    yield collate([self.data["ids"][i] for i in b], labels[b])
+            from .text import batch_stream
+            yield from batch_stream(self.data, self.idx["train"], bs, seed)
 
     def loss(self, model, batch):
         import torch.nn.functional as F
@@ -357,17 +354,10 @@ def make_optimizer(model, cfg: Dict[str, Any], method: str, rho: float):
     """AdamW on the trainable weights (weight decay on matrices only; fused CPU kernel where
     available), wrapped in :class:`quotient_manifolds.adapters.GeodesicSAM` for the SAM arms. Returns
     ``(base optimizer, SAM wrapper or None)``."""
-    import torch
-
     if cfg["optimizer"] != "adamw":
         raise ExperimentError(f"optimizer {cfg['optimizer']!r}: only 'adamw' is implemented")
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    try:
-        opt = torch.optim.AdamW(groups, lr=cfg["lr"], fused=True)
-    except (RuntimeError, TypeError):  # pragma: no cover - a torch without the CPU kernel
-        opt = torch.optim.AdamW(groups, lr=cfg["lr"])
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=cfg["lr"],
+                weight_decay=cfg["weight_decay"], fused=True)
     kwargs = METHODS[method]
     if kwargs is None:
         return opt, None
@@ -423,8 +413,6 @@ def train_run(task: Task, cfg: Dict[str, Any], method: str, rho: float, seed: in
     on the curve points and at the end."""
     import torch
 
-    from .runner import TrainingLoop
-
     torch.manual_seed(seed)
     model = task.build(seed)
     model.train()
@@ -440,20 +428,23 @@ def train_run(task: Task, cfg: Dict[str, Any], method: str, rho: float, seed: in
     torch.manual_seed(seed)  # dropout
     times, cpu, losses, adv, curve = [], [], [], [], []
     eval_s = 0.0
-    started = time.perf_counter()
-    for k in range(1, steps + 1):
-        check_parent_alive()
-        batch = next(stream)
+
+    def timed(batch) -> float:
         t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(update(batch))
+        loss = update(batch)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        return loss
+
+    def after(k: int, loss: float) -> bool:
+        nonlocal eval_s
+        losses.append(loss)
         if update.loss_adv is not None:
-            adv.append(update.loss_adv - losses[-1])
+            adv.append(update.loss_adv - loss)
         if loop.bar is not None:
             loop.bar.update(1)
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"{task.name}/{method} ρ={rho:g}: training loss {losses[-1]} "
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"{task.name}/{method} ρ={rho:g}: training loss {loss} "
                                      f"at update {k}; lower the lr or ρ")
         if k in at:
             t0 = time.perf_counter()
@@ -462,6 +453,10 @@ def train_run(task: Task, cfg: Dict[str, Any], method: str, rho: float, seed: in
             curve.append(dict(update=k, val_acc=acc, val_loss=vloss,
                               running_train_loss=float(np.mean(tail))))
             eval_s += time.perf_counter() - t0
+        return False
+
+    started = time.perf_counter()
+    train_steps(timed, itertools.islice(stream, steps), after)
     train_s = time.perf_counter() - started - eval_s
     if loop.bar is not None:
         loop.bar.close()
@@ -678,7 +673,8 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
     (``quotient-manifolds report DIR`` rewrites them)."""
     import datetime as _dt
 
-    from .report import display_path, write_summary
+    from .reporting import write_summary
+    from .runner import display_path
     s = summarise(records, config)
     syn = " [SYNTHETIC]" if synthetic(config) else ""
     lines = [f"# SAM training study{syn}", "",
@@ -696,57 +692,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
               f"seed(s), selected by validation accuracy, then {config['seeds']} seeds at it "
               "(same init and data order per seed for every arm).", ""]
     for task, t in tasks_of(config):
-        ts = s["tasks"][task]
-        desc = (f"ViT {t['arch']} from scratch on {t['train_size']} Fashion-MNIST images"
-                if task == "vit" else
-                f"MiniLM ({t['layers']} layers, embeddings "
-                f"{'trained' if t['train_embeddings'] else 'frozen'}) on {t['train_size']} "
-                f"Rotten Tomatoes snippets")
-        if t["data"] == "synthetic":
-            desc = "SYNTHETIC data, tiny model"
-        lines += [f"## {task}: {desc}", "",
-                  f"val {t['val_size']}, test {t['test_size']}; AdamW lr {t['lr']:g}, weight decay "
-                  f"{t['weight_decay']:g}, batch {t['batch_size']}, {t['steps']} updates "
-                  f"({t['decay']} schedule, warm-up {t['warmup']:g}), grad-norm clip 1.", "",
-                  "| method | selected ρ | test acc % (mean ± sd) | seeds | val acc % | train loss "
-                  "| train acc % | s / update (wall / CPU) | × SAM same process (wall / CPU) | "
-                  "× SAM runs (CPU) | test − SAM (paired, pts) | gradients |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for m, row in ts["methods"].items():
-            d = row.get("diff_to_sam")
-            same = (f"{_num(row.get('update_ratio_same_process'), '.2f')} / "
-                    f"{_num(row.get('update_cpu_ratio_same_process'), '.2f')}")
-            rho = "—" if row["rho"] is None else f"{row['rho']:.4g}"
-            lines.append(
-                f"| {m} | {rho} | "
-                f"{_pm(*row['test_acc'])} | {row['n_seeds']} | {_pm(*row['val_acc'])} | "
-                f"{row['train_loss'][0]:.4f} | {_pm(*row['train_acc'])} | "
-                f"{row['update_s']:.3f} / {_num(row['update_cpu_s'], '.3f')} | {same} | "
-                f"{_num(row.get('update_cpu_ratio_runs'), '.2f')} | "
-                f"{'—' if d is None else _pm(*d)} | {row['grad_evals']} |")
-        timing = ts["timing"]
-        if timing:
-            lines += ["", f"Same-process timing ({timing['timed_updates']} timed updates per arm, "
-                      f"interleaved, {timing['threads']} thread(s)): "
-                      + ", ".join(f"{m} {v:.3f} s" for m, v in timing["update_median_s"].items())
-                      + " (wall; CPU: " + ", ".join(
-                          f"{m} {v:.3f} s" for m, v in timing.get("update_cpu_median_s",
-                                                                   {}).items())
-                      + "). Loss increase L(w_adv) − L(w) at each arm's centre ρ (its strength "
-                      "over the first updates of training): "
-                      + ", ".join(f"{m} {v:.3g} (ρ {timing['rho'][m]:g}, ‖g‖ "
-                                  f"{timing['grad_norm'][m]:.3g})"
-                                  for m, v in timing["loss_increase"].items()) + "."]
-        lines += ["", f"ρ sweep (mean over the first {config['sweep_seeds']} seed(s); * = "
-                  "selected by validation accuracy):", "",
-                  "| method | " + " | ".join(f"×{f:g}" for f in t["rho_factors"]) + " |",
-                  "|---|" + "---|" * len(t["rho_factors"])]
-        for m, pts in ts["sweep"].items():
-            cells = [(f"ρ {p['rho']:.3g}: val {p['val_acc'] * 100:.2f} / test "
-                      f"{p['test_acc'] * 100:.2f}" + (" *" if p["selected"] else ""))
-                     if p["n"] else "—" for p in pts]
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
-        lines += ["", f"**{verdict(task, ts)}**", ""]
+        lines += _task_section(task, t, s["tasks"][task], config)
     lines += ["Figures: `fig_rho_sweep.png` (test and validation accuracy against ρ / centre per "
               "method; base arms as lines), `fig_curves.png` (validation accuracy along training "
               "at the selected ρ, mean over seeds)."]
@@ -758,6 +704,63 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
     return summary
 
 
+def _task_section(task: str, t: Dict[str, Any], ts: Dict[str, Any], config: Dict[str, Any]
+                  ) -> List[str]:
+    """The report of one task: its protocol, the table of every method at its selected ρ, the
+    same-process timing, the ρ sweep and the verdict."""
+    desc = (f"ViT {t['arch']} from scratch on {t['train_size']} Fashion-MNIST images"
+            if task == "vit" else
+            f"MiniLM ({t['layers']} layers, embeddings "
+            f"{'trained' if t['train_embeddings'] else 'frozen'}) on {t['train_size']} "
+            f"Rotten Tomatoes snippets")
+    if t["data"] == "synthetic":
+        desc = "SYNTHETIC data, tiny model"
+    lines = [f"## {task}: {desc}", "",
+             f"val {t['val_size']}, test {t['test_size']}; AdamW lr {t['lr']:g}, weight decay "
+             f"{t['weight_decay']:g}, batch {t['batch_size']}, {t['steps']} updates "
+             f"({t['decay']} schedule, warm-up {t['warmup']:g}), grad-norm clip 1.", "",
+             "| method | selected ρ | test acc % (mean ± sd) | seeds | val acc % | train loss "
+             "| train acc % | s / update (wall / CPU) | × SAM same process (wall / CPU) | "
+             "× SAM runs (CPU) | test − SAM (paired, pts) | gradients |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, row in ts["methods"].items():
+        d = row.get("diff_to_sam")
+        same = (f"{_num(row.get('update_ratio_same_process'), '.2f')} / "
+                f"{_num(row.get('update_cpu_ratio_same_process'), '.2f')}")
+        rho = "—" if row["rho"] is None else f"{row['rho']:.4g}"
+        lines.append(
+            f"| {m} | {rho} | "
+            f"{_pm(*row['test_acc'])} | {row['n_seeds']} | {_pm(*row['val_acc'])} | "
+            f"{row['train_loss'][0]:.4f} | {_pm(*row['train_acc'])} | "
+            f"{row['update_s']:.3f} / {_num(row['update_cpu_s'], '.3f')} | {same} | "
+            f"{_num(row.get('update_cpu_ratio_runs'), '.2f')} | "
+            f"{'—' if d is None else _pm(*d)} | {row['grad_evals']} |")
+    timing = ts["timing"]
+    if timing:
+        lines += ["", f"Same-process timing ({timing['timed_updates']} timed updates per arm, "
+                  f"interleaved, {timing['threads']} thread(s)): "
+                  + ", ".join(f"{m} {v:.3f} s" for m, v in timing["update_median_s"].items())
+                  + " (wall; CPU: " + ", ".join(
+                      f"{m} {v:.3f} s" for m, v in timing.get("update_cpu_median_s",
+                                                               {}).items())
+                  + "). Loss increase L(w_adv) − L(w) at each arm's centre ρ (its strength "
+                  "over the first updates of training): "
+                  + ", ".join(f"{m} {v:.3g} (ρ {timing['rho'][m]:g}, ‖g‖ "
+                              f"{timing['grad_norm'][m]:.3g})"
+                              for m, v in timing["loss_increase"].items()) + "."]
+    lines += ["", f"ρ sweep (mean over the first {config['sweep_seeds']} seed(s); * = "
+              "selected by validation accuracy):", "",
+              "| method | " + " | ".join(f"×{f:g}" for f in t["rho_factors"]) + " |",
+              "|---|" + "---|" * len(t["rho_factors"])]
+    for m, pts in ts["sweep"].items():
+        cells = [(f"ρ {p['rho']:.3g}: val {p['val_acc'] * 100:.2f} / test "
+                  f"{p['test_acc'] * 100:.2f}" + (" *" if p["selected"] else ""))
+                 if p["n"] else "—" for p in pts]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += ["", f"**{verdict(task, ts)}**", ""]
+    return lines
+
+
 _COLORS = {"base": "#7f7f7f", "base-2x": "#000000", "sam": "#1f77b4", "asam": "#ff7f0e",
            "geodesic-inv": "#2ca02c", "geodesic-mix": "#d62728"}
 
@@ -767,7 +770,7 @@ def _fig_sweep(path: str, s: Dict[str, Any], config: Dict[str, Any], syn: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import finish_figure
+    from .reporting import finish_figure
     tasks = list(s["tasks"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.8 * len(tasks), 3.1), squeeze=False)
     for ax, task in zip(axes[0], tasks):
@@ -805,7 +808,7 @@ def _fig_curves(path: str, s: Dict[str, Any], config: Dict[str, Any], syn: str) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import finish_figure
+    from .reporting import finish_figure
     tasks = list(s["tasks"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.8 * len(tasks), 3.1), squeeze=False)
     for ax, task in zip(axes[0], tasks):

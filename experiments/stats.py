@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -30,7 +30,7 @@ __all__ = ["kendall_tau_a", "kendall_tau_b", "kendall_tau", "partial_kendall_tau
            "TauResult", "tau_with_ci", "partial_tau_with_ci", "error_rate", "error_and_loss",
            "generalization_gap", "DeltaTauResult", "bootstrap_weights",
            "paired_delta_tau", "tau_ci_weighted", "within_tau_with_ci",
-           "within_partial_tau_with_ci", "r_squared", "mean_std"]
+           "within_partial_tau_with_ci", "r_squared", "dummies", "mean_std"]
 
 
 def _pairs(x, y):
@@ -248,6 +248,15 @@ def r_squared(y: Sequence[float], *columns) -> float:
     resid = y - A @ np.linalg.lstsq(A, y, rcond=None)[0]
     total = float(((y - y.mean()) ** 2).sum())
     return 1 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
+
+
+def dummies(values: Sequence[Any]) -> np.ndarray:
+    """One-hot columns of a categorical variable for :func:`r_squared`, the first level (in sorted
+    order) dropped: the intercept stands for it. Shape (m, levels − 1)."""
+    values = np.asarray(values)
+    levels = sorted(set(values.tolist()))
+    return np.column_stack([(values == lv).astype(float) for lv in levels[1:]]) if len(levels) > 1 \
+        else np.zeros((values.size, 0))
 
 
 # ------------------------------------------------------------------ weighted (resampling) bootstrap

@@ -27,8 +27,8 @@ class Study:
     ``quotient-manifolds --help``; ``options``: which of the common options it has (keyword
     arguments of :func:`~quotient_manifolds.experiments.options.common_arguments`); ``report``:
     how ``report DIR`` recomputes its summary from its results.jsonl, ``"population"`` (text and
-    vision: :func:`~quotient_manifolds.experiments.report.population_report`), ``"diagonal"``
-    (:func:`~quotient_manifolds.experiments.report.diagonal_report`), ``"own"`` (the module's
+    vision: :func:`~quotient_manifolds.experiments.population_summary.population_report`), ``"diagonal"``
+    (:func:`~quotient_manifolds.experiments.diagonal_summary.diagonal_report`), ``"own"`` (the module's
     ``report``) or None (its summary is written by its own run only); ``target``: what a
     population's sharpness is correlated with by default (its --target)."""
 

@@ -133,17 +133,17 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from . import measures as M
 from .options import calibration_arguments, default_text, int_list, nonneg_range, population_arguments, \
     positive_float, positive_int, value_range
-from .population import calibrated_population, default_out, log_line, population_jobs, run_population_study, \
-    transformer_config, transformer_report_kwargs
-from .runner import ExperimentError, TrainingLoop, check_parent_alive, config_hash, \
-    study_device, trained_model
+from .population import log_line, population_jobs, population_member, population_metrics, \
+    run_transformer_population, transformer_config
+from .runner import ExperimentError, keys_hash, study_device
+from .training import TrainingLoop, adamw, train_epochs
 
 NAME = "text"
 PAPER_KEY = "text"
@@ -429,6 +429,19 @@ def bucketed_batches(idx: np.ndarray, lengths: np.ndarray, batch: int, rng) -> L
     return [batches[k] for k in rng.permutation(len(batches))]
 
 
+def batch_stream(data: Dict[str, Any], idx: np.ndarray, batch: int, seed: int
+                 ) -> Iterator[Tuple[Dict[str, Any], Any]]:
+    """Epochs of :func:`bucketed_batches` of the sentences ``idx``, forever, collated (on the CPU)
+    with their labels; the order is drawn from ``default_rng([seed, 2])`` (the SAM and LoRA
+    studies' training batches)."""
+    lengths = np.zeros(len(data["ids"]), dtype=np.int64)
+    lengths[idx] = [len(data["ids"][i]) for i in idx]
+    rng = np.random.default_rng([seed, 2])
+    while True:
+        for b in bucketed_batches(idx, lengths, batch, rng):
+            yield collate([data["ids"][i] for i in b], data["labels"][b])
+
+
 def predict(model, data, idx: np.ndarray, batch: int = 128) -> np.ndarray:
     """Logits (float64, shape (len(idx), 2)) of the sentences ``idx``, eval mode, no grad."""
     import torch
@@ -471,12 +484,12 @@ def train_labels(config, data, hp) -> Tuple[np.ndarray, np.ndarray]:
     return idx, y
 
 
-def _training_setup(model, config, data, hp, progress: bool, fused: bool = False):
-    """What both training loops share: the training set (indices, labels, label lookup, token
-    lengths), the data-order generator and torch's seed (dropout) from ``hp['seed']``, AdamW with
-    weight decay on the matrices only, and the warm-up / linear-decay :class:`TrainingLoop` over
-    ``hp['epochs']`` epochs. ``fused``: the fused AdamW kernel (the same update; 5x faster
-    than the for-loop one on the 22.6M MiniLM weights in the pilot)."""
+def training_setup(model, config, data, hp, progress: bool, fused: bool = False):
+    """What both training protocols share: the training set (indices, labels, label lookup, token
+    lengths), the data-order generator and torch's seed (dropout) from ``hp['seed']``,
+    :func:`~quotient_manifolds.experiments.training.adamw` (``fused``: its fused kernel) and the
+    warm-up / linear-decay :class:`~quotient_manifolds.experiments.training.TrainingLoop` over
+    ``hp['epochs']`` epochs."""
     import torch
 
     idx, y = train_labels(config, data, hp)
@@ -486,36 +499,36 @@ def _training_setup(model, config, data, hp, progress: bool, fused: bool = False
     rng = np.random.default_rng([hp["seed"], 2])
     torch.manual_seed(hp["seed"])
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": hp["weight_decay"]},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = None
-    if fused:
-        try:
-            opt = torch.optim.AdamW(groups, lr=hp["lr"], fused=True)
-        except (RuntimeError, TypeError):  # pragma: no cover - a torch without the CPU kernel
-            opt = None
-    if opt is None:
-        opt = torch.optim.AdamW(groups, lr=hp["lr"])
+    opt = adamw(params, lr=hp["lr"], weight_decay=hp["weight_decay"], fused=fused)
     loop = TrainingLoop(opt, params, steps_per_epoch=math.ceil(idx.size / hp["batch_size"]),
                         epochs=hp["epochs"], warmup=config["warmup"], decay="linear",
                         progress=progress)
     return idx, y, label_of, lengths, rng, loop
 
 
+def epoch_batches(model, data, idx: np.ndarray, label_of: Dict[int, int], lengths: np.ndarray,
+                  batch: int, rng) -> Callable[[], Iterator[Tuple[Dict[str, Any], Any]]]:
+    """The batches of one epoch, a function for
+    :func:`~quotient_manifolds.experiments.training.train_epochs`: the length-bucketed order of
+    :func:`bucketed_batches` (drawn from ``rng`` when the epoch starts), collated onto the model's
+    device with the labels trained on."""
+    device = next(model.parameters()).device
+
+    def epoch():
+        for b in bucketed_batches(idx, lengths, batch, rng):
+            yield collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]), device)
+
+    return epoch
+
+
 def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
     """Small protocol: ``hp['epochs']`` epochs on the model's (possibly noisy) subset."""
     import torch.nn.functional as F
 
-    idx, _, label_of, lengths, rng, loop = _training_setup(model, config, data, hp, progress)
-    device = next(model.parameters()).device
-    model.train()
-    for _ in range(hp["epochs"]):
-        for b in bucketed_batches(idx, lengths, hp["batch_size"], rng):
-            check_parent_alive()
-            inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]),
-                                 device)
-            loop.step(F.cross_entropy(model(**inputs).logits, yt))
-    return loop.finish(model)
+    idx, _, label_of, lengths, rng, loop = training_setup(model, config, data, hp, progress)
+    return train_epochs(model, loop, hp["epochs"],
+                        epoch_batches(model, data, idx, label_of, lengths, hp["batch_size"], rng),
+                        lambda batch: F.cross_entropy(model(**batch[0]).logits, batch[1]))
 
 
 def parameter_info(model) -> Dict[str, Any]:
@@ -540,34 +553,38 @@ def train_to_target(model, config, data, hp, progress: bool = False) -> Dict[str
 
     from .stats import error_rate
 
-    idx, y, label_of, lengths, rng, loop = _training_setup(model, config, data, hp, progress,
-                                                           fused=True)
+    idx, y, label_of, lengths, rng, loop = training_setup(model, config, data, hp, progress,
+                                                          fused=True)
     target = float(config["target_train_error"])
-    device = next(model.parameters()).device
     history: List[Dict[str, Any]] = []
-    err = float("nan")
-    for epoch in range(hp["epochs"]):
-        model.train()
-        wrong, started = 0, time.perf_counter()
-        for b in bucketed_batches(idx, lengths, hp["batch_size"], rng):
-            check_parent_alive()
-            inputs, yt = collate([data["ids"][i] for i in b], np.array([label_of[i] for i in b]),
-                                 device)
-            logits = model(**inputs).logits
-            loop.step(F.cross_entropy(logits, yt))
-            wrong += (logits.detach().argmax(-1) != yt).sum()  # a tensor: no GPU sync per step
-        train_s = time.perf_counter() - started
+    # this epoch's misclassified training batches (a tensor: no GPU sync per step), its start, and
+    # the last check's train-split logits and error
+    epoch: Dict[str, Any] = dict(wrong=0, started=time.perf_counter(), logits=None,
+                                 err=float("nan"))
+
+    def loss(batch):
+        inputs, yt = batch
+        logits = model(**inputs).logits
+        epoch["wrong"] += (logits.detach().argmax(-1) != yt).sum()
+        return F.cross_entropy(logits, yt)
+
+    def check(k: int) -> bool:
+        train_s = time.perf_counter() - epoch["started"]
         started = time.perf_counter()
-        logits = predict(model, data, idx)
-        err = error_rate(logits, y)
-        history.append(dict(epoch=epoch + 1, train_error=err, running_error=int(wrong) / idx.size,
+        epoch["logits"] = predict(model, data, idx)
+        err = epoch["err"] = error_rate(epoch["logits"], y)
+        history.append(dict(epoch=k + 1, train_error=err, running_error=int(epoch["wrong"]) / idx.size,
                             lr_end=float(loop.sched.get_last_lr()[0]), train_s=train_s,
                             check_s=time.perf_counter() - started))
-        if err <= target:
-            break
-    info = loop.finish(model)
+        epoch.update(wrong=0, started=time.perf_counter())
+        return err <= target
+
+    info = train_epochs(model, loop, hp["epochs"],
+                        epoch_batches(model, data, idx, label_of, lengths, hp["batch_size"], rng),
+                        loss, after_epoch=check)
+    err = epoch["err"]
     if idx.size == data["train"].size:  # the last check is evaluate()'s train-split pass
-        model.qm_train_logits = logits
+        model.qm_train_logits = epoch["logits"]
     info.update(steps=len(loop.losses), steps_cap=loop.total, epochs_used=len(history),
                 max_epochs=int(hp["epochs"]), target_train_error=target,
                 converged=bool(err <= target), final_check_error=err, epoch_history=history,
@@ -590,18 +607,17 @@ def exclusions(records: List[Dict[str, Any]]) -> Dict[int, str]:
 
 
 def train_hash(config: Dict[str, Any], hp: Dict[str, Any]) -> str:
+    """The training hash of the model with hyperparameters ``hp`` (its checkpoint's name)."""
     keys = ("data", "split_seed", "train_size", "test_size", "layers", "max_length",
             "train_embeddings", "head", "warmup", "sharp_points")
     if config.get("protocol") == "paper":  # (the small protocol's hashes stay as they were)
         keys += ("protocol", "target_train_error")
-    return config_hash({"study": NAME, **{k: config[k] for k in keys}, "hp": hp})
+    return keys_hash(NAME, config, keys, hp=hp)
 
 
 def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
     """Trained model i: loaded from its checkpoint if present (same training hash), else trained
     and checkpointed. Returns (model, hp, info)."""
-    hp = hparams(config, model_id)
-
     def restore(model, tensors) -> bool:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -614,32 +630,30 @@ def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
         frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         return {n: t for n, t in model.state_dict().items() if n not in frozen}
 
-    model, info = trained_model(
-        NAME, model_id, train_hash(config, hp), ckpt_dir, hp=hp,
-        build=lambda: build_model(config, hp["seed"]),
-        train=lambda model: (train_to_target if config.get("protocol") == "paper" else train)(
-            model, config, data, hp, progress),
-        restore=restore, stored_state=stored_state)
+    fit = train_to_target if config.get("protocol") == "paper" else train
+    model, hp, info = population_member(
+        sys.modules[__name__], model_id, config, ckpt_dir, build=lambda hp: build_model(config, hp["seed"]),
+        train=lambda model, hp: fit(model, config, data, hp, progress), restore=restore,
+        stored_state=stored_state)
     model.qm_train_info = info["train"]  # read by evaluate() (epochs used)
     return model, hp, info
 
 
 def evaluate(model, config, data, hp) -> Dict[str, float]:
     """Errors/losses on the full train split (clean labels), the model's own training subset
-    (the labels it was trained on; same forward pass) and the test split."""
-    from .stats import error_and_loss as _err_loss, generalization_gap
+    (the labels it was trained on; same forward pass) and the test split
+    (:func:`~quotient_manifolds.experiments.population.population_metrics`)."""
+    from .stats import error_and_loss
 
     tr = data["train"]
     logits_tr = getattr(model, "qm_train_logits", None)  # paper protocol: from the last check
     if logits_tr is None or len(logits_tr) != tr.size:
         logits_tr = predict(model, data, tr)
-    tr_err, tr_loss = _err_loss(logits_tr, data["labels"][tr])
     own_idx, own_y = train_labels(config, data, hp)
-    own_err, own_loss = _err_loss(logits_tr[: own_idx.size], own_y)  # own subset = prefix of tr
-    te_err, te_loss = _err_loss(predict(model, data, data["test"]), data["labels"][data["test"]])
-    out = dict(train_error=tr_err, train_loss=tr_loss, test_error=te_err, test_loss=te_loss,
-               own_train_error=own_err, own_train_loss=own_loss,
-               gap=generalization_gap(te_err, tr_err), gap_own=generalization_gap(te_err, own_err))
+    out = population_metrics(
+        error_and_loss(logits_tr, data["labels"][tr]),
+        error_and_loss(logits_tr[: own_idx.size], own_y),  # own subset = prefix of tr
+        error_and_loss(predict(model, data, data["test"]), data["labels"][data["test"]]))
     if config.get("protocol") == "paper":
         out["epochs_used"] = float(getattr(model, "qm_train_info", {}).get("epochs_used", math.nan))
     return out
@@ -763,11 +777,5 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
     config = transformer_config(me, args)
     text_overrides(config, args)
     paper = config.get("protocol") == "paper"
-    if not args.synthetic:  # fail early with the preparing command
-        require_data(config, args.data_dir)
-    if not paper:
-        return run_population_study(me, config, args, log=log, report_kwargs=transformer_report_kwargs(
-            me, config, args.synthetic, args.target))
-    if args.out is None:
-        args.out = default_out(f"text-paper-{config['population']}", args)
-    return calibrated_population(me, config, args, log=log)
+    return run_transformer_population(me, config, args, calibrated=paper,
+                                      out_name=f"text-paper-{config.get('population')}", log=log)

@@ -61,10 +61,10 @@ import numpy as np
 
 from . import measures as M
 from .options import calibration_arguments, default_text, population_arguments, positive_int
-from .population import calibrated_population, default_out, log_line, population_jobs, run_population_study, \
-    transformer_config, transformer_report_kwargs
-from .runner import (ExperimentError, TrainingLoop, check_parent_alive, config_hash, cores, fmt_seconds,
-                     study_device, trained_model)
+from .population import log_line, population_jobs, population_member, population_metrics, \
+    run_transformer_population, transformer_config
+from .runner import ExperimentError, cores, fmt_seconds, keys_hash, restore_exact, study_device, trained_model
+from .training import TrainingLoop, train_epochs
 
 NAME = "vision"
 PAPER_KEY = "vision"
@@ -271,18 +271,17 @@ def fit(model, x, y, hp: Dict[str, Any], warmup: float, progress: bool = False) 
     bs = hp["batch_size"]
     loop = TrainingLoop(opt, list(model.parameters()), steps_per_epoch=math.ceil(n / bs),
                         epochs=hp["epochs"], warmup=warmup, decay="cosine", progress=progress)
-    model.train()
-    for _ in range(hp["epochs"]):
+
+    def epoch():
         perm = torch.randperm(n, generator=gen)
         for s in range(0, n, bs):
-            check_parent_alive()
             b = perm[s:s + bs].to(x.device)
             # augment: a bool (True = flip+shift; scratch protocol) or one of AUGMENTATIONS
             aug = hp["augment"]
-            xb = x[b] if aug in (False, "none") else augment(x[b], gen, shift=aug != "flip")
-            loop.step(F.cross_entropy(model(xb), y[b],
-                                      label_smoothing=hp.get("label_smoothing", 0.0)))
-    return loop.finish(model)
+            yield (x[b] if aug in (False, "none") else augment(x[b], gen, shift=aug != "flip")), y[b]
+
+    return train_epochs(model, loop, hp["epochs"], epoch, lambda batch: F.cross_entropy(
+        model(batch[0]), batch[1], label_smoothing=hp.get("label_smoothing", 0.0)))
 
 
 def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
@@ -305,16 +304,11 @@ def _err_loss(logits, y):
 
 def evaluate(model, config, data, hp) -> Dict[str, float]:
     """Errors/losses on the pool, on the model's own subset (a prefix of the pool: same forward
-    pass) and on the test set."""
-    from .stats import generalization_gap
+    pass) and on the test set (:func:`~quotient_manifolds.experiments.population.population_metrics`)."""
     logits = predict(model, data["x"])
-    tr_err, tr_loss = _err_loss(logits, data["y"])
     n = hp["subset"]
-    own_err, own_loss = _err_loss(logits[:n], data["y"][:n])
-    te_err, te_loss = _err_loss(predict(model, data["x_test"]), data["y_test"])
-    return dict(train_error=tr_err, train_loss=tr_loss, test_error=te_err, test_loss=te_loss,
-                own_train_error=own_err, own_train_loss=own_loss,
-                gap=generalization_gap(te_err, tr_err), gap_own=generalization_gap(te_err, own_err))
+    return population_metrics(_err_loss(logits, data["y"]), _err_loss(logits[:n], data["y"][:n]),
+                              _err_loss(predict(model, data["x_test"]), data["y_test"]))
 
 
 def sharpness_batches(config, data):
@@ -324,8 +318,8 @@ def sharpness_batches(config, data):
 
 # ------------------------------------------------------------------------------------ pretraining
 def pretrain_hash(config: Dict[str, Any]) -> str:
-    keys = ("data", "split_seed", "pool_size", "arch", "pretrain")
-    return config_hash({"study": f"{NAME}-pretrain", **{k: config[k] for k in keys}})
+    """The hash of the pretrained ViT of the fine-tune protocol (its checkpoint's name)."""
+    return keys_hash(f"{NAME}-pretrain", config, ("data", "split_seed", "pool_size", "arch", "pretrain"))
 
 
 _PRETRAINED: Dict[str, Any] = {}
@@ -357,17 +351,10 @@ def pretrained(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = Fal
         return dict(info, coarse_train_error=err_pre, coarse_test_error=err_te,
                     n_images=int(data["x_pre"].shape[0]), classes=int(coarse.max()) + 1)
 
-    def restore(model, tensors) -> bool:
-        try:
-            model.load_state_dict(tensors, strict=True)
-            return True
-        except RuntimeError:
-            return False
-
     model, info = trained_model(
         f"{NAME}-pretrain", 0, h, ckpt_dir, hp=hp,
         build=lambda: build_model(config, hp["seed"], classes=int(coarse.max()) + 1),
-        train=train_pre, restore=restore, stored_state=lambda m: m.state_dict())
+        train=train_pre, restore=restore_exact, stored_state=lambda m: m.state_dict())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = (state, dict(info["train"], hash=h, checkpoint=info["checkpoint"],
                        train_time_s=info["train_time_s"]))
@@ -400,31 +387,24 @@ def finetune_start(config: Dict[str, Any], data, ckpt_dir: str, progress: bool =
 
 # ------------------------------------------------------------------------------------ population
 def train_hash(config: Dict[str, Any], hp: Dict[str, Any]) -> str:
-    keys = ("data", "split_seed", "pool_size", "arch", "warmup")
+    """The training hash of the model with hyperparameters ``hp`` (its checkpoint's name); a
+    fine-tune's includes its pretrained ViT's."""
     extra = {"pretrained": pretrain_hash(config)} if config.get("protocol") == "finetune" else {}
-    return config_hash({"study": NAME, **{k: config[k] for k in keys}, **extra, "hp": hp})
+    return keys_hash(NAME, config, ("data", "split_seed", "pool_size", "arch", "warmup"), **extra, hp=hp)
 
 
 def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
     """Trained model i: loaded from its checkpoint if present (same training hash), else trained
     (scratch) or fine-tuned from the pretrained ViT (finetune) and checkpointed.
     Returns (model, hp, info)."""
-    hp = hparams(config, model_id)
     finetune = config.get("protocol") == "finetune"
 
-    def restore(model, tensors) -> bool:
-        try:
-            model.load_state_dict(tensors, strict=True)
-            return True
-        except RuntimeError:
-            return False  # inconsistent checkpoint: retrain
-
-    def build():
+    def build(hp):
         if finetune:
             return finetune_start(config, data, ckpt_dir, progress)[0]
         return build_model(config, hp["seed"])
 
-    def train_(model):
+    def train_(model, hp):
         info = train(model, config, data, hp, progress)
         if finetune:
             pre = pretrained(config, data, ckpt_dir)[1]
@@ -432,10 +412,7 @@ def get_model(model_id: int, config, data, ckpt_dir: str, progress: bool):
                                                       "coarse_test_error", "n_images")}
         return info
 
-    model, info = trained_model(
-        NAME, model_id, train_hash(config, hp), ckpt_dir, hp=hp, build=build, train=train_,
-        restore=restore, stored_state=lambda model: model.state_dict())
-    return model, hp, info
+    return population_member(sys.modules[__name__], model_id, config, ckpt_dir, build=build, train=train_)
 
 
 def exclusions(records: List[Dict[str, Any]]) -> Dict[int, str]:
@@ -535,14 +512,9 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
     pretrained ViT and the ρ calibration on the pilot models first."""
     me = sys.modules[__name__]
     config = transformer_config(me, args)
-    if not args.synthetic:  # fail early with the preparing command
-        require_data(config, args.data_dir)
-    if config.get("protocol") != "finetune":
-        return run_population_study(me, config, args, log=log, report_kwargs=transformer_report_kwargs(
-            me, config, args.synthetic, args.target))
-    args.out = args.out or default_out("vision-finetune", args)
 
     def before(config, ckpt, threads):
         pretrain(config, ckpt, threads, args.data_dir, not args.no_progress, log)
 
-    return calibrated_population(me, config, args, before=before, log=log)
+    return run_transformer_population(me, config, args, calibrated=config.get("protocol") == "finetune",
+                                      out_name="vision-finetune", before=before, log=log)

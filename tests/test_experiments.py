@@ -850,7 +850,7 @@ def test_fashion_mnist_loader_and_vision_on_user_data_dir(tmp_path):
 def test_training_loop_schedule_and_clipping():
     import torch
 
-    from quotient_manifolds.experiments.runner import TrainingLoop
+    from quotient_manifolds.experiments.training import TrainingLoop
 
     def loop(decay, params=None):
         params = params or [torch.nn.Parameter(torch.zeros(3))]
@@ -915,7 +915,8 @@ def test_find_rho_and_the_median_property_of_the_calibration():
 
 def test_measure_plan_points_and_knob_r2():
     from quotient_manifolds.experiments import measures as M
-    from quotient_manifolds.experiments.report import default_knobs, knob_r2, r_squared
+    from quotient_manifolds.experiments.population_summary import default_knobs, knob_r2
+    from quotient_manifolds.experiments.stats import r_squared
 
     config = dict(sharp_points=2048, rho=dict(adaptive=1.0, inv=0.5, mix=0.1),
                   points=dict(ablations=512, sweep=256, exact=256, hessian=256))

@@ -154,7 +154,7 @@ def test_arms_are_built_as_documented():
 def test_helpers():
     assert L.steps_to([10, 20, 30], [0.5, 0.7, 0.9], 0.7) == 20
     assert L.steps_to([10, 20, 30], [0.5, float("nan"), 0.6], 0.7) is None
-    from quotient_manifolds.experiments.runner import schedule_factor
+    from quotient_manifolds.experiments.training import schedule_factor
     f = [schedule_factor(100, 0.1, "linear")(s) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0) and f[-1] < 0.02
     grid = [dict(kind="grid", task="rt", rank=4, arm="adamw", lr=lr, val_acc=a, val_loss=l)
