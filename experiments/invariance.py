@@ -19,14 +19,14 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
+from quotient_manifolds.adapters import GEOMETRIES
+
 from .options import float_list, sharpness_arguments
 from .population import apply_sharp_overrides, default_out, log_line, set_threads
 from .reporting import finish_figure
-from .runner import display_path
+from .runner import ExperimentError, OutputDir, atomic_write_bytes, display_path, fmt_seconds, run_population
 from .studies import STUDY
-from .runner import ExperimentError, OutputDir, atomic_write_bytes, fmt_seconds, run_population
 
-GEOMETRIES = ("adaptive", "geodesic-inv", "geodesic-mix")
 _STATE: Dict[str, Any] = {}
 
 

@@ -85,6 +85,17 @@ FAMILY_MEASURE = {"adaptive": "adaptive", "inv": "geodesic-inv", "mix": "geodesi
 HESSIAN_DEFAULTS = dict(trace_matvecs=12, lanczos_tol=1e-2, seed=0)
 
 
+def main_measure_of(name: str) -> str:
+    """The main measure (:data:`MAIN`) of a variant's geometry: the second-order measure an
+    ablation or an exact-geodesic measure is compared with (``"inv-exact"`` → ``"geodesic-inv"``)."""
+    return next(m for m in MAIN if MEASURES[m]["geometry"] == MEASURES[name]["geometry"])
+
+
+def is_exact(name: str) -> bool:
+    """Whether the measure moves along the exact geodesic."""
+    return MEASURES.get(name, {}).get("retraction") == "exact"
+
+
 def parse_measures(text: str) -> Tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(",") if s.strip())
     unknown = [n for n in names if n not in MEASURES and n not in CURVATURE]

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .measures import is_exact, main_measure_of
 from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, measures_of,
                         metric_ranges, paired_section, rhos_of, tau_for, value_of, write_summary)
 from .runner import display_path
@@ -137,7 +138,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
         lines += _curvature_section(taus, curvature, control, summary)
     if calibration:
         lines += _calibration_section(calibration, used, default_rho, summary)
-    lines += _retraction_section(used, [m for m in extra_main if m.endswith("-exact")],
+    lines += _retraction_section(used, [m for m in extra_main if is_exact(m)],
                                  default_rho, target, n_boot, summary)
     lines += _sweep_section(taus, main, summary, os.path.join(out_dir, "fig_rho_sweep.png"),
                             f"{study}: τ vs ρ{tag}")
@@ -296,7 +297,7 @@ def _ablation_section(taus: _PopulationTaus, abl: Sequence[str], summary: Dict[s
              "|---|---|---|---|---|---|"]
     for m in abl:
         t, _ = taus.row(m)
-        full = "geodesic-" + m.split("-", 1)[0]
+        full = main_measure_of(m)
         ft = taus.taus.get((full, rho.get(full, float("nan"))))
         lines.append(f"| {m} | {fmt_rho(rho[m])} | "
                      f"{_points(used, m, rho[m])} | {t.fmt()} | {t.tau_a:+.2f} | "
@@ -451,7 +452,7 @@ def _retraction_section(used, exact: Sequence[str], default_rho, target: str, n_
     lines: List[str] = []
     rows = []
     for m in exact:
-        second = "geodesic-" + m.split("-", 1)[0]
+        second = main_measure_of(m)
         rho = default_rho[m]
         entries = [e for r in used for e in r["sharpness"]
                    if e["measure"] == m and math.isclose(e["rho"], rho, rel_tol=1e-9)]
