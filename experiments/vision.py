@@ -54,6 +54,7 @@ widely (own-subset train error 0.006–0.53), i.e. the regime where sharpness tr
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -322,7 +323,7 @@ def pretrain_hash(config: Dict[str, Any]) -> str:
     return keys_hash(f"{NAME}-pretrain", config, ("data", "split_seed", "pool_size", "arch", "pretrain"))
 
 
-_PRETRAINED: Dict[str, Any] = {}
+_PRETRAINED: Dict[Tuple[str, str], Any] = {}
 
 
 def pretrained(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = False
@@ -333,8 +334,10 @@ def pretrained(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = Fal
     import torch
 
     h = pretrain_hash(config)
-    if h in _PRETRAINED:
-        return _PRETRAINED[h]
+    # per checkpoint directory: a run elsewhere must find (and record) its own checkpoint there
+    key = (h, os.path.abspath(ckpt_dir))
+    if key in _PRETRAINED:
+        return _PRETRAINED[key]
     p = config["pretrain"]
     if p["labels"] not in ("coarse", "fine"):
         raise ExperimentError(f"pretrain.labels {p['labels']!r}: valid 'coarse', 'fine'")
@@ -358,7 +361,7 @@ def pretrained(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = Fal
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = (state, dict(info["train"], hash=h, checkpoint=info["checkpoint"],
                        train_time_s=info["train_time_s"]))
-    _PRETRAINED[h] = out
+    _PRETRAINED[key] = out
     return out
 
 
