@@ -122,7 +122,8 @@ def defaults_of(full: dict, quick: dict):
 
 # ------------------------------------------------------------------------------------ parser
 def common_arguments(p: argparse.ArgumentParser, *, population: bool = True,
-                     device: bool = False, data: bool = True, synthetic: bool = True) -> None:
+                     device: bool = False, data: bool = True, synthetic: bool = True,
+                     bootstrap: bool = True) -> None:
     """The options every study has (one group, "run"); each help is one line, the long form is in
     the docs page "Studies" (options of every study)."""
     g = p.add_argument_group("run")
@@ -143,7 +144,8 @@ def common_arguments(p: argparse.ArgumentParser, *, population: bool = True,
                        help="number of models (default: config; extendable)")
         g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                        help="trained weights, reused (default: DIR/checkpoints)")
-        g.add_argument("--n-boot", type=positive_int, default=2000, help="bootstrap resamples")
+        if bootstrap:  # a study whose CIs all use the fixed paired resamples has no --n-boot
+            g.add_argument("--n-boot", type=positive_int, default=2000, help="bootstrap resamples")
     if device:
         g.add_argument("--device", default=None, metavar="DEV",
                        help="torch device: cpu (default), cuda, cuda:1, …")

@@ -104,13 +104,14 @@ def run_population_study(mod: ModuleType, config: Dict[str, Any], args: argparse
         if notes_fn is not None:
             report_kwargs["notes"] = list(report_kwargs.get("notes", ())) + notes_fn(records)
         report_fn = report_kwargs.pop("report_fn", None)
+        if hasattr(args, "n_boot"):  # studies without --n-boot report with fixed resamples only
+            report_kwargs["n_boot"] = args.n_boot
         if report_fn is not None:
             summary = report_fn(od.path, config, od.hash, records, wall_s=wall, exclude=exclude,
-                                n_boot=args.n_boot, **report_kwargs)
+                                **report_kwargs)
         else:
             summary = population_report(od.path, study, config, od.hash, records,
-                                               wall_s=wall, exclude=exclude, n_boot=args.n_boot,
-                                               **report_kwargs)
+                                        wall_s=wall, exclude=exclude, **report_kwargs)
     print_table(summary, log)
     log(f"{study}: {len(records)} models done in {fmt_seconds(wall)} this run"
          + (f"; {len(failed)} FAILED (see {os.path.join(out, 'errors.jsonl')}; rerun retries "
