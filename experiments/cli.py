@@ -139,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a study's output directory or its results.jsonl")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="where to write the summary (default: beside results.jsonl)")
-    p.add_argument("--n-boot", type=positive_int, default=2000, help="bootstrap resamples")
+    p.add_argument("--n-boot", type=positive_int, default=2000,
+                   help="resamples of the marginal τ CIs (diagonal, text, vision; the paired "
+                        "tables use fixed ones)")
     p.add_argument("--config-hash", default=None,
                    help="which configuration of a mixed results.jsonl (default: the last line's)")
     p.add_argument("--extra", metavar="DIR", action="append", default=[],
