@@ -193,3 +193,33 @@ def test_combine_roots_reproduces_the_committed_vision_calibration():
                             config["config_hash"])
     assert _rounded(got["families"]) == _rounded(cal["families"])
     assert _rounded(got["rho"]) == _rounded(cal["rho"])
+
+
+def test_report_reproduces_the_committed_matched_summary(tmp_path):
+    """experiments/results/matched holds the study's records: `report DIR` recomputes its summary
+    from them alone, every number (the paired Δτ tables with their fixed resamples and seed, ρ*,
+    loss rises, failures, attention shares, second-order gaps) equal to the committed one."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                       "results", "matched")
+    committed = _json(os.path.join(src, "summary.json"))
+    assert main(["report", src, "--out", str(tmp_path)]) == 0
+    again = _json(os.path.join(tmp_path, "summary.json"))
+    assert committed["used"] == committed["models"] == 48, "the committed study is complete"
+    for key in ("paired", "matched", "levels", "measures", "excluded", "config_hash", "used"):
+        _assert_close(again[key], committed[key], key)
+
+
+def _assert_close(got, want, where: str) -> None:
+    """Nested JSON values equal, numbers to 1e-12 (nan equal to nan)."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), where
+        for k in want:
+            _assert_close(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_close(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) or isinstance(got, float):
+        assert got == pytest.approx(want, abs=1e-12, nan_ok=True), where
+    else:
+        assert got == want, where
