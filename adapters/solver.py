@@ -17,6 +17,7 @@ One combined norm ‖ξ‖² = Σ_components ‖ξ_c‖² defines the ball (docs
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -379,13 +380,25 @@ class ElementwiseComponent:
         ∇⊙sign(w) (⊙(1 + r)) for "andriushchenko" (∇⊙|w| in ξ); ‖h‖², ⟨h, r⟩. The Euclidean
         gradients are consumed where autograd returned tensors of their own."""
         flat, parts = grads[0], grads[1:]
-        if self.flat:
-            h = [torch.zeros(self.numel, dtype=self.dtype, device=self.device) if flat is None
-                 else flat.contiguous()]
-            parts = []
+        if self.flat:  # the one flat leaf (leaf_point): its gradient is already one vector
+            h = [self.zeros() if flat is None else flat.contiguous()]
         else:
-            h = []
-        seen = set()
+            h = self._tensor_gradients(flat, parts)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        dot = torch.zeros((), dtype=torch.float64, device=self.device)
+        for w, fixed, x, g in self._over(r, h):
+            if self.second_order:
+                g.addcmul_(g, x)  # ∂/∂r w(1 + r + r²/2) = w(1 + r)
+            self._direction_(g, w, fixed)
+            sq += torch.dot(g, g)
+            dot += torch.dot(g, x)
+        return h, sq, dot
+
+    def _tensor_gradients(self, flat: Optional[Tensor], parts: Sequence[Optional[Tensor]]
+                          ) -> List[Tensor]:
+        """One contiguous gradient per tensor, owned by the caller: the per-tensor leaves' plus the
+        flat leaf's piece (a closure may use either), zero where autograd returned None."""
+        h, seen = [], set()
         for i, (g, size) in enumerate(zip(parts, self.sizes)):
             g = None if g is None else g.reshape(-1)
             if flat is not None:
@@ -397,15 +410,7 @@ class ElementwiseComponent:
                 g = g.contiguous().clone()  # expanded, or shared with another gradient
             seen.add(g.untyped_storage().data_ptr())
             h.append(g)
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        dot = torch.zeros((), dtype=torch.float64, device=self.device)
-        for w, fixed, x, g in self._over(r, h):
-            if self.second_order:
-                g.addcmul_(g, x)  # ∂/∂r w(1 + r + r²/2) = w(1 + r)
-            self._direction_(g, w, fixed)
-            sq += torch.dot(g, g)
-            dot += torch.dot(g, x)
-        return h, sq, dot
+        return h
 
     def combine(self, out: Tensor, r: Tensor, u: Optional[Tensor], c: Tensor, b: Tensor,
                 h: List[Tensor]) -> Tensor:
@@ -756,8 +761,6 @@ class AverageCaseResult:
     def __getitem__(self, key: str) -> Union[float, List[float]]:
         if key not in ("init_loss", "mean_loss", "losses"):
             raise KeyError(key)
-        import warnings  # only this deprecated path warns
-
         warnings.warn(f"average_case returns an AverageCaseResult: read result.{key} instead of "
                       f"result[{key!r}]", DeprecationWarning, stacklevel=2)
         return getattr(self, key)
