@@ -561,7 +561,7 @@ def test_flat_and_piecewise_passes_give_the_same_run(monkeypatch, direction, sec
     """The accelerator layout (one contiguous copy, one flat leaf and gradient, one kernel per pass)
     runs the same Auto-PGD as the piecewise CPU layout (pieces across tensor boundaries, zero and
     masked-out weights): same losses, same worst perturbation and its attention share."""
-    import quotient_manifolds.adapters.solver as solver
+    import quotient_manifolds.adapters.components as solver
 
     monkeypatch.setattr(solver, "CHUNK", 37)  # several pieces per tensor
     gen = torch.Generator().manual_seed(3)

@@ -1,0 +1,153 @@
+r"""Calling a model at weights that are computed when its code reads them, and never stored whole.
+
+Sharpness evaluates a model at perturbed weights w(ξ) many times. Materialising w(ξ) for every
+parameter before the forward pass (as ``torch.func.functional_call`` needs) holds a second copy of
+the model for the whole pass, in float32 even for a bfloat16 model: 4 bytes per parameter beyond
+the model's own weights. Here each substituted weight is a :class:`LazyWeight`, a recipe that
+:func:`substituted` attaches to every place the parameter lives (``module.weight``, tied aliases
+included): each read runs the recipe, and the value lives only as long as the code that read it
+holds it.
+
+Operations that need the value again in the backward pass (a linear layer's weight, a norm's
+scale) would keep it alive until then. While :func:`substituted` is active, such saved values are
+replaced by their recipe (``torch.autograd.graph.saved_tensors_hooks``) and recomputed when the
+backward pass unpacks them: one extra elementwise pass over a weight per use in the backward, in
+exchange for not holding any perturbed weight between the two passes.
+
+A recipe must be a pure function of tensors that stay unchanged until the backward pass has run
+(the trained weights and the perturbation buffers of the solver), so that the recomputed value
+equals the one the forward pass read, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable, Dict, Iterator, List, Mapping, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["LazyWeight", "substituted"]
+
+
+class LazyWeight:
+    """The value of one parameter during an evaluation, computed on every read by ``compute()``
+    (differentiable in whatever it depends on). ``saved`` says how the backward pass gets it back
+    when an operation saved it: recomputed by ``compute`` under ``torch.no_grad`` (default)."""
+
+    __slots__ = ("compute", "__weakref__")
+
+    def __init__(self, compute: Callable[[], Tensor]):
+        if not callable(compute):
+            raise TypeError(f"LazyWeight needs a callable returning the tensor, got {compute!r}")
+        self.compute = compute
+
+
+class _Recompute:
+    """What a saved weight (or a view of it) becomes between the forward and the backward pass."""
+
+    __slots__ = ("recipe", "size", "stride", "offset", "dtype")
+
+    def __init__(self, recipe: LazyWeight, view: Tensor):
+        self.recipe, self.dtype = recipe, view.dtype
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+
+    def __call__(self) -> Tensor:
+        with torch.no_grad():
+            full = self.recipe.compute()
+        return full.as_strided(self.size, self.stride, self.offset)
+
+
+class _SavedWeights:
+    """The pack/unpack hooks: a saved tensor whose storage is that of a value a recipe returned is
+    stored as the recipe. The registry is keyed by storage address; an entry is dropped when its
+    value is freed, so an address reused by a later tensor is never mistaken for a weight."""
+
+    def __init__(self):
+        self.by_storage: Dict[int, Tuple[weakref.ref, LazyWeight, int]] = {}
+
+    def register(self, value: Tensor, recipe: LazyWeight) -> Tensor:
+        storage = value.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or value.storage_offset() != 0 or not value.is_contiguous():
+            return value  # an empty tensor or a view of something else: nothing worth dropping
+
+        def forget(_ref, key=key, registry=self.by_storage):
+            entry = registry.get(key)
+            if entry is not None and entry[0] is _ref:
+                del registry[key]
+
+        self.by_storage[key] = (weakref.ref(value, forget), recipe, storage.nbytes())
+        return value
+
+    def pack(self, t: Tensor):
+        if t.layout != torch.strided or t.is_sparse or t.device.type == "meta":
+            return t
+        entry = self.by_storage.get(t.untyped_storage().data_ptr())
+        if entry is None or entry[0]() is None or t.untyped_storage().nbytes() != entry[2]:
+            return t
+        return _Recompute(entry[1], t)
+
+    @staticmethod
+    def unpack(packed):
+        return packed() if isinstance(packed, _Recompute) else packed
+
+
+_SUBCLASSES: Dict[Tuple[type, Tuple[str, ...]], type] = {}
+
+
+def _lazy_class(cls: type, attrs: Tuple[str, ...]) -> type:
+    """A subclass of ``cls`` whose attributes ``attrs`` are read through the instance's recipes
+    (``__dict__['_lazy_weights']``): a data descriptor on the class takes precedence over
+    ``nn.Module.__getattr__``'s lookup in ``_parameters``, which stays untouched."""
+    key = (cls, attrs)
+    if key not in _SUBCLASSES:
+        def reader(attr):
+            def read(self):
+                recipe, saved = self.__dict__["_lazy_weights"][attr]
+                return saved.register(recipe.compute(), recipe)
+            return property(read, doc=f"{attr}, computed by the active substitution")
+        _SUBCLASSES[key] = type(cls)(cls.__name__, (cls,), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            **{a: reader(a) for a in attrs}})
+    return _SUBCLASSES[key]
+
+
+def _slots(model: nn.Module, names: List[str]) -> Dict[int, List[Tuple[nn.Module, str, str]]]:
+    """(module, attribute, canonical name) of every place where the parameters ``names`` live,
+    aliases of tied parameters included, grouped by module."""
+    canonical = {id(p): n for n, p in model.named_parameters() if n in set(names)}
+    found: Dict[int, List[Tuple[nn.Module, str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and id(p) in canonical:
+                found.setdefault(id(module), []).append((module, attr, canonical[id(p)]))
+    missing = set(names) - set(canonical.values())
+    if missing:
+        raise KeyError(f"substituted: no parameter named {sorted(missing)[:3]} in the model")
+    return found
+
+
+@contextlib.contextmanager
+def substituted(model: nn.Module, weights: Mapping[str, LazyWeight]) -> Iterator[None]:
+    """``with substituted(model, {name: LazyWeight(...)}):`` every read of those parameters, by
+    their own module or any other code (``mha.out_proj.weight``, tied embeddings), returns the
+    recipe's value; operations that save it for the backward pass store the recipe instead
+    (module docstring). The model's classes are restored on exit, also after an exception."""
+    saved = _SavedWeights()
+    changed: List[Tuple[nn.Module, type]] = []
+    try:
+        for slots in _slots(model, list(weights)).values():
+            module = slots[0][0]
+            cls = type(module)
+            attrs = tuple(sorted(attr for _, attr, _ in slots))
+            module.__dict__["_lazy_weights"] = {attr: (weights[name], saved) for _, attr, name in slots}
+            changed.append((module, cls))
+            module.__class__ = _lazy_class(cls, attrs)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            yield
+    finally:
+        for module, cls in reversed(changed):
+            module.__class__ = cls
+            module.__dict__.pop("_lazy_weights", None)
