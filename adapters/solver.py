@@ -95,8 +95,15 @@ def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Ta
     flat = [t for ts in inputs for t in ts]
     grads = list(torch.autograd.grad(loss, flat, allow_unused=True))
     del loss, flat
-    finite = [torch.isfinite(g).all() for g in grads if g is not None]
-    if finite and not bool(torch.stack(finite).all()):  # one host sync, not one per tensor
+    parts, at = [], 0
+    for c, x, ts in zip(comps, xi, inputs):
+        parts.append(c.gradient(grads[at:at + len(ts)], x))
+        grads[at:at + len(ts)] = [None] * len(ts)  # consumed: the component owns them now
+        at += len(ts)
+    sq = sum(p[1] for p in parts)
+    # ‖g‖² is finite exactly when every entry of g is: one check of a scalar the step needs
+    # anyway, one host sync, no pass over the gradient
+    if not bool(torch.isfinite(sq)):
         # a finite loss with a non-finite gradient is a kink of the model or loss (sqrt or log at
         # 0, a norm of a zero vector), not a step that went too far
         raise FloatingPointError(
@@ -104,13 +111,7 @@ def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Ta
             f"of norm {math.sqrt(float(xi_sq)):.3g}: the model or loss_fn is not differentiable "
             f"there (e.g. sqrt or log at 0, the norm of a zero vector); make it differentiable, "
             f"e.g. add a small epsilon inside sqrt/log")
-    parts, at = [], 0
-    for c, x, ts in zip(comps, xi, inputs):
-        parts.append(c.gradient(grads[at:at + len(ts)], x))
-        at += len(ts)
-    del grads
-    return value, _Gradient([p[0] for p in parts], sum(p[1] for p in parts),
-                            sum(p[2] for p in parts))
+    return value, _Gradient([p[0] for p in parts], sq, sum(p[2] for p in parts))
 
 
 def _step_coefficients(momentum: str, first: bool, alpha: float, c: Tensor, s: Tensor):
@@ -127,7 +128,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
              momentum: str = "apgd", step_normalisation: str = "metric",
              min_update_ratio: float = 0.75, decay: float = 0.5,
              on_iteration: Optional[Callable[[int, float], None]] = None,
-             start: Optional[Tuple[Tangent, float]] = None) -> APGDResult:
+             start: Optional[Tuple[Tangent, float]] = None,
+             keep_worst_gradient: Optional[bool] = None) -> APGDResult:
     r"""Maximise ``closure(ball.points(ξ))`` over horizontal ξ with ‖ξ‖ ≤ ρ (docs/maths.md §7.1, §7.3).
 
     Iterations k = 0..N−1 each cost exactly one forward and one backward: the pass at ξ_k gives both
@@ -156,11 +158,14 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         apgd:              A = αc + 2(1 − α),  C = α − 1,   B = α c s,   then P_S
         andriushchenko:    A = 0.75 c,         C = 0.25,    B = 0.75 c s.
 
-    Three iterate buffers serve ξ, ξ⁻ and the worst point (roles change, values are not copied).
-    Beyond the model's own forward and backward a run holds these three, the worst point's
-    gradient and the elementwise point buffer: five parameter-sized vectors. Keeping the gradient
-    saves a forward and backward at each restart from an older worst point (3 to 6 restarts in 20
-    iterations on MiniLM).
+    Three iterate buffers serve ξ, ξ⁻ and the worst point (roles change, values are not copied),
+    and one holds the gradient at ξ: beyond the model's own forward and backward a run holds four
+    vectors of the ball's size (16 bytes per float32 weight; with a streaming elementwise
+    component nothing else of the model's size). ``keep_worst_gradient`` keeps the gradient at an
+    older worst point as a fifth, which saves a forward and backward at each restart from it (3 to
+    6 restarts in 20 iterations on MiniLM); without it the restart recomputes the gradient there
+    (same values, one more pass of each). Default (``None``): kept on the CPU, and on an
+    accelerator while its free memory holds two more such vectors after the iterates are allocated.
     """
     if not rho > 0:
         raise ValueError(f"rho must be > 0, got {rho!r}")
@@ -172,6 +177,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     comps = ball.components
 
     pool = [ball.zeros() for _ in range(3)]
+    if keep_worst_gradient is None:
+        keep_worst_gradient = _room_for_two_more(pool[0])
     eta = 2 * rho * step_size_mult
     if start is None:
         xi = pool[0]
@@ -201,6 +208,9 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
             if stalled or frozen:
                 eta *= decay
                 xi, xi_prev, grad, xi_sq = xi_worst, xi_worst, grad_worst, worst_sq
+                if grad is None:  # not kept: recomputed at the worst point (the same values)
+                    grad = grad_worst = _evaluate(comps, closure, xi, True, xi_sq)[1]
+                    n_fwd, n_bwd = n_fwd + 1, n_bwd + 1
             n_updates, last_ckpt = 0, k
         # scalars stay 0-d tensors (no host sync): the step s, z = P_S(ξ + s g) = c(ξ + s g)
         s = (torch.where(grad.sq > 0, eta / grad.sq.sqrt(), 0.0)
@@ -216,7 +226,9 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         factor = ball_factor(y_sq.sqrt(), rho, A) if project else A
         for comp, o in zip(comps, out):
             comp.scale_(o, factor)
-        grad = None  # only the worst point's gradient outlives its step
+        grad = None  # only the worst point's gradient outlives its step, if kept
+        if not keep_worst_gradient:
+            grad_worst = None
         xi_prev, xi, xi_sq = xi, out, factor * factor * y_sq
         last = k == n_iters - 1
         loss, grad = _evaluate(comps, closure, xi, not last, xi_sq)
@@ -232,6 +244,16 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     xi_worst = [comp.from_coords_(u) for comp, u in zip(comps, xi_worst)]
     return APGDResult(loss0, worst, xi_worst, float(ball.norm(xi_worst)), n_fwd, n_bwd, history,
                       steps)
+
+
+def _room_for_two_more(like: Tangent) -> bool:
+    """Whether two more vectors like ``like`` (a tangent of the ball) fit: always on the CPU, on a
+    CUDA device while its free memory holds them."""
+    device = like[0].device
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return free > 2 * sum(t.numel() * t.element_size() for t in like)
 
 
 def finite_loss(loss: Tensor, perturbation_norm: float) -> float:
