@@ -25,14 +25,17 @@ import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Tuple
+from functools import partial
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from quotient_manifolds.core.gl import GLQuotientGeometry
 
 from . import validation as check
+from .components import StreamedPoint
 from .solver import ADAPTIVE_DIRECTIONS, ElementwiseComponent, ProductBall, QuotientComponent
+from .streaming import LazyWeight
 
 Tensor = torch.Tensor
 
@@ -106,7 +109,8 @@ def geometry_of(name: object, allowed: Tuple[str, ...] = GEOMETRIES, argument: s
 def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: str,
                layout=None, retraction: str = "second_order", gram_eps: float = 0.0,
                use_metric_norm: bool = True, adaptive_direction: str = "riemannian",
-               elementwise_second_order: bool = False, eps: Optional[float] = None
+               elementwise_second_order: bool = False, eps: Optional[float] = None,
+               streaming: bool = False, compute_dtype: Optional[torch.dtype] = None
                ) -> Tuple[ProductBall, "BallParameters"]:
     """The ball of perturbations and the map between ball points and the parameter dict
     (:class:`BallParameters`: call it on points; ``gather`` reads gradients into the ball).
@@ -118,6 +122,13 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     uncovered entries of a partially covered one) is elementwise. ``"adaptive"``: every trainable
     weight is elementwise. ``gram_eps``: the Gram relaxation GᵀG + εI of the quotient
     metrics (docs/maths.md §6.4; ``eps`` is its deprecated former name).
+
+    ``streaming=True`` gives the elementwise components the streaming layout
+    (:class:`~quotient_manifolds.adapters.components.ElementwiseComponent`): the ball parameters
+    are then recipes (:class:`~quotient_manifolds.adapters.streaming.LazyWeight`) for
+    :func:`~quotient_manifolds.adapters.streaming.substituted`, and no perturbed copy of the
+    weights is formed. ``compute_dtype`` (e.g. float32 for a bfloat16 model whose ``params0`` are
+    its own weights) is the dtype of the iterates and points; default: each weight's own.
     """
     metric = geometry_of(geometry).metric
     gram_eps = gram_eps_of(gram_eps, eps)
@@ -140,12 +151,13 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
                                  f"blocks") from None
             counts = [block.num_heads for block in blocks]
             like = params0[blocks[0].g_pieces[0].param]
+            dtype = compute_dtype or like.dtype
             x0 = _gather_heads(blocks, counts, params0, like.device)
             frame = _frame_or_explain(geom, x0, blocks, counts)
             name = f"GL(h={h}) n={n} m={m} [{len(blocks)} blocks]"
             # iterates in the model's dtype; the frame does its Gram-matrix work in float64
             components.append(QuotientComponent(name, frame, x0, retraction=retraction,
-                                                use_metric_norm=use_metric_norm, dtype=like.dtype))
+                                                use_metric_norm=use_metric_norm, dtype=dtype))
             groups.append((blocks, counts))
         masks = getattr(layout, "gl_masks", {})
         elementwise = [(n, ~masks[n].to(params0[n].device) if n in masks else None)
@@ -156,12 +168,14 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     by_kind: "OrderedDict[Tuple, Dict[str, Tensor]]" = OrderedDict()
     mask_of = dict(elementwise)
     for name, _ in elementwise:
-        by_kind.setdefault((params0[name].dtype, params0[name].device), {})[name] = params0[name]
-    for tensors in by_kind.values():
+        kind = (compute_dtype or params0[name].dtype, params0[name].device)
+        by_kind.setdefault(kind, {})[name] = params0[name]
+    for (dtype, _), tensors in by_kind.items():
         components.append(ElementwiseComponent(tensors, masks={n: mask_of[n] for n in tensors},
                                                direction=adaptive_direction,
-                                               second_order=elementwise_second_order))
-    return ProductBall(components), BallParameters(params0, components, groups)
+                                               second_order=elementwise_second_order,
+                                               streaming=streaming, dtype=dtype))
+    return ProductBall(components), BallParameters(params0, components, groups, compute_dtype)
 
 
 class BallParameters:
@@ -176,20 +190,48 @@ class BallParameters:
     the component keeps them fixed (its mask), so they never move.
     """
 
-    def __init__(self, params0: Dict[str, Tensor], components: List, groups: List):
+    def __init__(self, params0: Dict[str, Tensor], components: List, groups: List,
+                 compute_dtype: Optional[torch.dtype] = None):
         self.params0 = params0
+        self.compute_dtype = compute_dtype
         self._quotients = list(zip(groups, components[:len(groups)]))
         self._elementwise = components[len(groups):]
 
-    def __call__(self, points: List[Tensor]) -> Dict[str, Tensor]:
+    def __call__(self, points: List[Any]) -> Dict[str, Any]:
+        """The parameters at ``points``: tensors, or with streaming points
+        (:class:`~quotient_manifolds.adapters.components.StreamedPoint`) recipes
+        (:class:`~quotient_manifolds.adapters.streaming.LazyWeight`) for every weight a point
+        moves or that needs a cast to ``compute_dtype``."""
         n_quotient = len(self._quotients)
-        params = dict(self.params0)
+        params: Dict[str, Any] = dict(self.params0)
+        streamed = False
         for comp, point in zip(self._elementwise, points[n_quotient:]):
-            params.update(comp.unflatten(point))
+            if isinstance(point, StreamedPoint):
+                params.update(point.weights())
+                streamed = True
+            else:
+                params.update(comp.unflatten(point))
+        if not streamed:
+            for ((blocks, counts), _), point in zip(self._quotients, points[:n_quotient]):
+                for block, x in zip(blocks, torch.split(point, counts, dim=0)):
+                    dtype = params[block.g_pieces[0].param].dtype
+                    params = block.scatter(params, x.to(dtype))
+            return params
+        # streaming: each weight a GL block writes into becomes a recipe that writes the heads'
+        # points into its own value when read (nothing of the weight's size is held in between)
+        writes: Dict[str, List[Tuple[Any, Tensor]]] = {}
         for ((blocks, counts), _), point in zip(self._quotients, points[:n_quotient]):
             for block, x in zip(blocks, torch.split(point, counts, dim=0)):
-                dtype = params[block.g_pieces[0].param].dtype
-                params = block.scatter(params, x.to(dtype))
+                start = 0
+                for piece in block.pieces:
+                    k = piece.rows_per_head(self.params0[piece.param].shape)
+                    writes.setdefault(piece.param, []).append((piece, x[:, start:start + k, :]))
+                    start += k
+        for name, value in params.items():
+            if name in writes or (isinstance(value, Tensor) and self.compute_dtype is not None
+                                  and value.dtype != self.compute_dtype and value.is_floating_point()):
+                params[name] = LazyWeight(partial(_written, value, writes.get(name, ()),
+                                                  self.compute_dtype))
         return params
 
     def gather(self, tensors: Mapping[str, Optional[Tensor]]) -> List[Tensor]:
@@ -199,6 +241,17 @@ class BallParameters:
                for (blocks, counts), comp in self._quotients]
         return out + [torch.cat([full[n].reshape(-1).to(comp.dtype) for n in comp.names])
                       for comp in self._elementwise]
+
+
+def _written(base: Any, writes: Sequence[Tuple[Any, Tensor]], dtype: Optional[torch.dtype]) -> Tensor:
+    """The value of a weight: ``base`` (a recipe or a tensor, cast to ``dtype``) with the GL heads
+    ``writes`` (piece, value) written into it."""
+    value = base.compute() if isinstance(base, LazyWeight) else base
+    if dtype is not None and value.dtype != dtype:
+        value = value.to(dtype)
+    for piece, x in writes:
+        value = piece.write(value, x)
+    return value
 
 
 def _gather_heads(blocks: List, counts: List[int], tensors: Mapping[str, Tensor],

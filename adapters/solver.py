@@ -246,6 +246,14 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
                       steps)
 
 
+def _points_at(ball: ProductBall, xi: Tangent) -> list:
+    """The points of the closure at ξ (consumed: turned into the components' coordinates in place),
+    as the solver forms them (:meth:`leaf_point`): a streaming component forms no copy."""
+    for comp, x in zip(ball.components, xi):
+        comp.to_coords(x, x)
+    return [comp.leaf_point(x, False)[1] for comp, x in zip(ball.components, xi)]
+
+
 def _room_for_two_more(like: Tangent) -> bool:
     """Whether two more vectors like ``like`` (a tangent of the ball) fit: always on the CPU, on a
     CUDA device while its free memory holds them."""
@@ -304,12 +312,13 @@ def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], r
     if not rho > 0:
         raise ValueError(f"rho must be > 0, got {rho!r}")
     with torch.no_grad():
-        loss0 = finite_loss(closure(ball.points(ball.zeros())), 0.0)
+        loss0 = finite_loss(closure(_points_at(ball, ball.zeros())), 0.0)
         losses = []
         for k in range(n_samples):
             u = ball.random(generator)
-            u = scale(u, rho / float(ball.norm(u)))
-            losses.append(finite_loss(closure(ball.points(u)), rho))
+            torch._foreach_mul_(u, rho / float(ball.norm(u)))
+            losses.append(finite_loss(closure(_points_at(ball, u)), rho))
+            del u
             if on_iteration is not None:
                 on_iteration(k, losses[-1])
     return AverageCaseResult(loss0, sum(losses) / len(losses), losses)

@@ -19,6 +19,7 @@ The maths: docs/maths.md §6 (blocks, total norm, ε), §7.3 (algorithm), §12 (
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
@@ -46,7 +47,9 @@ from .ball import (  # GEOMETRIES and build_ball are served here too (the adapte
 )
 from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS, APGDResult, ProductBall, auto_pgd, average_case
 from . import validation as check
+from .components import KERNEL_LIMIT
 from .evaluation import eval_mode, map_tensors
+from .streaming import LazyWeight, substituted
 from .validation import materialised, scalar_loss, token_inputs
 
 Tensor = torch.Tensor
@@ -174,11 +177,15 @@ class ModelClosure:
 
     def __call__(self, points: List[Tensor]) -> Tensor:
         params = self.write_back(points)
-        tensors = {**self.buffers, **params}
-        if isinstance(self.inputs, Mapping):
-            outputs = functional_call(self.model, tensors, args=(), kwargs=dict(self.inputs))
-        else:
-            outputs = functional_call(self.model, tensors, args=(self.inputs,))
+        # recipes (streaming ball points, frozen half-precision weights) are read where the model
+        # reads the weight; the other tensors are swapped in for the call
+        lazy = {n: v for d in (self.buffers, params) for n, v in d.items() if isinstance(v, LazyWeight)}
+        tensors = {n: v for d in (self.buffers, params) for n, v in d.items() if n not in lazy}
+        with substituted(self.model, lazy) if lazy else contextlib.nullcontext():
+            if isinstance(self.inputs, Mapping):
+                outputs = functional_call(self.model, tensors, args=(), kwargs=dict(self.inputs))
+            else:
+                outputs = functional_call(self.model, tensors, args=(self.inputs,))
         if self.loss_fn is None:
             loss = getattr(outputs, "loss", None)
             if not isinstance(loss, Tensor):
@@ -199,7 +206,8 @@ class ModelClosure:
                 f"The model or loss_fn casts to half precision although its weights are given in "
                 f"float32 (torch.autocast?): run without autocast and compute the loss in float32")
         return scalar_loss(loss, needs_grad=torch.is_grad_enabled() and any(
-            p.requires_grad for p in points))
+            p.requires_grad if isinstance(p, Tensor) else any(t.requires_grad for t in p.leaves)
+            for p in points))
 
 
 @dataclass(frozen=True)
@@ -449,7 +457,7 @@ def _prepare(model: torch.nn.Module, batches: Iterable[Any], options: SharpnessO
         undefined="sharpness",
         no_params=("sharpness perturbs the trainable weights, the frozen ones stay fixed. Set requires_grad=True "
                    "on the weights to perturb (e.g. model.requires_grad_(True), or only the adapter weights of "
-                   "a PEFT model)"), stacklevel=stacklevel + 1)
+                   "a PEFT model)"), stacklevel=stacklevel + 1, copy_half=False)
     try:
         n_batches: Optional[int] = len(batches)  # type: ignore[arg-type]
     except TypeError:  # a generator, an IterableDataset loader
@@ -491,7 +499,8 @@ def _run_batches(model: torch.nn.Module, prepared: _Prepared, rhos: Sequence[flo
                 model, prepared.params0, geometry=options.geometry, layout=prepared.layout,
                 retraction=options.retraction, gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm,
                 adaptive_direction=options.adaptive_direction,
-                elementwise_second_order=options.elementwise_second_order)
+                elementwise_second_order=options.elementwise_second_order, streaming=True,
+                compute_dtype=torch.float32 if prepared.upcast else None)
             check_gap = (options.check_retraction and options.retraction == "second_order"
                          and options.measure == "worst" and ball.has_quotients)
             # the loss function is set per batch (dict batches may use the model's own loss)
@@ -688,7 +697,7 @@ class PreRun(NamedTuple):
 
 def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: str, consequence: str,
                    unsafe: bool, allow_unsupported: bool, include_frozen: bool = False, undefined: str,
-                   no_params: str, stacklevel: int = 3) -> PreRun:
+                   no_params: str, stacklevel: int = 3, copy_half: bool = True) -> PreRun:
     """The checks of an evaluation at the model's weights (sharpness, the Hessian) before its first
     batch, and its set-up:
 
@@ -699,7 +708,10 @@ def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: 
       caller, ``consequence`` what a failing block would do to the result);
     * the weights refused when not finite (``undefined`` names what is undefined there);
     * ``buffers``: the model's buffers and its other parameters (fixed); ``upcast``: whether any
-      parameter or buffer is in half precision, in which case all of them are float32 copies.
+      parameter or buffer is in half precision, in which case all of them are float32 copies
+      (``copy_half=False``: the weights stay the model's own, to be read in float32 by the ball
+      and by :class:`~quotient_manifolds.adapters.streaming.LazyWeight` recipes for the frozen
+      ones; the buffers are still copied).
 
     ``stacklevel`` is that of the warnings as if the caller issued them."""
     from .accept import checked_layout
@@ -718,14 +730,25 @@ def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: 
                                 stacklevel=stacklevel + 1)
     # half-precision tensors are evaluated as float32 copies (module docstring)
     upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
-    params0 = {n: as_compute(p, upcast) for n, p in params0.items()}
+    if copy_half:
+        params0 = {n: as_compute(p, upcast) for n, p in params0.items()}
     for name, p in params0.items():
-        if not bool(torch.isfinite(p).all()):
+        if not all_finite(p):
             raise ValueError(f"parameter {name!r} contains non-finite values; {undefined} is "
                              f"undefined at such weights")
-    frozen = {n: as_compute(p.detach(), upcast) for n, p in all_params.items() if n not in params0}
+    frozen = {n: as_compute(p.detach(), upcast) if copy_half or not (upcast and p.dtype in HALF_DTYPES)
+              else LazyWeight(p.detach().float) for n, p in all_params.items() if n not in params0}
     buffers = {**{n: as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
     return PreRun(params0, buffers, upcast, layout, detected)
+
+
+def all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, checked in pieces of at most
+    :data:`~quotient_manifolds.adapters.components.KERNEL_LIMIT` elements (no temporary of the
+    tensor's size: a model of billions of weights is checked in place); one host sync."""
+    flat = t.reshape(-1)
+    checks = [torch.isfinite(flat[a:a + KERNEL_LIMIT]).all() for a in range(0, flat.numel(), KERNEL_LIMIT)]
+    return bool(torch.stack(checks).all()) if checks else True
 
 
 def as_compute(t: Tensor, upcast: bool) -> Tensor:
