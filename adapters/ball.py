@@ -212,6 +212,9 @@ class BallParameters:
             else:
                 params.update(comp.unflatten(point))
         if not streamed:
+            if self.compute_dtype is not None:  # weights of the model's own (half) precision
+                params = {n: v.to(self.compute_dtype) if v.is_floating_point() else v
+                          for n, v in params.items()}
             for ((blocks, counts), _), point in zip(self._quotients, points[:n_quotient]):
                 for block, x in zip(blocks, torch.split(point, counts, dim=0)):
                     dtype = params[block.g_pieces[0].param].dtype

@@ -93,7 +93,10 @@ def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Ta
     if not need_grad:
         return value, None
     flat = [t for ts in inputs for t in ts]
-    grads = list(torch.autograd.grad(loss, flat, allow_unused=True))
+    # a closure that ran the backward itself (a sharded model) hands back a loss whose graph holds
+    # only what is left to differentiate, possibly nothing
+    grads = (list(torch.autograd.grad(loss, flat, allow_unused=True)) if loss.requires_grad
+             else [None] * len(flat))
     del loss, flat
     parts, at = [], 0
     for c, x, ts in zip(comps, xi, inputs):

@@ -1,0 +1,151 @@
+"""Sharpness of a model sharded with FSDP2 (``fully_shard`` on a CPU device mesh, gloo, 2 and 3
+processes, float64): the value, the worst-point loss and the attention share equal those of the
+unsharded model, also with data parallelism combined (each rank its half of the batch); the
+model's weights and gradients are left as they were. The heads straddle shard boundaries: 7 heads
+of 2 over 14 rows cut at 7 (2 ranks) and at 5 and 10 (3 ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from test_distributed import _free_port
+
+GEOMETRIES = ("adaptive", "geodesic-inv", "geodesic-mix")
+RHO = {"adaptive": 0.05, "geodesic-inv": 0.05, "geodesic-mix": 0.01}
+
+WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    sys.path.insert(0, {tests!r})
+    from test_fsdp import measure_sharded
+    dist.init_process_group("gloo", init_method="env://")
+    out = measure_sharded(dist.get_rank(), dist.get_world_size())
+    with open(os.environ["OUT"], "w") as fh:
+        json.dump(out, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+""")
+
+
+def build():
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=30, hidden_size=14, num_hidden_layers=1,
+                                  num_attention_heads=7, intermediate_size=16, num_labels=3)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(cfg).double().eval()
+
+
+def batch(rows=slice(None)):
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 30, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)
+    return ids[rows], labels[rows]
+
+
+def _measure(model, batches, layout):
+    from quotient_manifolds import adapters
+
+    out = {}
+    for geometry in GEOMETRIES:
+        res = adapters.sharpness(model, batches, geometry=geometry, rho=RHO[geometry], n_iters=4,
+                                 check_retraction=False,
+                                 layout=None if geometry == "adaptive" else layout)
+        out[geometry] = {"value": res.value, "worst": res.worst_losses,
+                         "share": res.gl_norm_shares}
+    return out
+
+
+def measure_sharded(rank: int, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from quotient_manifolds import adapters
+
+    model = build()
+    layout = adapters.layout(model)
+    layout.verify(model, batch()[0])          # verified before sharding
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    same = _measure(model, [batch()], layout)
+    half = len(batch()[0]) // 2
+    mine = slice(0, half) if rank == 0 else slice(half, None)
+    split = _measure(model, [batch(mine)], layout) if world == 2 else None
+    unchanged = all(torch.equal(p.full_tensor(), before[n]) and p.grad is None
+                    for n, p in model.named_parameters())
+    return {"same": same, "split": split, "unchanged": unchanged}
+
+
+def _run(world, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=os.path.dirname(__file__)))
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(
+        os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+        OUT=str(tmp_path / f"fsdp{world}_{rank}.json"), OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(world)]
+    return procs
+
+
+def _collect(world, procs, tmp_path):
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out.decode()[-3000:]
+    return [json.loads((tmp_path / f"fsdp{world}_{r}.json").read_text()) for r in range(world)]
+
+
+def _assert_equal(got, want):
+    for geometry in GEOMETRIES:
+        g, w = got[geometry], want[geometry]
+        assert g["value"] == pytest.approx(w["value"], rel=1e-10), geometry
+        assert g["worst"] == pytest.approx(w["worst"], rel=1e-10), geometry
+        assert g["share"] == pytest.approx(w["share"], rel=1e-10), geometry
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_sharded_sharpness_equals_the_unsharded_model(world, tmp_path):
+    from quotient_manifolds import adapters
+
+    procs = _run(world, tmp_path)
+    model = build()
+    layout = adapters.layout(model)
+    layout.verify(model, batch()[0])
+    plain = _measure(model, [batch()], layout)
+    ranks = _collect(world, procs, tmp_path)
+    for out in ranks:
+        assert out["unchanged"]
+        assert out["same"] == ranks[0]["same"]        # every rank returns the same result
+        _assert_equal(out["same"], plain)
+        if world == 2:                                # data parallelism: each rank half the batch
+            _assert_equal(out["split"], plain)
+
+
+def test_sharded_geodesic_needs_a_layout_verified_before_sharding(tmp_path):
+    """Refused before any work, naming what to do (a one-rank world here)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from quotient_manifolds import adapters
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ValueError, match="verified before sharding"):
+            adapters.sharpness(model, [batch()], geometry="geodesic-mix", rho=0.01, n_iters=2)
+    finally:
+        dist.destroy_process_group()
