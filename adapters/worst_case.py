@@ -49,6 +49,7 @@ from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS, APGDResult, ProductBall
 from . import validation as check
 from .components import KERNEL_LIMIT
 from .evaluation import eval_mode, map_tensors
+from .memory import explained_out_of_memory
 from .sharded import is_sharded, run_sharded
 from .streaming import LazyWeight, substituted
 from .validation import materialised, scalar_loss, token_inputs
@@ -418,12 +419,15 @@ def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence
     as if this function's caller issued them."""
     check.module("model", model)
     check.batches("batches", batches)
+    what = f"{options.geometry} sharpness"
     if is_sharded(model):  # FSDP2: ξ and the solver's buffers sharded like the weights
-        return run_sharded(model, batches, rhos, options, stacklevel=stacklevel + 1)
-    materialised(model, f"{options.geometry} sharpness")
-    prepared = _prepare(model, batches, options, stacklevel + 1)
-    started = time.perf_counter()
-    runs = _run_batches(model, prepared, rhos, options)
+        with explained_out_of_memory(model, what):
+            return run_sharded(model, batches, rhos, options, stacklevel=stacklevel + 1)
+    materialised(model, what)
+    with explained_out_of_memory(model, what):
+        prepared = _prepare(model, batches, options, stacklevel + 1)
+        started = time.perf_counter()
+        runs = _run_batches(model, prepared, rhos, options)
     setup = time.perf_counter() - started - sum(r["time"] for at in runs for r in at)
     results = []
     for rho, at in zip(rhos, runs):  # a loop, not a comprehension: its frame would shift the warnings

@@ -698,3 +698,81 @@ def test_attention_share_is_comparable_across_geometries():
     total = sum(float(((parts[n] / params[n]) ** 2).sum()) for n in parts)
     assert ball.share_on(u, masks) == pytest.approx(on / total, rel=1e-6)  # float32 sums
     assert ball.share_on(u, {}) == 0.0
+
+
+# ------------------------------------------------------------------------------ no size limit
+def _forced_limits(monkeypatch, limit):
+    import quotient_manifolds.adapters.components as components
+
+    monkeypatch.setattr(components, "REDUCTION_BLOCK", 4)
+    monkeypatch.setattr(components, "KERNEL_LIMIT", limit)
+    monkeypatch.setattr(components, "CHUNK", limit)
+
+
+@pytest.mark.parametrize("layout", ["piecewise", "flat"])
+def test_passes_cut_into_tiny_kernel_calls_give_the_same_run_bit_for_bit(monkeypatch, layout):
+    """Every pass over the ball's vectors (dots, norms, combinations, the flat copy) cut into
+    kernel calls of 8 elements gives the run of uncut passes exactly (==, not approx): reductions
+    add fixed blocks in a fixed order, so a model past 2³¹ weights (cut by KERNEL_LIMIT) gets the
+    numbers it would get uncut."""
+    gen = torch.Generator().manual_seed(5)
+    tensors = {"a": torch.randn(13, 7, dtype=torch.float64, generator=gen),
+               "b": torch.randn(30, dtype=torch.float64, generator=gen)}
+    tensors["a"][2, 2] = 0.0
+    runs = []
+    for limit in (8, 2 ** 40):
+        _forced_limits(monkeypatch, limit)
+        comp = ElementwiseComponent(tensors, flat=layout == "flat")
+        assert len(comp._pieces) > 2 if limit == 8 else len(comp._pieces) <= 2
+
+        def closure(points, comp=comp):
+            p = comp.unflatten(points[0])
+            return torch.tanh(p["a"]).sum() + (p["b"] ** 3).sum()
+
+        runs.append(auto_pgd(ProductBall([comp]), closure, 0.3, n_iters=10))
+    cut, whole = runs
+    assert cut.history == whole.history
+    assert torch.equal(cut.xi[0], whole.xi[0]) and cut.norm == whole.norm
+
+
+def test_streaming_sharpness_with_tiny_kernel_calls_is_bit_for_bit_the_same(monkeypatch, tiny_bert):
+    """The streaming evaluation of a real model (no copy of its weights) cut into kernel calls of
+    8 elements returns exactly the value, worst loss and share of uncut passes."""
+    model, inputs = tiny_bert
+    batches = _labelled(inputs)
+    got = []
+    for limit in (8, 2 ** 40):
+        _forced_limits(monkeypatch, limit)
+        res = sharpness(model, batches, geometry="geodesic-inv", rho=0.05, n_iters=4,
+                        check_retraction=False)
+        got.append((res.value, res.worst_losses, res.gl_norm_shares, res.norms))
+    assert got[0] == got[1]
+
+
+def test_out_of_memory_says_what_the_run_needs_and_leaves_the_model_as_it_was(monkeypatch, tiny_bert):
+    """An allocator failure in the middle of a forward (the weights substituted, the classes of
+    the modules swapped) ends in one error with the run's needs and what to do, not an allocator
+    trace; the model's classes, weights and gradients are as before."""
+    from quotient_manifolds.adapters import components
+    from quotient_manifolds.adapters.memory import SharpnessOutOfMemoryError
+
+    model, inputs = tiny_bert
+    classes = {n: type(m) for n, m in model.named_modules()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moved, calls = components.ElementwiseComponent.moved, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 30:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0)")
+        return moved(self, *args, **kwargs)
+
+    monkeypatch.setattr(components.ElementwiseComponent, "moved", failing)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    with pytest.raises(SharpnessOutOfMemoryError, match=rf"16 bytes per trainable parameter × {n:,}"
+                       r"(.|\n)*smaller batch(.|\n)*FSDP2") as info:
+        sharpness(model, _labelled(inputs), geometry="adaptive", rho=0.05, n_iters=3)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]) and p.grad is None, name

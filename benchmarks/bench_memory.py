@@ -1,0 +1,127 @@
+"""Bytes per parameter that sharpness holds beyond the model's weights and one forward+backward.
+
+For a Qwen2-shaped decoder from config (random weights; ``--layers``/``--hidden`` set its size) in
+float32 and in bfloat16, each measurement in a fresh process, on the CPU:
+
+* ``fwd+bwd``: a forward and backward of the batch in the compute dtype (float32; a bfloat16
+  model is converted first, as sharpness evaluates it in float32), with the weights' gradients;
+  its peak over the loaded model gives the activations A = peak − 4 bytes × parameters;
+* ``adaptive``, ``geodesic-mix``, ``geodesic-inv``: ``adapters.sharpness`` on the same batch.
+
+``bytes/param`` = (peak − A) / parameters, the peak taken over the model as loaded (Linux VmHWM,
+reset after loading through /proc/self/clear_refs): what sharpness holds beyond the model's own
+weights and the activations of one forward+backward; the target is ≤ 16 (the solver's ξ, ξ⁻,
+worst point and gradient in float32). On a CUDA device (``--device cuda``) the peak is
+``torch.cuda.max_memory_allocated``.
+
+    python benchmarks/bench_memory.py [--layers 8] [--hidden 512] [--batch 2] [--seq 64]
+                                      [--iters 3] [--dtypes float32 bfloat16] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+METHODS = ("fwd+bwd", "adaptive", "geodesic-mix", "geodesic-inv")
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
+
+
+def build(layers: int, hidden: int, dtype, device: str):
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    heads = max(hidden // 64, 1)
+    config = transformers.Qwen2Config(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=int(2.75 * hidden),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
+        tie_word_embeddings=True, max_position_embeddings=4096)
+    model = transformers.Qwen2ForCausalLM(config).to(dtype=dtype, device=device).eval()
+    return model
+
+
+def measure(method, dtype_name, args, queue):
+    import torch
+
+    from quotient_manifolds import adapters
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, dtype_name)
+    model = build(args.layers, args.hidden, dtype, args.device)
+    n = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32000, (args.batch, args.seq), generator=g).to(args.device)
+    batch = {"input_ids": ids, "labels": ids}
+    if method == "fwd+bwd":
+        model = model.float()
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _rss_kib("VmRSS") * 1024
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # reset the peak RSS to the current RSS
+    if method == "fwd+bwd":
+        loss = adapters.next_token_loss(model(input_ids=ids), ids)
+        loss.backward()
+    else:
+        adapters.sharpness(model, [batch], geometry=method, rho=0.01, n_iters=args.iters,
+                           loss_fn=adapters.next_token_loss, check_retraction=False)
+    peak = (torch.cuda.max_memory_allocated() if cuda else _rss_kib("VmHWM") * 1024) - base
+    queue.put({"peak": peak, "params": n})
+
+
+def run_one(*a):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=measure, args=(*a, queue))
+    proc.start()
+    got = queue.get()
+    proc.join()
+    return got
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    print(f"{'dtype':9s} {'method':13s} {'params':>11s} {'peak MiB':>9s} {'bytes/param':>12s}")
+    for dtype in args.dtypes:
+        base = run_one("fwd+bwd", dtype, args)
+        n = base["params"]
+        activations = base["peak"] - 4 * n
+        print(f"{dtype:9s} {'fwd+bwd fp32':13s} {n:11,d} {base['peak'] / 2**20:9.1f} "
+              f"{'(A = ' + format(activations / 2**20, '.0f') + ' MiB)':>12s}", flush=True)
+        for method in METHODS[1:]:
+            got = run_one(method, dtype, args)
+            print(f"{dtype:9s} {method:13s} {n:11,d} {got['peak'] / 2**20:9.1f} "
+                  f"{(got['peak'] - activations) / n:12.1f}", flush=True)
+    print(f"settings: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens, "
+          f"{args.iters} iterations, device {args.device}, python {sys.version.split()[0]}")
+
+
+if __name__ == "__main__":
+    main()
