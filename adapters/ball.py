@@ -157,7 +157,8 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
             name = f"GL(h={h}) n={n} m={m} [{len(blocks)} blocks]"
             # iterates in the model's dtype; the frame does its Gram-matrix work in float64
             components.append(QuotientComponent(name, frame, x0, retraction=retraction,
-                                                use_metric_norm=use_metric_norm, dtype=dtype))
+                                                use_metric_norm=use_metric_norm, dtype=dtype,
+                                                recompute=streaming))
             groups.append((blocks, counts))
         masks = getattr(layout, "gl_masks", {})
         elementwise = [(n, ~masks[n].to(params0[n].device) if n in masks else None)

@@ -48,6 +48,24 @@ ADAPTIVE_DIRECTIONS: Tuple[str, ...] = ("riemannian", "andriushchenko")
 # sync per iteration is the loss.
 
 
+class _RecomputedPoint(torch.autograd.Function):
+    """R(ξ) of a :class:`QuotientComponent` whose backward recomputes R and takes its
+    vector-Jacobian product there (the same numbers as differentiating the forward's graph)."""
+
+    @staticmethod
+    def forward(ctx, xi: Tensor, comp: "QuotientComponent") -> Tensor:
+        ctx.comp, ctx.xi = comp, xi.detach()
+        with torch.no_grad():
+            return comp.point(xi)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        with torch.enable_grad():
+            xi = ctx.xi.requires_grad_()
+            (out,) = torch.autograd.grad(ctx.comp.point(xi), xi, grad)
+        return out, None
+
+
 class QuotientComponent:
     """One quotient-manifold piece of the ball, at the fixed point ``frame.x``.
 
@@ -70,7 +88,9 @@ class QuotientComponent:
     """
 
     def __init__(self, name: str, frame, x0: Tensor, *, retraction: str,
-                 use_metric_norm: bool = True, dtype: Optional[torch.dtype] = None):
+                 use_metric_norm: bool = True, dtype: Optional[torch.dtype] = None,
+                 recompute: bool = False):
+        self.recompute = bool(recompute)
         self.name = name
         self.frame = frame
         self.x0 = x0
@@ -118,7 +138,12 @@ class QuotientComponent:
         return u
 
     def leaf_point(self, xi: Tensor, need_grad: bool) -> Tuple[List[Tensor], Tensor]:
+        """The point R(ξ) and its leaf ξ. With ``recompute`` the retraction keeps no graph between
+        the forward and the backward pass (its float64 temporaries would be held all that
+        time): the backward recomputes it, one component at a time, and differentiates that."""
         leaf = xi.detach().requires_grad_(need_grad)
+        if self.recompute and need_grad:
+            return [leaf], _RecomputedPoint.apply(leaf, self)
         return [leaf], self.point(leaf)
 
     def gradient(self, grads: List[Optional[Tensor]], xi: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

@@ -31,6 +31,10 @@ from .components import (  # noqa: F401  (served here too: the solver's vocabula
 Tensor = torch.Tensor
 
 MOMENTUM_FORMS = ("apgd", "andriushchenko", "none")
+#: The default of :func:`auto_pgd`'s ``keep_worst_gradient`` (and so of every sharpness run):
+#: ``None`` keeps the worst point's gradient where free memory holds two more vectors of the ball's
+#: size; ``False`` never (the least memory: 16 bytes per float32 weight), ``True`` always.
+KEEP_WORST_GRADIENT: Optional[bool] = None
 STEP_NORMALISATIONS = ("metric", "none")
 
 # ---------------------------------------------------------------------------------- Auto-PGD
@@ -167,8 +171,9 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     component nothing else of the model's size). ``keep_worst_gradient`` keeps the gradient at an
     older worst point as a fifth, which saves a forward and backward at each restart from it (3 to
     6 restarts in 20 iterations on MiniLM); without it the restart recomputes the gradient there
-    (same values, one more pass of each). Default (``None``): kept on the CPU, and on an
-    accelerator while its free memory holds two more such vectors after the iterates are allocated.
+    (same values, one more pass of each). Default (``None``): :data:`KEEP_WORST_GRADIENT`, which
+    by default keeps it while the device's free memory (CUDA; the CPU's available memory on
+    Linux) holds two more such vectors after the iterates are allocated.
     """
     if not rho > 0:
         raise ValueError(f"rho must be > 0, got {rho!r}")
@@ -181,7 +186,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
 
     pool = [ball.zeros() for _ in range(3)]
     if keep_worst_gradient is None:
-        keep_worst_gradient = _room_for_two_more(pool[0])
+        keep_worst_gradient = (_room_for_two_more(pool[0]) if KEEP_WORST_GRADIENT is None
+                               else KEEP_WORST_GRADIENT)
     eta = 2 * rho * step_size_mult
     if start is None:
         xi = pool[0]
@@ -261,10 +267,17 @@ def _room_for_two_more(like: Tangent) -> bool:
     """Whether two more vectors like ``like`` (a tangent of the ball) fit: always on the CPU, on a
     CUDA device while its free memory holds them."""
     device = like[0].device
-    if device.type != "cuda":
-        return True
-    free, _ = torch.cuda.mem_get_info(device)
-    return free > 2 * sum(t.numel() * t.element_size() for t in like)
+    need = 2 * sum(t.numel() * t.element_size() for t in like)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] > need
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as fh:
+                info = dict(line.split(":", 1) for line in fh)
+            return int(info["MemAvailable"].split()[0]) * 1024 > need
+        except (OSError, KeyError, ValueError):  # not Linux: no way to tell, keep it
+            return True
+    return True
 
 
 def finite_loss(loss: Tensor, perturbation_norm: float) -> float:

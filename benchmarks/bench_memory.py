@@ -6,12 +6,15 @@ float32 and in bfloat16, each measurement in a fresh process, on the CPU:
 * ``fwd+bwd``: a forward and backward of the batch in the compute dtype (float32; a bfloat16
   model is converted first, as sharpness evaluates it in float32), with the weights' gradients;
   its peak over the loaded model gives the activations A = peak − 4 bytes × parameters;
-* ``adaptive``, ``geodesic-mix``, ``geodesic-inv``: ``adapters.sharpness`` on the same batch.
+* ``adaptive``, ``geodesic-mix``, ``geodesic-inv``: ``adapters.sharpness`` on the same batch,
+  keeping the worst point's gradient (``solver.KEEP_WORST_GRADIENT = True``: 4 bytes more);
+  ``adaptive lean``: without it (the default where memory is short).
 
 ``bytes/param`` = (peak − A) / parameters, the peak taken over the model as loaded (Linux VmHWM,
 reset after loading through /proc/self/clear_refs): what sharpness holds beyond the model's own
 weights and the activations of one forward+backward; the target is ≤ 16 (the solver's ξ, ξ⁻,
-worst point and gradient in float32). On a CUDA device (``--device cuda``) the peak is
+worst point and gradient in float32). The largest weight's transients in the backward (its
+gradient, its recomputed value: the tied embedding here) add a few bytes on a model this small. On a CUDA device (``--device cuda``) the peak is
 ``torch.cuda.max_memory_allocated``.
 
     python benchmarks/bench_memory.py [--layers 8] [--hidden 512] [--batch 2] [--seq 64]
@@ -47,7 +50,7 @@ def build(layers: int, hidden: int, dtype, device: str):
     torch.manual_seed(0)
     heads = max(hidden // 64, 1)
     config = transformers.Qwen2Config(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=int(2.75 * hidden),
+        vocab_size=8192, hidden_size=hidden, intermediate_size=int(2.75 * hidden),
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
         tie_word_embeddings=True, max_position_embeddings=4096)
     model = transformers.Qwen2ForCausalLM(config).to(dtype=dtype, device=device).eval()
@@ -60,11 +63,17 @@ def measure(method, dtype_name, args, queue):
     from quotient_manifolds import adapters
 
     torch.set_num_threads(args.threads)
+    try:
+        from quotient_manifolds.adapters import solver
+        solver.KEEP_WORST_GRADIENT = not method.endswith(" lean") if method != "fwd+bwd" else None
+    except ImportError:
+        pass
+    method = method.replace(" lean", "")
     dtype = getattr(torch, dtype_name)
     model = build(args.layers, args.hidden, dtype, args.device)
     n = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 32000, (args.batch, args.seq), generator=g).to(args.device)
+    ids = torch.randint(0, 8192, (args.batch, args.seq), generator=g).to(args.device)
     batch = {"input_ids": ids, "labels": ids}
     if method == "fwd+bwd":
         model = model.float()
@@ -99,7 +108,7 @@ def run_one(*a):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
@@ -115,7 +124,7 @@ def main(argv=None):
         activations = base["peak"] - 4 * n
         print(f"{dtype:9s} {'fwd+bwd fp32':13s} {n:11,d} {base['peak'] / 2**20:9.1f} "
               f"{'(A = ' + format(activations / 2**20, '.0f') + ' MiB)':>12s}", flush=True)
-        for method in METHODS[1:]:
+        for method in ("adaptive lean", *METHODS[1:]):
             got = run_one(method, dtype, args)
             print(f"{dtype:9s} {method:13s} {n:11,d} {got['peak'] / 2**20:9.1f} "
                   f"{(got['peak'] - activations) / n:12.1f}", flush=True)

@@ -7,7 +7,12 @@ qwen2-0.5b``, a 494 M-parameter Qwen2-shaped decoder in bfloat16, from config):
   geodesic-inv/adaptive measured in ONE run, and the peak memory over the bare model (max RSS of a
   fresh process, or the CUDA peak allocation), in MiB and in parameter-sized copies: ``copies`` is
   peak / parameter bytes, ``beyond`` is (peak − peak of the bare forward+backward) / parameter
-  bytes, i.e. what sharpness holds on top of training's own gradient and activations.
+  bytes, i.e. what sharpness holds on top of training's own gradient and activations, and
+  ``B/param``, (peak − activations of one float32 forward+backward) / parameters: the bytes per
+  parameter that sharpness holds beyond the model's weights (target ≤ 16). On the CPU the peak is
+  the process's peak RSS after the model is loaded (Linux VmHWM, reset through /proc/self/clear_refs).
+  ``--models qwen2-1.5b qwen2.5-3b qwen2-7b`` add Qwen2-family decoder shapes (bfloat16, built
+  on the device: rows for a GPU).
 
 Per-iteration time is taken between consecutive iterations of the solver (``on_iteration``), so
 set-up (layout, Gram factorisations, the initial pass) is excluded; the last iteration (forward
@@ -40,9 +45,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 METHODS = ("fwd+bwd", "adaptive", "geodesic-mix", "geodesic-inv")
+#: larger Qwen2-family decoder shapes (a GPU's rows: ``--device cuda --models qwen2.5-3b``)
+DECODER_SHAPES = {
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+}
 #: half-precision models are measured in float32 (at their rounded weights), so their row also
 #: times a float32 forward+backward: the baseline of what the measurement itself adds
-HALF_PRECISION_MODELS = ("qwen2-0.5b",)
+HALF_PRECISION_MODELS = ("qwen2-0.5b", *DECODER_SHAPES)
 
 
 def build(model_name: str, device: str):
@@ -58,6 +72,12 @@ def build(model_name: str, device: str):
     elif model_name == "bert-base":
         torch.manual_seed(0)
         model = transformers.BertForSequenceClassification(transformers.BertConfig(num_labels=2))
+    elif model_name in DECODER_SHAPES:
+        # Qwen2-family shapes from config (random weights, bfloat16): the decoders people train
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(**DECODER_SHAPES[model_name], num_labels=2, pad_token_id=0)
+        with torch.device(device):
+            model = transformers.Qwen2ForSequenceClassification(config).to(torch.bfloat16)
     elif model_name == "qwen2-0.5b":
         # Qwen2-0.5B's shape (24 layers, 14 query / 2 key-value heads of 64, rotary, biased q/k/v;
         # 494 M parameters) from config with random weights, in bfloat16: the decoder row. Token
@@ -99,9 +119,12 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
     model = build(model_name, device)
     inputs, targets = batch(model, size, seq, device)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
     if method == "fwd+bwd-fp32":
         model = model.float()
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base_rss = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # the peak RSS from here on (model loading excluded)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base_cuda = torch.cuda.memory_allocated()
@@ -131,10 +154,19 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
         adapters.sharpness(model, [(inputs, targets)], geometry=method, rho=0.05,
                            n_iters=n_iters, check_retraction=False)
         times = [b - a for a, b in zip(stamps, stamps[1:])][:-1]  # the last is forward only
-    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024
+    peak = (_rss_kib("VmHWM") - base_rss) / 1024
     if device.startswith("cuda"):
         peak = (torch.cuda.max_memory_allocated() - base_cuda) / 2 ** 20
-    queue.put({"times": times, "peak_mib": peak, "param_mib": param_bytes / 2 ** 20})
+    queue.put({"times": times, "peak_mib": peak, "param_mib": param_bytes / 2 ** 20,
+               "n_params": n_params})
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status (the memory columns need Linux)")
 
 
 def run_one(*args):
@@ -175,21 +207,28 @@ def main(argv=None) -> None:
                               args.device)
                 samples[method]["times"] += got["times"]
                 samples[method]["peak_mib"] = max(samples[method]["peak_mib"], got["peak_mib"])
-                param_mib = got["param_mib"]
+                param_mib, n_params = got["param_mib"], got["n_params"]
                 # each measurement as it lands (stderr): a run cut short still shows what it had
                 print(f"  {model_name} {method}: {statistics.median(got['times']):.4f} s/iter, "
                       f"peak {got['peak_mib']:.0f} MiB", file=sys.stderr, flush=True)
         rows = {}
+        # activations of one forward+backward in the compute dtype (float32): its peak less the
+        # float32 gradients of the weights
+        base = samples.get("fwd+bwd-fp32", samples["fwd+bwd"])["peak_mib"] * 2 ** 20
+        activations = base - 4 * n_params if "fwd+bwd-fp32" in samples else base - param_mib * 2 ** 20
         for method, s in samples.items():
             rows[method] = {"s_per_iter": statistics.median(s["times"]), "min_s": min(s["times"]),
                             "peak_mib": s["peak_mib"], "copies": s["peak_mib"] / param_mib,
-                            "beyond": (s["peak_mib"] - samples["fwd+bwd"]["peak_mib"]) / param_mib}
+                            "beyond": (s["peak_mib"] - samples["fwd+bwd"]["peak_mib"]) / param_mib,
+                            "bytes_per_param": (s["peak_mib"] * 2 ** 20 - activations) / n_params}
         print(f"{model_name}: {param_mib:.1f} MiB of parameters")
         print(f"{'method':14s} {'s/iter':>8s} {'(min)':>8s} {'peak MiB':>9s} {'copies':>7s} "
-              f"{'beyond':>7s}")
+              f"{'beyond':>7s} {'B/param':>8s}")
         for method, r in rows.items():
             print(f"{method:14s} {r['s_per_iter']:8.3f} {r['min_s']:8.3f} {r['peak_mib']:9.1f} "
-                  f"{r['copies']:7.2f} {r['beyond']:7.2f}")
+                  f"{r['copies']:7.2f} {r['beyond']:7.2f} {r['bytes_per_param']:8.1f}")
+        print("B/param: bytes per parameter beyond the model's weights and the activations of one "
+              "float32 forward+backward (target <= 16 for the sharpness rows)")
         ada = rows["adaptive"]["s_per_iter"]
         ratios = {"adaptive / (fwd+bwd)": ada / rows["fwd+bwd"]["s_per_iter"],
                   "geodesic-mix / adaptive": rows["geodesic-mix"]["s_per_iter"] / ada,

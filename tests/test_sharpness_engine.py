@@ -776,3 +776,61 @@ def test_out_of_memory_says_what_the_run_needs_and_leaves_the_model_as_it_was(mo
     assert {n: type(m) for n, m in model.named_modules()} == classes
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]) and p.grad is None, name
+
+
+class _LiveBytes:
+    """Peak bytes of the tensors that torch ops create while active (a tensor counts until it and
+    every view of it is freed): what a run holds beyond the tensors that existed before it."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                         if isinstance(t, torch.Tensor)}
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t._base is None and t.numel() \
+                            and t.untyped_storage().data_ptr() not in given:
+                        tracker.add(t)
+                return out
+
+        self.mode, self.live, self.peak = Mode(), 0, 0
+
+    def add(self, t):
+        import weakref
+
+        n = t.untyped_storage().nbytes()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, n)
+
+    def _free(self, n):
+        self.live -= n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adaptive_sharpness_holds_16_bytes_per_weight_and_no_copy_of_the_model(monkeypatch, dtype):
+    """Streaming evaluation: beyond the model, a run holds the solver's four float32 vectors
+    (ξ, ξ⁻, the worst point, the gradient: 16 bytes per weight) and transients of one weight at a
+    time, no perturbed or float32 copy of the model (a bfloat16 model is evaluated in float32
+    without one). A copy of the weights would add 4 bytes per weight, more than the slack."""
+    from quotient_manifolds.adapters import solver
+
+    monkeypatch.setattr(solver, "KEEP_WORST_GRADIENT", False)
+    torch.manual_seed(0)
+    width, depth = 128, 6
+    layers = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 3)).to(dtype)
+    x, y = torch.randn(2, width).to(dtype), torch.tensor([0, 2])
+    n = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    tracker = _LiveBytes()
+    with tracker.mode:
+        sharpness(model, [(x, y)], geometry="adaptive", rho=0.05, n_iters=2)
+    slack = 6 * largest * 4 + 64 * 1024   # a few float32 transients of the largest weight, activations
+    assert tracker.peak <= 16 * n + slack, (tracker.peak / n, slack / n)
