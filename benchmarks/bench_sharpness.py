@@ -36,7 +36,6 @@ import importlib
 import json
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import sys
 import time
