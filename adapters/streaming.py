@@ -61,8 +61,9 @@ class _Recompute:
 
 class _SavedWeights:
     """The pack/unpack hooks: a saved tensor whose storage is that of a value a recipe returned is
-    stored as the recipe. The registry is keyed by storage address; an entry is dropped when its
-    value is freed, so an address reused by a later tensor is never mistaken for a weight."""
+    stored as the recipe. The registry is keyed by storage address and holds a weak reference to
+    the value: an address reused by a later tensor, once the value is freed, is never mistaken
+    for a weight."""
 
     def __init__(self):
         self.by_storage: Dict[int, Tuple[weakref.ref, LazyWeight, int]] = {}
@@ -72,21 +73,22 @@ class _SavedWeights:
         key = storage.data_ptr()
         if key == 0 or value.storage_offset() != 0 or not value.is_contiguous():
             return value  # an empty tensor or a view of something else: nothing worth dropping
-
-        def forget(_ref, key=key, registry=self.by_storage):
-            entry = registry.get(key)
-            if entry is not None and entry[0] is _ref:
-                del registry[key]
-
-        self.by_storage[key] = (weakref.ref(value, forget), recipe, storage.nbytes())
+        # no weakref callback (it would tie the registry into a reference cycle that only the
+        # garbage collector frees, holding the recipes' buffers): a dead entry is recognised by
+        # its weakref at lookup, and the registry is emptied when the substitution ends
+        self.by_storage[key] = (weakref.ref(value), recipe, storage.nbytes())
         return value
 
     def pack(self, t: Tensor):
+        # Anything else is kept detached: returning the tensor itself would, for a tensor that is
+        # the output of the operation saving it (log_softmax keeps its result), tie the node to
+        # itself through its saved tensor's grad_fn, and the whole graph of the evaluation would
+        # outlive its backward pass. The backward reads only the values.
         if t.layout != torch.strided or t.is_sparse or t.device.type == "meta":
-            return t
+            return t.detach()
         entry = self.by_storage.get(t.untyped_storage().data_ptr())
         if entry is None or entry[0]() is None or t.untyped_storage().nbytes() != entry[2]:
-            return t
+            return t.detach()
         return _Recompute(entry[1], t)
 
     @staticmethod
@@ -148,6 +150,7 @@ def substituted(model: nn.Module, weights: Mapping[str, LazyWeight]) -> Iterator
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             yield
     finally:
+        saved.by_storage.clear()  # the recipes (and what they hold) go with the evaluation
         for module, cls in reversed(changed):
             module.__class__ = cls
             module.__dict__.pop("_lazy_weights", None)
