@@ -37,9 +37,11 @@ call: a few batched h×h factorisations per block shape); the layout of the mode
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import warnings
-from typing import Any, Callable, Dict, Optional, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +59,110 @@ SAM_CONSEQUENCE = "the ascent would not be invariant"
 #: The ascent geometries of :class:`GeodesicSAM`: those of the sharpness ball, and plain SAM (every
 #: entry of :data:`~quotient_manifolds.adapters.ball.GEOMETRY_TABLE`).
 SAM_GEOMETRIES = tuple(GEOMETRY_TABLE)
+
+
+#: Hyperparameters of a base optimizer's param groups that must be >= 0 besides being finite
+NON_NEGATIVE_HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "dampening", "eps", "alpha",
+                                "lr_decay", "initial_accumulator_value", "initial_lr")
+
+
+def _check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a base optimizer whose param groups hold a non-finite number (``lr=nan``, ``betas``
+    with an inf ...) or a negative learning rate, weight decay, momentum or eps: the base step would
+    write NaN into the model, or ascend. Torch's own checks let NaN through (``nan < 0`` is False)."""
+    for index, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key == "params":
+                continue
+            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(v, bool) or not isinstance(v, (numbers.Real, Tensor)):
+                    continue
+                if isinstance(v, Tensor) and (v.numel() != 1 or v.dtype == torch.bool or v.is_complex()):
+                    continue
+                x = float(v)
+                if not math.isfinite(x) or (key in NON_NEGATIVE_HYPERPARAMETERS and x < 0):
+                    raise ValueError(
+                        f"the base optimizer's param group {index} has {key}={value!r}: "
+                        f"{'a finite number' if not math.isfinite(x) else 'a number >= 0'} is needed "
+                        f"(the base step would write NaN into the model, or ascend); set it "
+                        f"when constructing the optimizer, e.g. GeodesicSAM(model, torch.optim.SGD, "
+                        f"lr=0.1), or fix the learning-rate schedule")
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _dtensor_type():
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (its storage: writes reach the parameter); ``t`` otherwise."""
+    DTensor = _dtensor_type()
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def _whole(t: Tensor) -> Tensor:
+    """The whole tensor of a DTensor (an all-gather); ``t`` otherwise."""
+    DTensor = _dtensor_type()
+    return t.full_tensor() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def _shard_of(whole: Tensor, like: Tensor) -> Tensor:
+    """This rank's shard of ``whole`` in the layout of the DTensor ``like`` (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(whole.to(like.dtype), like.device_mesh, like.placements,
+                             src_data_rank=None).to_local()
+
+
+def _verified_before_sharding(model: nn.Module, layout) -> bool:
+    """Whether ``layout`` (its blocks, by value) passed :meth:`Layout.verify` on ``model`` while its
+    parameters had the same names, shapes and dtypes, i.e. on the whole model before ``fully_shard``
+    replaced them by DTensors (same global shapes, new storage)."""
+    from .verified import _VERIFIED, signature
+
+    try:
+        done = _VERIFIED.get(model) or ()
+    except TypeError:
+        return False
+    blocks, state = signature(model, layout)
+    now = tuple(entry[:3] for entry in state)
+    return any(sig[0] == blocks and tuple(entry[:3] for entry in sig[1]) == now for sig in done)
+
+
+def _shard_group_of(params: Dict[str, Tensor]):
+    """The process group over which FSDP2 (``fully_shard``) shards ``params``, ``None`` when no
+    parameter is a DTensor; refused unless all are DTensors sharded on one dimension of one 1-D
+    mesh (FSDP2's layout; HSDP and tensor parallelism are not supported)."""
+    DTensor = _dtensor_type()
+    if DTensor is None:
+        return None
+    sharded = [n for n, p in params.items() if isinstance(p, DTensor)]
+    if not sharded:
+        return None
+    from torch.distributed.tensor import Shard
+
+    plain = [n for n in params if n not in set(sharded)]
+    if plain:
+        raise ValueError(f"GeodesicSAM: {len(sharded)} parameter(s) are sharded (DTensors) and "
+                         f"{len(plain)} are not ({', '.join(plain[:3])}): apply fully_shard to the "
+                         f"root module too (fully_shard(model) after its blocks), so that every "
+                         f"trained parameter is sharded and its gradient reduced")
+    mesh = params[sharded[0]].device_mesh   # fully_shard builds one mesh object per call: compare ranks
+    meshes = {tuple(params[n].device_mesh.mesh.flatten().tolist()) for n in sharded}
+    odd = [n for n in sharded if params[n].device_mesh.ndim != 1 or len(params[n].placements) != 1
+           or not isinstance(params[n].placements[0], Shard)]
+    if odd or len(meshes) != 1:
+        p = params[(odd or sharded)[0]]
+        raise ValueError(f"GeodesicSAM supports parameters sharded by FSDP2 (fully_shard) on one 1-D "
+                         f"device mesh; {(odd or sharded)[0]} has placements {tuple(p.placements)} on "
+                         f"a {p.device_mesh.ndim}-D mesh{'' if len(meshes) == 1 else ' (and the parameters use several meshes)'}: "
+                         f"shard the model with fully_shard(module) over one mesh")
+    return mesh.get_group()
 
 
 class GeodesicSAM(torch.optim.Optimizer):
@@ -112,6 +218,9 @@ class GeodesicSAM(torch.optim.Optimizer):
             raise TypeError(f"GeodesicSAM needs the model (an nn.Module) to find its attention "
                             f"blocks, got {type(model).__name__}; pass GeodesicSAM(model, "
                             f"torch.optim.SGD, lr=...)")
+        #: the DistributedDataParallel wrapper when ``model`` is one (its module is the model)
+        self._ddp = model if _is_ddp(model) else None
+        model = model.module if self._ddp is not None else model
         materialised(model, "GeodesicSAM")
         self.model = model
         self.rho = as_rho(rho)
@@ -159,6 +268,20 @@ class GeodesicSAM(torch.optim.Optimizer):
                                                      if p.requires_grad}
         if not self._perturbed:
             raise ValueError("the base optimizer updates no parameter with requires_grad=True")
+        _check_hyperparameters(self.base_optimizer)
+        #: the process group of FSDP2-sharded parameters (DTensors), ``None`` when not sharded
+        self._shard_group = _shard_group_of(self._perturbed)
+        #: whether the DDP model's last forward pass with autograd synchronised gradients (outside
+        #: ``no_sync()``); the first backward of the SAM recipe often runs inside it
+        self._ddp_state = {"synced": True}
+        if self._ddp is not None:
+            state = self._ddp_state
+
+            def record_sync(module, args):
+                if torch.is_grad_enabled():
+                    state["synced"] = bool(getattr(module, "require_backward_grad_sync", True))
+
+            self._ddp_hook = self._ddp.register_forward_pre_hook(record_sync)
         #: the inputs of the model's first forward pass after construction, until the layout is verified
         self._first_inputs: Dict[str, Any] = {}
         self._capture = None
@@ -184,7 +307,26 @@ class GeodesicSAM(torch.optim.Optimizer):
                                 consequence=SAM_CONSEQUENCE, unsafe=unsafe, allow_unsupported=allow_unsupported,
                                 stacklevel=4)
         self._unsafe = unsafe
-        if layout.blocks and not is_verified(self.model, layout) and verification_pending(layout, unsafe=unsafe):
+        pending = (bool(layout.blocks) and not is_verified(self.model, layout)
+                   and verification_pending(layout, unsafe=unsafe))
+        if pending and self._shard_group is not None:
+            # FSDP2 gathers the weights inside the forward pass itself, so the acted-on weights of a
+            # verification would never reach it: the layout must have passed on the whole model
+            if _verified_before_sharding(self.model, layout):
+                pending = False
+            elif unsafe:
+                warnings.warn(f"unsafe=True: GeodesicSAM({self.geometry}) uses a layout not verified "
+                              f"on this model before it was sharded; {SAM_CONSEQUENCE} if a block is "
+                              f"not a symmetry", UserWarning, stacklevel=4)
+                pending = False
+            else:
+                raise ValueError(
+                    f"GeodesicSAM({self.geometry}): the model is sharded (FSDP2), and a layout's blocks "
+                    f"cannot be verified on a sharded model. Verify them on the whole model before "
+                    f"fully_shard, on every rank: lay = adapters.layout(model); lay.verify(model, "
+                    f"inputs); then fully_shard(...) and GeodesicSAM(model, ..., layout=lay) (or "
+                    f"layout=None: the same blocks are recognised). Or use geometry='adaptive'")
+        if pending:
             # verified on the inputs of the model's next forward pass (the first batch)
             self._capture = capture_first_call(self.model, self._first_inputs)
         outside = sorted({p for b in layout.blocks for p in b.params} - set(self._perturbed))
@@ -202,30 +344,38 @@ class GeodesicSAM(torch.optim.Optimizer):
     @torch.no_grad()
     def first_step(self, zero_grad: bool = False) -> None:
         """Perturb the model's weights in place, w ← w_adv = R_w(ρ g/‖g‖), from the gradients in
-        ``.grad`` (taken at w); ``zero_grad=True`` then clears them for the pass at w_adv."""
+        ``.grad`` (taken at w); ``zero_grad=True`` then clears them for the pass at w_adv.
+
+        Under DistributedDataParallel, a backward pass run inside ``model.no_sync()`` left each rank
+        its own gradient: they are averaged here first (one all-reduce), so that every rank takes
+        the same ascent step. Non-finite gradients are refused before any weight is written."""
         if self._saved is not None:
             raise RuntimeError("first_step() was called twice without second_step(): the weights "
                                "are at w_adv; call second_step() to restore them first")
-        grads = {n: p.grad for n, p in self._perturbed.items()}
+        _check_hyperparameters(self.base_optimizer)
+        grads = self._synchronised_gradients()
         if all(g is None for g in grads.values()):
             raise RuntimeError("no gradient in .grad: compute the loss at the current weights and "
-                               "call loss.backward() before first_step()")
-        bad = [n for n, g in grads.items() if g is not None and not g.is_sparse
-               and not bool(torch.isfinite(g).all())]
-        if bad:  # refused before any write: the elementwise norm would hide them (nan_to_num)
-            raise ValueError(f"non-finite values (NaN/inf) in .grad of {', '.join(bad[:5])}"
-                             f"{' ...' if len(bad) > 5 else ''}: the weights were left unchanged; "
-                             "check the loss for NaN/inf (lower the learning rate, or clip gradients "
-                             "before first_step())")
+                               "call loss.backward() before first_step()"
+                               + (" (under FSDP2, with gradient synchronisation on: "
+                                  "model.set_requires_gradient_sync(True))"
+                                  if self._shard_group is not None else ""))
         if any(g is not None and g.is_sparse for g in grads.values()):
             raise RuntimeError("sparse gradients are not supported by GeodesicSAM; use dense "
                                "embeddings (sparse=False)")
+        bad = self._non_finite(grads)
+        if bad is not None:  # refused before any write: the elementwise norm would hide them (nan_to_num)
+            raise ValueError(f"non-finite values (NaN/inf) in .grad{bad} at the current weights: the "
+                             "weights were left unchanged; check the loss for NaN/inf (lower the "
+                             "learning rate, or clip gradients before first_step())")
         if self._capture is not None:
             self._verify_layout()
         self._saved = {n: p.detach().clone() for n, p in self._perturbed.items()}
         try:
             if not GEOMETRY_TABLE[self.geometry].ball:
                 self._euclidean_ascent_(grads)
+            elif self._shard_group is not None:
+                self._sharded_ball_ascent_(grads)
             else:
                 self._ball_ascent_(grads)
         except BaseException:
@@ -260,11 +410,20 @@ class GeodesicSAM(torch.optim.Optimizer):
     @torch.no_grad()
     def second_step(self, zero_grad: bool = False) -> None:
         """Restore w exactly (bit for bit) and take the base optimizer's step with the gradients in
-        ``.grad`` (taken at w_adv)."""
+        ``.grad`` (taken at w_adv). Non-finite gradients are refused (ValueError) with the weights
+        restored to w and no base step taken."""
         if self._saved is None:
             raise RuntimeError("second_step() without first_step(): call first_step() after the "
                                "backward pass at w, then backward at w_adv, then second_step()")
         self._restore()
+        grads = self._synchronised_gradients()
+        bad = self._non_finite(grads)
+        if bad is not None:  # the weights are back at w: the base step must not write NaN into them
+            raise ValueError(f"non-finite values (NaN/inf) in .grad{bad} at the perturbed weights "
+                             f"w_adv: the weights were restored to w and the base step was not "
+                             f"taken; the loss overflows within the ball: lower rho (now "
+                             f"{self.rho:g}) or the learning rate, or clip gradients before "
+                             f"second_step()")
         self.base_optimizer.step()
         if zero_grad:
             self.zero_grad()
@@ -298,13 +457,17 @@ class GeodesicSAM(torch.optim.Optimizer):
     # ------------------------------------------------------------------ ascent directions
     def _euclidean_ascent_(self, grads: Dict[str, Optional[Tensor]]) -> None:
         """Plain SAM, in place: w ← w + ρ∇/‖∇‖₂ (per-tensor norms in one fused pass, half
-        precision accumulated in float32)."""
-        present = [(self._perturbed[n], g) for n, g in grads.items() if g is not None]
+        precision accumulated in float32; sharded parameters: each rank's shard, ‖∇‖² summed over
+        the ranks)."""
+        present = [(_local(self._perturbed[n]), _local(g)) for n, g in grads.items() if g is not None]
         norms = [torch._foreach_norm([g for _, g in present if g.dtype == dtype], 2,
                                      torch.float32 if dtype in HALF_DTYPES else None)
                  for dtype in {g.dtype for _, g in present}]
-        norm = float(torch.linalg.vector_norm(torch.stack([n.double() for part in norms
-                                                           for n in part])))
+        norms = [n.double() for part in norms for n in part]
+        if self._shard_group is None:
+            norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+        else:
+            norm = math.sqrt(max(self._sum_over_ranks(float(sum(n * n for n in norms))), 0.0))
         self.grad_norm = self._checked_norm(norm)
         if norm > 0:
             for p, g in present:
@@ -332,6 +495,144 @@ class GeodesicSAM(torch.optim.Optimizer):
         for n, p in self._perturbed.items():
             if params[n] is not params0[n]:
                 p.copy_(params[n])
+
+    def _sharded_ball_ascent_(self, grads: Dict[str, Optional[Tensor]]) -> None:
+        r""":meth:`_ball_ascent_` for FSDP2-sharded parameters (DTensors sharded on one mesh
+        dimension), with the same ε = ρ g/‖g‖ and w_adv on every rank as the unsharded model.
+
+        * Weights outside the GL blocks (elementwise metric, every weight for ``"adaptive"``): each
+          rank's own shard, ‖g‖² summed over the ranks (one all-reduce of a scalar).
+        * GL blocks: a head's rows may straddle shard boundaries and its G and H live in different
+          parameters, so the parameters of one attention module's blocks (blocks that share a
+          parameter are taken together) are assembled whole (``DTensor.full_tensor()``, one
+          parameter at a time), the ascent direction of their heads is formed on every rank alike
+          (so the Gram matrices need no collective and ‖g‖² of the blocks is not summed), and each
+          rank writes back its own shard. This is done twice per step, once for ‖g‖ and once for
+          the point at ε, so only one module's attention weights and gradients are whole at a time:
+          the transient memory is about 2× the largest attention module's parameters in the
+          compute dtype (plus their float64 heads), not the model's.
+        """
+        upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
+        covered = self._block_parameters()
+        local_names = [n for n in self._perturbed if n not in covered and _local(self._perturbed[n]).numel()]
+        layout = None
+        if self.layout is not None:   # the weights a geodesic ball moves elementwise
+            layout = dataclasses.replace(self.layout, blocks=[])
+            local_names = [n for n in local_names if n in set(self.layout.adaptive)]
+        local = None
+        if local_names:   # this rank's shards of them (a rank may hold none)
+            params0 = {n: as_compute(_local(self._perturbed[n]).detach(), upcast) for n in local_names}
+            ball, ball_params = self._ball_of(params0, layout)
+            rgrad = ball.rgrad(ball_params.gather({n: None if grads[n] is None else _local(grads[n])
+                                                   for n in local_names}))
+            local = (ball, ball_params, rgrad)
+        sq = self._sum_over_ranks(0.0 if local is None else float(local[0].inner(local[2], local[2])))
+        for blocks in self._block_groups():
+            ball, _, rgrad = self._whole_blocks(blocks, grads, upcast)
+            sq += float(ball.inner(rgrad, rgrad))   # the same on every rank: counted once
+        norm = math.sqrt(max(sq, 0.0))
+        self.grad_norm = self._checked_norm(norm)
+        if norm == 0:
+            return
+        if local is not None:
+            ball, ball_params, rgrad = local
+            torch._foreach_mul_(rgrad, self.rho / norm)
+            params = ball_params(ball.points(rgrad, consume=True))
+            for n in ball_params.params0:
+                if params[n] is not ball_params.params0[n]:
+                    _local(self._perturbed[n]).copy_(params[n])
+        for blocks in self._block_groups():
+            ball, ball_params, rgrad = self._whole_blocks(blocks, grads, upcast)
+            torch._foreach_mul_(rgrad, self.rho / norm)
+            params = ball_params(ball.points(rgrad, consume=True))
+            for n, whole in params.items():
+                if whole is not ball_params.params0[n]:
+                    p = self._perturbed[n]
+                    _local(p).copy_(_shard_of(whole, p))
+
+    def _ball_of(self, params0: Dict[str, Tensor], layout):
+        return build_ball(self.model, params0, geometry=self.geometry, layout=layout,
+                          retraction=self.retraction, gram_eps=self.gram_eps,
+                          elementwise_second_order=self.elementwise_second_order)
+
+    def _block_parameters(self) -> set:
+        """Names of the parameters that a GL block touches (wholly or in part)."""
+        if self.layout is None:
+            return set()
+        return {p for b in self.layout.blocks for p in b.params} | set(getattr(self.layout, "gl_masks", {}))
+
+    def _block_groups(self) -> List[List]:
+        """The layout's blocks in groups that share no parameter (one attention module's blocks),
+        in the layout's order (the same on every rank: the gathers are collectives)."""
+        blocks = list(self.layout.blocks) if self.layout is not None else []
+        groups: List[Tuple[set, List]] = []
+        for block in blocks:
+            touching = [g for g in groups if g[0] & set(block.params)]
+            names, members = set(block.params), [block]
+            for g in touching:
+                names |= g[0]
+                members = g[1] + members
+                groups.remove(g)
+            groups.append((names, members))
+        order = {id(b): i for i, b in enumerate(blocks)}
+        return [sorted(members, key=lambda b: order[id(b)]) for _, members in
+                sorted(groups, key=lambda g: min(order[id(b)] for b in g[1]))]
+
+    def _whole_blocks(self, blocks: List, grads: Dict[str, Optional[Tensor]], upcast: bool):
+        """(ball, ball parameters, Riemannian gradient) of ``blocks`` on their whole parameters."""
+        masks = getattr(self.layout, "gl_masks", {})
+        names = list(dict.fromkeys([p for b in blocks for p in b.params] +
+                                   [n for n in masks if any(n in b.params for b in blocks)]))
+        names = [n for n in self._perturbed if n in set(names)]   # the model's order on every rank
+        params0 = {n: as_compute(_whole(self._perturbed[n].detach()), upcast) for n in names}
+        whole_grads = {n: None if grads[n] is None else _whole(grads[n]) for n in names}
+        ball, ball_params = self._ball_of(params0, dataclasses.replace(self.layout, blocks=blocks))
+        return ball, ball_params, ball.rgrad(ball_params.gather(whole_grads))
+
+    # ------------------------------------------------------------------ ranks
+    def _synchronised_gradients(self) -> Dict[str, Optional[Tensor]]:
+        """The gradients in ``.grad``; under DDP after a backward pass inside ``no_sync()``,
+        averaged over the ranks first (in place, one all-reduce per dtype)."""
+        grads = {n: p.grad for n, p in self._perturbed.items()}
+        if self._ddp is None or self._ddp_state["synced"]:
+            return grads
+        import torch.distributed as dist
+
+        group = getattr(self._ddp, "process_group", None)
+        world = dist.get_world_size(group)
+        present = [g for g in grads.values() if g is not None and not g.is_sparse]
+        # the same parameters hold a gradient on every rank (the same model, the same loss)
+        for dtype in sorted({g.dtype for g in present}, key=str):
+            parts = [g for g in present if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in parts])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            torch._foreach_copy_(parts, [t.view_as(g) for t, g in
+                                         zip(torch.split(flat, [g.numel() for g in parts]), parts)])
+        self._ddp_state["synced"] = True
+        return grads
+
+    def _non_finite(self, grads: Dict[str, Optional[Tensor]]) -> Optional[str]:
+        """``None`` when every gradient is finite on every rank; else a description of where not."""
+        bad = [n for n, g in grads.items() if g is not None and not g.is_sparse
+               and not bool(torch.isfinite(_local(g)).all())]
+        if self._shard_group is not None:
+            if self._sum_over_ranks(float(len(bad))) == 0:
+                return None
+            return (f" of {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else
+                    " on another rank")
+        return None if not bad else f" of {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+
+    def _sum_over_ranks(self, value: float) -> float:
+        """Σ over the ranks of the sharded parameters' process group (float64)."""
+        if self._shard_group is None:
+            return value
+        import torch.distributed as dist
+
+        device = next(iter(self._perturbed.values())).device
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=self._shard_group)
+        return float(t[0])
 
     @staticmethod
     def _checked_norm(norm: float) -> float:

@@ -1,0 +1,226 @@
+"""GeodesicSAM under DistributedDataParallel and FSDP2 (gloo, CPU processes on loopback, float64):
+one step equals the single-process step on the same global batch, for every geometry, on a tiny
+attention model whose heads straddle the shard boundaries (3 heads of 4 rows: 12 rows over 2 ranks
+cut head 1 in two; the output projection's head columns lie on every rank); a non-finite gradient
+on one rank only leaves every rank's model untouched."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+
+from conftest import PlainViT
+from test_distributed import _free_port
+
+GEOMETRIES = ("geodesic-mix", "geodesic-inv", "adaptive", "sam")
+#: the global batch: every world size splits it into equal parts, so the mean of the ranks' mean
+#: losses is the single-process mean loss
+BATCH = 12
+
+# ------------------------------------------------------------------------------------ in the workers
+def build():
+    torch.manual_seed(0)
+    return PlainViT(dim=12, num_heads=3, depth=1).to(torch.float64)
+
+
+def global_batch():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(BATCH, 1, 8, 8, dtype=torch.float64, generator=g),
+            torch.randint(0, 3, (BATCH,), generator=g))
+
+
+def whole(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def snapshot(model):
+    return {n: whole(p) for n, p in model.named_parameters()}
+
+
+def loss_of(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def one_step(model, x, y, geometry, *, wrapped=None, first_pass_unsynced=False):
+    """(w_adv, w after the step, ‖g‖) of one GeodesicSAM step with SGD (momentum 0.9)."""
+    from contextlib import nullcontext
+
+    from quotient_manifolds.adapters import GeodesicSAM
+
+    net = wrapped if wrapped is not None else model
+    opt = GeodesicSAM(net, torch.optim.SGD, rho=0.1, geometry=geometry, lr=0.1, momentum=0.9)
+    with net.no_sync() if first_pass_unsynced else nullcontext():
+        loss_of(net, x, y).backward()
+    opt.first_step(zero_grad=True)
+    adv = snapshot(model)
+    loss_of(net, x, y).backward()
+    opt.second_step(zero_grad=True)
+    return adv, snapshot(model), opt.grad_norm
+
+
+def relative_difference(got, ref):
+    """max over parameters of ‖got − ref‖_∞ / ‖ref‖_∞, over w_adv and the stepped weights."""
+    return max(float((got[i][n] - ref[i][n]).abs().max() / ref[i][n].abs().max())
+               for i in (0, 1) for n in ref[0])
+
+
+def sharded(x):
+    from torch.distributed.fsdp import fully_shard
+
+    from quotient_manifolds import adapters
+
+    model = build()
+    adapters.layout(model).verify(model, x[:2])   # on the whole model, before sharding
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def single_process_steps():
+    """geometry → the single-process step on the whole batch (the reference)."""
+    x, y = global_batch()
+    return {geometry: one_step(build(), x, y, geometry) for geometry in GEOMETRIES}
+
+
+def compare_on_ranks(modes, refs):
+    """Per mode and geometry: the max relative difference to the single-process step ``refs`` on
+    this rank, and ‖g‖ (the same on every rank); plus the outcome of the non-finite cases under
+    FSDP2."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch()
+    part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    out = {}
+    for geometry in GEOMETRIES:
+        ref = refs[geometry]
+        for mode in modes:
+            if mode == "fsdp":
+                model = sharded(x)
+                got = one_step(model, x[part], y[part], geometry)
+            else:
+                model = build()
+                got = one_step(model, x[part], y[part], geometry, wrapped=DDP(model),
+                               first_pass_unsynced=mode == "ddp-no-sync")
+            out[f"{mode}/{geometry}"] = {"rel": relative_difference(got, ref), "norm": got[2],
+                                         "norm_ref": ref[2]}
+    if "fsdp" in modes:
+        out["non_finite"] = non_finite_cases(x[part], y[part], rank)
+    return out
+
+
+def non_finite_cases(x, y, rank):
+    """A NaN in the last rank's gradient shard only, at w (first_step) and at w_adv (second_step):
+    every rank must refuse, and leave its model as it was (restored to w)."""
+    import torch.distributed as dist
+
+    from quotient_manifolds.adapters import GeodesicSAM
+
+    last = rank == dist.get_world_size() - 1
+    out = {}
+    for where in ("first", "second"):
+        model = sharded(torch.cat([x, x]))
+        before = snapshot(model)
+        opt = GeodesicSAM(model, torch.optim.SGD, rho=0.1, geometry="geodesic-mix", lr=0.1)
+        loss_of(model, x, y).backward()
+        poison = model.blocks[0].attn.q.weight.grad.to_local()
+        if where == "first" and last:
+            poison.view(-1)[0] = float("nan")
+        try:
+            opt.first_step(zero_grad=True)
+            loss_of(model, x, y).backward()
+            if where == "second" and last:
+                model.blocks[0].attn.q.weight.grad.to_local().view(-1)[0] = float("nan")
+            opt.second_step(zero_grad=True)
+            out[where] = "stepped"
+        except ValueError as err:
+            out[where] = "refused" if "non-finite" in str(err) else str(err)
+        after = snapshot(model)
+        out[where + "_untouched"] = all(torch.equal(after[n], before[n]) for n in before)
+    return out
+
+
+# ------------------------------------------------------------------------------------ the tests
+def _worker(rank, world, port, modes, refs, out):
+    """One rank, in a process forked from the test's (the imports are inherited: a fresh
+    interpreter per rank would spend most of the test importing torch)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    code = 1
+    try:
+        # a rank that fails leaves the others waiting in a collective: not for gloo's 30 minutes
+        dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
+        result = compare_on_ranks(modes, refs)
+        with open(out, "w") as fh:
+            json.dump(result, fh)
+        # see tests/test_distributed.py: no rank tears down while another still talks to the
+        # store, and gloo's threads must not meet interpreter finalisation (os._exit)
+        dist.barrier()
+        dist.destroy_process_group()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run(world, modes, tmp_path):
+    import torch.distributed.fsdp  # noqa: F401  (imported once, here, for every rank)
+    from quotient_manifolds.adapters import GeodesicSAM  # noqa: F401
+
+    refs = single_process_steps()   # once, here: the ranks inherit them
+    port = _free_port()
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_worker, args=(rank, world, port, modes, refs,
+                                                   str(tmp_path / f"out{rank}.json")))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+        if p.exitcode is None:
+            for q in procs:
+                q.kill()
+        assert p.exitcode == 0, f"rank {procs.index(p)} exited with {p.exitcode} (traceback above)"
+    return [json.loads((tmp_path / f"out{rank}.json").read_text()) for rank in range(world)]
+
+
+def _check_equal_steps(results, modes):
+    for mode in modes:
+        for geometry in GEOMETRIES:
+            key = f"{mode}/{geometry}"
+            assert all(r[key]["norm"] == results[0][key]["norm"] for r in results), key
+            assert results[0][key]["norm"] == pytest.approx(results[0][key]["norm_ref"], rel=1e-12), key
+            worst = max(r[key]["rel"] for r in results)
+            print(f"{key}: max relative difference {worst:.1e}")
+            assert worst < 1e-10, (key, worst)
+
+
+@pytest.mark.slow
+def test_two_ranks_ddp_and_fsdp2_step_equals_one_process(tmp_path):
+    modes = ("ddp", "ddp-no-sync", "fsdp")
+    results = _run(2, modes, tmp_path)
+    _check_equal_steps(results, modes)
+    for r in results:   # a NaN on one rank: every rank refuses, and no weight moved
+        assert r["non_finite"] == {"first": "refused", "first_untouched": True,
+                                   "second": "refused", "second_untouched": True}
+
+
+@pytest.mark.slow
+def test_three_ranks_fsdp2_step_equals_one_process(tmp_path):
+    results = _run(3, ("fsdp",), tmp_path)
+    _check_equal_steps(results, ("fsdp",))
