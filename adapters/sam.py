@@ -295,6 +295,10 @@ class GeodesicSAM(torch.optim.Optimizer):
         #: the norm of the ascent direction g at the last ``first_step`` (metric norm, or
         #: Euclidean for ``"sam"``)
         self.grad_norm: Optional[float] = None
+        #: whether the last update was skipped because a GradScaler's scaled gradients overflowed
+        #: (``None`` between a skipping ``first_step`` and its ``second_step``)
+        self.skipped: Optional[bool] = False
+        self._scaler = None
 
     # ------------------------------------------------------------------ set-up
     def _checked_layout(self, layout, allow_unsupported: bool, unsafe: bool):
@@ -342,17 +346,27 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the two steps
     @torch.no_grad()
-    def first_step(self, zero_grad: bool = False) -> None:
+    def first_step(self, zero_grad: bool = False, *, scaler=None) -> None:
         """Perturb the model's weights in place, w ← w_adv = R_w(ρ g/‖g‖), from the gradients in
         ``.grad`` (taken at w); ``zero_grad=True`` then clears them for the pass at w_adv.
 
         Under DistributedDataParallel, a backward pass run inside ``model.no_sync()`` left each rank
         its own gradient: they are averaged here first (one all-reduce), so that every rank takes
-        the same ascent step. Non-finite gradients are refused before any weight is written."""
-        if self._saved is not None:
+        the same ascent step. Non-finite gradients are refused (ValueError) before any weight is
+        written.
+
+        ``scaler``: the ``torch.amp.GradScaler`` of a float16 mixed-precision loop (the loss was
+        ``scaler.scale(loss).backward()``). The gradients are unscaled first (``scaler.unscale_``),
+        so ‖g‖ and the base step see the true gradient; non-finite ones are then the scaler's
+        overflow signal, not an error: the update is skipped (the weights stay at w,
+        :attr:`skipped` is True) and :meth:`second_step` lowers the scale."""
+        if self._saved is not None or self.skipped is None:
             raise RuntimeError("first_step() was called twice without second_step(): the weights "
                                "are at w_adv; call second_step() to restore them first")
         _check_hyperparameters(self.base_optimizer)
+        self._scaler = self._checked_scaler(scaler)
+        if self._scaler is not None:
+            self._scaler.unscale_(self)
         grads = self._synchronised_gradients()
         if all(g is None for g in grads.values()):
             raise RuntimeError("no gradient in .grad: compute the loss at the current weights and "
@@ -364,6 +378,11 @@ class GeodesicSAM(torch.optim.Optimizer):
             raise RuntimeError("sparse gradients are not supported by GeodesicSAM; use dense "
                                "embeddings (sparse=False)")
         bad = self._non_finite(grads)
+        if bad is not None and self._scaler is not None:   # the scale overflowed: skip the update
+            self.skipped, self.grad_norm = None, None          # None until second_step: pending
+            if zero_grad:
+                self.zero_grad()
+            return
         if bad is not None:  # refused before any write: the elementwise norm would hide them (nan_to_num)
             raise ValueError(f"non-finite values (NaN/inf) in .grad{bad} at the current weights: the "
                              "weights were left unchanged; check the loss for NaN/inf (lower the "
@@ -381,8 +400,20 @@ class GeodesicSAM(torch.optim.Optimizer):
         except BaseException:
             self._restore()
             raise
+        self.skipped = False
         if zero_grad:
             self.zero_grad()
+
+    def _checked_scaler(self, scaler):
+        if scaler is None or not scaler.is_enabled():
+            return None
+        if not callable(getattr(scaler, "unscale_", None)):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if self._shard_group is not None:
+            raise ValueError("GeodesicSAM with a GradScaler on an FSDP2-sharded model is not supported "
+                             "(the scaler's overflow record is per rank): train in bfloat16 autocast, "
+                             "which needs no scaler")
+        return scaler
 
     def _verify_layout(self) -> None:
         """Verify the layout on the first batch's inputs (once; see :mod:`quotient_manifolds.adapters.accept`)."""
@@ -408,23 +439,50 @@ class GeodesicSAM(torch.optim.Optimizer):
         self._first_inputs, self._capture = {}, None  # after a refusal the next step verifies again
 
     @torch.no_grad()
-    def second_step(self, zero_grad: bool = False) -> None:
+    def second_step(self, zero_grad: bool = False, *, scaler=None) -> None:
         """Restore w exactly (bit for bit) and take the base optimizer's step with the gradients in
         ``.grad`` (taken at w_adv). Non-finite gradients are refused (ValueError) with the weights
-        restored to w and no base step taken."""
+        restored to w and no base step taken.
+
+        ``scaler``: the GradScaler given to :meth:`first_step` (the default): the gradients are
+        unscaled before the step; an overflow skips the base step (the weights stay at w,
+        :attr:`skipped` is True); ``scaler.update()`` is called in every case."""
+        if scaler is not None and self._scaler is not None and scaler is not self._scaler:
+            raise ValueError("second_step(scaler=...) got another GradScaler than first_step: pass "
+                             "the same one (or none: first_step's is used)")
+        scaler = self._scaler
+        if self.skipped is None:   # first_step skipped the update: the scaler lowers its scale
+            self.skipped, self._scaler = True, None
+            if zero_grad:
+                self.zero_grad()
+            scaler.update()
+            return
         if self._saved is None:
             raise RuntimeError("second_step() without first_step(): call first_step() after the "
                                "backward pass at w, then backward at w_adv, then second_step()")
         self._restore()
+        self._scaler = None
+        if scaler is not None:
+            scaler.unscale_(self.base_optimizer)   # its own record: the scaler allows one per optimizer
         grads = self._synchronised_gradients()
         bad = self._non_finite(grads)
+        if bad is not None and scaler is not None:
+            self.skipped = True
+            if zero_grad:
+                self.zero_grad()
+            scaler.update()
+            return
         if bad is not None:  # the weights are back at w: the base step must not write NaN into them
             raise ValueError(f"non-finite values (NaN/inf) in .grad{bad} at the perturbed weights "
                              f"w_adv: the weights were restored to w and the base step was not "
                              f"taken; the loss overflows within the ball: lower rho (now "
                              f"{self.rho:g}) or the learning rate, or clip gradients before "
                              f"second_step()")
-        self.base_optimizer.step()
+        if scaler is not None:
+            scaler.step(self.base_optimizer)
+            scaler.update()
+        else:
+            self.base_optimizer.step()
         if zero_grad:
             self.zero_grad()
 
