@@ -205,7 +205,44 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     or ``opt.step(closure)`` with a closure that computes the loss and calls ``backward()``. The
     perturbation reads the gradients in ``.grad`` (``None`` counts as zero). ``param_groups`` and
-    ``state_dict`` are the base optimizer's, so learning-rate schedulers work on the wrapper.
+    ``state_dict`` are the base optimizer's, so learning-rate schedulers work on the wrapper. The
+    base optimizer's settings are checked at construction and at every ``first_step``: a
+    non-finite one (``lr=nan``, from a schedule too) or a negative learning rate, weight decay,
+    momentum or eps is refused before any weight moves. A non-finite gradient is refused
+    (ValueError) by ``first_step`` (nothing written) and by ``second_step`` (the weights restored
+    to w, no base step taken).
+
+    **Distributed training and mixed precision.** Every rank takes the same ascent step, the one of the single-process run on the global batch:
+    g, ‖g‖ and ε come from the gradient averaged over the ranks (docs/distributed.md).
+
+    * **DistributedDataParallel**: pass the DDP-wrapped model (``GeodesicSAM(ddp_model, ...)``; its
+      ``module`` is the model whose blocks are found). The backward passes synchronise the
+      gradients as usual. When the first (ascent) pass runs inside ``ddp_model.no_sync()``, as in
+      many SAM recipes, each rank holds its own gradient: ``first_step`` then averages them itself
+      (one all-reduce per dtype) before the norm, so the ranks never perturb differently.
+    * **FSDP2** (``torch.distributed.fsdp.fully_shard``: parameters and gradients are DTensors
+      sharded on dim 0 of one 1-D mesh; apply ``fully_shard`` to the root module too). The
+      elementwise part of the ball (every weight outside the GL blocks; all weights for
+      ``"adaptive"`` and ``"sam"``) is computed on each rank's shard, and ‖g‖² is summed over the
+      ranks (one all-reduce of a scalar). A GL block needs whole heads, whose rows may straddle
+      shard boundaries and whose G and H live in different parameters: the parameters of one
+      attention module are assembled whole (``DTensor.full_tensor()``, one parameter at a time),
+      the heads' ascent direction is formed identically on every rank (the h×h Gram matrices need
+      no collective), and each rank writes back its own shard. Memory: at most one attention
+      module's weights and gradients are whole at a time (transient, about twice those
+      parameters in the compute dtype plus their float64 heads), on top of FSDP2's own; the
+      attention weights are all-gathered twice per step (once for ‖g‖, once for the point).
+      The layout must be verified on the whole model before ``fully_shard`` (``lay =
+      adapters.layout(model); lay.verify(model, inputs)``): a sharded forward pass gathers its
+      weights itself, so the symmetry check cannot run on it. Gradient synchronisation must be on
+      in both passes (``set_requires_gradient_sync(True)``, the default).
+    * **bfloat16 autocast** (float32 weights): nothing to do; the step is finite, and a
+      non-finite gradient is refused as above.
+    * **float16 with a** ``torch.amp.GradScaler``: ``scaler.scale(loss).backward()`` in both
+      passes and ``first_step(scaler=scaler)``: the gradients are unscaled before the norm and the
+      base step; an overflow skips the update (weights unchanged, :attr:`skipped` True) and
+      ``second_step`` calls ``scaler.update()``, which lowers the scale. Not with FSDP2 (use
+      bfloat16 there).
     """
 
     def __init__(self, model: nn.Module, base_optimizer: Union[Type[torch.optim.Optimizer],
