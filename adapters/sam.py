@@ -687,7 +687,8 @@ class GeodesicSAM(torch.optim.Optimizer):
     # ------------------------------------------------------------------ ranks
     def _synchronised_gradients(self) -> Dict[str, Optional[Tensor]]:
         """The gradients in ``.grad``; under DDP after a backward pass inside ``no_sync()``,
-        averaged over the ranks first (in place, one all-reduce per dtype)."""
+        averaged over the ranks first (in place: one all-reduce per dtype, after one of which
+        parameters hold a gradient)."""
         grads = {n: p.grad for n, p in self._perturbed.items()}
         if self._ddp is None or self._ddp_state["synced"]:
             return grads
@@ -695,15 +696,26 @@ class GeodesicSAM(torch.optim.Optimizer):
 
         group = getattr(self._ddp, "process_group", None)
         world = dist.get_world_size(group)
-        present = [g for g in grads.values() if g is not None and not g.is_sparse]
-        # the same parameters hold a gradient on every rank (the same model, the same loss)
-        for dtype in sorted({g.dtype for g in present}, key=str):
-            parts = [g for g in present if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in parts])
+        names = [n for n, g in grads.items() if g is None or not g.is_sparse]   # sparse: refused next
+        # a parameter unused on some ranks has no gradient there: it counts as 0 in the average,
+        # and keeps .grad None only where no rank has one (AdamW would decay a zero gradient)
+        device = next(iter(self._perturbed.values())).device   # NCCL reduces on the GPU only
+        held = torch.tensor([grads[n] is not None for n in names], dtype=torch.float64, device=device)
+        dist.all_reduce(held, group=group)
+        names = [n for n, count in zip(names, held.tolist()) if count > 0]
+        for dtype in sorted({self._perturbed[n].dtype for n in names}, key=str):
+            part = [n for n in names if self._perturbed[n].dtype == dtype]
+            flat = torch.cat([torch.zeros(self._perturbed[n].numel(), dtype=dtype,
+                                          device=self._perturbed[n].device) if grads[n] is None
+                              else grads[n].reshape(-1).to(dtype) for n in part])
             dist.all_reduce(flat, group=group)
             flat.div_(world)
-            torch._foreach_copy_(parts, [t.view_as(g) for t, g in
-                                         zip(torch.split(flat, [g.numel() for g in parts]), parts)])
+            for n, piece in zip(part, torch.split(flat, [self._perturbed[n].numel() for n in part])):
+                piece = piece.view_as(self._perturbed[n])
+                if grads[n] is None:
+                    self._perturbed[n].grad = grads[n] = piece.clone()
+                else:
+                    grads[n].copy_(piece)
         self._ddp_state["synced"] = True
         return grads
 

@@ -115,7 +115,37 @@ def compare_on_ranks(modes, refs):
                                          "norm_ref": ref[2]}
     if "fsdp" in modes:
         out["non_finite"] = non_finite_cases(x[part], y[part], rank)
+    if "ddp-no-sync" in modes:
+        out["unused"] = unused_on_one_rank(x[part], y[part], rank)
     return out
+
+
+def unused_on_one_rank(x, y, rank):
+    """After a pass inside no_sync(): a parameter with no gradient on rank 0 only gets the average
+    with 0 there (its .grad created); one with no gradient anywhere keeps .grad None."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from quotient_manifolds.adapters import GeodesicSAM
+
+    model = build()
+    ddp = DDP(model)
+    opt = GeodesicSAM(ddp, torch.optim.SGD, rho=0.1, geometry="adaptive", lr=0.1)
+    with ddp.no_sync():
+        loss_of(ddp, x, y).backward()
+    own = model.head.bias.grad.clone()
+    model.pos.grad = None                       # on every rank
+    if rank == 0:
+        model.head.bias.grad = None             # on rank 0 only
+    opt.first_step(zero_grad=False)
+    mine = [torch.zeros_like(own) if rank == 0 else own]
+    gathered = [torch.empty_like(own) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine[0])
+    expected = torch.stack(gathered).mean(0)
+    got = model.head.bias.grad
+    opt.second_step(zero_grad=True)
+    return {"averaged": got is not None and bool(torch.allclose(got, expected, rtol=0, atol=1e-15)),
+            "none_kept": model.pos.grad is None}
 
 
 def non_finite_cases(x, y, rank):
@@ -218,9 +248,31 @@ def test_two_ranks_ddp_and_fsdp2_step_equals_one_process(tmp_path):
     for r in results:   # a NaN on one rank: every rank refuses, and no weight moved
         assert r["non_finite"] == {"first": "refused", "first_untouched": True,
                                    "second": "refused", "second_untouched": True}
+        assert r["unused"] == {"averaged": True, "none_kept": True}
 
 
 @pytest.mark.slow
 def test_three_ranks_fsdp2_step_equals_one_process(tmp_path):
     results = _run(3, ("fsdp",), tmp_path)
     _check_equal_steps(results, ("fsdp",))
+
+
+def test_the_docs_recipes_compile_and_call_the_api_as_it_is():
+    """docs/distributed.md's scripts: valid Python, and the GeodesicSAM calls they make exist with
+    those keywords (the scripts themselves need GPUs and torchrun)."""
+    import inspect
+    import pathlib
+    import re
+
+    from quotient_manifolds.adapters import GeodesicSAM
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        compile(block, "docs/distributed.md", "exec")
+    assert "torchrun --nproc_per_node" in page and "fully_shard(model)" in page
+    assert "## Sharpness of a sharded model" in page
+    for method, keyword in (("first_step", "scaler"), ("first_step", "zero_grad"),
+                            ("second_step", "zero_grad")):
+        assert keyword in inspect.signature(getattr(GeodesicSAM, method)).parameters
