@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -91,9 +92,10 @@ def single_process_steps():
 
 
 def compare_on_ranks(modes, refs):
-    """Per mode and geometry: the max relative difference to the single-process step ``refs`` on
-    this rank, and ‖g‖ (the same on every rank); plus the outcome of the non-finite cases under
-    FSDP2."""
+    """Per mode ("ddp", "ddp-no-sync": the ascent pass inside no_sync(), "fsdp") and geometry: the
+    max relative difference to the single-process step ``refs`` on this rank, and ‖g‖ (the same on
+    every rank). With "fsdp-checks": the non-finite cases and the bfloat16 step under FSDP2; with
+    "ddp-no-sync": a parameter without a gradient on one rank."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -103,7 +105,7 @@ def compare_on_ranks(modes, refs):
     out = {}
     for geometry in GEOMETRIES:
         ref = refs[geometry]
-        for mode in modes:
+        for mode in (m for m in modes if m in ("ddp", "ddp-no-sync", "fsdp")):
             if mode == "fsdp":
                 model = sharded(x)
                 got = one_step(model, x[part], y[part], geometry)
@@ -113,8 +115,9 @@ def compare_on_ranks(modes, refs):
                                first_pass_unsynced=mode == "ddp-no-sync")
             out[f"{mode}/{geometry}"] = {"rel": relative_difference(got, ref), "norm": got[2],
                                          "norm_ref": ref[2]}
-    if "fsdp" in modes:
+    if "fsdp-checks" in modes:
         out["non_finite"] = non_finite_cases(x[part], y[part], rank)
+        out["bf16"] = bf16_step(x[part], y[part])
     if "ddp-no-sync" in modes:
         out["unused"] = unused_on_one_rank(x[part], y[part], rank)
     return out
@@ -146,6 +149,32 @@ def unused_on_one_rank(x, y, rank):
     opt.second_step(zero_grad=True)
     return {"averaged": got is not None and bool(torch.allclose(got, expected, rtol=0, atol=1e-15)),
             "none_kept": model.pos.grad is None}
+
+
+def bf16_step(x, y):
+    """FSDP2 in bfloat16 compute (MixedPrecisionPolicy: float32 shards, bfloat16 forward and
+    backward, float32 reduction): every geometry's step is finite and moves the weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from quotient_manifolds import adapters
+    from quotient_manifolds.adapters import GeodesicSAM
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for geometry in GEOMETRIES:
+        model = build().float()
+        adapters.layout(model).verify(model, x[:2].float())
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        before = snapshot(model)
+        opt = GeodesicSAM(model, torch.optim.SGD, rho=0.1, geometry=geometry, lr=0.1)
+        opt.step(lambda: loss_of(model, x.float(), y).backward())
+        after = snapshot(model)
+        out[geometry] = (all(bool(torch.isfinite(w).all()) for w in after.values())
+                         and any(not torch.equal(after[n], before[n]) for n in before)
+                         and math.isfinite(opt.grad_norm) and opt.grad_norm > 0)
+    return out
 
 
 def non_finite_cases(x, y, rank):
@@ -243,12 +272,13 @@ def _check_equal_steps(results, modes):
 @pytest.mark.slow
 def test_two_ranks_ddp_and_fsdp2_step_equals_one_process(tmp_path):
     modes = ("ddp", "ddp-no-sync", "fsdp")
-    results = _run(2, modes, tmp_path)
+    results = _run(2, modes + ("fsdp-checks",), tmp_path)
     _check_equal_steps(results, modes)
     for r in results:   # a NaN on one rank: every rank refuses, and no weight moved
         assert r["non_finite"] == {"first": "refused", "first_untouched": True,
                                    "second": "refused", "second_untouched": True}
         assert r["unused"] == {"averaged": True, "none_kept": True}
+        assert r["bf16"] == {geometry: True for geometry in GEOMETRIES}
 
 
 @pytest.mark.slow
