@@ -157,11 +157,13 @@ def _shard_group_of(params: Dict[str, Tensor]):
     odd = [n for n in sharded if params[n].device_mesh.ndim != 1 or len(params[n].placements) != 1
            or not isinstance(params[n].placements[0], Shard)]
     if odd or len(meshes) != 1:
-        p = params[(odd or sharded)[0]]
+        name = (odd or sharded)[0]
+        p = params[name]
+        several = "" if len(meshes) == 1 else " (and the parameters use several meshes)"
         raise ValueError(f"GeodesicSAM supports parameters sharded by FSDP2 (fully_shard) on one 1-D "
-                         f"device mesh; {(odd or sharded)[0]} has placements {tuple(p.placements)} on "
-                         f"a {p.device_mesh.ndim}-D mesh{'' if len(meshes) == 1 else ' (and the parameters use several meshes)'}: "
-                         f"shard the model with fully_shard(module) over one mesh")
+                         f"device mesh; {name} has placements {tuple(p.placements)} on a "
+                         f"{p.device_mesh.ndim}-D mesh{several}: shard the model with "
+                         f"fully_shard(module) over one mesh")
     return mesh.get_group()
 
 
@@ -212,8 +214,9 @@ class GeodesicSAM(torch.optim.Optimizer):
     (ValueError) by ``first_step`` (nothing written) and by ``second_step`` (the weights restored
     to w, no base step taken).
 
-    **Distributed training and mixed precision.** Every rank takes the same ascent step, the one of the single-process run on the global batch:
-    g, ‖g‖ and ε come from the gradient averaged over the ranks (docs/distributed.md).
+    **Distributed training and mixed precision.** Every rank takes the same ascent step, the one
+    of the single-process run on the global batch: g, ‖g‖ and ε come from the gradient averaged
+    over the ranks (docs/distributed.md).
 
     * **DistributedDataParallel**: pass the DDP-wrapped model (``GeodesicSAM(ddp_model, ...)``; its
       ``module`` is the model whose blocks are found). The backward passes synchronise the
@@ -654,7 +657,7 @@ class GeodesicSAM(torch.optim.Optimizer):
         """Names of the parameters that a GL block touches (wholly or in part)."""
         if self.layout is None:
             return set()
-        return {p for b in self.layout.blocks for p in b.params} | set(getattr(self.layout, "gl_masks", {}))
+        return {p for b in self.layout.blocks for p in b.params}
 
     def _block_groups(self) -> List[List]:
         """The layout's blocks in groups that share no parameter (one attention module's blocks),
@@ -675,10 +678,10 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     def _whole_blocks(self, blocks: List, grads: Dict[str, Optional[Tensor]], upcast: bool):
         """(ball, ball parameters, Riemannian gradient) of ``blocks`` on their whole parameters."""
-        masks = getattr(self.layout, "gl_masks", {})
-        names = list(dict.fromkeys([p for b in blocks for p in b.params] +
-                                   [n for n in masks if any(n in b.params for b in blocks)]))
-        names = [n for n in self._perturbed if n in set(names)]   # the model's order on every rank
+        touched = {p for b in blocks for p in b.params}
+        # in the model's order (the same on every rank: the gathers are collectives); entries of
+        # these parameters outside the blocks are elementwise, in this ball too (its masks)
+        names = [n for n in self._perturbed if n in touched]
         params0 = {n: as_compute(_whole(self._perturbed[n].detach()), upcast) for n in names}
         whole_grads = {n: None if grads[n] is None else _whole(grads[n]) for n in names}
         ball, ball_params = self._ball_of(params0, dataclasses.replace(self.layout, blocks=blocks))

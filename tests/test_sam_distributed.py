@@ -118,6 +118,7 @@ def compare_on_ranks(modes, refs):
     if "fsdp-checks" in modes:
         out["non_finite"] = non_finite_cases(x[part], y[part], rank)
         out["bf16"] = bf16_step(x[part], y[part])
+        out["refusals"] = refusals(x[part], y[part])
     if "ddp-no-sync" in modes:
         out["unused"] = unused_on_one_rank(x[part], y[part], rank)
     return out
@@ -174,6 +175,34 @@ def bf16_step(x, y):
         out[geometry] = (all(bool(torch.isfinite(w).all()) for w in after.values())
                          and any(not torch.equal(after[n], before[n]) for n in before)
                          and math.isfinite(opt.grad_norm) and opt.grad_norm > 0)
+    return out
+
+
+def refusals(x, y):
+    """What GeodesicSAM refuses on a sharded model, each with the message that says what to do."""
+    from torch.distributed.fsdp import fully_shard
+
+    from quotient_manifolds.adapters import GeodesicSAM
+
+    out = {}
+    model = build()                 # sharded without verifying the layout on the whole model first
+    for block in model.blocks:
+        fully_shard(block)
+    try:                            # the root left unsharded: its parameters are plain tensors
+        GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", lr=0.1)
+    except ValueError as err:
+        out["root"] = "fully_shard(model)" in str(err)
+    fully_shard(model)
+    try:
+        GeodesicSAM(model, torch.optim.SGD, geometry="geodesic-mix", lr=0.1)
+    except ValueError as err:
+        out["unverified"] = "before fully_shard" in str(err)
+    opt = GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", lr=0.1)
+    loss_of(model, x, y).backward()
+    try:
+        opt.first_step(scaler=torch.amp.GradScaler("cpu"))
+    except ValueError as err:
+        out["scaler"] = "bfloat16" in str(err)
     return out
 
 
@@ -279,6 +308,7 @@ def test_two_ranks_ddp_and_fsdp2_step_equals_one_process(tmp_path):
                                    "second": "refused", "second_untouched": True}
         assert r["unused"] == {"averaged": True, "none_kept": True}
         assert r["bf16"] == {geometry: True for geometry in GEOMETRIES}
+        assert r["refusals"] == {"root": True, "unverified": True, "scaler": True}
 
 
 @pytest.mark.slow
