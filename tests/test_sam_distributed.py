@@ -1,8 +1,9 @@
-"""GeodesicSAM under DistributedDataParallel and FSDP2 (gloo, CPU processes on loopback, float64):
-one step equals the single-process step on the same global batch, for every geometry, on a tiny
-attention model whose heads straddle the shard boundaries (3 heads of 4 rows: 12 rows over 2 ranks
-cut head 1 in two; the output projection's head columns lie on every rank); a non-finite gradient
-on one rank only leaves every rank's model untouched."""
+"""GeodesicSAM under DistributedDataParallel and FSDP2 (gloo, CPU processes forked from the test,
+float64): one step equals the single-process step on the same global batch, for every geometry, on
+tiny attention models whose heads straddle the shard boundaries (3 heads of 4 rows: 12 rows over 2
+ranks cut head 1 in two, and the output projection's head columns lie on every rank; GPT-2's fused
+c_attn, whose heads are columns, is cut across every head); a non-finite gradient on one rank only
+leaves every rank's model untouched; bfloat16 FSDP2 steps are finite."""
 
 from __future__ import annotations
 
@@ -26,13 +27,29 @@ GEOMETRIES = ("geodesic-mix", "geodesic-inv", "adaptive", "sam")
 BATCH = 12
 
 # ------------------------------------------------------------------------------------ in the workers
-def build():
+def build(kind="vit"):
+    """"vit": separate q/k/v/o Linear layers, a head's rows in one parameter; "gpt2": GPT-2's
+    fused c_attn (Conv1D: heads are columns, so dim-0 shards cut every head; one parameter holds
+    Q, K and V) and tied embeddings."""
     torch.manual_seed(0)
+    if kind == "gpt2":
+        import transformers
+
+        cfg = transformers.GPT2Config(vocab_size=50, n_embd=12, n_layer=1, n_head=3, n_positions=16,
+                                      bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg).to(torch.float64).eval()
     return PlainViT(dim=12, num_heads=3, depth=1).to(torch.float64)
 
 
-def global_batch():
+def layers(model):
+    return model.transformer.h if hasattr(model, "transformer") else model.blocks
+
+
+def global_batch(kind="vit"):
     g = torch.Generator().manual_seed(1)
+    if kind == "gpt2":   # every sequence has the same length: the mean over tokens splits evenly
+        ids = torch.randint(0, 50, (BATCH, 8), generator=g)
+        return ids, ids
     return (torch.randn(BATCH, 1, 8, 8, dtype=torch.float64, generator=g),
             torch.randint(0, 3, (BATCH,), generator=g))
 
@@ -46,6 +63,8 @@ def snapshot(model):
 
 
 def loss_of(model, x, y):
+    if not x.is_floating_point():   # token ids: the causal-LM loss
+        return model(input_ids=x, labels=y).loss
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
@@ -72,26 +91,27 @@ def relative_difference(got, ref):
                for i in (0, 1) for n in ref[0])
 
 
-def sharded(x):
+def sharded(x, kind="vit"):
     from torch.distributed.fsdp import fully_shard
 
     from quotient_manifolds import adapters
 
-    model = build()
-    adapters.layout(model).verify(model, x[:2])   # on the whole model, before sharding
-    for block in model.blocks:
+    model = build(kind)
+    inputs = x[:2] if x.is_floating_point() else {"input_ids": x[:2]}
+    adapters.layout(model).verify(model, inputs)   # on the whole model, before sharding
+    for block in layers(model):
         fully_shard(block)
     fully_shard(model)
     return model
 
 
-def single_process_steps():
+def single_process_steps(kind="vit"):
     """geometry → the single-process step on the whole batch (the reference)."""
-    x, y = global_batch()
-    return {geometry: one_step(build(), x, y, geometry) for geometry in GEOMETRIES}
+    x, y = global_batch(kind)
+    return {geometry: one_step(build(kind), x, y, geometry) for geometry in GEOMETRIES}
 
 
-def compare_on_ranks(modes, refs):
+def compare_on_ranks(modes, refs, kind="vit"):
     """Per mode ("ddp", "ddp-no-sync": the ascent pass inside no_sync(), "fsdp") and geometry: the
     max relative difference to the single-process step ``refs`` on this rank, and ‖g‖ (the same on
     every rank). With "fsdp-checks": the non-finite cases and the bfloat16 step under FSDP2; with
@@ -100,14 +120,14 @@ def compare_on_ranks(modes, refs):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = global_batch()
+    x, y = global_batch(kind)
     part = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     out = {}
     for geometry in GEOMETRIES:
         ref = refs[geometry]
         for mode in (m for m in modes if m in ("ddp", "ddp-no-sync", "fsdp")):
             if mode == "fsdp":
-                model = sharded(x)
+                model = sharded(x, kind)
                 got = one_step(model, x[part], y[part], geometry)
             else:
                 model = build()
@@ -238,7 +258,7 @@ def non_finite_cases(x, y, rank):
 
 
 # ------------------------------------------------------------------------------------ the tests
-def _worker(rank, world, port, modes, refs, out):
+def _worker(rank, world, port, modes, refs, kind, out):
     """One rank, in a process forked from the test's (the imports are inherited: a fresh
     interpreter per rank would spend most of the test importing torch)."""
     import torch.distributed as dist
@@ -250,7 +270,7 @@ def _worker(rank, world, port, modes, refs, out):
     try:
         # a rank that fails leaves the others waiting in a collective: not for gloo's 30 minutes
         dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=60))
-        result = compare_on_ranks(modes, refs)
+        result = compare_on_ranks(modes, refs, kind)
         with open(out, "w") as fh:
             json.dump(result, fh)
         # see tests/test_distributed.py: no rank tears down while another still talks to the
@@ -266,14 +286,14 @@ def _worker(rank, world, port, modes, refs, out):
         os._exit(code)
 
 
-def _run(world, modes, tmp_path):
+def _run(world, modes, tmp_path, kind="vit"):
     import torch.distributed.fsdp  # noqa: F401  (imported once, here, for every rank)
     from quotient_manifolds.adapters import GeodesicSAM  # noqa: F401
 
-    refs = single_process_steps()   # once, here: the ranks inherit them
+    refs = single_process_steps(kind)   # once, here: the ranks inherit them
     port = _free_port()
     context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_worker, args=(rank, world, port, modes, refs,
+    procs = [context.Process(target=_worker, args=(rank, world, port, modes, refs, kind,
                                                    str(tmp_path / f"out{rank}.json")))
              for rank in range(world)]
     for p in procs:
@@ -309,6 +329,15 @@ def test_two_ranks_ddp_and_fsdp2_step_equals_one_process(tmp_path):
         assert r["unused"] == {"averaged": True, "none_kept": True}
         assert r["bf16"] == {geometry: True for geometry in GEOMETRIES}
         assert r["refusals"] == {"root": True, "unverified": True, "scaler": True}
+
+
+@pytest.mark.slow
+def test_two_ranks_fsdp2_step_equals_one_process_on_gpt2(tmp_path):
+    """GPT-2's fused c_attn: heads are columns, so every rank's dim-0 shard holds a slice of
+    every head, and one parameter holds Q, K and V (two blocks share it)."""
+    pytest.importorskip("transformers")
+    results = _run(2, ("fsdp",), tmp_path, kind="gpt2")
+    _check_equal_steps(results, ("fsdp",))
 
 
 @pytest.mark.slow
