@@ -404,6 +404,13 @@ class GeodesicSAM(torch.optim.Optimizer):
             raise RuntimeError("first_step() was called twice without second_step(): the weights "
                                "are at w_adv; call second_step() to restore them first")
         _check_hyperparameters(self.base_optimizer)
+        current = dict(self.model.named_parameters())
+        replaced = [n for n, p in self._perturbed.items() if current.get(n) is not p]
+        if replaced:
+            raise RuntimeError(f"the model's parameter(s) {', '.join(replaced[:3])} were replaced "
+                               f"after GeodesicSAM was built (e.g. by fully_shard, or by assigning "
+                               f"a new nn.Parameter): the base optimizer would update the old ones; "
+                               f"build the optimizer and GeodesicSAM after sharding the model")
         self._scaler = self._checked_scaler(scaler)
         if self._scaler is not None:
             self._scaler.unscale_(self)

@@ -499,3 +499,17 @@ def test_grad_scaler_unscales_before_the_norm_and_skips_an_overflow():
         assert opt.skipped is True, where
         assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters()), where
         assert scaler.get_scale() == scale / 2, where
+
+
+def test_parameters_replaced_after_construction_are_refused():
+    """fully_shard (or assigning a new Parameter) after GeodesicSAM was built leaves the base
+    optimizer on the old tensors: first_step refuses before any weight moves."""
+    torch.manual_seed(0)
+    model = PlainViT()
+    opt = GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", lr=0.1)
+    model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+    w = params_of(model)
+    backward(model, (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,))))
+    with pytest.raises(RuntimeError, match="head.weight were replaced.*after sharding"):
+        opt.first_step()
+    assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
