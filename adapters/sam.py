@@ -61,15 +61,20 @@ SAM_CONSEQUENCE = "the ascent would not be invariant"
 SAM_GEOMETRIES = tuple(GEOMETRY_TABLE)
 
 
-#: Hyperparameters of a base optimizer's param groups that must be >= 0 besides being finite
+#: Hyperparameters of a base optimizer's param groups that must be finite and >= 0 (the names of
+#: torch.optim's optimizers); NaN is refused in every setting, ±inf in these and in ``betas``
 NON_NEGATIVE_HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "dampening", "eps", "alpha",
                                 "lr_decay", "initial_accumulator_value", "initial_lr")
+#: Settings that must be finite, of any sign
+FINITE_HYPERPARAMETERS = NON_NEGATIVE_HYPERPARAMETERS + ("betas",)
 
 
 def _check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse a base optimizer whose param groups hold a non-finite number (``lr=nan``, ``betas``
-    with an inf ...) or a negative learning rate, weight decay, momentum or eps: the base step would
-    write NaN into the model, or ascend. Torch's own checks let NaN through (``nan < 0`` is False)."""
+    """Refuse a base optimizer whose param groups hold NaN in any setting (``lr=nan``, a NaN in
+    ``betas`` ...), ±inf in a learning rate, weight decay, momentum, eps or betas, or a negative
+    one of these (but betas): the base step would write NaN into the model, or ascend. Torch's
+    own checks let NaN through (``nan < 0`` is False). Other settings may be infinite (a custom
+    optimizer's threshold)."""
     for index, group in enumerate(optimizer.param_groups):
         for key, value in group.items():
             if key == "params":
@@ -80,13 +85,17 @@ def _check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
                 if isinstance(v, Tensor) and (v.numel() != 1 or v.dtype == torch.bool or v.is_complex()):
                     continue
                 x = float(v)
-                if not math.isfinite(x) or (key in NON_NEGATIVE_HYPERPARAMETERS and x < 0):
-                    raise ValueError(
-                        f"the base optimizer's param group {index} has {key}={value!r}: "
-                        f"{'a finite number' if not math.isfinite(x) else 'a number >= 0'} is needed "
-                        f"(the base step would write NaN into the model, or ascend); set it "
-                        f"when constructing the optimizer, e.g. GeodesicSAM(model, torch.optim.SGD, "
-                        f"lr=0.1), or fix the learning-rate schedule")
+                if math.isnan(x) or (key in FINITE_HYPERPARAMETERS and math.isinf(x)):
+                    need = "a finite number"
+                elif key in NON_NEGATIVE_HYPERPARAMETERS and x < 0:
+                    need = "a number >= 0"
+                else:
+                    continue
+                raise ValueError(
+                    f"the base optimizer's param group {index} has {key}={value!r}: {need} is "
+                    f"needed (the base step would write NaN into the model, or ascend); set it when "
+                    f"constructing the optimizer, e.g. GeodesicSAM(model, torch.optim.SGD, lr=0.1), "
+                    f"or fix the learning-rate schedule")
 
 
 def _is_ddp(model: nn.Module) -> bool:
@@ -208,9 +217,9 @@ class GeodesicSAM(torch.optim.Optimizer):
     or ``opt.step(closure)`` with a closure that computes the loss and calls ``backward()``. The
     perturbation reads the gradients in ``.grad`` (``None`` counts as zero). ``param_groups`` and
     ``state_dict`` are the base optimizer's, so learning-rate schedulers work on the wrapper. The
-    base optimizer's settings are checked at construction and at every ``first_step``: a
-    non-finite one (``lr=nan``, from a schedule too) or a negative learning rate, weight decay,
-    momentum or eps is refused before any weight moves. A non-finite gradient is refused
+    base optimizer's settings are checked at construction and at every ``first_step`` (a schedule
+    may change them): NaN in any setting (``lr=nan``), and an infinite or negative learning rate,
+    weight decay, momentum or eps, are refused before any weight moves. A non-finite gradient is refused
     (ValueError) by ``first_step`` (nothing written) and by ``second_step`` (the weights restored
     to w, no base step taken).
 

@@ -424,6 +424,11 @@ def test_base_optimizer_hyperparameters_are_validated(key, value):
     adam.param_groups[0]["lr"] = -1e-3         # a negative rate would ascend: refused too
     with pytest.raises(ValueError, match="lr=-0.001: a number >= 0"):
         GeodesicSAM(model, adam, geometry="adaptive")
+    adam.param_groups[0].update(lr=1e-3, betas=(0.9, float("nan")))
+    with pytest.raises(ValueError, match="betas=.*nan"):
+        GeodesicSAM(model, adam, geometry="adaptive")
+    adam.param_groups[0].update(betas=(0.9, 0.999), custom_threshold=float("inf"))
+    GeodesicSAM(model, adam, geometry="adaptive")   # an infinite setting torch does not define: kept
 
 
 @pytest.mark.parametrize("geometry", ["geodesic-mix", "geodesic-inv", "adaptive", "sam"])
