@@ -444,7 +444,7 @@ class GeodesicSAM(torch.optim.Optimizer):
                              "weights were left unchanged; check the loss for NaN/inf (lower the "
                              "learning rate, or clip gradients before first_step())")
         if self._capture is not None:
-            self._verify_layout()
+            self._verify_layout_on_every_rank()
         self._saved = {n: p.detach().clone() for n, p in self._perturbed.items()}
         try:
             if not GEOMETRY_TABLE[self.geometry].ball:
@@ -470,6 +470,39 @@ class GeodesicSAM(torch.optim.Optimizer):
                              "(the scaler's overflow record is per rank): train in bfloat16 autocast, "
                              "which needs no scaler")
         return scaler
+
+    def _verify_layout_on_every_rank(self) -> None:
+        """:meth:`_verify_layout`; under DDP each rank verifies on its own batch, so the outcomes
+        (a refusal, or blocks whose group was derived or dropped) are compared across the ranks
+        (one all_gather_object, once): they must agree, or every rank perturbs differently."""
+        if self._ddp is None:
+            self._verify_layout()
+            return
+        import torch.distributed as dist
+
+        error: Optional[BaseException] = None
+        try:
+            self._verify_layout()
+        except Exception as err:   # raised below, after the other ranks have heard of it
+            error = err
+        mine = (None if error is None else f"{type(error).__name__}: {error}",
+                None if error is not None else [b.describe() for b in self.layout.blocks])
+        group = getattr(self._ddp, "process_group", None)
+        outcomes: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(outcomes, mine, group=group)
+        if error is not None:
+            raise error
+        failed = [rank for rank, (err, _) in enumerate(outcomes) if err is not None]
+        if failed:
+            raise RuntimeError(f"GeodesicSAM({self.geometry}): the layout failed verification on "
+                               f"rank(s) {failed} ({outcomes[failed[0]][0]}); every rank stops")
+        if any(blocks != mine[1] for _, blocks in outcomes):
+            raise RuntimeError(f"GeodesicSAM({self.geometry}): the ranks accepted different layouts "
+                               f"when verifying on their own first batches (a block's group derived "
+                               f"or dropped on some ranks only), so they would perturb differently: "
+                               f"verify the layout once (lay = adapters.layout(model); "
+                               f"lay.verify(model, inputs) with the same inputs on every rank) and "
+                               f"pass layout=lay")
 
     def _verify_layout(self) -> None:
         """Verify the layout on the first batch's inputs (once; see :mod:`quotient_manifolds.adapters.accept`)."""
