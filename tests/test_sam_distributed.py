@@ -130,7 +130,7 @@ def compare_on_ranks(modes, refs, kind="vit"):
                 model = sharded(x, kind)
                 got = one_step(model, x[part], y[part], geometry)
             else:
-                model = build()
+                model = build(kind)
                 got = one_step(model, x[part], y[part], geometry, wrapped=DDP(model),
                                first_pass_unsynced=mode == "ddp-no-sync")
             out[f"{mode}/{geometry}"] = {"rel": relative_difference(got, ref), "norm": got[2],
@@ -162,9 +162,8 @@ def unused_on_one_rank(x, y, rank):
     if rank == 0:
         model.head.bias.grad = None             # on rank 0 only
     opt.first_step(zero_grad=False)
-    mine = [torch.zeros_like(own) if rank == 0 else own]
     gathered = [torch.empty_like(own) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine[0])
+    dist.all_gather(gathered, torch.zeros_like(own) if rank == 0 else own)
     expected = torch.stack(gathered).mean(0)
     got = model.head.bias.grad
     opt.second_step(zero_grad=True)
