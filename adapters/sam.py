@@ -241,8 +241,8 @@ class GeodesicSAM(torch.optim.Optimizer):
       attention module are assembled whole (``DTensor.full_tensor()``, one parameter at a time),
       the heads' ascent direction is formed identically on every rank (the h×h Gram matrices need
       no collective), and each rank writes back its own shard. Memory: at most one attention
-      module's weights and gradients are whole at a time (transient, about twice those
-      parameters in the compute dtype plus their float64 heads), on top of FSDP2's own; the
+      module's weights and gradients are whole at a time (transient: 2× its parameters in the
+      compute dtype, plus a few float64 copies of its heads), on top of FSDP2's own; the
       attention weights are all-gathered twice per step (once for ‖g‖, once for the point).
       The layout must be verified on the whole model before ``fully_shard`` (``lay =
       adapters.layout(model); lay.verify(model, inputs)``): a sharded forward pass gathers its
@@ -656,8 +656,9 @@ class GeodesicSAM(torch.optim.Optimizer):
           (so the Gram matrices need no collective and ‖g‖² of the blocks is not summed), and each
           rank writes back its own shard. This is done twice per step, once for ‖g‖ and once for
           the point at ε, so only one module's attention weights and gradients are whole at a time:
-          the transient memory is about 2× the largest attention module's parameters in the
-          compute dtype (plus their float64 heads), not the model's.
+          the transient memory is 2× the largest attention module's parameters in the compute
+          dtype, plus a few float64 copies of its heads (point, gradient, direction), not the
+          model's.
         """
         upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
         covered = self._block_parameters()
