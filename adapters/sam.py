@@ -37,9 +37,11 @@ call: a few batched h×h factorisations per block shape); the layout of the mode
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import warnings
-from typing import Any, Callable, Dict, Optional, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +59,121 @@ SAM_CONSEQUENCE = "the ascent would not be invariant"
 #: The ascent geometries of :class:`GeodesicSAM`: those of the sharpness ball, and plain SAM (every
 #: entry of :data:`~quotient_manifolds.adapters.ball.GEOMETRY_TABLE`).
 SAM_GEOMETRIES = tuple(GEOMETRY_TABLE)
+
+
+#: Hyperparameters of a base optimizer's param groups that must be finite and >= 0 (the names of
+#: torch.optim's optimizers); NaN is refused in every setting, ±inf in these and in ``betas``
+NON_NEGATIVE_HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "dampening", "eps", "alpha",
+                                "lr_decay", "initial_accumulator_value", "initial_lr")
+#: Settings that must be finite, of any sign
+FINITE_HYPERPARAMETERS = NON_NEGATIVE_HYPERPARAMETERS + ("betas",)
+
+
+def _check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a base optimizer whose param groups hold NaN in any setting (``lr=nan``, a NaN in
+    ``betas`` ...), ±inf in a learning rate, weight decay, momentum, eps or betas, or a negative
+    one of these (but betas): the base step would write NaN into the model, or ascend. Torch's
+    own checks let NaN through (``nan < 0`` is False). Other settings may be infinite (a custom
+    optimizer's threshold)."""
+    for index, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key == "params":
+                continue
+            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(v, bool) or not isinstance(v, (numbers.Real, Tensor)):
+                    continue
+                if isinstance(v, Tensor) and (v.numel() != 1 or v.dtype == torch.bool or v.is_complex()):
+                    continue
+                x = float(v)
+                if math.isnan(x) or (key in FINITE_HYPERPARAMETERS and math.isinf(x)):
+                    need = "a finite number"
+                elif key in NON_NEGATIVE_HYPERPARAMETERS and x < 0:
+                    need = "a number >= 0"
+                else:
+                    continue
+                raise ValueError(
+                    f"the base optimizer's param group {index} has {key}={value!r}: {need} is "
+                    f"needed (the base step would write NaN into the model, or ascend); set it when "
+                    f"constructing the optimizer, e.g. GeodesicSAM(model, torch.optim.SGD, lr=0.1), "
+                    f"or fix the learning-rate schedule")
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _dtensor_type():
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (its storage: writes reach the parameter); ``t`` otherwise."""
+    DTensor = _dtensor_type()
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def _whole(t: Tensor) -> Tensor:
+    """The whole tensor of a DTensor (an all-gather); ``t`` otherwise."""
+    DTensor = _dtensor_type()
+    return t.full_tensor() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def _shard_of(whole: Tensor, like: Tensor) -> Tensor:
+    """This rank's shard of ``whole`` in the layout of the DTensor ``like`` (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(whole.to(like.dtype), like.device_mesh, like.placements,
+                             src_data_rank=None).to_local()
+
+
+def _verified_before_sharding(model: nn.Module, layout) -> bool:
+    """Whether ``layout`` (its blocks, by value) passed :meth:`Layout.verify` on ``model`` while its
+    parameters had the same names, shapes and dtypes, i.e. on the whole model before ``fully_shard``
+    replaced them by DTensors (same global shapes, new storage)."""
+    from .verified import _VERIFIED, signature
+
+    try:
+        done = _VERIFIED.get(model) or ()
+    except TypeError:
+        return False
+    blocks, state = signature(model, layout)
+    now = tuple(entry[:3] for entry in state)
+    return any(sig[0] == blocks and tuple(entry[:3] for entry in sig[1]) == now for sig in done)
+
+
+def _shard_group_of(params: Dict[str, Tensor]):
+    """The process group over which FSDP2 (``fully_shard``) shards ``params``, ``None`` when no
+    parameter is a DTensor; refused unless all are DTensors sharded on one dimension of one 1-D
+    mesh (FSDP2's layout; HSDP and tensor parallelism are not supported)."""
+    DTensor = _dtensor_type()
+    if DTensor is None:
+        return None
+    sharded = [n for n, p in params.items() if isinstance(p, DTensor)]
+    if not sharded:
+        return None
+    from torch.distributed.tensor import Shard
+
+    plain = [n for n in params if n not in set(sharded)]
+    if plain:
+        raise ValueError(f"GeodesicSAM: {len(sharded)} parameter(s) are sharded (DTensors) and "
+                         f"{len(plain)} are not ({', '.join(plain[:3])}): apply fully_shard to the "
+                         f"root module too (fully_shard(model) after its blocks), so that every "
+                         f"trained parameter is sharded and its gradient reduced")
+    mesh = params[sharded[0]].device_mesh   # fully_shard builds one mesh object per call: compare ranks
+    meshes = {tuple(params[n].device_mesh.mesh.flatten().tolist()) for n in sharded}
+    odd = [n for n in sharded if params[n].device_mesh.ndim != 1 or len(params[n].placements) != 1
+           or not isinstance(params[n].placements[0], Shard)]
+    if odd or len(meshes) != 1:
+        name = (odd or sharded)[0]
+        p = params[name]
+        several = "" if len(meshes) == 1 else " (and the parameters use several meshes)"
+        raise ValueError(f"GeodesicSAM supports parameters sharded by FSDP2 (fully_shard) on one 1-D "
+                         f"device mesh; {name} has placements {tuple(p.placements)} on a "
+                         f"{p.device_mesh.ndim}-D mesh{several}: shard the model with "
+                         f"fully_shard(module) over one mesh")
+    return mesh.get_group()
 
 
 class GeodesicSAM(torch.optim.Optimizer):
@@ -99,7 +216,45 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     or ``opt.step(closure)`` with a closure that computes the loss and calls ``backward()``. The
     perturbation reads the gradients in ``.grad`` (``None`` counts as zero). ``param_groups`` and
-    ``state_dict`` are the base optimizer's, so learning-rate schedulers work on the wrapper.
+    ``state_dict`` are the base optimizer's, so learning-rate schedulers work on the wrapper. The
+    base optimizer's settings are checked at construction and at every ``first_step`` (a schedule
+    may change them): NaN in any setting (``lr=nan``), and an infinite or negative learning rate,
+    weight decay, momentum or eps, are refused before any weight moves. A non-finite gradient is refused
+    (ValueError) by ``first_step`` (nothing written) and by ``second_step`` (the weights restored
+    to w, no base step taken).
+
+    **Distributed training and mixed precision.** Every rank takes the same ascent step, the one
+    of the single-process run on the global batch: g, ‖g‖ and ε come from the gradient averaged
+    over the ranks (docs/distributed.md).
+
+    * **DistributedDataParallel**: pass the DDP-wrapped model (``GeodesicSAM(ddp_model, ...)``; its
+      ``module`` is the model whose blocks are found). The backward passes synchronise the
+      gradients as usual. When the first (ascent) pass runs inside ``ddp_model.no_sync()``, as in
+      many SAM recipes, each rank holds its own gradient: ``first_step`` then averages them itself
+      (one all-reduce per dtype) before the norm, so the ranks never perturb differently.
+    * **FSDP2** (``torch.distributed.fsdp.fully_shard``: parameters and gradients are DTensors
+      sharded on dim 0 of one 1-D mesh; apply ``fully_shard`` to the root module too). The
+      elementwise part of the ball (every weight outside the GL blocks; all weights for
+      ``"adaptive"`` and ``"sam"``) is computed on each rank's shard, and ‖g‖² is summed over the
+      ranks (one all-reduce of a scalar). A GL block needs whole heads, whose rows may straddle
+      shard boundaries and whose G and H live in different parameters: the parameters of one
+      attention module are assembled whole (``DTensor.full_tensor()``, one parameter at a time),
+      the heads' ascent direction is formed identically on every rank (the h×h Gram matrices need
+      no collective), and each rank writes back its own shard. Memory: at most one attention
+      module's weights and gradients are whole at a time (transient: 2× its parameters in the
+      compute dtype, plus a few float64 copies of its heads), on top of FSDP2's own; the
+      attention weights are all-gathered twice per step (once for ‖g‖, once for the point).
+      The layout must be verified on the whole model before ``fully_shard`` (``lay =
+      adapters.layout(model); lay.verify(model, inputs)``): a sharded forward pass gathers its
+      weights itself, so the symmetry check cannot run on it. Gradient synchronisation must be on
+      in both passes (``set_requires_gradient_sync(True)``, the default).
+    * **bfloat16 autocast** (float32 weights): nothing to do; the step is finite, and a
+      non-finite gradient is refused as above.
+    * **float16 with a** ``torch.amp.GradScaler``: ``scaler.scale(loss).backward()`` in both
+      passes and ``first_step(scaler=scaler)``: the gradients are unscaled before the norm and the
+      base step; an overflow skips the update (weights unchanged, :attr:`skipped` True) and
+      ``second_step`` calls ``scaler.update()``, which lowers the scale. Not with FSDP2 (use
+      bfloat16 there).
     """
 
     def __init__(self, model: nn.Module, base_optimizer: Union[Type[torch.optim.Optimizer],
@@ -112,6 +267,9 @@ class GeodesicSAM(torch.optim.Optimizer):
             raise TypeError(f"GeodesicSAM needs the model (an nn.Module) to find its attention "
                             f"blocks, got {type(model).__name__}; pass GeodesicSAM(model, "
                             f"torch.optim.SGD, lr=...)")
+        #: the DistributedDataParallel wrapper when ``model`` is one (its module is the model)
+        self._ddp = model if _is_ddp(model) else None
+        model = model.module if self._ddp is not None else model
         materialised(model, "GeodesicSAM")
         self.model = model
         self.rho = as_rho(rho)
@@ -159,6 +317,20 @@ class GeodesicSAM(torch.optim.Optimizer):
                                                      if p.requires_grad}
         if not self._perturbed:
             raise ValueError("the base optimizer updates no parameter with requires_grad=True")
+        _check_hyperparameters(self.base_optimizer)
+        #: the process group of FSDP2-sharded parameters (DTensors), ``None`` when not sharded
+        self._shard_group = _shard_group_of(self._perturbed)
+        #: whether the DDP model's last forward pass with autograd synchronised gradients (outside
+        #: ``no_sync()``); the first backward of the SAM recipe often runs inside it
+        self._ddp_state = {"synced": True}
+        if self._ddp is not None:
+            state = self._ddp_state
+
+            def record_sync(module, args):
+                if torch.is_grad_enabled():
+                    state["synced"] = bool(getattr(module, "require_backward_grad_sync", True))
+
+            self._ddp_hook = self._ddp.register_forward_pre_hook(record_sync)
         #: the inputs of the model's first forward pass after construction, until the layout is verified
         self._first_inputs: Dict[str, Any] = {}
         self._capture = None
@@ -172,6 +344,10 @@ class GeodesicSAM(torch.optim.Optimizer):
         #: the norm of the ascent direction g at the last ``first_step`` (metric norm, or
         #: Euclidean for ``"sam"``)
         self.grad_norm: Optional[float] = None
+        #: whether the last update was skipped because a GradScaler's scaled gradients overflowed
+        #: (``None`` between a skipping ``first_step`` and its ``second_step``)
+        self.skipped: Optional[bool] = False
+        self._scaler = None
 
     # ------------------------------------------------------------------ set-up
     def _checked_layout(self, layout, allow_unsupported: bool, unsafe: bool):
@@ -184,7 +360,26 @@ class GeodesicSAM(torch.optim.Optimizer):
                                 consequence=SAM_CONSEQUENCE, unsafe=unsafe, allow_unsupported=allow_unsupported,
                                 stacklevel=4)
         self._unsafe = unsafe
-        if layout.blocks and not is_verified(self.model, layout) and verification_pending(layout, unsafe=unsafe):
+        pending = (bool(layout.blocks) and not is_verified(self.model, layout)
+                   and verification_pending(layout, unsafe=unsafe))
+        if pending and self._shard_group is not None:
+            # FSDP2 gathers the weights inside the forward pass itself, so the acted-on weights of a
+            # verification would never reach it: the layout must have passed on the whole model
+            if _verified_before_sharding(self.model, layout):
+                pending = False
+            elif unsafe:
+                warnings.warn(f"unsafe=True: GeodesicSAM({self.geometry}) uses a layout not verified "
+                              f"on this model before it was sharded; {SAM_CONSEQUENCE} if a block is "
+                              f"not a symmetry", UserWarning, stacklevel=4)
+                pending = False
+            else:
+                raise ValueError(
+                    f"GeodesicSAM({self.geometry}): the model is sharded (FSDP2), and a layout's blocks "
+                    f"cannot be verified on a sharded model. Verify them on the whole model before "
+                    f"fully_shard, on every rank: lay = adapters.layout(model); lay.verify(model, "
+                    f"inputs); then fully_shard(...) and GeodesicSAM(model, ..., layout=lay) (or "
+                    f"layout=None: the same blocks are recognised). Or use geometry='adaptive'")
+        if pending:
             # verified on the inputs of the model's next forward pass (the first batch)
             self._capture = capture_first_call(self.model, self._first_inputs)
         outside = sorted({p for b in layout.blocks for p in b.params} - set(self._perturbed))
@@ -200,39 +395,114 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the two steps
     @torch.no_grad()
-    def first_step(self, zero_grad: bool = False) -> None:
+    def first_step(self, zero_grad: bool = False, *, scaler=None) -> None:
         """Perturb the model's weights in place, w ← w_adv = R_w(ρ g/‖g‖), from the gradients in
-        ``.grad`` (taken at w); ``zero_grad=True`` then clears them for the pass at w_adv."""
-        if self._saved is not None:
+        ``.grad`` (taken at w); ``zero_grad=True`` then clears them for the pass at w_adv.
+
+        Under DistributedDataParallel, a backward pass run inside ``model.no_sync()`` left each rank
+        its own gradient: they are averaged here first (one all-reduce), so that every rank takes
+        the same ascent step. Non-finite gradients are refused (ValueError) before any weight is
+        written.
+
+        ``scaler``: the ``torch.amp.GradScaler`` of a float16 mixed-precision loop (the loss was
+        ``scaler.scale(loss).backward()``). The gradients are unscaled first (``scaler.unscale_``),
+        so ‖g‖ and the base step see the true gradient; non-finite ones are then the scaler's
+        overflow signal, not an error: the update is skipped (the weights stay at w,
+        :attr:`skipped` is True) and :meth:`second_step` lowers the scale."""
+        if self._saved is not None or self.skipped is None:
             raise RuntimeError("first_step() was called twice without second_step(): the weights "
                                "are at w_adv; call second_step() to restore them first")
-        grads = {n: p.grad for n, p in self._perturbed.items()}
+        _check_hyperparameters(self.base_optimizer)
+        current = dict(self.model.named_parameters())
+        replaced = [n for n, p in self._perturbed.items() if current.get(n) is not p]
+        if replaced:
+            raise RuntimeError(f"the model's parameter(s) {', '.join(replaced[:3])} were replaced "
+                               f"after GeodesicSAM was built (e.g. by fully_shard, or by assigning "
+                               f"a new nn.Parameter): the base optimizer would update the old ones; "
+                               f"build the optimizer and GeodesicSAM after sharding the model")
+        self._scaler = self._checked_scaler(scaler)
+        if self._scaler is not None:
+            self._scaler.unscale_(self)
+        grads = self._synchronised_gradients()
         if all(g is None for g in grads.values()):
             raise RuntimeError("no gradient in .grad: compute the loss at the current weights and "
-                               "call loss.backward() before first_step()")
-        bad = [n for n, g in grads.items() if g is not None and not g.is_sparse
-               and not bool(torch.isfinite(g).all())]
-        if bad:  # refused before any write: the elementwise norm would hide them (nan_to_num)
-            raise ValueError(f"non-finite values (NaN/inf) in .grad of {', '.join(bad[:5])}"
-                             f"{' ...' if len(bad) > 5 else ''}: the weights were left unchanged; "
-                             "check the loss for NaN/inf (lower the learning rate, or clip gradients "
-                             "before first_step())")
+                               "call loss.backward() before first_step()"
+                               + (" (under FSDP2, with gradient synchronisation on: "
+                                  "model.set_requires_gradient_sync(True))"
+                                  if self._shard_group is not None else ""))
         if any(g is not None and g.is_sparse for g in grads.values()):
             raise RuntimeError("sparse gradients are not supported by GeodesicSAM; use dense "
                                "embeddings (sparse=False)")
+        bad = self._non_finite(grads)
+        if bad is not None and self._scaler is not None:   # the scale overflowed: skip the update
+            self.skipped, self.grad_norm = None, None          # None until second_step: pending
+            if zero_grad:
+                self.zero_grad()
+            return
+        if bad is not None:  # refused before any write: the elementwise norm would hide them (nan_to_num)
+            raise ValueError(f"non-finite values (NaN/inf) in .grad{bad} at the current weights: the "
+                             "weights were left unchanged; check the loss for NaN/inf (lower the "
+                             "learning rate, or clip gradients before first_step())")
         if self._capture is not None:
-            self._verify_layout()
+            self._verify_layout_on_every_rank()
         self._saved = {n: p.detach().clone() for n, p in self._perturbed.items()}
         try:
             if not GEOMETRY_TABLE[self.geometry].ball:
                 self._euclidean_ascent_(grads)
+            elif self._shard_group is not None:
+                self._sharded_ball_ascent_(grads)
             else:
                 self._ball_ascent_(grads)
         except BaseException:
             self._restore()
             raise
+        self.skipped = False
         if zero_grad:
             self.zero_grad()
+
+    def _checked_scaler(self, scaler):
+        if scaler is None or not scaler.is_enabled():
+            return None
+        if not callable(getattr(scaler, "unscale_", None)):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if self._shard_group is not None:
+            raise ValueError("GeodesicSAM with a GradScaler on an FSDP2-sharded model is not supported "
+                             "(the scaler's overflow record is per rank): train in bfloat16 autocast, "
+                             "which needs no scaler")
+        return scaler
+
+    def _verify_layout_on_every_rank(self) -> None:
+        """:meth:`_verify_layout`; under DDP each rank verifies on its own batch, so the outcomes
+        (a refusal, or blocks whose group was derived or dropped) are compared across the ranks
+        (one all_gather_object, once): they must agree, or every rank perturbs differently."""
+        if self._ddp is None:
+            self._verify_layout()
+            return
+        import torch.distributed as dist
+
+        error: Optional[BaseException] = None
+        try:
+            self._verify_layout()
+        except Exception as err:   # raised below, after the other ranks have heard of it
+            error = err
+        mine = (None if error is None else f"{type(error).__name__}: {error}",
+                None if error is not None else [b.describe() for b in self.layout.blocks])
+        group = getattr(self._ddp, "process_group", None)
+        outcomes: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(outcomes, mine, group=group)
+        if error is not None:
+            raise error
+        failed = [rank for rank, (err, _) in enumerate(outcomes) if err is not None]
+        if failed:
+            raise RuntimeError(f"GeodesicSAM({self.geometry}): the layout failed verification on "
+                               f"rank(s) {failed} ({outcomes[failed[0]][0]}); every rank stops")
+        if any(blocks != mine[1] for _, blocks in outcomes):
+            raise RuntimeError(f"GeodesicSAM({self.geometry}): the ranks accepted different layouts "
+                               f"when verifying on their own first batches (a block's group derived "
+                               f"or dropped on some ranks only), so they would perturb differently: "
+                               f"verify the layout once (lay = adapters.layout(model); "
+                               f"lay.verify(model, inputs) with the same inputs on every rank) and "
+                               f"pass layout=lay")
 
     def _verify_layout(self) -> None:
         """Verify the layout on the first batch's inputs (once; see :mod:`quotient_manifolds.adapters.accept`)."""
@@ -258,14 +528,50 @@ class GeodesicSAM(torch.optim.Optimizer):
         self._first_inputs, self._capture = {}, None  # after a refusal the next step verifies again
 
     @torch.no_grad()
-    def second_step(self, zero_grad: bool = False) -> None:
+    def second_step(self, zero_grad: bool = False, *, scaler=None) -> None:
         """Restore w exactly (bit for bit) and take the base optimizer's step with the gradients in
-        ``.grad`` (taken at w_adv)."""
+        ``.grad`` (taken at w_adv). Non-finite gradients are refused (ValueError) with the weights
+        restored to w and no base step taken.
+
+        ``scaler``: the GradScaler given to :meth:`first_step` (the default): the gradients are
+        unscaled before the step; an overflow skips the base step (the weights stay at w,
+        :attr:`skipped` is True); ``scaler.update()`` is called in every case."""
+        if scaler is not None and self._scaler is not None and scaler is not self._scaler:
+            raise ValueError("second_step(scaler=...) got another GradScaler than first_step: pass "
+                             "the same one (or none: first_step's is used)")
+        scaler = self._scaler
+        if self.skipped is None:   # first_step skipped the update: the scaler lowers its scale
+            self.skipped, self._scaler = True, None
+            if zero_grad:
+                self.zero_grad()
+            scaler.update()
+            return
         if self._saved is None:
             raise RuntimeError("second_step() without first_step(): call first_step() after the "
                                "backward pass at w, then backward at w_adv, then second_step()")
         self._restore()
-        self.base_optimizer.step()
+        self._scaler = None
+        if scaler is not None:
+            scaler.unscale_(self.base_optimizer)   # its own record: the scaler allows one per optimizer
+        grads = self._synchronised_gradients()
+        bad = self._non_finite(grads)
+        if bad is not None and scaler is not None:
+            self.skipped = True
+            if zero_grad:
+                self.zero_grad()
+            scaler.update()
+            return
+        if bad is not None:  # the weights are back at w: the base step must not write NaN into them
+            raise ValueError(f"non-finite values (NaN/inf) in .grad{bad} at the perturbed weights "
+                             f"w_adv: the weights were restored to w and the base step was not "
+                             f"taken; the loss overflows within the ball: lower rho (now "
+                             f"{self.rho:g}) or the learning rate, or clip gradients before "
+                             f"second_step()")
+        if scaler is not None:
+            scaler.step(self.base_optimizer)
+            scaler.update()
+        else:
+            self.base_optimizer.step()
         if zero_grad:
             self.zero_grad()
 
@@ -298,13 +604,17 @@ class GeodesicSAM(torch.optim.Optimizer):
     # ------------------------------------------------------------------ ascent directions
     def _euclidean_ascent_(self, grads: Dict[str, Optional[Tensor]]) -> None:
         """Plain SAM, in place: w ← w + ρ∇/‖∇‖₂ (per-tensor norms in one fused pass, half
-        precision accumulated in float32)."""
-        present = [(self._perturbed[n], g) for n, g in grads.items() if g is not None]
+        precision accumulated in float32; sharded parameters: each rank's shard, ‖∇‖² summed over
+        the ranks)."""
+        present = [(_local(self._perturbed[n]), _local(g)) for n, g in grads.items() if g is not None]
         norms = [torch._foreach_norm([g for _, g in present if g.dtype == dtype], 2,
                                      torch.float32 if dtype in HALF_DTYPES else None)
                  for dtype in {g.dtype for _, g in present}]
-        norm = float(torch.linalg.vector_norm(torch.stack([n.double() for part in norms
-                                                           for n in part])))
+        norms = [n.double() for part in norms for n in part]
+        if self._shard_group is None:
+            norm = float(torch.linalg.vector_norm(torch.stack(norms)))
+        else:
+            norm = math.sqrt(max(self._sum_over_ranks(float(sum(n * n for n in norms))), 0.0))
         self.grad_norm = self._checked_norm(norm)
         if norm > 0:
             for p, g in present:
@@ -332,6 +642,157 @@ class GeodesicSAM(torch.optim.Optimizer):
         for n, p in self._perturbed.items():
             if params[n] is not params0[n]:
                 p.copy_(params[n])
+
+    def _sharded_ball_ascent_(self, grads: Dict[str, Optional[Tensor]]) -> None:
+        r""":meth:`_ball_ascent_` for FSDP2-sharded parameters (DTensors sharded on one mesh
+        dimension), with the same ε = ρ g/‖g‖ and w_adv on every rank as the unsharded model.
+
+        * Weights outside the GL blocks (elementwise metric, every weight for ``"adaptive"``): each
+          rank's own shard, ‖g‖² summed over the ranks (one all-reduce of a scalar).
+        * GL blocks: a head's rows may straddle shard boundaries and its G and H live in different
+          parameters, so the parameters of one attention module's blocks (blocks that share a
+          parameter are taken together) are assembled whole (``DTensor.full_tensor()``, one
+          parameter at a time), the ascent direction of their heads is formed on every rank alike
+          (so the Gram matrices need no collective and ‖g‖² of the blocks is not summed), and each
+          rank writes back its own shard. This is done twice per step, once for ‖g‖ and once for
+          the point at ε, so only one module's attention weights and gradients are whole at a time:
+          the transient memory is 2× the largest attention module's parameters in the compute
+          dtype, plus a few float64 copies of its heads (point, gradient, direction), not the
+          model's.
+        """
+        upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
+        covered = self._block_parameters()
+        local_names = [n for n in self._perturbed if n not in covered and _local(self._perturbed[n]).numel()]
+        layout = None
+        if self.layout is not None:   # the weights a geodesic ball moves elementwise
+            layout = dataclasses.replace(self.layout, blocks=[])
+            local_names = [n for n in local_names if n in set(self.layout.adaptive)]
+        local = None
+        if local_names:   # this rank's shards of them (a rank may hold none)
+            params0 = {n: as_compute(_local(self._perturbed[n]).detach(), upcast) for n in local_names}
+            ball, ball_params = self._ball_of(params0, layout)
+            rgrad = ball.rgrad(ball_params.gather({n: None if grads[n] is None else _local(grads[n])
+                                                   for n in local_names}))
+            local = (ball, ball_params, rgrad)
+        sq = self._sum_over_ranks(0.0 if local is None else float(local[0].inner(local[2], local[2])))
+        for blocks in self._block_groups():
+            ball, _, rgrad = self._whole_blocks(blocks, grads, upcast)
+            sq += float(ball.inner(rgrad, rgrad))   # the same on every rank: counted once
+        norm = math.sqrt(max(sq, 0.0))
+        self.grad_norm = self._checked_norm(norm)
+        if norm == 0:
+            return
+        if local is not None:
+            ball, ball_params, rgrad = local
+            torch._foreach_mul_(rgrad, self.rho / norm)
+            params = ball_params(ball.points(rgrad, consume=True))
+            for n in ball_params.params0:
+                if params[n] is not ball_params.params0[n]:
+                    _local(self._perturbed[n]).copy_(params[n])
+        for blocks in self._block_groups():
+            ball, ball_params, rgrad = self._whole_blocks(blocks, grads, upcast)
+            torch._foreach_mul_(rgrad, self.rho / norm)
+            params = ball_params(ball.points(rgrad, consume=True))
+            for n, whole in params.items():
+                if whole is not ball_params.params0[n]:
+                    p = self._perturbed[n]
+                    _local(p).copy_(_shard_of(whole, p))
+
+    def _ball_of(self, params0: Dict[str, Tensor], layout):
+        return build_ball(self.model, params0, geometry=self.geometry, layout=layout,
+                          retraction=self.retraction, gram_eps=self.gram_eps,
+                          elementwise_second_order=self.elementwise_second_order)
+
+    def _block_parameters(self) -> set:
+        """Names of the parameters that a GL block touches (wholly or in part)."""
+        if self.layout is None:
+            return set()
+        return {p for b in self.layout.blocks for p in b.params}
+
+    def _block_groups(self) -> List[List]:
+        """The layout's blocks in groups that share no parameter (one attention module's blocks),
+        in the layout's order (the same on every rank: the gathers are collectives)."""
+        blocks = list(self.layout.blocks) if self.layout is not None else []
+        groups: List[Tuple[set, List]] = []
+        for block in blocks:
+            touching = [g for g in groups if g[0] & set(block.params)]
+            names, members = set(block.params), [block]
+            for g in touching:
+                names |= g[0]
+                members = g[1] + members
+                groups.remove(g)
+            groups.append((names, members))
+        order = {id(b): i for i, b in enumerate(blocks)}
+        return [sorted(members, key=lambda b: order[id(b)]) for _, members in
+                sorted(groups, key=lambda g: min(order[id(b)] for b in g[1]))]
+
+    def _whole_blocks(self, blocks: List, grads: Dict[str, Optional[Tensor]], upcast: bool):
+        """(ball, ball parameters, Riemannian gradient) of ``blocks`` on their whole parameters."""
+        touched = {p for b in blocks for p in b.params}
+        # in the model's order (the same on every rank: the gathers are collectives); entries of
+        # these parameters outside the blocks are elementwise, in this ball too (its masks)
+        names = [n for n in self._perturbed if n in touched]
+        params0 = {n: as_compute(_whole(self._perturbed[n].detach()), upcast) for n in names}
+        whole_grads = {n: None if grads[n] is None else _whole(grads[n]) for n in names}
+        ball, ball_params = self._ball_of(params0, dataclasses.replace(self.layout, blocks=blocks))
+        return ball, ball_params, ball.rgrad(ball_params.gather(whole_grads))
+
+    # ------------------------------------------------------------------ ranks
+    def _synchronised_gradients(self) -> Dict[str, Optional[Tensor]]:
+        """The gradients in ``.grad``; under DDP after a backward pass inside ``no_sync()``,
+        averaged over the ranks first (in place: one all-reduce per dtype, after one of which
+        parameters hold a gradient)."""
+        grads = {n: p.grad for n, p in self._perturbed.items()}
+        if self._ddp is None or self._ddp_state["synced"]:
+            return grads
+        import torch.distributed as dist
+
+        group = getattr(self._ddp, "process_group", None)
+        world = dist.get_world_size(group)
+        names = [n for n, g in grads.items() if g is None or not g.is_sparse]   # sparse: refused next
+        # a parameter unused on some ranks has no gradient there: it counts as 0 in the average,
+        # and keeps .grad None only where no rank has one (AdamW would decay a zero gradient)
+        device = next(iter(self._perturbed.values())).device   # NCCL reduces on the GPU only
+        held = torch.tensor([grads[n] is not None for n in names], dtype=torch.float64, device=device)
+        dist.all_reduce(held, group=group)
+        names = [n for n, count in zip(names, held.tolist()) if count > 0]
+        for dtype in sorted({self._perturbed[n].dtype for n in names}, key=str):
+            part = [n for n in names if self._perturbed[n].dtype == dtype]
+            flat = torch.cat([torch.zeros(self._perturbed[n].numel(), dtype=dtype,
+                                          device=self._perturbed[n].device) if grads[n] is None
+                              else grads[n].reshape(-1).to(dtype) for n in part])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            for n, piece in zip(part, torch.split(flat, [self._perturbed[n].numel() for n in part])):
+                piece = piece.view_as(self._perturbed[n])
+                if grads[n] is None:
+                    self._perturbed[n].grad = grads[n] = piece.clone()
+                else:
+                    grads[n].copy_(piece)
+        self._ddp_state["synced"] = True
+        return grads
+
+    def _non_finite(self, grads: Dict[str, Optional[Tensor]]) -> Optional[str]:
+        """``None`` when every gradient is finite on every rank; else a description of where not."""
+        bad = [n for n, g in grads.items() if g is not None and not g.is_sparse
+               and not bool(torch.isfinite(_local(g)).all())]
+        if self._shard_group is not None:
+            if self._sum_over_ranks(float(len(bad))) == 0:
+                return None
+            return (f" of {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}" if bad else
+                    " on another rank")
+        return None if not bad else f" of {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+
+    def _sum_over_ranks(self, value: float) -> float:
+        """Σ over the ranks of the sharded parameters' process group (float64)."""
+        if self._shard_group is None:
+            return value
+        import torch.distributed as dist
+
+        device = next(iter(self._perturbed.values())).device
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=self._shard_group)
+        return float(t[0])
 
     @staticmethod
     def _checked_norm(norm: float) -> float:

@@ -4,6 +4,7 @@ to ASAM and to plain SAM, exact restoration of the weights, training, cost per s
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 
@@ -355,4 +356,165 @@ def test_errors_say_what_to_do():
     failing.calls = 0
     with pytest.raises(KeyboardInterrupt):
         opt.step(failing)
+    assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
+
+
+# ------------------------------------------------------------------------------------ non-finite, AMP
+NON_FINITE = (float("nan"), float("inf"), float("-inf"))
+
+
+def _poison(model, seed, value):
+    """Write ``value`` into one entry, chosen by ``seed``, of one parameter's ``.grad``."""
+    g = torch.Generator().manual_seed(seed)
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    name, p = named[int(torch.randint(len(named), (1,), generator=g))]
+    p.grad.view(-1)[int(torch.randint(p.grad.numel(), (1,), generator=g))] = value
+    return name
+
+
+@pytest.mark.parametrize("geometry", ["geodesic-mix", "geodesic-inv", "adaptive", "sam"])
+def test_second_step_refuses_a_non_finite_gradient_at_w_adv_and_restores_w(geometry):
+    """NaN/±inf anywhere in the gradient at w_adv: second_step raises, the weights are w bit for bit,
+    the base optimizer took no step (no momentum buffer), and the next update runs normally."""
+    torch.manual_seed(0)
+    model = PlainViT()
+    batch = (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
+    w = params_of(model)
+    opt = GeodesicSAM(model, torch.optim.SGD, rho=0.3, geometry=geometry, lr=0.1, momentum=0.9)
+    for seed, value in enumerate(NON_FINITE * 2):
+        backward(model, batch)
+        opt.first_step(zero_grad=True)
+        backward(model, batch)
+        name = _poison(model, seed, value)
+        with pytest.raises(ValueError, match="non-finite.*restored to w") as err:
+            opt.second_step(zero_grad=True)
+        assert name in str(err.value)
+        assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters()), (seed, name)
+        assert not opt.base_optimizer.state
+        opt.zero_grad()
+    opt.step(lambda: backward(model, batch))           # the state is clean: an update goes through
+    assert opt.base_optimizer.state and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("key,value", [("lr", v) for v in NON_FINITE] + [
+    ("momentum", float("nan")), ("weight_decay", float("inf")), ("dampening", float("nan")),
+    ("lr", torch.tensor(float("nan")))])
+def test_base_optimizer_hyperparameters_are_validated(key, value):
+    """A non-finite (or negative) setting of the base optimizer is refused: as a class's keyword, in
+    an instance, and when a schedule or the user writes it into a param group later (refused at
+    first_step, before any weight moves)."""
+    torch.manual_seed(0)
+    model = PlainViT()
+    batch = (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
+    kwargs = {"lr": 0.1, "momentum": 0.9, key: value}
+    with pytest.raises(ValueError, match=f"{key}=|Invalid"):   # ours, or torch's own (negative values)
+        GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", **kwargs)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    base.param_groups[0][key] = value           # torch lets NaN through (nan < 0 is False)
+    with pytest.raises(ValueError, match=f"param group 0 has {key}="):
+        GeodesicSAM(model, base, geometry="adaptive")
+    opt = GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", lr=0.1, momentum=0.9)
+    opt.param_groups[0][key] = value
+    w = params_of(model)
+    backward(model, batch)
+    with pytest.raises(ValueError, match=key):
+        opt.first_step()
+    assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
+    adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    adam.param_groups[0]["lr"] = -1e-3         # a negative rate would ascend: refused too
+    with pytest.raises(ValueError, match="lr=-0.001: a number >= 0"):
+        GeodesicSAM(model, adam, geometry="adaptive")
+    adam.param_groups[0].update(lr=1e-3, betas=(0.9, float("nan")))
+    with pytest.raises(ValueError, match="betas=.*nan"):
+        GeodesicSAM(model, adam, geometry="adaptive")
+    adam.param_groups[0].update(betas=(0.9, 0.999), custom_threshold=float("inf"))
+    GeodesicSAM(model, adam, geometry="adaptive")   # an infinite setting torch does not define: kept
+
+
+@pytest.mark.parametrize("geometry", ["geodesic-mix", "geodesic-inv", "adaptive", "sam"])
+def test_bf16_autocast_step_is_finite_and_a_non_finite_gradient_leaves_the_model(geometry):
+    """float32 weights, forward and backward in bfloat16 autocast: the update is finite and moves
+    the weights; a NaN gradient (at w or at w_adv) leaves them as they were."""
+    torch.manual_seed(0)
+    model = PlainViT()
+    batch = (torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,)))
+
+    def closure():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return backward(model, batch)
+
+    opt = GeodesicSAM(model, torch.optim.SGD, rho=0.3, geometry=geometry, lr=0.1)
+    w = params_of(model)
+    assert math.isfinite(opt.step(closure)) and math.isfinite(opt.grad_norm) and opt.grad_norm > 0
+    assert all(torch.isfinite(p).all() and p.dtype == torch.float32 for p in model.parameters())
+    assert any(not torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
+    for where in ("w", "w_adv"):
+        w = params_of(model)
+        opt.zero_grad()
+        closure()
+        if where == "w":
+            _poison(model, 0, float("nan"))
+        else:
+            opt.first_step(zero_grad=True)
+            closure()
+            _poison(model, 1, float("inf"))
+        with pytest.raises(ValueError, match="non-finite"):
+            opt.first_step() if where == "w" else opt.second_step()
+        assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters()), where
+
+
+def test_grad_scaler_unscales_before_the_norm_and_skips_an_overflow():
+    """float16-style loop with a torch.amp.GradScaler: the gradients are unscaled before ‖g‖ and
+    the base step (the update equals the unscaled one bit for bit: the scale is a power of 2); an
+    overflow at w or at w_adv skips the update, leaves the weights, and halves the scale."""
+    torch.manual_seed(0)
+    model = PlainViT()
+    twin = copy.deepcopy(model)
+    batch = (torch.randn(8, 1, 8, 8), torch.randint(0, 3, (8,)))
+
+    def scaled(scaler):
+        inputs, targets = batch
+        scaler.scale(F.cross_entropy(model(inputs), targets)).backward()
+
+    opt = GeodesicSAM(model, torch.optim.SGD, rho=0.3, geometry="geodesic-mix", lr=0.1, momentum=0.9)
+    plain = GeodesicSAM(twin, torch.optim.SGD, rho=0.3, geometry="geodesic-mix", lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=100)
+    scaled(scaler)
+    opt.first_step(zero_grad=True, scaler=scaler)
+    scaled(scaler)
+    opt.second_step(zero_grad=True)
+    plain.step(lambda: backward(twin, batch))
+    assert opt.skipped is False and opt.grad_norm == plain.grad_norm
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+    assert scaler.get_scale() == 2.0 ** 10
+
+    for where in ("w", "w_adv"):
+        w = params_of(model)
+        scale = scaler.get_scale()
+        scaled(scaler)
+        if where == "w":
+            _poison(model, 2, float("inf"))
+        opt.first_step(zero_grad=True, scaler=scaler)
+        assert opt.skipped is (None if where == "w" else False)
+        scaled(scaler)
+        if where == "w_adv":
+            _poison(model, 3, float("nan"))
+        opt.second_step(zero_grad=True, scaler=scaler)
+        assert opt.skipped is True, where
+        assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters()), where
+        assert scaler.get_scale() == scale / 2, where
+
+
+def test_parameters_replaced_after_construction_are_refused():
+    """fully_shard (or assigning a new Parameter) after GeodesicSAM was built leaves the base
+    optimizer on the old tensors: first_step refuses before any weight moves."""
+    torch.manual_seed(0)
+    model = PlainViT()
+    opt = GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", lr=0.1)
+    model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+    w = params_of(model)
+    backward(model, (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,))))
+    with pytest.raises(RuntimeError, match="head.weight were replaced.*after sharding"):
+        opt.first_step()
     assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
