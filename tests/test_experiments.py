@@ -385,14 +385,13 @@ def test_resume_after_sigkill_and_partial_line(tmp_path, capsys):
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, env=_env(QM_EXPERIMENTS_TEST_DELAY="0.7"),
                                 cwd=str(tmp_path), stdout=fh, stderr=subprocess.STDOUT)
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            if os.path.exists(res) and len(_lines(res)) >= 1:
-                break
+        # until the first result line (no deadline: a loaded machine only makes it later); a run
+        # that ends first fails below
+        while proc.poll() is None and not (os.path.exists(res) and len(_lines(res)) >= 1):
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert os.path.exists(res), "no result line within 90 s:\n" + _read(log).decode()
+    assert os.path.exists(res), "the run ended without a result line:\n" + _read(log).decode()
     first = _lines(res)
     assert 1 <= len(first) < 4, "the run was not killed mid-way"
     # rerun: resumes, every model exactly once, finished models untouched
@@ -579,10 +578,8 @@ def _same(a, b) -> bool:
 
 def test_quick_diagonal(tmp_path):
     out = str(tmp_path / "diag")
-    started = time.perf_counter()
     assert run(["diagonal", "--quick", "--no-progress", "--out", out, "--draws", "0,1",
                 "--models", "3"]) == 0
-    assert time.perf_counter() - started < 60
     s = _summary(out)
     assert s["n_models"] == 6 and s["draws"] == [0, 1]
     assert set(s["main"]) == {"adaptive", "geodesic-inv", "geodesic-mix-manifold", "geodesic-mix"}
@@ -982,9 +979,7 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     argv = ["vision", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out,
             "--measures", ",".join(measures), "--rho-sweep", "3", "--n-boot", "200",
             "--n-iters", "1"]
-    started = time.perf_counter()
     assert run(argv) == 0
-    elapsed = time.perf_counter() - started
     cal = json.loads(_read(os.path.join(out, "calibration.json")))
     assert cal["calibrated"] == ["adaptive", "inv", "mix"] and cal["pilot_models"] == [0, 1]
     for fam in cal["calibrated"]:
@@ -1041,7 +1036,6 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     s2 = _summary(again)
     for key in ("main", "curvature", "calibration", "r2", "sweep", "ablations"):
         assert _same(s2[key], s[key]), key
-    assert elapsed < 60
 
 
 # ---------------------------------------------------------------------------- text, paper protocol
