@@ -12,7 +12,9 @@ a GL(h)-invariant metric.
 Here we recover a rank-4 matrix of size 60 × 40 from 60 % of its entries, with geoopt's Riemannian
 SGD on that manifold, and follow the error on *all* entries.
 
-Install: ``pip install quotient-manifolds`` (see :doc:`/install`).
+Install, in a clone of the repository (the package is not on PyPI yet; a wheel built from the
+clone works too, see :doc:`/install`): ``pip install -e . matplotlib`` (matplotlib draws the
+figure).
 """
 
 # %%
