@@ -93,3 +93,36 @@ for start in (x0, x1):
     products.append(G @ H.T)
 rel = ((products[0] - products[1]).norm() / products[0].norm()).item()
 print(f"after one step, G Hᵀ from the two representatives differs by {rel:.1e} (relative)")
+
+# %%
+# Inside an ``nn.Module``
+# -----------------------
+# A point is one tensor ``x = [G; H]``, so ``G`` and ``H`` cannot be two separate parameters that
+# the optimiser updates on their own: it must see the point. In a module of your own, make ``x``
+# the parameter and take the factors where they are used, ``G, H = M.split(x)`` (views: no copy,
+# the gradient reaches ``x``). A module that already holds the two factors as separate weights —
+# here a rank-4 layer made of two ``nn.Linear`` — can stay as it is: call it with its weights taken
+# from the point (``torch.func.functional_call``), and copy the trained factors back at the end.
+# (For peft LoRA models :func:`~quotient_manifolds.adapters.lora_quotient_parameters` does this.)
+from torch import nn
+from torch.func import functional_call
+
+layer = nn.Sequential(nn.Linear(m, h, bias=False), nn.Linear(h, n, bias=False)).double()
+# the layer's matrix is W1 W0, with W1 of shape (n, h) and W0 of shape (h, m): G = W1, H = W0ᵀ
+x = geoopt.ManifoldParameter(M.pack(layer[1].weight.detach(), layer[0].weight.detach().T), manifold=M)
+opt = geoopt.optim.RiemannianSGD([x], lr=0.5, momentum=0.5)
+eye = torch.eye(m, dtype=torch.float64)        # the layer applied to the unit vectors: its matrix
+for step in range(300):
+    opt.zero_grad()
+    G, H = M.split(x)
+    W = functional_call(layer, {"0.weight": H.T, "1.weight": G}, (eye,)).T      # G Hᵀ, (n, m)
+    loss = 0.5 * ((W - target)[mask] ** 2).sum()
+    loss.backward()
+    opt.step()
+with torch.no_grad():                          # the trained factors back into the module
+    G, H = M.split(x)
+    layer[1].weight.copy_(G)
+    layer[0].weight.copy_(H.T)
+W = layer(eye).T.detach()
+print(f"the layer's matrix, relative error on all entries: "
+      f"{((W - target).norm() / target.norm()).item():.1e}")
