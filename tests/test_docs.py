@@ -23,7 +23,8 @@ def _documented_names(page: pathlib.Path) -> set:
     """Names of the auto* directives of an API page, qualified by its module (``automodule``)."""
     text = page.read_text()
     module = re.search(r"^\.\. automodule:: (\S+)$", text, flags=re.M)
-    names = re.findall(r"^\.\. auto(?:function|class|data|exception|attribute):: (\S+)$", text, flags=re.M)
+    names = re.findall(r"^\.\. auto(?:function|class|data|exception|attribute):: ([\w.]+)(?:\(.*\))?$", text,
+                       flags=re.M)                # a directive may give the signature itself
     return {f"{module.group(1)}.{n}" if module and "." not in n else n for n in names}
 
 
@@ -92,3 +93,61 @@ def test_packages_are_typed(folder, package):
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(rf'^"?{re.escape(package)}"? = \["py.typed"\]$', pyproject, flags=re.M), \
         "py.typed not in package-data"
+
+
+def _conf(block_curvlinops: bool) -> dict:
+    """docs/conf.py's settings, read in a fresh interpreter (curvlinops hidden when asked)."""
+    code = ("import json, runpy, sys\n"
+            + ("sys.modules['curvlinops'] = None\n" if block_curvlinops else "")
+            + f"conf = runpy.run_path({str(DOCS / 'conf.py')!r})\n"
+              "print(json.dumps({k: conf[k] for k in ('autodoc_mock_imports', 'autodoc_type_aliases')}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                                        "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_docs_build_without_curvlinops_mocks_it():
+    """The `docs` extra cannot bring curvlinops (it installs with --no-deps): where it is missing
+    autodoc imports the Hessian against a stand-in; where it is installed, the real one."""
+    assert _conf(block_curvlinops=True)["autodoc_mock_imports"] == ["curvlinops"]
+    if importlib.util.find_spec("curvlinops") is not None:
+        assert _conf(block_curvlinops=False)["autodoc_mock_imports"] == []
+
+
+def test_dataclass_signatures_render_without_typing_paths_or_factories():
+    sys.path.insert(0, str(DOCS))
+    try:
+        conf = importlib.import_module("conf")
+    finally:
+        sys.path.remove(str(DOCS))
+    from quotient_manifolds.adapters import Layout, SharpnessResult
+    signature, _ = conf._dataclass_signature(None, "class", "Layout", Layout, {}, "(x)", None)
+    assert signature.startswith("(blocks: List[GLBlock], adaptive: List[str], gl_masks: Dict[str, Tensor]")
+    assert "typing" not in signature and "<factory>" not in signature and "~" not in signature
+    assert "param_shapes: Dict[str, Tuple[int, ...]] = {}" in signature
+    signature, _ = conf._dataclass_signature(None, "class", "SharpnessResult", SharpnessResult, {}, "(x)",
+                                             None)
+    assert "per_batch: List[float]" in signature and "quotient_manifolds" not in signature
+    assert conf._dataclass_signature(None, "function", "f", len, {}, "(x)", None) is None
+
+
+def test_install_is_stated_as_it_is():
+    """Not on the package index: the tutorials and docs/install.md name a clone or a built wheel
+    (whose file name carries the package's version); the library imports as quotient_manifolds
+    and quotient_manifolds.adapters (never a top-level `adapters`)."""
+    import quotient_manifolds
+    install = (DOCS / "install.md").read_text()
+    assert "not on the Python package index" in install
+    assert f"dist/quotient_manifolds-{quotient_manifolds.__version__}-py3-none-any.whl[hf]" in install
+    assert "pip wheel --no-deps -w dist ." in install
+    assert not re.search(r"imports as[^.]*`adapters`", install)
+    assert "from quotient_manifolds import adapters" in install
+    pages = [*(DOCS / "tutorials").glob("*.py"), *DOCS.glob("*.md"), ROOT / "README.md"]
+    for page in pages:
+        text = page.read_text()
+        assert not re.search(r"pip install \"?quotient-manifolds", text), page.name
+    for tutorial in (DOCS / "tutorials").glob("tutorial_*.py"):
+        assert "pip install -e " in tutorial.read_text(), tutorial.name
