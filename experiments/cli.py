@@ -284,10 +284,14 @@ def check_data_dir(path: Optional[str], option: str = "--data-dir") -> None:
     default ($QM_DATA_DIR or the cache) is checked likewise."""
     from .data import cache_dir
     where = cache_dir(path)
-    if os.path.exists(where) and not os.path.isdir(where):
+    existing = where                      # the directory, or the part of its path that exists
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
         named = option if path is not None else "$QM_DATA_DIR"
-        raise ExperimentError(f"{named} {where} is a file, not a directory: give a directory (it is "
-                              f"created if missing), e.g. ~/.cache/quotient-manifolds")
+        inside = "" if existing == where else f": {existing}"
+        raise ExperimentError(f"{named} {where}{inside} is a file, not a directory: give a directory "
+                              f"(it is created if missing), e.g. ~/.cache/quotient-manifolds")
 
 
 def cmd_prepare(args) -> int:

@@ -265,7 +265,8 @@ def test_cli_refuses_a_file_for_a_directory_before_any_work(tmp_path, capsys, mo
     assert main(["report", readme]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a study's results file" in err and "by hand" not in err
-    for argv in (["prepare-data", "--mr", "--data-dir", readme], ["demo", "--quick", "--data-dir", readme]):
+    for argv in (["prepare-data", "--mr", "--data-dir", readme], ["demo", "--quick", "--data-dir", readme],
+                 ["prepare-data", "--rt", "--data-dir", os.path.join(readme, "data")]):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "is a file, not a directory" in err, err
