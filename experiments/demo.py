@@ -253,11 +253,11 @@ def run(args: argparse.Namespace) -> dict:
     sharpness per geometry and the invariance ratios."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from quotient_manifolds import adapters
-
     from .cli import check_data_dir
     args = resolved(args)
     check_data_dir(args.data_dir)            # before minutes of loading and fine-tuning
+
+    from quotient_manifolds import adapters
     if args.quick:
         print("--quick: a smoke test of the steps (one layer, few sentences); its numbers say "
               "nothing about MiniLM", flush=True)

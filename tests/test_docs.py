@@ -7,6 +7,8 @@ tutorial that raises.
 """
 
 import importlib
+import importlib.util
+import os
 import pathlib
 import re
 import subprocess
@@ -95,43 +97,38 @@ def test_packages_are_typed(folder, package):
         "py.typed not in package-data"
 
 
-def _conf(block_curvlinops: bool) -> dict:
-    """docs/conf.py's settings, read in a fresh interpreter (curvlinops hidden when asked)."""
-    code = ("import json, runpy, sys\n"
-            + ("sys.modules['curvlinops'] = None\n" if block_curvlinops else "")
-            + f"conf = runpy.run_path({str(DOCS / 'conf.py')!r})\n"
-              "print(json.dumps({k: conf[k] for k in ('autodoc_mock_imports', 'autodoc_type_aliases')}))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                                        "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    import json
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def _conf(monkeypatch, block_curvlinops: bool = False) -> dict:
+    """docs/conf.py's settings, read here (its changes to sys.path and os.environ undone after);
+    ``block_curvlinops``: as where curvlinops is not installed."""
+    import runpy
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MPLBACKEND"):
+        monkeypatch.setenv(name, os.environ.get(name, "1" if name != "MPLBACKEND" else "Agg"))
+    with monkeypatch.context() as m:
+        if block_curvlinops:
+            m.setitem(sys.modules, "curvlinops", None)      # find_spec then says: not installed
+        return runpy.run_path(str(DOCS / "conf.py"))
 
 
-def test_docs_build_without_curvlinops_mocks_it():
+def test_docs_build_without_curvlinops_mocks_it(monkeypatch):
     """The `docs` extra cannot bring curvlinops (it installs with --no-deps): where it is missing
     autodoc imports the Hessian against a stand-in; where it is installed, the real one."""
-    assert _conf(block_curvlinops=True)["autodoc_mock_imports"] == ["curvlinops"]
+    assert _conf(monkeypatch, block_curvlinops=True)["autodoc_mock_imports"] == ["curvlinops"]
     if importlib.util.find_spec("curvlinops") is not None:
-        assert _conf(block_curvlinops=False)["autodoc_mock_imports"] == []
+        assert _conf(monkeypatch)["autodoc_mock_imports"] == []
 
 
-def test_dataclass_signatures_render_without_typing_paths_or_factories():
-    sys.path.insert(0, str(DOCS))
-    try:
-        conf = importlib.import_module("conf")
-    finally:
-        sys.path.remove(str(DOCS))
+def test_dataclass_signatures_render_without_typing_paths_or_factories(monkeypatch):
+    signature_of = _conf(monkeypatch)["_dataclass_signature"]
     from quotient_manifolds.adapters import Layout, SharpnessResult
-    signature, _ = conf._dataclass_signature(None, "class", "Layout", Layout, {}, "(x)", None)
+    signature, _ = signature_of(None, "class", "Layout", Layout, {}, "(x)", None)
     assert signature.startswith("(blocks: List[GLBlock], adaptive: List[str], gl_masks: Dict[str, Tensor]")
     assert "typing" not in signature and "<factory>" not in signature and "~" not in signature
     assert "param_shapes: Dict[str, Tuple[int, ...]] = {}" in signature
-    signature, _ = conf._dataclass_signature(None, "class", "SharpnessResult", SharpnessResult, {}, "(x)",
-                                             None)
+    signature, _ = signature_of(None, "class", "SharpnessResult", SharpnessResult, {}, "(x)", None)
     assert "per_batch: List[float]" in signature and "quotient_manifolds" not in signature
-    assert conf._dataclass_signature(None, "function", "f", len, {}, "(x)", None) is None
+    assert signature_of(None, "function", "f", len, {}, "(x)", None) is None
 
 
 def test_install_is_stated_as_it_is():
