@@ -42,6 +42,7 @@ print(M)
 # ----------------------------
 # The optimiser only sees the observed entries; the relative error is measured on all of them.
 x = geoopt.ManifoldParameter(M.random(dtype=torch.float64), manifold=M)
+first_start = x.detach().clone()                       # kept for the last section
 opt = geoopt.optim.RiemannianSGD([x], lr=0.5, momentum=0.5)
 losses, errors = [], []
 for step in range(300):
@@ -108,9 +109,13 @@ from torch import nn
 from torch.func import functional_call
 
 layer = nn.Sequential(nn.Linear(m, h, bias=False), nn.Linear(h, n, bias=False)).double()
-# the layer's matrix is W1 W0, with W1 of shape (n, h) and W0 of shape (h, m): G = W1, H = W0ᵀ
+# the layer's matrix is W1 W0, with W1 of shape (n, h) and W0 of shape (h, m): G = W1, H = W0ᵀ.
+# Its weights here start where the first run started.
+with torch.no_grad():
+    layer[1].weight.copy_(M.split(first_start)[0])
+    layer[0].weight.copy_(M.split(first_start)[1].T)
 x = geoopt.ManifoldParameter(M.pack(layer[1].weight.detach(), layer[0].weight.detach().T), manifold=M)
-opt = geoopt.optim.RiemannianSGD([x], lr=0.5, momentum=0.5)
+opt = geoopt.optim.RiemannianSGD([x], lr=0.5, momentum=0.5)     # the first run's optimiser
 eye = torch.eye(m, dtype=torch.float64)        # the layer applied to the unit vectors: its matrix
 for step in range(300):
     opt.zero_grad()
@@ -125,4 +130,4 @@ with torch.no_grad():                          # the trained factors back into t
     layer[0].weight.copy_(H.T)
 W = layer(eye).T.detach()
 print(f"the layer's matrix, relative error on all entries: "
-      f"{((W - target).norm() / target.norm()).item():.1e}")
+      f"{((W - target).norm() / target.norm()).item():.1e} (the first run: {errors[-1]:.1e})")
