@@ -106,7 +106,7 @@ def beside_adapterhub(env_dir, workdir):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=None, help="extras to run ('' = the core install)")
     parser.add_argument("--keep", default=None, help="build the environments here (default: a temp dir)")
     args = parser.parse_args()

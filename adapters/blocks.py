@@ -297,13 +297,22 @@ class GLBlock:
         if (n, m) != (self.n, self.m):
             raise ValueError(f"block {self.name!r}: declared n={self.n}, m={self.m} but the pieces give n={n}, m={m}")
 
-    def describe(self) -> str:
-        g = " + ".join(p.describe(self.module) for p in self.g_pieces)
-        h = " + ".join(p.describe(self.module) for p in self.h_pieces)
-        # where the group came from goes last: the slices stay where a reader (and old output) has them
+    def describe(self, width: int = 96) -> str:
+        """The block in a few lines of at most ``width`` characters (a longer slice name stays
+        whole): its kind, heads and group (and where the group came from), then the slices that
+        make ``G`` and those that make ``H``, one factor a line."""
         source = f"  [group: {self.group_source}]" if self.group_source else ""
-        return (f"{self.kind}: {self.num_heads} heads x {self.group.describe(self.head_dim)}  "
-                f"G ({self.n}, {self.head_dim}) = {g}  |  H ({self.m}, {self.head_dim}) = {h}{source}")
+        lines = [f"{self.kind}: {self.num_heads} heads x {self.group.describe(self.head_dim)}{source}"]
+        for factor, rows, pieces in (("G", self.n, self.g_pieces), ("H", self.m, self.h_pieces)):
+            line = f"    {factor} ({rows}, {self.head_dim}) ="
+            for k, piece in enumerate(pieces):
+                term = ("" if k == 0 else "+ ") + piece.describe(self.module)
+                if k > 0 and len(line) + 1 + len(term) > width:
+                    lines.append(line)
+                    line = " " * (len(f"    {factor} ({rows}, {self.head_dim}) =") - 2)  # + under =
+                line += " " + term
+            lines.append(line)
+        return "\n".join(lines)
 
 
 

@@ -237,15 +237,15 @@ class Layout:
             fam = ", ".join(dict.fromkeys(b.family for b in bl))
             lines.append(f"  {mod or '<root>'}  [{fam}]")
             for b in bl:
-                lines.append(f"      {b.describe()}")
+                lines += ["      " + line for line in b.describe().splitlines()]
         c = self.counts()
         partial = [n for n in self.adaptive if n in self.gl_masks]
         n_gl_params = len(self.gl_masks)
-        lines.append(
+        lines += [
             f"Scalars: total {_fmt_int(c['total'])} | GL {_fmt_int(c['gl'])} (in {n_gl_params} parameters) | "
-            f"adaptive {_fmt_int(c['adaptive'])} (in {len(self.adaptive)} parameters, {len(partial)} of them "
-            f"partly GL) | frozen {_fmt_int(c['frozen'])} (in {len(self.frozen)} parameters)"
-        )
+            f"frozen {_fmt_int(c['frozen'])} (in {len(self.frozen)} parameters)",
+            f"         adaptive {_fmt_int(c['adaptive'])} (in {len(self.adaptive)} parameters, "
+            f"{len(partial)} of them partly GL)"]
         if partial:
             shown = ", ".join(partial[:6]) + (", ..." if len(partial) > 6 else "")
             lines.append(f"Partly GL parameters (rest adaptive): {shown}")

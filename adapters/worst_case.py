@@ -48,7 +48,7 @@ from .ball import (  # GEOMETRIES and build_ball are served here too (the adapte
 from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS, APGDResult, ProductBall, auto_pgd, average_case
 from . import validation as check
 from .components import KERNEL_LIMIT
-from .evaluation import eval_mode, map_tensors
+from .evaluation import eval_mode, map_tensors, split_inputs
 from .memory import explained_out_of_memory
 from .sharded import is_sharded, run_sharded
 from .streaming import LazyWeight, substituted
@@ -476,7 +476,9 @@ def _prepare(model: torch.nn.Module, batches: Iterable[Any], options: SharpnessO
     if first is not _NO_BATCH and geodesic and verification_pending(layout, unsafe=unsafe):
         # a geodesic number never comes from an unverified block (adapters.accept); a layout
         # detected here gets derived groups for the blocks whose candidate group fails
-        inputs = split_batch(model, first, 0, options.loss_fn, options.normalize_logits)[0]
+        inputs, targets, own_loss = split_batch(model, first, 0, options.loss_fn, options.normalize_logits)
+        if options.loss_fn is None and not own_loss:
+            class_targets_fit(model, inputs, targets, 0)    # one forward pass before the many
         layout = accept_checked(model, layout, inputs, what=what, consequence=consequence, unsafe=unsafe,
                                 derive=detected, stacklevel=stacklevel + 1)
     if geodesic and not layout.blocks:
@@ -655,6 +657,31 @@ def as_rho(rho: Any, name: str = "rho") -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0 (the radius of the ball), got {rho!r}")
     return value
+
+
+def class_targets_fit(model: torch.nn.Module, inputs: Any, targets: Any, index: int = 0) -> None:
+    """Refuse integer ``targets`` that the default cross-entropy cannot take: class indices must
+    lie in 0 … C−1 for a model with C outputs (``-100``, cross-entropy's ignored index, aside).
+    One forward pass (no gradient, eval mode), so that e.g. labels of ±1 are refused at once with
+    what to do, not after the verification of the layout (many forward passes)."""
+    if (not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex()
+            or targets.dtype == torch.bool):
+        return
+    valid = targets[targets != -100]
+    if valid.numel() == 0:
+        return
+    args, kwargs = split_inputs(inputs, model)
+    with torch.no_grad(), eval_mode(model):
+        logits = logits_of(model(*args, **kwargs))
+    classes = logits.shape[1] if logits.ndim >= 2 else logits.shape[0]   # cross_entropy's class dim
+    low, high = int(valid.min()), int(valid.max())
+    if 0 <= low and high < classes:
+        return
+    hint = (" Labels of -1/+1? Map them to 0/1 with (y + 1) // 2." if (low, high) in ((-1, 1), (-1, 0))
+            else "")
+    raise ValueError(f"batch {index}: the default loss is cross-entropy, whose targets are class indices "
+                     f"0..{classes - 1} of the model's {classes} outputs, but these range over "
+                     f"{low}..{high}.{hint} For another loss pass loss_fn=callable(outputs, targets).")
 
 
 def split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],

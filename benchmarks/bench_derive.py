@@ -98,7 +98,8 @@ def bench_heads(dims, before: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--h", type=int, nargs="*", default=[16, 64])
     parser.add_argument("--skip-before", action="store_true", help="only time derive_group")
     parser.add_argument("--skip-models", action="store_true", help="only the one-head part")

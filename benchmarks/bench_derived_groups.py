@@ -38,7 +38,7 @@ def rope_scores(h: int, tokens: int, gen):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--h", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--heads", type=int, default=12)

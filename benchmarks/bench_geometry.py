@@ -27,7 +27,7 @@ import time
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads for torch and the BLAS used by numpy/scipy (default: all cores)")
     p.add_argument("--device", default="cpu", help="torch device for the batched core (cpu, cuda, cuda:1, …)")

@@ -181,7 +181,7 @@ def run_one(*args):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["minilm", "bert-base"])
     parser.add_argument("--batch", type=int, default=32)

@@ -7,6 +7,7 @@ Build (warnings are errors; the tutorials run during the build and a failing one
 
 import os
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
@@ -51,11 +52,17 @@ autodoc_default_options = {"members": True, "member-order": "bysource", "show-in
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
 autoclass_content = "both"
+# curvlinops-for-pytorch (the Riemannian Hessian) is installed with --no-deps, outside any extra (its
+# requirements pull torchvision and another torch), so the `docs` extra cannot bring it: where it is
+# missing, autodoc imports adapters.hessian against a stand-in and the API pages are the same.
+autodoc_mock_imports = [name for name in ("curvlinops",) if find_spec(name) is None]
+autodoc_type_aliases = {"PyTorchLinearOperator": "PyTorchLinearOperator"}   # same text either way
 napoleon_google_docstring = True
 napoleon_numpy_docstring = True
 napoleon_custom_sections = ["Use"]          # a heading, not a section of the page
 napoleon_use_param = False             # "n, m, h" stays one entry with one description
 add_module_names = False
+python_maximum_signature_line_length = 100   # a longer signature: one parameter a line
 
 # --- the executed tutorials (sphinx-gallery) ------------------------------------------------------
 sphinx_gallery_conf = {
@@ -89,6 +96,7 @@ html_theme_options = {"navigation_with_keys": True}
 # The library's docstrings put a parameter's description on its name's line ("rho: radius of the
 # ball ..."). numpydoc reads the text after the colon as the parameter's *type*, which would render
 # a sentence in italics as a type. Move it to the description before napoleon parses the section.
+import dataclasses  # noqa: E402
 import re  # noqa: E402
 
 _NUMPY_SECTIONS = {"parameters", "other parameters", "returns", "yields", "raises", "attributes"}
@@ -145,7 +153,41 @@ def _no_docstring_of_the_type(app, what, name, obj, options, lines):
         lines.clear()
 
 
+# Dataclasses (Layout, SharpnessResult, ...): the signature autodoc takes from the generated __init__
+# mixes "~typing.List[~quotient_manifolds.adapters.blocks.GLBlock]" with quoted annotations and shows
+# "<factory>" for a default made by a factory. Write it from the fields instead: short type names,
+# and a factory's default as the value it makes ([], {}).
+_QUALIFIED = re.compile(r"~?\b(?:[A-Za-z_]\w*\.)+(?=[A-Za-z_])")
+
+
+def _type_text(annotation) -> str:
+    if isinstance(annotation, str):
+        text = annotation
+    elif isinstance(annotation, type):
+        text = annotation.__qualname__
+    else:
+        text = repr(annotation)
+    return _QUALIFIED.sub("", text).replace("NoneType", "None")
+
+
+def _dataclass_signature(app, what, name, obj, options, signature, return_annotation):
+    if what not in ("class", "exception") or not dataclasses.is_dataclass(obj) or signature is None:
+        return None
+    params = []
+    for field in dataclasses.fields(obj):
+        if not field.init:
+            continue
+        text = f"{field.name}: {_type_text(field.type)}"
+        if field.default is not dataclasses.MISSING:
+            text += f" = {field.default!r}"
+        elif field.default_factory is not dataclasses.MISSING:
+            text += f" = {field.default_factory()!r}"
+        params.append(text)
+    return f"({', '.join(params)})", return_annotation
+
+
 def setup(app):
+    app.connect("autodoc-process-signature", _dataclass_signature)
     app.connect("autodoc-process-docstring", _no_docstring_of_the_type, priority=50)
     app.connect("autodoc-process-docstring", _fields_on_their_own_line, priority=100)
     app.connect("autodoc-process-docstring", _escape_bars, priority=101)

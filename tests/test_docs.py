@@ -7,6 +7,8 @@ tutorial that raises.
 """
 
 import importlib
+import importlib.util
+import os
 import pathlib
 import re
 import subprocess
@@ -23,7 +25,8 @@ def _documented_names(page: pathlib.Path) -> set:
     """Names of the auto* directives of an API page, qualified by its module (``automodule``)."""
     text = page.read_text()
     module = re.search(r"^\.\. automodule:: (\S+)$", text, flags=re.M)
-    names = re.findall(r"^\.\. auto(?:function|class|data|exception|attribute):: (\S+)$", text, flags=re.M)
+    names = re.findall(r"^\.\. auto(?:function|class|data|exception|attribute):: ([\w.]+)(?:\(.*\))?$", text,
+                       flags=re.M)                # a directive may give the signature itself
     return {f"{module.group(1)}.{n}" if module and "." not in n else n for n in names}
 
 
@@ -92,3 +95,56 @@ def test_packages_are_typed(folder, package):
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(rf'^"?{re.escape(package)}"? = \["py.typed"\]$', pyproject, flags=re.M), \
         "py.typed not in package-data"
+
+
+def _conf(monkeypatch, block_curvlinops: bool = False) -> dict:
+    """docs/conf.py's settings, read here (its changes to sys.path and os.environ undone after);
+    ``block_curvlinops``: as where curvlinops is not installed."""
+    import runpy
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MPLBACKEND"):
+        monkeypatch.setenv(name, os.environ.get(name, "1" if name != "MPLBACKEND" else "Agg"))
+    with monkeypatch.context() as m:
+        if block_curvlinops:
+            m.setitem(sys.modules, "curvlinops", None)      # find_spec then says: not installed
+        return runpy.run_path(str(DOCS / "conf.py"))
+
+
+def test_docs_build_without_curvlinops_mocks_it(monkeypatch):
+    """The `docs` extra cannot bring curvlinops (it installs with --no-deps): where it is missing
+    autodoc imports the Hessian against a stand-in; where it is installed, the real one."""
+    assert _conf(monkeypatch, block_curvlinops=True)["autodoc_mock_imports"] == ["curvlinops"]
+    if importlib.util.find_spec("curvlinops") is not None:
+        assert _conf(monkeypatch)["autodoc_mock_imports"] == []
+
+
+def test_dataclass_signatures_render_without_typing_paths_or_factories(monkeypatch):
+    signature_of = _conf(monkeypatch)["_dataclass_signature"]
+    from quotient_manifolds.adapters import Layout, SharpnessResult
+    signature, _ = signature_of(None, "class", "Layout", Layout, {}, "(x)", None)
+    assert signature.startswith("(blocks: List[GLBlock], adaptive: List[str], gl_masks: Dict[str, Tensor]")
+    assert "typing" not in signature and "<factory>" not in signature and "~" not in signature
+    assert "param_shapes: Dict[str, Tuple[int, ...]] = {}" in signature
+    signature, _ = signature_of(None, "class", "SharpnessResult", SharpnessResult, {}, "(x)", None)
+    assert "per_batch: List[float]" in signature and "quotient_manifolds" not in signature
+    assert signature_of(None, "function", "f", len, {}, "(x)", None) is None
+
+
+def test_install_is_stated_as_it_is():
+    """Not on the package index: the tutorials and docs/install.md name a clone or a built wheel
+    (whose file name carries the package's version); the library imports as quotient_manifolds
+    and quotient_manifolds.adapters (never a top-level `adapters`)."""
+    import quotient_manifolds
+    install = (DOCS / "install.md").read_text()
+    assert "not on the Python package index" in install
+    assert f"dist/quotient_manifolds-{quotient_manifolds.__version__}-py3-none-any.whl[hf]" in install
+    assert "pip wheel --no-deps -w dist ." in install
+    assert not re.search(r"imports as[^.]*`adapters`", install)
+    assert "from quotient_manifolds import adapters" in install
+    pages = [*(DOCS / "tutorials").glob("*.py"), *DOCS.glob("*.md"), ROOT / "README.md"]
+    for page in pages:
+        text = page.read_text()
+        assert not re.search(r"pip install \"?quotient-manifolds", text), page.name
+    for tutorial in (DOCS / "tutorials").glob("tutorial_*.py"):
+        assert "pip install -e " in tutorial.read_text(), tutorial.name

@@ -221,6 +221,87 @@ def test_cli_rejects_unknown_study_and_options(capsys):
     assert "invalid choice: 'nope'" in err and "unrecognized arguments" in err
 
 
+def test_cli_refuses_abbreviations_through_the_study_parser(capsys):
+    """No parser takes an abbreviation (`demo --iter 3` is not `--iters 3`); an unknown option is
+    reported by the study's own parser (its usage line, not the top level's) with the nearest
+    option it has."""
+    import argparse
+
+    from quotient_manifolds.experiments.cli import build_parser
+    from quotient_manifolds.experiments.demo import build_parser as demo_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert not parser.allow_abbrev and not demo_parser().allow_abbrev
+    assert all(not p.allow_abbrev for p in sub.choices.values()), \
+        [n for n, p in sub.choices.items() if p.allow_abbrev]
+    for argv, said in ((["demo", "--iter", "3"], "--iters"), (["diagonal", "--quic"], "--quick"),
+                       (["text", "--rho-in", "0.1"], "--rho-inv")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"usage: quotient-manifolds {argv[0]} [options]" in err and "<study>" not in err, err
+        assert f"unrecognized arguments: {' '.join(argv[1:])} (did you mean {said}?)" in err
+
+
+def test_demo_quick_is_an_option_of_the_demo():
+    """`demo --quick` parses (docs/studies.md: --quick runs a smoke test of any study) and sets
+    the quick defaults; an option given on the command line wins over them."""
+    from quotient_manifolds.experiments import demo
+    from quotient_manifolds.experiments.cli import build_parser
+    args = demo.resolved(build_parser().parse_args(["demo", "--quick", "--iters", "4"]))
+    assert args.quick and args.layers == demo.QUICK["layers"] and args.iters == 4
+    assert args.scales == list(demo.QUICK["scales"]) and args.lr == demo.DEFAULTS["lr"]
+    full = demo.resolved(build_parser().parse_args(["demo"]))
+    assert (full.layers, full.points, full.scales) == (3, 32, [1e-2, 1e2])
+
+
+def test_cli_refuses_a_file_for_a_directory_before_any_work(tmp_path, capsys, monkeypatch):
+    """`report README.md` is refused up front (not read as a corrupt results file to repair by
+    hand); `prepare-data --data-dir FILE`, $QM_DATA_DIR=FILE and `demo --data-dir FILE` end in
+    one line that says what to give instead."""
+    readme = os.path.join(REPO, "README.md")
+    before = _read(readme)
+    assert main(["report", readme]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a study's results file" in err and "by hand" not in err
+    for argv in (["prepare-data", "--mr", "--data-dir", readme], ["demo", "--quick", "--data-dir", readme],
+                 ["prepare-data", "--rt", "--data-dir", os.path.join(readme, "data")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is a file, not a directory" in err, err
+    monkeypatch.setenv("QM_DATA_DIR", readme)
+    assert main(["prepare-data", "--mr"]) == 2
+    assert "$QM_DATA_DIR" in capsys.readouterr().err
+    assert _read(readme) == before
+
+
+def test_cli_help_shows_the_configured_defaults(capsys):
+    """text, vision and diagonal show each default's value (the default protocol's, and --quick's
+    where it differs), never "(default: config)"; --help leaves out the advanced options and
+    --help-all shows every one."""
+    from quotient_manifolds.experiments import diagonal, text, vision
+    from quotient_manifolds.experiments.cli import ADVANCED
+    pages = {}
+    for name in ("text", "vision", "diagonal"):
+        for flag in ("--help", "--help-all"):
+            with pytest.raises(SystemExit) as exc:
+                main([name, flag])
+            assert exc.value.code == 0
+            pages[name, flag] = capsys.readouterr().out
+        assert "default: config" not in pages[name, "--help-all"], name
+        assert "--force-mix" not in pages[name, "--help"] and "--force-mix" in pages[name, "--help-all"]
+    small, quick = text.defaults(False, False), text.defaults(True, False)
+    assert f"(default: {small['sharp_points']}; quick {quick['sharp_points']})" in pages["text", "--help"]
+    paper = text.defaults(False, False, "paper")
+    assert f"learning rate (default: paper {paper['lr']:g})" in pages["text", "--help-all"]
+    assert "ρ of the inv measures (default: calibrated)" in pages["vision", "--help"]
+    assert f"(default: {vision.defaults(False, False, 'finetune')['n_iters']}" in pages["vision", "--help"]
+    rho = diagonal.defaults(False)["rho"]["mix"]
+    assert f"ρ of the mix measures (default: {rho:g})" in pages["diagonal", "--help"]
+    assert {"lr", "eps", "threads"} <= ADVANCED
+
+
 def test_cli_help_explains_every_option(capsys):
     import argparse
 
@@ -271,8 +352,8 @@ def test_cli_help_is_plain_text_and_shows_defaults():
 
 
 def test_cli_help_fits_a_screen_and_names_the_docs_page(monkeypatch):
-    """Every --help page is at most 60 lines at 80 columns (the main page and most studies at
-    most 45), with no line over 80 characters; a study's help sends the reader to the docs page
+    """Every --help page is at most 45 lines at 80 columns (--help-all shows the options it leaves
+    out), with no line over 80 characters; a study's help sends the reader to the docs page
     "Studies" and to its own section there, and that page explains every option in full."""
     import argparse
     import pathlib
@@ -290,8 +371,7 @@ def test_cli_help_fits_a_screen_and_names_the_docs_page(monkeypatch):
     pages = {"": parser.format_help(), **{n: p.format_help() for n, p in sub.choices.items()}}
     for name, text in pages.items():
         lines = text.splitlines()
-        assert len(lines) <= (60 if name in ("text", "vision", "diagonal", "lora") else 45), \
-            (name, len(lines))
+        assert len(lines) <= 45, (name, len(lines))
         assert max(len(line) for line in lines) <= 80, name
         assert "docs/studies.md" in text, name
         if name:
@@ -385,14 +465,13 @@ def test_resume_after_sigkill_and_partial_line(tmp_path, capsys):
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, env=_env(QM_EXPERIMENTS_TEST_DELAY="0.7"),
                                 cwd=str(tmp_path), stdout=fh, stderr=subprocess.STDOUT)
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            if os.path.exists(res) and len(_lines(res)) >= 1:
-                break
+        # until the first result line (no deadline: a loaded machine only makes it later); a run
+        # that ends first fails below
+        while proc.poll() is None and not (os.path.exists(res) and len(_lines(res)) >= 1):
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert os.path.exists(res), "no result line within 90 s:\n" + _read(log).decode()
+    assert os.path.exists(res), "the run ended without a result line:\n" + _read(log).decode()
     first = _lines(res)
     assert 1 <= len(first) < 4, "the run was not killed mid-way"
     # rerun: resumes, every model exactly once, finished models untouched
@@ -579,10 +658,8 @@ def _same(a, b) -> bool:
 
 def test_quick_diagonal(tmp_path):
     out = str(tmp_path / "diag")
-    started = time.perf_counter()
     assert run(["diagonal", "--quick", "--no-progress", "--out", out, "--draws", "0,1",
                 "--models", "3"]) == 0
-    assert time.perf_counter() - started < 60
     s = _summary(out)
     assert s["n_models"] == 6 and s["draws"] == [0, 1]
     assert set(s["main"]) == {"adaptive", "geodesic-inv", "geodesic-mix-manifold", "geodesic-mix"}
@@ -982,9 +1059,7 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     argv = ["vision", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out,
             "--measures", ",".join(measures), "--rho-sweep", "3", "--n-boot", "200",
             "--n-iters", "1"]
-    started = time.perf_counter()
     assert run(argv) == 0
-    elapsed = time.perf_counter() - started
     cal = json.loads(_read(os.path.join(out, "calibration.json")))
     assert cal["calibrated"] == ["adaptive", "inv", "mix"] and cal["pilot_models"] == [0, 1]
     for fam in cal["calibrated"]:
@@ -1041,7 +1116,6 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     s2 = _summary(again)
     for key in ("main", "curvature", "calibration", "r2", "sweep", "ablations"):
         assert _same(s2[key], s[key]), key
-    assert elapsed < 60
 
 
 # ---------------------------------------------------------------------------- text, paper protocol

@@ -632,11 +632,17 @@ def test_print_layout_readable(tiny_bert):
     lines = text.splitlines()
     assert lines[0] == "Layout of BertForSequenceClassification: 4 GL blocks in 2 modules"
     assert "  bert.encoder.layer.0.attention  [hf-bert]" in lines
-    assert any(l.strip().startswith("qk: 2 heads x GL(16)  G (33, 16) = self.query.weight[0:32]ᵀ + self.query.bias[0:32]")
-               for l in lines)
-    assert any(l.strip().startswith("vo: 2 heads x GL(16)") and "H (32, 16) = output.dense.weight[:, 0:32]" in l
-               for l in lines)
+    qk = lines.index("      qk: 2 heads x GL(16)  [group: family hf-bert]")
+    assert lines[qk + 1:qk + 3] == ["          G (33, 16) = self.query.weight[0:32]ᵀ + self.query.bias[0:32]",
+                                    "          H (33, 16) = self.key.weight[0:32]ᵀ + self.key.bias[0:32]"]
+    vo = lines.index("      vo: 2 heads x GL(16)  [group: family hf-bert]")
+    assert lines[vo + 2] == "          H (32, 16) = output.dense.weight[:, 0:32]"
     assert any(l.startswith("Scalars: total ") and "GL 8,384" in l and "frozen 0" in l for l in lines)
+    assert max(map(len, lines)) <= 100, "a layout prints in lines a terminal shows whole"
+    layout = adapters.layout(model)
+    assert layout.blocks[0].describe(width=50).splitlines()[1:] == [
+        "    G (33, 16) = self.query.weight[0:32]ᵀ", "               + self.query.bias[0:32]",
+        "    H (33, 16) = self.key.weight[0:32]ᵀ", "               + self.key.bias[0:32]"]
     assert lines[-1] == "Unsupported attention-like modules: none"
     assert "blocks=4" in repr(adapters.layout(model))
 

@@ -41,8 +41,13 @@ def test_readme_is_a_front_page():
     commands = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     assert len(commands) == 2 and commands[0].rstrip().endswith("quotient-manifolds demo")
     assert commands[1].rstrip().endswith("python -m pytest -n auto")
-    # CI runs the README's test command
-    assert "python -m pytest -q -n auto" in (README.parent / ".ci" / "run").read_text()
+    # CI runs the README's test command, and builds the docs with the README's command in a venv
+    # of their own (the docs extra alone)
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "python -m pytest -q -n auto" in ci
+    docs = re.search(r'`(pip install -e "\.\[docs\]" && python -m sphinx [^`]*)`', " ".join(text.split()))
+    assert docs and docs.group(1) in ci, "the README's docs command is not the one CI runs"
+    assert 'pip install -e ".[docs]" && python -m sphinx' in (ROOT / "docs" / "install.md").read_text()
     quickstarts = re.findall(r"^## Quickstart \d: .*?\n\n(.*?)\n", text, flags=re.S | re.M)
     assert len(quickstarts) == 3 and all("pip install -e ." in q for q in quickstarts)
     flat = " ".join(text.split())

@@ -12,7 +12,9 @@ a GL(h)-invariant metric.
 Here we recover a rank-4 matrix of size 60 × 40 from 60 % of its entries, with geoopt's Riemannian
 SGD on that manifold, and follow the error on *all* entries.
 
-Install: ``pip install quotient-manifolds`` (see :doc:`/install`).
+Install, in a clone of the repository (the package is not on PyPI yet; a wheel built from the
+clone works too, see :doc:`/install`): ``pip install -e . matplotlib`` (matplotlib draws the
+figure).
 """
 
 # %%
@@ -40,6 +42,7 @@ print(M)
 # ----------------------------
 # The optimiser only sees the observed entries; the relative error is measured on all of them.
 x = geoopt.ManifoldParameter(M.random(dtype=torch.float64), manifold=M)
+first_start = x.detach().clone()                       # kept for the last section
 opt = geoopt.optim.RiemannianSGD([x], lr=0.5, momentum=0.5)
 losses, errors = [], []
 for step in range(300):
@@ -91,3 +94,40 @@ for start in (x0, x1):
     products.append(G @ H.T)
 rel = ((products[0] - products[1]).norm() / products[0].norm()).item()
 print(f"after one step, G Hᵀ from the two representatives differs by {rel:.1e} (relative)")
+
+# %%
+# Inside an ``nn.Module``
+# -----------------------
+# A point is one tensor ``x = [G; H]``, so ``G`` and ``H`` cannot be two separate parameters that
+# the optimiser updates on their own: it must see the point. In a module of your own, make ``x``
+# the parameter and take the factors where they are used, ``G, H = M.split(x)`` (views: no copy,
+# the gradient reaches ``x``). A module that already holds the two factors as separate weights —
+# here a rank-4 layer made of two ``nn.Linear`` — can stay as it is: call it with its weights taken
+# from the point (``torch.func.functional_call``), and copy the trained factors back at the end.
+# (For peft LoRA models :func:`~quotient_manifolds.adapters.lora_quotient_parameters` does this.)
+from torch import nn
+from torch.func import functional_call
+
+layer = nn.Sequential(nn.Linear(m, h, bias=False), nn.Linear(h, n, bias=False)).double()
+# the layer's matrix is W1 W0, with W1 of shape (n, h) and W0 of shape (h, m): G = W1, H = W0ᵀ.
+# Its weights here start where the first run started.
+with torch.no_grad():
+    layer[1].weight.copy_(M.split(first_start)[0])
+    layer[0].weight.copy_(M.split(first_start)[1].T)
+x = geoopt.ManifoldParameter(M.pack(layer[1].weight.detach(), layer[0].weight.detach().T), manifold=M)
+opt = geoopt.optim.RiemannianSGD([x], lr=0.5, momentum=0.5)     # the first run's optimiser
+eye = torch.eye(m, dtype=torch.float64)        # the layer applied to the unit vectors: its matrix
+for step in range(300):
+    opt.zero_grad()
+    G, H = M.split(x)
+    W = functional_call(layer, {"0.weight": H.T, "1.weight": G}, (eye,)).T      # G Hᵀ, (n, m)
+    loss = 0.5 * ((W - target)[mask] ** 2).sum()
+    loss.backward()
+    opt.step()
+with torch.no_grad():                          # the trained factors back into the module
+    G, H = M.split(x)
+    layer[1].weight.copy_(G)
+    layer[0].weight.copy_(H.T)
+W = layer(eye).T.detach()
+print(f"the layer's matrix, relative error on all entries: "
+      f"{((W - target).norm() / target.norm()).item():.1e} (the first run: {errors[-1]:.1e})")

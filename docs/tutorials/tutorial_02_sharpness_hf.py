@@ -13,7 +13,9 @@ This tutorial builds a small BERT classifier from a config (no download), finds 
 blocks, checks that they are symmetries of the model, and measures the three sharpness values
 over a few radii.
 
-Install: ``pip install "quotient-manifolds[hf]"`` (see :doc:`/install`).
+Install, in a clone of the repository (the package is not on PyPI yet; a wheel built from the
+clone works too, see :doc:`/install`): ``pip install -e ".[hf]" matplotlib`` (matplotlib draws the
+figure).
 """
 
 # %%

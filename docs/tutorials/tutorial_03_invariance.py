@@ -20,7 +20,9 @@ random orthogonal :math:`U, V` and singular values :math:`s` spread over a condi
 to :math:`10^4`. The model is in float64, so that the reparametrised weights represent the same
 function to rounding.
 
-Install: ``pip install "quotient-manifolds[hf]"`` (see :doc:`/install`).
+Install, in a clone of the repository (the package is not on PyPI yet; a wheel built from the
+clone works too, see :doc:`/install`): ``pip install -e ".[hf]" matplotlib`` (matplotlib draws the
+figure).
 """
 
 # %%
