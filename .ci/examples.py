@@ -24,6 +24,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"```python\n(.*?)```", flags=re.S)
 NEEDS = re.compile(r"[Nn]eeds[^`]*`(pip install -e \"?\.(?:\[(?P<extra>[\w,]+)\])?\"?(?P<rest>[^`]*))`")
+#: marks a block (within the three lines above it) that is a multi-process script, not run here
+NOT_RUN = "<!-- not run:"
 ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
        "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
@@ -38,6 +40,8 @@ def examples():
             before = text[:match.start()].split("\n")[-7:]
             needs = [m for line in before for m in [NEEDS.search(line)] if m]
             where = f"{page.relative_to(ROOT)}:{text[:match.start()].count(chr(10)) + 1}"
+            if any(NOT_RUN in line for line in before[-3:]):
+                continue   # a script for several GPUs (torchrun): compiled by tests/test_docs.py
             if needs:
                 extra = needs[-1].group("extra") or ""
                 rest = [c.strip() for c in needs[-1].group("rest").split("&&") if c.strip()]
