@@ -50,6 +50,7 @@ from . import validation as check
 from .components import KERNEL_LIMIT
 from .evaluation import eval_mode, map_tensors, split_inputs
 from .memory import explained_out_of_memory
+from .verified import is_verified
 from .sharded import is_sharded, run_sharded
 from .streaming import LazyWeight, substituted
 from .validation import materialised, scalar_loss, token_inputs
@@ -477,7 +478,7 @@ def _prepare(model: torch.nn.Module, batches: Iterable[Any], options: SharpnessO
         # a geodesic number never comes from an unverified block (adapters.accept); a layout
         # detected here gets derived groups for the blocks whose candidate group fails
         inputs, targets, own_loss = split_batch(model, first, 0, options.loss_fn, options.normalize_logits)
-        if options.loss_fn is None and not own_loss:
+        if options.loss_fn is None and not own_loss and not is_verified(model, layout):
             class_targets_fit(model, inputs, targets, 0)    # one forward pass before the many
         layout = accept_checked(model, layout, inputs, what=what, consequence=consequence, unsafe=unsafe,
                                 derive=detected, stacklevel=stacklevel + 1)
