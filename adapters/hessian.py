@@ -120,8 +120,9 @@ from quotient_manifolds.core.groups import sym
 
 from . import validation as check
 from .ball import build_ball, geometry_of, gram_eps_of
-from .worst_case import ModelClosure, default_loss, pre_run_checks, split_batch, to_device
-from .evaluation import eval_mode
+from .evaluation import ModelClosure, eval_mode, split_batch, to_device
+from .gate import pre_run_checks
+from .losses import default_loss
 from .solver import ElementwiseComponent, QuotientComponent
 from .validation import integer_at_least, materialised
 

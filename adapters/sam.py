@@ -48,7 +48,8 @@ from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
 from . import validation as check
 from .ball import GEOMETRY_TABLE, build_ball, geometry_of
-from .worst_case import HALF_DTYPES, as_compute, as_rho
+from .evaluation import HALF_DTYPES, as_compute
+from .options import as_rho
 from .validation import materialised
 
 #: why a layout whose blocks fail verification is refused (``unsafe=True``: the warning's reason)
