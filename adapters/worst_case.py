@@ -147,11 +147,12 @@ def sharpness(model: torch.nn.Module,
         w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).
     normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
     layout: a precomputed :class:`~quotient_manifolds.adapters.Layout` of this model (one built for another model —
-        other parameters, shapes or head counts — is refused), verified on the first batch and refused
-        when a block fails.  Default: detected from the model and accepted on the first batch
-        (:func:`~quotient_manifolds.adapters.accept.accept_layout`): blocks whose candidate group fails verification
-        get the group derived from the model (e.g. R₊·SO(h) for L2-normalised q and k), what still
-        fails is treated elementwise, with a warning.
+        other parameters, shapes or head counts — is refused), or detected from the model (default).
+        Either way it is accepted on the first batch (:class:`~quotient_manifolds.adapters.gate.Gate`): a
+        layout that passed ``verify`` is used as it is; blocks whose group fails verification get the
+        group derived from the model (e.g. R₊·SO(h) for L2-normalised q and k; a warning says so for
+        a layout passed in), what still fails is treated elementwise, with a warning; a layout passed
+        in of which no block verifies is refused.
     allow_unsupported: run even if the layout reports unsupported attention modules (they are
         then treated adaptively) or none at all.
     unsafe: run a geodesic geometry even if the layout's last ``verify`` found blocks that are not
@@ -247,11 +248,9 @@ def _prepare(model: torch.nn.Module, batches: Iterable[Any], options: SharpnessO
              stacklevel: int) -> _Prepared:
     """The weights and fixed tensors (:func:`pre_run_checks`), the layout accepted on the first
     batch for a geodesic geometry, and the batches (the first one read already)."""
-    from .accept import accept_checked, verification_pending
-
     geodesic, unsafe = options.spec.geodesic, options.unsafe
     what, consequence = f"{options.geometry} sharpness", "the value would be meaningless"
-    params0, buffers, upcast, layout, detected = pre_run_checks(
+    params0, buffers, upcast, layout, detected, gate = pre_run_checks(
         model, options.layout, geometry=options.geometry, what=what, consequence=consequence, unsafe=unsafe,
         allow_unsupported=options.allow_unsupported, include_frozen=options.include_frozen,
         undefined="sharpness",
@@ -266,12 +265,10 @@ def _prepare(model: torch.nn.Module, batches: Iterable[Any], options: SharpnessO
     first = next(batches, _NO_BATCH)
     if first is not _NO_BATCH:
         batches = itertools.chain([first], batches)
-    if first is not _NO_BATCH and geodesic and verification_pending(layout, unsafe=unsafe):
-        # a geodesic number never comes from an unverified block (adapters.accept); a layout
-        # detected here gets derived groups for the blocks whose candidate group fails
-        inputs = split_batch(model, first, 0, options.loss_fn, options.normalize_logits)[0]
-        layout = accept_checked(model, layout, inputs, what=what, consequence=consequence, unsafe=unsafe,
-                                derive=detected, stacklevel=stacklevel + 1)
+    if first is not _NO_BATCH and geodesic:
+        # a geodesic number never comes from an unverified block (adapters.gate)
+        inputs = split_batch(model, first, 0, options.loss_fn, options.normalize_logits)[0] if gate.pending else None
+        layout = gate.accept(inputs, stacklevel=stacklevel)
     if geodesic and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
