@@ -146,7 +146,7 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
     removed = [u for u in derived.unsupported if u not in layout.unsupported]
     if warn and removed:
         lines = "; ".join(f"{u.module}: {u.reason}" for u in removed)
-        warnings.warn(f"{what}: {len(removed)} block(s) of the detected layout have no group found under which "
+        warnings.warn(f"{what}: {len(removed)} block(s) of the layout have no group found under which "
                       f"the model is unchanged (candidate or derived) and are treated elementwise: {lines}",
                       UserWarning, stacklevel=stacklevel)
     return derived, report

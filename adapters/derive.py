@@ -270,7 +270,7 @@ def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple,
     if key is not None and key in _CACHE:
         hit = _CACHE[key]
         return replace(hit, block=block.name, cached=True,
-                       source=hit.source if hit.status == "derived" else _kept(block, hit.source))
+                       source=hit.source if hit.status in ("derived", "trivial") else _kept(block, hit.source))
     # forward-mode AD: the fused CPU/GPU attention kernels have no jvp, the math kernel does
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -18,6 +18,7 @@ verification then checks).
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any, Callable, Optional, Tuple
 
@@ -38,6 +39,10 @@ def rotary_function(mod: nn.Module) -> Optional[Callable]:
     """The rotary function that ``mod.forward`` calls: a callable global of its module named in the
     forward's code whose name contains ``rotary`` or ``rope`` (``apply_*`` first); ``None`` if none."""
     forward = vars(forward_owner(mod)).get("forward")
+    try:
+        forward = inspect.unwrap(forward)     # decorators (keyword deprecations) wrap HF forwards
+    except (ValueError, TypeError):
+        return None
     code, scope = getattr(forward, "__code__", None), getattr(forward, "__globals__", None)
     if code is None or scope is None:
         return None
