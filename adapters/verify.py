@@ -304,12 +304,35 @@ def _checked_arguments(layout: Checkable, model: nn.Module, example_inputs, *, s
                         f"for the model's, got {compute_dtype!r}")
     check.materialised(model, "verify()")
     layout.check_model(model, what="verify()")
+    refuse_empty_inputs(example_inputs, "verify()")
     args, kwargs = split_inputs(example_inputs, model)
     scales = positive_finite_sequence("scales", scales)
     if cond is not None and positive_finite("cond", cond) < 1:
         raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
                          f"got {cond!r}")
     return args, kwargs, scales
+
+
+def refuse_empty_inputs(example_inputs: Any, what: str) -> None:
+    """Refuse example inputs whose tensors are all empty (``x[:0]``): a symmetry check on them compares
+    nothing and would pass whatever the blocks."""
+    tensors: List[Tensor] = []
+
+    def collect(x):
+        if isinstance(x, Tensor):
+            tensors.append(x)
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                collect(v)
+
+    collect(example_inputs)
+    if tensors and all(t.numel() == 0 for t in tensors):
+        raise ValueError(f"{what}: example_inputs hold no data (empty tensors of shapes "
+                         f"{[tuple(t.shape) for t in tensors][:3]}): a verification on an empty batch proves "
+                         f"nothing; pass inputs with at least one example, e.g. the first batch")
 
 
 def _finite_parameters(model: nn.Module) -> Dict[str, Tensor]:

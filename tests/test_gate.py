@@ -164,3 +164,20 @@ def test_olmo2_readme_workflow_equals_one_call_and_is_invariant():
     moved = _acted(model, vo=_general_linear(torch.Generator().manual_seed(5)))
     assert (moved(ids).logits - model(ids).logits).abs().max() < 1e-10
     assert adapters.sharpness(moved, batches, **KW).value == pytest.approx(value, rel=1e-6, abs=1e-12)
+
+
+# ------------------------------------------------------------------------------ refusals of the gate's inputs
+def test_empty_batch_and_wrong_arguments_are_refused_clearly():
+    model = _interleaved_decoder()
+    ids, _ = _batches()
+    lay = adapters.layout(model)
+    with pytest.raises(ValueError, match="empty batch proves nothing"):
+        lay.verify(model, ids[:0])
+    with pytest.raises(ValueError, match="empty batch proves nothing"):
+        adapters.accept_layout(model, lay, ids[:0])
+    with pytest.raises(TypeError, match="layout must be a Layout"):
+        adapters.accept_layout(model, "x", ids)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        adapters.detect("x")
+    with pytest.raises(TypeError, match="output_fn returned a tuple, not a tensor"):
+        lay.verify(model, ids, output_fn=lambda out: (out.logits,))
