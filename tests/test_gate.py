@@ -181,3 +181,82 @@ def test_empty_batch_and_wrong_arguments_are_refused_clearly():
         adapters.detect("x")
     with pytest.raises(TypeError, match="output_fn returned a tuple, not a tensor"):
         lay.verify(model, ids, output_fn=lambda out: (out.logits,))
+
+
+# ------------------------------------------------------------------------------ a custom autograd.Function
+def _normalised_attention(q, k, v):
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    return F.normalize(torch.softmax(4.0 * q @ k.transpose(-1, -2), dim=-1) @ v, dim=-1)
+
+
+class NormalisedAttentionFunction(torch.autograd.Function):
+    """Attention with normalised q, k and head outputs, as a custom autograd.Function without the
+    setup_context / jvp that functorch transforms need."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return _normalised_attention(q, k, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            return torch.autograd.grad(_normalised_attention(q, k, v), (q, k, v), grad)
+
+
+class CustomFunctionAttention(torch.nn.Module):
+    def __init__(self, dim=16, num_heads=2):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        split = lambda t: t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        heads = NormalisedAttentionFunction.apply(split(self.q(x)), split(self.k(x)), split(self.v(x)))
+        return self.o(heads.transpose(1, 2).reshape(B, T, -1))
+
+
+class CustomFunctionEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.head = CustomFunctionAttention(), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head((x + self.attn(x)).mean(1))
+
+
+def test_custom_autograd_function_in_attention_gets_its_true_groups():
+    """functorch cannot transform the module: the derivation falls back to finite differences under
+    the same thresholds and finds R₊·SO(h) on Q/K and SO(h) on V/O (no crash); the accepted layout
+    verifies, and sharpness is invariant under such an action written by hand."""
+    from quotient_manifolds.core.subalgebra import OrthogonalGroup, ScaledOrthogonalGroup
+
+    torch.manual_seed(0)
+    model = CustomFunctionEncoder().double().eval()
+    x = torch.randn(4, 16, 16, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 1])
+    accepted, report = adapters.accept_layout(model, adapters.layout(model), x)
+    assert [type(b.group) for b in accepted.blocks] == [ScaledOrthogonalGroup, OrthogonalGroup]
+    assert all("finite differences" in b.group_source for b in accepted.blocks)
+    assert accepted.verify(model, x).passed
+    gen = torch.Generator().manual_seed(3)
+    A = ScaledOrthogonalGroup().random_element(8, (2,), cond=1e2, generator=gen)
+    O = OrthogonalGroup().random_element(8, (2,), generator=gen)
+    import copy
+
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for i in range(2):
+            r = slice(i * 8, (i + 1) * 8)
+            att = moved.attn
+            for lin, M in ((att.q, A[i].T), (att.k, torch.linalg.inv(A[i])), (att.v, O[i].T)):
+                lin.weight[r], lin.bias[r] = M @ lin.weight[r], M @ lin.bias[r]
+            att.o.weight[:, r] = att.o.weight[:, r] @ O[i]
+    assert (moved(x) - model(x)).abs().max() < 1e-10
+    kw = dict(geometry="geodesic-inv", rho=0.05, n_iters=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s0, s1 = (adapters.sharpness(m, [(x, y)], **kw).value for m in (model, moved))
+    assert s1 == pytest.approx(s0, rel=1e-6, abs=1e-12)
