@@ -13,15 +13,10 @@ from .declare import declare_block
 from .detection import Detection, detect, layout
 from .accept import accept_layout
 from .families import Family, Match, register_family, unregister_family
-from .worst_case import (
-    GEOMETRIES,
-    MEASURES,
-    SharpnessResult,
-    build_ball,
-    next_token_loss,
-    sharpness,
-    sharpness_sweep,
-)
+from .ball import GEOMETRIES, build_ball
+from .losses import next_token_loss
+from .options import MEASURES
+from .worst_case import SharpnessResult, sharpness, sharpness_sweep
 from .calibration import RhoCalibration, calibrate_rho
 from .distributed import distributed_sharpness
 from .lora_training import (

@@ -42,7 +42,7 @@ from .derive import derive_groups, detach_inputs, with_blocks
 from .detection import layout as detect_layout
 from .layouts import Layout, Unsupported
 from .verified import is_verified, record_verification
-from .verify import SymmetryError, VerifyReport, default_tolerance
+from .verify import SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs
 
 __all__ = ["accept_layout", "accept_checked", "checked_layout", "ensure_verified", "is_verified",
            "record_verification", "refuse_failed_blocks", "resolve_layout", "verification_pending"]
@@ -117,6 +117,13 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
     This is what the geodesic entry points do with a layout they detect themselves (``layout=None``);
     call it to see the layout they use: ``print(adapters.accept_layout(model, adapters.layout(model),
     inputs)[0])`` shows each block's group and how it was found (``GLBlock.group_source``)."""
+    from . import validation as check
+
+    check.module("model", model)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{what}: layout must be a Layout (e.g. adapters.layout(model)), got "
+                        f"{type(layout).__name__}")
+    refuse_empty_inputs(example_inputs, what)
     report = ensure_verified(model, layout, example_inputs, what=what)
     if layout is None or not derive or not layout.verify_failed:
         return layout, report
@@ -146,7 +153,7 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
     removed = [u for u in derived.unsupported if u not in layout.unsupported]
     if warn and removed:
         lines = "; ".join(f"{u.module}: {u.reason}" for u in removed)
-        warnings.warn(f"{what}: {len(removed)} block(s) of the detected layout have no group found under which "
+        warnings.warn(f"{what}: {len(removed)} block(s) of the layout have no group found under which "
                       f"the model is unchanged (candidate or derived) and are treated elementwise: {lines}",
                       UserWarning, stacklevel=stacklevel)
     return derived, report

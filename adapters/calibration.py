@@ -182,7 +182,8 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
     """
     from . import validation as check
     from .ball import geometry_of
-    from .worst_case import SharpnessOptions, run_sharpness
+    from .options import SharpnessOptions
+    from .worst_case import run_sharpness
 
     check.module("model", model)
     check.batches("batches", batches)

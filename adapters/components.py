@@ -15,13 +15,16 @@ space at the trained weights w⁽⁰⁾ (all metrics are taken at w⁽⁰⁾, do
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from quotient_manifolds._runtime import bounded_threads, threads_for
 from quotient_manifolds.core.gl import check_choice
+
+if TYPE_CHECKING:
+    from .streaming import LazyWeight
 
 Tensor = torch.Tensor
 Tangent = List[Tensor]

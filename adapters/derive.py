@@ -244,13 +244,43 @@ def _fmt(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:.1e}"
 
 
+#: relative step of the finite differences that replace forward-mode AD where functorch cannot
+#: run the module: the fourth-order stencil's error (step⁴ ≈ 1e-12) and rounding (eps/step ≈ 1e-13)
+#: stay below the derivation's threshold (NULL_RTOL = 1e-8), whose floor is measured anyway
+FINITE_DIFFERENCE_STEP = 1e-3
+
+
+def finite_difference_jvp(fn, primals, tangents):
+    """``(fn(*primals), derivative along tangents)`` like ``torch.func.jvp``, the derivative by the
+    fourth-order central difference (−f(x + 2tv) + 8f(x + tv) − 8f(x − tv) + f(x − 2tv)) / 12t, t =
+    :data:`FINITE_DIFFERENCE_STEP`: for modules that functorch transforms cannot run (a custom
+    ``torch.autograd.Function`` without a ``jvp`` rule, non-functional code)."""
+    t = FINITE_DIFFERENCE_STEP
+    at = lambda c: fn(*(x + c * t * v for x, v in zip(primals, tangents)))  # noqa: E731
+    with torch.no_grad():
+        return fn(*primals), (-at(2.0) + 8.0 * at(1.0) - 8.0 * at(-1.0) + at(-2.0)) / (12.0 * t)
+
+
 def _derive_one(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dict], gauge: int,
                 rtol: Optional[float]) -> GroupDerivation:
+    """The derivation of one gauge: forward-mode AD, else (functorch cannot run the module) finite
+    differences under the same thresholds; a module neither can run is reported, never raised."""
     output_of, G, H = _module_output_fn(model, block, inputs, gauge)
+    options = {} if rtol is None else {"rtol": rtol}
     try:
-        return derive_group(output_of, G, H, **({} if rtol is None else {"rtol": rtol}))
+        return derive_group(output_of, G, H, **options)
     except ValueError as err:          # too few outputs for the null space
         return GroupDerivation(None, 0, 0.0, False, "null space", 0, str(err).split(":")[0])
+    except (RuntimeError, NotImplementedError) as err:      # functorch cannot transform the module
+        why = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    try:
+        d = derive_group(output_of, G, H, jvp=finite_difference_jvp, **options)
+    except Exception as err:           # the module cannot be evaluated off its weights at all
+        name = type(model.get_submodule(block.module)).__name__
+        return GroupDerivation(None, 0, 0.0, False, "not derived", 0,
+                               f"{name} at {block.module or 'the model'} cannot be differentiated (functorch: "
+                               f"{why}; finite differences: {type(err).__name__}: {str(err).splitlines()[0][:160]})")
+    return replace(d, method=f"{d.method}, finite differences (functorch: {why.split(':')[0]})")
 
 
 def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple, dict]], *,
@@ -270,7 +300,7 @@ def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple,
     if key is not None and key in _CACHE:
         hit = _CACHE[key]
         return replace(hit, block=block.name, cached=True,
-                       source=hit.source if hit.status == "derived" else _kept(block, hit.source))
+                       source=hit.source if hit.status in ("derived", "trivial") else _kept(block, hit.source))
     # forward-mode AD: the fused CPU/GPU attention kernels have no jvp, the math kernel does
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

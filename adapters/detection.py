@@ -129,6 +129,7 @@ def detect(model: nn.Module, *, families: Optional[Sequence[Family]] = None) -> 
     """Detected GL blocks, unsupported attention-like modules (or parts ``"<module>/qk"``) and
     notes of ``model``, using ``families`` (default: the registry ``adapters.families.FAMILIES``).
     Nothing is modified."""
+    check.module("model", model)
     families = list(FAMILIES if families is None else families)
     ctx = Context.of(model)
     claimed: List[Tuple[str, bool]] = []          # (module path, claimed by a nested family)

@@ -22,7 +22,8 @@ import torch
 from . import validation as check
 from .accept import resolve_layout
 from .ball import GEOMETRY_TABLE
-from .worst_case import SharpnessResult, sharpness, sharpness_options
+from .options import sharpness_options
+from .worst_case import SharpnessResult, sharpness
 
 __all__ = ["distributed_sharpness"]
 

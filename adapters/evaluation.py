@@ -1,15 +1,32 @@
-"""Calling a model: inputs onto its device (:func:`split_inputs`), tensors inside nested containers
-(:func:`map_tensors`) and eval mode that restores every submodule's flag (:func:`eval_mode`)."""
+r"""Evaluating a model: inputs onto its device (:func:`split_inputs`), tensors inside nested containers
+(:func:`map_tensors`), eval mode that restores every submodule's flag (:func:`eval_mode`), the parts
+of a batch (:func:`split_batch`), the loss at perturbed weights (:class:`ModelClosure`) and the
+half-precision policy (:func:`as_compute`, :func:`to_device`).
+
+Half precision: a float16 / bfloat16 model is evaluated in float32 at its trained weights (its
+weights read in float32 where the model reads them, float32 copies of its buffers, half-precision
+floating inputs cast too; :mod:`~quotient_manifolds.adapters.streaming`). The reported value is the sharpness of the same weights in float32: in half precision the perturbations
+(relative size ~ρ/√#weights) round away against the weights, and loss differences below the half
+resolution of the loss vanish.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Callable, Iterator, Mapping, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
-__all__ = ["map_tensors", "eval_mode", "split_inputs"]
+from .components import KERNEL_LIMIT
+from .losses import HALF_DTYPES, logits_of, normalize_logits
+from .streaming import LazyWeight, substituted
+from .validation import scalar_loss, token_inputs
+
+__all__ = ["map_tensors", "eval_mode", "split_inputs", "split_batch", "ModelClosure", "HALF_DTYPES",
+           "as_compute", "to_device", "class_targets_fit", "all_finite"]
 
 
 def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
@@ -54,3 +71,128 @@ def split_inputs(example_inputs, model: nn.Module) -> Tuple[tuple, dict]:
         return moved(tuple(example_inputs)), {}
     return (moved(example_inputs),), {}
 
+
+class ModelClosure:
+    """Evaluates the loss of ``model`` on one batch at the perturbed parameters given by a ball.
+
+    ``loss_fn=None`` takes the model's own ``outputs.loss`` (Hugging Face models given labels)."""
+
+    def __init__(self, model: torch.nn.Module, params0: Dict[str, Tensor],
+                 buffers: Dict[str, Tensor], write_back: Callable[[List[Tensor]], Dict[str, Tensor]],
+                 loss_fn: Optional[Callable], normalise: bool):
+        self.model, self.params0, self.buffers = model, params0, buffers
+        self.write_back, self.loss_fn, self.normalise = write_back, loss_fn, normalise
+        self.inputs: Any = None
+        self.targets: Any = None
+
+    def __call__(self, points: List[Tensor]) -> Tensor:
+        params = self.write_back(points)
+        # recipes (streaming ball points, frozen half-precision weights) are read where the model
+        # reads the weight; the other tensors are swapped in for the call
+        lazy = {n: v for d in (self.buffers, params) for n, v in d.items() if isinstance(v, LazyWeight)}
+        tensors = {n: v for d in (self.buffers, params) for n, v in d.items() if n not in lazy}
+        with substituted(self.model, lazy) if lazy else contextlib.nullcontext():
+            if isinstance(self.inputs, Mapping):
+                outputs = functional_call(self.model, tensors, args=(), kwargs=dict(self.inputs))
+            else:
+                outputs = functional_call(self.model, tensors, args=(self.inputs,))
+        if self.loss_fn is None:
+            loss = getattr(outputs, "loss", None)
+            if not isinstance(loss, Tensor):
+                raise ValueError(
+                    f"the model returned no loss for a dict batch (keys {sorted(self.inputs)}): "
+                    f"without loss_fn the model's own `outputs.loss` is used, which Hugging Face "
+                    f"models compute only when the batch has 'labels'. Add 'labels' to the batch "
+                    f"or pass loss_fn=callable(outputs, labels), e.g. adapters.next_token_loss")
+        else:
+            if self.normalise:
+                outputs = normalize_logits(logits_of(outputs))
+            loss = self.loss_fn(outputs, self.targets)
+        if isinstance(loss, Tensor) and loss.dtype in HALF_DTYPES:
+            # the half resolution of the loss (~1e-3 relative) is the size of typical sharpness
+            raise TypeError(
+                f"the loss is computed in {loss.dtype}: sharpness differences of the order of its "
+                f"resolution ({torch.finfo(loss.dtype).eps:.1e} relative) would be rounded away. "
+                f"The model or loss_fn casts to half precision although its weights are given in "
+                f"float32 (torch.autocast?): run without autocast and compute the loss in float32")
+        return scalar_loss(loss, needs_grad=torch.is_grad_enabled() and any(
+            p.requires_grad if isinstance(p, Tensor) else any(t.requires_grad for t in p.leaves)
+            for p in points))
+
+
+def split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],
+                 normalise: bool) -> Tuple[Any, Any, bool]:
+    """(inputs, targets, use the model's own loss) of one batch; see :func:`sharpness`.  Token
+    inputs of the wrong shape are refused here, naming the batch (:func:`validation.token_inputs`)."""
+    inputs, targets, own_loss = _batch_parts(batch, index, loss_fn, normalise)
+    token_inputs(model, inputs, index)
+    return inputs, targets, own_loss
+
+
+def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise: bool
+                 ) -> Tuple[Any, Any, bool]:
+    """The parts of a batch, by its form: a dict of keyword arguments or an (inputs, targets) pair."""
+    if isinstance(batch, Mapping):
+        if loss_fn is None:
+            if normalise:
+                raise ValueError("normalize_logits=True needs a loss_fn for dict batches (the "
+                                 "model's own loss does not see normalised logits): pass e.g. "
+                                 "loss_fn=adapters.next_token_loss")
+            return batch, None, True
+        if "labels" not in batch:
+            raise ValueError(f"dict batch {index} has no 'labels' (keys {sorted(batch)}): with "
+                             f"loss_fn the loss is loss_fn(outputs, batch['labels']); add the "
+                             f"labels, or yield (inputs, targets) pairs")
+        return batch, batch["labels"], False
+    if not isinstance(batch, Sequence) or isinstance(batch, str) or len(batch) != 2:
+        what = f" of length {len(batch)}" if isinstance(batch, Sequence) else ""
+        raise ValueError(f"batch {index} is a {type(batch).__name__}{what}; expected an (inputs, "
+                         f"targets) pair or a dict of model keyword arguments (a Hugging Face "
+                         f"batch)")
+    inputs, targets = batch
+    return inputs, targets, False
+
+
+def class_targets_fit(model: torch.nn.Module, inputs: Any, targets: Any, index: int = 0) -> None:
+    """Refuse integer ``targets`` that the default cross-entropy cannot take: class indices must
+    lie in 0 … C−1 for a model with C outputs (``-100``, cross-entropy's ignored index, aside).
+    One forward pass (no gradient, eval mode), so that e.g. labels of ±1 are refused at once with
+    what to do, not after the verification of the layout (many forward passes)."""
+    if (not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex()
+            or targets.dtype == torch.bool):
+        return
+    valid = targets[targets != -100]
+    if valid.numel() == 0:
+        return
+    args, kwargs = split_inputs(inputs, model)
+    with torch.no_grad(), eval_mode(model):
+        logits = logits_of(model(*args, **kwargs))
+    classes = logits.shape[1] if logits.ndim >= 2 else logits.shape[0]   # cross_entropy's class dim
+    low, high = int(valid.min()), int(valid.max())
+    if 0 <= low and high < classes:
+        return
+    hint = (" Labels of -1/+1? Map them to 0/1 with (y + 1) // 2." if (low, high) in ((-1, 1), (-1, 0))
+            else "")
+    raise ValueError(f"batch {index}: the default loss is cross-entropy, whose targets are class indices "
+                     f"0..{classes - 1} of the model's {classes} outputs, but these range over "
+                     f"{low}..{high}.{hint} For another loss pass loss_fn=callable(outputs, targets).")
+
+
+def all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, checked in pieces of at most
+    :data:`~quotient_manifolds.adapters.components.KERNEL_LIMIT` elements (no temporary of the
+    tensor's size: a model of billions of weights is checked in place); one host sync."""
+    flat = t.reshape(-1)
+    checks = [torch.isfinite(flat[a:a + KERNEL_LIMIT]).all() for a in range(0, flat.numel(), KERNEL_LIMIT)]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
+def as_compute(t: Tensor, upcast: bool) -> Tensor:
+    """``t`` in the compute dtype: float32 for half-precision tensors when ``upcast``."""
+    return t.float() if upcast and t.dtype in HALF_DTYPES else t
+
+
+def to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
+    """``obj`` (a tensor, or tuples, lists and dicts of them) with every tensor moved to ``device``,
+    in the compute dtype when ``upcast`` (:func:`as_compute`)."""
+    return map_tensors(lambda t: as_compute(t.to(device), upcast), obj)

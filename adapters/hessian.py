@@ -120,8 +120,9 @@ from quotient_manifolds.core.groups import sym
 
 from . import validation as check
 from .ball import build_ball, geometry_of, gram_eps_of
-from .worst_case import ModelClosure, default_loss, pre_run_checks, split_batch, to_device
-from .evaluation import eval_mode
+from .evaluation import ModelClosure, eval_mode, split_batch, to_device
+from .gate import pre_run_checks
+from .losses import default_loss
 from .solver import ElementwiseComponent, QuotientComponent
 from .validation import integer_at_least, materialised
 
@@ -340,8 +341,6 @@ def riemannian_hessian(model: torch.nn.Module,
     Riemannian Hessian's, the rest are exact zeros (vertical directions, fixed weights).
     Use :func:`trace`, :func:`top_eigenvalues`, or ``curvlinops.lanczos_approximate_spectrum(op, ncv)``.
     """
-    from .accept import accept_checked, verification_pending
-
     check.module("model", model)
     check.batches("batches", batches)
     check.optional_layout("layout", layout)
@@ -355,18 +354,15 @@ def riemannian_hessian(model: torch.nn.Module,
         reduction = getattr(loss_fn, "reduction", "mean")
     check_choice(reduction, REDUCTIONS, "reduction")
     what, consequence = f"{geometry} Hessian", "its quotient Hessian would be meaningless"
-    params0, buffers, upcast, layout, detected = pre_run_checks(
+    params0, buffers, upcast, layout, _, gate = pre_run_checks(
         model, layout, geometry=geometry, what=what, consequence=consequence, unsafe=unsafe,
         allow_unsupported=allow_unsupported, undefined="the Hessian",
         no_params=("the Hessian is taken with respect to the trainable weights; set requires_grad=True on "
                    "the weights to include"))
     data, num_data = _weighted_batches(model, batches, loss_fn, reduction, batch_size_fn,
                                        next(iter(params0.values())).device, upcast)
-    if geodesic and verification_pending(layout, unsafe=unsafe):
-        # a geodesic number never comes from an unverified block (adapters.accept)
-        # a layout detected here gets derived groups for blocks whose candidate group fails
-        layout = accept_checked(model, layout, data[0][0], what=what, consequence=consequence, unsafe=unsafe,
-                                derive=detected)
+    if geodesic:           # a geodesic number never comes from an unverified block (adapters.gate)
+        layout = gate.accept(data[0][0], stacklevel=2)
     ball, write_back = build_ball(model, params0, geometry=geometry, layout=layout, gram_eps=gram_eps)
     return RiemannianHessian(model, ball, write_back, params0, buffers, data, num_data, geometry)
 

@@ -50,7 +50,8 @@ from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
 from . import validation as check
 from .ball import GEOMETRY_TABLE, build_ball, geometry_of
-from .worst_case import HALF_DTYPES, as_compute, as_rho
+from .evaluation import HALF_DTYPES, as_compute
+from .options import as_rho
 from .validation import materialised
 
 #: why a layout whose blocks fail verification is refused (``unsafe=True``: the warning's reason)
@@ -353,15 +354,14 @@ class GeodesicSAM(torch.optim.Optimizer):
     def _checked_layout(self, layout, allow_unsupported: bool, unsafe: bool):
         if not GEOMETRY_TABLE[self.geometry].geodesic:
             return None
-        from .accept import capture_first_call, checked_layout, is_verified, verification_pending
-        #: a layout detected here gets derived groups for blocks whose candidate group fails
-        self._derive = layout is None
-        layout = checked_layout(self.model, layout, what=f"GeodesicSAM({self.geometry})",
-                                consequence=SAM_CONSEQUENCE, unsafe=unsafe, allow_unsupported=allow_unsupported,
-                                stacklevel=4)
-        self._unsafe = unsafe
-        pending = (bool(layout.blocks) and not is_verified(self.model, layout)
-                   and verification_pending(layout, unsafe=unsafe))
+        from .accept import capture_first_call
+        from .gate import Gate
+
+        #: the layout verified and accepted on the first batch's inputs (adapters.gate)
+        self._gate = Gate(self.model, layout, geometry=self.geometry, what=f"GeodesicSAM({self.geometry})",
+                          consequence=SAM_CONSEQUENCE, unsafe=unsafe, allow_unsupported=allow_unsupported)
+        layout = self._gate.layout
+        pending = self._gate.pending
         if pending and self._shard_group is not None:
             # FSDP2 gathers the weights inside the forward pass itself, so the acted-on weights of a
             # verification would never reach it: the layout must have passed on the whole model
@@ -379,9 +379,13 @@ class GeodesicSAM(torch.optim.Optimizer):
                     f"fully_shard, on every rank: lay = adapters.layout(model); lay.verify(model, "
                     f"inputs); then fully_shard(...) and GeodesicSAM(model, ..., layout=lay) (or "
                     f"layout=None: the same blocks are recognised). Or use geometry='adaptive'")
+            if not pending:    # the whole model's verification stands for the sharded one
+                self._gate = None
         if pending:
             # verified on the inputs of the model's next forward pass (the first batch)
             self._capture = capture_first_call(self.model, self._first_inputs)
+        elif self._gate is not None:   # verified already, or unsafe=True with a failed one (warns)
+            layout = self._gate.accept(None, stacklevel=3)
         outside = sorted({p for b in layout.blocks for p in b.params} - set(self._perturbed))
         if outside:
             raise ValueError(f"GL blocks of the layout touch parameter(s) {outside[:4]} that the "
@@ -506,8 +510,6 @@ class GeodesicSAM(torch.optim.Optimizer):
 
     def _verify_layout(self) -> None:
         """Verify the layout on the first batch's inputs (once; see :mod:`quotient_manifolds.adapters.accept`)."""
-        from .accept import accept_checked
-
         captured = self._first_inputs
         what = f"GeodesicSAM({self.geometry})"
         if not captured:
@@ -522,9 +524,7 @@ class GeodesicSAM(torch.optim.Optimizer):
                 f"was called with both positional and keyword arguments, which Layout.verify cannot "
                 f"replay. Verify the layout yourself once (lay = adapters.layout(model); "
                 f"lay.verify(model, {{...keyword inputs...}})) and pass layout=lay")
-        self.layout = accept_checked(self.model, self.layout, captured["inputs"], what=what,
-                                     consequence=SAM_CONSEQUENCE, unsafe=self._unsafe, derive=self._derive,
-                                     stacklevel=4)
+        self.layout = self._gate.accept(captured["inputs"], stacklevel=3)
         self._first_inputs, self._capture = {}, None  # after a refusal the next step verifies again
 
     @torch.no_grad()

@@ -47,12 +47,18 @@ class SymmetryError(AssertionError):
 
 @dataclass
 class BlockCheck:
+    """The check of one block: its output deviation per scale, its largest, and whether it passed.
+    ``group_size`` > 1: the block passed acting together with ``group_size − 1`` other blocks (the
+    bisection of :func:`verify_layout` with ``per_block="auto"`` stops at a group that passes), and
+    the deviations are those of the group."""
+
     name: str
     kind: str
     module: str
     per_scale: Dict[float, float]
     max_rel_dev: float
     passed: bool
+    group_size: int = 1
 
 
 @dataclass
@@ -97,10 +103,22 @@ class VerifyReport:
         if self.blocks:
             w = max(len(b.name) for b in self.blocks)
             for b in self.blocks:
-                lines.append(f"  {b.name:<{w}}  max rel dev {b.max_rel_dev:.2e}  {'ok' if b.passed else 'FAIL'}")
+                together = f" (with {b.group_size - 1} other blocks)" if b.group_size > 1 else ""
+                lines.append(f"  {b.name:<{w}}  max rel dev {b.max_rel_dev:.2e}  "
+                             f"{'ok' if b.passed else 'FAIL'}{together}")
         elif not self.per_block_checked:
             lines.append("  (blocks not checked one by one)")
+        lines.append(self.next_step)
         return "\n".join(lines)
+
+    @property
+    def next_step(self) -> str:
+        """One line: what to call next with the layout this report is about."""
+        if self.passed:
+            return ("next: adapters.sharpness(model, batches, rho=..., layout=layout) uses these blocks "
+                    "as they are (no new check)")
+        return ("next: adapters.accept_layout(model, layout, inputs) derives the groups of the failing blocks "
+                "(sharpness(..., layout=layout) does so on its first batch); print its layout to see them")
 
 
 TOLERANCE_FACTOR = 30.0
@@ -183,9 +201,17 @@ def verify_layout(layout: Checkable, model: nn.Module, example_inputs, *,
         cdt, params, extra, args, kwargs = _in_compute_dtype(model, params, args, kwargs, compute_dtype)
 
         def run(p):
-            return fn(functional_call(model, {**p, **extra}, args, kwargs)).detach()
+            y = fn(functional_call(model, {**p, **extra}, args, kwargs))
+            if not isinstance(y, Tensor):
+                raise TypeError(f"verify(): output_fn returned a {type(y).__name__}, not a tensor: it must "
+                                f"pick the tensor to compare from the model's output, e.g. "
+                                f"output_fn=lambda out: out.logits")
+            return y.detach()
 
         y0 = run(params)
+        if not y0.numel():
+            raise ValueError("verify(): the model's output on example_inputs is empty (an empty batch?): a "
+                             "check on no output proves nothing; pass inputs with at least one example")
         if not bool(torch.isfinite(y0).all()):
             raise ValueError("verify(): the model's output at its own weights is not finite (nan or inf); "
                              "check example_inputs (and attention masks) before checking the symmetry")
@@ -217,13 +243,39 @@ def verify_layout(layout: Checkable, model: nn.Module, example_inputs, *,
             return d * denom <= tol_a + tols[s] * ymax
 
         joint_passed = all(ok(d, s) for s, d in joint.items())
-        check_blocks = per_block is True or (per_block == "auto" and not joint_passed)
+
+        def group_dev(group, stop_at_failure: bool) -> Dict[float, float]:
+            """Deviation per scale with the blocks of ``group`` acting together (up to the first
+            failing scale when ``stop_at_failure``: a failing group is split anyway)."""
+            per = {}
+            for s in scales:
+                per[s] = dev(layout.act(params, {b.name: actions_by_scale[s][b.name] for b in group}))
+                if stop_at_failure and not ok(per[s], s):
+                    break
+            return per
+
+        def bisect(group, per) -> List[BlockCheck]:
+            """The checks of ``group`` whose joint deviations are ``per``: all passed at once, else
+            each half checked in turn, down to the single blocks that fail."""
+            if all(ok(d, s) for s, d in per.items()) or len(group) == 1:
+                if len(group) == 1 and len(per) < len(scales):
+                    per = group_dev(group, stop_at_failure=False)
+                mx = max(per.values()) if per else 0.0
+                passed = all(ok(d, s) for s, d in per.items())
+                return [BlockCheck(b.name, b.kind, b.module, dict(per), mx, passed, len(group)) for b in group]
+            half = len(group) // 2
+            return [c for part in (group[:half], group[half:])
+                    for c in bisect(part, group_dev(part, stop_at_failure=len(part) > 1))]
+
+        check_blocks = per_block is True or (per_block == "auto" and bool(layout.blocks))
         checks: List[BlockCheck] = []
-        if check_blocks:
+        if per_block is True:
             for b in layout.blocks:
-                per = {s: dev(layout.act(params, {b.name: actions_by_scale[s][b.name]})) for s in scales}
+                per = group_dev([b], stop_at_failure=False)
                 mx = max(per.values()) if per else 0.0
                 checks.append(BlockCheck(b.name, b.kind, b.module, per, mx, all(ok(d, s) for s, d in per.items())))
+        elif check_blocks:
+            checks = bisect(list(layout.blocks), joint)
     tol_r = max(tols.values()) if tols else (float(rtol) if rtol is not None else default_tolerance(cdt, cond))
     report = VerifyReport(joint=joint, joint_passed=joint_passed, blocks=checks, rtol=tol_r, atol=tol_a,
                           dtype=cdt, cond=cond, scales=scales, output_scale=ymax,
@@ -252,12 +304,35 @@ def _checked_arguments(layout: Checkable, model: nn.Module, example_inputs, *, s
                         f"for the model's, got {compute_dtype!r}")
     check.materialised(model, "verify()")
     layout.check_model(model, what="verify()")
+    refuse_empty_inputs(example_inputs, "verify()")
     args, kwargs = split_inputs(example_inputs, model)
     scales = positive_finite_sequence("scales", scales)
     if cond is not None and positive_finite("cond", cond) < 1:
         raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
                          f"got {cond!r}")
     return args, kwargs, scales
+
+
+def refuse_empty_inputs(example_inputs: Any, what: str) -> None:
+    """Refuse example inputs whose tensors are all empty (``x[:0]``): a symmetry check on them compares
+    nothing and would pass whatever the blocks."""
+    tensors: List[Tensor] = []
+
+    def collect(x):
+        if isinstance(x, Tensor):
+            tensors.append(x)
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (tuple, list)):
+            for v in x:
+                collect(v)
+
+    collect(example_inputs)
+    if tensors and all(t.numel() == 0 for t in tensors):
+        raise ValueError(f"{what}: example_inputs hold no data (empty tensors of shapes "
+                         f"{[tuple(t.shape) for t in tensors][:3]}): a verification on an empty batch proves "
+                         f"nothing; pass inputs with at least one example, e.g. the first batch")
 
 
 def _finite_parameters(model: nn.Module) -> Dict[str, Tensor]:

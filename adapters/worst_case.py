@@ -8,57 +8,46 @@ modified: parameters and buffers are read once, detached; every submodule's trai
 restored even after an exception or KeyboardInterrupt; no ``.grad`` is written (gradients come from
 ``torch.autograd.grad`` with respect to the perturbation only).
 
-Half precision: a float16 / bfloat16 model is evaluated in float32 at its trained weights (float32
-copies of its half-precision parameters and buffers, half-precision floating inputs cast too). The
-reported value is the sharpness of the same weights in float32: in half precision the perturbations
-(relative size ~ρ/√#weights) round away against the weights, and loss differences below the half
-resolution of the loss vanish.
-
 The maths: docs/maths.md §6 (blocks, total norm, ε), §7.3 (algorithm), §12 (the choices made).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
-import numbers
 import time
 import warnings
-from dataclasses import dataclass, field, fields
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence,
-                    Tuple, Union)
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
-from torch.func import functional_call
 
 from quotient_manifolds._runtime import bounded_threads
-from quotient_manifolds.core.gl import RETRACTIONS
 
 from .ball import (  # GEOMETRIES and build_ball are served here too (the adapters' public names)
-    ADAPTIVE_DIRECTIONS,
     GEOMETRIES,
-    GEOMETRY_TABLE,
-    Geometry,
     build_ball,
-    geometry_of,
     gram_eps_of,
 )
-from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS, APGDResult, ProductBall, auto_pgd, average_case
+from .solver import APGDResult, ProductBall, auto_pgd, average_case
 from . import validation as check
-from .components import KERNEL_LIMIT
-from .evaluation import eval_mode, map_tensors, split_inputs
+from .evaluation import (HALF_DTYPES, ModelClosure, as_compute, class_targets_fit, eval_mode, split_batch,
+                         to_device)
+from .gate import PreRun, pre_run_checks
+from .losses import default_loss, logits_of, next_token_loss, normalize_logits
 from .memory import explained_out_of_memory
-from .verified import is_verified
+from .options import MEASURES, SHARPNESS_OPTION_NAMES, SharpnessOptions, as_rho, sharpness_options
 from .sharded import is_sharded, run_sharded
-from .streaming import LazyWeight, substituted
-from .validation import materialised, scalar_loss, token_inputs
+from .validation import materialised
+
+# served here too: the names the driver was the module of before the set-up was split
+__all__ = ["sharpness", "sharpness_sweep", "run_sharpness", "SharpnessResult", "GEOMETRIES", "MEASURES",
+           "build_ball", "default_loss", "next_token_loss", "logits_of", "normalize_logits", "ModelClosure",
+           "split_batch", "to_device", "as_compute", "HALF_DTYPES", "SharpnessOptions",
+           "SHARPNESS_OPTION_NAMES", "sharpness_options", "as_rho", "PreRun", "pre_run_checks"]
 
 Tensor = torch.Tensor
 
-MEASURES = ("worst", "average")
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 #: Models with at most this many parameters run on one thread (see ``num_threads``).
 SMALL_MODEL_PARAMS = 2 ** 20
 #: marks an empty iterable of batches (reported after the set-up, as before)
@@ -106,195 +95,6 @@ class SharpnessResult:
                 f"{sum(self.init_losses) / len(self.init_losses):.4g}, {self.n_forward} forward / "
                 f"{self.n_backward} backward passes in {self.time_s:.2f} s")
 
-
-def default_loss(outputs: Any, targets: Tensor) -> Tensor:
-    """Mean cross-entropy on ``outputs`` or on ``outputs.logits`` (Hugging Face outputs)."""
-    return F.cross_entropy(logits_of(outputs), targets)
-
-
-def next_token_loss(outputs: Any, labels: Tensor) -> Tensor:
-    r"""Shifted next-token cross-entropy of a causal language model (the loss Hugging Face causal
-    LMs compute from ``labels``): position t predicts token t+1,
-
-        L = (1/|V|) Σ_{(b,t) ∈ V} −log softmax(z[b, t])[y[b, t+1]],
-        V = {(b, t) : y[b, t+1] ≠ −100},
-
-    with logits z = ``outputs`` or ``outputs.logits`` of shape (B, T, vocab) and ``labels`` y of
-    shape (B, T) (usually ``input_ids``, with −100 on padding). Half-precision logits are upcast.
-    """
-    logits = logits_of(outputs)
-    if logits.ndim != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"next_token_loss needs logits of shape (batch, tokens, vocab) and labels "
-                         f"of shape (batch, tokens); got logits {tuple(logits.shape)} and labels "
-                         f"{tuple(labels.shape)}")
-    if logits.dtype in HALF_DTYPES:
-        logits = logits.float()
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(logits.device),
-                           ignore_index=-100)
-
-
-def logits_of(outputs: Any) -> Tensor:
-    """The logits in a model's output: the output itself when it is a tensor, ``outputs.logits``
-    (Hugging Face outputs), or the one tensor of a tuple/list whose other items are not tensors
-    (e.g. ``(logits, hidden_states_tuple)``). A tuple holding several tensors, e.g.
-    ``(features, logits)``, is ambiguous and refused: pass ``loss_fn``."""
-    if isinstance(outputs, Tensor):
-        return outputs
-    logits = getattr(outputs, "logits", None)
-    if isinstance(logits, Tensor):
-        return logits
-    if isinstance(outputs, (tuple, list)):
-        tensors = [i for i, item in enumerate(outputs) if isinstance(item, Tensor)]
-        if len(tensors) == 1:
-            return outputs[tensors[0]]
-        if len(tensors) > 1:
-            shapes = ", ".join(f"[{i}] {tuple(outputs[i].shape)}" for i in tensors)
-            raise TypeError(
-                f"the model returns a {type(outputs).__name__} of {len(tensors)} tensors ({shapes}): "
-                f"which one holds the logits is ambiguous, so the default cross-entropy is not "
-                f"applied to any of them. Pass loss_fn=lambda outputs, targets: "
-                f"torch.nn.functional.cross_entropy(outputs[i], targets) with the index i of the "
-                f"logits (or return a tensor or an object with .logits)")
-    raise TypeError(f"cannot find logits in a model output of type {type(outputs).__name__}; pass "
-                    f"loss_fn=callable(outputs, targets) -> scalar loss")
-
-
-def normalize_logits(logits: Tensor) -> Tensor:
-    """Andriushchenko et al.'s LogitNormalizationWrapper: centre, then divide by the L2 norm."""
-    centred = logits - logits.mean(dim=-1, keepdim=True)
-    return centred / centred.norm(dim=-1, keepdim=True).clamp_min(1e-10)
-
-
-class ModelClosure:
-    """Evaluates the loss of ``model`` on one batch at the perturbed parameters given by a ball.
-
-    ``loss_fn=None`` takes the model's own ``outputs.loss`` (Hugging Face models given labels)."""
-
-    def __init__(self, model: torch.nn.Module, params0: Dict[str, Tensor],
-                 buffers: Dict[str, Tensor], write_back: Callable[[List[Tensor]], Dict[str, Tensor]],
-                 loss_fn: Optional[Callable], normalise: bool):
-        self.model, self.params0, self.buffers = model, params0, buffers
-        self.write_back, self.loss_fn, self.normalise = write_back, loss_fn, normalise
-        self.inputs: Any = None
-        self.targets: Any = None
-
-    def __call__(self, points: List[Tensor]) -> Tensor:
-        params = self.write_back(points)
-        # recipes (streaming ball points, frozen half-precision weights) are read where the model
-        # reads the weight; the other tensors are swapped in for the call
-        lazy = {n: v for d in (self.buffers, params) for n, v in d.items() if isinstance(v, LazyWeight)}
-        tensors = {n: v for d in (self.buffers, params) for n, v in d.items() if n not in lazy}
-        with substituted(self.model, lazy) if lazy else contextlib.nullcontext():
-            if isinstance(self.inputs, Mapping):
-                outputs = functional_call(self.model, tensors, args=(), kwargs=dict(self.inputs))
-            else:
-                outputs = functional_call(self.model, tensors, args=(self.inputs,))
-        if self.loss_fn is None:
-            loss = getattr(outputs, "loss", None)
-            if not isinstance(loss, Tensor):
-                raise ValueError(
-                    f"the model returned no loss for a dict batch (keys {sorted(self.inputs)}): "
-                    f"without loss_fn the model's own `outputs.loss` is used, which Hugging Face "
-                    f"models compute only when the batch has 'labels'. Add 'labels' to the batch "
-                    f"or pass loss_fn=callable(outputs, labels), e.g. adapters.next_token_loss")
-        else:
-            if self.normalise:
-                outputs = normalize_logits(logits_of(outputs))
-            loss = self.loss_fn(outputs, self.targets)
-        if isinstance(loss, Tensor) and loss.dtype in HALF_DTYPES:
-            # the half resolution of the loss (~1e-3 relative) is the size of typical sharpness
-            raise TypeError(
-                f"the loss is computed in {loss.dtype}: sharpness differences of the order of its "
-                f"resolution ({torch.finfo(loss.dtype).eps:.1e} relative) would be rounded away. "
-                f"The model or loss_fn casts to half precision although its weights are given in "
-                f"float32 (torch.autocast?): run without autocast and compute the loss in float32")
-        return scalar_loss(loss, needs_grad=torch.is_grad_enabled() and any(
-            p.requires_grad if isinstance(p, Tensor) else any(t.requires_grad for t in p.leaves)
-            for p in points))
-
-
-@dataclass(frozen=True)
-class SharpnessOptions:
-    """The options of :func:`sharpness` (every keyword but ``rho``), checked once when built: an
-    unknown name or an out-of-range value is refused before any work, naming the option. The
-    meaning of each is documented at :func:`sharpness`; :func:`sharpness_sweep`,
-    :func:`~quotient_manifolds.adapters.calibrate_rho` and :func:`run_sharpness` take them as they are."""
-
-    geometry: str = "geodesic-mix"
-    n_iters: int = 20
-    retraction: str = "second_order"
-    loss_fn: Optional[Callable] = None
-    measure: str = "worst"
-    n_samples: int = 10
-    gram_eps: float = 0.0
-    use_metric_norm: bool = True
-    momentum: str = "apgd"
-    step_normalisation: str = "metric"
-    adaptive_direction: str = "riemannian"
-    elementwise_second_order: bool = False
-    normalize_logits: bool = False
-    step_size_mult: float = 1.0
-    layout: Any = None
-    allow_unsupported: bool = False
-    unsafe: bool = False
-    seed: int = 0
-    progress: bool = False
-    num_threads: Optional[int] = None
-    include_frozen: bool = False
-    check_retraction: bool = True
-    retraction_tolerance: float = 0.1
-
-    def __post_init__(self) -> None:
-        geometry_of(self.geometry)
-        check.choice("retraction", self.retraction, RETRACTIONS)
-        check.choice("measure", self.measure, MEASURES)
-        check.choice("momentum", self.momentum, MOMENTUM_FORMS)
-        check.choice("step_normalisation", self.step_normalisation, STEP_NORMALISATIONS)
-        check.choice("adaptive_direction", self.adaptive_direction, ADAPTIVE_DIRECTIONS)
-        check.positive_finite("step_size_mult", self.step_size_mult)
-        check.integer_at_least("n_iters", self.n_iters, 1)
-        check.integer_at_least("n_samples", self.n_samples, 1)
-        check.integer_at_least("seed", self.seed, -2 ** 63)
-        check.non_negative_finite("gram_eps", self.gram_eps)
-        check.positive_finite("retraction_tolerance", self.retraction_tolerance)
-        if self.num_threads is not None:
-            check.integer_at_least("num_threads", self.num_threads, 1)
-        check.optional_callable("loss_fn", self.loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
-        for name in ("use_metric_norm", "elementwise_second_order", "normalize_logits", "allow_unsupported",
-                     "unsafe", "progress", "include_frozen", "check_retraction"):
-            check.flag(name, getattr(self, name))
-        check.optional_layout("layout", self.layout)
-        if self.include_frozen and self.layout is not None and getattr(self.layout, "frozen", None):
-            raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
-                             "parameters, so they would be in no part of the ball; rebuild it with "
-                             "layout(model, include_frozen=True), or pass include_frozen=False")
-
-    @classmethod
-    def from_keywords(cls, options: Mapping[str, Any], *, stacklevel: int = 3) -> "SharpnessOptions":
-        """The options given as keywords of :func:`sharpness` (``eps``, the former name of
-        ``gram_eps``, is accepted with a DeprecationWarning issued ``stacklevel`` frames up)."""
-        options = dict(options)
-        if "eps" in options:
-            options["gram_eps"] = gram_eps_of(options.get("gram_eps", 0.0), options.pop("eps"),
-                                              stacklevel=stacklevel + 1)
-        unknown = [k for k in options if k not in SHARPNESS_OPTION_NAMES]
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
-                            f"those of adapters.sharpness (rho, {', '.join(SHARPNESS_OPTION_NAMES)})")
-        return cls(**options)
-
-    @property
-    def spec(self) -> Geometry:
-        """The entry of :data:`~quotient_manifolds.adapters.ball.GEOMETRY_TABLE` of ``geometry``."""
-        return GEOMETRY_TABLE[self.geometry]
-
-    def as_dict(self) -> Dict[str, Any]:
-        """The options as a dict (name → value, in the order of :func:`sharpness`'s keywords)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-#: the names of :class:`SharpnessOptions`, in the order of :func:`sharpness`'s keywords
-SHARPNESS_OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(SharpnessOptions))
 
 
 def sharpness(model: torch.nn.Module,
@@ -350,11 +150,12 @@ def sharpness(model: torch.nn.Module,
         w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).
     normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
     layout: a precomputed :class:`~quotient_manifolds.adapters.Layout` of this model (one built for another model —
-        other parameters, shapes or head counts — is refused), verified on the first batch and refused
-        when a block fails.  Default: detected from the model and accepted on the first batch
-        (:func:`~quotient_manifolds.adapters.accept.accept_layout`): blocks whose candidate group fails verification
-        get the group derived from the model (e.g. R₊·SO(h) for L2-normalised q and k), what still
-        fails is treated elementwise, with a warning.
+        other parameters, shapes or head counts — is refused), or detected from the model (default).
+        Either way it is accepted on the first batch (:class:`~quotient_manifolds.adapters.gate.Gate`): a
+        layout that passed ``verify`` is used as it is; blocks whose group fails verification get the
+        group derived from the model (e.g. R₊·SO(h) for L2-normalised q and k; a warning says so for
+        a layout passed in), what still fails is treated elementwise, with a warning; a layout passed
+        in of which no block verifies is refused.
     allow_unsupported: run even if the layout reports unsupported attention modules (they are
         then treated adaptively) or none at all.
     unsafe: run a geodesic geometry even if the layout's last ``verify`` found blocks that are not
@@ -455,11 +256,9 @@ def _prepare(model: torch.nn.Module, batches: Iterable[Any], options: SharpnessO
              stacklevel: int) -> _Prepared:
     """The weights and fixed tensors (:func:`pre_run_checks`), the layout accepted on the first
     batch for a geodesic geometry, and the batches (the first one read already)."""
-    from .accept import accept_checked, verification_pending
-
     geodesic, unsafe = options.spec.geodesic, options.unsafe
     what, consequence = f"{options.geometry} sharpness", "the value would be meaningless"
-    params0, buffers, upcast, layout, detected = pre_run_checks(
+    params0, buffers, upcast, layout, detected, gate = pre_run_checks(
         model, options.layout, geometry=options.geometry, what=what, consequence=consequence, unsafe=unsafe,
         allow_unsupported=options.allow_unsupported, include_frozen=options.include_frozen,
         undefined="sharpness",
@@ -474,14 +273,14 @@ def _prepare(model: torch.nn.Module, batches: Iterable[Any], options: SharpnessO
     first = next(batches, _NO_BATCH)
     if first is not _NO_BATCH:
         batches = itertools.chain([first], batches)
-    if first is not _NO_BATCH and geodesic and verification_pending(layout, unsafe=unsafe):
-        # a geodesic number never comes from an unverified block (adapters.accept); a layout
-        # detected here gets derived groups for the blocks whose candidate group fails
-        inputs, targets, own_loss = split_batch(model, first, 0, options.loss_fn, options.normalize_logits)
-        if options.loss_fn is None and not own_loss and not is_verified(model, layout):
-            class_targets_fit(model, inputs, targets, 0)    # one forward pass before the many
-        layout = accept_checked(model, layout, inputs, what=what, consequence=consequence, unsafe=unsafe,
-                                derive=detected, stacklevel=stacklevel + 1)
+    if first is not _NO_BATCH and geodesic:
+        # a geodesic number never comes from an unverified block (adapters.gate)
+        inputs = None
+        if gate.pending:
+            inputs, targets, own_loss = split_batch(model, first, 0, options.loss_fn, options.normalize_logits)
+            if options.loss_fn is None and not own_loss:
+                class_targets_fit(model, inputs, targets, 0)    # one forward pass before the many
+        layout = gate.accept(inputs, stacklevel=stacklevel)
     if geodesic and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
@@ -633,165 +432,3 @@ def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:
         return -math.inf
     rise = res.worst_loss - res.init_loss
     return (exact - res.init_loss) / rise - 1 if rise > 0 else 0.0
-
-
-def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, Any]:
-    """The keyword options of :func:`sharpness` (all but ``model``, ``batches``, ``rho``) with the
-    defaults filled in (:meth:`SharpnessOptions.as_dict`), refused before any work if one, or ``rho``,
-    is unknown or out of range."""
-    as_rho(rho)
-    return SharpnessOptions.from_keywords(options, stacklevel=3).as_dict()
-
-
-def as_rho(rho: Any, name: str = "rho") -> float:
-    """``rho`` (the argument ``name``) as a float: Python / numpy scalars and 0-d arrays or tensors;
-    finite and > 0."""
-    value = rho
-    if isinstance(value, Tensor) or type(value).__module__ == "numpy":
-        if getattr(value, "ndim", 0) != 0:
-            raise ValueError(f"{name} must be a scalar, got an array of shape {tuple(value.shape)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number > 0 (float, int, numpy scalar or 0-d "
-                         f"array/tensor), got {rho!r} of type {type(rho).__name__}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 (the radius of the ball), got {rho!r}")
-    return value
-
-
-def class_targets_fit(model: torch.nn.Module, inputs: Any, targets: Any, index: int = 0) -> None:
-    """Refuse integer ``targets`` that the default cross-entropy cannot take: class indices must
-    lie in 0 … C−1 for a model with C outputs (``-100``, cross-entropy's ignored index, aside).
-    One forward pass (no gradient, eval mode), so that e.g. labels of ±1 are refused at once with
-    what to do, not after the verification of the layout (many forward passes)."""
-    if (not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex()
-            or targets.dtype == torch.bool):
-        return
-    valid = targets[targets != -100]
-    if valid.numel() == 0:
-        return
-    args, kwargs = split_inputs(inputs, model)
-    with torch.no_grad(), eval_mode(model):
-        logits = logits_of(model(*args, **kwargs))
-    classes = logits.shape[1] if logits.ndim >= 2 else logits.shape[0]   # cross_entropy's class dim
-    low, high = int(valid.min()), int(valid.max())
-    if 0 <= low and high < classes:
-        return
-    hint = (" Labels of -1/+1? Map them to 0/1 with (y + 1) // 2." if (low, high) in ((-1, 1), (-1, 0))
-            else "")
-    raise ValueError(f"batch {index}: the default loss is cross-entropy, whose targets are class indices "
-                     f"0..{classes - 1} of the model's {classes} outputs, but these range over "
-                     f"{low}..{high}.{hint} For another loss pass loss_fn=callable(outputs, targets).")
-
-
-def split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],
-                 normalise: bool) -> Tuple[Any, Any, bool]:
-    """(inputs, targets, use the model's own loss) of one batch; see :func:`sharpness`.  Token
-    inputs of the wrong shape are refused here, naming the batch (:func:`validation.token_inputs`)."""
-    inputs, targets, own_loss = _batch_parts(batch, index, loss_fn, normalise)
-    token_inputs(model, inputs, index)
-    return inputs, targets, own_loss
-
-
-def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise: bool
-                 ) -> Tuple[Any, Any, bool]:
-    """The parts of a batch, by its form: a dict of keyword arguments or an (inputs, targets) pair."""
-    if isinstance(batch, Mapping):
-        if loss_fn is None:
-            if normalise:
-                raise ValueError("normalize_logits=True needs a loss_fn for dict batches (the "
-                                 "model's own loss does not see normalised logits): pass e.g. "
-                                 "loss_fn=adapters.next_token_loss")
-            return batch, None, True
-        if "labels" not in batch:
-            raise ValueError(f"dict batch {index} has no 'labels' (keys {sorted(batch)}): with "
-                             f"loss_fn the loss is loss_fn(outputs, batch['labels']); add the "
-                             f"labels, or yield (inputs, targets) pairs")
-        return batch, batch["labels"], False
-    if not isinstance(batch, Sequence) or isinstance(batch, str) or len(batch) != 2:
-        what = f" of length {len(batch)}" if isinstance(batch, Sequence) else ""
-        raise ValueError(f"batch {index} is a {type(batch).__name__}{what}; expected an (inputs, "
-                         f"targets) pair or a dict of model keyword arguments (a Hugging Face "
-                         f"batch)")
-    inputs, targets = batch
-    return inputs, targets, False
-
-
-class PreRun(NamedTuple):
-    """What :func:`pre_run_checks` found: the weights an evaluation varies and the fixed tensors, in
-    the compute dtype, and the layout (``None`` for adaptive)."""
-
-    params0: Dict[str, Tensor]
-    buffers: Dict[str, Tensor]
-    upcast: bool
-    layout: Any
-    #: whether the layout was detected here (``layout=None``): failing blocks then get derived groups
-    detected: bool
-
-
-def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: str, consequence: str,
-                   unsafe: bool, allow_unsupported: bool, include_frozen: bool = False, undefined: str,
-                   no_params: str, stacklevel: int = 3, copy_half: bool = True) -> PreRun:
-    """The checks of an evaluation at the model's weights (sharpness, the Hessian) before its first
-    batch, and its set-up:
-
-    * the weights it varies: the trainable ones (and with ``include_frozen`` the frozen floating
-      ones); none is refused (``no_params`` says what to do);
-    * for a geodesic geometry, the layout (:func:`~quotient_manifolds.adapters.accept.checked_layout`:
-      a failure known from its last verification is refused before any work; ``what`` names the
-      caller, ``consequence`` what a failing block would do to the result);
-    * the weights refused when not finite (``undefined`` names what is undefined there);
-    * ``buffers``: the model's buffers and its other parameters (fixed); ``upcast``: whether any
-      parameter or buffer is in half precision, in which case all of them are float32 copies
-      (``copy_half=False``: the weights stay the model's own, to be read in float32 by the ball
-      and by :class:`~quotient_manifolds.adapters.streaming.LazyWeight` recipes for the frozen
-      ones; the buffers are still copied).
-
-    ``stacklevel`` is that of the warnings as if the caller issued them."""
-    from .accept import checked_layout
-
-    all_params = dict(model.named_parameters())
-    params0 = {n: p.detach() for n, p in all_params.items()
-               if p.requires_grad or (include_frozen and p.is_floating_point())}
-    if not params0:
-        raise ValueError(f"the model has no trainable parameter (all {len(all_params)} have "
-                         f"requires_grad=False): {no_params}")
-    geodesic = geometry_of(geometry).geodesic
-    detected = geodesic and layout is None
-    if geodesic:
-        layout = checked_layout(model, layout, what=what, consequence=consequence, unsafe=unsafe,
-                                allow_unsupported=allow_unsupported, include_frozen=include_frozen,
-                                stacklevel=stacklevel + 1)
-    # half-precision tensors are evaluated as float32 copies (module docstring)
-    upcast = any(t.dtype in HALF_DTYPES for t in (*all_params.values(), *model.buffers()))
-    if copy_half:
-        params0 = {n: as_compute(p, upcast) for n, p in params0.items()}
-    for name, p in params0.items():
-        if not all_finite(p):
-            raise ValueError(f"parameter {name!r} contains non-finite values; {undefined} is "
-                             f"undefined at such weights")
-    frozen = {n: as_compute(p.detach(), upcast) if copy_half or not (upcast and p.dtype in HALF_DTYPES)
-              else LazyWeight(p.detach().float) for n, p in all_params.items() if n not in params0}
-    buffers = {**{n: as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
-    return PreRun(params0, buffers, upcast, layout, detected)
-
-
-def all_finite(t: Tensor) -> bool:
-    """Whether every entry of ``t`` is finite, checked in pieces of at most
-    :data:`~quotient_manifolds.adapters.components.KERNEL_LIMIT` elements (no temporary of the
-    tensor's size: a model of billions of weights is checked in place); one host sync."""
-    flat = t.reshape(-1)
-    checks = [torch.isfinite(flat[a:a + KERNEL_LIMIT]).all() for a in range(0, flat.numel(), KERNEL_LIMIT)]
-    return bool(torch.stack(checks).all()) if checks else True
-
-
-def as_compute(t: Tensor, upcast: bool) -> Tensor:
-    """``t`` in the compute dtype: float32 for half-precision tensors when ``upcast``."""
-    return t.float() if upcast and t.dtype in HALF_DTYPES else t
-
-
-def to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
-    """``obj`` (a tensor, or tuples, lists and dicts of them) with every tensor moved to ``device``,
-    in the compute dtype when ``upcast`` (:func:`as_compute`)."""
-    return map_tensors(lambda t: as_compute(t.to(device), upcast), obj)

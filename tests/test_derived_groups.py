@@ -282,14 +282,31 @@ def test_hessian_and_geodesic_sam_derive_the_groups_of_a_detected_layout():
     assert [type(b.group) for b in sam.layout.blocks] == [ScaledOrthogonalGroup, OrthogonalGroup]
 
 
-def test_unverified_mis_declared_block_is_refused_by_sharpness():
-    """The normalised attention is detected with full GL on both halves (not a symmetry):
-    sharpness verifies the layout on the first batch and refuses it."""
+def test_passed_layout_that_fails_gets_the_derived_groups_like_the_one_call_path():
+    """The normalised attention is detected with full GL on both halves (not a symmetry). Passed
+    in as layout=, it is verified on the first batch, its blocks get the derived groups (a warning
+    names them) and the value is that of layout=None: the documented workflow and the one-call
+    path agree."""
     model, x, y = _normalised()
     detected = adapters.layout(model)
-    with pytest.raises(SymmetryError, match=r"(?s)not symmetries.*unsafe=True"):
-        adapters.sharpness(model, [(x, y)], layout=detected, rho=0.05, n_iters=2)
+    kw = dict(geometry="geodesic-inv", rho=0.05, n_iters=3)
+    with pytest.warns(UserWarning, match=r"(?s)attn/qk.*derived: R\+ SO\(8\).*attn/vo: derived: SO\(8\)"):
+        passed = adapters.sharpness(model, [(x, y)], layout=detected, **kw).value
     assert set(detected.verify_failed) == {"attn/qk", "attn/vo"}
+    assert passed == adapters.sharpness(model, [(x, y)], **kw).value
+
+
+def test_passed_layout_of_which_nothing_verifies_is_refused():
+    """A layout passed in whose only block has no symmetry at all (a learned position term on q):
+    no candidate and no derived group verifies, so sharpness refuses it (the one case left)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(PositionMixedQuery()).double().eval()
+    x = torch.randn(2, SEQ, 16, dtype=torch.float64)
+    lay = adapters.layout(model, blocks=[adapters.declare_block(model, q="0.q", k="0.k", num_heads=2, group="gl")],
+                          detect_blocks=False, allow_unsupported=True)
+    with pytest.raises(SymmetryError, match=r"(?s)0/qk.*not symmetries"), pytest.warns(UserWarning):
+        adapters.sharpness(model, [(x, torch.randn(2, SEQ, 16, dtype=torch.float64))], layout=lay, rho=0.05,
+                           n_iters=2, loss_fn=lambda out, t: (out - t).pow(2).mean())
 
 
 # ------------------------------------------------------------------------------ a position term

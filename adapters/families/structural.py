@@ -27,9 +27,10 @@ The candidate group of each half comes from configuration evidence (``GLBlock.gr
 which): V/O always full GL(h); Q/K full GL(h) without positions or with ALiBi or another bias added
 to the scores (``forward`` takes ``alibi`` or ``position_bias``, as MPT: it depends on neither q nor
 k; see ``position_terms``), the rotary commutant ``RotaryGroup`` when ``forward`` takes
-``position_embeddings`` (``rotate_half`` pairing; interleaved when the class's module defines
-GPT-J's ``rotate_every_two``), with ``rotary_dim`` from ``partial_rotary_factor`` / ``rotary_pct`` /
-``rotary_ndims``.  Q/K with per-head or whole-width q/k normalisation (``q_norm``, ``k_norm``) has a
+``position_embeddings``, with the pairing (half, interleaved) and ``rotary_dim`` read by running the
+module's rotary function (:mod:`~quotient_manifolds.adapters.families.rotary_probe`); only where that
+cannot run, from the configuration (``partial_rotary_factor`` / ``rotary_pct`` / ``rotary_ndims``;
+``rotate_half`` pairing, interleaved when the class's module defines GPT-J's ``rotate_every_two``).  Q/K with per-head or whole-width q/k normalisation (``q_norm``, ``k_norm``) has a
 smaller group: the block is proposed with the group it would have without the normalisation as a
 candidate, which fails verification, and its true group is derived when the layout is accepted on
 inputs (:func:`quotient_manifolds.adapters.accept.accept_layout`, automatic in ``sharpness`` and the other geodesic
@@ -50,6 +51,7 @@ from ._base import Context, Family, Match
 from .structure import (ROLE_NAMES, Heads, Projection, add_block, forward_args, in_projection_pieces, int_attr,
                         linear_children, out_projection_pieces, position_terms, screen_module)
 from .hf_rotary import QK_NORM_NAMES, config_rotary_dim, rotary_group
+from .rotary_probe import probe_rotary
 
 #: Packing of a packed projection by child name (module attributes ``new_decoder_architecture`` and
 #: ``multi_query`` override it, see the module docstring).
@@ -81,9 +83,13 @@ def _head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional
     return n_q, n_kv, h
 
 
-def _qk_group(mod: nn.Module, h: int, bias_source: str = "") -> Tuple[Optional[Group], str]:
+def _qk_group(mod: nn.Module, h: int, bias_source: str = "", model: Optional[nn.Module] = None
+              ) -> Tuple[Optional[Group], str]:
     """Candidate Q/K group and how it was found (None: no candidate, the string says why);
-    ``bias_source``: the evidence of a bias added to the scores (:func:`position_terms`), if any."""
+    ``bias_source``: the evidence of a bias added to the scores (:func:`position_terms`), if any.
+    The rotary pairing and dimension are read by running the module's rotary function
+    (:func:`~quotient_manifolds.adapters.families.rotary_probe.probe_rotary`, with ``model``'s rotary
+    embedding), and from the configuration only where that cannot run."""
     cfg = _config(mod)
     args = forward_args(mod)
     if getattr(cfg, "alibi", False) is True or ("alibi" in args and "position_embeddings" not in args):
@@ -91,6 +97,10 @@ def _qk_group(mod: nn.Module, h: int, bias_source: str = "") -> Tuple[Optional[G
     rotary_attr = int_attr(mod, ("rotary_ndims", "rotary_dim"))
     if "position_embeddings" not in args and rotary_attr is None:
         return FULL_GL, bias_source or "structure: plain attention (no position inputs)"
+    probed = probe_rotary(model, mod, h)
+    if probed is not None:
+        pairing, r, fn = probed
+        return rotary_group(pairing, r, h), f"probed {fn}: rotary_dim={r} {pairing}"
     if rotary_attr is not None:
         r = rotary_attr
     elif getattr(cfg, "rotary_pct", None) is not None:
@@ -180,7 +190,7 @@ class StructuralAttention(Family):
             group, source = None, terms.reject or "positional projections beside packed or grouped projections: " \
                 "not modelled, declare the blocks"
         else:
-            group, source = _qk_group(mod, h, terms.source)
+            group, source = _qk_group(mod, h, terms.source, ctx.model)
         if norms and group is not None:      # a candidate only: verification fails, derivation finds the group
             source = (f"q/k normalisation ({', '.join(norms)}): candidate {group.describe(h)} ({source}); the true "
                       "group is smaller and is derived when the layout is accepted on inputs")

@@ -105,12 +105,20 @@ def _elementary(idx: Tensor, h: int, dtype, device) -> Tensor:
 
 
 def directional_derivatives(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Tensor,
-                            lams: Tensor, *, chunk: int = 256, vectorize: bool = True) -> Tensor:
+                            lams: Tensor, *, chunk: int = 256, vectorize: bool = True,
+                            jvp: Optional[Callable] = None) -> Tensor:
     r"""The N × k matrix whose column a is J(GΛ_a, −HΛ_aᵀ) = d/dt output_of(G e^{tΛ_a},
     H e^{−tΛ_aᵀ})|₀ for ``lams`` (k, h, h), by forward-mode AD: ``torch.func.jvp`` under
     ``torch.func.vmap`` on ``chunk`` directions at a time (one jvp per direction with
-    ``vectorize=False``, for closures that vmap cannot trace)."""
-    from torch.func import jvp, vmap
+    ``vectorize=False``, for closures that vmap cannot trace). ``jvp``: another
+    ``jvp(f, primals, tangents) -> (f(primals), derivative)`` (e.g. finite differences, for
+    closures functorch cannot transform); it is called once per direction."""
+    from torch.func import vmap
+
+    if jvp is None:
+        from torch.func import jvp
+    else:
+        vectorize = False
 
     flat = lambda g, hh: output_of(g, hh).reshape(-1)  # noqa: E731
 
@@ -131,13 +139,13 @@ def directional_derivatives(output_of: Callable[[Tensor, Tensor], Tensor], G: Te
 
 
 def linearised_invariance(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Tensor, *,
-                          chunk: int = 256, vectorize: bool = True) -> Tensor:
+                          chunk: int = 256, vectorize: bool = True, jvp: Optional[Callable] = None) -> Tensor:
     r"""The N × h² matrix of Λ ↦ J(GΛ, −HΛᵀ) (column a = i·h + j for Λ = e_i e_jᵀ), see
     :func:`directional_derivatives`."""
     h = G.shape[-1]
     cols = [directional_derivatives(output_of, G, H,
                                     _elementary(torch.arange(s, min(s + chunk, h * h)), h, G.dtype, G.device),
-                                    chunk=chunk, vectorize=vectorize)
+                                    chunk=chunk, vectorize=vectorize, jvp=jvp)
             for s in range(0, h * h, chunk)]
     return torch.cat(cols, 1)
 
@@ -145,7 +153,7 @@ def linearised_invariance(output_of: Callable[[Tensor, Tensor], Tensor], G: Tens
 def derive_algebra(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Tensor, *,
                    rtol: float = NULL_RTOL, atol: float = 0.0, closure_rtol: float = CLOSURE_RTOL,
                    chunk: int = 256,
-                   vectorize: bool = True) -> AlgebraDerivation:
+                   vectorize: bool = True, jvp: Optional[Callable] = None) -> AlgebraDerivation:
     r"""The Lie algebra of the per-head transformations (G, H) ↦ (G A, H A⁻ᵀ) that leave
     ``output_of(G, H)`` unchanged, as the null space of the linearised invariance condition
 
@@ -174,7 +182,7 @@ def derive_algebra(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: 
         raise ValueError(f"derive_algebra needs one head's factors G (n, h) and H (m, h), got "
                          f"{tuple(G.shape)} and {tuple(H.shape)}")
     h = G.shape[-1]
-    J = linearised_invariance(output_of, G, H, chunk=chunk, vectorize=vectorize).to(torch.float64)
+    J = linearised_invariance(output_of, G, H, chunk=chunk, vectorize=vectorize, jvp=jvp).to(torch.float64)
     N = J.shape[0]
     if N < h * h:
         raise ValueError(
@@ -447,7 +455,8 @@ FLOOR_FACTOR = 1e3
 
 def derive_group(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Tensor, *,
                  rtol: float = NULL_RTOL, min_gap: float = MIN_GAP, samples: int = 2,
-                 chunk: int = 256, vectorize: bool = True, generator=None) -> GroupDerivation:
+                 chunk: int = 256, vectorize: bool = True, generator=None,
+                 jvp: Optional[Callable] = None) -> GroupDerivation:
     r"""The symmetry group of ``output_of`` in the per-head action (G, H) ↦ (G A, H A⁻ᵀ), cheaply
     when it is one of the closed forms, else from the null space (:func:`derive_algebra`).
 
@@ -468,19 +477,20 @@ def derive_group(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Te
     Cost of the screened path: 4 + ``samples`` × (3h + 4) directional derivatives (the closed
     forms of :func:`candidate_groups` with dim 𝔤 > 0), plus one per component of the certificate
     (none for GL(h), 1 or 2 for the orthogonal groups, (h² − h)/2 for the rotary
-    commutant); no dense algebra."""
+    commutant); no dense algebra. ``jvp``: as in :func:`directional_derivatives`."""
     G, H = G.detach(), H.detach()
     h = G.shape[-1]
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
     dd = lambda lams: directional_derivatives(output_of, G, H, lams, chunk=chunk,  # noqa: E731
-                                              vectorize=vectorize).norm(dim=0)
+                                              vectorize=vectorize, jvp=jvp).norm(dim=0)
     unit = lambda X: X / X.flatten(-2).norm(dim=-1).clamp_min(1e-300)[..., None, None]  # noqa: E731
-    from torch.func import jvp
+    if jvp is None:
+        from torch.func import jvp
 
     # 1. scale, rounding floor, and the exactly invariant output
     probe = unit(torch.randn(2, h, h, generator=gen, dtype=torch.float64))
     cols = directional_derivatives(output_of, G, H, torch.cat((probe, probe.sum(0, keepdim=True))),
-                                   chunk=chunk, vectorize=vectorize)
+                                   chunk=chunk, vectorize=vectorize, jvp=jvp)
     ref = float(cols[:, :2].norm(dim=0).max())
     # J is linear: what J(Λ₁ + Λ₂) − J(Λ₁) − J(Λ₂) leaves is the rounding of one directional derivative
     floor = float((cols[:, 2] - cols[:, 0] - cols[:, 1]).norm())
@@ -522,7 +532,7 @@ def derive_group(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Te
                       f"only {low / ref:.1e} of the reference")
 
     # 4. the null space
-    d = derive_algebra(output_of, G, H, rtol=rtol, atol=tol, chunk=chunk, vectorize=vectorize)
+    d = derive_algebra(output_of, G, H, rtol=rtol, atol=tol, chunk=chunk, vectorize=vectorize, jvp=jvp)
     evaluations += h * h
     if not d.closed:
         return GroupDerivation(None, d.dim, d.gap, False, "null space", evaluations,
