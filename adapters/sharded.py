@@ -18,8 +18,9 @@ matrices, projections, retraction) is computed identically everywhere. Memory pe
 about 1/world of the elementwise part (most of a transformer's weights) plus all of the attention
 blocks; the values equal those of the unsharded model.
 
-An evaluation writes the perturbed weights into the local shards (in place, under ``no_grad``),
-runs the model as it is (FSDP2 gathers and scatters as in training), and reads the gradient
+An evaluation writes the perturbed weights into the local shards (in place, under ``no_grad``;
+the sharded weights must be float32 or float64), runs the model as it is (FSDP2 gathers and
+scatters as in training, with its mixed-precision policy if it has one), and reads the gradient
 from the sharded ``.grad`` (averaged over the ranks by FSDP2's reduce-scatter). The trained weights
 and the parameters' ``.grad`` are restored when the run ends, also after an exception. The layout
 of a geodesic geometry must have been verified before sharding (``layout.verify(model, inputs)``
@@ -255,6 +256,13 @@ def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, 
                 f"sharding: layout = adapters.layout(model); layout.verify(model, example_inputs) on "
                 f"the unsharded model, then fully_shard, then sharpness(..., layout=layout)"
                 + ("" if not failed else f" (this one failed on blocks {list(failed)})"))
+    half = sorted(n for n, p in params.items() if p.dtype in (torch.float16, torch.bfloat16))
+    if half:
+        raise TypeError(
+            f"the sharded parameters {half[:3]} are in half precision: a perturbation of relative size "
+            f"~1e-4 rounds away in them, and the sharded path writes the perturbed weights in place. "
+            f"Keep the sharded weights in float32 (FSDP2's MixedPrecisionPolicy(param_dtype="
+            f"torch.bfloat16) still computes in bfloat16 if you want that)")
     local, rows, copies, local_masks = {}, {}, {}, {}
     for name, p in params.items():
         local[name], a, b = _local_rows(p)
