@@ -121,6 +121,8 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     """
     metric = geometry_of(geometry).metric
     gram_eps = gram_eps_of(gram_eps, eps)
+    if metric is not None:
+        check.layout_for_ball(layout, params0, geometry)
     trainable = list(params0)
     components: List = []
     groups: List[Tuple[List, List[int]]] = []  # (blocks, head counts) per quotient component

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 import torch
 from torch import Tensor, nn
 
+from quotient_manifolds import _validation as check
 from quotient_manifolds.core.gl import group_action
 
 from .blocks import GLBlock
@@ -304,7 +305,11 @@ class Layout:
         entries when ``cond is None`` (the paper's §6.2 check); for the rotary group a random
         rotation-scaling per frequency pair (moduli spread over the same range) and such a matrix on
         the non-rotated block (see ``Group.random_element``).
-        Sampled on the CPU with ``generator`` (reproducible), returned on the parameters' device."""
+        Sampled on the CPU with ``generator`` (reproducible), returned on the parameters' device.
+        ``scale`` must be a finite number > 0 (0 or nan would give singular or NaN "elements")."""
+        scale = check.positive_finite("scale", scale)
+        cond = check.condition_number("cond", cond)
+        check.floating_dtype("dtype", dtype)
         out: Dict[str, Tensor] = {}
         for b in self.blocks:
             device = params[b.g_pieces[0].param].device if params is not None else torch.device("cpu")

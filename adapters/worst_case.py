@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import numbers
 import time
 import warnings
 from dataclasses import dataclass, field, fields
@@ -102,8 +101,12 @@ class SharpnessResult:
 
 
 def default_loss(outputs: Any, targets: Tensor) -> Tensor:
-    """Mean cross-entropy on ``outputs`` or on ``outputs.logits`` (Hugging Face outputs)."""
-    return F.cross_entropy(logits_of(outputs), targets)
+    """Mean cross-entropy on ``outputs`` or on ``outputs.logits`` (Hugging Face outputs), for
+    logits of shape (batch, classes); logits with more dimensions are refused
+    (:func:`~quotient_manifolds._validation.class_logits`: pass ``loss_fn``)."""
+    logits = logits_of(outputs)
+    check.class_logits(logits, targets)
+    return F.cross_entropy(logits, targets)
 
 
 def next_token_loss(outputs: Any, labels: Tensor) -> Tensor:
@@ -180,13 +183,7 @@ class ModelClosure:
         else:
             outputs = functional_call(self.model, tensors, args=(self.inputs,))
         if self.loss_fn is None:
-            loss = getattr(outputs, "loss", None)
-            if not isinstance(loss, Tensor):
-                raise ValueError(
-                    f"the model returned no loss for a dict batch (keys {sorted(self.inputs)}): "
-                    f"without loss_fn the model's own `outputs.loss` is used, which Hugging Face "
-                    f"models compute only when the batch has 'labels'. Add 'labels' to the batch "
-                    f"or pass loss_fn=callable(outputs, labels), e.g. adapters.next_token_loss")
+            loss = check.own_loss(outputs, self.inputs)
         else:
             if self.normalise:
                 outputs = normalize_logits(logits_of(outputs))
@@ -544,6 +541,7 @@ def _worst_case_run(ball: ProductBall, closure: ModelClosure, rho: float, option
                    step_normalisation=options.step_normalisation, step_size_mult=options.step_size_mult,
                    on_iteration=on_iteration,
                    start=None if previous is None else (previous.xi, previous.init_loss))
+    check.ascent_found(res, rho, stacklevel=5)  # as if sharpness() warned
     share = ball.quotient_share(res.xi)
     covered = prepared.covered
     attention = (share if options.spec.geodesic and prepared.layout.blocks else
@@ -627,18 +625,7 @@ def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, A
 def as_rho(rho: Any, name: str = "rho") -> float:
     """``rho`` (the argument ``name``) as a float: Python / numpy scalars and 0-d arrays or tensors;
     finite and > 0."""
-    value = rho
-    if isinstance(value, Tensor) or type(value).__module__ == "numpy":
-        if getattr(value, "ndim", 0) != 0:
-            raise ValueError(f"{name} must be a scalar, got an array of shape {tuple(value.shape)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number > 0 (float, int, numpy scalar or 0-d "
-                         f"array/tensor), got {rho!r} of type {type(rho).__name__}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 (the radius of the ball), got {rho!r}")
-    return value
+    return check.radius(rho, name)
 
 
 def split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],

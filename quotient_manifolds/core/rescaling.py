@@ -29,6 +29,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from .._validation import size
 from .gl import RETRACTIONS, GLFrame, GLQuotientGeometry, as_metric, check_choice
 from .metrics import GLMetric
 
@@ -109,9 +110,7 @@ class RescalingGeometry:
 
     def __init__(self, d: int, metric: "str | GLMetric" = "mix", *, retraction: str = "second_order",
                  eps: float = 0.0, exact_steps: int = 32):
-        if not isinstance(d, int) or d < 1:
-            raise ValueError(f"d must be a positive integer, got {d!r}")
-        self.d = d
+        self.d = size("d", d)
         self.gl = GLQuotientGeometry(1, 1, 1, metric, retraction=retraction, eps=eps,
                                      exact_steps=exact_steps)
         self.metric, self.retraction, self.eps = self.gl.metric, self.gl.retraction, self.gl.eps
