@@ -586,7 +586,10 @@ def _cli_fault(kind, study):
     real_fsync = os.fsync
 
     def full_disk(fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        name = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+        if kind == "full" or ".safetensors" in name:     # "full-checkpoint": only checkpoints fail
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
 
     real_open = os.open
 
@@ -604,7 +607,7 @@ def _cli_fault(kind, study):
             if isinstance(file, str) and file.startswith(out) and any(c in mode for c in "wax+"):
                 raise OSError(errno.EROFS, "Read-only file system", file)
             return real_builtin_open(file, mode, *a, **k)
-        patches = ([(os, "fsync", full_disk)] if kind == "full" else
+        patches = ([(os, "fsync", full_disk)] if kind.startswith("full") else
                    [(os, "open", read_only), (builtins, "open", ro_open)])
         saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
         try:
@@ -746,6 +749,7 @@ ROUND2: List[Tuple[str, str, Callable]] = [
     ("records counted twice", "report: duplicated line (lora)", case_report_duplicate_line("lora")),
     ("faults as tracebacks", "CLI text study on a full disk", case_cli_fault("full", "text")),
     ("faults as tracebacks", "CLI text study, read-only results directory", case_cli_fault("read-only", "text")),
+    ("faults as tracebacks", "CLI text study, disk full at the checkpoint", case_cli_fault("full-checkpoint", "text")),
     ("faults as tracebacks", "CLI report on a full disk", case_cli_fault("full", "report")),
     ("faults as tracebacks", "CLI report, read-only --out", case_cli_fault("read-only", "report")),
     ("model corrupted (SAM helper)", "GeodesicSAM.second_step with a NaN gradient", case_sam_second_step_nan),
