@@ -309,7 +309,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     except OSError as err:
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise naming(err, path) from None
+        raise naming(err, path, instead_of=tmp) from None
     with contextlib.suppress(OSError):
         dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
         try:
@@ -318,10 +318,11 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             os.close(dfd)
 
 
-def naming(err: OSError, path: str) -> OSError:
+def naming(err: OSError, path: str, instead_of: Optional[str] = None) -> OSError:
     """``err`` with ``path`` as its file name where it has none (an error of ``write`` or
-    ``fsync`` on an open descriptor names no file)."""
-    if err.filename is not None:
+    ``fsync`` on an open descriptor names no file) or names ``instead_of`` (a temporary file the
+    user never asked for)."""
+    if err.filename is not None and err.filename != instead_of:
         return err
     named = type(err)(err.errno, err.strerror or str(err), path)
     named.__traceback__ = err.__traceback__

@@ -29,7 +29,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from .._validation import size
+from .._validation import floating_dtype, size
 from .gl import RETRACTIONS, GLFrame, GLQuotientGeometry, as_metric, check_choice
 from .metrics import GLMetric
 
@@ -159,6 +159,7 @@ class RescalingGeometry:
         return self.gl_metric.gl1_geodesic(x, bu, bv, t)
 
     def random_point(self, *batch: int, dtype=None, device=None, generator=None) -> Tensor:
+        floating_dtype("dtype", dtype)
         return torch.randn(tuple(batch) + (2, self.d), dtype=dtype, device=device,
                            generator=generator)
 
