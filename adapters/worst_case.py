@@ -250,6 +250,8 @@ class SharpnessOptions:
                      "unsafe", "progress", "include_frozen", "check_retraction"):
             check.flag(name, getattr(self, name))
         check.optional_layout("layout", self.layout)
+        check.plain_numbers(self, ints=("n_iters", "n_samples", "seed", "num_threads"),
+                            floats=("step_size_mult", "gram_eps", "retraction_tolerance"))
         if self.include_frozen and self.layout is not None and getattr(self.layout, "frozen", None):
             raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
                              "parameters, so they would be in no part of the ball; rebuild it with "

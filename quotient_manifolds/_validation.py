@@ -534,3 +534,15 @@ def ascent_found(result: Any, rho: float, *, stacklevel: int = 2) -> None:
         f"adapters.sharpness_sweep over increasing radii ending at this one (each starts from the "
         f"worst point of the smaller ball), a smaller step_size_mult (e.g. 1e-2), or compute in "
         f"float64", UserWarning, stacklevel=stacklevel + 1)
+
+
+def plain_numbers(options: Any, *, ints: Sequence[str] = (), floats: Sequence[str] = ()) -> None:
+    """Set the fields ``ints`` and ``floats`` of a frozen dataclass of checked options to the
+    Python ``int`` / ``float`` they equal (a NumPy scalar or 0-d tensor given for one is taken as
+    its value), so that options recorded in a result are plain numbers (JSON, comparisons);
+    ``None`` stays ``None``."""
+    for names, kind in ((ints, int), (floats, float)):
+        for name in names:
+            value = getattr(options, name)
+            if value is not None:
+                object.__setattr__(options, name, kind(value))

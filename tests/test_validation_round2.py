@@ -165,8 +165,9 @@ def test_sizes_that_are_not_positive_integers_are_refused(bad):
 def test_numpy_integer_options_pass_every_layer():
     """n_iters=np.int64(3) gives what n_iters=3 gives, through sharpness and auto_pgd alike."""
     kw = dict(rho=0.1, geometry="adaptive")
-    assert adapters.sharpness(MODEL, BATCHES, n_iters=np.int64(3), **kw).value == \
-        adapters.sharpness(MODEL, BATCHES, n_iters=3, **kw).value
+    got = adapters.sharpness(MODEL, BATCHES, n_iters=np.int64(3), step_size_mult=np.float32(1), **kw)
+    assert got.value == adapters.sharpness(MODEL, BATCHES, n_iters=3, **kw).value
+    assert json.loads(json.dumps(got.options))["n_iters"] == 3      # recorded as plain numbers
     ball, closure = _small_ball()
     assert adapters.auto_pgd(ball, closure, np.float64(0.1), n_iters=np.int32(3)).history == \
         adapters.auto_pgd(ball, closure, 0.1, n_iters=3).history
