@@ -272,9 +272,7 @@ class Layout:
         ``(G, H) -> (G A, H A^{-T})``.  Blocks without an entry are left alone.  Computed in the
         promoted dtype of the parameters and ``A`` (pass float64 ``A`` for an accurate action on float32
         weights); written back in the parameters' dtype.  Returns a new dict."""
-        unknown = set(actions) - {b.name for b in self.blocks}
-        if unknown:
-            raise KeyError(f"actions for unknown blocks: {sorted(unknown)}")
+        check.group_actions(self.blocks, actions)
         out = dict(params)
         for b in self.blocks:
             A = actions.get(b.name)
@@ -310,6 +308,12 @@ class Layout:
         scale = check.positive_finite("scale", scale)
         cond = check.condition_number("cond", cond)
         check.floating_dtype("dtype", dtype)
+        check.optional_generator("generator", generator)
+        missing = [b.g_pieces[0].param for b in self.blocks
+                   if params is not None and b.g_pieces[0].param not in params]
+        if missing:
+            raise ValueError(f"params has no entry for {', '.join(missing[:3])}: pass the model's "
+                             f"parameters ({{n: p for n, p in model.named_parameters()}}) or None")
         out: Dict[str, Tensor] = {}
         for b in self.blocks:
             device = params[b.g_pieces[0].param].device if params is not None else torch.device("cpu")

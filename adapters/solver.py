@@ -673,6 +673,10 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
     check.gradients_available("worst-case sharpness (auto_pgd)")
+    check.ball_and_closure(ball, closure)
+    if start is not None:
+        check.warm_start(start, ball.zeros())
+    closure = check.scalar_closure(closure)
     checkpoints = set(apgd_checkpoints(n_iters))
     comps = ball.components
 
@@ -787,6 +791,9 @@ def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], r
     rho = check.radius(rho)
     n_samples = check.positive_integer("n_samples", n_samples)
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
+    check.optional_generator("generator", generator)
+    check.ball_and_closure(ball, closure)
+    closure = check.scalar_closure(closure)
     with torch.no_grad():
         loss0 = finite_loss(closure(ball.points(ball.zeros())), 0.0)
         losses = []

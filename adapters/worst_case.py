@@ -106,6 +106,7 @@ def default_loss(outputs: Any, targets: Tensor) -> Tensor:
     (:func:`~quotient_manifolds._validation.class_logits`: pass ``loss_fn``)."""
     logits = logits_of(outputs)
     check.class_logits(logits, targets)
+    check.class_targets(logits, targets)
     return F.cross_entropy(logits, targets)
 
 
@@ -124,6 +125,7 @@ def next_token_loss(outputs: Any, labels: Tensor) -> Tensor:
         raise ValueError(f"next_token_loss needs logits of shape (batch, tokens, vocab) and labels "
                          f"of shape (batch, tokens); got logits {tuple(logits.shape)} and labels "
                          f"{tuple(labels.shape)}")
+    check.class_targets(logits[:, :-1], labels[:, 1:], "next_token_loss")
     if logits.dtype in HALF_DTYPES:
         logits = logits.float()
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(logits.device),

@@ -690,6 +690,77 @@ def case_verify_output_fn_non_tensor():
     return m, lambda: detect_layout(m).verify(m, x, output_fn=lambda o: o.logits.tolist()), ["output_fn"]
 
 
+def _tiny_ball():
+    from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall
+    return ProductBall([ElementwiseComponent({"w": torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)})])
+
+
+def case_solver_call(call_of, words):
+    """A call of the low-level solver on a tiny elementwise ball: ``call_of(ball)``."""
+    return lambda: (None, lambda: call_of(_tiny_ball()), words)
+
+
+def case_ball_params(kind):
+    def make():
+        m, _ = bert()
+        params0 = {n: p.detach() for n, p in m.named_parameters()}
+        lay = detect_layout(m)
+        if kind == "list":
+            return m, lambda: adapters.build_ball(m, list(params0.values()), geometry="adaptive"), ["params0"]
+        if kind == "int":
+            return m, lambda: adapters.build_ball(m, {n: p.long() for n, p in params0.items()},
+                                                  geometry="adaptive"), ["params0"]
+        if kind == "other model":
+            other, _ = bert(heads=4)
+            return m, lambda: adapters.build_ball(m, params0, geometry="geodesic-inv",
+                                                  layout=detect_layout(other)), ["layout"]
+        return m, lambda: adapters.build_ball(m, {"nope": params0[next(iter(params0))]}, geometry="adaptive"), \
+            ["params0"]
+    return make
+
+
+def case_layout_call(kind):
+    def make():
+        m, _ = bert()
+        lay = detect_layout(m)
+        params0 = {n: p.detach() for n, p in m.named_parameters()}
+        acts = lay.random_actions(scale=1.0, generator=torch.Generator().manual_seed(0))
+        calls = {
+            "random_actions, params missing a block": (lambda: lay.random_actions({}, scale=1.0), ["params"]),
+            "random_actions, generator=3": (lambda: lay.random_actions(scale=1.0, generator=3), ["generator"]),
+            "act, integer actions": (lambda: lay.act(params0, {k: v.long() for k, v in acts.items()}), ["actions"]),
+            "act, NaN actions": (lambda: lay.act(params0, {k: v * math.nan for k, v in acts.items()}), ["actions"]),
+            "act, unknown block": (lambda: lay.act(params0, {"nope": next(iter(acts.values()))}), ["unknown"]),
+            "reparametrised, NaN actions": (lambda: lay.reparametrised(m, {k: v * math.nan for k, v in acts.items()}),
+                                            ["actions"]),
+            "reparametrised, singular actions": (lambda: lay.reparametrised(m, {k: v * 0 for k, v in acts.items()}),
+                                                 ["singular"]),
+        }
+        call, words = calls[kind]
+        return m, call, words
+    return make
+
+
+def case_targets(kind):
+    def make():
+        m, x = bert()
+        y = {"class out of range": torch.tensor([0, 5]), "float targets": torch.tensor([0.0, 1.0]),
+             "wrong batch size": torch.tensor([0, 1, 1]), "negative class": torch.tensor([-3, 1])}[kind]
+        return m, lambda: adapters.sharpness(m, [(x, y)], rho=0.1, n_iters=1, geometry="adaptive"), ["targets"]
+    return make
+
+
+def case_next_token_loss(kind):
+    def make():
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(2, 5, 7, generator=g)
+        if kind == "labels out of vocabulary":
+            return None, lambda: adapters.next_token_loss(logits, torch.full((2, 5), 9)), ["class 9"]
+        return None, lambda: adapters.next_token_loss(torch.randint(0, 3, (2, 5, 7)), torch.zeros(2, 5).long()), \
+            ["logits"]
+    return make
+
+
 ROUND2: List[Tuple[str, str, Callable]] = [
     # (root cause, case, maker)
     ("checks at the top door only", "GLQuotientGeometry.project, integer tangent", case_core_integer("project")),
@@ -728,6 +799,37 @@ ROUND2: List[Tuple[str, str, Callable]] = [
     ("checks at the top door only", "Layout.random_actions(scale=0)", case_random_actions(0.0)),
     ("checks at the top door only", "Layout.random_actions(scale=nan)", case_random_actions(math.nan)),
     ("checks at the top door only", "Layout.random_actions(scale=-1)", case_random_actions(-1.0)),
+    ("checks at the top door only", "auto_pgd, closure returns a float",
+     case_solver_call(lambda b: adapters.auto_pgd(b, lambda p: float(p[0].sum()), 0.1, n_iters=2), ["tensor"])),
+    ("checks at the top door only", "auto_pgd, closure returns a vector",
+     case_solver_call(lambda b: adapters.auto_pgd(b, lambda p: p[0] ** 2, 0.1, n_iters=2), ["one number"])),
+    ("checks at the top door only", "auto_pgd, closure=3",
+     case_solver_call(lambda b: adapters.auto_pgd(b, 3, 0.1, n_iters=2), ["closure"])),
+    ("checks at the top door only", "auto_pgd, ball='ball'",
+     case_solver_call(lambda b: adapters.auto_pgd("ball", lambda p: p[0].sum(), 0.1, n_iters=2), ["ball"])),
+    ("checks at the top door only", "auto_pgd, start=('x', 1.0)",
+     case_solver_call(lambda b: adapters.auto_pgd(b, lambda p: (p[0] ** 2).sum(), 0.1, n_iters=2,
+                                                  start=("x", 1.0)), ["start"])),
+    ("checks at the top door only", "average_case, generator=3",
+     case_solver_call(lambda b: adapters.average_case(b, lambda p: (p[0] ** 2).sum(), 0.1, n_samples=2,
+                                                      generator=3), ["generator"])),
+    ("checks at the top door only", "average_case, closure returns a vector",
+     case_solver_call(lambda b: adapters.average_case(b, lambda p: p[0] ** 2, 0.1, n_samples=2), ["one number"])),
+    ("checks at the top door only", "average_case, closure returns a float",
+     case_solver_call(lambda b: adapters.average_case(b, lambda p: float((p[0] ** 2).sum()), 0.1, n_samples=2),
+                      ["tensor"])),
+    ("checks at the top door only", "build_ball, params0 a list", case_ball_params("list")),
+    ("checks at the top door only", "build_ball, integer params0", case_ball_params("int")),
+    ("checks at the top door only", "build_ball, params0 of unknown names", case_ball_params("names")),
+    ("checks at the top door only", "build_ball, a 4-head layout on a 2-head BERT", case_ball_params("other model")),
+    *[("checks at the top door only", f"Layout.{k}", case_layout_call(k)) for k in (
+        "random_actions, params missing a block", "random_actions, generator=3", "act, integer actions",
+        "act, NaN actions", "act, unknown block", "reparametrised, NaN actions", "reparametrised, singular actions")],
+    *[("the default loss on the wrong axis", f"default loss, {k}", case_targets(k)) for k in (
+        "class out of range", "float targets", "wrong batch size", "negative class")],
+    ("the default loss on the wrong axis", "next_token_loss, labels out of vocabulary",
+     case_next_token_loss("labels out of vocabulary")),
+    ("the default loss on the wrong axis", "next_token_loss, integer logits", case_next_token_loss("int logits")),
     ("the default loss on the wrong axis", "token classifier, num_labels == seq_len", case_default_loss_token(6)),
     ("the default loss on the wrong axis", "token classifier, num_labels != seq_len", case_default_loss_token(3)),
     ("the default loss on the wrong axis", "causal LM with (ids, ids) pairs", case_default_loss_causal_lm),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -206,23 +206,31 @@ def positive_finite_sequence(name: str, values: Any) -> Tuple[float, ...]:
     return tuple(positive_finite(f"{name}[{i}]", v) for i, v in enumerate(values))
 
 
-def scalar_loss(loss: Any, *, needs_grad: bool) -> torch.Tensor:
+def scalar_loss(loss: Any, *, needs_grad: bool, closure: bool = False) -> torch.Tensor:
     """``loss``, refused unless it is a one-element floating tensor that, when ``needs_grad``,
-    depends differentiably on the weights (what every measure maximises and differentiates)."""
-    source = "the loss (loss_fn(outputs, targets), or the model's own outputs.loss)"
+    depends differentiably on the weights (what every measure maximises and differentiates).
+    ``closure``: the loss is the value of a solver's ``closure(points)``, which the messages name
+    (else ``loss_fn`` or the model's own loss)."""
+    if closure:
+        source, maker, inputs = "the closure's value closure(points)", "the closure", "points"
+        example = "((points[0] - 1) ** 2).sum()"
+    else:
+        source = "the loss (loss_fn(outputs, targets), or the model's own outputs.loss)"
+        maker, inputs = "loss_fn", "outputs"
+        example = "torch.nn.functional.cross_entropy(outputs.logits, targets)"
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"{source} must be a tensor, got {type(loss).__name__} {loss!r}: make loss_fn "
-                        f"return a tensor computed from the outputs with torch operations (no .item(), "
-                        f"float() or numpy), e.g. torch.nn.functional.cross_entropy(outputs.logits, targets)")
+        raise TypeError(f"{source} must be a tensor, got {type(loss).__name__} {loss!r}: make {maker} "
+                        f"return a tensor computed from the {inputs} with torch operations (no .item(), "
+                        f"float() or numpy), e.g. {example}")
     if loss.numel() != 1:
         raise ValueError(f"{source} must be one number, got a tensor of shape {tuple(loss.shape)}: make "
-                         f"loss_fn reduce it, e.g. .mean() over the batch (cross_entropy's default "
+                         f"{maker} reduce it, e.g. .mean() over the batch (cross_entropy's default "
                          f"reduction='mean')")
     if not loss.dtype.is_floating_point:
         raise TypeError(f"{source} must be a floating-point tensor, got dtype {loss.dtype}")
     if needs_grad and not loss.requires_grad:
-        raise ValueError(f"{source} does not depend on the weights (it has no gradient): loss_fn must "
-                         f"compute it from the outputs it is given, with torch operations, not return a "
+        raise ValueError(f"{source} does not depend on the weights (it has no gradient): {maker} must "
+                         f"compute it from the {inputs} it is given, with torch operations, not return a "
                          f"constant or a detached value")
     return loss.reshape(())
 
@@ -546,3 +554,144 @@ def plain_numbers(options: Any, *, ints: Sequence[str] = (), floats: Sequence[st
             value = getattr(options, name)
             if value is not None:
                 object.__setattr__(options, name, kind(value))
+
+
+# ----------------------------------------------------------------- the low-level solver and layouts
+def optional_generator(name: str, value: Any) -> Optional[torch.Generator]:
+    """``value``, refused unless it is ``None`` or a ``torch.Generator``."""
+    if value is not None and not isinstance(value, torch.Generator):
+        raise TypeError(f"{name} must be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or "
+                        f"None, got {type(value).__name__}")
+    return value
+
+
+def ball_and_closure(ball: Any, closure: Any) -> None:
+    """Refuse a ``ball`` that is not a product ball (``build_ball``'s first result) and a
+    ``closure`` that is not callable."""
+    if not hasattr(ball, "components") or not hasattr(ball, "zeros"):
+        raise TypeError(f"ball must be a ProductBall (the first result of adapters.build_ball), got "
+                        f"{type(ball).__name__}")
+    if not callable(closure):
+        raise TypeError(f"closure must be a function closure(points) -> scalar loss tensor, got "
+                        f"{type(closure).__name__}")
+
+
+def scalar_closure(closure: Callable) -> Callable:
+    """``closure`` with every loss it returns checked to be one floating number that, where
+    gradients are being taken, depends on the points (:func:`scalar_loss`)."""
+    def checked(points):
+        loss = closure(points)
+        return scalar_loss(loss, closure=True, needs_grad=torch.is_grad_enabled() and any(
+            isinstance(p, torch.Tensor) and p.requires_grad for p in points))
+    return checked
+
+
+def warm_start(start: Any, zeros: Sequence[torch.Tensor]) -> None:
+    """Refuse a warm start of ``auto_pgd`` that is not ``(ξ₀, ℓ(0))``: a tangent vector shaped
+    like the ball's points (``zeros``: ``ball.zeros()``) and a finite loss."""
+    if start is None:
+        return
+    if not isinstance(start, (tuple, list)) or len(start) != 2:
+        raise TypeError(f"start must be a pair (xi, loss0) (e.g. the .xi and .init_loss of an earlier "
+                        f"APGDResult), got {type(start).__name__}")
+    xi, loss0 = start
+    shapes = [tuple(z.shape) for z in zeros]
+    if (isinstance(xi, torch.Tensor) or not isinstance(xi, (tuple, list)) or len(xi) != len(shapes)
+            or not all(isinstance(t, torch.Tensor) for t in xi)):
+        raise TypeError(f"start[0] must be a list of {len(shapes)} tensors shaped like the ball's points "
+                        f"{shapes}, got {type(xi).__name__}")
+    bad = [i for i, (t, s) in enumerate(zip(xi, shapes)) if tuple(t.shape) != s or not t.is_floating_point()]
+    if bad:
+        i = bad[0]
+        raise ValueError(f"start[0][{i}] has shape {tuple(xi[i].shape)} and dtype {xi[i].dtype}, expected "
+                         f"a floating tensor of shape {shapes[i]} (the ball's component {i})")
+    if isinstance(loss0, bool) or not isinstance(loss0, numbers.Real) or not math.isfinite(float(loss0)):
+        raise ValueError(f"start[1] must be the finite loss at the centre, got {loss0!r}")
+
+
+class UnknownName(ValueError, KeyError):
+    """A name that is not there: a ``ValueError`` with its message, and still the ``KeyError`` it
+    was raised as before (for ``except KeyError``)."""
+
+    __str__ = ValueError.__str__
+
+
+def group_actions(blocks: Sequence[Any], actions: Any) -> None:
+    """Refuse ``actions`` (block name → ``(heads, h, h)`` tensor) that are not group elements of
+    the blocks: an unknown block, a tensor of another shape, integer or complex entries, a
+    non-finite or a (numerically) singular matrix, whose inverse in ``H A⁻ᵀ`` would be garbage."""
+    if not isinstance(actions, Mapping):
+        raise TypeError(f"actions must be a dict block name -> (heads, h, h) tensor (e.g. "
+                        f"layout.random_actions(scale=1.0)), got {type(actions).__name__}")
+    by_name = {b.name: b for b in blocks}
+    unknown = [k for k in actions if k not in by_name]
+    if unknown:
+        raise UnknownName(f"actions for unknown blocks {sorted(map(str, unknown))}; the layout's blocks "
+                         f"are {sorted(by_name)}")
+    for name, A in actions.items():
+        b = by_name[name]
+        want = (b.num_heads, b.head_dim, b.head_dim)
+        if not isinstance(A, torch.Tensor) or not A.is_floating_point() or tuple(A.shape) != want:
+            what = (f"a {A.dtype} tensor of shape {tuple(A.shape)}" if isinstance(A, torch.Tensor)
+                    else type(A).__name__)
+            raise TypeError(f"actions[{name!r}] must be a real floating tensor of shape {want} "
+                            f"(heads, h, h), got {what}")
+        if not bool(torch.isfinite(A).all()):
+            raise ValueError(f"actions[{name!r}] contains non-finite values (nan or inf): not a group "
+                             f"element")
+        sv = torch.linalg.svdvals(A.double())
+        if bool((sv[..., -1] <= sv[..., 0] * 1e3 * torch.finfo(A.dtype).eps).any()):
+            raise ValueError(f"actions[{name!r}] holds a singular (or numerically singular) matrix: not "
+                             f"an element of GL(h); its smallest/largest singular value is "
+                             f"{float((sv[..., -1] / sv[..., 0].clamp_min(1e-300)).min()):.1e}")
+
+
+def parameter_tensors(name: str, params: Any, model: torch.nn.Module) -> None:
+    """Refuse ``params`` (parameter name → tensor) unless it is a non-empty mapping of real
+    floating tensors named and shaped like parameters of ``model``."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{name} must be a dict parameter name -> tensor (e.g. {{n: p.detach() for n, p "
+                        f"in model.named_parameters()}}), got {type(params).__name__}")
+    if not params:
+        raise ValueError(f"{name} is empty: pass the parameters to perturb, e.g. {{n: p.detach() for n, "
+                         f"p in model.named_parameters() if p.requires_grad}}")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for n, t in params.items():
+        if n not in shapes:
+            raise ValueError(f"{name}[{n!r}]: the model has no parameter of that name")
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name}[{n!r}] must be a real floating tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != shapes[n]:
+            raise ValueError(f"{name}[{n!r}] has shape {tuple(t.shape)}, the parameter {shapes[n]}")
+
+
+def class_targets(logits: torch.Tensor, targets: Any, what: str = "the default loss") -> None:
+    """Refuse ``targets`` that ``cross_entropy(logits, targets)`` cannot read as class indices
+    (or probabilities) of these ``logits`` — a non-tensor, a batch size of its own, a class out
+    of range — before torch fails with no word of which argument (``Target 5 is out of
+    bounds``)."""
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"{what}: the targets must be a tensor of class indices, got "
+                        f"{type(targets).__name__}")
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError(f"{what}: the logits must be a real floating tensor, got "
+                        f"{getattr(logits, 'dtype', type(logits).__name__)}")
+    classes = logits.shape[-1]
+    if targets.is_floating_point():
+        if tuple(targets.shape) != tuple(logits.shape):
+            raise ValueError(f"{what}: floating targets are read as class probabilities and must have "
+                             f"the logits' shape {tuple(logits.shape)}, got {tuple(targets.shape)}; "
+                             f"class indices are integers (targets.long())")
+        return
+    if targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"{what}: the targets must be integer class indices, got dtype {targets.dtype}")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{what}: the targets have shape {tuple(targets.shape)}, but the logits "
+                         f"{tuple(logits.shape)} need {tuple(logits.shape[:-1])} (one class index per "
+                         f"row of logits)")
+    kept = targets[targets != -100]
+    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= classes):
+        bad = int(kept.min()) if int(kept.min()) < 0 else int(kept.max())
+        raise ValueError(f"{what}: the targets hold the class {bad}, but the logits have {classes} "
+                         f"classes (0 .. {classes - 1}; -100 marks an ignored position)")

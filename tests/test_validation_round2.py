@@ -554,3 +554,129 @@ def test_the_cli_reports_a_write_fault_in_one_line(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {out}") and advice in err[0]
     assert [f for _, _, fs in os.walk(tmp_path) for f in fs if ".tmp-" in f] == []
+
+
+# ------------------------------------------------------------------ the solver's closure, ball and start
+CLOSURE_OUTPUTS = {
+    "a float": (lambda p: float((p[0] ** 2).sum()), TypeError, "must be a tensor"),
+    "a vector": (lambda p: p[0] ** 2, ValueError, "one number"),
+    "an integer tensor": (lambda p: (p[0] ** 2).sum().round().long(), TypeError, "floating-point"),
+    "a constant": (lambda p: torch.tensor(1.0, dtype=torch.float64), ValueError, "does not depend"),
+}
+
+
+@PROPERTY
+@given(kind=st.sampled_from(sorted(CLOSURE_OUTPUTS)), average=st.booleans())
+def test_a_closure_that_returns_no_usable_loss_is_named(kind, average):
+    """A closure returning a float, a vector or an integer ended in AttributeError or 'only one
+    element tensors can be converted'; it is refused naming the closure (a constant only where a
+    gradient is taken: average_case evaluates without one)."""
+    fn, error, words = CLOSURE_OUTPUTS[kind]
+    ball = _small_ball()[0]
+    if average and kind == "a constant":
+        assert adapters.average_case(ball, fn, 0.1, n_samples=2).mean_loss == 1.0
+        return
+    with pytest.raises(error, match=f"closure.*{words}|{words}.*closure"):
+        if average:
+            adapters.average_case(ball, fn, 0.1, n_samples=2)
+        else:
+            adapters.auto_pgd(ball, fn, 0.1, n_iters=2)
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda b, f: adapters.auto_pgd("ball", f, 0.1), "ball must be a ProductBall"),
+    (lambda b, f: adapters.auto_pgd(b, 3, 0.1), "closure must be a function"),
+    (lambda b, f: adapters.average_case(b, None, 0.1), "closure must be a function"),
+    (lambda b, f: adapters.average_case(b, f, 0.1, generator=0), "generator must be a torch.Generator"),
+    (lambda b, f: adapters.auto_pgd(b, f, 0.1, start=("x", 1.0)), r"start\[0\]"),
+    (lambda b, f: adapters.auto_pgd(b, f, 0.1, start=([torch.zeros(3)], 1.0)), r"start\[0\]\[0\] has shape"),
+    (lambda b, f: adapters.auto_pgd(b, f, 0.1, start=([torch.zeros(4, dtype=torch.float64)], math.nan)),
+     r"start\[1\]"),
+    (lambda b, f: adapters.auto_pgd(b, f, 0.1, start=torch.zeros(4)), "pair"),
+])
+def test_the_solver_names_a_bad_ball_closure_generator_or_start(call, words):
+    ball, closure = _small_ball()
+    with pytest.raises((TypeError, ValueError), match=words):
+        call(ball, closure)
+    assert not closure.calls
+
+
+@PROPERTY
+@given(kind=st.sampled_from(["list", "empty", "integer", "unknown name", "wrong shape", "tensor"]))
+def test_build_ball_names_bad_params0(kind):
+    params0 = {n: p.detach() for n, p in MODEL.named_parameters()}
+    first = next(iter(params0))
+    bad = {"list": list(params0.values()), "empty": {}, "tensor": params0[first],
+           "integer": {**params0, first: params0[first].long()},
+           "unknown name": {**params0, "nope": params0[first]},
+           "wrong shape": {**params0, first: params0[first][:1]}}[kind]
+    with pytest.raises((TypeError, ValueError), match="params0"):
+        adapters.build_ball(MODEL, bad, geometry="adaptive")
+
+
+def test_build_ball_refuses_a_layout_of_another_model():
+    other, _ = _bert()
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=16, max_position_embeddings=8, num_labels=2)
+    four_heads = transformers.BertForSequenceClassification(cfg).double()
+    params0 = {n: p.detach() for n, p in other.named_parameters()}
+    with pytest.raises(ValueError, match="build_ball: the layout .* was built for another model"):
+        adapters.build_ball(other, params0, geometry="geodesic-inv", layout=detect_layout(four_heads))
+
+
+# ------------------------------------------------------------------ group actions
+@PROPERTY
+@given(kind=st.sampled_from(["integer", "complex", "nan", "inf", "singular", "wrong shape", "unknown block",
+                             "not a dict"]), which=st.integers(0, 3), reparametrise=st.booleans())
+def test_actions_that_are_not_group_elements_are_refused(kind, which, reparametrise):
+    """Layout.act / reparametrised with NaN or singular 'actions' gave NaN weights (or a
+    LinAlgError, or a KeyError for an unknown block); each is refused naming the block."""
+    lay = detect_layout(MODEL)
+    acts = lay.random_actions(scale=1.0, generator=torch.Generator().manual_seed(which))
+    name = sorted(acts)[which % len(acts)]
+    A = acts[name]
+    if kind == "singular":
+        A = A.clone()
+        A[which % A.shape[0], :, 0] = 0.0
+    bad = {"integer": {**acts, name: A.long()}, "complex": {**acts, name: A.to(torch.complex128)},
+           "nan": {**acts, name: A * math.nan}, "inf": {**acts, name: A * math.inf},
+           "singular": {**acts, name: A}, "wrong shape": {**acts, name: A[:, :-1]},
+           "unknown block": {**acts, "nope": A}, "not a dict": [A]}[kind]
+    params = {n: p.detach() for n, p in MODEL.named_parameters()}
+    before = _state(MODEL)
+    with pytest.raises((TypeError, ValueError), match="actions"):
+        if reparametrise:
+            lay.reparametrised(MODEL, bad)
+        else:
+            lay.act(params, bad)
+    _same(MODEL, before)
+    if kind == "unknown block":                      # still the KeyError it was
+        with pytest.raises(KeyError):
+            lay.act(params, bad)
+    assert all(bool(torch.isfinite(t).all()) for t in lay.act(params, acts).values())
+
+
+# ------------------------------------------------------------------ the default loss's targets
+@PROPERTY
+@given(batch=st.integers(1, 4), classes=st.integers(2, 5), data=st.data())
+def test_targets_the_default_loss_cannot_read_are_named(batch, classes, data):
+    """Targets out of range, of another batch size, or floats of another shape were raw torch
+    errors (IndexError 'Target 5 is out of bounds'); they are refused naming the targets, and
+    -100 (ignored) positions are taken as cross_entropy takes them."""
+    gen = torch.Generator().manual_seed(batch * 10 + classes)
+    logits = torch.randn(batch, classes, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, classes, (batch,), generator=gen)
+    kind = data.draw(st.sampled_from(["too large", "negative", "batch", "float", "bool", "list"]))
+    at = data.draw(st.integers(0, batch - 1))
+    bad = {"too large": y.index_fill(0, torch.tensor([at]), classes + at),
+           "negative": y.index_fill(0, torch.tensor([at]), -1 - at),
+           "batch": torch.cat([y, y[:1]]), "float": y.double(), "bool": y > 0, "list": y.tolist()}[kind]
+    with pytest.raises((TypeError, ValueError), match="targets"):
+        default_loss(logits, bad)
+    ignored = y.index_fill(0, torch.tensor([at]), -100)
+    if batch > 1:
+        assert default_loss(logits, ignored) == torch.nn.functional.cross_entropy(logits, ignored)
+    with pytest.raises(ValueError, match=f"class {classes + 3}"):
+        adapters.next_token_loss(torch.randn(2, 3, classes, generator=gen),
+                                 torch.full((2, 3), classes + 3))
