@@ -761,6 +761,32 @@ def case_next_token_loss(kind):
     return make
 
 
+def case_core(kind):
+    def make():
+        geom, x = _gl_geometry()
+        from quotient_manifolds.core.rescaling import RescalingGeometry
+        resc = RescalingGeometry(3, "inv")
+        xr = torch.tensor([[1.0, 2.0, -1.5], [0.5, -1.0, 2.0]], dtype=torch.float64)
+        small = torch.full((9, 2), 0.01, dtype=torch.float64)
+        calls = {
+            "act, integer A": (lambda: geom.act(x, torch.eye(2, dtype=torch.long)), ["floating"]),
+            "act, singular A": (lambda: geom.act(x, torch.zeros(2, 2, dtype=torch.float64)), ["singular"]),
+            "act, NaN A": (lambda: geom.act(x, torch.full((2, 2), math.nan, dtype=torch.float64)), ["non-finite"]),
+            "act, 3x3 A on h=2": (lambda: geom.act(x, torch.eye(3, dtype=torch.float64)), ["shape"]),
+            "integrate_geodesic(t=nan)": (lambda: geom.integrate_geodesic(x, small, t=math.nan), ["t must"]),
+            "integrate_geodesic(steps=-1)": (lambda: geom.integrate_geodesic(x, small, steps=-1), ["steps"]),
+            "random_point(-1)": (lambda: geom.random_point(-1), ["batch"]),
+            "random_point(generator=3)": (lambda: geom.random_point(generator=3), ["generator"]),
+            "random_horizontal(integer x)": (lambda: geom.random_horizontal(x.long()), ["floating"]),
+            "balance(integer x)": (lambda: geom.balance(x.long()), ["floating"]),
+            "RescalingGeometry.act(a=0)": (lambda: resc.act(xr, torch.zeros(3, dtype=torch.float64)), ["non-zero"]),
+            "RescalingGeometry.act(a=nan)": (lambda: resc.act(xr, torch.full((3,), math.nan)), ["finite"]),
+        }
+        call, words = calls[kind]
+        return None, call, words
+    return make
+
+
 ROUND2: List[Tuple[str, str, Callable]] = [
     # (root cause, case, maker)
     ("checks at the top door only", "GLQuotientGeometry.project, integer tangent", case_core_integer("project")),
@@ -779,6 +805,11 @@ ROUND2: List[Tuple[str, str, Callable]] = [
     ("checks at the top door only", "RescalingGeometry(np.int64(3))", case_numpy_int_rescaling),
     ("checks at the top door only", "sharpness(n_iters=np.int64(3))", case_numpy_int_n_iters),
     ("checks at the top door only", "GLQuotientGeometry(5.0, 4, 2)", case_float_size),
+    *[("checks at the top door only", f"core {k}", case_core(k)) for k in (
+        "act, integer A", "act, singular A", "act, NaN A", "act, 3x3 A on h=2", "integrate_geodesic(t=nan)",
+        "integrate_geodesic(steps=-1)", "random_point(-1)", "random_point(generator=3)",
+        "random_horizontal(integer x)", "balance(integer x)", "RescalingGeometry.act(a=0)",
+        "RescalingGeometry.act(a=nan)")],
     ("checks at the top door only", "auto_pgd(step_size_mult=0)", case_auto_pgd(step_size_mult=0.0)),
     ("checks at the top door only", "auto_pgd(step_size_mult=-1)", case_auto_pgd(step_size_mult=-1.0)),
     ("checks at the top door only", "auto_pgd(step_size_mult=nan)", case_auto_pgd(step_size_mult=math.nan)),

@@ -25,7 +25,7 @@ def floating_tensor(name: str, value: Any) -> torch.Tensor:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if not value.is_floating_point():
         raise TypeError(f"{name} must be a real floating-point tensor, got dtype {value.dtype}; "
-                        f"convert it with {name}.to(x.dtype)")
+                        f"convert it with {name + '.double()' if name == 'x' else name + '.to(x.dtype)'}")
     return value
 
 
@@ -695,3 +695,29 @@ def class_targets(logits: torch.Tensor, targets: Any, what: str = "the default l
         bad = int(kept.min()) if int(kept.min()) < 0 else int(kept.max())
         raise ValueError(f"{what}: the targets hold the class {bad}, but the logits have {classes} "
                          f"classes (0 .. {classes - 1}; -100 marks an ignored position)")
+
+
+# ----------------------------------------------------------------- group elements and sampling (core)
+def batch_shape(name: str, dims: Sequence[Any]) -> Tuple[int, ...]:
+    """Batch dimensions as Python ints, each an integer >= 0 (Python or NumPy)."""
+    return tuple(integer_at_least(f"{name}[{i}]", d, 0) for i, d in enumerate(dims))
+
+
+def group_element(name: str, value: Any, h: Optional[int] = None) -> torch.Tensor:
+    """``value``, refused unless it is a finite real floating tensor (of shape (..., h, h) given
+    ``h``): a NaN or an integer "group element" would give NaN or truncated points."""
+    floating_tensor(name, value)
+    if h is not None and tuple(value.shape[-2:]) != (h, h):
+        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected (..., {h}, {h}): an element "
+                         f"of GL({h}) per batch element")
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"{name} contains non-finite values (nan or inf): not a group element")
+    return value
+
+
+def finite_real(name: str, value: Any) -> float:
+    """``value`` as a float, refused unless it is a finite real number (of any sign)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
+            isinstance(value, torch.Tensor) and value.numel() != 1) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite real number, got {value!r}")
+    return float(value)

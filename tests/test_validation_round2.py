@@ -680,3 +680,47 @@ def test_targets_the_default_loss_cannot_read_are_named(batch, classes, data):
     with pytest.raises(ValueError, match=f"class {classes + 3}"):
         adapters.next_token_loss(torch.randn(2, 3, classes, generator=gen),
                                  torch.full((2, 3), classes + 3))
+
+
+# ------------------------------------------------------------------ the core's group elements and sampling
+@PROPERTY
+@given(kind=st.sampled_from(["integer", "complex", "nan", "inf", "singular", "shape"]), batch=st.booleans())
+def test_the_core_refuses_what_is_not_a_group_element(kind, batch):
+    """GLQuotientGeometry.act with a NaN A gave NaN points, a singular one a LinAlgError, an integer
+    one a dtype error; RescalingGeometry.act with a zero or NaN a gave inf/NaN points."""
+    geom = GLQuotientGeometry(5, 4, 2, "inv")
+    dims = (3,) if batch else ()
+    x = geom.random_point(*dims, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    A = torch.eye(2, dtype=torch.float64).expand(*dims, 2, 2).clone()
+    bad = {"integer": A.long(), "complex": A.to(torch.complex128), "nan": A * math.nan, "inf": A * math.inf,
+           "singular": A * 0, "shape": torch.eye(3, dtype=torch.float64)}[kind]
+    with pytest.raises((TypeError, ValueError), match="A "):
+        geom.act(x, bad)
+    torch.testing.assert_close(geom.act(x, A), x, rtol=0, atol=0)
+    resc = RescalingGeometry(3, "inv")
+    xr = torch.tensor([[1.0, 2.0, -1.5], [0.5, -1.0, 2.0]], dtype=torch.float64)
+    a = {"integer": torch.tensor([1, 0, 2]), "complex": torch.tensor([1.0, 0.0, 2.0]),
+         "nan": torch.tensor([1.0, math.nan, 2.0]), "inf": torch.tensor([1.0, math.inf, 2.0]),
+         "singular": torch.zeros(3), "shape": torch.tensor([0.0, 1.0, 1.0])}[kind]
+    with pytest.raises(ValueError, match="non-zero"):
+        resc.act(xr, a)
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda g, x, u: g.integrate_geodesic(x, u, t=math.nan), "t must be a finite"),
+    (lambda g, x, u: g.integrate_geodesic(x, u, t="1"), "t must be a finite"),
+    (lambda g, x, u: g.integrate_geodesic(x, u, steps=0), "steps must be a positive integer"),
+    (lambda g, x, u: g.random_point(-1), r"batch\[0\]"),
+    (lambda g, x, u: g.random_point(2.5), r"batch\[0\]"),
+    (lambda g, x, u: g.random_point(generator=3), "generator"),
+    (lambda g, x, u: g.random_horizontal(x.long()), "floating-point"),
+    (lambda g, x, u: g.balance(x.int()), "floating-point"),
+    (lambda g, x, u: g.frame(x).vertical(torch.eye(2, dtype=torch.long)), "lam must be a real floating"),
+])
+def test_the_core_names_other_bad_arguments(call, words):
+    geom = GLQuotientGeometry(5, 4, 2, "inv")
+    x = geom.random_point(dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    u = geom.project(x, torch.full_like(x, 0.01))
+    with pytest.raises((TypeError, ValueError), match=words):
+        call(geom, x, u)
+    assert geom.random_point(np.int64(2), dtype=torch.float64).shape == (2, 9, 2)

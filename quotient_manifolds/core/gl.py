@@ -29,7 +29,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._validation import floating_dtype, floating_tensor, relaxation, size
+from .._validation import (batch_shape, finite_real, floating_dtype, floating_tensor, group_element,
+                           optional_generator, relaxation, size)
 from .groups import FULL_GL, Group, as_group, pencil_basis, sym
 from .metrics import GLMetric, InvMetric, MixMetric
 
@@ -402,7 +403,11 @@ class GLQuotientGeometry:
     # ------------------------------------------------------------------ group action
     def act(self, x: Tensor, A: Tensor) -> Tensor:
         """(G, H) ↦ (G A, H A⁻ᵀ); also maps tangent vectors (the action is linear)."""
-        return self.pack(*group_action(*self.split(x), A))
+        group_element("A", A, self.h)
+        try:
+            return self.pack(*group_action(*self.split(x), A))
+        except torch.linalg.LinAlgError as err:
+            raise ValueError(f"A is singular: not an element of GL({self.h}) ({err})") from None
 
     def balance(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         r"""Balanced representative x·A with GᵀG = HᵀH (docs/maths.md §A.4), and A itself.
@@ -413,6 +418,7 @@ class GLQuotientGeometry:
         both Gram matrices equal S. Map optimizer buffers with :meth:`act` (same A); never call this
         inside ``projx``.
         """
+        floating_tensor("x", x)
         if not self.group.is_full:
             raise ValueError(f"balance() moves x along its full GL({self.h}) orbit, which leaves the "
                              f"{self.group.describe(self.h)} quotient; it is defined for group='gl' only")
@@ -426,12 +432,15 @@ class GLQuotientGeometry:
     # ------------------------------------------------------------------ sampling
     def random_point(self, *batch: int, dtype=None, device=None, generator=None) -> Tensor:
         """Gaussian G and H (full rank with probability one), entries of variance 1/h."""
-        shape = tuple(batch) + (self.n + self.m, self.h)
+        shape = batch_shape("batch", batch) + (self.n + self.m, self.h)
         floating_dtype("dtype", dtype)
+        optional_generator("generator", generator)
         return torch.randn(shape, dtype=dtype, device=device, generator=generator) / math.sqrt(self.h)
 
     def random_horizontal(self, x: Tensor, *, unit: bool = True, generator=None) -> Tensor:
         """Projected Gaussian vector at x, normalised to unit metric norm per batch element."""
+        floating_tensor("x", x)
+        optional_generator("generator", generator)
         u = torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=generator)
         frame = self.frame(x)
         u = frame.project(u)
@@ -451,7 +460,8 @@ class GLQuotientGeometry:
         """
         from torchdiffeq import odeint
 
-        steps = steps or self.exact_steps
+        finite_real("t", t)
+        steps = self.exact_steps if steps is None else size("steps", steps)
         x0, u0 = x.to(compute_dtype(x.dtype)), u.to(compute_dtype(u.dtype))
         x0, u0 = torch.broadcast_tensors(x0, u0)
 
