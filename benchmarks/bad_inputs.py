@@ -508,6 +508,17 @@ def case_inference_mode():
     return m, call, ["inference_mode"]
 
 
+def case_hessian_inference_mode():
+    from quotient_manifolds.adapters.hessian import riemannian_hessian
+    m, x = bert()
+
+    def call():
+        with torch.inference_mode():
+            op = riemannian_hessian(m, batches(x), geometry="adaptive")
+            return op @ torch.ones(op.shape[1], dtype=torch.float64)
+    return m, call, ["inference_mode"]
+
+
 def case_float64_head():
     class Mixed(torch.nn.Module):
         def __init__(self):
@@ -874,6 +885,8 @@ ROUND2: List[Tuple[str, str, Callable]] = [
     ("messages that point the wrong way", "layout built while a weight was frozen", case_layout_vs_requires_grad(False)),
     ("messages that point the wrong way", "return_dict=False with labels", case_return_dict_false_labels),
     ("messages that point the wrong way", "sharpness inside torch.inference_mode()", case_inference_mode),
+    ("messages that point the wrong way", "riemannian_hessian inside torch.inference_mode()",
+     case_hessian_inference_mode),
     ("messages that point the wrong way", "float64 head over a float32 body: verify", case_float64_head),
     ("messages that point the wrong way", "out-of-vocabulary token id", case_oov_ids),
     ("messages that point the wrong way", "empty batch (0 rows of ids)", case_empty_batch),

@@ -229,6 +229,7 @@ def scalar_loss(loss: Any, *, needs_grad: bool, closure: bool = False) -> torch.
     if not loss.dtype.is_floating_point:
         raise TypeError(f"{source} must be a floating-point tensor, got dtype {loss.dtype}")
     if needs_grad and not loss.requires_grad:
+        gradients_available("this call (a Riemannian Hessian, a worst-case ascent)")  # the cause there
         raise ValueError(f"{source} does not depend on the weights (it has no gradient): {maker} must "
                          f"compute it from the {inputs} it is given, with torch operations, not return a "
                          f"constant or a detached value")
@@ -357,8 +358,8 @@ def gradients_available(what: str) -> None:
     not lift it), whatever the loss function."""
     if torch.is_inference_mode_enabled():
         raise ValueError(
-            f"{what} was called inside torch.inference_mode(): it differentiates the loss with "
-            f"respect to the weights, which inference mode forbids. Call it outside the "
+            f"{what} needs the gradient of the loss with respect to the weights, which "
+            f"torch.inference_mode() forbids, and it is active here. Call it outside the "
             f"inference_mode block (torch.no_grad() around it is fine)")
 
 

@@ -247,6 +247,16 @@ def test_auto_pgd_inside_inference_mode_names_it():
     _same(MODEL, before)
 
 
+def test_the_hessian_inside_inference_mode_names_it():
+    pytest.importorskip("curvlinops")
+    from quotient_manifolds.adapters.hessian import riemannian_hessian
+
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="inference_mode"):
+            op = riemannian_hessian(MODEL, BATCHES, geometry="adaptive")
+            op @ torch.ones(op.shape[1], dtype=torch.float64)
+
+
 # ------------------------------------------------------------------ layouts and balls
 @pytest.mark.parametrize("geometry", ["geodesic-inv", "geodesic-mix"])
 def test_build_ball_of_a_geodesic_geometry_needs_a_layout(geometry):
