@@ -102,8 +102,9 @@ class SharpnessResult:
 
 def default_loss(outputs: Any, targets: Tensor) -> Tensor:
     """Mean cross-entropy on ``outputs`` or on ``outputs.logits`` (Hugging Face outputs), for
-    logits of shape (batch, classes); logits with more dimensions are refused
-    (:func:`~quotient_manifolds._validation.class_logits`: pass ``loss_fn``)."""
+    logits of shape (batch, classes) and integer targets of shape (batch,). Logits with more
+    dimensions are refused, since cross-entropy would read their dim 1 (the tokens of
+    (batch, tokens, classes) logits) as the classes: pass ``loss_fn`` (e.g. :func:`next_token_loss`)."""
     logits = logits_of(outputs)
     check.class_logits(logits, targets)
     check.class_targets(logits, targets)
