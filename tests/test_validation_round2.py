@@ -368,22 +368,60 @@ def test_a_run_that_finds_no_rise_says_why(init, history, rho):
         assert ("saturated" in said[0]) == (all(v == init for v in history) or 0.0 in history)
 
 
-def test_a_saturated_float32_run_warns_and_a_sweep_does_not_go_down():
+class _Cliff(torch.nn.Module):
+    """One weight w = 1 and the output w: the loss 0.5 + 10 (w − 1) rises from the centre up to
+    w = 1.01 and is exactly 0 (with a zero gradient) beyond, a saturated plateau."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        return self.w * x
+
+
+def _cliff_loss(out, _targets):
+    return torch.where(out - 1 > 0.01, out * 0, 0.5 + 10 * (out - 1)).sum()
+
+
+@pytest.mark.parametrize("rho", [1.0, 10.0, 1e3])
+def test_a_run_that_lands_on_a_saturated_plateau_warns(rho):
+    """Steps of length ~2ρ from the centre land on the plateau (loss and gradient exactly 0), so
+    no point above the centre is found and the value is 0 where a smaller ball finds a rise: the
+    run warns (naming the cause and the way out), and sharpness_sweep, which warm-starts each
+    radius from the smaller one's worst point, never reports less for the larger ball."""
+    model = _Cliff()
+    batches = [(torch.ones((), dtype=torch.float64), None)]
+    kw = dict(geometry="adaptive", loss_fn=_cliff_loss, n_iters=10)
+    with pytest.warns(UserWarning, match="no point with a loss above.*saturated.*sharpness_sweep") as caught:
+        res = adapters.sharpness(model, batches, rho=rho, **kw)
+    assert res.value == 0.0 and caught[0].filename == __file__
+    small = adapters.sharpness(model, batches, rho=1e-3, **kw).value
+    assert small > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # a warm-started sweep finds the rise: no warning
+        swept = adapters.sharpness_sweep(model, batches, [1e-3, rho], **kw)
+    assert swept[1].value >= swept[0].value > 0
+
+
+def test_a_larger_ball_on_a_float32_bert_reports_more_or_warns():
     """The case found: adaptive sharpness of a tiny float32 BERT at rho = 1e5 stepped onto a
-    plateau where the softmax saturates (loss and gradient exactly 0) and reported 0 where
-    rho = 1e4 reports > 0. It warns now; sharpness_sweep, which warm-starts each radius from the
-    smaller one's worst point, never reports less for the larger ball."""
+    plateau where the softmax saturates and reported 0 where rho = 1e4 reports > 0. Whatever the
+    solver's path, a larger ball reports at least the smaller one's value or warns."""
     torch.manual_seed(0)
     cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                   intermediate_size=32, max_position_embeddings=16, num_labels=2)
     model = transformers.BertForSequenceClassification(cfg).eval()
     ids = torch.randint(0, 50, (2, 6))
     batches = [({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.tensor([0, 1]))]
-    with pytest.warns(UserWarning, match="no point with a loss above") as caught:
-        res = adapters.sharpness(model, batches, rho=1e5, geometry="adaptive", n_iters=10)
-    assert res.value == 0.0 and caught[0].filename == __file__
-    small, large = adapters.sharpness_sweep(model, batches, [1e4, 1e5], geometry="adaptive", n_iters=10)
-    assert large.value >= small.value > 0
+    kw = dict(geometry="adaptive", n_iters=10)
+    small = adapters.sharpness(model, batches, rho=1e4, **kw).value
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        large = adapters.sharpness(model, batches, rho=1e5, **kw).value
+    assert large >= small or any("no point with a loss above" in str(w.message) for w in caught)
+    swept = adapters.sharpness_sweep(model, batches, [1e4, 1e5], **kw)
+    assert swept[1].value >= swept[0].value > 0
 
 
 # ------------------------------------------------------------------ messages that point the right way
