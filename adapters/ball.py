@@ -132,6 +132,11 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     """
     metric = geometry_of(geometry).metric
     gram_eps = gram_eps_of(gram_eps, eps)
+    check.module("model", model)
+    check.parameter_tensors("params0", params0, model)
+    if metric is not None:
+        check.layout_for_ball(layout, params0, geometry)
+        layout.check_model(model, what="build_ball")
     trainable = list(params0)
     components: List = []
     groups: List[Tuple[List, List[int]]] = []  # (blocks, head counts) per quotient component

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from . import validation as check
 from .components import KERNEL_LIMIT
 from .losses import HALF_DTYPES, logits_of, normalize_logits
 from .streaming import LazyWeight, substituted
@@ -97,13 +98,7 @@ class ModelClosure:
             else:
                 outputs = functional_call(self.model, tensors, args=(self.inputs,))
         if self.loss_fn is None:
-            loss = getattr(outputs, "loss", None)
-            if not isinstance(loss, Tensor):
-                raise ValueError(
-                    f"the model returned no loss for a dict batch (keys {sorted(self.inputs)}): "
-                    f"without loss_fn the model's own `outputs.loss` is used, which Hugging Face "
-                    f"models compute only when the batch has 'labels'. Add 'labels' to the batch "
-                    f"or pass loss_fn=callable(outputs, labels), e.g. adapters.next_token_loss")
+            loss = check.own_loss(outputs, self.inputs)
         else:
             if self.normalise:
                 outputs = normalize_logits(logits_of(outputs))

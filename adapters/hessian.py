@@ -96,6 +96,7 @@ wrap them.
 
 from __future__ import annotations
 
+import numbers
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
@@ -455,8 +456,9 @@ def top_eigenvalues(op: PyTorchLinearOperator, k: int = 1, *, which: str = "LA",
 
     check_choice(which, ("LA", "SA", "LM"), "which")
     dim = op.shape[0]
-    if not isinstance(k, int) or not 1 <= k <= dim:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= dim:
         raise ValueError(f"k must be an integer in [1, {dim}] (the operator's size), got {k!r}")
+    k = int(k)       # a NumPy integer too
     if k >= dim - 1:
         eye = torch.eye(dim, dtype=op.dtype, device=op.device)
         vals = torch.linalg.eigvalsh(sym(op @ eye).double().cpu())

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 import torch
 from torch import Tensor, nn
 
+from quotient_manifolds import _validation as check
 from quotient_manifolds.core.gl import group_action
 
 from .blocks import GLBlock
@@ -271,9 +272,7 @@ class Layout:
         ``(G, H) -> (G A, H A^{-T})``.  Blocks without an entry are left alone.  Computed in the
         promoted dtype of the parameters and ``A`` (pass float64 ``A`` for an accurate action on float32
         weights); written back in the parameters' dtype.  Returns a new dict."""
-        unknown = set(actions) - {b.name for b in self.blocks}
-        if unknown:
-            raise KeyError(f"actions for unknown blocks: {sorted(unknown)}")
+        check.group_actions(self.blocks, actions)
         out = dict(params)
         for b in self.blocks:
             A = actions.get(b.name)
@@ -304,7 +303,17 @@ class Layout:
         entries when ``cond is None`` (the paper's §6.2 check); for the rotary group a random
         rotation-scaling per frequency pair (moduli spread over the same range) and such a matrix on
         the non-rotated block (see ``Group.random_element``).
-        Sampled on the CPU with ``generator`` (reproducible), returned on the parameters' device."""
+        Sampled on the CPU with ``generator`` (reproducible), returned on the parameters' device.
+        ``scale`` must be a finite number > 0 (0 or nan would give singular or NaN "elements")."""
+        scale = check.positive_finite("scale", scale)
+        cond = check.condition_number("cond", cond)
+        check.floating_dtype("dtype", dtype)
+        check.optional_generator("generator", generator)
+        missing = [b.g_pieces[0].param for b in self.blocks
+                   if params is not None and b.g_pieces[0].param not in params]
+        if missing:
+            raise ValueError(f"params has no entry for {', '.join(missing[:3])}: pass the model's "
+                             f"parameters ({{n: p for n, p in model.named_parameters()}}) or None")
         out: Dict[str, Tensor] = {}
         for b in self.blocks:
             device = params[b.g_pieces[0].param].device if params is not None else torch.device("cpu")

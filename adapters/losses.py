@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import validation as check
+
 __all__ = ["HALF_DTYPES", "default_loss", "next_token_loss", "logits_of", "normalize_logits"]
 
 Tensor = torch.Tensor
@@ -18,8 +20,14 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def default_loss(outputs: Any, targets: Tensor) -> Tensor:
-    """Mean cross-entropy on ``outputs`` or on ``outputs.logits`` (Hugging Face outputs)."""
-    return F.cross_entropy(logits_of(outputs), targets)
+    """Mean cross-entropy on ``outputs`` or on ``outputs.logits`` (Hugging Face outputs), for
+    logits of shape (batch, classes) and integer targets of shape (batch,). Logits with more
+    dimensions are refused, since cross-entropy would read their dim 1 (the tokens of
+    (batch, tokens, classes) logits) as the classes: pass ``loss_fn`` (e.g. :func:`next_token_loss`)."""
+    logits = logits_of(outputs)
+    check.class_logits(logits, targets)
+    check.class_targets(logits, targets)
+    return F.cross_entropy(logits, targets)
 
 
 def next_token_loss(outputs: Any, labels: Tensor) -> Tensor:
@@ -37,6 +45,7 @@ def next_token_loss(outputs: Any, labels: Tensor) -> Tensor:
         raise ValueError(f"next_token_loss needs logits of shape (batch, tokens, vocab) and labels "
                          f"of shape (batch, tokens); got logits {tuple(logits.shape)} and labels "
                          f"{tuple(labels.shape)}")
+    check.class_targets(logits[:, :-1], labels[:, 1:], "next_token_loss")
     if logits.dtype in HALF_DTYPES:
         logits = logits.float()
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten().to(logits.device),

@@ -74,6 +74,8 @@ class SharpnessOptions:
                      "unsafe", "progress", "include_frozen", "check_retraction"):
             check.flag(name, getattr(self, name))
         check.optional_layout("layout", self.layout)
+        check.plain_numbers(self, ints=("n_iters", "n_samples", "seed", "num_threads"),
+                            floats=("step_size_mult", "gram_eps", "retraction_tolerance"))
         if self.include_frozen and self.layout is not None and getattr(self.layout, "frozen", None):
             raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
                              "parameters, so they would be in no part of the ball; rebuild it with "
@@ -117,15 +119,4 @@ def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, A
 def as_rho(rho: Any, name: str = "rho") -> float:
     """``rho`` (the argument ``name``) as a float: Python / numpy scalars and 0-d arrays or tensors;
     finite and > 0."""
-    value = rho
-    if isinstance(value, Tensor) or type(value).__module__ == "numpy":
-        if getattr(value, "ndim", 0) != 0:
-            raise ValueError(f"{name} must be a scalar, got an array of shape {tuple(value.shape)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number > 0 (float, int, numpy scalar or 0-d "
-                         f"array/tensor), got {rho!r} of type {type(rho).__name__}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 (the radius of the ball), got {rho!r}")
-    return value
+    return check.radius(rho, name)

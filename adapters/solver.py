@@ -15,6 +15,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from quotient_manifolds import _validation as check
 from quotient_manifolds.core.gl import check_choice
 
 from .components import (  # noqa: F401  (served here too: the solver's vocabulary)
@@ -175,12 +176,24 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     by default keeps it while the device's free memory (CUDA; the CPU's available memory on
     Linux) holds two more such vectors after the iterates are allocated.
     """
-    if not rho > 0:
-        raise ValueError(f"rho must be > 0, got {rho!r}")
-    if not isinstance(n_iters, int) or n_iters < 1:
-        raise ValueError(f"n_iters must be a positive integer, got {n_iters!r}")
+    rho = check.radius(rho)
+    n_iters = check.positive_integer("n_iters", n_iters)
+    step_size_mult = check.positive_finite("step_size_mult", step_size_mult)
+    alpha = check.in_interval("alpha", alpha, 0, 1, low_open=True, high_open=False,
+                              meaning="the weight of the new step in the momentum update")
+    min_update_ratio = check.in_interval("min_update_ratio", min_update_ratio, 0, 1, low_open=False,
+                                         high_open=False, meaning="the share of improving steps below "
+                                         "which the step size decays")
+    decay = check.in_interval("decay", decay, 0, 1, low_open=True, high_open=True,
+                              meaning="the factor of the step size at a decay")
     check_choice(momentum, MOMENTUM_FORMS, "momentum form")
     check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
+    check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
+    check.gradients_available("worst-case sharpness (auto_pgd)")
+    check.ball_and_closure(ball, closure)
+    if start is not None:
+        check.warm_start(start, ball.zeros())
+    closure = check.scalar_closure(closure)
     checkpoints = set(apgd_checkpoints(n_iters))
     comps = ball.components
 
@@ -325,8 +338,12 @@ def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], r
     Directions are Gaussian in the metric's natural scaling (projected horizontally), rescaled to
     norm ρ; ``generator`` makes the draw deterministic. ``on_iteration(k, loss)`` is called after
     each sample k."""
-    if not rho > 0:
-        raise ValueError(f"rho must be > 0, got {rho!r}")
+    rho = check.radius(rho)
+    n_samples = check.positive_integer("n_samples", n_samples)
+    check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
+    check.optional_generator("generator", generator)
+    check.ball_and_closure(ball, closure)
+    closure = check.scalar_closure(closure)
     with torch.no_grad():
         loss0 = finite_loss(closure(_points_at(ball, ball.zeros())), 0.0)
         losses = []

@@ -354,6 +354,10 @@ def _in_compute_dtype(model: nn.Module, params: Dict[str, Tensor], args: tuple, 
     of another dtype, the floating parameters, buffers and inputs cast to it (buffers empty when
     nothing is cast)."""
     fdt = [p.dtype for p in params.values() if p.is_floating_point()]
+    if compute_dtype is None and fdt and not any(d in (torch.float16, torch.bfloat16) for d in fdt):
+        # float32 and float64 weights mixed on purpose (a float64 head over a float32 body): the
+        # model runs as it is, judged at the precision of its least precise weights
+        return max(set(fdt), key=lambda d: torch.finfo(d).eps), params, {}, args, kwargs
     model_dtype = fdt[0] if fdt else torch.get_default_dtype()
     cdt = compute_dtype or (torch.float32 if model_dtype in (torch.float16, torch.bfloat16) else model_dtype)
     if not any(p.is_floating_point() and p.dtype != cdt for p in params.values()):

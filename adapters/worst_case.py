@@ -362,6 +362,7 @@ def _worst_case_run(ball: ProductBall, closure: ModelClosure, rho: float, option
                    step_normalisation=options.step_normalisation, step_size_mult=options.step_size_mult,
                    on_iteration=on_iteration,
                    start=None if previous is None else (previous.xi, previous.init_loss))
+    check.ascent_found(res, rho, stacklevel=5)  # as if sharpness() warned
     share = ball.quotient_share(res.xi)
     covered = prepared.covered
     attention = (share if options.spec.geodesic and prepared.layout.blocks else

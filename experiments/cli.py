@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 from .options import FROM_CONFIG, common_arguments, positive_float, positive_int
 from .population import log_line
-from .runner import ExperimentError
+from .runner import ExperimentError, fault_message
 from .studies import STUDY
 
 EPILOG = """\
@@ -385,6 +385,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return COMMANDS[args.command](args)
     except ExperimentError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as err:       # a full disk, a read-only directory: one line, not a traceback
+        print(f"error: {fault_message(err)}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
         print("interrupted; finished models are kept in results.jsonl (rerun to resume)",

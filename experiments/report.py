@@ -52,8 +52,26 @@ def _records_of_one_config(src: str, config_hash: Optional[str] = None
     chosen = config_hash or records[-1].get("config_hash")
     if chosen not in hashes:
         raise ExperimentError(f"config hash {chosen} not in {src} (present: {', '.join(hashes)})")
-    return chosen, sorted((r for r in records if r.get("config_hash") == chosen),
-                          key=lambda r: r["model_id"]), hashes
+    return chosen, _one_per_model(src, [r for r in records if r.get("config_hash") == chosen]), hashes
+
+
+def _one_per_model(src: str, records: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``records`` (of one configuration) with one record per model id, the last one written, as
+    the runner keeps them on resume (a duplicated line, e.g. from concatenated or copied results,
+    would otherwise count its model twice in every statistic); sorted by model id. Duplicates
+    are noted on stderr."""
+    by_id: Dict[Any, Dict[str, Any]] = {}
+    repeated: Dict[Any, int] = {}
+    for r in records:
+        if r["model_id"] in by_id:
+            repeated[r["model_id"]] = repeated.get(r["model_id"], 1) + 1
+        by_id[r["model_id"]] = r
+    if repeated:
+        shown = ", ".join(f"{i} ({n}x)" for i, n in list(repeated.items())[:8])
+        print(f"note: {src}: {len(repeated)} model id(s) appear on more than one line ({shown}"
+              f"{', ...' if len(repeated) > 8 else ''}); each model is counted once, from its last "
+              f"line, as the study's runner reads them", file=sys.stderr)
+    return sorted(by_id.values(), key=lambda r: r["model_id"])
 
 
 def merge_second_pass(records: List[Dict[str, Any]], config: Dict[str, Any], extra_src: str,

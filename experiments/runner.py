@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import datetime as _dt
+import errno
 import hashlib
 import json
 import math
@@ -175,15 +176,18 @@ class ResultStore:
         record = dict(record)
         record["_sha256"] = _line_digest(record)
         line = (canonical_json(record) + "\n").encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            view = memoryview(line)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                view = memoryview(line)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as err:    # a partial line is cut by the next run (ResultStore.load)
+            raise naming(err, self.path) from None
 
 
 # ------------------------------------------------------------------------------------ output dir
@@ -292,18 +296,60 @@ class OutputDir:
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (a temporary file beside it, fsynced, then
+    renamed over it). A failed write (a full disk, a read-only directory) leaves ``path`` as it
+    was and no temporary file behind, and its ``OSError`` names ``path``."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise naming(err, path, instead_of=tmp) from None
     with contextlib.suppress(OSError):
         dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def naming(err: OSError, path: str, instead_of: Optional[str] = None) -> OSError:
+    """``err`` with ``path`` as its file name where it has none (an error of ``write`` or
+    ``fsync`` on an open descriptor names no file) or names ``instead_of`` (a temporary file the
+    user never asked for)."""
+    if err.filename is not None and err.filename != instead_of:
+        return err
+    named = type(err)(err.errno, err.strerror or str(err), path)
+    named.__traceback__ = err.__traceback__
+    return named
+
+
+#: what to do about a failed write, by errno
+_WRITE_FIXES = {
+    errno.ENOSPC: "free disk space there (or pass --out DIR on another disk), then rerun: finished "
+                  "models are kept in results.jsonl and the run resumes",
+    errno.EDQUOT: "free space within your disk quota (or pass --out DIR elsewhere), then rerun: the "
+                  "run resumes",
+    errno.EROFS: "the file system is read-only: pass --out DIR (and --checkpoint-dir DIR) on a "
+                 "writable one",
+    errno.EACCES: "the directory is not writable by you: pass --out DIR on a writable one, or fix "
+                  "its permissions",
+    errno.EPERM: "the directory is not writable by you: pass --out DIR on a writable one, or fix "
+                 "its permissions",
+}
+
+
+def fault_message(err: OSError) -> str:
+    """One line for an ``OSError`` that ends a command: the path, what happened and what to do."""
+    path = err.filename if err.filename is not None else "a file"
+    what = err.strerror or type(err).__name__
+    fix = _WRITE_FIXES.get(err.errno)
+    return f"{display_path(path) if isinstance(path, str) else path}: {what}" + (f"; {fix}" if fix else "")
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -443,6 +489,10 @@ def _exit_with_parent() -> None:
 def _call(job: Callable, args: tuple) -> Tuple[bool, Any]:
     try:
         return True, job(*args)
+    except OSError as err:
+        if err.errno in _WRITE_FIXES:    # a full disk, a read-only directory: every next model
+            raise                        # would fail the same way; the run stops (cli: one line)
+        return False, traceback.format_exc()
     except Exception:  # noqa: BLE001 - reported per model by the parent
         return False, traceback.format_exc()
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
@@ -302,7 +303,7 @@ class RotaryGroup(_BlockDiagonalGroup):
             raise ValueError(f"unknown rotary pairing {self.pairing!r}; valid choices are "
                              f"{', '.join(map(repr, PAIRINGS))}")
         r = self.rotary_dim
-        if r is not None and (not isinstance(r, int) or r < 2 or r % 2):
+        if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 2 or r % 2):
             raise ValueError(f"rotary_dim must be a positive even integer (or None for all "
                              f"coordinates), got {r!r}")
 

@@ -29,6 +29,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from .._validation import batch_shape, floating_dtype, floating_tensor, optional_generator, size
 from .gl import RETRACTIONS, GLFrame, GLQuotientGeometry, as_metric, check_choice
 from .metrics import GLMetric
 
@@ -109,9 +110,7 @@ class RescalingGeometry:
 
     def __init__(self, d: int, metric: "str | GLMetric" = "mix", *, retraction: str = "second_order",
                  eps: float = 0.0, exact_steps: int = 32):
-        if not isinstance(d, int) or d < 1:
-            raise ValueError(f"d must be a positive integer, got {d!r}")
-        self.d = d
+        self.d = size("d", d)
         self.gl = GLQuotientGeometry(1, 1, 1, metric, retraction=retraction, eps=eps,
                                      exact_steps=exact_steps)
         self.metric, self.retraction, self.eps = self.gl.metric, self.gl.retraction, self.gl.eps
@@ -143,7 +142,11 @@ class RescalingGeometry:
         return RescalingFrame(self, x, check=check)
 
     def act(self, x: Tensor, a: Tensor) -> Tensor:
-        """(u, v) ↦ (a⊙u, v/a); also maps tangent vectors."""
+        """(u, v) ↦ (a⊙u, v/a); also maps tangent vectors. ``a`` must be finite with no zero entry
+        (an element of (R∖{0})^d)."""
+        if not isinstance(a, torch.Tensor) or not bool(torch.isfinite(a).all()) or bool((a == 0).any()):
+            raise ValueError(f"a must be a tensor of finite non-zero numbers (an element of (R∖{{0}})^d): "
+                             f"its zeros or non-finite entries would give inf or nan points")
         return torch.stack((x[..., 0, :] * a, x[..., 1, :] / a), dim=-2)
 
     def beta(self, x: Tensor) -> Tensor:
@@ -160,10 +163,14 @@ class RescalingGeometry:
         return self.gl_metric.gl1_geodesic(x, bu, bv, t)
 
     def random_point(self, *batch: int, dtype=None, device=None, generator=None) -> Tensor:
-        return torch.randn(tuple(batch) + (2, self.d), dtype=dtype, device=device,
+        floating_dtype("dtype", dtype)
+        optional_generator("generator", generator)
+        return torch.randn(batch_shape("batch", batch) + (2, self.d), dtype=dtype, device=device,
                            generator=generator)
 
     def random_horizontal(self, x: Tensor, *, unit: bool = True, generator=None) -> Tensor:
+        floating_tensor("x", x)
+        optional_generator("generator", generator)
         frame = self.frame(x)
         u = frame.project(torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=generator))
         return u / frame.norm(u, keepdim=True) if unit else u

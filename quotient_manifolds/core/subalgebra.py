@@ -36,6 +36,7 @@ so its compression Π_𝔤 L Π_𝔤 to 𝔤 is too, and the equations have one 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -293,7 +294,7 @@ class _ClosedForm(SymmetryGroup):
     """Shared checks of the closed-form groups below."""
 
     def check(self, h: int) -> None:
-        if not isinstance(h, int) or h < 1:
+        if isinstance(h, bool) or not isinstance(h, numbers.Integral) or h < 1:
             raise ValueError(f"{self.describe(1)}-type group needs a head dimension h ≥ 1, got {h!r}")
 
     def contains(self, A: Tensor, *, rtol: float = 1e-10) -> bool:

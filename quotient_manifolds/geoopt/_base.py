@@ -22,7 +22,7 @@ from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
 from .._runtime import FrameCache, finite_step, small_work
-from .._validation import floating_tensor, tangent
+from .._validation import floating_dtype, floating_tensor, tangent
 
 Tensor = torch.Tensor
 
@@ -236,7 +236,7 @@ class CoreQuotientManifold(Manifold):
         """Deterministic point broadcast to the full shape ``size`` (``seed`` unused)."""
         shape = size2shape(*size) if size else self._point_shape
         self._assert_check_shape(shape, "x")
-        point = self._origin_point(dtype or torch.get_default_dtype(), device)
+        point = self._origin_point(floating_dtype("dtype", dtype) or torch.get_default_dtype(), device)
         return ManifoldTensor(point.expand(shape).clone(), manifold=self)
 
     # ------------------------------------------------------------------ layout

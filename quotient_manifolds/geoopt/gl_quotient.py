@@ -56,6 +56,7 @@ class GLQuotient(CoreQuotientManifold):
         super().__init__()
         self.geometry = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
                                            exact_steps=exact_steps, group=group)
+        n, m, h = self.geometry.n, self.geometry.m, self.geometry.h  # Python ints, as checked there
         self._group = self.geometry.group.describe(h)
         self.n, self.m, self.h = n, m, h
 

@@ -45,7 +45,7 @@ class RescalingQuotient(CoreQuotientManifold):
         super().__init__()
         self.geometry = RescalingGeometry(d, metric, retraction=retraction, eps=eps,
                                           exact_steps=exact_steps)
-        self.d = d
+        self.d = self.geometry.d  # a Python int, as checked there
 
     @property
     def _point_shape(self) -> Tuple[int, int]:

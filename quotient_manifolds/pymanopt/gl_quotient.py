@@ -41,6 +41,7 @@ class GLQuotient(CoreQuotientManifold):
                  group: "str | Group | None" = None):
         self.geometry = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=eps,
                                            exact_steps=exact_steps, group=group)
+        n, m, h = self.geometry.n, self.geometry.m, self.geometry.h  # Python ints, as checked there
         self._group = self.geometry.group.describe(h)
         self._n, self._m, self._h = n, m, h
         self._conv = PairConverter(((n, h), (m, h)))

@@ -35,6 +35,7 @@ class RescalingQuotient(CoreQuotientManifold):
                  eps: float = 0.0, exact_steps: int = 32):
         self.geometry = RescalingGeometry(d, metric, retraction=retraction, eps=eps,
                                           exact_steps=exact_steps)
+        d = self.geometry.d  # a Python int, as checked there
         self._d = d
         self._conv = PairConverter(((d,), (d,)), ("u", "v"))
         name = (f"rescaling quotient of (R*^{d})^2 by (R*)^{d} "
