@@ -257,11 +257,11 @@ def _paper_posed_section(d: _DiagonalColumns, alg1: Sequence[str], summary: Dict
                 cells.append(_num(row[f"delta_{name}"]))
         per_draw[str(s)] = row
         lines.append(f"| {s} | {int(k.sum())} | " + " | ".join(cells) + " |")
-    paper_cells = []
-    for name, ms in solvers:
-        paper_cells += [f"{paper[m.replace('-alg1', '')]:+.2f}" for m in ms]
-        if name in pairs:
-            paper_cells.append(f"{paper['geodesic-inv'] - paper['adaptive']:+.2f}")
+    # the paper's diagonal values come from restarted PGA (docs/maths.md §8.6): the exact columns
+    paper_cells = [f"{paper[m]:+.2f}" for m in solvers[0][1]]
+    if "exact" in pairs:
+        paper_cells.append(f"{paper['geodesic-inv'] - paper['adaptive']:+.2f}")
+    paper_cells += [""] * (len(header) - 2 - len(paper_cells))
     lines.append("| paper (one draw) | 50 | " + " | ".join(paper_cells) + " |")
     within: Dict[str, Any] = {}
     for name, (a, b) in pairs.items():
