@@ -104,7 +104,7 @@ def defaults(quick: bool) -> Dict[str, Any]:
         max_steps=2_000_000, max_polish_steps=1_000_000, check_every=50,
         rho=dict(adaptive=0.1, inv=0.1, mix=0.1), rho_sweep=[0.01, 0.03, 0.3, 3.0, 10.0],
         measures=list(MEASURES), solver="pga", mix_literal="exact", restarts=8, pga_iters=600,
-        apgd_iters=100, alg1_iters=20, models=50)
+        eigen_starts=3, apgd_iters=100, alg1_iters=20, models=50)
     if quick:
         c.update(draws=[0], alpha_range=[0.1, 0.3], phase_epochs_range=[2.0, 10.0],
                  restarts=3, pga_iters=60, apgd_iters=10, rho_sweep=[10.0], models=6)
@@ -377,23 +377,54 @@ def objective(measure: str, u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.n
     raise ValueError(f"unknown diagonal measure {measure!r}; valid: {', '.join(MEASURES)}")
 
 
+def top_curvature_directions(f: Callable, dim: int, k: int, *, iters: int = 60,
+                             eps: float = 1e-5, seed: int = 0) -> np.ndarray:
+    """(k, dim) orthonormal directions of the largest eigenvalues of the Hessian of f at 0, by
+    block power iteration on central-difference Hessian-vector products (H q ≈ (∇f(εq) −
+    ∇f(−εq))/2ε) and a final Rayleigh–Ritz step. Near an interpolator f is nearly the convex
+    quadratic ½zᵀHz, whose maximisers over a small ball lie along ±the top eigenvector: the
+    starts that random restarts can miss when two signs or two directions compete."""
+    rng = np.random.default_rng([seed, 11])
+    Q = np.linalg.qr(rng.standard_normal((dim, k)))[0]
+
+    def hvp(Q):
+        _, g = f(np.concatenate([eps * Q.T, -eps * Q.T]))
+        return ((g[:k] - g[k:]) / (2 * eps)).T
+
+    for _ in range(iters):
+        Q = np.linalg.qr(hvp(Q))[0]
+    w, V = np.linalg.eigh(Q.T @ hvp(Q))
+    return (Q @ V[:, ::-1]).T
+
+
 def pga(f: Callable, dim: int, radii: Sequence[float], *, restarts: int, iters: int, seed: int,
-        lower: Optional[np.ndarray] = None) -> np.ndarray:
+        lower: Optional[np.ndarray] = None, eigen_starts: int = 0) -> np.ndarray:
     """Max of f over the ball of each radius (and the box z ≥ lower): normalised projected gradient
     ascent, batched over radii × restarts (restart 0 starts at 0, the others at random points of
-    the ball), step r·100^{−t/T} (geometric decay), best value seen. Returns one max per radius."""
+    the ball), step r·100^{−t/T} (geometric decay), best value seen. ``eigen_starts`` = k adds 2k
+    starts per radius at ±r times the top k curvature directions of f at 0
+    (:func:`top_curvature_directions`), which random starts can miss. Returns one max per radius."""
     rng = np.random.default_rng(seed)
     K = len(radii)
     r = np.repeat(np.asarray(radii, dtype=float), restarts)[:, None]
     Z = rng.standard_normal((K * restarts, dim))
     Z *= r * rng.uniform(0.2, 1.0, size=(K * restarts, 1)) / np.linalg.norm(Z, axis=1, keepdims=True)
     Z[::restarts] = 0.0
+    per = restarts
+    if eigen_starts:
+        V = top_curvature_directions(f, dim, int(eigen_starts), seed=seed)
+        starts = np.concatenate([V, -V])  # 2k unit directions
+        per = restarts + starts.shape[0]
+        Z = np.concatenate([Z.reshape(K, restarts, dim),
+                            np.asarray(radii, dtype=float)[:, None, None] * starts[None]],
+                           axis=1).reshape(K * per, dim)
+        r = np.repeat(np.asarray(radii, dtype=float), per)[:, None]
 
     def proj(W):
         return _project_ball(W, r) if lower is None else _project_ball_box(W, r, lower[None, :])
 
     Z = proj(Z)
-    best = np.full(K * restarts, -np.inf)
+    best = np.full(K * per, -np.inf)
     for t in range(iters + 1):
         val, g = f(Z)
         best = np.maximum(best, np.where(np.isfinite(val), val, -np.inf))
@@ -402,7 +433,7 @@ def pga(f: Callable, dim: int, radii: Sequence[float], *, restarts: int, iters: 
         gn = np.linalg.norm(g, axis=1, keepdims=True)
         step = r * 100.0 ** (-t / max(1, iters))
         Z = proj(Z + step * g / np.maximum(gn, 1e-300))
-    return best.reshape(K, restarts).max(axis=1)
+    return best.reshape(K, per).max(axis=1)
 
 
 def mix_literal_exact(u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.ndarray,
@@ -549,7 +580,8 @@ def measure_all(config: Dict[str, Any], u, v, X, y, seed: int) -> List[Dict[str,
         elif config["solver"] == "pga":
             f, dim, factor, lower = objective(m, u, v, X, y)
             vals = pga(f, dim, [r * factor for r in rhos], restarts=config["restarts"],
-                       iters=config["pga_iters"], seed=seed, lower=lower)
+                       iters=config["pga_iters"], seed=seed, lower=lower,
+                       eigen_starts=config.get("eigen_starts", 0))
         else:
             vals = [sharpness_apgd(m, u, v, X, y, r, config["apgd_iters"],
                                    restarts=config["restarts"], seed=seed)

@@ -64,7 +64,7 @@ def _study_value(measure, u, v, X, y, rho=RHO, factor=None):
     """The study's own solver (experiments/diagonal.py: objective + restarted PGA)."""
     f, dim, fac, lower = D.objective(measure, u, v, X, y)
     return D.pga(f, dim, [rho * (fac if factor is None else factor)], restarts=4, iters=400,
-                 seed=0, lower=lower)[0]
+                 seed=0, lower=lower, eigen_starts=D.defaults(False)["eigen_starts"])[0]
 
 
 def test_adaptive_and_inv_exact_maxima_match_the_shared_objective_and_rank_alike():
@@ -119,3 +119,28 @@ def test_the_paper_mix_is_the_data_constant_and_alg1_is_one_run_from_zero():
             assert 0 < one_run <= exact * (1 + 1e-9)
     with pytest.raises(ValueError, match="unknown diagonal measure"):
         D.measure_all(dict(config, measures=["geodesic-mix-alg2"]), *nets[0], X, y, 0)
+
+
+def test_curvature_starts_are_the_top_eigenvectors_and_only_add_starts():
+    """On f(z) = ½zᵀAz + bᵀz the directions are A's top eigenvectors; PGA with them keeps every
+    random start (same seed) and adds ±r·q starts, so its maximum is never lower. On a quadratic
+    whose maximiser over the ball sits on a direction a random start rarely reaches (a dominant
+    eigenvalue among many, sign fixed by a small linear term), it finds the exact maximum."""
+    rng = np.random.default_rng(0)
+    dim = 40
+    Q = np.linalg.qr(rng.standard_normal((dim, dim)))[0]
+    eig = np.concatenate([[4.0, 3.9, 2.0], rng.uniform(0, 1, dim - 3)])
+    A = (Q * eig) @ Q.T
+    b = 1e-4 * Q[:, 0]
+
+    def f(Z):
+        return 0.5 * np.einsum("bi,ij,bj->b", Z, A, Z) + Z @ b, Z @ A + b
+
+    V = D.top_curvature_directions(f, dim, 3)
+    for j in range(3):
+        assert abs(abs(V[j] @ Q[:, j]) - 1) < 1e-8, j
+    r = 0.1
+    plain = D.pga(f, dim, [r], restarts=3, iters=200, seed=5)[0]
+    with_starts = D.pga(f, dim, [r], restarts=3, iters=200, seed=5, eigen_starts=3)[0]
+    exact = 0.5 * eig[0] * r * r + r * 1e-4  # at z = r·q₀ (the linear term picks the sign)
+    assert with_starts >= plain and with_starts == pytest.approx(exact, rel=1e-9)
