@@ -302,8 +302,9 @@ def _identity_section(d: _DiagonalColumns, summary: Dict[str, Any]) -> List[str]
              "With s = log((u + δ_u)/u) = log((v + δ_v)/v), adaptive sharpness maximises "
              "L(β₀⊙e^{2s}) − L(β₀) over Σ(e^{sⁱ} − 1)² ≤ ρ²/2 (the cheapest (δ_u, δ_v) for a given "
              "product scales u and v alike), geodesic-inv the same objective over Σ sⁱ² ≤ ρ²/2. "
-             "The balls agree to first order, so the exact maxima agree up to O(ρ³) and rank "
-             "the nets alike: the ratio inv / adaptive is nearly the same for every net.", "",
+             "The balls agree to first order, so the exact maxima (O(ρ²)) agree up to O(ρ³): at "
+             "small ρ the ratio inv / adaptive is nearly the same for every net and the two "
+             "measures rank the nets alike. Δτ = τ(geodesic-inv) − τ(adaptive), point values.", "",
              "| ρ | inv / adaptive per net (min … max) | Δτ pooled | Δτ within draws | "
              "Δτ per draw (min … max) |", "|---|---|---|---|---|"]
     for r_ in rhos_of(d.used, "adaptive"):
