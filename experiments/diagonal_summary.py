@@ -232,7 +232,7 @@ def _paper_posed_section(d: _DiagonalColumns, alg1: Sequence[str], summary: Dict
     per_draw: Dict[str, Dict[str, Any]] = {}
     header = ["draw", "models"]
     for name, ms in solvers:
-        header += [f"{m} ({_SOLVER_LABEL[name]})" for m in ms]
+        header += [f"{m.replace('-alg1', '')} ({_SOLVER_LABEL[name]})" for m in ms]
         if name in pairs:
             header.append(f"Δτ inv − adaptive ({_SOLVER_LABEL[name]})")
     lines = ["## As the paper poses it: τ per data draw, exact maximum and Algorithm 1", "",
