@@ -241,8 +241,9 @@ def _paper_posed_section(d: _DiagonalColumns, alg1: Sequence[str], summary: Dict
              "the paper's mix, a trust-region problem, in closed form). *Alg. 1*: one run of the "
              "paper's Algorithm 1 (Auto-PGD, started at ξ = 0, "
              f"{_alg1_iters(d)} iterations, no restarts) on the same objective, at the same ρ: "
-             "what a solver of the paper's budget reports. Δτ = τ(geodesic-inv) − τ(adaptive) on "
-             "the same nets.", "",
+             "what a short ascent reports (20 iterations is the default of Andriushchenko et "
+             "al.'s code, which the paper's Algorithm 1 modifies). Δτ = τ(geodesic-inv) − "
+             "τ(adaptive) on the same nets.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in d.draws:
         k = d.groups == s
