@@ -33,20 +33,31 @@ batched over restarts and the ρ grid (``solver="pga"``), all through the closed
 the rescaling quotient (:func:`quotient_manifolds.core.beta_along_geodesic`); ``solver="apgd"``
 runs the library's :func:`quotient_manifolds.adapters.solver.auto_pgd` on a
 :class:`~quotient_manifolds.core.RescalingGeometry` instead (exact retraction, see
-:func:`sharpness_apgd`). ρ default 0.1 for every family, swept over 0.001…1 (three decades):
+:func:`sharpness_apgd`). ρ default 0.1 for every family, swept over 0.01, 0.1 and 1:
 
 * ``adaptive``: max over ‖(δ_u/|u|, δ_v/|v|)‖₂ ≤ ρ of L((u+δ_u)⊙(v+δ_v)) − L(u⊙v);
-* ``geodesic-inv``: max L(β₀⊙e^{2b}) − L(β₀) over ‖b‖ ≤ ρ/√2 (‖ξ‖²_inv = 2‖b‖²);
-* ``geodesic-mix-manifold`` (the headline mix measure): max L(β₀⊙(1+2b)) − L(β₀) over
+* ``geodesic-inv``: max L(β₀⊙e^{2b}) − L(β₀) over ‖b‖ ≤ ρ/√2 (‖ξ‖²_inv = 2‖b‖²). With
+  s = log((u+δ_u)/u) = log((v+δ_v)/v) adaptive maximises the same objective L(β₀⊙e^{2s}) − L(β₀)
+  over Σ(e^{sⁱ} − 1)² ≤ ρ²/2 (the cheapest (δ_u, δ_v) for a given product scales u and v alike):
+  the two balls agree to first order, so the exact maxima agree to O(ρ³) and rank nets alike;
+* ``geodesic-mix`` (the paper's mix measure, docs/maths.md §8.6 verbatim): max L(β₀⊙(1+2b)) −
+  L(β₀) over √2‖β₀⊙b‖ ≤ ρ, where β(1) is the polynomial continuation of the geodesic's β also
+  where 1 + 2b ≤ 0. At an interpolator it is ≈ (ρ²/n)λ_max(XᵀX) + O(ρ√L) for every model of a
+  draw, so only the final training residual can rank models of one draw. Being a convex quadratic
+  in δ, it is solved exactly (trust-region secular equation, :func:`mix_literal_exact`;
+  ``mix_literal="solver"`` uses the chosen solver, whose ~1e-6 relative error exceeds the O(ρ√L)
+  differences);
+* ``geodesic-mix-manifold`` (this project's own variant, not the paper's): the same over
   √2‖β₀⊙b‖ ≤ ρ and 1 + 2bⁱ ≥ 10⁻³, i.e. endpoints (u√(1+2b), v√(1+2b)) of geodesics that exist on
   the manifold;
-* ``geodesic-mix`` (diagnostic only): the same without the box, docs/maths.md §8.6 verbatim, where
-  β(1) is the polynomial continuation of the geodesic's β also where 1 + 2b ≤ 0. At an interpolator
-  it is ≈ ρ²λ_max(XᵀX/n) + O(ρ√L) for every model of a draw, so only the final training residual
-  can rank models of one draw; the report puts τ(geodesic-mix, training loss) beside it. Being a
-  convex quadratic in δ, it is solved exactly (trust-region secular equation,
-  :func:`mix_literal_exact`; ``mix_literal="solver"`` uses the chosen solver, whose ~1e-6
-  relative error exceeds the O(ρ√L) differences).
+* ``adaptive-alg1``, ``geodesic-inv-alg1``, ``geodesic-mix-alg1``: the same three objectives
+  maximised as the paper's Algorithm 1 does, one Auto-PGD run of ``alg1_iters`` (20) iterations
+  started at ξ = 0 (:func:`sharpness_apgd`, no restarts), at the main ρ only: the size of the
+  solver's noise against the exact maxima above.
+
+Stopping rule: the paper stops training at loss 1e-5; this study polishes to ``polish_loss``
+(1e-10) by default. ``polish_loss`` ≥ ``target_loss`` (``--polish-loss 1e-5``) skips polishing
+and measures the nets where the paper's rule stops them.
 
 In coordinates b (inv), δ = β₀⊙b (mix) and (δ_u/u, δ_v/v) (adaptive) each ball is a Euclidean
 ball (times √2), so the normalised Euclidean ascent there is the Riemannian one; the mix-manifold
@@ -72,11 +83,14 @@ from .runner import ExperimentError, check_parent_alive, keys_hash, load_checkpo
 
 NAME = "diagonal"
 PAPER_KEY = "diagonal"
-MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix-manifold", "geodesic-mix")
-MAIN = ("adaptive", "geodesic-inv", "geodesic-mix-manifold")  # the headline rows
-DIAGNOSTIC = ("geodesic-mix",)  # the literal §8.6 measure, shown beside τ with the training loss
+MAIN = ("adaptive", "geodesic-inv", "geodesic-mix")  # the paper's three measures: the headline
+OWN = ("geodesic-mix-manifold",)  # this project's sign-preserving mix variant, labelled as such
+#: the paper's Algorithm 1 (one 20-iteration Auto-PGD run from ξ = 0) on each MAIN objective
+ALG1 = tuple(f"{m}-alg1" for m in MAIN)
+MEASURES = MAIN + OWN + ALG1
 FAMILY = {"adaptive": "adaptive", "geodesic-inv": "inv", "geodesic-mix": "mix",
-          "geodesic-mix-manifold": "mix"}
+          "geodesic-mix-manifold": "mix", "adaptive-alg1": "adaptive",
+          "geodesic-inv-alg1": "inv", "geodesic-mix-alg1": "mix"}
 MIX_MARGIN = 1e-3
 
 
@@ -88,9 +102,9 @@ def defaults(quick: bool) -> Dict[str, Any]:
         phase_epochs_range=[5.0, 200.0], lr_decay=5.0,
         target_loss=1e-5, polish_loss=1e-10, polish_factor=0.5,
         max_steps=2_000_000, max_polish_steps=1_000_000, check_every=50,
-        rho=dict(adaptive=0.1, inv=0.1, mix=0.1), rho_sweep=[0.01, 0.03, 0.3, 3.0, 10.0],
+        rho=dict(adaptive=0.1, inv=0.1, mix=0.1), rho_sweep=[0.1, 10.0],
         measures=list(MEASURES), solver="pga", mix_literal="exact", restarts=8, pga_iters=600,
-        apgd_iters=100, models=50)
+        eigen_starts=3, apgd_iters=100, alg1_iters=20, models=50)
     if quick:
         c.update(draws=[0], alpha_range=[0.1, 0.3], phase_epochs_range=[2.0, 10.0],
                  restarts=3, pga_iters=60, apgd_iters=10, rho_sweep=[10.0], models=6)
@@ -363,23 +377,54 @@ def objective(measure: str, u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.n
     raise ValueError(f"unknown diagonal measure {measure!r}; valid: {', '.join(MEASURES)}")
 
 
+def top_curvature_directions(f: Callable, dim: int, k: int, *, iters: int = 60,
+                             eps: float = 1e-5, seed: int = 0) -> np.ndarray:
+    """(k, dim) orthonormal directions of the largest eigenvalues of the Hessian of f at 0, by
+    block power iteration on central-difference Hessian-vector products (H q ≈ (∇f(εq) −
+    ∇f(−εq))/2ε) and a final Rayleigh–Ritz step. Near an interpolator f is nearly the convex
+    quadratic ½zᵀHz, whose maximisers over a small ball lie along ±the top eigenvector: the
+    starts that random restarts can miss when two signs or two directions compete."""
+    rng = np.random.default_rng([seed, 11])
+    Q = np.linalg.qr(rng.standard_normal((dim, k)))[0]
+
+    def hvp(Q):
+        _, g = f(np.concatenate([eps * Q.T, -eps * Q.T]))
+        return ((g[:k] - g[k:]) / (2 * eps)).T
+
+    for _ in range(iters):
+        Q = np.linalg.qr(hvp(Q))[0]
+    w, V = np.linalg.eigh(Q.T @ hvp(Q))
+    return (Q @ V[:, ::-1]).T
+
+
 def pga(f: Callable, dim: int, radii: Sequence[float], *, restarts: int, iters: int, seed: int,
-        lower: Optional[np.ndarray] = None) -> np.ndarray:
+        lower: Optional[np.ndarray] = None, eigen_starts: int = 0) -> np.ndarray:
     """Max of f over the ball of each radius (and the box z ≥ lower): normalised projected gradient
     ascent, batched over radii × restarts (restart 0 starts at 0, the others at random points of
-    the ball), step r·100^{−t/T} (geometric decay), best value seen. Returns one max per radius."""
+    the ball), step r·100^{−t/T} (geometric decay), best value seen. ``eigen_starts`` = k adds 2k
+    starts per radius at ±r times the top k curvature directions of f at 0
+    (:func:`top_curvature_directions`), which random starts can miss. Returns one max per radius."""
     rng = np.random.default_rng(seed)
     K = len(radii)
     r = np.repeat(np.asarray(radii, dtype=float), restarts)[:, None]
     Z = rng.standard_normal((K * restarts, dim))
     Z *= r * rng.uniform(0.2, 1.0, size=(K * restarts, 1)) / np.linalg.norm(Z, axis=1, keepdims=True)
     Z[::restarts] = 0.0
+    per = restarts
+    if eigen_starts:
+        V = top_curvature_directions(f, dim, int(eigen_starts), seed=seed)
+        starts = np.concatenate([V, -V])  # 2k unit directions
+        per = restarts + starts.shape[0]
+        Z = np.concatenate([Z.reshape(K, restarts, dim),
+                            np.asarray(radii, dtype=float)[:, None, None] * starts[None]],
+                           axis=1).reshape(K * per, dim)
+        r = np.repeat(np.asarray(radii, dtype=float), per)[:, None]
 
     def proj(W):
         return _project_ball(W, r) if lower is None else _project_ball_box(W, r, lower[None, :])
 
     Z = proj(Z)
-    best = np.full(K * restarts, -np.inf)
+    best = np.full(K * per, -np.inf)
     for t in range(iters + 1):
         val, g = f(Z)
         best = np.maximum(best, np.where(np.isfinite(val), val, -np.inf))
@@ -388,7 +433,7 @@ def pga(f: Callable, dim: int, radii: Sequence[float], *, restarts: int, iters: 
         gn = np.linalg.norm(g, axis=1, keepdims=True)
         step = r * 100.0 ** (-t / max(1, iters))
         Z = proj(Z + step * g / np.maximum(gn, 1e-300))
-    return best.reshape(K, restarts).max(axis=1)
+    return best.reshape(K, per).max(axis=1)
 
 
 def mix_literal_exact(u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.ndarray,
@@ -516,19 +561,27 @@ def _apgd_classes():
 
 
 def measure_all(config: Dict[str, Any], u, v, X, y, seed: int) -> List[Dict[str, Any]]:
+    """Every measure of ``config["measures"]`` at its family's ρ and the sweep (the ``-alg1``
+    measures at the main ρ only): a list of {measure, rho, value} (and time_s once per measure)."""
     out = []
     for m in config["measures"]:
+        if m not in FAMILY:
+            raise ValueError(f"unknown diagonal measure {m!r}; valid: {', '.join(MEASURES)}")
         fam = FAMILY[m]
         base = config["rho"][fam]
-        rhos = [base] + [float(f"{base * s:.12g}") for s in config["rho_sweep"]
-                         if not math.isclose(base * s, base)]
+        rhos = [base] + ([] if m in ALG1 else [float(f"{base * s:.12g}") for s in config["rho_sweep"]
+                                               if not math.isclose(base * s, base)])
         t0 = time.perf_counter()
-        if m == "geodesic-mix" and config.get("mix_literal") == "exact":
+        if m in ALG1:  # the paper's Algorithm 1: one Auto-PGD run from ξ = 0, no restarts
+            vals = [sharpness_apgd(m[:-len("-alg1")], u, v, X, y, r, int(config["alg1_iters"]),
+                                   restarts=1, seed=seed) for r in rhos]
+        elif m == "geodesic-mix" and config.get("mix_literal") == "exact":
             vals = mix_literal_exact(u, v, X, y, rhos)
         elif config["solver"] == "pga":
             f, dim, factor, lower = objective(m, u, v, X, y)
             vals = pga(f, dim, [r * factor for r in rhos], restarts=config["restarts"],
-                       iters=config["pga_iters"], seed=seed, lower=lower)
+                       iters=config["pga_iters"], seed=seed, lower=lower,
+                       eigen_starts=config.get("eigen_starts", 0))
         else:
             vals = [sharpness_apgd(m, u, v, X, y, r, config["apgd_iters"],
                                    restarts=config["restarts"], seed=seed)
@@ -637,6 +690,11 @@ def add_arguments(p) -> None:
                    help=f"large-step phase in epochs {default('phase_epochs_range')}")
     g.add_argument("--lr-decay", type=positive_float, default=None,
                    help=f"step divisor after that phase {default('lr_decay')}")
+    g.add_argument("--polish-loss", type=positive_float, default=None,
+                   help=f"polish to this training loss {default('polish_loss')}; 1e-5 (the loss "
+                        "that ends training) measures the nets where the paper stops, unpolished")
+    g.add_argument("--alg1-iters", type=positive_int, default=None,
+                   help=f"iterations of the *-alg1 measures (Auto-PGD from 0) {default('alg1_iters')}")
 
 
 def run(args, log: Callable[[str], None] = log_line) -> int:
@@ -645,7 +703,8 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
     if args.seed is not None:
         config["seed"] = args.seed
     for key in ("d", "n", "k", "draws", "restarts", "pga_iters", "apgd_iters", "solver",
-                "mix_literal", "alpha_range", "lr_factor_range", "phase_epochs_range", "lr_decay"):
+                "mix_literal", "alpha_range", "lr_factor_range", "phase_epochs_range", "lr_decay",
+                "polish_loss", "alg1_iters"):
         v = getattr(args, key)
         if v is not None:
             config[key] = v

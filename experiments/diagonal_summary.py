@@ -17,8 +17,8 @@ from .reporting import (PAIRED_N_BOOT, PAIRED_SEED, PAPER, closing_sections, fig
                         finish_span, fmt_rho, measures_of, metric_ranges, paired_section, rhos_of, value_of,
                         write_summary)
 from .runner import display_path
-from .stats import (TauResult, dummies, partial_tau_with_ci, r_squared, tau_ci_weighted, tau_with_ci,
-                    within_partial_tau_with_ci, within_tau_with_ci)
+from .stats import (TauResult, dummies, kendall_tau_b, paired_delta_tau, partial_tau_with_ci, r_squared,
+                    tau_ci_weighted, tau_with_ci, within_partial_tau_with_ci, within_tau_with_ci)
 from .studies import STUDY
 
 
@@ -35,8 +35,9 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
     used = [r for r in records if r["model_id"] not in exclude]
     present = measures_of(used)
     main = [m for m in spec.MAIN if m in present]
-    diag = [m for m in spec.DIAGNOSTIC if m in present]
-    rho = {m: float(config["rho"][spec.FAMILY[m]]) for m in main + diag}
+    own = [m for m in spec.OWN if m in present]
+    alg1 = [m for m in spec.ALG1 if m in present]
+    rho = {m: float(config["rho"][spec.FAMILY[m]]) for m in main + own + alg1}
     draws = sorted({r["hparams"]["data_seed"] for r in used})
     lines = _diagonal_header(out_dir, config_hash, records, used, draws, exclude, wall_s, n_boot,
                              source)
@@ -50,9 +51,12 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
         lines.append("Fewer than 3 models: no correlations yet.")
         write_summary(out_dir, lines, summary)
         return summary
-    d = _DiagonalColumns(used, main, diag, rho, n_boot)
+    d = _DiagonalColumns(used, main, own, rho, n_boot)
     headline, partial_rows = _diagonal_headline(d, summary)
     lines += headline
+    lines += _paper_posed_section(d, alg1, summary)
+    lines += _identity_section(d, summary)
+    lines += _mix_constant_section(d, config, spec, summary)
     columns = {m: d.xs(m, rho[m]) for m in d.measures}
     lines += paired_section(d.y, [
         ("pooled", "whole data draws resampled", {"clusters": d.groups}, columns),
@@ -65,7 +69,8 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
               "| measure | ρ | given α: pooled | given α: within draws | given α: per draw | "
               "given c: pooled | given c: within draws | given c: per draw |",
               "|---|---|---|---|---|---|---|---|"] + partial_rows + [""]
-    lines += _diagonal_train_loss_section(d, config.get("polish_loss", float("nan")), summary)
+    lines += _diagonal_train_loss_section(
+        d, min(config.get("polish_loss", math.inf), config.get("target_loss", math.inf)), summary)
     lines += _diagonal_per_draw_section(d, summary)
     lines += _diagonal_sweep_section(d, summary, os.path.join(out_dir, "fig_rho_sweep.png"))
     lines += _diagonal_r2_section(used, draws, summary)
@@ -96,12 +101,17 @@ def diagonal_notes(config: Dict[str, Any]) -> List[str]:
         f"{c['batch_choices']}; step c·η_stab (stability limit at the interpolator) with c "
         f"log-uniform in {c['lr_factor_range']}; large-step phase of E epochs, E log-uniform in "
         f"{c['phase_epochs_range']}, then the step / {c['lr_decay']:g} until L ≤ "
-        f"{c['target_loss']:g}; then full-batch GD at {c['polish_factor']:g} × its local "
-        f"stability limit until L ≤ {c['polish_loss']:g}.",
-        f"Sharpness: solver {c['solver']} ({solver}); geodesic-mix-manifold keeps 1 + 2b ≥ 1e-3 "
-        "(endpoints of geodesics that exist), geodesic-mix is docs/maths.md §8.6 verbatim "
-        "(polynomial continuation)"
-        + (", solved exactly (trust region)." if c.get("mix_literal") == "exact" else "."),
+        f"{c['target_loss']:g}" + (
+            f"; then full-batch GD at {c['polish_factor']:g} × its local stability limit until "
+            f"L ≤ {c['polish_loss']:g}." if c["polish_loss"] < c["target_loss"] else
+            " (the paper's stopping rule; no polishing)."),
+        f"Sharpness: solver {c['solver']} ({solver}); geodesic-mix is the paper's measure, "
+        "docs/maths.md §8.6 verbatim (polynomial continuation)"
+        + (", solved exactly (trust region)" if c.get("mix_literal") == "exact" else "")
+        + "; geodesic-mix-manifold (this project's variant) keeps 1 + 2b ≥ 1e-3 (endpoints of "
+        "geodesics that exist)"
+        + (f"; the *-alg1 measures: one auto_pgd run of {c['alg1_iters']} iterations from ξ = 0 "
+           "(the paper's Algorithm 1) at the main ρ." if c.get("alg1_iters") else "."),
         "Protocol and reasons: experiments/diagonal.py (module docstring), experiments/README.md.",
     ]
 
@@ -157,7 +167,7 @@ def _diagonal_headline(d: _DiagonalColumns, summary: Dict[str, Any]
     the rows of the partial-τ table (given α, given the step factor), both filled per measure."""
     paper = PAPER["diagonal"]
     paper_of = {"adaptive": paper["adaptive"], "geodesic-inv": paper["geodesic-inv"],
-                "geodesic-mix-manifold": paper["geodesic-mix"]}
+                "geodesic-mix": paper["geodesic-mix"]}
     y, groups, n_boot = d.y, d.groups, d.n_boot
     lines = ["## Headline: τ(sharpness, test loss) (paper Table 1 row: Diagonal nets)", "",
              "| measure | ρ | pooled τ [95% CI] | pooled τ, CI with draws resampled whole | "
@@ -180,7 +190,7 @@ def _diagonal_headline(d: _DiagonalColumns, summary: Dict[str, Any]
                 per[s].as_dict(), partial_alpha=pa_s, partial_step=ps_s)
         d.taus[(m, d.rho[m])] = t
         ref = paper_of.get(m)
-        label = m if m in d.main else f"{m} (diagnostic)"
+        label = m if m in d.main else f"{m} (this project's variant)"
         lines.append(f"| {label} | {fmt_rho(d.rho[m])} | {t.fmt()} | {tc.fmt()} | {w.fmt()} | "
                      f"{_rng_fmt([p.tau_b for p in per.values()])} | "
                      f"{'' if ref is None else f'{ref:+.2f}'} |")
@@ -196,12 +206,156 @@ def _diagonal_headline(d: _DiagonalColumns, summary: Dict[str, Any]
             summary[f"partial_{key}_within_draw"][m] = pw.as_dict()
             cells += [pp.fmt(), pw.fmt(), _rng_fmt(pd)]
         partial_rows.append(f"| {label} | {fmt_rho(d.rho[m])} | " + " | ".join(cells) + " |")
-    lines += ["", "The paper's mix value stands beside `geodesic-mix-manifold` (geodesics that "
-              "exist on the manifold); the literal `geodesic-mix` is a diagnostic, see below. "
-              f"The clustered CI resamples the {len(d.draws)} draws ({PAIRED_N_BOOT} resamples, "
+    lines += ["", "`geodesic-mix` is the paper's mix measure (docs/maths.md §8.6 verbatim: the "
+              "polynomial continuation β₀⊙(1 + 2b) of the geodesic's β); the paper's mix value "
+              "stands beside it. `geodesic-mix-manifold` is this project's own variant, not the "
+              "paper's: it keeps 1 + 2b ≥ 1e-3, the endpoints of geodesics that exist on the "
+              "manifold. The paper reports one data draw: its comparable numbers are the per-draw "
+              f"τ's (next section), not the pooled ones. The clustered CI resamples the {len(d.draws)} draws ({PAIRED_N_BOOT} resamples, "
               f"seed {PAIRED_SEED}): with this few clusters it is coarse, but resampling nets as "
               "if independent understates the spread between draws.", ""]
     return lines, partial_rows
+
+
+def _paper_posed_section(d: _DiagonalColumns, alg1: Sequence[str], summary: Dict[str, Any]
+                         ) -> List[str]:
+    """The study as the paper poses it: τ of the paper's three measures one data draw at a time
+    (the paper reports one draw), maximised exactly and by the paper's Algorithm 1 (one Auto-PGD
+    run of a few iterations from ξ = 0), with Δτ(inv − adaptive) of each solver, beside the
+    paper's single-draw values."""
+    paper = PAPER["diagonal"]
+    solvers = [("exact", list(d.main))]
+    if alg1:
+        solvers.append(("alg1", [f"{m}-alg1" for m in d.main]))
+    pairs = {name: (ms[d.main.index("geodesic-inv")], ms[d.main.index("adaptive")])
+             for name, ms in solvers if "geodesic-inv" in d.main and "adaptive" in d.main}
+    per_draw: Dict[str, Dict[str, Any]] = {}
+    header = ["draw", "models"]
+    for name, ms in solvers:
+        header += [f"{m.replace('-alg1', '')} ({_SOLVER_LABEL[name]})" for m in ms]
+        if name in pairs:
+            header.append(f"Δτ inv − adaptive ({_SOLVER_LABEL[name]})")
+    lines = ["## As the paper poses it: τ per data draw, exact maximum and Algorithm 1", "",
+             "The paper reports one data draw, so its numbers compare with the τ of one draw "
+             "(rows), not with the pooled τ. *exact*: the maximum over the ball (restarted PGA; "
+             "the paper's mix, a trust-region problem, in closed form). *Alg. 1*: one run of the "
+             "paper's Algorithm 1 (Auto-PGD, started at ξ = 0, "
+             f"{_alg1_iters(d)} iterations, no restarts) on the same objective, at the same ρ: "
+             "what a short ascent reports (20 iterations is the default of Andriushchenko et "
+             "al.'s code, which the paper's Algorithm 1 modifies). Δτ = τ(geodesic-inv) − "
+             "τ(adaptive) on the same nets.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for s in d.draws:
+        k = d.groups == s
+        cells, row = [], {}
+        for name, ms in solvers:
+            for m in ms:
+                row[m] = kendall_tau_b(d.xs(m, d.rho[m])[k], d.y[k])
+                cells.append(_num(row[m]))
+            if name in pairs:
+                a, b = pairs[name]
+                row[f"delta_{name}"] = row[a] - row[b]
+                cells.append(_num(row[f"delta_{name}"]))
+        per_draw[str(s)] = row
+        lines.append(f"| {s} | {int(k.sum())} | " + " | ".join(cells) + " |")
+    # the paper's diagonal values come from restarted PGA (docs/maths.md §8.6): the exact columns
+    paper_cells = [f"{paper[m]:+.2f}" for m in solvers[0][1]]
+    if "exact" in pairs:
+        paper_cells.append(f"{paper['geodesic-inv'] - paper['adaptive']:+.2f}")
+    paper_cells += [""] * (len(header) - 2 - len(paper_cells))
+    lines.append("| paper (one draw) | 50 | " + " | ".join(paper_cells) + " |")
+    within: Dict[str, Any] = {}
+    for name, (a, b) in pairs.items():
+        r = paired_delta_tau(d.xs(a, d.rho[a]), d.xs(b, d.rho[b]), d.y, n_boot=PAIRED_N_BOOT,
+                             seed=PAIRED_SEED, strata=d.groups, within=True)
+        within[name] = r.as_dict()
+    summary["paper_posed"] = {"per_draw": per_draw, "within_draw_delta": within,
+                              "alg1_iters": _alg1_iters(d),
+                              "paper": {m: paper[m] for m in d.main}}
+    if within:
+        lines += ["", "Within draws, Δτ(inv − adaptive) with a paired 95 % CI (nets resampled "
+                  f"within draws, {PAIRED_N_BOOT} resamples, seed {PAIRED_SEED}): "
+                  + "; ".join(f"{_SOLVER_LABEL[n]} {_delta_fmt(v)}" for n, v in within.items())
+                  + "."]
+    return lines + [""]
+
+
+_SOLVER_LABEL = {"exact": "exact", "alg1": "Alg. 1"}
+
+
+def _alg1_iters(d: _DiagonalColumns) -> Any:
+    return d.used[0].get("study_config", {}).get("alg1_iters", "n/a")
+
+
+def _delta_fmt(v: Dict[str, Any]) -> str:
+    return (f"{v['delta']:+.3f} [{v['ci_low']:+.3f}, {v['ci_high']:+.3f}]"
+            if math.isfinite(v["delta"]) else "n/a")
+
+
+def _identity_section(d: _DiagonalColumns, summary: Dict[str, Any]) -> List[str]:
+    """Adaptive and geodesic-inv maximise one objective, L(β₀⊙e^{2s}) − L(β₀), over the balls
+    Σ(e^{sⁱ} − 1)² ≤ ρ²/2 and Σ sⁱ² ≤ ρ²/2: the per-net ratio inv / adaptive and Δτ(inv −
+    adaptive) at every ρ both were measured at."""
+    if not {"adaptive", "geodesic-inv"} <= set(d.main):
+        return []
+    rows = []
+    lines = ["## Adaptive and geodesic-inv: one objective, two balls", "",
+             "With s = log((u + δ_u)/u) = log((v + δ_v)/v), adaptive sharpness maximises "
+             "L(β₀⊙e^{2s}) − L(β₀) over Σ(e^{sⁱ} − 1)² ≤ ρ²/2 (the cheapest (δ_u, δ_v) for a given "
+             "product scales u and v alike), geodesic-inv the same objective over Σ sⁱ² ≤ ρ²/2. "
+             "The balls agree to first order, so the exact maxima (O(ρ²)) agree up to O(ρ³): at "
+             "small ρ the ratio inv / adaptive is nearly the same for every net and the two "
+             "measures rank the nets alike. Δτ = τ(geodesic-inv) − τ(adaptive), point values.", "",
+             "| ρ | inv / adaptive per net (min … max) | Δτ pooled | Δτ within draws | "
+             "Δτ per draw (min … max) |", "|---|---|---|---|---|"]
+    for r_ in rhos_of(d.used, "adaptive"):
+        if not any(math.isclose(r_, x, rel_tol=1e-9) for x in rhos_of(d.used, "geodesic-inv")):
+            continue
+        xa, xi = d.xs("adaptive", r_), d.xs("geodesic-inv", r_)
+        ok = np.isfinite(xa) & np.isfinite(xi) & (xa > 0)
+        ratio = xi[ok] / xa[ok]
+        pooled = kendall_tau_b(xi, d.y) - kendall_tau_b(xa, d.y)
+        within = (within_tau_with_ci(xi, d.y, d.groups, n_boot=1).tau_b
+                  - within_tau_with_ci(xa, d.y, d.groups, n_boot=1).tau_b)
+        per = {str(s): kendall_tau_b(xi[d.groups == s], d.y[d.groups == s])
+               - kendall_tau_b(xa[d.groups == s], d.y[d.groups == s]) for s in d.draws}
+        rows.append({"rho": r_, "ratio_min": float(ratio.min()), "ratio_max": float(ratio.max()),
+                     "delta_pooled": pooled, "delta_within_draw": within, "delta_per_draw": per})
+        lines.append(f"| {fmt_rho(r_)} | {ratio.min():.4f} … {ratio.max():.4f} | {pooled:+.3f} | "
+                     f"{within:+.3f} | {min(per.values()):+.3f} … {max(per.values()):+.3f} |")
+    summary["identity"] = rows
+    return lines + [""]
+
+
+def _mix_constant_section(d: _DiagonalColumns, config: Dict[str, Any], spec,
+                          summary: Dict[str, Any]) -> List[str]:
+    """The paper's mix measure at an interpolator: L(β₀ + 2δ) − L(β₀) = 2gᵀδ + (2/n)δᵀXᵀXδ with
+    g = Xᵀr/n, whose maximum over ‖δ‖ ≤ ρ/√2 is (ρ²/n)λ_max(XᵀX) when r = 0: a constant of the
+    data draw. Per draw: that constant and each net's value divided by it."""
+    if "geodesic-mix" not in d.main:
+        return []
+    rho = d.rho["geodesic-mix"]
+    x = d.xs("geodesic-mix", rho)
+    rows = {}
+    lines = ["## The paper's mix measure is a constant of the data", "",
+             "At an interpolator (training residual r = 0) L(β₀ + 2δ) − L(β₀) = (2/n)δᵀXᵀXδ, whose "
+             "maximum over ‖δ‖ ≤ ρ/√2 is (ρ²/n)λ_max(XᵀX) for every net of a draw: the paper's "
+             "mix measure sees the data, not the net. Only the leftover residual, through "
+             "2gᵀδ with g = Xᵀr/n, separates the nets of one draw (τ with the training loss: "
+             "section \"Diagnostic\" below).", "",
+             f"| draw | (ρ²/n)λ_max(XᵀX) at ρ = {fmt_rho(rho)} | geodesic-mix / it, per net "
+             "(min … max) | final training loss (min … max) |", "|---|---|---|---|"]
+    for s in d.draws:
+        X = spec.make_data(config, s)[0]
+        const = rho * rho / X.shape[0] * float(np.linalg.eigvalsh(X.T @ X).max())
+        k = d.groups == s
+        ratio = x[k] / const
+        rows[str(s)] = {"constant": const, "ratio_min": float(np.nanmin(ratio)),
+                        "ratio_max": float(np.nanmax(ratio))}
+        lines.append(f"| {s} | {const:.6g} | {np.nanmin(ratio):.6f} … {np.nanmax(ratio):.6f} | "
+                     f"{d.ltrain[k].min():.2g} … {d.ltrain[k].max():.2g} |")
+    summary["mix_constant"] = {"rho": rho, "per_draw": rows}
+    return lines + [""]
 
 
 def _diagonal_train_loss_section(d: _DiagonalColumns, polish_loss: float,
@@ -210,7 +364,7 @@ def _diagonal_train_loss_section(d: _DiagonalColumns, polish_loss: float,
     loss and with α."""
     ltrain, groups, n_boot = d.ltrain, d.groups, d.n_boot
     lines = ["## Diagnostic: τ with the final training loss", "",
-             "Every model is polished to L ≤ "
+             "Every model ends at L ≤ "
              f"{polish_loss:g}; what is left of the training residual "
              "should not rank sharpness. At an interpolator the literal geodesic-mix is "
              "ρ²λ_max(XᵀX/n) + O(ρ√L) for every model of a draw: within a draw only the residual "

@@ -22,7 +22,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 #: (study, module, defaults) -> (config hash, model 0's training hash or None, pretraining hash)
 PINNED = {
-    "diagonal": ("diagonal", lambda: diagonal.defaults(False), "680bfd9ab834e02a", "f0ca0cb64ed7e153"),
+    "diagonal": ("diagonal", lambda: diagonal.defaults(False), "a1179ea6d1e3cd02", "f0ca0cb64ed7e153"),
     "text-small": ("text", lambda: text.defaults(False, False, "small"), "1d2165b29c76c08a",
                    "6513046ee6ddcecc"),
     "text-paper-seeds": ("text", lambda: text.defaults(False, False, "paper", "seeds"),
