@@ -175,6 +175,48 @@ class GLFrame:
             return F_H, F_G, two
         return pencil_basis(F_H, self.gram_G, F_G, self.gram_H)
 
+    @functools.cached_property
+    def christoffel_weights(self) -> Tensor:
+        """The stacked h×h weights K of :meth:`GLMetric.christoffel_coefficients
+        <quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients>`."""
+        return self.gl_metric.christoffel_weights(self)
+
+    # ------------------------------------------------------------------ blockwise products
+    def _blocks(self, u: Tensor) -> Tensor:
+        """u = [u_G; u_H] as a ``(..., 2, n, h)`` view (n = m only)."""
+        return u.unflatten(-2, (2, self.geometry.n))
+
+    def block_grams(self, a: Tensor, b: Tensor) -> Tensor:
+        """(a_Gᵀb_G, a_Hᵀb_H) stacked as ``(..., 2, h, h)``: one batched product when n = m."""
+        if self.geometry.n == self.geometry.m:
+            return self._blocks(a).mT @ self._blocks(b)
+        (aG, aH), (bG, bH) = self._split(a), self._split(b)
+        return torch.stack((aG.mT @ bG, aH.mT @ bH), dim=-3)
+
+    def block_combination(self, *terms: Tuple[Tensor, Tensor]) -> Tensor:
+        """Σᵢ [aᵢ_G Cᵢ_G; aᵢ_H Cᵢ_H] for pairs (aᵢ, Cᵢ), aᵢ of the layout of x and Cᵢ stacked h×h
+        blocks ``(..., 2, h, h)``: one batched product per term when n = m, accumulated in place
+        (no n×h temporary per term) where the batch shapes agree."""
+        if self.geometry.n != self.geometry.m:
+            parts = []
+            for block in (0, 1):
+                products = [self._split(a)[block] @ C[..., block, :, :] for a, C in terms]
+                parts.append(functools.reduce(torch.add, products))
+            return self._pack(*parts)
+        (a0, C0), rest = terms[0], terms[1:]
+        out = self._blocks(a0) @ C0
+        for a, C in rest:
+            ab = self._blocks(a)
+            if ab.shape[:-2] == out.shape[:-2] and C.shape[:-2] == out.shape[:-2]:
+                out.flatten(0, -3).baddbmm_(ab.flatten(0, -3), C.flatten(0, -3))
+            else:
+                out = out + ab @ C
+        return out.flatten(-3, -2)
+
+    def _retraction_grams(self, uc: Tensor) -> Tuple[Tensor, Tensor]:
+        """(S, W) = (sym(Aᵀu_A), u_Aᵀu_A) per block A, the inputs of the Christoffel coefficients."""
+        return sym(self.block_grams(self.x, uc)), self.block_grams(uc, uc)
+
     # ------------------------------------------------------------------ helpers
     def _split(self, u: Tensor) -> Tuple[Tensor, Tensor]:
         n = self.geometry.n
@@ -291,8 +333,12 @@ class GLFrame:
         Geodesics satisfy :math:`\ddot\gamma + \Gamma(\dot\gamma, \dot\gamma) = 0`, and the
         connection is :math:`\nabla_u v = Dv[u] + \Gamma(u, v)`.
         """
-        uG, uH = self._split(self._in(u))
-        vG, vH = (None, None) if v is None else self._split(self._in(v))
+        uc = self._in(u)
+        if v is None:  # Γ(u, u) = [G C_G + u_G D_G; H C_H + u_H D_H]: four products per block
+            C, D = self.gl_metric.christoffel_coefficients(self, *self._retraction_grams(uc))
+            return self._out(self.block_combination((self.x, C), (uc, D)), u)
+        uG, uH = self._split(uc)
+        vG, vH = self._split(self._in(v))
         return self._out(self._pack(*self.gl_metric.christoffel(self, uG, uH, vG, vH)), u)
 
     # ------------------------------------------------------------------ retractions
@@ -308,16 +354,99 @@ class GLFrame:
           :func:`integrate_geodesic`; ``exact_steps`` overrides the geometry's number of RK4 steps).
 
         All three are equivariant under the group action.
+
+        The second-order step is computed as [G(I − ½C_G) + u_G(I − ½D_G); H(…)] from the
+        Christoffel coefficients (:meth:`GLMetric.christoffel_coefficients
+        <quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients>`). When u requires a
+        gradient and the point does not (the sharpness engine's case), its backward is the
+        closed-form vector–Jacobian product :func:`second_order_retraction_vjp` (exact, and
+        differentiable again when a double backward asks for it); otherwise autograd records the
+        forward.
         """
         method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
+        if method == "second_order":
+            out_dtype = torch.promote_types(self.dtype, u.dtype)
+            if torch.is_grad_enabled() and u.requires_grad and not self.x.requires_grad:
+                self._in(u)  # shape check
+                return _SecondOrderRetraction.apply(u, self, out_dtype)
+            return self._second_order(self._in(u)).to(out_dtype)
         uc = self._in(u)
         if method == "first_order":
             y = self.x + uc
-        elif method == "second_order":
-            y = self.x + uc - 0.5 * self.christoffel(uc)
         else:
             y, _ = self.geometry.integrate_geodesic(self.x, uc, steps=exact_steps)
         return y.to(torch.promote_types(self.dtype, u.dtype))
+
+
+    def _second_order(self, uc: Tensor, grams: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+        """x + u − ½Γ(u, u) for u in the compute dtype (``grams``: (S, W) if already computed)."""
+        C, D = self.gl_metric.christoffel_coefficients(self, *(grams or self._retraction_grams(uc)))
+        return self.block_combination((self.x, self.eye - 0.5 * C), (uc, self.eye - 0.5 * D))
+
+
+def second_order_retraction_vjp(frame: GLFrame, u: Tensor, y_bar: Tensor,
+                                D: Optional[Tensor] = None) -> Tensor:
+    r"""The vector–Jacobian product ū = (∂y/∂u)ᵀ ȳ of the second-order retraction
+    y = x + u − ½Γ_x(u, u) at a fixed point x, in the compute dtype of ``frame``.
+
+    With Γ_A(u, u) = A C_A + u_A D_A per block A ∈ {G, H} (C, D linear in S_A = sym(Aᵀu_A) and
+    W_A = u_Aᵀu_A, :meth:`~quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients`),
+    y_A = A(I − ½C_A) + u_A(I − ½D_A), and for R_A = Aᵀȳ_A, T_A = u_Aᵀȳ_A
+
+    .. math::
+
+        \langle ar y, \delta y
+angle = \langle ar y_A (I - 	frac12 D_A)^	op, \delta u_A
+angle
+            - 	frac12\langle R, \delta C
+angle - 	frac12\langle T, \delta D
+angle ,
+
+    so with (Z_S, Z_W) the adjoint of (S, W) ↦ (C, D) applied to (−½R, −½T)
+    (:meth:`~quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients_adjoint`),
+    δS_A = sym(Aᵀδu_A) and δW_A = δu_Aᵀu_A + u_Aᵀδu_A:
+
+    .. math::
+
+        ar u_A = ar y_A (I - 	frac12 D_A)^	op + A\,\operatorname{sym}(Z_{S,A})
+                   + 2 u_A \operatorname{sym}(Z_{W,A}).
+
+    Five batched products (two Gram reductions, three updates) per pair of blocks, against the
+    four of the forward. ``D``: the coefficient D of the forward, if kept.
+    """
+    uc, yc = u.to(frame.cdtype), y_bar.to(frame.cdtype)
+    if D is None:
+        _, D = frame.gl_metric.christoffel_coefficients(frame, *frame._retraction_grams(uc))
+    R, T = frame.block_grams(frame.x, yc), frame.block_grams(uc, yc)
+    ZS, ZW = frame.gl_metric.christoffel_coefficients_adjoint(frame, -0.5 * R, -0.5 * T)
+    return frame.block_combination((yc, (frame.eye - 0.5 * D).mT), (frame.x, sym(ZS)),
+                                   (uc, 2 * sym(ZW)))
+
+
+class _SecondOrderRetraction(torch.autograd.Function):
+    """y = x + u − ½Γ_x(u, u) with x fixed, differentiable in u by the closed form of
+    :func:`second_order_retraction_vjp` (autograd through the forward holds its float64
+    intermediates of size n×h until the backward and costs about 1.7× the forward)."""
+
+    @staticmethod
+    def forward(ctx, u: Tensor, frame: GLFrame, out_dtype: torch.dtype) -> Tensor:
+        uc = u.to(frame.cdtype)
+        grams = frame._retraction_grams(uc)
+        ctx.frame = frame
+        ctx.coefficient_D = frame.gl_metric.christoffel_coefficients(frame, *grams)[1]
+        ctx.save_for_backward(u)
+        return frame._second_order(uc, grams).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, y_bar: Tensor):
+        (u,) = ctx.saved_tensors
+        # under create_graph the coefficients are recomputed from u, so that the double backward
+        # sees their dependence on u
+        D = None if torch.is_grad_enabled() else ctx.coefficient_D
+        u_bar = second_order_retraction_vjp(ctx.frame, u, y_bar, D)
+        if u_bar.shape != u.shape:  # u was broadcast against the point's batch dimensions
+            u_bar = u_bar.sum_to_size(u.shape)
+        return u_bar.to(u.dtype), None, None
 
 
 class GLQuotientGeometry:
