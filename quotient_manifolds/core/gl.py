@@ -218,20 +218,33 @@ class GLFrame:
         return sym(self.block_grams(self.x, uc)), self.block_grams(uc, uc)
 
     # ------------------------------------------------------------------ helpers
-    def _split(self, u: Tensor) -> Tuple[Tensor, Tensor]:
-        n = self.geometry.n
-        return u[..., :n, :], u[..., n:, :]
+    # A tangent vector is one stacked tensor [u_G; u_H], or (for inner, norm, project and
+    # egrad2rgrad) the pair (u_G, u_H) of its blocks, answered in the same form: the pymanopt face
+    # passes its pairs of arrays without concatenating them.
+    def _split(self, u: "Tensor | Tuple[Tensor, Tensor]") -> Tuple[Tensor, Tensor]:
+        if isinstance(u, tuple):
+            return u
+        return u.split((self.geometry.n, self.geometry.m), dim=-2)  # one call, not two slicings
 
     def _pack(self, uG: Tensor, uH: Tensor) -> Tensor:
         return torch.cat((uG, uH), dim=-2)
 
-    def _in(self, u: Tensor) -> Tensor:
+    def _pack_like(self, uG: Tensor, uH: Tensor, like) -> "Tensor | Tuple[Tensor, Tensor]":
+        """[u_G; u_H], or the pair (u_G, u_H) when ``like`` is a pair."""
+        return (uG, uH) if isinstance(like, tuple) else self._pack(uG, uH)
+
+    def _in(self, u):
+        if isinstance(u, tuple):
+            return tuple(part.to(self.cdtype) for part in u)
         if u.shape[-2:] != self.x.shape[-2:]:
             self.geometry.check_shape(u.shape, "tangent vector")
         return u.to(self.cdtype)
 
-    def _out(self, y: Tensor, like: Tensor) -> Tensor:
-        return y.to(like.dtype)
+    def _out(self, y, like):
+        if isinstance(y, tuple):
+            dtype = like[0].dtype if isinstance(like, tuple) else like.dtype
+            return tuple(part.to(dtype) for part in y)
+        return y.to(like[0].dtype if isinstance(like, tuple) else like.dtype)
 
     # ------------------------------------------------------------------ metric
     def inner(self, u: Tensor, v: Optional[Tensor] = None, *, keepdim: bool = False) -> Tensor:
@@ -244,7 +257,9 @@ class GLFrame:
         out = ((uG @ M_G) * vG).sum((-1, -2)) + ((uH @ M_H) * vH).sum((-1, -2))
         if keepdim:
             out = out[..., None, None]
-        return out.to(torch.result_type(u, u if v is None else v))
+        first = u[0] if isinstance(u, tuple) else u
+        second = first if v is None else (v[0] if isinstance(v, tuple) else v)
+        return out.to(torch.result_type(first, second))
 
     def norm(self, u: Tensor, *, keepdim: bool = False) -> Tensor:
         """‖u‖_x = √g_x(u, u)."""
@@ -277,7 +292,7 @@ class GLFrame:
         uc = self._in(u)
         lam = self.vertical_generator(uc)
         uG, uH = self._split(uc)
-        return self._out(self._pack(uG - self.G @ lam, uH + self.H @ lam.mT), u)
+        return self._out(self._pack_like(uG - self.G @ lam, uH + self.H @ lam.mT, u), u)
 
     def horizontal_residual(self, u: Tensor) -> Tensor:
         """Relative residual of the horizontal equations (0 for horizontal u; docs/maths.md §3.1).
@@ -303,7 +318,7 @@ class GLFrame:
         """
         gG, gH = self._split(self._in(egrad))
         N_G, N_H = self.inverse_metric_weights
-        return self.project(self._out(self._pack(gG @ N_G, gH @ N_H), egrad))
+        return self.project(self._out(self._pack_like(gG @ N_G, gH @ N_H, egrad), egrad))
 
     def ehess2rhess(self, egrad: Tensor, ehess: Tensor, u: Tensor) -> Tensor:
         """Riemannian Hessian P_h(D rgrad[u] + Γ(rgrad, u)) of the quotient, u horizontal.
