@@ -70,6 +70,10 @@ class Reached(Exception):
     """The target error on all entries was reached (ends an optimizer's run from inside its cost)."""
 
 
+class OutOfBudget(Exception):
+    """The CPU budget is spent (pymanopt's own ``max_time`` counts wall time, not CPU time)."""
+
+
 class Completion:
     """The sparse completion problem and its cost, gradient and Hessian on factors (G, H)."""
 
@@ -90,6 +94,8 @@ class Completion:
         indptr = np.concatenate(([0], np.cumsum(np.bincount(self.I, minlength=n))))
         self.R = sp.csr_matrix((np.zeros(k), self.J, indptr), shape=(n, m))
         self.RT = self.R.T.tocsr()
+        self.dR, self.dRT = self.R.copy(), self.RT.copy()
+        self._memo = None
         self._to_RT = np.argsort(self.J, kind="stable")       # CSR order of Rᵀ's entries
         self.norm_vals = float(np.linalg.norm(self.vals))
         self.norm_target = math.sqrt(float(np.sum((self.Gt.T @ self.Gt) * (self.Ht.T @ self.Ht))))
@@ -107,26 +113,35 @@ class Completion:
     def residual(self, G, H):
         return self._pairs(G, H) - self.vals
 
-    def _sparse(self, res):
-        self.R.data[:] = res
-        self.RT.data[:] = res[self._to_RT]
-        return self.R, self.RT
+    def _sparse(self, res, R, RT):
+        R.data[:] = res
+        RT.data[:] = res[self._to_RT]
+        return R, RT
 
     def cost(self, G, H):
         res = self.residual(G, H)
         return 0.5 * float(res @ res)
 
+    def _at(self, G, H):
+        """(R, Rᵀ) at (G, H), kept for the next call at the same point: pymanopt asks for the
+        gradient again in every Hessian-vector product."""
+        memo = self._memo
+        if not (memo and memo[0] is G and memo[1] is H and np.array_equal(G, memo[2])
+                and np.array_equal(H, memo[3])):
+            self._sparse(self.residual(G, H), self.R, self.RT)
+            memo = self._memo = (G, H, G.copy(), H.copy(), self.R @ H, self.RT @ G)
+        return memo
+
     def gradient(self, G, H):
-        R, RT = self._sparse(self.residual(G, H))
-        return R @ H, RT @ G
+        *_, gG, gH = self._at(G, H)
+        return gG.copy(), gH.copy()
 
     def hessian(self, G, H, dG, dH):
-        """D(gradient)[dG, dH]."""
-        R, RT = self._sparse(self.residual(G, H))
-        RH, RTG = R @ dH, RT @ dG
-        dres = self._pairs(dG, H) + self._pairs(G, dH)
-        dR, dRT = self._sparse(dres)
-        return dR @ H + RH, dRT @ G + RTG
+        """D(gradient)[dG, dH] = (R dH + dR H, Rᵀ dG + dRᵀ G), dR the sparse matrix of
+        ⟨dG_i, H_j⟩ + ⟨G_i, dH_j⟩ on Ω."""
+        self._at(G, H)
+        dR, dRT = self._sparse(self._pairs(dG, H) + self._pairs(G, dH), self.dR, self.dRT)
+        return dR @ H + self.R @ dH, dRT @ G + self.RT @ dG
 
     def error(self, G, H, rows=2000):
         """‖G Hᵀ − A‖_F / ‖A‖_F on all entries, in row chunks."""
@@ -153,6 +168,8 @@ class Monitor:
 
     def seen(self, G, H, cost):
         self.evaluations += 1
+        if self.out_of_time():
+            raise OutOfBudget()
         if cost < self.best_cost:
             self.best_cost, self.best = cost, (np.array(G, copy=True), np.array(H, copy=True))
         if math.sqrt(2 * cost) / self.p.norm_vals <= CHECK_BELOW:
@@ -226,7 +243,7 @@ def run_pymanopt(problem: Completion, method: str, budget: float):
         x0 = (p.G0.copy(), p.H0.copy())
         problem_ = pymanopt.Problem(M, cost, euclidean_gradient=egrad,
                                     euclidean_hessian=ehess if method.endswith("tr") else None)
-    stop = dict(max_time=budget, max_iterations=10 ** 7, min_gradient_norm=0.0, min_step_size=0.0,
+    stop = dict(max_time=math.inf, max_iterations=10 ** 7, min_gradient_norm=0.0, min_step_size=0.0,
                 max_cost_evaluations=10 ** 8, verbosity=0)
     optimizer = TrustRegions(**stop) if method.endswith("tr") else ConjugateGradient(**stop)
     mon.start = time.process_time()
@@ -235,7 +252,7 @@ def run_pymanopt(problem: Completion, method: str, budget: float):
             optimizer.run(problem_, initial_point=x0, maxinner=M.dim)
         else:
             optimizer.run(problem_, initial_point=x0)
-    except Reached:
+    except (Reached, OutOfBudget):
         pass
     return mon
 
@@ -270,7 +287,7 @@ def run_geoopt(problem: Completion, method: str, budget: float):
     mon.start = time.process_time()
     data = x.data.numpy()
     try:
-        while not mon.out_of_time():
+        while True:
             G, H = data[:p.n], data[p.n:]
             mon.seen(G, H, mon.timed(p.cost, G, H))
             mon.iterations += 1
@@ -278,7 +295,7 @@ def run_geoopt(problem: Completion, method: str, budget: float):
             x.grad = torch.from_numpy(np.concatenate((gG, gH)))
             opt.step()
             data = x.data.numpy()
-    except Reached:
+    except (Reached, OutOfBudget):
         pass
     return mon
 
