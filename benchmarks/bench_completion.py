@@ -254,6 +254,8 @@ def run_pymanopt(problem: Completion, method: str, budget: float):
             optimizer.run(problem_, initial_point=x0)
     except (Reached, OutOfBudget):
         pass
+    if method.endswith("tr"):  # one cost evaluation per outer iteration (the gradient is asked
+        mon.iterations = mon.evaluations   # again in every Hessian-vector product)
     return mon
 
 
@@ -263,9 +265,11 @@ def scaled_lr(base: float, problem: Completion) -> float:
     return base * problem.n * problem.m / len(problem.vals)
 
 
-#: geoopt learning rates: the mix metric's step is scale-free (a multiple of nm/|Ω|); the inv
-#: metric's grows with ‖G‖²‖H‖², so its rate is divided by the target's squared norm scale
-GEOOPT_LR = {"geoopt-mix-sgd": 0.5, "geoopt-mix-adam": 0.3, "geoopt-inv-sgd": 0.3}
+#: geoopt learning rates (the user guide's rules). SGD: the mix metric's step is scale-free, a
+#: multiple of nm/|Ω| (:func:`scaled_lr`); the inv metric's grows with ‖G‖²‖H‖², so its rate is
+#: also divided by the target's mean squared singular value. Adam: lr is a step length in the
+#: metric, which under mix is the Frobenius size of the change of G Hᵀ: lr = c·‖G₀H₀ᵀ‖_F.
+GEOOPT_LR = {"geoopt-mix-sgd": 0.5, "geoopt-mix-adam": 1.0, "geoopt-inv-sgd": 0.3}
 
 
 def run_geoopt(problem: Completion, method: str, budget: float):
@@ -276,9 +280,12 @@ def run_geoopt(problem: Completion, method: str, budget: float):
     metric = method.split("-")[1]
     M = GLQuotient(p.n, p.m, p.r, metric=metric)
     x = geoopt.ManifoldParameter(torch.from_numpy(np.concatenate((p.G0, p.H0))), manifold=M)
-    lr = scaled_lr(GEOOPT_LR[method], p)
-    if metric == "inv":
-        lr /= p.norm_target ** 2 / p.r       # the mean squared singular value of the target
+    if method.endswith("adam"):
+        lr = GEOOPT_LR[method] * math.sqrt(float(np.sum((p.G0.T @ p.G0) * (p.H0.T @ p.H0))))
+    else:
+        lr = scaled_lr(GEOOPT_LR[method], p)
+        if metric == "inv":
+            lr /= p.norm_target ** 2 / p.r       # the mean squared singular value of the target
     if method.endswith("adam"):
         opt = geoopt.optim.RiemannianAdam([x], lr=lr)
     else:
