@@ -70,6 +70,22 @@ def _right_solve(x: Tensor, chol: Tensor) -> Tensor:
     return torch.cholesky_solve(x.mT, chol).mT
 
 
+def _add_product(out: Tensor, a: Tensor, C: Tensor) -> Tensor:
+    """out + a C, in place into ``out`` (a fresh product) when the batch shapes agree."""
+    if a.shape[:-2] != out.shape[:-2] or C.shape[:-2] != out.shape[:-2]:
+        return out + a @ C
+    if out.dim() == 2:
+        return out.addmm_(a, C)
+    out.flatten(0, -3).baddbmm_(a.flatten(0, -3), C.flatten(0, -3))
+    return out
+
+
+def _weighted_dot(uM: Tensor, v: Tensor) -> Tensor:
+    """Σ (uM ⊙ v) over the last two dimensions (in place into ``uM``, a fresh product, when the
+    shapes agree)."""
+    return (uM.mul_(v) if uM.shape == v.shape else uM * v).sum((-1, -2))
+
+
 def group_action(G: Tensor, H: Tensor, A: Tensor) -> Tuple[Tensor, Tensor]:
     """The GL(h) action (G, H) ↦ (G A, H A⁻ᵀ) (docs/maths.md §1; the paper's (G A⁻¹, H Aᵀ)
     with A ↦ A⁻¹).
@@ -198,19 +214,19 @@ class GLFrame:
         blocks ``(..., 2, h, h)``: one batched product per term when n = m, accumulated in place
         (no n×h temporary per term) where the batch shapes agree."""
         if self.geometry.n != self.geometry.m:
+            split = [(self._split(a), C.unbind(-3)) for a, C in terms]
             parts = []
             for block in (0, 1):
-                products = [self._split(a)[block] @ C[..., block, :, :] for a, C in terms]
-                parts.append(functools.reduce(torch.add, products))
+                (a0, C0), rest = split[0], split[1:]
+                out = a0[block] @ C0[block]
+                for a, C in rest:
+                    out = _add_product(out, a[block], C[block])
+                parts.append(out)
             return self._pack(*parts)
         (a0, C0), rest = terms[0], terms[1:]
         out = self._blocks(a0) @ C0
         for a, C in rest:
-            ab = self._blocks(a)
-            if ab.shape[:-2] == out.shape[:-2] and C.shape[:-2] == out.shape[:-2]:
-                out.flatten(0, -3).baddbmm_(ab.flatten(0, -3), C.flatten(0, -3))
-            else:
-                out = out + ab @ C
+            out = _add_product(out, self._blocks(a), C)
         return out.flatten(-3, -2)
 
     def _retraction_grams(self, uc: Tensor) -> Tuple[Tensor, Tensor]:
@@ -233,18 +249,19 @@ class GLFrame:
         """[u_G; u_H], or the pair (u_G, u_H) when ``like`` is a pair."""
         return (uG, uH) if isinstance(like, tuple) else self._pack(uG, uH)
 
+    # (dtype compared in Python first: a no-op ``.to`` still costs a dispatch on small tensors)
     def _in(self, u):
         if isinstance(u, tuple):
-            return tuple(part.to(self.cdtype) for part in u)
+            return tuple(part if part.dtype == self.cdtype else part.to(self.cdtype) for part in u)
         if u.shape[-2:] != self.x.shape[-2:]:
             self.geometry.check_shape(u.shape, "tangent vector")
-        return u.to(self.cdtype)
+        return u if u.dtype == self.cdtype else u.to(self.cdtype)
 
     def _out(self, y, like):
+        dtype = like[0].dtype if isinstance(like, tuple) else like.dtype
         if isinstance(y, tuple):
-            dtype = like[0].dtype if isinstance(like, tuple) else like.dtype
-            return tuple(part.to(dtype) for part in y)
-        return y.to(like[0].dtype if isinstance(like, tuple) else like.dtype)
+            return tuple(part if part.dtype == dtype else part.to(dtype) for part in y)
+        return y if y.dtype == dtype else y.to(dtype)
 
     # ------------------------------------------------------------------ metric
     def inner(self, u: Tensor, v: Optional[Tensor] = None, *, keepdim: bool = False) -> Tensor:
@@ -254,12 +271,13 @@ class GLFrame:
         M_G, M_H = self.metric_weights
         uG, uH = self._split(uc)
         vG, vH = self._split(vc)
-        out = ((uG @ M_G) * vG).sum((-1, -2)) + ((uH @ M_H) * vH).sum((-1, -2))
+        out = _weighted_dot(uG @ M_G, vG) + _weighted_dot(uH @ M_H, vH)
         if keepdim:
             out = out[..., None, None]
         first = u[0] if isinstance(u, tuple) else u
         second = first if v is None else (v[0] if isinstance(v, tuple) else v)
-        return out.to(torch.result_type(first, second))
+        dtype = first.dtype if first.dtype == second.dtype else torch.result_type(first, second)
+        return out if out.dtype == dtype else out.to(dtype)
 
     def norm(self, u: Tensor, *, keepdim: bool = False) -> Tensor:
         """‖u‖_x = √g_x(u, u)."""
