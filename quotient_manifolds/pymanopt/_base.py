@@ -84,9 +84,10 @@ class CoreQuotientManifold(Manifold):
         if not isinstance(point, tuple) or len(point) != 2:
             return None
         for arrays, snapshot, frame in self.__dict__.get("_own_points", ()):
+            # the frame was built on its own copy of the values: compare with it (one pass each)
             if (point[0] is arrays[0] and point[1] is arrays[1]
-                    and np.array_equal(arrays[0], snapshot[0])
-                    and np.array_equal(arrays[1], snapshot[1])):
+                    and torch.equal(torch.from_numpy(arrays[0]), snapshot[0])
+                    and torch.equal(torch.from_numpy(arrays[1]), snapshot[1])):
                 return frame
         return None
 
@@ -101,8 +102,8 @@ class CoreQuotientManifold(Manifold):
         next step starts there); off the manifold raises :class:`~quotient_manifolds.StepTooLarge`."""
         frame = self._frame_cache_().frame_after_step(self.geometry, y)
         point = self._point(y)
-        snapshot = tuple(part.copy() for part in point)
         own = self.__dict__.setdefault("_own_points", [])
+        snapshot = tuple(t.reshape(a.shape) for t, a in zip(self._conv.split(frame.x), point))
         own.insert(0, (point, snapshot, frame))
         del own[self._OWN_POINTS:]
         return point

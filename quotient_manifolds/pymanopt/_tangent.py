@@ -124,6 +124,10 @@ class PairConverter:
             tensors.append(t if t.ndim == 2 else t.reshape(rows, shape[-1]))
         return torch.cat(tensors, dim=0) if stacked else tuple(tensors)
 
+    def split(self, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The two parts of a stacked tensor, as matrices (views)."""
+        return tuple(torch.split(t, self.rows, dim=0))
+
     def to_numpy(self, t: "torch.Tensor | Tuple[torch.Tensor, torch.Tensor]", cls):
         if isinstance(t, tuple):
             first, second = (part.detach().to(torch.float64) for part in t)
