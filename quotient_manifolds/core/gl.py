@@ -198,6 +198,20 @@ class GLFrame:
         return self.gl_metric.christoffel_weights(self)
 
     # ------------------------------------------------------------------ blockwise products
+    def _paired(self, u) -> bool:
+        """Whether u (a stacked tensor) can be worked on as ``(..., 2, n, h)`` blocks (n = m)."""
+        return self.geometry.n == self.geometry.m and not isinstance(u, tuple)
+
+    @functools.cached_property
+    def _stacked_weights(self) -> Tensor:
+        """(M_G, M_H) stacked as ``(..., 2, h, h)``."""
+        return torch.stack(self.metric_weights, dim=-3)
+
+    @functools.cached_property
+    def _stacked_inverse_weights(self) -> Tensor:
+        """(N_G, N_H) stacked as ``(..., 2, h, h)``."""
+        return torch.stack(self.inverse_metric_weights, dim=-3)
+
     def _blocks(self, u: Tensor) -> Tensor:
         """u = [u_G; u_H] as a ``(..., 2, n, h)`` view (n = m only)."""
         return u.unflatten(-2, (2, self.geometry.n))
@@ -268,10 +282,13 @@ class GLFrame:
         """g_x(u, v) = tr(M_G u_Gᵀv_G) + tr(M_H u_Hᵀv_H) (docs/maths.md §2, Eqs. 9–10)."""
         uc = self._in(u)
         vc = uc if v is None else self._in(v)
-        M_G, M_H = self.metric_weights
-        uG, uH = self._split(uc)
-        vG, vH = self._split(vc)
-        out = _weighted_dot(uG @ M_G, vG) + _weighted_dot(uH @ M_H, vH)
+        if self._paired(uc) and self._paired(vc):  # both blocks in one batched product
+            out = _weighted_dot(self._blocks(uc) @ self._stacked_weights, self._blocks(vc)).sum(-1)
+        else:
+            M_G, M_H = self.metric_weights
+            uG, uH = self._split(uc)
+            vG, vH = self._split(vc)
+            out = _weighted_dot(uG @ M_G, vG) + _weighted_dot(uH @ M_H, vH)
         if keepdim:
             out = out[..., None, None]
         first = u[0] if isinstance(u, tuple) else u
@@ -295,8 +312,12 @@ class GLFrame:
 
     def _vertical_pairing(self, u: Tensor) -> Tensor:
         """C = Gᵀu_G M_G − M_H u_HᵀH, so that g(u, (GE, −HEᵀ)) = ⟨E, C⟩_F for every E."""
-        uG, uH = self._split(self._in(u))
+        uc = self._in(u)
         M_G, M_H = self.metric_weights
+        if self._paired(uc):  # (Gᵀu_G, Hᵀu_H) in one batched product
+            grams = self.block_grams(self.x, uc)
+            return grams[..., 0, :, :] @ M_G - M_H @ grams[..., 1, :, :].mT
+        uG, uH = self._split(uc)
         return (self.G.mT @ uG) @ M_G - M_H @ (uH.mT @ self.H)
 
     def vertical_generator(self, u: Tensor) -> Tensor:
@@ -309,6 +330,9 @@ class GLFrame:
         """Metric-orthogonal projection onto the horizontal space H_x (docs/maths.md §3.2)."""
         uc = self._in(u)
         lam = self.vertical_generator(uc)
+        if self._paired(uc):  # u + [G(−Λ); HΛᵀ] in one batched product
+            out = self.block_combination((self.x, torch.stack((-lam, lam.mT), dim=-3)))
+            return self._out(out.add_(uc) if out.shape == uc.shape else out + uc, u)
         uG, uH = self._split(uc)
         return self._out(self._pack_like(uG - self.G @ lam, uH + self.H @ lam.mT, u), u)
 
@@ -334,7 +358,11 @@ class GLFrame:
         inv: (∇_G P, ∇_H Q); mix: (∇_G Q⁻¹, ∇_H P⁻¹). For GL-invariant losses the result is already
         horizontal; the final projection makes non-invariant terms (weight decay) horizontal too.
         """
-        gG, gH = self._split(self._in(egrad))
+        gc = self._in(egrad)
+        if self._paired(gc):
+            rgrad = self.block_combination((gc, self._stacked_inverse_weights))
+            return self.project(self._out(rgrad, egrad))
+        gG, gH = self._split(gc)
         N_G, N_H = self.inverse_metric_weights
         return self.project(self._out(self._pack_like(gG @ N_G, gH @ N_H, egrad), egrad))
 
