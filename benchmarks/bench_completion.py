@@ -13,7 +13,8 @@ Methods (columns):
 * ``ours mix + CG``, ``ours inv + CG``: :class:`quotient_manifolds.pymanopt.GLQuotient`, the same
   ConjugateGradient;
 * ``ours mix + TR``: the same face with pymanopt's TrustRegions and the exact Hessian (pymanopt's
-  TrustRegions cannot run on FixedRankEmbedded: its tangent vectors have no Hessian here);
+  TrustRegions cannot run on FixedRankEmbedded: its tangent vectors have no Hessian here), with
+  the radius bound ``Delta_bar`` = ‖G₀H₀ᵀ‖_F (a mix length is the size of a change of G Hᵀ);
 * ``ours geoopt mix SGD`` / ``Adam``: :class:`quotient_manifolds.GLQuotient` with geoopt's
   RiemannianSGD (momentum 0) / RiemannianAdam, learning rates scaled by the sampling ratio
   nm/|Ω| (:func:`scaled_lr`, see the user guide's optimisation section).
@@ -102,6 +103,7 @@ class Completion:
         G0, H0 = rng.standard_normal((n, r)), rng.standard_normal((m, r))
         scale = (self.norm_target / math.sqrt(float(np.sum((G0.T @ G0) * (H0.T @ H0))))) ** 0.5
         self.G0, self.H0 = scale * G0, scale * H0
+        self.norm_x0 = math.sqrt(float(np.sum((self.G0.T @ self.G0) * (self.H0.T @ self.H0))))
 
     def _pairs(self, G, H):
         """⟨G_i, H_j⟩ for every observed (i, j) (into buffers allocated once: fresh |Ω|×r arrays
@@ -249,7 +251,11 @@ def run_pymanopt(problem: Completion, method: str, budget: float):
     mon.start = time.process_time()
     try:
         if method.endswith("tr"):
-            optimizer.run(problem_, initial_point=x0, maxinner=M.dim)
+            # pymanopt's default trust-region radius is typical_dist = 10h, in metric units; a
+            # mix length is the size of the change of G Hᵀ, so the radius must scale with the
+            # matrix (the user guide's rule): ‖G₀H₀ᵀ‖_F
+            radius = dict(Delta_bar=p.norm_x0) if method.startswith("mix") else {}
+            optimizer.run(problem_, initial_point=x0, maxinner=M.dim, **radius)
         else:
             optimizer.run(problem_, initial_point=x0)
     except (Reached, OutOfBudget):
@@ -281,7 +287,7 @@ def run_geoopt(problem: Completion, method: str, budget: float):
     M = GLQuotient(p.n, p.m, p.r, metric=metric)
     x = geoopt.ManifoldParameter(torch.from_numpy(np.concatenate((p.G0, p.H0))), manifold=M)
     if method.endswith("adam"):
-        lr = GEOOPT_LR[method] * math.sqrt(float(np.sum((p.G0.T @ p.G0) * (p.H0.T @ p.H0))))
+        lr = GEOOPT_LR[method] * p.norm_x0
     else:
         lr = scaled_lr(GEOOPT_LR[method], p)
         if metric == "inv":
