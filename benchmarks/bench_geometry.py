@@ -12,9 +12,16 @@ Rows of the table:
   (docs/maths.md §3.2: P, Q, A = PQ, B = P Hᵀξ_H − ξ_GᵀG Q computed per head in numpy, A X + X A = B,
   Λ = Xᵀ, (ξ_G + GΛ, ξ_H − HΛᵀ));
 * Γ(ξ, ξ) and the second-order retraction x + ξ − ½Γ(ξ, ξ) with a cached frame, relative to ONE
-  batched matrix product of the same shapes, ξ_G @ (h×h) over the 144 heads, in the compute dtype.
+  batched matrix product of the same shapes, ξ_G @ (h×h) over the 144 heads, in the compute dtype;
+* the differentiable retraction as the sharpness engine uses it (ξ a leaf that requires a gradient,
+  the point fixed): forward, and backward of a random cotangent, for the core's closed-form backward
+  ("now") and for autograd through the previous implementation ("before", x + ξ − ½Γ(ξ, ξ) with
+  Γ's v = u formula of each metric, reproduced below): the backward / forward ratio of each, and
+  the number of matrix-product calls (mm, bmm, baddbmm) one forward + backward issues. On the CPU
+  these rows are process (CPU) seconds, median of at least 15 repeats.
 
 Usage:  python benchmarks/bench_geometry.py [--threads N] [--device cpu|cuda] [--repeats R]
+        [--retraction-only]
 Each timing is the median of R repeats after warm-up calls; the scipy loop always runs on the CPU.
 """
 
@@ -39,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per row (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls per row")
     p.add_argument("--scipy-repeats", type=int, default=3, help="timed repeats of the scipy loop")
+    p.add_argument("--retraction-only", action="store_true",
+                   help="only the differentiable retraction's before/after rows")
     return p.parse_args(argv)
 
 
@@ -55,18 +64,19 @@ import torch  # noqa: E402
 from quotient_manifolds.core import GLQuotientGeometry  # noqa: E402
 
 
-def timer(fn, device, repeats, warmup):
-    """Median wall time of fn() over `repeats` calls after `warmup` calls (device-synchronised)."""
+def timer(fn, device, repeats, warmup, clock=time.perf_counter):
+    """Median time of fn() over `repeats` calls after `warmup` calls (device-synchronised), by
+    ``clock`` (wall time unless given)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
     sync()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return float(np.median(times))
 
 
@@ -83,6 +93,61 @@ def scipy_loop_projection(X, U, n):
         out[i, :n] = xG + G @ Lam
         out[i, n:] = xH - H @ Lam.T
     return out
+
+
+def previous_second_order(frame, u):
+    """The retraction before the closed-form backward: x + u − ½Γ(u, u) with the v = u forms of
+    Γ (inv: −2u_A K sym(Aᵀu_A) + A K u_Aᵀu_A; mix: u_G 2sym(u_HᵀH)Q⁻¹ − G u_Hᵀu_H Q⁻¹, …),
+    differentiated by autograd."""
+    uc = u.to(frame.cdtype)
+    n = frame.geometry.n
+    (G, H), (uG, uH) = (frame.G, frame.H), (uc[..., :n, :], uc[..., n:, :])
+    sym = lambda a: 0.5 * (a + a.mT)  # noqa: E731
+    if frame.metric == "inv":
+        def block(A, uA, inv):
+            return (-2 * uA @ (inv @ sym(A.mT @ uA))) + A @ (inv @ (uA.mT @ uA))
+        gamma = (block(G, uG, frame.P_inv), block(H, uH, frame.Q_inv))
+    else:
+        def block(A, uA, uB, B, inv):
+            return uA @ (2 * sym(uB.mT @ B) @ inv) - A @ ((uB.mT @ uB) @ inv)
+        gamma = (block(G, uG, uH, H, frame.Q_inv), block(H, uH, uG, G, frame.P_inv))
+    return frame.x + uc - 0.5 * torch.cat(gamma, dim=-2)
+
+
+def matmul_calls(fn):
+    """Matrix-product operator calls (aten mm, bmm, baddbmm, addmm) issued by fn()."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = ("aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm")
+    return sum(e.count for e in prof.key_averages() if e.key in names)
+
+
+def retraction_rows(frame, xi, device, rep, wu, rows, calls):
+    """Forward and backward of the differentiable retraction, before and after."""
+    y_bar = torch.randn(xi.shape, dtype=xi.dtype, device=xi.device)
+    for label, forward in (("before", previous_second_order),
+                           ("now", lambda f, leaf: f.retract(leaf, "second_order"))):
+        def fwd():
+            leaf = xi.detach().requires_grad_()
+            return leaf, forward(frame, leaf)
+
+        def fwd_bwd():
+            leaf, y = fwd()
+            return torch.autograd.grad(y, leaf, y_bar)
+
+        # on the CPU: process time (this machine is shared), more repeats (the ratio is the result)
+        clock = time.process_time if device.type == "cpu" else time.perf_counter
+        t_fwd = timer(fwd, device, max(rep, 15), wu, clock)
+        t_both = timer(fwd_bwd, device, max(rep, 15), wu, clock)
+        rows[f"{frame.metric}: differentiable retraction {label}: forward"] = t_fwd
+        rows[f"{frame.metric}: differentiable retraction {label}: backward"] = t_both - t_fwd
+        calls[f"{frame.metric} {label}"] = matmul_calls(fwd_bwd)
+    leaf = xi.detach().requires_grad_()
+    g_now = torch.autograd.grad(frame.retract(leaf, "second_order"), leaf, y_bar)[0]
+    leaf = xi.detach().requires_grad_()
+    g_before = torch.autograd.grad(previous_second_order(frame, leaf), leaf, y_bar)[0]
+    return float((g_now - g_before).abs().max() / g_before.abs().max())
 
 
 def main():
@@ -105,8 +170,14 @@ def main():
 
     rows = {}
     results = {}
+    calls, vjp_diff = {}, {}
     for metric in ("inv", "mix"):
         geom = GLQuotientGeometry(n, n, h, metric)
+        if ARGS.retraction_only:
+            frame = geom.frame(x)
+            xi = frame.project(0.01 * u)
+            vjp_diff[metric] = retraction_rows(frame, xi, device, rep, wu, rows, calls)
+            continue
         rows[f"{metric}: frame + projection (torch, batched)"] = timer(
             lambda: geom.frame(x).project(u), device, rep, wu)
         frame = geom.frame(x)
@@ -116,6 +187,15 @@ def main():
         rows[f"{metric}: Γ(ξ,ξ), cached frame"] = timer(lambda: frame.christoffel(xi), device, rep, wu)
         rows[f"{metric}: 2nd-order retraction, cached frame"] = timer(
             lambda: frame.retract(xi, "second_order"), device, rep, wu)
+        vjp_diff[metric] = retraction_rows(frame, xi, device, rep, wu, rows, calls)
+
+    width = max(map(len, rows))
+    if ARGS.retraction_only:
+        print(f"\n{'operation':{width}s}  {'median [ms]':>12s}")
+        for k, v in rows.items():
+            print(f"{k:{width}s}  {1e3 * v:12.2f}")
+        print_retraction_ratios(rows, calls, vjp_diff)
+        return 0
 
     # one batched matrix product of the same shapes, in the compute dtype (float64)
     xiG = u[:, :n].to(torch.float64)
@@ -151,8 +231,21 @@ def main():
     rw = max(len(k) for k, _ in ratios)
     for k, v in ratios:
         print(f"{k:{rw}s}  {v:8.2f}×")
+    print_retraction_ratios(rows, calls, vjp_diff)
     print(f"\ncheck: max |torch inv projection − scipy| / max |scipy| = {diff:.1e}")
     return 0
+
+
+def print_retraction_ratios(rows, calls, vjp_diff):
+    print("\ndifferentiable second-order retraction (ξ requires a gradient, point fixed), same run")
+    print(f"{'metric':6s}  {'backward / forward, before':>27s}  {'now':>6s}  "
+          f"{'(fwd+bwd) now / before':>23s}  {'matmul calls before → now':>26s}  max rel. diff of ū")
+    for metric in vjp_diff:
+        key = f"{metric}: differentiable retraction "
+        fb, bb = rows[key + "before: forward"], rows[key + "before: backward"]
+        fn, bn = rows[key + "now: forward"], rows[key + "now: backward"]
+        print(f"{metric:6s}  {bb / fb:27.2f}  {bn / fn:6.2f}  {(fn + bn) / (fb + bb):23.2f}  "
+              f"{calls[metric + ' before']:>17d} → {calls[metric + ' now']:<6d}  {vjp_diff[metric]:.1e}")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,22 @@ def _right_solve(x: Tensor, chol: Tensor) -> Tensor:
     return torch.cholesky_solve(x.mT, chol).mT
 
 
+def _add_product(out: Tensor, a: Tensor, C: Tensor) -> Tensor:
+    """out + a C, in place into ``out`` (a fresh product) when the batch shapes agree."""
+    if a.shape[:-2] != out.shape[:-2] or C.shape[:-2] != out.shape[:-2]:
+        return out + a @ C
+    if out.dim() == 2:
+        return out.addmm_(a, C)
+    out.flatten(0, -3).baddbmm_(a.flatten(0, -3), C.flatten(0, -3))
+    return out
+
+
+def _weighted_dot(uM: Tensor, v: Tensor) -> Tensor:
+    """Σ (uM ⊙ v) over the last two dimensions (in place into ``uM``, a fresh product, when the
+    shapes agree)."""
+    return (uM.mul_(v) if uM.shape == v.shape else uM * v).sum((-1, -2))
+
+
 def group_action(G: Tensor, H: Tensor, A: Tensor) -> Tuple[Tensor, Tensor]:
     """The GL(h) action (G, H) ↦ (G A, H A⁻ᵀ) (docs/maths.md §1; the paper's (G A⁻¹, H Aᵀ)
     with A ↦ A⁻¹).
@@ -177,36 +193,115 @@ class GLFrame:
             return F_H, F_G, two
         return pencil_basis(F_H, self.gram_G, F_G, self.gram_H)
 
+    @functools.cached_property
+    def christoffel_weights(self) -> Tensor:
+        """The stacked h×h weights K of :meth:`GLMetric.christoffel_coefficients
+        <quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients>`."""
+        return self.gl_metric.christoffel_weights(self)
+
+    # ------------------------------------------------------------------ blockwise products
+    def _paired(self, u) -> bool:
+        """Whether u (a stacked tensor) can be worked on as ``(..., 2, n, h)`` blocks (n = m)."""
+        return self.geometry.n == self.geometry.m and not isinstance(u, tuple)
+
+    @functools.cached_property
+    def _stacked_weights(self) -> Tensor:
+        """(M_G, M_H) stacked as ``(..., 2, h, h)``."""
+        return torch.stack(self.metric_weights, dim=-3)
+
+    @functools.cached_property
+    def _stacked_inverse_weights(self) -> Tensor:
+        """(N_G, N_H) stacked as ``(..., 2, h, h)``."""
+        return torch.stack(self.inverse_metric_weights, dim=-3)
+
+    def _blocks(self, u: Tensor) -> Tensor:
+        """u = [u_G; u_H] as a ``(..., 2, n, h)`` view (n = m only)."""
+        return u.unflatten(-2, (2, self.geometry.n))
+
+    def block_grams(self, a: Tensor, b: Tensor) -> Tensor:
+        """(a_Gᵀb_G, a_Hᵀb_H) stacked as ``(..., 2, h, h)``: one batched product when n = m."""
+        if self.geometry.n == self.geometry.m:
+            return self._blocks(a).mT @ self._blocks(b)
+        (aG, aH), (bG, bH) = self._split(a), self._split(b)
+        return torch.stack((aG.mT @ bG, aH.mT @ bH), dim=-3)
+
+    def block_combination(self, *terms: Tuple[Tensor, Tensor]) -> Tensor:
+        """Σᵢ [aᵢ_G Cᵢ_G; aᵢ_H Cᵢ_H] for pairs (aᵢ, Cᵢ), aᵢ of the layout of x and Cᵢ stacked h×h
+        blocks ``(..., 2, h, h)``: one batched product per term when n = m, accumulated in place
+        (no n×h temporary per term) where the batch shapes agree."""
+        if self.geometry.n != self.geometry.m:
+            split = [(self._split(a), C.unbind(-3)) for a, C in terms]
+            parts = []
+            for block in (0, 1):
+                (a0, C0), rest = split[0], split[1:]
+                out = a0[block] @ C0[block]
+                for a, C in rest:
+                    out = _add_product(out, a[block], C[block])
+                parts.append(out)
+            return self._pack(*parts)
+        (a0, C0), rest = terms[0], terms[1:]
+        out = self._blocks(a0) @ C0
+        for a, C in rest:
+            out = _add_product(out, self._blocks(a), C)
+        return out.flatten(-3, -2)
+
+    def _retraction_grams(self, uc: Tensor) -> Tuple[Tensor, Tensor]:
+        """(S, W) = (sym(Aᵀu_A), u_Aᵀu_A) per block A, the inputs of the Christoffel coefficients."""
+        return sym(self.block_grams(self.x, uc)), self.block_grams(uc, uc)
+
     # ------------------------------------------------------------------ helpers
-    def _split(self, u: Tensor) -> Tuple[Tensor, Tensor]:
-        n = self.geometry.n
-        return u[..., :n, :], u[..., n:, :]
+    # A tangent vector is one stacked tensor [u_G; u_H], or (for inner, norm, project and
+    # egrad2rgrad) the pair (u_G, u_H) of its blocks, answered in the same form: the pymanopt face
+    # passes its pairs of arrays without concatenating them.
+    def _split(self, u: "Tensor | Tuple[Tensor, Tensor]") -> Tuple[Tensor, Tensor]:
+        if isinstance(u, tuple):
+            return u
+        return u.split((self.geometry.n, self.geometry.m), dim=-2)  # one call, not two slicings
 
     def _pack(self, uG: Tensor, uH: Tensor) -> Tensor:
         return torch.cat((uG, uH), dim=-2)
 
-    def _in(self, u: Tensor) -> Tensor:
+    def _pack_like(self, uG: Tensor, uH: Tensor, like) -> "Tensor | Tuple[Tensor, Tensor]":
+        """[u_G; u_H], or the pair (u_G, u_H) when ``like`` is a pair."""
+        return (uG, uH) if isinstance(like, tuple) else self._pack(uG, uH)
+
+    # (dtype compared in Python first: a no-op ``.to`` still costs a dispatch on small tensors)
+    def _in(self, u):
+        if isinstance(u, tuple):
+            for part in u:
+                if not part.is_floating_point():   # cast back to u's dtype, it would be truncated
+                    floating_tensor("u", part)
+            return tuple(part if part.dtype == self.cdtype else part.to(self.cdtype) for part in u)
         if not u.is_floating_point():      # the result, cast back to u's dtype, would be truncated
             floating_tensor("u", u)
         if u.shape[-2:] != self.x.shape[-2:]:
             self.geometry.check_shape(u.shape, "tangent vector")
-        return u.to(self.cdtype)
+        return u if u.dtype == self.cdtype else u.to(self.cdtype)
 
-    def _out(self, y: Tensor, like: Tensor) -> Tensor:
-        return y.to(like.dtype)
+    def _out(self, y, like):
+        dtype = like[0].dtype if isinstance(like, tuple) else like.dtype
+        if isinstance(y, tuple):
+            return tuple(part if part.dtype == dtype else part.to(dtype) for part in y)
+        return y if y.dtype == dtype else y.to(dtype)
 
     # ------------------------------------------------------------------ metric
     def inner(self, u: Tensor, v: Optional[Tensor] = None, *, keepdim: bool = False) -> Tensor:
         """g_x(u, v) = tr(M_G u_Gᵀv_G) + tr(M_H u_Hᵀv_H) (docs/maths.md §2, Eqs. 9–10)."""
         uc = self._in(u)
         vc = uc if v is None else self._in(v)
-        M_G, M_H = self.metric_weights
-        uG, uH = self._split(uc)
-        vG, vH = self._split(vc)
-        out = ((uG @ M_G) * vG).sum((-1, -2)) + ((uH @ M_H) * vH).sum((-1, -2))
+        if self._paired(uc) and self._paired(vc):  # both blocks in one batched product
+            out = _weighted_dot(self._blocks(uc) @ self._stacked_weights, self._blocks(vc)).sum(-1)
+        else:
+            M_G, M_H = self.metric_weights
+            uG, uH = self._split(uc)
+            vG, vH = self._split(vc)
+            out = _weighted_dot(uG @ M_G, vG) + _weighted_dot(uH @ M_H, vH)
         if keepdim:
             out = out[..., None, None]
-        return out.to(torch.result_type(u, u if v is None else v))
+        first = u[0] if isinstance(u, tuple) else u
+        second = first if v is None else (v[0] if isinstance(v, tuple) else v)
+        dtype = first.dtype if first.dtype == second.dtype else torch.result_type(first, second)
+        return out if out.dtype == dtype else out.to(dtype)
 
     def norm(self, u: Tensor, *, keepdim: bool = False) -> Tensor:
         """‖u‖_x = √g_x(u, u)."""
@@ -224,8 +319,12 @@ class GLFrame:
 
     def _vertical_pairing(self, u: Tensor) -> Tensor:
         """C = Gᵀu_G M_G − M_H u_HᵀH, so that g(u, (GE, −HEᵀ)) = ⟨E, C⟩_F for every E."""
-        uG, uH = self._split(self._in(u))
+        uc = self._in(u)
         M_G, M_H = self.metric_weights
+        if self._paired(uc):  # (Gᵀu_G, Hᵀu_H) in one batched product
+            grams = self.block_grams(self.x, uc)
+            return grams[..., 0, :, :] @ M_G - M_H @ grams[..., 1, :, :].mT
+        uG, uH = self._split(uc)
         return (self.G.mT @ uG) @ M_G - M_H @ (uH.mT @ self.H)
 
     def vertical_generator(self, u: Tensor) -> Tensor:
@@ -238,8 +337,11 @@ class GLFrame:
         """Metric-orthogonal projection onto the horizontal space H_x (docs/maths.md §3.2)."""
         uc = self._in(u)
         lam = self.vertical_generator(uc)
+        if self._paired(uc):  # u + [G(−Λ); HΛᵀ] in one batched product
+            out = self.block_combination((self.x, torch.stack((-lam, lam.mT), dim=-3)))
+            return self._out(out.add_(uc) if out.shape == uc.shape else out + uc, u)
         uG, uH = self._split(uc)
-        return self._out(self._pack(uG - self.G @ lam, uH + self.H @ lam.mT), u)
+        return self._out(self._pack_like(uG - self.G @ lam, uH + self.H @ lam.mT, u), u)
 
     def horizontal_residual(self, u: Tensor) -> Tensor:
         """Relative residual of the horizontal equations (0 for horizontal u; docs/maths.md §3.1).
@@ -263,9 +365,13 @@ class GLFrame:
         inv: (∇_G P, ∇_H Q); mix: (∇_G Q⁻¹, ∇_H P⁻¹). For GL-invariant losses the result is already
         horizontal; the final projection makes non-invariant terms (weight decay) horizontal too.
         """
-        gG, gH = self._split(self._in(egrad))
+        gc = self._in(egrad)
+        if self._paired(gc):
+            rgrad = self.block_combination((gc, self._stacked_inverse_weights))
+            return self.project(self._out(rgrad, egrad))
+        gG, gH = self._split(gc)
         N_G, N_H = self.inverse_metric_weights
-        return self.project(self._out(self._pack(gG @ N_G, gH @ N_H), egrad))
+        return self.project(self._out(self._pack_like(gG @ N_G, gH @ N_H, egrad), egrad))
 
     def ehess2rhess(self, egrad: Tensor, ehess: Tensor, u: Tensor) -> Tensor:
         """Riemannian Hessian P_h(D rgrad[u] + Γ(rgrad, u)) of the quotient, u horizontal.
@@ -295,8 +401,12 @@ class GLFrame:
         Geodesics satisfy :math:`\ddot\gamma + \Gamma(\dot\gamma, \dot\gamma) = 0`, and the
         connection is :math:`\nabla_u v = Dv[u] + \Gamma(u, v)`.
         """
-        uG, uH = self._split(self._in(u))
-        vG, vH = (None, None) if v is None else self._split(self._in(v))
+        uc = self._in(u)
+        if v is None:  # Γ(u, u) = [G C_G + u_G D_G; H C_H + u_H D_H]: four products per block
+            C, D = self.gl_metric.christoffel_coefficients(self, *self._retraction_grams(uc))
+            return self._out(self.block_combination((self.x, C), (uc, D)), u)
+        uG, uH = self._split(uc)
+        vG, vH = self._split(self._in(v))
         return self._out(self._pack(*self.gl_metric.christoffel(self, uG, uH, vG, vH)), u)
 
     # ------------------------------------------------------------------ retractions
@@ -312,16 +422,99 @@ class GLFrame:
           :func:`integrate_geodesic`; ``exact_steps`` overrides the geometry's number of RK4 steps).
 
         All three are equivariant under the group action.
+
+        The second-order step is computed as [G(I − ½C_G) + u_G(I − ½D_G); H(…)] from the
+        Christoffel coefficients (:meth:`GLMetric.christoffel_coefficients
+        <quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients>`). When u requires a
+        gradient and the point does not (the sharpness engine's case), its backward is the
+        closed-form vector–Jacobian product :func:`second_order_retraction_vjp` (exact, and
+        differentiable again when a double backward asks for it); otherwise autograd records the
+        forward.
         """
         method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
+        if method == "second_order":
+            out_dtype = torch.promote_types(self.dtype, u.dtype)
+            if torch.is_grad_enabled() and u.requires_grad and not self.x.requires_grad:
+                self._in(u)  # shape check
+                return _SecondOrderRetraction.apply(u, self, out_dtype)
+            return self._second_order(self._in(u)).to(out_dtype)
         uc = self._in(u)
         if method == "first_order":
             y = self.x + uc
-        elif method == "second_order":
-            y = self.x + uc - 0.5 * self.christoffel(uc)
         else:
             y, _ = self.geometry.integrate_geodesic(self.x, uc, steps=exact_steps)
         return y.to(torch.promote_types(self.dtype, u.dtype))
+
+
+    def _second_order(self, uc: Tensor, grams: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+        """x + u − ½Γ(u, u) for u in the compute dtype (``grams``: (S, W) if already computed)."""
+        C, D = self.gl_metric.christoffel_coefficients(self, *(grams or self._retraction_grams(uc)))
+        return self.block_combination((self.x, self.eye - 0.5 * C), (uc, self.eye - 0.5 * D))
+
+
+def second_order_retraction_vjp(frame: GLFrame, u: Tensor, y_bar: Tensor,
+                                D: Optional[Tensor] = None) -> Tensor:
+    r"""The vector–Jacobian product ū = (∂y/∂u)ᵀ ȳ of the second-order retraction
+    y = x + u − ½Γ_x(u, u) at a fixed point x, in the compute dtype of ``frame``.
+
+    With Γ_A(u, u) = A C_A + u_A D_A per block A ∈ {G, H} (C, D linear in S_A = sym(Aᵀu_A) and
+    W_A = u_Aᵀu_A, :meth:`~quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients`),
+    y_A = A(I − ½C_A) + u_A(I − ½D_A), and for R_A = Aᵀȳ_A, T_A = u_Aᵀȳ_A
+
+    .. math::
+
+        \langle ar y, \delta y
+angle = \langle ar y_A (I - 	frac12 D_A)^	op, \delta u_A
+angle
+            - 	frac12\langle R, \delta C
+angle - 	frac12\langle T, \delta D
+angle ,
+
+    so with (Z_S, Z_W) the adjoint of (S, W) ↦ (C, D) applied to (−½R, −½T)
+    (:meth:`~quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients_adjoint`),
+    δS_A = sym(Aᵀδu_A) and δW_A = δu_Aᵀu_A + u_Aᵀδu_A:
+
+    .. math::
+
+        ar u_A = ar y_A (I - 	frac12 D_A)^	op + A\,\operatorname{sym}(Z_{S,A})
+                   + 2 u_A \operatorname{sym}(Z_{W,A}).
+
+    Five batched products (two Gram reductions, three updates) per pair of blocks, against the
+    four of the forward. ``D``: the coefficient D of the forward, if kept.
+    """
+    uc, yc = u.to(frame.cdtype), y_bar.to(frame.cdtype)
+    if D is None:
+        _, D = frame.gl_metric.christoffel_coefficients(frame, *frame._retraction_grams(uc))
+    R, T = frame.block_grams(frame.x, yc), frame.block_grams(uc, yc)
+    ZS, ZW = frame.gl_metric.christoffel_coefficients_adjoint(frame, -0.5 * R, -0.5 * T)
+    return frame.block_combination((yc, (frame.eye - 0.5 * D).mT), (frame.x, sym(ZS)),
+                                   (uc, 2 * sym(ZW)))
+
+
+class _SecondOrderRetraction(torch.autograd.Function):
+    """y = x + u − ½Γ_x(u, u) with x fixed, differentiable in u by the closed form of
+    :func:`second_order_retraction_vjp` (autograd through the forward holds its float64
+    intermediates of size n×h until the backward and costs about 1.7× the forward)."""
+
+    @staticmethod
+    def forward(ctx, u: Tensor, frame: GLFrame, out_dtype: torch.dtype) -> Tensor:
+        uc = u.to(frame.cdtype)
+        grams = frame._retraction_grams(uc)
+        ctx.frame = frame
+        ctx.coefficient_D = frame.gl_metric.christoffel_coefficients(frame, *grams)[1]
+        ctx.save_for_backward(u)
+        return frame._second_order(uc, grams).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, y_bar: Tensor):
+        (u,) = ctx.saved_tensors
+        # under create_graph the coefficients are recomputed from u, so that the double backward
+        # sees their dependence on u
+        D = None if torch.is_grad_enabled() else ctx.coefficient_D
+        u_bar = second_order_retraction_vjp(ctx.frame, u, y_bar, D)
+        if u_bar.shape != u.shape:  # u was broadcast against the point's batch dimensions
+            u_bar = u_bar.sum_to_size(u.shape)
+        return u_bar.to(u.dtype), None, None
 
 
 class GLQuotientGeometry:

@@ -92,7 +92,29 @@ class GLMetric:
     def christoffel(self, frame: "GLFrame", uG: Tensor, uH: Tensor, vG: Optional[Tensor] = None,
                     vH: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """(Γ_G, Γ_H) = Γ_x(u, v) of the (ε-relaxed) total-space metric (docs/maths.md §5) on the
-        blocks of u and v, in the compute dtype; ``vG = vH = None`` means v = u (a cheaper form)."""
+        blocks of u and v, in the compute dtype; ``vG = vH = None`` means v = u (the frame computes
+        Γ(u, u) from :meth:`christoffel_coefficients` instead, a cheaper form)."""
+        raise NotImplementedError
+
+    def christoffel_weights(self, frame: "GLFrame") -> Tensor:
+        """The h×h weights K of each block in :meth:`christoffel_coefficients`, stacked as
+        ``(..., 2, h, h)`` (index 0: the G block, 1: the H block)."""
+        raise NotImplementedError
+
+    def christoffel_coefficients(self, frame: "GLFrame", S: Tensor, W: Tensor
+                                 ) -> Tuple[Tensor, Tensor]:
+        r"""Γ_x(u, u) in the form Γ_A = A C_A + u_A D_A for each block A ∈ {G, H} of x (h×h
+        coefficients C, D), from the block Gram matrices S_A = sym(Aᵀu_A) and W_A = u_Aᵀu_A.
+
+        All four are stacked over the blocks as ``(..., 2, h, h)``. The second-order retraction is
+        then x + u − ½Γ(u, u) = A(I − ½C_A) + u_A(I − ½D_A): two products per block."""
+        raise NotImplementedError
+
+    def christoffel_coefficients_adjoint(self, frame: "GLFrame", ZC: Tensor, ZD: Tensor
+                                         ) -> Tuple[Tensor, Tensor]:
+        r"""The adjoint of the linear map (S, W) ↦ (C, D) of :meth:`christoffel_coefficients`:
+        (Z_S, Z_W) with ⟨Z_C, δC⟩ + ⟨Z_D, δD⟩ = ⟨Z_S, δS⟩ + ⟨Z_W, δW⟩ (Frobenius, over both
+        blocks). The backward of the second-order retraction uses it (docs/maths.md §5.1)."""
         raise NotImplementedError
 
     def gl1_geodesic(self, x: Tensor, bu: Tensor, bv: Tensor, t: float) -> Tensor:
@@ -149,15 +171,29 @@ class InvMetric(GLMetric):
 
     def christoffel(self, frame: "GLFrame", uG: Tensor, uH: Tensor, vG: Optional[Tensor] = None,
                     vH: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        same = vG is None
+        vG, vH = (uG, uH) if vG is None else (vG, vH)
 
         def block(A, uA, vA, inv):
-            if same:
-                return (-2 * uA @ (inv @ sym(A.mT @ uA))) + A @ (inv @ (uA.mT @ uA))
             return (-(uA @ (inv @ sym(A.mT @ vA))) - vA @ (inv @ sym(A.mT @ uA))
                     + A @ (inv @ sym(vA.mT @ uA)))
 
         return block(frame.G, uG, vG, frame.P_inv), block(frame.H, uH, vH, frame.Q_inv)
+
+    def christoffel_weights(self, frame: "GLFrame") -> Tensor:
+        return torch.stack((frame.P_inv, frame.Q_inv), dim=-3)
+
+    def christoffel_coefficients(self, frame: "GLFrame", S: Tensor, W: Tensor
+                                 ) -> Tuple[Tensor, Tensor]:
+        """Γ_G(u, u) = G P⁻¹W_G − 2u_G P⁻¹S_G (Eq. 11 with v = u), Γ_H the same with H, Q: C = KW,
+        D = −2KS with K = (P⁻¹, Q⁻¹)."""
+        K = frame.christoffel_weights
+        return K @ W, -2 * (K @ S)
+
+    def christoffel_coefficients_adjoint(self, frame: "GLFrame", ZC: Tensor, ZD: Tensor
+                                         ) -> Tuple[Tensor, Tensor]:
+        """C = KW and D = −2KS with K symmetric: Z_S = −2KZ_D, Z_W = KZ_C."""
+        K = frame.christoffel_weights
+        return -2 * (K @ ZD), K @ ZC
 
     def gl1_geodesic(self, x: Tensor, bu: Tensor, bv: Tensor, t: float) -> Tensor:
         return x * torch.exp(t * torch.stack((bu, bv), dim=-2))
@@ -213,17 +249,36 @@ class MixMetric(GLMetric):
 
     def christoffel(self, frame: "GLFrame", uG: Tensor, uH: Tensor, vG: Optional[Tensor] = None,
                     vH: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        same = vG is None
+        vG, vH = (uG, uH) if vG is None else (vG, vH)
 
         # the h×h factor Q⁻¹ (P⁻¹) is folded into the small matrices: one n×h×h product less
         def block(A, uA, vA, uB, vB, B, inv):
-            if same:
-                return uA @ (2 * sym(uB.mT @ B) @ inv) - A @ ((uB.mT @ uB) @ inv)
             return (uA @ (sym(vB.mT @ B) @ inv) + vA @ (sym(uB.mT @ B) @ inv)
                     - A @ (sym(vB.mT @ uB) @ inv))
 
         return (block(frame.G, uG, vG, uH, vH, frame.H, frame.Q_inv),
                 block(frame.H, uH, vH, uG, vG, frame.G, frame.P_inv))
+
+    def christoffel_weights(self, frame: "GLFrame") -> Tensor:
+        return torch.stack((frame.Q_inv, frame.P_inv), dim=-3)
+
+    @staticmethod
+    def _other_block(T: Tensor) -> Tensor:
+        """The stacked (..., 2, h, h) blocks in the order (H, G): Γ_G uses the H block's Grams."""
+        return T.flip(-3)
+
+    def christoffel_coefficients(self, frame: "GLFrame", S: Tensor, W: Tensor
+                                 ) -> Tuple[Tensor, Tensor]:
+        """Γ_G(u, u) = −G W_H Q⁻¹ + 2u_G S_H Q⁻¹ (Eq. 12 with v = u), Γ_H the same with G and H
+        (and P, Q) exchanged: C_A = −W_B K_A, D_A = 2S_B K_A, B the other block, K = (Q⁻¹, P⁻¹)."""
+        K = frame.christoffel_weights
+        return -(self._other_block(W) @ K), 2 * (self._other_block(S) @ K)
+
+    def christoffel_coefficients_adjoint(self, frame: "GLFrame", ZC: Tensor, ZD: Tensor
+                                         ) -> Tuple[Tensor, Tensor]:
+        """C_A = −W_B K_A and D_A = 2S_B K_A: Z_{W,B} = −Z_{C,A}K_A, Z_{S,B} = 2Z_{D,A}K_A."""
+        K = frame.christoffel_weights
+        return 2 * self._other_block(ZD @ K), -self._other_block(ZC @ K)
 
     def gl1_geodesic(self, x: Tensor, bu: Tensor, bv: Tensor, t: float) -> Tensor:
         """A non-horizontal ξ (bu ≠ bv) or s = 1 + 2bt ≤ 0 (past the end of the geodesic) raise a

@@ -2,6 +2,7 @@
 only delegate to :mod:`quotient_manifolds.core` (docs/maths.md Appendix A)."""
 
 from .gl_quotient import GLQuotient
+from .optim import RiemannianSGD
 from .rescaling import RescalingQuotient
 
-__all__ = ["GLQuotient", "RescalingQuotient"]
+__all__ = ["GLQuotient", "RescalingQuotient", "RiemannianSGD"]

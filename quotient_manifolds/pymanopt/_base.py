@@ -6,8 +6,11 @@ frame (``geometry.frame(x)``), and converts back. Random draws use a torch gener
 numpy's global RNG, so ``np.random.seed`` makes pymanopt runs reproducible as usual.
 
 Frames are cached by the point's values (:class:`~quotient_manifolds._runtime.FrameCache`): a
-trust-region run asks for many inner products and projections at one point. Methods on small points
-run on one thread (:func:`~quotient_manifolds._runtime.small_work`).
+trust-region run asks for many inner products and projections at one point. The points this
+manifold returned itself (retraction, exp) are found first by the identity of their arrays,
+confirmed by a comparison of their values in numpy (a point changed in place misses), so that an
+optimizer's calls at its current point convert nothing. Methods on small points run on one thread
+(:func:`~quotient_manifolds._runtime.small_work`).
 """
 
 from __future__ import annotations
@@ -43,14 +46,21 @@ class CoreQuotientManifold(Manifold):
         """The point ``name`` as one float64 tensor (shape and dtype checked, naming the argument)."""
         return self._conv.to_torch(pair, name)
 
-    def _tv(self, pair, name: str) -> torch.Tensor:
-        """The tangent vector ``name`` as one float64 tensor (also checked to be finite)."""
-        return self._conv.to_torch(pair, name, tangent=True)
+    #: whether the core frame takes tangent vectors as pairs (u_G, u_H) (no concatenation)
+    _pairs = False
+
+    def _tv(self, pair, name: str):
+        """The tangent vector ``name`` as one float64 tensor, or as a pair of them for a core that
+        takes pairs (also checked to be finite)."""
+        return self._conv.to_torch(pair, name, tangent=True, stacked=not self._pairs)
 
     def _step(self, pair) -> torch.Tensor:
         """The step ``tangent_vector`` of a retraction: a non-finite one raises
         :class:`~quotient_manifolds.StepTooLarge`."""
-        return finite_step(self.geometry, "tangent_vector", self._t(pair, "tangent_vector"))
+        step = self._t(pair, "tangent_vector")
+        if not np.isfinite(step.numpy()).all():  # numpy's test: a fifth of torch's cost here
+            finite_step(self.geometry, "tangent_vector", step)
+        return step
 
     def _point(self, t: torch.Tensor):
         return self._conv.to_numpy(t, self._point_cls)
@@ -60,7 +70,26 @@ class CoreQuotientManifold(Manifold):
 
     def _frame(self, point, name: str = "point"):
         """The core frame at ``point``, reused from the cache when the point has recent values."""
+        frame = self._own_point_frame(point)
+        if frame is not None:
+            return frame
         return self._frame_cache_().frame(self.geometry, self._t(point, name), name)
+
+    #: how many of the points this manifold returned keep their frames by identity
+    _OWN_POINTS = 3
+
+    def _own_point_frame(self, point):
+        """The frame of a point this manifold returned, if ``point`` holds the very arrays it
+        returned with the values it returned (a point changed in place misses)."""
+        if not isinstance(point, tuple) or len(point) != 2:
+            return None
+        for arrays, snapshot, frame in self.__dict__.get("_own_points", ()):
+            # the frame was built on its own copy of the values: compare with it (one pass each)
+            if (point[0] is arrays[0] and point[1] is arrays[1]
+                    and torch.equal(torch.from_numpy(arrays[0]), snapshot[0])
+                    and torch.equal(torch.from_numpy(arrays[1]), snapshot[1])):
+                return frame
+        return None
 
     def _frame_cache_(self) -> FrameCache:
         cache = self.__dict__.get("_frame_cache")
@@ -71,8 +100,13 @@ class CoreQuotientManifold(Manifold):
     def _checked_step(self, y: torch.Tensor):
         """The point ``y`` (torch) for pymanopt, after validating it (its frame is cached: the
         next step starts there); off the manifold raises :class:`~quotient_manifolds.StepTooLarge`."""
-        self._frame_cache_().frame_after_step(self.geometry, y)
-        return self._point(y)
+        frame = self._frame_cache_().frame_after_step(self.geometry, y)
+        point = self._point(y)
+        own = self.__dict__.setdefault("_own_points", [])
+        snapshot = tuple(t.reshape(a.shape) for t, a in zip(self._conv.split(frame.x), point))
+        own.insert(0, (point, snapshot, frame))
+        del own[self._OWN_POINTS:]
+        return point
 
     @staticmethod
     def _generator() -> torch.Generator:

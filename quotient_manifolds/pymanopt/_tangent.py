@@ -76,6 +76,12 @@ class RescalingTangentVector(_PairArithmetic,
     __slots__ = ()
 
 
+def _plain_float64(part, shape) -> bool:
+    """A writable float64 numpy array of the expected shape, usable by torch as it is."""
+    return (type(part) is np.ndarray and part.dtype == np.float64 and part.shape == shape
+            and part.flags.writeable and all(s >= 0 for s in part.strides))
+
+
 class PairConverter:
     """numpy 2-sequence ↔ one float64 torch tensor with the two parts stacked along rows.
 
@@ -91,10 +97,12 @@ class PairConverter:
         self.rows = tuple(int(np.prod(s[:-1], dtype=int)) for s in self.shapes)
 
     def to_torch(self, pair: Sequence[np.ndarray], name: str = "point", *,
-                 tangent: bool = False) -> torch.Tensor:
+                 tangent: bool = False, stacked: bool = True) -> torch.Tensor:
         """The pair ``name`` as one float64 tensor; a part of another shape, or holding anything but
         real numbers, is refused naming it (``name.G``), and so is a non-finite ``tangent`` vector
-        (the checks of :mod:`quotient_manifolds._validation`, shared with the geoopt faces)."""
+        (the checks of :mod:`quotient_manifolds._validation`, shared with the geoopt faces).
+        ``stacked=False`` returns the two parts as a pair of matrices instead (no copy when they
+        are float64 arrays already)."""
         if isinstance(pair, (str, bytes, np.ndarray, torch.Tensor)) or not isinstance(pair, Sequence) \
                 or len(pair) != 2:
             got = (f"{len(pair)} items" if isinstance(pair, Sequence) and not isinstance(pair, str)
@@ -103,13 +111,26 @@ class PairConverter:
                             f"{self.shapes[0]} and {self.shapes[1]}, got {got}")
         tensors = []
         for part, label, shape, rows in zip(pair, self.parts, self.shapes, self.rows):
-            t = real_array_as_float64(f"{name}.{label}", part, shape)
-            if tangent:
-                all_finite(f"{name}.{label}", t)
-            tensors.append(t.reshape(rows, shape[-1]))
-        return torch.cat(tensors, dim=0)
+            if _plain_float64(part, shape):
+                # what pymanopt passes (our own results, or sums of them): no conversion, and the
+                # finiteness test in numpy (a fifth of torch's cost on arrays of this size)
+                t = torch.from_numpy(part)
+                if tangent and not np.isfinite(part).all():
+                    all_finite(f"{name}.{label}", t)
+            else:
+                t = real_array_as_float64(f"{name}.{label}", part, shape)
+                if tangent:
+                    all_finite(f"{name}.{label}", t)
+            tensors.append(t if t.ndim == 2 else t.reshape(rows, shape[-1]))
+        return torch.cat(tensors, dim=0) if stacked else tuple(tensors)
 
-    def to_numpy(self, t: torch.Tensor, cls):
-        t = t.detach().to(torch.float64)
-        first, second = torch.split(t, self.rows, dim=0)
+    def split(self, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The two parts of a stacked tensor, as matrices (views)."""
+        return tuple(torch.split(t, self.rows, dim=0))
+
+    def to_numpy(self, t: "torch.Tensor | Tuple[torch.Tensor, torch.Tensor]", cls):
+        if isinstance(t, tuple):
+            first, second = (part.detach().to(torch.float64) for part in t)
+        else:
+            first, second = torch.split(t.detach().to(torch.float64), self.rows, dim=0)
         return cls(first.reshape(self.shapes[0]).numpy(), second.reshape(self.shapes[1]).numpy())

@@ -35,6 +35,7 @@ class GLQuotient(CoreQuotientManifold):
     _point_cls = GLPoint
     _tangent_cls = GLTangentVector
     _group = "GL(h)"
+    _pairs = True
 
     def __init__(self, n: int, m: int, h: int, metric: "str | GLMetric" = "mix",
                  retraction: str = "second_order", eps: float = 0.0, exact_steps: int = 32,
