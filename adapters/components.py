@@ -141,11 +141,13 @@ class QuotientComponent:
         return u
 
     def leaf_point(self, xi: Tensor, need_grad: bool) -> Tuple[List[Tensor], Tensor]:
-        """The point R(ξ) and its leaf ξ. With ``recompute`` the retraction keeps no graph between
-        the forward and the backward pass (its float64 temporaries would be held all that
-        time): the backward recomputes it, one component at a time, and differentiates that."""
+        """The point R(ξ) and its leaf ξ. With ``recompute`` the exact retraction keeps no graph
+        between the forward and the backward pass (the ODE's float64 steps would be held all that
+        time): the backward recomputes it, one component at a time, and differentiates that. The
+        second-order retraction needs none: its backward is closed-form and keeps only ξ and
+        h×h matrices (:func:`~quotient_manifolds.core.gl.second_order_retraction_vjp`)."""
         leaf = xi.detach().requires_grad_(need_grad)
-        if self.recompute and need_grad:
+        if self.recompute and need_grad and self.retraction == "exact":
             return [leaf], _RecomputedPoint.apply(leaf, self)
         return [leaf], self.point(leaf)
 
