@@ -10,9 +10,11 @@ float32 and in bfloat16, each measurement in a fresh process, on the CPU:
   keeping the worst point's gradient (``solver.KEEP_WORST_GRADIENT = True``: 4 bytes more);
   ``adaptive lean``: without it (the default where memory is short).
 
-``bytes/param`` = (peak − A) / parameters, the peak taken over the model as loaded (Linux VmHWM,
-reset after loading through /proc/self/clear_refs): what sharpness holds beyond the model's own
-weights and the activations of one forward+backward; the target is ≤ 16 (the solver's ξ, ξ⁻,
+``bytes/param`` = (peak − A) / parameters, the peak of the bytes of live tensors created during the
+run (exact: every tensor counted until it and its views are freed), beside the process's peak RSS
+over the model as loaded (Linux VmHWM, reset after loading; it misses pages never written and
+counts the allocator's caching): what sharpness holds beyond the model's own weights and the
+activations of one forward+backward; the target is ≤ 16 (the solver's ξ, ξ⁻,
 worst point and gradient in float32). The largest weight's transients in the backward (its
 gradient, its recomputed value: the tied embedding here) add a few bytes on a model this small. On a CUDA device (``--device cuda``) the peak is
 ``torch.cuda.max_memory_allocated``.
@@ -40,6 +42,39 @@ def _rss_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
+
+
+class LiveTensorBytes:
+    """Peak bytes of the tensors torch ops create while active, each counted until it and every
+    view of it are freed (a TorchDispatchMode): exact where RSS is not (untouched pages, the
+    allocator's caching), and on any device."""
+
+    def __init__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                         if hasattr(t, "untyped_storage")}
+                for t in tree_flatten(out)[0]:
+                    if hasattr(t, "untyped_storage") and t._base is None and t.numel() \
+                            and t.untyped_storage().data_ptr() not in given:
+                        n = t.untyped_storage().nbytes()
+                        tracker.live += n
+                        tracker.peak = max(tracker.peak, tracker.live)
+                        weakref.finalize(t, tracker.free, n)
+                return out
+
+        self.mode, self.live, self.peak = Mode(), 0, 0
+
+    def free(self, n: int) -> None:
+        self.live -= n
 
 
 def build(layers: int, hidden: int, dtype, device: str):
@@ -86,14 +121,17 @@ def measure(method, dtype_name, args, queue):
         base = _rss_kib("VmRSS") * 1024
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # reset the peak RSS to the current RSS
-    if method == "fwd+bwd":
-        loss = adapters.next_token_loss(model(input_ids=ids), ids)
-        loss.backward()
-    else:
-        adapters.sharpness(model, [batch], geometry=method, rho=0.01, n_iters=args.iters,
-                           loss_fn=adapters.next_token_loss, check_retraction=False)
+    tracker = LiveTensorBytes()
+    with tracker.mode:
+        if method == "fwd+bwd":
+            loss = adapters.next_token_loss(model(input_ids=ids), ids)
+            loss.backward()
+            del loss
+        else:
+            adapters.sharpness(model, [batch], geometry=method, rho=0.01, n_iters=args.iters,
+                               loss_fn=adapters.next_token_loss, check_retraction=False)
     peak = (torch.cuda.max_memory_allocated() if cuda else _rss_kib("VmHWM") * 1024) - base
-    queue.put({"peak": peak, "params": n})
+    queue.put({"peak": peak, "tensors": tracker.peak, "params": n})
 
 
 def run_one(*a):
@@ -112,22 +150,26 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    print(f"{'dtype':9s} {'method':13s} {'params':>11s} {'peak MiB':>9s} {'bytes/param':>12s}")
+    print(f"{'dtype':9s} {'method':13s} {'params':>11s} {'tensors MiB':>11s} {'bytes/param':>11s} "
+          f"{'RSS MiB':>8s} {'(RSS B/p)':>9s}")
     for dtype in args.dtypes:
         base = run_one("fwd+bwd", dtype, args)
         n = base["params"]
-        activations = base["peak"] - 4 * n
-        print(f"{dtype:9s} {'fwd+bwd fp32':13s} {n:11,d} {base['peak'] / 2**20:9.1f} "
-              f"{'(A = ' + format(activations / 2**20, '.0f') + ' MiB)':>12s}", flush=True)
+        activations = base["tensors"] - 4 * n      # the float32 gradients of the weights aside
+        rss_activations = base["peak"] - 4 * n
+        print(f"{dtype:9s} {'fwd+bwd fp32':13s} {n:11,d} {base['tensors'] / 2**20:11.1f} "
+              f"{'A=' + format(activations / 2**20, '.0f') + 'MiB':>11s} {base['peak'] / 2**20:8.1f}",
+              flush=True)
         for method in ("adaptive lean", *METHODS[1:]):
             got = run_one(method, dtype, args)
-            print(f"{dtype:9s} {method:13s} {n:11,d} {got['peak'] / 2**20:9.1f} "
-                  f"{(got['peak'] - activations) / n:12.1f}", flush=True)
+            print(f"{dtype:9s} {method:13s} {n:11,d} {got['tensors'] / 2**20:11.1f} "
+                  f"{(got['tensors'] - activations) / n:11.1f} {got['peak'] / 2**20:8.1f} "
+                  f"{(got['peak'] - rss_activations) / n:9.1f}", flush=True)
     print(f"settings: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens, "
           f"{args.iters} iterations, device {args.device}, python {sys.version.split()[0]}")
 
