@@ -3,8 +3,10 @@
 A Qwen2-shaped decoder from config (float32, random weights; ``--layers``/``--hidden``) is sharded
 with ``fully_shard`` (each decoder layer, then the root) over W CPU processes (gloo) for each W of
 ``--worlds``; every rank measures ``adapters.sharpness`` on the same batch. Printed per W and
-geometry: the largest per-rank peak RSS over the rank's loaded, sharded model (Linux VmHWM, reset
-after sharding), in MiB and in bytes per parameter of the whole model, and the ratio to W = 1.
+geometry: the largest per-rank peak of the bytes of live tensors created during the run (every
+tensor counted until it and its views are freed: FSDP2's gathered weights, the gradients, the
+solver's vectors, activations), in MiB and in bytes per parameter of the whole model, and the
+ratio to W = 1.
 What falls as 1/W: the solver's vectors and the trained-weight copy of the elementwise weights;
 what does not: the attention blocks (assembled whole on every rank), the activations, and one
 gathered layer of weights at a time.
@@ -24,14 +26,6 @@ import torch.multiprocessing as mp
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
 
 
 def _rank(rank, world, port, args, queue):
@@ -71,16 +65,16 @@ def _rank(rank, world, port, args, queue):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    import gc
-    gc.collect()
     peaks = {}
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_memory import LiveTensorBytes
+
     for geometry, layout in out.items():
-        base = _status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        adapters.sharpness(model, [batch], geometry=geometry, rho=0.05, n_iters=args.iters,
-                           layout=layout, loss_fn=adapters.next_token_loss, check_retraction=False)
-        peaks[geometry] = (_status_kib("VmHWM") - base) * 1024
+        tracker = LiveTensorBytes()
+        with tracker.mode:
+            adapters.sharpness(model, [batch], geometry=geometry, rho=0.05, n_iters=args.iters,
+                               layout=layout, loss_fn=adapters.next_token_loss, check_retraction=False)
+        peaks[geometry] = tracker.peak
     queue.put((rank, n, peaks))
     dist.barrier()
     dist.destroy_process_group()
