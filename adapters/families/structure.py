@@ -1,5 +1,5 @@
 """Structural helpers shared by the families, and the toolkit for writing your own
-(:class:`~quotient_manifolds.adapters.Family`, see the ``adapters.families`` package docstring).
+(:class:`~quotient_manifolds.adapters.families.Family`, see the ``adapters.families`` package docstring).
 
 * projections: :func:`projection` reads an ``nn.Linear`` / HF ``Conv1D`` child (seeing through peft
   LoRA wrappers) as a :class:`Projection`; :class:`Heads` selects its heads inside a packed one;
@@ -285,7 +285,7 @@ def _rows(pieces: Sequence[FactorPiece], shapes: Dict[str, tuple]) -> int:
 def make_block(module: str, kind: str, family: str, g: List[FactorPiece], h: List[FactorPiece],
                shapes: Dict[str, tuple], group: Group = FULL_GL, name: Optional[str] = None,
                group_source: str = "") -> GLBlock:
-    """The :class:`~quotient_manifolds.adapters.GLBlock` ``(G, H)`` of ``module`` with factor pieces
+    """The :class:`~quotient_manifolds.adapters.blocks.GLBlock` ``(G, H)`` of ``module`` with factor pieces
     ``g`` and ``h``, acted on by ``(G A, H A⁻ᵀ)`` with ``A`` in ``group`` per head; ``n`` and ``m`` are
     the rows per head of the pieces at parameter ``shapes``.  Named ``<module>/<kind>`` unless
     ``name``; checked against ``shapes`` (``GLBlock.validate``)."""
