@@ -42,7 +42,7 @@ from .derive import derive_groups, detach_inputs, with_blocks
 from .detection import layout as detect_layout
 from .layouts import Layout, Unsupported
 from .verified import is_verified, record_verification
-from .verify import SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs
+from .verify import OutputNotFound, SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs
 
 __all__ = ["accept_layout", "accept_checked", "checked_layout", "ensure_verified", "is_verified",
            "record_verification", "refuse_failed_blocks", "resolve_layout", "verification_pending"]
@@ -92,9 +92,7 @@ def ensure_verified(model: nn.Module, layout: Optional[Layout], example_inputs: 
     try:
         return layout.verify(model, example_inputs, per_block="auto", raise_on_failure=False,
                              rtol=_auto_rtol(model))
-    except TypeError as err:
-        if "output tensor" not in str(err):
-            raise
+    except OutputNotFound as err:
         raise ValueError(
             f"{what}: the layout's blocks must be verified before a geodesic value is computed, and "
             f"automatic verification cannot find the output tensor of {type(model).__name__} ({err}). "
