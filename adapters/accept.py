@@ -115,9 +115,10 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
     This is what the geodesic entry points do with a layout they detect themselves (``layout=None``);
     call it to see the layout they use: ``print(adapters.accept_layout(model, adapters.layout(model),
     inputs)[0])`` shows each block's group and how it was found (``GLBlock.group_source``)."""
-    from . import validation as check
+    if not isinstance(model, nn.Module):       # refused with the message of every entry point
+        from . import validation as check
 
-    check.module("model", model)
+        check.module("model", model)
     if not isinstance(layout, Layout):
         raise TypeError(f"{what}: layout must be a Layout (e.g. adapters.layout(model)), got "
                         f"{type(layout).__name__}")

@@ -38,6 +38,8 @@ def trace(model, batches):
     stops = []
 
     def module_of(filename):
+        if filename.startswith("<"):           # code generated at run time (dataclass __init__)
+            return None
         path = pathlib.Path(filename).resolve()
         for base in (root, package):
             if base in path.parents:
