@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from quotient_manifolds import adapters
+from quotient_manifolds.adapters import SymmetryError
 from quotient_manifolds.adapters.families.rotary_probe import probe_rotary, read_pairing
 
 transformers = pytest.importorskip("transformers")
@@ -113,8 +114,14 @@ def _acted(model, qk=None, vo=None):
 
 
 def _readme_workflow(model, ids, batches):
+    """The README's lines: layout, verify (which raises SymmetryError on a failing block, saying what
+    to call next), sharpness(..., layout=layout)."""
     lay = adapters.layout(model)
-    report = lay.verify(model, ids, raise_on_failure=False)
+    try:
+        report = lay.verify(model, ids)
+    except SymmetryError as err:
+        assert str(err).splitlines()[-1] == err.report.next_step
+        report = err.report
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         value = adapters.sharpness(model, batches, layout=lay, **KW).value
