@@ -4,20 +4,18 @@ unverified block.
 A block is a symmetry of the model when acting on it with elements of its group leaves the output
 unchanged; :meth:`~quotient_manifolds.adapters.Layout.verify` checks this with random, ill-conditioned
 elements of each block's *own* group (``group.random_element``) at several scales.  The geodesic
-entry points (:func:`~quotient_manifolds.adapters.sharpness`, :func:`~quotient_manifolds.adapters.sharpness_sweep`,
-:class:`~quotient_manifolds.adapters.sam.GeodesicSAM`, :func:`~quotient_manifolds.adapters.hessian.riemannian_hessian`) call
-:func:`ensure_verified` on the first batch before they use a layout, whether it was detected or
+entry points reach this module through one gate (:class:`~quotient_manifolds.adapters.gate.Gate`), which
+calls :func:`accept_layout` on the first batch before they use a layout, whether it was detected or
 passed in:
 
 * a layout that already passed ``verify`` on this model (explicitly, or automatically before) is
   used at no extra cost;
-* otherwise ``verify`` runs once (all blocks together at five scales; block by block only when that
+* otherwise ``verify`` runs once (all blocks together at five scales, bisected only when that
   fails, to name the culprit: six forward passes when it passes) and its result is remembered;
-* a failing block of a layout the entry point detected itself (``layout=None``) gets its group
-  derived from the model (:func:`accept_layout`: the candidate is replaced, the layout verified
-  again; what still fails is removed and reported with a warning);
-* a failing block of a layout passed in is refused with the verify report (``unsafe=True`` runs
-  anyway, with a warning, as before).
+* the failing blocks get their group derived from the model (:func:`accept_layout`: the candidate
+  is replaced, the layout verified again); what still fails is removed and reported with a warning;
+* the gate refuses a layout passed in of which no block verifies (:func:`refuse_failed_blocks`;
+  ``unsafe=True`` runs a layout whose last verification failed as it is, with a warning).
 
 The record of what passed (:mod:`~quotient_manifolds.adapters.verified`) is kept per model, by a
 signature of what a verification depends on: the layout's blocks (by value: a layout detected
@@ -42,10 +40,10 @@ from .derive import derive_groups, detach_inputs, with_blocks
 from .detection import layout as detect_layout
 from .layouts import Layout, Unsupported
 from .verified import is_verified, record_verification
-from .verify import SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs
+from .verify import OutputNotFound, SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs
 
-__all__ = ["accept_layout", "accept_checked", "checked_layout", "ensure_verified", "is_verified",
-           "record_verification", "refuse_failed_blocks", "resolve_layout", "verification_pending"]
+__all__ = ["accept_layout", "ensure_verified", "is_verified", "record_verification", "refuse_failed_blocks",
+           "resolve_layout"]
 
 
 def resolve_layout(model: nn.Module, layout: Optional[Layout], *, what: str, allow_unsupported: bool = False,
@@ -92,9 +90,7 @@ def ensure_verified(model: nn.Module, layout: Optional[Layout], example_inputs: 
     try:
         return layout.verify(model, example_inputs, per_block="auto", raise_on_failure=False,
                              rtol=_auto_rtol(model))
-    except TypeError as err:
-        if "output tensor" not in str(err):
-            raise
+    except OutputNotFound as err:
         raise ValueError(
             f"{what}: the layout's blocks must be verified before a geodesic value is computed, and "
             f"automatic verification cannot find the output tensor of {type(model).__name__} ({err}). "
@@ -117,9 +113,10 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
     This is what the geodesic entry points do with a layout they detect themselves (``layout=None``);
     call it to see the layout they use: ``print(adapters.accept_layout(model, adapters.layout(model),
     inputs)[0])`` shows each block's group and how it was found (``GLBlock.group_source``)."""
-    from . import validation as check
+    if not isinstance(model, nn.Module):       # refused with the message of every entry point
+        from . import validation as check
 
-    check.module("model", model)
+        check.module("model", model)
     if not isinstance(layout, Layout):
         raise TypeError(f"{what}: layout must be a Layout (e.g. adapters.layout(model)), got "
                         f"{type(layout).__name__}")
@@ -173,44 +170,11 @@ def refuse_failed_blocks(layout: Optional[Layout], *, unsafe: bool, what: str, c
     detail = f"\n{report}" if report is not None else ""
     raise _Refused(
         f"{what}: block(s) {failed} of the layout are not symmetries of the model (the output changes "
-        f"under random elements of their group): {consequence}. Inspect them with "
-        f"layout.verify(model, inputs); let adapters.accept_layout(model, layout, inputs) derive the "
-        f"groups the model really has (what sharpness does with a layout it detects itself, layout=None); "
+        f"under random elements of their group, nor of a group derived from the model): {consequence}. "
+        f"Inspect them with layout.verify(model, inputs) and adapters.accept_layout(model, layout, inputs); "
         f"fix their declaration (group=, num_kv_heads=, offsets) or "
         f"leave them out of the layout (adapters.layout(model, blocks=..., detect_blocks=False)), use "
         f"geometry='adaptive', or pass unsafe=True to run anyway{detail}", report)
-
-
-def checked_layout(model: nn.Module, layout: Optional[Layout], *, what: str, consequence: str, unsafe: bool,
-                   allow_unsupported: bool = False, include_frozen: bool = False, stacklevel: int = 3) -> Layout:
-    """The pre-run check of a geodesic entry point: :func:`resolve_layout`, then a failure known from
-    the layout's last verification on this model refused before any work (:func:`refuse_failed_blocks`;
-    a layout not verified yet is verified on the first batch, :func:`accept_checked`).  ``stacklevel``
-    is that of the warning as if the caller issued it."""
-    layout = resolve_layout(model, layout, what=what, allow_unsupported=allow_unsupported,
-                            include_frozen=include_frozen)
-    if not is_verified(model, layout):
-        refuse_failed_blocks(layout, unsafe=unsafe, what=what, consequence=consequence, stacklevel=stacklevel + 1)
-    return layout
-
-
-def verification_pending(layout: Layout, *, unsafe: bool) -> bool:
-    """Whether a geodesic entry point verifies ``layout`` on its first batch (:func:`accept_checked`):
-    always, except a layout whose last verification failed, which ``unsafe=True`` runs as it is."""
-    return not (unsafe and layout.verify_failed)
-
-
-def accept_checked(model: nn.Module, layout: Layout, example_inputs: Any, *, what: str, consequence: str,
-                   unsafe: bool, derive: bool, stacklevel: int = 3) -> Layout:
-    """The layout a geodesic entry point uses on the first batch's inputs: :func:`accept_layout`
-    (``derive`` for a layout the entry point detected itself), then the blocks that still fail
-    refused with the verify report (:func:`refuse_failed_blocks`; ``unsafe=True`` warns).
-    ``stacklevel`` is that of the warnings as if the caller called these two itself."""
-    layout, report = accept_layout(model, layout, example_inputs, what=what, derive=derive,
-                                   stacklevel=stacklevel + 1)
-    refuse_failed_blocks(layout, unsafe=unsafe, what=what, consequence=consequence, report=report,
-                         stacklevel=stacklevel + 1)
-    return layout
 
 
 class _Refused(SymmetryError, ValueError):

@@ -15,7 +15,7 @@ space at the trained weights w⁽⁰⁾ (all metrics are taken at w⁽⁰⁾, do
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -34,21 +34,52 @@ Tangent = List[Tensor]
 ADAPTIVE_DIRECTIONS: Tuple[str, ...] = ("riemannian", "andriushchenko")
 
 # ---------------------------------------------------------------------------------- components
-#
-# Besides the geometry (zeros, inner, project, rgrad, point, random), every component implements the
-# solver protocol used by :func:`auto_pgd`, which works in place on buffers owned by the run, in
-# linear coordinates of the tangent space of the component's choice (the elementwise one: ξ/w):
-#
-#   to_coords(ξ, out), from_coords_(u) -> ξ         tangent vector ↔ coordinates (in place)
-#   leaf_point(u, need_grad) -> (inputs, point)   the point for the closure and the tensors whose
-#                                                  gradients give the gradient w.r.t. u
-#   gradient(grads, u)       -> (g, ‖g‖², ⟨g, u⟩)  the Riemannian gradient g at u, in any form
-#                                                  ``combine`` understands (grads may be consumed)
-#   combine(out, u, v, c, b, g) -> ‖out‖²          out ← u + c·v + b·g  (out may be v, never u)
-#   scale_(u, a)                                   u ← a·u
-#
-# Scalars (‖·‖², ⟨·,·⟩, the coefficients c, b, a) are 0-d float64 tensors: the solver's only host
-# sync per iteration is the loss.
+class BallComponent(Protocol):
+    """What :class:`ProductBall` and :func:`auto_pgd` need of one component of the ball
+    (:class:`QuotientComponent`, :class:`ElementwiseComponent`).
+
+    The geometry at the fixed point: ``zeros``, ``inner``, ``project``, ``rgrad``, ``random`` and
+    ``point`` (the weights at a tangent vector ξ; ``retraction`` / ``exact_steps`` override a
+    quotient component's retraction, an elementwise one keeps its own; ``out`` may receive the
+    point).  Then the solver protocol, which works in place on buffers owned by the run, in linear
+    coordinates of the tangent space of the component's choice (the elementwise one: ξ/w):
+
+    * ``to_coords(ξ, out)``, ``from_coords_(u) -> ξ``: tangent vector ↔ coordinates (in place);
+    * ``leaf_point(u, need_grad) -> (inputs, point)``: the point for the closure and the tensors
+      whose gradients give the gradient w.r.t. u;
+    * ``gradient(grads, u) -> (g, ‖g‖², ⟨g, u⟩)``: the Riemannian gradient g at u, in any form
+      ``combine`` understands (grads may be consumed; a streaming component's point filled g during
+      the backward pass, and its grads are None);
+    * ``combine(out, u, v, c, b, g) -> ‖out‖²``: out ← u + c·v + b·g (out may be v, never u);
+    * ``scale_(u, a)``: u ← a·u.
+
+    Scalars (‖·‖², ⟨·,·⟩, the coefficients c, b, a) are 0-d float64 tensors: the solver's only host
+    sync per iteration is the loss."""
+
+    def zeros(self) -> Tensor: ...
+
+    def inner(self, u: Tensor, v: Tensor) -> Tensor: ...
+
+    def project(self, u: Tensor) -> Tensor: ...
+
+    def rgrad(self, egrad: Tensor) -> Tensor: ...
+
+    def random(self, generator: Optional[torch.Generator]) -> Tensor: ...
+
+    def point(self, xi: Tensor, retraction: Optional[str] = None, exact_steps: Optional[int] = None, *,
+              out: Optional[Tensor] = None) -> Tensor: ...
+
+    def to_coords(self, xi: Tensor, out: Tensor) -> None: ...
+
+    def from_coords_(self, u: Tensor) -> Tensor: ...
+
+    def leaf_point(self, u: Tensor, need_grad: bool) -> Tuple[List[Tensor], Tensor]: ...
+
+    def gradient(self, grads: List[Optional[Tensor]], u: Tensor) -> Tuple[Any, Tensor, Tensor]: ...
+
+    def combine(self, out: Tensor, u: Tensor, v: Optional[Tensor], c: Tensor, b: Tensor, g: Any) -> Tensor: ...
+
+    def scale_(self, u: Tensor, a: Tensor) -> None: ...
 
 
 class _RecomputedPoint(torch.autograd.Function):
@@ -122,11 +153,13 @@ class QuotientComponent:
                 return self.frame.project(egrad * self.elementwise_rgrad)
             return self.frame.egrad2rgrad(egrad)
 
-    def point(self, xi: Tensor, retraction: Optional[str] = None,
-              exact_steps: Optional[int] = None) -> Tensor:
-        """The retraction of ξ at x0 (the component's own, or ``retraction`` to compare)."""
+    def point(self, xi: Tensor, retraction: Optional[str] = None, exact_steps: Optional[int] = None, *,
+              out: Optional[Tensor] = None) -> Tensor:
+        """The retraction of ξ at x0 (the component's own, or ``retraction`` to compare), written
+        into ``out`` when given."""
         with bounded_threads(self.threads):
-            return self.frame.retract(xi, retraction or self.retraction, exact_steps=exact_steps)
+            moved = self.frame.retract(xi, retraction or self.retraction, exact_steps=exact_steps)
+        return moved if out is None else out.copy_(moved)
 
     def random(self, generator: Optional[torch.Generator]) -> Tensor:
         u = torch.randn(self.x0.shape, dtype=self.dtype, device=self.x0.device,
@@ -455,8 +488,10 @@ class ElementwiseComponent:
             return torch.addcmul(w.to(self.dtype), w, r, out=out)
         return torch.addcmul(w, w, r, out=out)
 
-    def point(self, xi: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        """w + ξ, or with ``second_order`` the second-order geodesic of the elementwise metric
+    def point(self, xi: Tensor, retraction: Optional[str] = None, exact_steps: Optional[int] = None, *,
+              out: Optional[Tensor] = None) -> Tensor:
+        """w + ξ (``retraction`` and ``exact_steps`` concern the quotient components: this one keeps
+        its own, :class:`BallComponent`), or with ``second_order`` the second-order geodesic of the elementwise metric
         Σ ξ²/w², w + ξ − ½Γ(ξ, ξ) = w + ξ + ξ²/(2w) (Γ^w_ww = −1/w; docs/maths.md §10, §12.10).
         Differentiable in ξ; ``out`` (may be ``xi`` itself) receives the point without a
         full-size temporary. The solver fills a reused buffer instead (:meth:`leaf_point`)."""
@@ -659,8 +694,8 @@ class ProductBall:
         """Ball points → weights; ``retraction`` (and ``exact_steps``) override the quotient
         components' retraction (e.g. ``"exact"`` to check a second-order step). ``consume=True``
         writes the elementwise points into ``xi`` itself (no full-size copy; ``xi`` is lost)."""
-        return [c.point(a, retraction, exact_steps) if isinstance(c, QuotientComponent)
-                else c.point(a, out=a if consume else None) for c, a in zip(self.components, xi)]
+        return [c.point(a, retraction, exact_steps, out=a if consume and isinstance(c, ElementwiseComponent) else None)
+                for c, a in zip(self.components, xi)]
 
     @property
     def has_quotients(self) -> bool:

@@ -1,5 +1,5 @@
 """Blocks declared by hand (:func:`declare_block`): a Q/K or V/O block from projection paths, or from
-raw :class:`~quotient_manifolds.adapters.FactorPiece` objects, for attention that detection does not know."""
+raw :class:`~quotient_manifolds.adapters.blocks.FactorPiece` objects, for attention that detection does not know."""
 
 from __future__ import annotations
 

@@ -129,7 +129,8 @@ def detect(model: nn.Module, *, families: Optional[Sequence[Family]] = None) -> 
     """Detected GL blocks, unsupported attention-like modules (or parts ``"<module>/qk"``) and
     notes of ``model``, using ``families`` (default: the registry ``adapters.families.FAMILIES``).
     Nothing is modified."""
-    check.module("model", model)
+    if not isinstance(model, nn.Module):       # refused with the message of every entry point
+        check.module("model", model)
     families = list(FAMILIES if families is None else families)
     ctx = Context.of(model)
     claimed: List[Tuple[str, bool]] = []          # (module path, claimed by a nested family)

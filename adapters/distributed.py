@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from . import validation as check
-from .accept import resolve_layout
+from .gate import Gate
 from .ball import GEOMETRY_TABLE
 from .options import sharpness_options
 from .worst_case import SharpnessResult, sharpness
@@ -58,9 +58,11 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
     if GEOMETRY_TABLE[geometry].geodesic:
         # resolved (detected, or checked to belong to the model) once, on every rank alike, before
         # any rank measures or waits for the others
-        options["layout"] = resolve_layout(model, options.get("layout"), what=f"distributed {geometry} sharpness",
-                                           allow_unsupported=resolved["allow_unsupported"],
-                                           include_frozen=resolved["include_frozen"])
+        # (the gate of adapters.gate: every rank's sharpness call then accepts it on its first batch)
+        options["layout"] = Gate(model, options.get("layout"), geometry=geometry,
+                                 what=f"distributed {geometry} sharpness", consequence="the value would be meaningless",
+                                 allow_unsupported=resolved["allow_unsupported"],
+                                 include_frozen=resolved["include_frozen"]).layout
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     rows = []
     for index, batch in itertools.islice(enumerate(batches), rank, None, world):

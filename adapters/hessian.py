@@ -3,7 +3,7 @@ operator for curvlinops (trace, top eigenvalues, spectral density).
 
 Setting
 -------
-The coordinates are those of the sharpness ball (:func:`~quotient_manifolds.adapters.build_ball`, docs/maths.md
+The coordinates are those of the sharpness ball (:func:`~quotient_manifolds.adapters.ball.build_ball`, docs/maths.md
 §6.2–§6.3) at the trained weights w⁰: per quotient component c the stacked block heads
 x_c = [G; H] ∈ R^{B_c×(n+m)×h}, and one flat vector w of every other trainable weight. The total
 space carries the product metric

@@ -346,7 +346,7 @@ class Layout:
 
         ``example_inputs``: a tensor, a tuple/list of positional arguments, or a dict of keyword
         arguments.  The compared tensor is ``output_fn(output)`` or
-        :func:`~quotient_manifolds.adapters.primary_output` (``logits``, ``last_hidden_state`` or the
+        :func:`~quotient_manifolds.adapters.verify.primary_output` (``logits``, ``last_hidden_state`` or the
         first tensor).
 
         Deviation ``max|y' - y| / max|y|``; a check passes when ``max|y' - y| <= atol + rtol * max|y|``.

@@ -3,8 +3,7 @@ when built, and the radius ``rho`` (:func:`as_rho`)."""
 
 from __future__ import annotations
 
-import math
-import numbers
+import inspect
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -16,7 +15,8 @@ from . import validation as check
 from .ball import ADAPTIVE_DIRECTIONS, GEOMETRY_TABLE, Geometry, geometry_of, gram_eps_of
 from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS
 
-__all__ = ["MEASURES", "SharpnessOptions", "SHARPNESS_OPTION_NAMES", "sharpness_options", "as_rho"]
+__all__ = ["MEASURES", "SharpnessOptions", "SHARPNESS_OPTION_NAMES", "OPTION_DOCS", "document_options",
+           "sharpness_options", "as_rho"]
 
 Tensor = torch.Tensor
 
@@ -120,3 +120,99 @@ def as_rho(rho: Any, name: str = "rho") -> float:
     """``rho`` (the argument ``name``) as a float: Python / numpy scalars and 0-d arrays or tensors;
     finite and > 0."""
     return check.radius(rho, name)
+
+
+#: The documentation of each option of :func:`~quotient_manifolds.adapters.sharpness`: the one source of
+#: its docstring's entries (:func:`document_options`) and of the dataclass's fields' order.
+OPTION_DOCS: Dict[str, str] = {
+    'geometry': (
+        '``"geodesic-mix"`` (default), ``"geodesic-inv"`` (attention blocks on the GL(h)\n'
+        'quotient with that metric, everything else adaptive) or ``"adaptive"`` (elementwise\n'
+        'c = |w| everywhere, Andriushchenko et al. / Kwon et al.).'),
+    'n_iters': (
+        'Auto-PGD iterations (one forward + one backward each).'),
+    'retraction': (
+        '``"second_order"`` (x + ξ − ½Γ(ξ,ξ), default), ``"first_order"`` (x + ξ: the\n'
+        'ablation "no second-order correction"), or ``"exact"`` (geodesic ODE).'),
+    'loss_fn': (
+        '``loss_fn(outputs, targets)``; default mean cross-entropy on the logits for\n'
+        "``(inputs, targets)`` batches, the model's ``outputs.loss`` for dict batches."),
+    'measure': (
+        '``"worst"`` (Auto-PGD) or ``"average"`` (mean over ``n_samples`` random horizontal\n'
+        'directions on the sphere of radius rho; seeded by ``seed``).'),
+    'n_samples': (
+        'random directions of ``measure="average"`` (default 10).'),
+    'gram_eps': (
+        'Gram relaxation GᵀG + εI of the quotient metrics (docs/maths.md §6.4).'),
+    'use_metric_norm': (
+        'False = ablation "no corrected norm": the GL blocks are measured with the\n'
+        'elementwise adaptive norm (docs/maths.md §7.3).'),
+    'momentum': (
+        '``"apgd"`` (paper Alg. 1), ``"andriushchenko"`` (their code), ``"none"``.'),
+    'step_normalisation': (
+        '``"metric"`` (step of metric length η) or ``"none"``.'),
+    'adaptive_direction': (
+        '``"riemannian"`` (∇⊙w², paper Alg. 1 line 12) or ``"andriushchenko"``\n'
+        '(∇⊙|w|, their code).'),
+    'elementwise_second_order': (
+        'also move the non-attention weights along the second-order geodesic\n'
+        'w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).'),
+    'normalize_logits': (
+        "apply Andriushchenko et al.'s logit normalisation before the loss."),
+    'step_size_mult': (
+        "multiplies Auto-PGD's initial step size (default 1)."),
+    'layout': (
+        'a precomputed :class:`~quotient_manifolds.adapters.Layout` of this model (one built for another model —\n'
+        'other parameters, shapes or head counts — is refused), or detected from the model (default).\n'
+        'Either way it is accepted on the first batch (:class:`~quotient_manifolds.adapters.gate.Gate`): a\n'
+        'layout that passed ``verify`` is used as it is; blocks whose group fails verification get the\n'
+        'group derived from the model (e.g. R₊·SO(h) for L2-normalised q and k; a warning says so for\n'
+        'a layout passed in), what still fails is treated elementwise, with a warning; a layout passed\n'
+        'in of which no block verifies is refused.'),
+    'allow_unsupported': (
+        'run even if the layout reports unsupported attention modules (they are\n'
+        'then treated adaptively) or none at all.'),
+    'unsafe': (
+        "run a geodesic geometry even if the layout's last ``verify`` found blocks that are not\n"
+        'symmetries of the model (``layout.verify_failed``); the value is then not meaningful.'),
+    'seed': (
+        'seed of the random directions of ``measure="average"``.'),
+    'progress': (
+        'show a progress bar over the Auto-PGD iterations (samples for ``"average"``) of all\n'
+        'batches.'),
+    'num_threads': (
+        "at most this many intra-op threads during the run; torch's setting is restored\n"
+        'afterwards (default: 1 for models with at most ``SMALL_MODEL_PARAMS`` parameters, whose tiny\n'
+        'ops lose more to thread synchronisation than they gain, 60x so on a loaded machine;\n'
+        "torch's setting otherwise)."),
+    'include_frozen': (
+        'also perturb parameters with ``requires_grad=False`` (e.g. the base weights of\n'
+        'a LoRA model; default: frozen weights stay fixed and out of the ball).'),
+    'check_retraction': (
+        'with ``retraction="second_order"``, evaluate the loss once more at the exact\n'
+        'geodesic of the worst perturbation and record the relative gap of the two sharpness values\n'
+        '(``result.retraction_gaps``); warn when it exceeds ``retraction_tolerance`` (the\n'
+        'second-order step is then outside its range of validity: at large rho, especially for the\n'
+        'mix metric where GᵀG or HᵀH have small singular values; use ``retraction="exact"`` or a\n'
+        'smaller rho). One forward pass and one geodesic integration per batch.'),
+    'retraction_tolerance': (
+        'relative gap beyond which ``check_retraction`` warns (default 0.1).'),
+}
+
+
+def document_options(fn):
+    """Decorator of an entry point ``fn(model, batches, *, rho, **options)`` whose ``options`` go
+    straight into :class:`SharpnessOptions`: its signature (``inspect.signature``, ``help``, the API
+    docs) lists every option with its default after ``rho``, and the line ``{options}`` of its
+    docstring becomes their entries (:data:`OPTION_DOCS`).  The dataclass is the one definition of
+    the options; nothing is written twice."""
+    signature = inspect.signature(fn)
+    fixed = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in fields(SharpnessOptions)]
+    # the order of the keywords as they were written: geometry first, then rho, then the others
+    fn.__signature__ = signature.replace(parameters=[p for p in fixed if p.name != "rho"] + options[:1]
+                                         + [p for p in fixed if p.name == "rho"] + options[1:])
+    entries = "\n".join(f"    {name}: " + doc.replace("\n", "\n        ") for name, doc in OPTION_DOCS.items())
+    fn.__doc__ = fn.__doc__.replace("    {options}", entries)
+    return fn

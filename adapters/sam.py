@@ -31,7 +31,7 @@ representative. SAM perturbs a different function for every representative, ASAM
 beyond elementwise rescalings. Only the ascent is equivariant: the descent is the base
 optimizer's own (SGD or AdamW on the representative are not GL-equivariant).
 
-The ball is rebuilt from the current weights at every step (one :func:`~quotient_manifolds.adapters.build_ball`
+The ball is rebuilt from the current weights at every step (one :func:`~quotient_manifolds.adapters.ball.build_ball`
 call: a few batched h×h factorisations per block shape); the layout of the model is found once.
 """
 

@@ -20,6 +20,7 @@ from quotient_manifolds.core.gl import check_choice
 
 from .components import (  # noqa: F401  (served here too: the solver's vocabulary)
     ADAPTIVE_DIRECTIONS,
+    BallComponent,
     CHUNK,
     ElementwiseComponent,
     ProductBall,

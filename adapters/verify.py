@@ -17,7 +17,7 @@ from .blocks import GLBlock
 from .evaluation import eval_mode, split_inputs
 from .validation import positive_finite, positive_finite_sequence
 
-__all__ = ["VerifyReport", "BlockCheck", "SymmetryError", "default_tolerance", "primary_output", "verify_layout",
+__all__ = ["VerifyReport", "BlockCheck", "SymmetryError", "OutputNotFound", "default_tolerance", "primary_output", "verify_layout",
            "TOLERANCE_FACTOR", "Checkable"]
 
 
@@ -35,6 +35,11 @@ class Checkable(Protocol):
                        dtype: torch.dtype = torch.float64) -> Dict[str, Tensor]: ...
 
     def act(self, params: Mapping[str, Tensor], actions: Mapping[str, Tensor]) -> Dict[str, Tensor]: ...
+
+
+class OutputNotFound(TypeError):
+    """No output tensor to compare was found in the model's output (:func:`primary_output`): pass
+    ``output_fn=`` to ``Layout.verify``."""
 
 
 class SymmetryError(AssertionError):
@@ -167,7 +172,7 @@ def primary_output(out: Any) -> Tensor:
             if isinstance(v, (tuple, list, Mapping)):
                 try:
                     return primary_output(v)
-                except TypeError:
+                except OutputNotFound:
                     pass
     if isinstance(out, (tuple, list)):
         for v in out:
@@ -176,9 +181,9 @@ def primary_output(out: Any) -> Tensor:
         for v in out:
             try:
                 return primary_output(v)
-            except TypeError:
+            except OutputNotFound:
                 pass
-    raise TypeError(f"cannot find an output tensor in a {type(out).__name__}; pass output_fn=")
+    raise OutputNotFound(f"cannot find an output tensor in a {type(out).__name__}; pass output_fn=")
 
 
 def verify_layout(layout: Checkable, model: nn.Module, example_inputs, *,

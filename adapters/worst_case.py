@@ -24,11 +24,7 @@ import torch
 
 from quotient_manifolds._runtime import bounded_threads
 
-from .ball import (  # GEOMETRIES and build_ball are served here too (the adapters' public names)
-    GEOMETRIES,
-    build_ball,
-    gram_eps_of,
-)
+from .ball import GEOMETRIES, build_ball  # GEOMETRIES is served here too
 from .solver import APGDResult, ProductBall, auto_pgd, average_case
 from . import validation as check
 from .evaluation import (HALF_DTYPES, ModelClosure, as_compute, class_targets_fit, eval_mode, split_batch,
@@ -36,7 +32,7 @@ from .evaluation import (HALF_DTYPES, ModelClosure, as_compute, class_targets_fi
 from .gate import PreRun, pre_run_checks
 from .losses import default_loss, logits_of, next_token_loss, normalize_logits
 from .memory import explained_out_of_memory
-from .options import MEASURES, SHARPNESS_OPTION_NAMES, SharpnessOptions, as_rho, sharpness_options
+from .options import MEASURES, SHARPNESS_OPTION_NAMES, SharpnessOptions, as_rho, document_options, sharpness_options
 from .sharded import is_sharded, run_sharded
 from .validation import materialised
 
@@ -97,19 +93,9 @@ class SharpnessResult:
 
 
 
-def sharpness(model: torch.nn.Module,
-              batches: Iterable[Union[Tuple[Any, Any], Mapping[str, Any]]], *,
-              geometry: str = "geodesic-mix", rho: float, n_iters: int = 20,
-              retraction: str = "second_order", loss_fn: Optional[Callable] = None,
-              measure: str = "worst", n_samples: int = 10, gram_eps: float = 0.0,
-              use_metric_norm: bool = True, momentum: str = "apgd",
-              step_normalisation: str = "metric", adaptive_direction: str = "riemannian",
-              elementwise_second_order: bool = False, normalize_logits: bool = False,
-              step_size_mult: float = 1.0, layout=None,
-              allow_unsupported: bool = False, unsafe: bool = False, seed: int = 0,
-              progress: bool = False, num_threads: Optional[int] = None,
-              include_frozen: bool = False, check_retraction: bool = True,
-              retraction_tolerance: float = 0.1, eps: Optional[float] = None) -> SharpnessResult:
+@document_options
+def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], Mapping[str, Any]]], *,
+              rho: float, **options: Any) -> SharpnessResult:
     r"""Worst-case (Auto-PGD) or average-case sharpness of ``model`` on ``batches``.
 
     Parameters
@@ -126,70 +112,21 @@ def sharpness(model: torch.nn.Module,
           ``loss_fn(outputs, batch["labels"])`` when ``loss_fn`` is given, else the model's own
           ``outputs.loss``. For causal LMs ``loss_fn=next_token_loss`` is the shifted next-token
           cross-entropy, the loss HF computes from ``labels``.
-    geometry: ``"geodesic-mix"`` (default), ``"geodesic-inv"`` (attention blocks on the GL(h)
-        quotient with that metric, everything else adaptive) or ``"adaptive"`` (elementwise
-        c = |w| everywhere, Andriushchenko et al. / Kwon et al.).
     rho: radius of the ball in the combined norm (docs/maths.md §6.3): a finite number > 0 (a Python or
         numpy scalar or a 0-d array / tensor). Not comparable across geometries: mix is not
         scale-free (docs/maths.md §12.14).
-    n_iters: Auto-PGD iterations (one forward + one backward each).
-    retraction: ``"second_order"`` (x + ξ − ½Γ(ξ,ξ), default), ``"first_order"`` (x + ξ: the
-        ablation "no second-order correction"), or ``"exact"`` (geodesic ODE).
-    loss_fn: ``loss_fn(outputs, targets)``; default mean cross-entropy on the logits for
-        ``(inputs, targets)`` batches, the model's ``outputs.loss`` for dict batches.
-    measure: ``"worst"`` (Auto-PGD) or ``"average"`` (mean over ``n_samples`` random horizontal
-        directions on the sphere of radius rho; seeded by ``seed``).
-    gram_eps: Gram relaxation GᵀG + εI of the quotient metrics (docs/maths.md §6.4).
-    use_metric_norm: False = ablation "no corrected norm": the GL blocks are measured with the
-        elementwise adaptive norm (docs/maths.md §7.3).
-    momentum: ``"apgd"`` (paper Alg. 1), ``"andriushchenko"`` (their code), ``"none"``.
-    step_normalisation: ``"metric"`` (step of metric length η) or ``"none"``.
-    adaptive_direction: ``"riemannian"`` (∇⊙w², paper Alg. 1 line 12) or ``"andriushchenko"``
-        (∇⊙|w|, their code).
-    elementwise_second_order: also move the non-attention weights along the second-order geodesic
-        w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).
-    normalize_logits: apply Andriushchenko et al.'s logit normalisation before the loss.
-    layout: a precomputed :class:`~quotient_manifolds.adapters.Layout` of this model (one built for another model —
-        other parameters, shapes or head counts — is refused), or detected from the model (default).
-        Either way it is accepted on the first batch (:class:`~quotient_manifolds.adapters.gate.Gate`): a
-        layout that passed ``verify`` is used as it is; blocks whose group fails verification get the
-        group derived from the model (e.g. R₊·SO(h) for L2-normalised q and k; a warning says so for
-        a layout passed in), what still fails is treated elementwise, with a warning; a layout passed
-        in of which no block verifies is refused.
-    allow_unsupported: run even if the layout reports unsupported attention modules (they are
-        then treated adaptively) or none at all.
-    unsafe: run a geodesic geometry even if the layout's last ``verify`` found blocks that are not
-        symmetries of the model (``layout.verify_failed``); the value is then not meaningful.
-    progress: show a progress bar over the Auto-PGD iterations (samples for ``"average"``) of all
-        batches.
-    num_threads: at most this many intra-op threads during the run; torch's setting is restored
-        afterwards (default: 1 for models with at most ``SMALL_MODEL_PARAMS`` parameters, whose tiny
-        ops lose more to thread synchronisation than they gain, 60x so on a loaded machine;
-        torch's setting otherwise).
-    include_frozen: also perturb parameters with ``requires_grad=False`` (e.g. the base weights of
-        a LoRA model; default: frozen weights stay fixed and out of the ball).
-    check_retraction: with ``retraction="second_order"``, evaluate the loss once more at the exact
-        geodesic of the worst perturbation and record the relative gap of the two sharpness values
-        (``result.retraction_gaps``); warn when it exceeds ``retraction_tolerance`` (the
-        second-order step is then outside its range of validity: at large rho, especially for the
-        mix metric where GᵀG or HᵀH have small singular values; use ``retraction="exact"`` or a
-        smaller rho). One forward pass and one geodesic integration per batch.
+    {options}
     eps: the former name of ``gram_eps`` (deprecated: it warns, and will be removed).
+
+    The options (all but ``model``, ``batches`` and ``rho``) are the fields of
+    :class:`~quotient_manifolds.adapters.options.SharpnessOptions`, checked before any work: an
+    unknown name or an out-of-range value is refused, naming it.
 
     For sharpness as a function of rho use :func:`sharpness_sweep`: it warm-starts each radius
     from the worst point of the previous one, so a larger ball never returns a smaller maximum.
     """
-    gram_eps = gram_eps_of(gram_eps, eps)
     rho = as_rho(rho)
-    options = SharpnessOptions(
-        geometry=geometry, n_iters=n_iters, retraction=retraction, loss_fn=loss_fn, measure=measure,
-        n_samples=n_samples, gram_eps=gram_eps, use_metric_norm=use_metric_norm, momentum=momentum,
-        step_normalisation=step_normalisation, adaptive_direction=adaptive_direction,
-        elementwise_second_order=elementwise_second_order, normalize_logits=normalize_logits,
-        step_size_mult=step_size_mult, layout=layout, allow_unsupported=allow_unsupported, unsafe=unsafe,
-        seed=seed, progress=progress, num_threads=num_threads, include_frozen=include_frozen,
-        check_retraction=check_retraction, retraction_tolerance=retraction_tolerance)
-    return run_sharpness(model, batches, [rho], options, stacklevel=3)[0]
+    return run_sharpness(model, batches, [rho], SharpnessOptions.from_keywords(options), stacklevel=3)[0]
 
 
 def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence[float],

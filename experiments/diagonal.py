@@ -545,17 +545,18 @@ def _apgd_classes():
 
         margin = MIX_MARGIN
 
-        def point(self, xi, retraction=None, exact_steps=None):
+        def point(self, xi, retraction=None, exact_steps=None, *, out=None):
             b = torch.clamp(_horizontal_b(xi, self.x0), min=-(1 - self.margin) / 2)
-            return super().point(self.x0 * b, retraction, exact_steps)
+            return super().point(self.x0 * b, retraction, exact_steps, out=out)
 
     class PolynomialMixComponent(QuotientComponent):
         """The mix quotient's metric, projection and gradient, but the ball point of ξ is
         (u₀⊙(1 + 2b), v₀): β = β₀⊙(1 + 2b), the polynomial continuation past 1 + 2b ≤ 0."""
 
-        def point(self, xi, retraction=None, exact_steps=None):
+        def point(self, xi, retraction=None, exact_steps=None, *, out=None):
             b = _horizontal_b(xi, self.x0)
-            return torch.stack([self.x0[0] * mix_geodesic_scale(b), self.x0[1]])
+            moved = torch.stack([self.x0[0] * mix_geodesic_scale(b), self.x0[1]])
+            return moved if out is None else out.copy_(moved)
 
     return BoxedMixComponent, PolynomialMixComponent
 

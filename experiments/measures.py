@@ -203,6 +203,7 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
     the library's warning about the gap is recorded in ``warnings`` instead of printed."""
     from quotient_manifolds import adapters
     from quotient_manifolds.adapters.worst_case import sharpness
+    from quotient_manifolds.core.metrics import GeodesicLeftManifold
 
     layout = adapters.layout(model)
     batches = list(batches)
@@ -246,11 +247,9 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
                 entry["warnings"] = sorted({str(w.message) for w in caught})
         except FloatingPointError as err:
             entry.update(value=float("nan"), error=str(err))
-        except ValueError as err:
+        except GeodesicLeftManifold as err:
             # the exact (RK4) geodesic left GL (G or H lost rank) or diverged inside the ball: the
             # exact measure is undefined at this ρ for this model (the mix metric is incomplete)
-            if "geodesic" not in str(err):
-                raise
             entry.update(value=float("nan"), error=str(err))
         entry["time_s"] = time.perf_counter() - started
         out.append(entry)

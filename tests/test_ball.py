@@ -61,14 +61,14 @@ def test_eps_is_the_deprecated_name_of_gram_eps():
 def test_average_case_returns_a_result_whose_keys_still_read():
     model, batches = _mlp()
     params = {n: p.detach() for n, p in model.named_parameters()}
-    ball, write_back = adapters.build_ball(model, params, geometry="adaptive")
+    ball, write_back = adapters.ball.build_ball(model, params, geometry="adaptive")
     inputs, targets = batches[0]
 
     def closure(points):
         return torch.nn.functional.cross_entropy(torch.func.functional_call(model, write_back(points), inputs),
                                                  targets)
 
-    res = adapters.average_case(ball, closure, 0.1, n_samples=3, generator=torch.Generator().manual_seed(0))
+    res = adapters.solver.average_case(ball, closure, 0.1, n_samples=3, generator=torch.Generator().manual_seed(0))
     assert isinstance(res, AverageCaseResult) and len(res.losses) == 3
     assert res.sharpness == res.mean_loss - res.init_loss
     with pytest.warns(DeprecationWarning, match="result.mean_loss"):

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from quotient_manifolds import adapters
-from quotient_manifolds.adapters import FactorPiece, SymmetryError, declare_block
+from quotient_manifolds.adapters import SymmetryError, declare_block
+from quotient_manifolds.adapters.blocks import FactorPiece
 from quotient_manifolds.adapters.families import FAMILIES, Context, Family, Match, register_family, unregister_family
 from quotient_manifolds.adapters.families.structure import LORA_NOTE, projection, attention_blocks
 from quotient_manifolds.core import FULL_GL, RotaryGroup

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from quotient_manifolds import adapters
+from quotient_manifolds.adapters import SymmetryError
 from quotient_manifolds.adapters.families.rotary_probe import probe_rotary, read_pairing
 
 transformers = pytest.importorskip("transformers")
@@ -113,8 +114,14 @@ def _acted(model, qk=None, vo=None):
 
 
 def _readme_workflow(model, ids, batches):
+    """The README's lines: layout, verify (which raises SymmetryError on a failing block, saying what
+    to call next), sharpness(..., layout=layout)."""
     lay = adapters.layout(model)
-    report = lay.verify(model, ids, raise_on_failure=False)
+    try:
+        report = lay.verify(model, ids)
+    except SymmetryError as err:
+        assert str(err).splitlines()[-1] == err.report.next_step
+        report = err.report
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         value = adapters.sharpness(model, batches, layout=lay, **KW).value
@@ -260,3 +267,25 @@ def test_custom_autograd_function_in_attention_gets_its_true_groups():
         warnings.simplefilter("ignore")
         s0, s1 = (adapters.sharpness(m, [(x, y)], **kw).value for m in (model, moved))
     assert s1 == pytest.approx(s0, rel=1e-6, abs=1e-12)
+
+
+def test_hessian_and_sam_accept_a_passed_layout_like_sharpness():
+    """The same gate in riemannian_hessian and GeodesicSAM: a passed layout whose full-GL candidates
+    fail gets the derived groups (a warning names them), as sharpness does."""
+    from quotient_manifolds.core.subalgebra import OrthogonalGroup, ScaledOrthogonalGroup
+
+    pytest.importorskip("curvlinops")
+    torch.manual_seed(0)
+    model = CustomFunctionEncoder().double().eval()
+    x, y = torch.randn(4, 16, 16, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
+    with pytest.warns(UserWarning, match=r"layout= are not symmetries.*derived: R\+ SO\(8\)"):
+        hess = adapters.riemannian_hessian(model, [(x, y)], geometry="geodesic-inv", layout=adapters.layout(model))
+    assert hess.quotient_dim == sum(p.numel() for p in model.parameters()) - 2 * (8 * 7 // 2 + 1) - 2 * (8 * 7 // 2)
+    sam = adapters.GeodesicSAM(model, torch.optim.SGD, rho=0.05, geometry="geodesic-inv", lr=0.0,
+                               layout=adapters.layout(model))
+    F.cross_entropy(model(x), y).backward()
+    with pytest.warns(UserWarning, match="layout= are not symmetries"):
+        sam.first_step(zero_grad=True)
+    F.cross_entropy(model(x), y).backward()
+    sam.second_step(zero_grad=True)
+    assert [type(b.group) for b in sam.layout.blocks] == [ScaledOrthogonalGroup, OrthogonalGroup]

@@ -13,7 +13,9 @@ import torch.nn as nn
 
 from quotient_manifolds import adapters
 from quotient_manifolds.core import FULL_GL
-from quotient_manifolds.adapters import FactorPiece, GLBlock, Layout, SymmetryError, declare_block, default_tolerance
+from quotient_manifolds.adapters import Layout, SymmetryError, declare_block
+from quotient_manifolds.adapters.blocks import FactorPiece, GLBlock
+from quotient_manifolds.adapters.verify import default_tolerance
 from conftest import PlainAttention, PlainViT
 
 

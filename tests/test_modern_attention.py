@@ -214,7 +214,7 @@ def test_sharpness_ball_uses_each_blocks_group():
     model = BUILDERS["phi"]()
     layout = adapters.layout(model)
     params = {n: p.detach() for n, p in model.named_parameters()}
-    ball, _ = adapters.build_ball(model, params, geometry="geodesic-inv", layout=layout)
+    ball, _ = adapters.ball.build_ball(model, params, geometry="geodesic-inv", layout=layout)
     groups = {c.frame.geometry.group for c in ball.components if hasattr(c, "frame")}
     assert groups == {RotaryGroup("half", 4), FULL_GL}
     dims = sorted(c.frame.geometry.dim for c in ball.components if hasattr(c, "frame"))

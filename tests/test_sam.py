@@ -115,8 +115,8 @@ def test_geodesic_perturbation_is_horizontal_with_metric_norm_rho():
     opt.first_step()
     w_adv = params_of(model)
     opt.second_step()
-    ball, _ = adapters.build_ball(model, w, geometry="geodesic-inv", layout=opt.layout)
-    ball_adv, _ = adapters.build_ball(model, w_adv, geometry="geodesic-inv", layout=opt.layout)
+    ball, _ = adapters.ball.build_ball(model, w, geometry="geodesic-inv", layout=opt.layout)
+    ball_adv, _ = adapters.ball.build_ball(model, w_adv, geometry="geodesic-inv", layout=opt.layout)
     eps = [a.x0 - c.x0 for a, c in zip(ball_adv.components, ball.components)]
     assert float(ball.norm(eps)) == pytest.approx(rho, rel=1e-10)
     quotients = [(c, e) for c, e in zip(ball.components, eps) if hasattr(c, "frame")]

@@ -373,10 +373,10 @@ def test_sweep_rejects_bad_radii_and_warm_start_outside_the_ball():
     with pytest.raises(TypeError):
         adapters.sharpness_sweep(model, batches, [0.1], no_such_option=1)
     params = {n: p.detach() for n, p in model.named_parameters()}
-    ball, _ = adapters.build_ball(model, params, geometry="adaptive")
+    ball, _ = adapters.ball.build_ball(model, params, geometry="adaptive")
     big = ball.random(torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="warm start"):
-        adapters.auto_pgd(ball, lambda pts: sum(p.sum() for p in pts), 1e-3, n_iters=2,
+        adapters.solver.auto_pgd(ball, lambda pts: sum(p.sum() for p in pts), 1e-3, n_iters=2,
                           start=(big, 0.0))
 
 
@@ -438,7 +438,7 @@ def _toy_ball(dtype=torch.float64):
 def _reference_auto_pgd(ball, closure, rho, n_iters, momentum, start=None, alpha=0.75):
     """Auto-PGD written out plainly (docs/maths.md §7.3): fresh tensors, ξ in the ball's own
     coordinates, every norm computed from its vector."""
-    checkpoints = set(adapters.apgd_checkpoints(n_iters))
+    checkpoints = set(adapters.solver.apgd_checkpoints(n_iters))
 
     def evaluate(xi, need_grad):
         leaves = [t.detach().requires_grad_(need_grad) for t in xi]
@@ -636,7 +636,7 @@ def test_gather_is_the_adjoint_of_the_ball_map_and_consumed_points_agree(geometr
     layout = adapters.layout(model) if geometry != "adaptive" else None
     if layout is not None:
         assert layout.gl_masks, "the test needs a partially covered tensor"
-    ball, ball_params = adapters.build_ball(model, params, geometry=geometry, layout=layout,
+    ball, ball_params = adapters.ball.build_ball(model, params, geometry=geometry, layout=layout,
                                             elementwise_second_order=second_order)
     gen = torch.Generator().manual_seed(1)
     grads = {n: torch.randn(p.shape, generator=gen, dtype=p.dtype) for n, p in params.items()}
@@ -666,7 +666,7 @@ def test_sharpness_records_where_the_worst_perturbation_lives():
     ada = adapters.sharpness(model, batches, geometry="adaptive", rho=1e-2, n_iters=2)
     assert ada.gl_norm_shares == [0.0]
     params = {n: p.detach() for n, p in model.named_parameters()}
-    ball, _ = adapters.build_ball(model, params, geometry="geodesic-inv",
+    ball, _ = adapters.ball.build_ball(model, params, geometry="geodesic-inv",
                                   layout=adapters.layout(model))
     torch.manual_seed(1)
     u = ball.project([torch.randn_like(z) for z in ball.zeros()])
@@ -689,7 +689,7 @@ def test_attention_share_is_comparable_across_geometries():
     assert len(ada.attention_norm_shares) == len(batches) and 0 < ada.attention_norm_shares[0] < 1
     params = {n: p.detach() for n, p in model.named_parameters()}
     masks = adapters.layout(model).gl_masks
-    ball, _ = adapters.build_ball(model, params, geometry="adaptive")
+    ball, _ = adapters.ball.build_ball(model, params, geometry="adaptive")
     torch.manual_seed(2)
     u = [torch.randn_like(z) for z in ball.zeros()]
     (component,), (flat,) = ball.components, u

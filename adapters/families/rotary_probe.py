@@ -62,10 +62,11 @@ def _position_embeddings(model: Optional[nn.Module], head_dim: int) -> Tuple[tor
         try:
             with torch.no_grad():
                 cos, sin = sub(torch.zeros(1, 2, head_dim), positions)
-        except Exception:                     # another signature: try the next, else constant angles
+        except Exception:       # noqa: BLE001                     # another signature: try the next, else constant angles
             continue
-        if isinstance(cos, torch.Tensor) and cos.shape == sin.shape and cos.shape[-1] <= head_dim:
-            return cos.to(torch.float64), sin.to(torch.float64)
+        if (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.shape == sin.shape
+                and cos.shape[-1] <= head_dim and cos.device.type != "meta"):
+            return cos.to("cpu", torch.float64), sin.to("cpu", torch.float64)
     angles = torch.tensor([0.0, PROBE_ANGLE], dtype=torch.float64).view(1, 2, 1).expand(1, 2, head_dim)
     return angles.cos(), angles.sin()
 

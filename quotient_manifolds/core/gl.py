@@ -32,7 +32,7 @@ import torch
 from .._validation import (batch_shape, finite_real, floating_dtype, floating_tensor, group_element,
                            optional_generator, relaxation, size)
 from .groups import FULL_GL, Group, as_group, pencil_basis, sym
-from .metrics import GLMetric, InvMetric, MixMetric
+from .metrics import GeodesicLeftManifold, GLMetric, InvMetric, MixMetric
 
 #: The metric of each name users may pass as ``metric=``.
 METRIC_BY_NAME = {metric.name: metric for metric in (InvMetric(), MixMetric())}
@@ -667,12 +667,12 @@ class GLQuotientGeometry:
             pos, vel = odeint(field, (x0, u0), ts, method=method or self.exact_method,
                               options={"step_size": float(t) / steps})
         except torch.linalg.LinAlgError as err:
-            raise ValueError(
+            raise GeodesicLeftManifold(
                 f"the geodesic left the manifold (G or H lost full rank) within t = {t}: the step "
                 f"is too long for this point; use a shorter step or more exact_steps "
                 f"(now {steps})") from err
         if not bool(torch.isfinite(pos[-1]).all()):
-            raise ValueError(f"the geodesic diverged within t = {t} ({steps} {self.exact_method} "
+            raise GeodesicLeftManifold(f"the geodesic diverged within t = {t} ({steps} {self.exact_method} "
                              f"steps); use a shorter step or more exact_steps")
         return pos[-1], vel[-1]
 

@@ -29,6 +29,11 @@ import torch
 
 from .groups import sym
 
+
+class GeodesicLeftManifold(ValueError):
+    """A geodesic left the manifold (a factor lost full rank, or the closed form passed its end)
+    or diverged within the step asked for: the step is too long for this point."""
+
 if TYPE_CHECKING:  # pragma: no cover
     from .gl import GLFrame
 
@@ -289,7 +294,7 @@ class MixMetric(GLMetric):
                              "(ξ_u/u = ξ_v/v per coordinate); project it first with `project`")
         s = self.gl1_beta_scale(bu, t)
         if bool((s <= 0).any()):
-            raise ValueError("the mix geodesic leaves the manifold (1 + 2b ≤ 0 for some coordinate, "
+            raise GeodesicLeftManifold("the mix geodesic leaves the manifold (1 + 2b ≤ 0 for some coordinate, "
                              "docs/maths.md §8.3); use a shorter step")
         return x * s.sqrt()[..., None, :]
 
