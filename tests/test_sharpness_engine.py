@@ -561,7 +561,7 @@ def test_flat_and_piecewise_passes_give_the_same_run(monkeypatch, direction, sec
     """The accelerator layout (one contiguous copy, one flat leaf and gradient, one kernel per pass)
     runs the same Auto-PGD as the piecewise CPU layout (pieces across tensor boundaries, zero and
     masked-out weights): same losses, same worst perturbation and its attention share."""
-    import quotient_manifolds.adapters.components as solver
+    import quotient_manifolds.adapters.elementwise as solver
 
     monkeypatch.setattr(solver, "CHUNK", 37)  # several pieces per tensor
     gen = torch.Generator().manual_seed(3)
@@ -702,7 +702,7 @@ def test_attention_share_is_comparable_across_geometries():
 
 # ------------------------------------------------------------------------------ no size limit
 def _forced_limits(monkeypatch, limit):
-    import quotient_manifolds.adapters.components as components
+    import quotient_manifolds.adapters.elementwise as components
 
     monkeypatch.setattr(components, "REDUCTION_BLOCK", 4)
     monkeypatch.setattr(components, "KERNEL_LIMIT", limit)
