@@ -45,10 +45,10 @@ __all__ = ["is_sharded", "ShardedElementwise"]
 
 
 def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
+    """``DTensor``, or ``None`` where torch has no distributed support."""
+    if not torch.distributed.is_available():
         return None
+    from torch.distributed.tensor import DTensor
     return DTensor
 
 
