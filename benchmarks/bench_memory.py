@@ -44,6 +44,15 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
 
 
+def _address(t) -> int:
+    """The storage address of a plain tensor; 0 for anything else (a collective's pending result
+    has no storage yet)."""
+    try:
+        return t.untyped_storage().data_ptr() if hasattr(t, "untyped_storage") else 0
+    except RuntimeError:
+        return 0
+
+
 class LiveTensorBytes:
     """Peak bytes of the tensors torch ops create while active, each counted until it and every
     view of it are freed (a TorchDispatchMode): exact where RSS is not (untouched pages, the
@@ -60,11 +69,10 @@ class LiveTensorBytes:
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                         if hasattr(t, "untyped_storage")}
+                given = {_address(t) for t in tree_flatten((args, kwargs))[0]}
                 for t in tree_flatten(out)[0]:
-                    if hasattr(t, "untyped_storage") and t._base is None and t.numel() \
-                            and t.untyped_storage().data_ptr() not in given:
+                    address = _address(t)
+                    if address and t._base is None and t.numel() and address not in given:
                         n = t.untyped_storage().nbytes()
                         tracker.live += n
                         tracker.peak = max(tracker.peak, tracker.live)
