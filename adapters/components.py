@@ -185,7 +185,9 @@ class QuotientComponent:
         h×h matrices (:func:`~quotient_manifolds.core.gl.second_order_retraction_vjp`)."""
         leaf = xi.detach().requires_grad_(need_grad)
         if self.recompute and need_grad and self.retraction == "exact":
-            return [leaf], _RecomputedPoint.apply(leaf, self)
+            return [leaf], _RecomputedPoint.apply(leaf, self).to(self.dtype)
+        if self.recompute:  # streaming: the point, held through the forward, in the iterates' dtype
+            return [leaf], self.point(leaf).to(self.dtype)
         return [leaf], self.point(leaf)
 
     def gradient(self, grads: List[Optional[Tensor]], xi: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
