@@ -413,7 +413,7 @@ def case_auto_pgd(**kw):
         args = dict(n_iters=2)
         args.update(kw)
         rho = args.pop("rho", 0.1)
-        return m, lambda: adapters.auto_pgd(ball, closure, rho, **args).worst_loss, words
+        return m, lambda: adapters.solver.auto_pgd(ball, closure, rho, **args).worst_loss, words
     return make
 
 
@@ -425,14 +425,14 @@ def case_average_case(**kw):
         args = dict(n_samples=2)
         args.update(kw)
         rho = args.pop("rho", 0.1)
-        return m, lambda: adapters.average_case(ball, closure, rho, **args).mean_loss, words
+        return m, lambda: adapters.solver.average_case(ball, closure, rho, **args).mean_loss, words
     return make
 
 
 def case_build_ball_no_layout():
     m, _ = bert()
     params0 = {n: p.detach() for n, p in m.named_parameters()}
-    return m, lambda: adapters.build_ball(m, params0, geometry="geodesic-inv"), ["layout"]
+    return m, lambda: adapters.ball.build_ball(m, params0, geometry="geodesic-inv"), ["layout"]
 
 
 def case_random_actions(scale):
@@ -725,15 +725,15 @@ def case_ball_params(kind):
         params0 = {n: p.detach() for n, p in m.named_parameters()}
         lay = detect_layout(m)
         if kind == "list":
-            return m, lambda: adapters.build_ball(m, list(params0.values()), geometry="adaptive"), ["params0"]
+            return m, lambda: adapters.ball.build_ball(m, list(params0.values()), geometry="adaptive"), ["params0"]
         if kind == "int":
-            return m, lambda: adapters.build_ball(m, {n: p.long() for n, p in params0.items()},
+            return m, lambda: adapters.ball.build_ball(m, {n: p.long() for n, p in params0.items()},
                                                   geometry="adaptive"), ["params0"]
         if kind == "other model":
             other, _ = bert(heads=4)
-            return m, lambda: adapters.build_ball(m, params0, geometry="geodesic-inv",
+            return m, lambda: adapters.ball.build_ball(m, params0, geometry="geodesic-inv",
                                                   layout=detect_layout(other)), ["layout"]
-        return m, lambda: adapters.build_ball(m, {"nope": params0[next(iter(params0))]}, geometry="adaptive"), \
+        return m, lambda: adapters.ball.build_ball(m, {"nope": params0[next(iter(params0))]}, geometry="adaptive"), \
             ["params0"]
     return make
 
@@ -840,8 +840,8 @@ ROUND2: List[Tuple[str, str, Callable]] = [
     ("checks at the top door only", "auto_pgd(rho=nan)", case_auto_pgd(rho=math.nan)),
     ("checks at the top door only", "auto_pgd(rho='1')", case_auto_pgd(rho="1")),
     ("checks at the top door only", "auto_pgd(n_iters=np.int64(2))", lambda: (lambda m, b, c: (
-        m, lambda: adapters.auto_pgd(b, c, 0.1, n_iters=np.int64(2)).worst_loss,
-        ("right", adapters.auto_pgd(b, c, 0.1, n_iters=2).worst_loss)))(*_low_level())),
+        m, lambda: adapters.solver.auto_pgd(b, c, 0.1, n_iters=np.int64(2)).worst_loss,
+        ("right", adapters.solver.auto_pgd(b, c, 0.1, n_iters=2).worst_loss)))(*_low_level())),
     ("checks at the top door only", "average_case(n_samples=0)", case_average_case(n_samples=0)),
     ("checks at the top door only", "average_case(n_samples=-1)", case_average_case(n_samples=-1)),
     ("checks at the top door only", "average_case(rho=inf)", case_average_case(rho=math.inf)),
@@ -850,23 +850,23 @@ ROUND2: List[Tuple[str, str, Callable]] = [
     ("checks at the top door only", "Layout.random_actions(scale=nan)", case_random_actions(math.nan)),
     ("checks at the top door only", "Layout.random_actions(scale=-1)", case_random_actions(-1.0)),
     ("checks at the top door only", "auto_pgd, closure returns a float",
-     case_solver_call(lambda b: adapters.auto_pgd(b, lambda p: float(p[0].sum()), 0.1, n_iters=2), ["tensor"])),
+     case_solver_call(lambda b: adapters.solver.auto_pgd(b, lambda p: float(p[0].sum()), 0.1, n_iters=2), ["tensor"])),
     ("checks at the top door only", "auto_pgd, closure returns a vector",
-     case_solver_call(lambda b: adapters.auto_pgd(b, lambda p: p[0] ** 2, 0.1, n_iters=2), ["one number"])),
+     case_solver_call(lambda b: adapters.solver.auto_pgd(b, lambda p: p[0] ** 2, 0.1, n_iters=2), ["one number"])),
     ("checks at the top door only", "auto_pgd, closure=3",
-     case_solver_call(lambda b: adapters.auto_pgd(b, 3, 0.1, n_iters=2), ["closure"])),
+     case_solver_call(lambda b: adapters.solver.auto_pgd(b, 3, 0.1, n_iters=2), ["closure"])),
     ("checks at the top door only", "auto_pgd, ball='ball'",
-     case_solver_call(lambda b: adapters.auto_pgd("ball", lambda p: p[0].sum(), 0.1, n_iters=2), ["ball"])),
+     case_solver_call(lambda b: adapters.solver.auto_pgd("ball", lambda p: p[0].sum(), 0.1, n_iters=2), ["ball"])),
     ("checks at the top door only", "auto_pgd, start=('x', 1.0)",
-     case_solver_call(lambda b: adapters.auto_pgd(b, lambda p: (p[0] ** 2).sum(), 0.1, n_iters=2,
+     case_solver_call(lambda b: adapters.solver.auto_pgd(b, lambda p: (p[0] ** 2).sum(), 0.1, n_iters=2,
                                                   start=("x", 1.0)), ["start"])),
     ("checks at the top door only", "average_case, generator=3",
-     case_solver_call(lambda b: adapters.average_case(b, lambda p: (p[0] ** 2).sum(), 0.1, n_samples=2,
+     case_solver_call(lambda b: adapters.solver.average_case(b, lambda p: (p[0] ** 2).sum(), 0.1, n_samples=2,
                                                       generator=3), ["generator"])),
     ("checks at the top door only", "average_case, closure returns a vector",
-     case_solver_call(lambda b: adapters.average_case(b, lambda p: p[0] ** 2, 0.1, n_samples=2), ["one number"])),
+     case_solver_call(lambda b: adapters.solver.average_case(b, lambda p: p[0] ** 2, 0.1, n_samples=2), ["one number"])),
     ("checks at the top door only", "average_case, closure returns a float",
-     case_solver_call(lambda b: adapters.average_case(b, lambda p: float((p[0] ** 2).sum()), 0.1, n_samples=2),
+     case_solver_call(lambda b: adapters.solver.average_case(b, lambda p: float((p[0] ** 2).sum()), 0.1, n_samples=2),
                       ["tensor"])),
     ("checks at the top door only", "build_ball, params0 a list", case_ball_params("list")),
     ("checks at the top door only", "build_ball, integer params0", case_ball_params("int")),

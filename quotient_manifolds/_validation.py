@@ -656,14 +656,17 @@ def parameter_tensors(name: str, params: Any, model: torch.nn.Module) -> None:
     if not params:
         raise ValueError(f"{name} is empty: pass the parameters to perturb, e.g. {{n: p.detach() for n, "
                          f"p in model.named_parameters() if p.requires_grad}}")
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # a sharded (DTensor) parameter may be given as this rank's shard or as the whole tensor
+    shapes = {n: tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
+              for n, p in model.named_parameters()}
+    whole = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for n, t in params.items():
         if n not in shapes:
             raise ValueError(f"{name}[{n!r}]: the model has no parameter of that name")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{name}[{n!r}] must be a real floating tensor, got "
                             f"{getattr(t, 'dtype', type(t).__name__)}")
-        if tuple(t.shape) != shapes[n]:
+        if tuple(t.shape) not in (shapes[n], whole[n]):
             raise ValueError(f"{name}[{n!r}] has shape {tuple(t.shape)}, the parameter {shapes[n]}")
 
 

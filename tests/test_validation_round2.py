@@ -169,8 +169,8 @@ def test_numpy_integer_options_pass_every_layer():
     assert got.value == adapters.sharpness(MODEL, BATCHES, n_iters=3, **kw).value
     assert json.loads(json.dumps(got.options))["n_iters"] == 3      # recorded as plain numbers
     ball, closure = _small_ball()
-    assert adapters.auto_pgd(ball, closure, np.float64(0.1), n_iters=np.int32(3)).history == \
-        adapters.auto_pgd(ball, closure, 0.1, n_iters=3).history
+    assert adapters.solver.auto_pgd(ball, closure, np.float64(0.1), n_iters=np.int32(3)).history == \
+        adapters.solver.auto_pgd(ball, closure, 0.1, n_iters=3).history
 
 
 # ------------------------------------------------------------------ the low-level solver
@@ -211,7 +211,7 @@ def test_auto_pgd_refuses_every_bad_argument_before_any_work(data):
     rho = value if name == "rho" else 0.1
     with pytest.raises((ValueError, TypeError), match=name.replace("_", ".")
                        if name not in ("momentum", "step_normalisation") else name.split("_")[0]):
-        adapters.auto_pgd(ball, closure, rho, **kw)
+        adapters.solver.auto_pgd(ball, closure, rho, **kw)
     assert not closure.calls
 
 
@@ -224,13 +224,13 @@ def test_average_case_refuses_every_bad_argument_before_any_work(name, data):
     ball, closure = _small_ball()
     kw = {"n_samples": 2, **({name: value} if name != "rho" else {})}
     with pytest.raises((ValueError, TypeError), match=name):
-        adapters.average_case(ball, closure, value if name == "rho" else 0.1, **kw)
+        adapters.solver.average_case(ball, closure, value if name == "rho" else 0.1, **kw)
     assert not closure.calls
 
 
 def test_average_case_with_valid_numpy_arguments():
     ball, closure = _small_ball()
-    res = adapters.average_case(ball, closure, np.float64(0.1), n_samples=np.int64(3),
+    res = adapters.solver.average_case(ball, closure, np.float64(0.1), n_samples=np.int64(3),
                                 generator=torch.Generator().manual_seed(0))
     assert len(res.losses) == 3 and all(math.isfinite(v) for v in res.losses)
 
@@ -239,7 +239,7 @@ def test_auto_pgd_inside_inference_mode_names_it():
     ball, closure = _small_ball()
     with torch.inference_mode():
         with pytest.raises(ValueError, match="inference_mode"):
-            adapters.auto_pgd(ball, closure, 0.1, n_iters=2)
+            adapters.solver.auto_pgd(ball, closure, 0.1, n_iters=2)
     before = _state(MODEL)
     with torch.inference_mode():
         with pytest.raises(ValueError, match="inference_mode.*outside"):
@@ -262,9 +262,9 @@ def test_the_hessian_inside_inference_mode_names_it():
 def test_build_ball_of_a_geodesic_geometry_needs_a_layout(geometry):
     params0 = {n: p.detach() for n, p in MODEL.named_parameters()}
     with pytest.raises(ValueError, match="needs layout="):
-        adapters.build_ball(MODEL, params0, geometry=geometry)
+        adapters.ball.build_ball(MODEL, params0, geometry=geometry)
     with pytest.raises(TypeError, match="layout"):
-        adapters.build_ball(MODEL, params0, geometry=geometry, layout="x")
+        adapters.ball.build_ball(MODEL, params0, geometry=geometry, layout="x")
 
 
 @PROPERTY
@@ -622,25 +622,25 @@ def test_a_closure_that_returns_no_usable_loss_is_named(kind, average):
     fn, error, words = CLOSURE_OUTPUTS[kind]
     ball = _small_ball()[0]
     if average and kind == "a constant":
-        assert adapters.average_case(ball, fn, 0.1, n_samples=2).mean_loss == 1.0
+        assert adapters.solver.average_case(ball, fn, 0.1, n_samples=2).mean_loss == 1.0
         return
     with pytest.raises(error, match=f"closure.*{words}|{words}.*closure"):
         if average:
-            adapters.average_case(ball, fn, 0.1, n_samples=2)
+            adapters.solver.average_case(ball, fn, 0.1, n_samples=2)
         else:
-            adapters.auto_pgd(ball, fn, 0.1, n_iters=2)
+            adapters.solver.auto_pgd(ball, fn, 0.1, n_iters=2)
 
 
 @pytest.mark.parametrize("call,words", [
-    (lambda b, f: adapters.auto_pgd("ball", f, 0.1), "ball must be a ProductBall"),
-    (lambda b, f: adapters.auto_pgd(b, 3, 0.1), "closure must be a function"),
-    (lambda b, f: adapters.average_case(b, None, 0.1), "closure must be a function"),
-    (lambda b, f: adapters.average_case(b, f, 0.1, generator=0), "generator must be a torch.Generator"),
-    (lambda b, f: adapters.auto_pgd(b, f, 0.1, start=("x", 1.0)), r"start\[0\]"),
-    (lambda b, f: adapters.auto_pgd(b, f, 0.1, start=([torch.zeros(3)], 1.0)), r"start\[0\]\[0\] has shape"),
-    (lambda b, f: adapters.auto_pgd(b, f, 0.1, start=([torch.zeros(4, dtype=torch.float64)], math.nan)),
+    (lambda b, f: adapters.solver.auto_pgd("ball", f, 0.1), "ball must be a ProductBall"),
+    (lambda b, f: adapters.solver.auto_pgd(b, 3, 0.1), "closure must be a function"),
+    (lambda b, f: adapters.solver.average_case(b, None, 0.1), "closure must be a function"),
+    (lambda b, f: adapters.solver.average_case(b, f, 0.1, generator=0), "generator must be a torch.Generator"),
+    (lambda b, f: adapters.solver.auto_pgd(b, f, 0.1, start=("x", 1.0)), r"start\[0\]"),
+    (lambda b, f: adapters.solver.auto_pgd(b, f, 0.1, start=([torch.zeros(3)], 1.0)), r"start\[0\]\[0\] has shape"),
+    (lambda b, f: adapters.solver.auto_pgd(b, f, 0.1, start=([torch.zeros(4, dtype=torch.float64)], math.nan)),
      r"start\[1\]"),
-    (lambda b, f: adapters.auto_pgd(b, f, 0.1, start=torch.zeros(4)), "pair"),
+    (lambda b, f: adapters.solver.auto_pgd(b, f, 0.1, start=torch.zeros(4)), "pair"),
 ])
 def test_the_solver_names_a_bad_ball_closure_generator_or_start(call, words):
     ball, closure = _small_ball()
@@ -659,7 +659,7 @@ def test_build_ball_names_bad_params0(kind):
            "unknown name": {**params0, "nope": params0[first]},
            "wrong shape": {**params0, first: params0[first][:1]}}[kind]
     with pytest.raises((TypeError, ValueError), match="params0"):
-        adapters.build_ball(MODEL, bad, geometry="adaptive")
+        adapters.ball.build_ball(MODEL, bad, geometry="adaptive")
 
 
 def test_build_ball_refuses_a_layout_of_another_model():
@@ -670,7 +670,7 @@ def test_build_ball_refuses_a_layout_of_another_model():
     four_heads = transformers.BertForSequenceClassification(cfg).double()
     params0 = {n: p.detach() for n, p in other.named_parameters()}
     with pytest.raises(ValueError, match="build_ball: the layout .* was built for another model"):
-        adapters.build_ball(other, params0, geometry="geodesic-inv", layout=detect_layout(four_heads))
+        adapters.ball.build_ball(other, params0, geometry="geodesic-inv", layout=detect_layout(four_heads))
 
 
 # ------------------------------------------------------------------ group actions
