@@ -669,7 +669,10 @@ def case_sam_second_step_nan():
         opt.first_step(zero_grad=True)
         m(**x).logits.sum().backward()
         m.bert.encoder.layer[0].attention.self.query.weight.grad[0, 0] = math.nan
-        opt.second_step()
+        try:
+            opt.second_step()
+        finally:   # the .grad are the caller's own backward's; the weights must be w again
+            m.zero_grad(set_to_none=True)
     return m, call, ["non-finite"]
 
 
