@@ -10,17 +10,17 @@ float32 and in bfloat16, each measurement in a fresh process, on the CPU:
   keeping the worst point's gradient (``solver.KEEP_WORST_GRADIENT = True``: 4 bytes more);
   ``adaptive lean``: without it (the default where memory is short).
 
-``bytes/param`` = (peak − A) / parameters, the peak of the bytes of live tensors created during the
-run (exact: every tensor counted until it and its views are freed), beside the process's peak RSS
-over the model as loaded (Linux VmHWM, reset after loading; it misses pages never written and
-counts the allocator's caching): what sharpness holds beyond the model's own weights and the
-activations of one forward+backward; the target is ≤ 16 (the solver's ξ, ξ⁻,
-worst point and gradient in float32). The largest weight's transients in the backward (its
-gradient, its recomputed value: the tied embedding here) add a few bytes on a model this small. On a CUDA device (``--device cuda``) the peak is
+``bytes/param`` = (peak − A) / parameters, the peak of the process's RSS over the model as loaded
+(Linux VmHWM, reset after loading; it counts the allocator's caching): what sharpness holds beyond
+the model's own weights and the activations of one forward+backward. The target is ≤ 16 (the
+solver's ξ, ξ⁻, worst point and gradient in float32); the largest weight's transients in the
+backward (its gradient, its recomputed value: the tied embedding here) add a few bytes on a model
+this small. ``tensors`` is the peak of the tensors the run holds from Python
+(:class:`LiveTensorBytes`). On a CUDA device (``--device cuda``) the peak is
 ``torch.cuda.max_memory_allocated``.
 
-    python benchmarks/bench_memory.py [--layers 8] [--hidden 512] [--batch 2] [--seq 64]
-                                      [--iters 3] [--dtypes float32 bfloat16] [--device cpu]
+    python benchmarks/bench_memory.py [--layers 12] [--hidden 512] [--batch 2] [--seq 64]
+                                      [--iters 6] [--dtypes float32 bfloat16] [--device cpu]
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def _address(t) -> int:
 
 
 class LiveTensorBytes:
-    """Peak bytes of the tensors torch ops create while active, each counted until it and every
-    view of it are freed (a TorchDispatchMode): exact where RSS is not (untouched pages, the
-    allocator's caching), and on any device."""
+    """Peak bytes of the tensors torch ops create while active whose Python objects live, each
+    counted until it and every view of it are freed (a TorchDispatchMode): the solver's buffers
+    exactly, on any device, but not what only C++ holds (autograd's saved activations, ``.grad``);
+    printed as ``tensors`` beside the RSS."""
 
     def __init__(self):
         import weakref
@@ -163,21 +164,19 @@ def main(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    print(f"{'dtype':9s} {'method':13s} {'params':>11s} {'tensors MiB':>11s} {'bytes/param':>11s} "
-          f"{'RSS MiB':>8s} {'(RSS B/p)':>9s}")
+    print(f"{'dtype':9s} {'method':13s} {'params':>11s} {'RSS MiB':>8s} {'bytes/param':>11s} "
+          f"{'tensors MiB':>11s} {'tensors B/p':>11s}")
     for dtype in args.dtypes:
         base = run_one("fwd+bwd", dtype, args)
         n = base["params"]
-        activations = base["tensors"] - 4 * n      # the float32 gradients of the weights aside
-        rss_activations = base["peak"] - 4 * n
-        print(f"{dtype:9s} {'fwd+bwd fp32':13s} {n:11,d} {base['tensors'] / 2**20:11.1f} "
-              f"{'A=' + format(activations / 2**20, '.0f') + 'MiB':>11s} {base['peak'] / 2**20:8.1f}",
-              flush=True)
+        activations = base["peak"] - 4 * n      # the float32 gradients of the weights aside
+        print(f"{dtype:9s} {'fwd+bwd fp32':13s} {n:11,d} {base['peak'] / 2**20:8.1f} "
+              f"{'A=' + format(activations / 2**20, '.0f') + 'MiB':>11s}", flush=True)
         for method in ("adaptive lean", *METHODS[1:]):
             got = run_one(method, dtype, args)
-            print(f"{dtype:9s} {method:13s} {n:11,d} {got['tensors'] / 2**20:11.1f} "
-                  f"{(got['tensors'] - activations) / n:11.1f} {got['peak'] / 2**20:8.1f} "
-                  f"{(got['peak'] - rss_activations) / n:9.1f}", flush=True)
+            print(f"{dtype:9s} {method:13s} {n:11,d} {got['peak'] / 2**20:8.1f} "
+                  f"{(got['peak'] - activations) / n:11.1f} {got['tensors'] / 2**20:11.1f} "
+                  f"{got['tensors'] / n:11.1f}", flush=True)
     print(f"settings: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens, "
           f"{args.iters} iterations, device {args.device}, python {sys.version.split()[0]}")
 
