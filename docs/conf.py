@@ -51,6 +51,34 @@ myst_heading_anchors = 3
 autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": True}
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
+
+# A signature written from a dataclass (quotient_manifolds.adapters.options.document_options:
+# ``sharpness(model, batches, *, rho, **options)`` lists every option with its default) has
+# defaults the function's source does not: preserve_defaults, which reads them from the source,
+# would fail on it. Such a signature's defaults are the real values already. (Sphinx 9 calls
+# update_default_value from autodoc's signature module, earlier versions update_defvalue.)
+import importlib  # noqa: E402
+
+
+def _skip_written_signatures(module_name: str, function_name: str) -> None:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return
+    original = getattr(module, function_name, None)
+    if original is None:
+        return
+
+    def from_source(obj, *args, **kwargs):
+        target = args[0] if len(args) == 2 else obj   # update_defvalue(app, obj, bound_method)
+        if getattr(target, "__signature__", None) is None:
+            original(obj, *args, **kwargs)
+
+    setattr(module, function_name, from_source)
+
+
+_skip_written_signatures("sphinx.ext.autodoc._dynamic._signatures", "update_default_value")
+_skip_written_signatures("sphinx.ext.autodoc.preserve_defaults", "update_defvalue")
 autoclass_content = "both"
 # curvlinops-for-pytorch (the Riemannian Hessian) is installed with --no-deps, outside any extra (its
 # requirements pull torchvision and another torch), so the `docs` extra cannot bring it: where it is
