@@ -228,14 +228,8 @@ class BallParameters:
             return params
         # streaming: each weight a GL block writes into becomes a recipe that writes the heads'
         # points into its own value when read (nothing of the weight's size is held in between)
-        writes: Dict[str, List[Tuple[Any, Tensor]]] = {}
-        for ((blocks, counts), _), point in zip(self._quotients, points[:n_quotient]):
-            for block, x in zip(blocks, torch.split(point, counts, dim=0)):
-                start = 0
-                for piece in block.pieces:
-                    k = piece.rows_per_head(self.params0[piece.param].shape)
-                    writes.setdefault(piece.param, []).append((piece, x[:, start:start + k, :]))
-                    start += k
+        writes = head_writes([groups for groups, _ in self._quotients], points[:n_quotient],
+                             self.params0)
         for name, value in params.items():
             if name in writes or (isinstance(value, Tensor) and self.compute_dtype is not None
                                   and value.dtype != self.compute_dtype and value.is_floating_point()):
@@ -250,6 +244,21 @@ class BallParameters:
                for (blocks, counts), comp in self._quotients]
         return out + [torch.cat([full[n].reshape(-1).to(comp.dtype) for n in comp.names])
                       for comp in self._elementwise]
+
+
+def head_writes(groups: Sequence[Tuple[List, List[int]]], points: Sequence[Tensor],
+                weights: Mapping[str, Tensor]) -> Dict[str, List[Tuple[Any, Tensor]]]:
+    """Per weight, the (piece, heads' rows) that the points of the quotient components write into
+    it: ``groups`` are the components' (blocks, head counts), ``weights`` give the weights' shapes."""
+    writes: Dict[str, List[Tuple[Any, Tensor]]] = {}
+    for (blocks, counts), point in zip(groups, points):
+        for block, x in zip(blocks, torch.split(point, counts, dim=0)):
+            start = 0
+            for piece in block.pieces:
+                k = piece.rows_per_head(weights[piece.param].shape)
+                writes.setdefault(piece.param, []).append((piece, x[:, start:start + k, :]))
+                start += k
+    return writes
 
 
 def _written(base: Any, writes: Sequence[Tuple[Any, Tensor]], dtype: Optional[torch.dtype]) -> Tensor:

@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .ball import _written, build_ball
+from .ball import _written, build_ball, head_writes
 from .components import ElementwiseComponent, ProductBall, StreamedPoint
 from .evaluation import eval_mode
 
@@ -150,14 +150,8 @@ class ShardedClosure:
             comp = self.elementwise
             for i, name in enumerate(comp.names):
                 self.local[name].copy_(comp.moved(comp.tensors[i], stream.leaves[i].detach()))
-        writes: Dict[str, List] = {}
-        for (comp, (blocks, counts)), point in zip(self.quotients, points[:n_quot]):
-            for block, x in zip(blocks, torch.split(point.detach(), counts, dim=0)):
-                start = 0
-                for piece in block.pieces:
-                    k = piece.rows_per_head(self.full0[piece.param].shape)
-                    writes.setdefault(piece.param, []).append((piece, x[:, start:start + k, :]))
-                    start += k
+        writes = head_writes([groups for _, groups in self.quotients],
+                             [p.detach() for p in points[:n_quot]], self.full0)
         for name, pieces in writes.items():
             full = _written(self.full0[name], pieces, None)
             a, b = self.rows[name]

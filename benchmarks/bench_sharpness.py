@@ -161,11 +161,10 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
 
 
 def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status (the memory columns need Linux)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_memory import _rss_kib as read
+
+    return read(field)
 
 
 def run_one(*args):
