@@ -278,10 +278,15 @@ class ElementwiseComponent:
         # fixed; random directions are masked in :meth:`random`. Nothing to project.
         return u
 
+    def _direction_factor(self, w: Tensor) -> Tensor:
+        """What ∇ is multiplied by for the ascent direction in r: w, or sign(w) for
+        ``"andriushchenko"``."""
+        return w if self.direction == "riemannian" else w.sign()
+
     def _direction_(self, g: Tensor, w: Tensor, fixed: Optional[Tensor]) -> Tensor:
         """h = ∇⊙w (or ∇⊙sign(w)) in place, 0 on fixed entries: the Riemannian gradient in r
         (in ξ it is h⊙w)."""
-        g.mul_(w if self.direction == "riemannian" else w.sign())
+        g.mul_(self._direction_factor(w))
         return g if fixed is None else g.masked_fill_(fixed, 0.0)
 
     def rgrad(self, egrad: Tensor) -> Tensor:
@@ -379,7 +384,7 @@ class ElementwiseComponent:
         g = grad.reshape(-1)
         if self.second_order:
             g = torch.addcmul(g, g, r.reshape(-1))
-        scale = w if self.direction == "riemannian" else w.sign()
+        scale = self._direction_factor(w)
         if point.written[index]:
             dest.addcmul_(g, scale)
         else:

@@ -130,11 +130,11 @@ class ShardedClosure:
     component's buffer and returns a loss whose only graph carries the GL blocks' gradient
     (value + ⟨point, ∂L/∂point⟩ − ⟨point, ∂L/∂point⟩ detached: the same number)."""
 
-    def __init__(self, model: nn.Module, names: List[str], local: Dict[str, Tensor],
+    def __init__(self, model: nn.Module, local: Dict[str, Tensor],
                  rows: Dict[str, Tuple[int, int]], elementwise: Optional[ShardedElementwise],
                  quotients: List[Tuple[Any, Tuple[list, List[int]]]], full0: Dict[str, Tensor],
                  local_masks: Dict[str, Tensor], group: Any):
-        self.model, self.names, self.local, self.rows = model, names, local, rows
+        self.model, self.local, self.rows = model, local, rows
         self.elementwise, self.quotients, self.full0 = elementwise, quotients, full0
         self.local_masks, self.group = local_masks, group
         self.params = dict(model.named_parameters())
@@ -239,7 +239,8 @@ def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, 
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError("the model has no trainable parameter: sharpness perturbs the trainable weights")
-    group = None
+    # the ranks the weights are sharded over (FSDP2's one-dimensional mesh), not necessarily the world
+    group = next((p.device_mesh.get_group() for p in params.values() if hasattr(p, "device_mesh")), None)
     geodesic = options.spec.geodesic
     layout = options.layout
     if geodesic:
@@ -262,7 +263,7 @@ def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, 
         local[name], a, b = _local_rows(p)
         rows[name] = (a, b)
     finite = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in local.values()))])
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
     if finite.item() < 1:
         raise ValueError("a parameter contains non-finite values; sharpness is undefined at such weights")
     gl_names = sorted({piece.param for block in layout.blocks for piece in block.pieces}) if geodesic else []
@@ -289,7 +290,7 @@ def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, 
         second_order=options.elementwise_second_order, group=group) if adaptive else None
     components = [c for c, _ in quotients] + ([elementwise] if elementwise is not None else [])
     ball = ProductBall(components)
-    closure = ShardedClosure(model, list(params), local, rows, elementwise, quotients, full0,
+    closure = ShardedClosure(model, local, rows, elementwise, quotients, full0,
                              local_masks, group)
     generator = torch.Generator(device=next(iter(local.values())).device).manual_seed(options.seed)
     runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]

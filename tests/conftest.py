@@ -233,3 +233,13 @@ def tiny_lora_bert(hidden: int = 16) -> nn.Module:
             if "lora_" in n:
                 p.normal_(0, 0.3)
     return model
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for a module's tests (small h×h work loses to thread start-up), torch's
+    setting restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

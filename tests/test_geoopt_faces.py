@@ -24,14 +24,7 @@ RESCALING_D = 5
 UnaryCase = collections.namedtuple("UnaryCase", "shape,x,ex,v,ev,manifold")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny h×h linear algebra gains nothing from intra-op threads, and on a loaded 2-core machine
-    OpenMP barriers made these tests ~6× slower; restored after the module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _generator(seed=0):

@@ -19,12 +19,7 @@ from quotient_manifolds.geoopt import RiemannianSGD
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _large_point(M, seed):

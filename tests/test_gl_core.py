@@ -43,14 +43,7 @@ EPS_VALUES = [0.0, 0.3]  # 0.3 is large on purpose: with it the relaxed formulas
 N, M, H = 7, 5, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """The matrices here are tiny: intra-op threads only add overhead (and stall badly on a shared
-    machine), so run this module single-threaded and restore the setting afterwards."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---------------------------------------------------------------------------------------------- helpers

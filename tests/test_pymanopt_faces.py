@@ -34,14 +34,7 @@ BACKENDS = ["pytorch", pytest.param("autograd", marks=pytest.mark.skipif(
     not HAS_AUTOGRAD, reason="autograd is not installed"))]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny h×h linear algebra gains nothing from intra-op threads, and on a loaded 2-core machine
-    OpenMP barriers made these tests ~6× slower; restored after the module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _t(a):

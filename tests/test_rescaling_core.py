@@ -36,13 +36,7 @@ METRICS = ("inv", "mix")
 D_COORD = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: run single-threaded (restored afterwards)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def gen(seed):

@@ -18,12 +18,7 @@ from quotient_manifolds.core.gl import second_order_retraction_vjp
 GROUPS = ["gl", "rope"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def polarised_retraction(frame, u):
