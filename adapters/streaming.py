@@ -33,8 +33,8 @@ __all__ = ["LazyWeight", "substituted"]
 
 class LazyWeight:
     """The value of one parameter during an evaluation, computed on every read by ``compute()``
-    (differentiable in whatever it depends on). ``saved`` says how the backward pass gets it back
-    when an operation saved it: recomputed by ``compute`` under ``torch.no_grad`` (default)."""
+    (differentiable in whatever it depends on); where an operation saves it for the backward
+    pass, the backward pass recomputes it with ``compute`` under ``torch.no_grad``."""
 
     __slots__ = ("compute", "__weakref__")
 
@@ -119,13 +119,14 @@ def _lazy_class(cls: type, attrs: Tuple[str, ...]) -> type:
 def _slots(model: nn.Module, names: List[str]) -> Dict[int, List[Tuple[nn.Module, str, str]]]:
     """(module, attribute, canonical name) of every place where the parameters ``names`` live,
     aliases of tied parameters included, grouped by module."""
-    canonical = {id(p): n for n, p in model.named_parameters() if n in set(names)}
+    wanted = set(names)
+    canonical = {id(p): n for n, p in model.named_parameters() if n in wanted}
     found: Dict[int, List[Tuple[nn.Module, str, str]]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
             if p is not None and id(p) in canonical:
                 found.setdefault(id(module), []).append((module, attr, canonical[id(p)]))
-    missing = set(names) - set(canonical.values())
+    missing = wanted - set(canonical.values())
     if missing:
         raise KeyError(f"substituted: no parameter named {sorted(missing)[:3]} in the model")
     return found
@@ -137,6 +138,12 @@ def substituted(model: nn.Module, weights: Mapping[str, LazyWeight]) -> Iterator
     their own module or any other code (``mha.out_proj.weight``, tied embeddings), returns the
     recipe's value; operations that save it for the backward pass store the recipe instead
     (module docstring). The model's classes are restored on exit, also after an exception."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"substituted: model must be a torch.nn.Module, got {type(model).__name__}")
+    bad = [name for name, recipe in weights.items() if not isinstance(recipe, LazyWeight)]
+    if bad:
+        raise TypeError(f"substituted: the values must be LazyWeight recipes; {bad[:3]} are not "
+                        f"(wrap a tensor t as LazyWeight(lambda: t))")
     saved = _SavedWeights()
     changed: List[Tuple[nn.Module, type]] = []
     try:

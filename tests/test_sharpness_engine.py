@@ -834,3 +834,47 @@ def test_adaptive_sharpness_holds_16_bytes_per_weight_and_no_copy_of_the_model(m
         sharpness(model, [(x, y)], geometry="adaptive", rho=0.05, n_iters=2)
     slack = 6 * largest * 4 + 64 * 1024   # a few float32 transients of the largest weight, activations
     assert tracker.peak <= 16 * n + slack, (tracker.peak / n, slack / n)
+
+
+def test_substituted_weights_reach_every_reader_and_match_functional_call():
+    """Recipes reach a weight read outside its own module's forward (nn.MultiheadAttention reads
+    out_proj.weight itself) and both places of a tied weight; output and gradients equal those of
+    functional_call with the same tensors, saved weights are recomputed in the backward pass, and
+    the modules' classes come back."""
+    from torch.func import functional_call
+
+    from quotient_manifolds.adapters.streaming import LazyWeight, substituted
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 8)
+            self.mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+            self.out = torch.nn.Linear(8, 11, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.out(self.mha(h, h, h, need_weights=False)[0])
+
+    torch.manual_seed(0)
+    model = Tied().double()
+    ids = torch.randint(0, 11, (2, 5))
+    classes = {n: type(m) for n, m in model.named_modules()}
+    deltas = {n: 0.01 * torch.randn_like(p) for n, p in model.named_parameters()}
+    leaves = {n: d.clone().requires_grad_() for n, d in deltas.items()}
+    weights = dict(model.named_parameters())
+    recipes = {n: LazyWeight(lambda n=n: weights[n].detach() + leaves[n]) for n in leaves}
+    with substituted(model, recipes):
+        got = model(ids)
+    got_grads = torch.autograd.grad(got.square().sum(), list(leaves.values()))
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    plain = {n: d.clone().requires_grad_() for n, d in deltas.items()}
+    want = functional_call(model, {n: weights[n].detach() + plain[n] for n in plain}, (ids,))
+    want_grads = torch.autograd.grad(want.square().sum(), list(plain.values()))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="LazyWeight"):
+        with substituted(model, {"emb.weight": weights["emb.weight"]}):
+            pass
