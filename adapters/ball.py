@@ -157,8 +157,11 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
             counts = [block.num_heads for block in blocks]
             like = params0[blocks[0].g_pieces[0].param]
             dtype = compute_dtype or like.dtype
-            x0 = _gather_heads(blocks, counts, params0, like.device)
-            frame = _frame_or_explain(geom, x0, blocks, counts)
+            # streaming (large models): the heads stay in the weights' dtype, and the frame
+            # promotes them where it uses them (the same numbers, no float64 copy)
+            x0 = _gather_heads(blocks, counts, params0, like.device,
+                               like.dtype if streaming else torch.float64)
+            frame = _frame_or_explain(geom, x0, blocks, counts, keep_dtype=streaming)
             name = f"GL(h={h}) n={n} m={m} [{len(blocks)} blocks]"
             # iterates in the model's dtype; the frame does its Gram-matrix work in float64
             components.append(QuotientComponent(name, frame, x0, retraction=retraction,
@@ -273,11 +276,11 @@ def _written(base: Any, writes: Sequence[Tuple[Any, Tensor]], dtype: Optional[to
 
 
 def _gather_heads(blocks: List, counts: List[int], tensors: Mapping[str, Tensor],
-                  device: torch.device) -> Tensor:
-    """The heads ``[G; H]`` of all ``blocks`` stacked, in float64, filled block by block (no
-    float64 copy per block)."""
+                  device: torch.device, dtype: torch.dtype = torch.float64) -> Tensor:
+    """The heads ``[G; H]`` of all ``blocks`` stacked, in ``dtype``, filled block by block (no
+    copy per block)."""
     n, m, h = blocks[0].n, blocks[0].m, blocks[0].head_dim
-    x = torch.empty((sum(counts), n + m, h), dtype=torch.float64, device=device)
+    x = torch.empty((sum(counts), n + m, h), dtype=dtype, device=device)
     for block, part in zip(blocks, torch.split(x, counts)):
         part.copy_(block.gather(tensors))
     return x
@@ -288,20 +291,25 @@ def _gather_heads(blocks: List, counts: List[int], tensors: Mapping[str, Tensor]
 #: (tens per iteration) then stays in cache and in glibc's heap, which reuses it, instead of a
 #: fresh mmap that page-faults on every touch (BERT-base, 1 thread: a pass over all 144 QK heads
 #: at once ran at 0.5 GB/s; the geometry's share of an iteration fell from 9.9 s to 4.7–5.1 s).
-#: On GPU all heads of a shape form one batch.
+#: On an accelerator the runs are :data:`ACCELERATOR_COMPONENT_BYTES` large.
 CPU_COMPONENT_BYTES = 4 * 2 ** 20
+#: On an accelerator, blocks of one shape are batched into components of at most this many bytes
+#: of float64 heads: few launches per iteration (seven components for a 7B decoder's 6.6 GB of
+#: attention heads), while the geometry's float64 temporaries stay a few of this size instead of
+#: a few copies of all attention weights at once.
+ACCELERATOR_COMPONENT_BYTES = 2 ** 30
 
 
 def _runs_of_blocks(blocks: List, key: Tuple[int, int, int, Hashable], like: Tensor) -> List[List]:
-    """``blocks`` (of one component key) cut into consecutive runs for :data:`CPU_COMPONENT_BYTES`."""
-    if like.device.type != "cpu":
-        return [blocks]
+    """``blocks`` (of one component key) cut into consecutive runs of at most
+    :data:`CPU_COMPONENT_BYTES` (:data:`ACCELERATOR_COMPONENT_BYTES` off the CPU) of float64 heads."""
+    limit = CPU_COMPONENT_BYTES if like.device.type == "cpu" else ACCELERATOR_COMPONENT_BYTES
     n, m, h, _ = key
     runs: List[List] = [[]]
     size = 0
     for block in blocks:
         nbytes = block.num_heads * (n + m) * h * 8
-        if runs[-1] and size + nbytes > CPU_COMPONENT_BYTES:
+        if runs[-1] and size + nbytes > limit:
             runs.append([])
             size = 0
         runs[-1].append(block)
@@ -315,13 +323,13 @@ def _component_key(block) -> Tuple[int, int, int, Hashable]:
     return (block.n, block.m, block.head_dim, getattr(block, "group", None))
 
 
-def _frame_or_explain(geom: GLQuotientGeometry, x0: Tensor, blocks, counts):
+def _frame_or_explain(geom: GLQuotientGeometry, x0: Tensor, blocks, counts, keep_dtype: bool = False):
     try:
-        return geom.frame(x0)
+        return geom.frame(x0, keep_dtype=keep_dtype)
     except ValueError:
         for block, x in zip(blocks, torch.split(x0, counts)):
             try:
-                geom.frame(x)
+                geom.frame(x, keep_dtype=keep_dtype)
             except ValueError as err:
                 raise ValueError(f"GL block {block.name!r} ({block.num_heads} heads, G {block.n}×"
                                  f"{block.head_dim}, H {block.m}×{block.head_dim}): {err}") from None

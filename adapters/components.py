@@ -49,13 +49,17 @@ class BallComponent(Protocol):
     coordinates of the tangent space of the component's choice (the elementwise one: ξ/w):
 
     * ``to_coords(ξ, out)``, ``from_coords_(u) -> ξ``: tangent vector ↔ coordinates (in place);
-    * ``leaf_point(u, need_grad) -> (inputs, point)``: the point for the closure and the tensors
-      whose gradients give the gradient w.r.t. u;
+    * ``leaf_point(u, need_grad, into) -> (inputs, point)``: the point for the closure and the
+      tensors whose gradients give the gradient w.r.t. u; ``into`` (a free buffer like u) may
+      receive the gradient (a streaming component's backward writes it there);
     * ``gradient(grads, u) -> (g, ‖g‖², ⟨g, u⟩)``: the Riemannian gradient g at u, in any form
       ``combine`` understands (grads may be consumed; a streaming component's point filled g during
       the backward pass, and its grads are None);
-    * ``combine(out, u, v, c, b, g) -> ‖out‖²``: out ← u + c·v + b·g (out may be v, never u);
-    * ``scale_(u, a)``: u ← a·u.
+    * ``step_buffer(compact)``: a zero vector like u for the last step d (``compact``: in the
+      narrowest dtype the component's coordinates allow);
+    * ``combine(out, u, d, g, a, c, b) -> ‖out‖²``: out ← a·u + c·d + b·g (``d`` None: 0; out may
+      be the buffer g was written into, never u or d);
+    * ``finish_step_(out, f, u, d)``: out ← f·out, then d ← out − u (in d's dtype).
 
     Scalars (‖·‖², ⟨·,·⟩, the coefficients c, b, a) are 0-d float64 tensors: the solver's only host
     sync per iteration is the loss."""
@@ -77,13 +81,17 @@ class BallComponent(Protocol):
 
     def from_coords_(self, u: Tensor) -> Tensor: ...
 
-    def leaf_point(self, u: Tensor, need_grad: bool) -> Tuple[List[Tensor], Tensor]: ...
+    def leaf_point(self, u: Tensor, need_grad: bool, into: Optional[Tensor] = None
+                   ) -> Tuple[List[Tensor], Tensor]: ...
 
     def gradient(self, grads: List[Optional[Tensor]], u: Tensor) -> Tuple[Any, Tensor, Tensor]: ...
 
-    def combine(self, out: Tensor, u: Tensor, v: Optional[Tensor], c: Tensor, b: Tensor, g: Any) -> Tensor: ...
+    def step_buffer(self, compact: bool) -> Tensor: ...
 
-    def scale_(self, u: Tensor, a: Tensor) -> None: ...
+    def combine(self, out: Tensor, u: Tensor, d: Optional[Tensor], g: Any, a: Tensor, c: Tensor,
+                b: Tensor) -> Tensor: ...
+
+    def finish_step_(self, out: Tensor, f: Tensor, u: Tensor, d: Tensor) -> None: ...
 
 
 class _RecomputedPoint(torch.autograd.Function):
@@ -134,8 +142,9 @@ class QuotientComponent:
         self.x0 = x0
         self.dtype = dtype or x0.dtype
         self.retraction = retraction
-        self.elementwise_norm = None if use_metric_norm else _inverse_square(x0)
-        self.elementwise_rgrad = None if use_metric_norm else x0 * x0 * (self.elementwise_norm > 0)
+        x64 = x0.to(torch.float64)  # the ablation's weights in float64, as the frame's work
+        self.elementwise_norm = None if use_metric_norm else _inverse_square(x64)
+        self.elementwise_rgrad = None if use_metric_norm else x64 * x64 * (self.elementwise_norm > 0)
         self.threads = threads_for(x0.numel())
 
     def zeros(self) -> Tensor:
@@ -177,12 +186,14 @@ class QuotientComponent:
     def from_coords_(self, u: Tensor) -> Tensor:
         return u
 
-    def leaf_point(self, xi: Tensor, need_grad: bool) -> Tuple[List[Tensor], Tensor]:
+    def leaf_point(self, xi: Tensor, need_grad: bool, into: Optional[Tensor] = None
+                   ) -> Tuple[List[Tensor], Tensor]:
         """The point R(ξ) and its leaf ξ. With ``recompute`` the exact retraction keeps no graph
         between the forward and the backward pass (the ODE's float64 steps would be held all that
         time): the backward recomputes it, one component at a time, and differentiates that. The
         second-order retraction needs none: its backward is closed-form and keeps only ξ and
-        h×h matrices (:func:`~quotient_manifolds.core.gl.second_order_retraction_vjp`)."""
+        h×h matrices (:func:`~quotient_manifolds.core.gl.second_order_retraction_vjp`). ``into``
+        is not used: the gradient of a quotient component is formed by :meth:`gradient`."""
         leaf = xi.detach().requires_grad_(need_grad)
         if self.recompute and need_grad and self.retraction == "exact":
             return [leaf], _RecomputedPoint.apply(leaf, self).to(self.dtype)
@@ -201,17 +212,23 @@ class QuotientComponent:
         return (g, torch.sum(egrad * g, dtype=torch.float64),
                 torch.sum(egrad * xi, dtype=torch.float64))
 
-    def combine(self, out: Tensor, xi: Tensor, u: Optional[Tensor], c: Tensor, b: Tensor,
-                g: Tensor) -> Tensor:
-        if u is None:
-            out.copy_(xi)
-        else:
-            torch.addcmul(xi, u, c, out=out)
-        out.addcmul_(g, b)
+    def combine(self, out: Tensor, xi: Tensor, d: Optional[Tensor], g: Tensor, a: Tensor,
+                c: Tensor, b: Tensor) -> Tensor:
+        torch.mul(g, b, out=out)
+        out.addcmul_(xi, a)
+        if d is not None:
+            out.addcmul_(d, c)
         return self.inner(out, out)
 
-    def scale_(self, u: Tensor, a: Tensor) -> None:
-        u.mul_(a)
+    def finish_step_(self, out: Tensor, factor: Tensor, xi: Tensor, d: Tensor) -> None:
+        out.mul_(factor)
+        torch.sub(out, xi, out=d)
+
+    def step_buffer(self, compact: bool) -> Tensor:
+        """A zero step in the iterates' dtype, also where ``compact``: rounding the step's
+        entries would add a vertical part to it, which the quotient metric may weigh
+        arbitrarily (it is not invariant under the group's action)."""
+        return self.zeros()
 
 
 class ProductBall:

@@ -33,6 +33,10 @@ KERNEL_LIMIT = 2 ** 28
 #: start of each piece's tensor (or of the flat vector), in order: the result does not depend on
 #: how a pass is cut into kernel calls (:data:`CHUNK`, :data:`KERNEL_LIMIT`, both multiples of it).
 REDUCTION_BLOCK = 2 ** 18
+#: The dtype in which the solver's last step d = ξ − ξ⁻ (Auto-PGD's momentum) of an elementwise
+#: component is kept compact, per iterate dtype: bfloat16 for float32 (2 bytes per weight instead
+#: of 4); any other dtype (float64) keeps its own.
+COMPACT_STEP_DTYPES: Dict[torch.dtype, torch.dtype] = {torch.float32: torch.bfloat16}
 
 
 def add_dot_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -75,12 +79,17 @@ class _StreamedPoint(torch.autograd.Function):
 class StreamedPoint:
     """The elementwise point of one evaluation in the streaming layout: per tensor a recipe
     (:class:`~quotient_manifolds.adapters.streaming.LazyWeight`) computing w(1 + r) when the model
-    reads it, and the buffer its backward fills with the Riemannian gradient in r."""
+    reads it, and the buffer its backward fills with the Riemannian gradient in r (``into``: a
+    free buffer of the solver's, else a new one)."""
 
-    def __init__(self, comp: "ElementwiseComponent", leaves: List[Tensor], need_grad: bool):
+    def __init__(self, comp: "ElementwiseComponent", leaves: List[Tensor], need_grad: bool,
+                 into: Optional[Tensor] = None):
         self.comp, self.leaves = comp, leaves
-        self.gradient = (torch.empty(comp.numel, dtype=comp.dtype, device=comp.device)
-                         if need_grad else None)
+        if into is not None and (into.shape != (comp.numel,) or into.dtype != comp.dtype):
+            raise ValueError(f"the gradient buffer must be a flat {comp.dtype} vector of "
+                             f"{comp.numel} elements, got {tuple(into.shape)} {into.dtype}")
+        self.gradient = None if not need_grad else (
+            into if into is not None else torch.empty(comp.numel, dtype=comp.dtype, device=comp.device))
         self.written = [False] * len(leaves)
 
     def weights(self) -> Dict[str, "LazyWeight"]:
@@ -301,8 +310,9 @@ class ElementwiseComponent:
         at ξ = w r; ``out`` receives it)."""
         if self.second_order:
             return torch.addcmul(r, r, r, value=0.5, out=out).add_(1.0).mul_(w)
-        if w.dtype != self.dtype:  # half-precision weights: the point is formed in float32
-            return torch.addcmul(w.to(self.dtype), w, r, out=out)
+        if w.dtype != self.dtype:  # half-precision weights: the point is formed in float32, in place
+            base = w.to(self.dtype) if out is None else out.copy_(w)
+            return base.addcmul_(w, r)
         return torch.addcmul(w, w, r, out=out)
 
     def point(self, xi: Tensor, retraction: Optional[str] = None, exact_steps: Optional[int] = None, *,
@@ -344,7 +354,7 @@ class ElementwiseComponent:
             piece.mul_(w)
         return r
 
-    def leaf_point(self, r: Tensor, need_grad: bool):
+    def leaf_point(self, r: Tensor, need_grad: bool, into: Optional[Tensor] = None):
         """The point at r for the closure and the tensors autograd differentiates.
 
         Streaming: per-tensor leaves (views of r) and a :class:`StreamedPoint` of recipes; its
@@ -357,7 +367,7 @@ class ElementwiseComponent:
         if self.streaming:
             leaves = [t.view(shape).detach().requires_grad_(need_grad) for t, shape in
                       zip(torch.split(r, self.sizes), self.shapes)]
-            self._stream = StreamedPoint(self, leaves, need_grad)
+            self._stream = StreamedPoint(self, leaves, need_grad, into)
             return leaves, self._stream
         if self._point is None:
             self._point = torch.empty(self.numel, dtype=self.dtype, device=self.device)
@@ -442,20 +452,28 @@ class ElementwiseComponent:
             h.append(g)
         return h
 
-    def combine(self, out: Tensor, r: Tensor, u: Optional[Tensor], c: Tensor, b: Tensor,
-                h: Union[Tensor, List[Tensor]]) -> Tensor:
+    def combine(self, out: Tensor, r: Tensor, d: Optional[Tensor], h: Union[Tensor, List[Tensor]],
+                a: Tensor, c: Tensor, b: Tensor) -> Tensor:
         sq = self._zero()
-        for o, x, g, v in self._flat_over(out, r, h, r if u is None else u):
-            if u is None:
-                o.copy_(x)
-            else:
-                torch.addcmul(x, v, c, out=o)
-            o.addcmul_(g, b)
+        for o, x, g, *step in self._flat_over(out, r, h, *(() if d is None else (d,))):
+            torch.mul(g, b, out=o)  # first: ``out`` may be the gradient's own buffer
+            o.addcmul_(x, a)
+            if step:
+                o.addcmul_(step[0], c)
             add_dot_(sq, o, o)
         return sq
 
-    def scale_(self, u: Tensor, a: Tensor) -> None:
-        u.mul_(a)
+    def finish_step_(self, out: Tensor, factor: Tensor, r: Tensor, d: Tensor) -> None:
+        for o, x, step in self._flat_over(out, r, d):
+            o.mul_(factor)
+            torch.sub(o, x, out=step)
+
+    def step_buffer(self, compact: bool) -> Tensor:
+        """A zero vector for the solver's last step d in r = ξ/w, with ``compact`` in
+        :data:`COMPACT_STEP_DTYPES` of the iterates' dtype: a relative rounding of r is one of
+        ξ, whatever the scale of each weight."""
+        dtype = COMPACT_STEP_DTYPES.get(self.dtype, self.dtype) if compact else self.dtype
+        return torch.zeros(self.numel, dtype=dtype, device=self.device)
 
 
 def _inverse_square(w: Tensor) -> Tensor:

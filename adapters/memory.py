@@ -1,11 +1,12 @@
 """What a sharpness run holds in memory, and the error that says so when it does not fit.
 
 Beyond the model's own weights and the activations of one forward+backward of a batch (in
-float32 for a half-precision model), a run holds four float32 vectors of the perturbed weights:
-the iterate ξ, the previous iterate, the worst point and the gradient (:data:`BYTES_PER_PARAMETER`),
-a fifth for the worst point's gradient where memory allows
-(:func:`~quotient_manifolds.adapters.solver.auto_pgd`), and for the GL(h) attention blocks
-their float64 factors and Gram matrices. The weights themselves are never copied: the model
+float32 for a half-precision model), a run holds three float32 vectors of the perturbed
+weights: the iterate ξ, the worst point and the gradient (over which the next iterate is
+written), and the last step ξ − ξ⁻ in bfloat16 (:data:`BYTES_PER_PARAMETER`); one more float32
+vector for the worst point's gradient where memory allows
+(:func:`~quotient_manifolds.adapters.solver.auto_pgd`); and for the GL(h) attention blocks
+their heads, points and exact last step. The weights themselves are never copied: the model
 reads each perturbed weight when it needs it (:mod:`~quotient_manifolds.adapters.streaming`).
 """
 
@@ -19,8 +20,9 @@ from torch import nn
 
 __all__ = ["BYTES_PER_PARAMETER", "SharpnessOutOfMemoryError", "explained_out_of_memory"]
 
-#: float32 bytes per perturbed weight held by the solver: ξ, ξ⁻, the worst point, the gradient
-BYTES_PER_PARAMETER = 16
+#: bytes per perturbed float32 weight held by the solver: ξ, the worst point and the gradient in
+#: float32, the last step ξ − ξ⁻ in bfloat16
+BYTES_PER_PARAMETER = 14
 
 
 class SharpnessOutOfMemoryError(MemoryError):

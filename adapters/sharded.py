@@ -120,8 +120,8 @@ class ShardedElementwise(ElementwiseComponent):
         sq, dot = self._summed(sq, dot)
         return h, sq, dot
 
-    def combine(self, out, r, u, c, b, h) -> Tensor:
-        return self._summed(super().combine(out, r, u, c, b, h))[0]
+    def combine(self, out, r, d, h, a, c, b) -> Tensor:
+        return self._summed(super().combine(out, r, d, h, a, c, b))[0]
 
 
 class ShardedClosure:

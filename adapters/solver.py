@@ -35,9 +35,13 @@ Tensor = torch.Tensor
 MOMENTUM_FORMS = ("apgd", "andriushchenko", "none")
 #: The default of :func:`auto_pgd`'s ``keep_worst_gradient`` (and so of every sharpness run):
 #: ``None`` keeps the worst point's gradient where free memory holds two more vectors of the ball's
-#: size; ``False`` never (the least memory: 16 bytes per float32 weight), ``True`` always.
+#: size; ``False`` never (the least memory: 14 bytes per float32 weight), ``True`` always.
 KEEP_WORST_GRADIENT: Optional[bool] = None
 STEP_NORMALISATIONS = ("metric", "none")
+#: The default of :func:`auto_pgd`'s ``compact_step`` (and so of every sharpness run): the last
+#: step of the elementwise components is stored in bfloat16 for float32 iterates
+#: (:data:`~quotient_manifolds.adapters.elementwise.COMPACT_STEP_DTYPES`).
+COMPACT_STEP = True
 
 # ---------------------------------------------------------------------------------- Auto-PGD
 def apgd_checkpoints(n_iters: int) -> List[int]:
@@ -80,18 +84,23 @@ class APGDResult:
 @dataclass
 class _Gradient:
     """The Riemannian gradient g at an iterate ξ: per component in the form its ``combine`` takes,
-    with ‖g‖² and ⟨g, ξ⟩."""
+    with ‖g‖² and ⟨g, ξ⟩, and the solver's buffer that the evaluation was given for it (a
+    streaming component wrote g there; the step may be written over it)."""
 
     parts: list
     sq: Tensor
     dot: Tensor
+    buffer: Optional[Tangent] = None
 
 
 def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Tangent,
-              need_grad: bool, xi_sq: Tensor) -> Tuple[float, Optional[_Gradient]]:
+              need_grad: bool, xi_sq: Tensor, into: Optional[Tangent] = None
+              ) -> Tuple[float, Optional[_Gradient]]:
     """ℓ at the point of ξ and, with ``need_grad``, the Riemannian gradient there (one forward,
-    one backward); a finite loss with a non-finite gradient is refused."""
-    inputs, points = zip(*(c.leaf_point(x, need_grad) for c, x in zip(comps, xi)))
+    one backward; ``into``: a free buffer like ξ that components may write it into); a finite
+    loss with a non-finite gradient is refused."""
+    into = into if need_grad and into is not None else [None] * len(xi)
+    inputs, points = zip(*(c.leaf_point(x, need_grad, t) for c, x, t in zip(comps, xi, into)))
     with torch.enable_grad() if need_grad else torch.no_grad():
         loss = closure(list(points))
     del points  # a retraction's point (float64 for GL blocks) is not needed by the backward
@@ -120,7 +129,8 @@ def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Ta
             f"of norm {math.sqrt(float(xi_sq)):.3g}: the model or loss_fn is not differentiable "
             f"there (e.g. sqrt or log at 0, the norm of a zero vector); make it differentiable, "
             f"e.g. add a small epsilon inside sqrt/log")
-    return value, _Gradient([p[0] for p in parts], sq, sum(p[2] for p in parts))
+    return value, _Gradient([p[0] for p in parts], sq, sum(p[2] for p in parts),
+                            None if into[0] is None else into)
 
 
 def _step_coefficients(momentum: str, first: bool, alpha: float, c: Tensor, s: Tensor):
@@ -138,7 +148,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
              min_update_ratio: float = 0.75, decay: float = 0.5,
              on_iteration: Optional[Callable[[int, float], None]] = None,
              start: Optional[Tuple[Tangent, float]] = None,
-             keep_worst_gradient: Optional[bool] = None) -> APGDResult:
+             keep_worst_gradient: Optional[bool] = None,
+             compact_step: Optional[bool] = None) -> APGDResult:
     r"""Maximise ``closure(ball.points(ξ))`` over horizontal ξ with ‖ξ‖ ≤ ρ (docs/maths.md §7.1, §7.3).
 
     Iterations k = 0..N−1 each cost exactly one forward and one backward: the pass at ξ_k gives both
@@ -167,15 +178,22 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         apgd:              A = αc + 2(1 − α),  C = α − 1,   B = α c s,   then P_S
         andriushchenko:    A = 0.75 c,         C = 0.25,    B = 0.75 c s.
 
-    Three iterate buffers serve ξ, ξ⁻ and the worst point (roles change, values are not copied),
-    and one holds the gradient at ξ: beyond the model's own forward and backward a run holds four
-    vectors of the ball's size (16 bytes per float32 weight; with a streaming elementwise
-    component nothing else of the model's size). ``keep_worst_gradient`` keeps the gradient at an
-    older worst point as a fifth, which saves a forward and backward at each restart from it (3 to
-    6 restarts in 20 iterations on MiniLM); without it the restart recomputes the gradient there
-    (same values, one more pass of each). Default (``None``): :data:`KEEP_WORST_GRADIENT`, which
-    by default keeps it while the device's free memory (CUDA; the CPU's available memory on
-    Linux) holds two more such vectors after the iterates are allocated.
+    The momentum needs ξ⁻ only through the last step d = ξ − ξ⁻, which is what the solver stores
+    (y = (1 + C/A) ξ − (C/A) d + (B/A) g, ξ⁺ = A·y): with ``compact_step`` (default
+    :data:`COMPACT_STEP`) each component keeps it as compact as its coordinates allow (the
+    elementwise ones in bfloat16 for float32 iterates: d/w carries 8 significant bits, and
+    ξ⁻ = ξ − d is off by at most 2⁻⁹|d| per entry, a fraction of one step; quotient components
+    and float64 iterates keep d exact). Two more iterate buffers serve ξ
+    and the worst point, and one receives the gradient at ξ, over which the next iterate is then
+    written (roles change, values are not copied): beyond the model's own forward and backward a
+    run holds three vectors of the ball's size and d (14 bytes per float32 weight with the
+    compact step, 16 without; with a streaming elementwise component nothing else of the model's
+    size). ``keep_worst_gradient`` keeps the gradient at an older worst point as one more vector,
+    which saves a forward and backward at each restart from it (3 to 6 restarts in 20 iterations
+    on MiniLM); without it the restart recomputes the gradient there (same values, one more pass
+    of each). Default (``None``): :data:`KEEP_WORST_GRADIENT`, which by default keeps it while
+    the device's free memory (CUDA; the CPU's available memory on Linux) holds two more such
+    vectors after the iterates are allocated.
     """
     rho = check.radius(rho)
     n_iters = check.positive_integer("n_iters", n_iters)
@@ -190,6 +208,9 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     check_choice(momentum, MOMENTUM_FORMS, "momentum form")
     check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
+    for flag, value in (("keep_worst_gradient", keep_worst_gradient), ("compact_step", compact_step)):
+        if value is not None:
+            check.flag(flag, value)
     check.gradients_available("worst-case sharpness (auto_pgd)")
     check.ball_and_closure(ball, closure)
     if start is not None:
@@ -198,15 +219,27 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     checkpoints = set(apgd_checkpoints(n_iters))
     comps = ball.components
 
-    pool = [ball.zeros() for _ in range(3)]
+    pool: List[Tangent] = []
+
+    def free(*held: Optional[Tangent]) -> Tangent:
+        """A buffer of the pool that none of ``held`` is (roles change, values are not copied);
+        a new one when every buffer is held."""
+        for buf in pool:
+            if all(buf is not h for h in held):
+                return buf
+        pool.append(ball.zeros())
+        return pool[-1]
+
+    xi = free()
+    compact_step = COMPACT_STEP if compact_step is None else compact_step
+    last_step = [comp.step_buffer(compact_step) for comp in comps]
     if keep_worst_gradient is None:
-        keep_worst_gradient = (_room_for_two_more(pool[0]) if KEEP_WORST_GRADIENT is None
+        keep_worst_gradient = (_room_for_two_more(xi) if KEEP_WORST_GRADIENT is None
                                else KEEP_WORST_GRADIENT)
     eta = 2 * rho * step_size_mult
     if start is None:
-        xi = pool[0]
         xi_sq = torch.zeros((), dtype=torch.float64, device=xi[0].device)
-        loss0, grad = _evaluate(comps, closure, xi, True, xi_sq)
+        loss0, grad = _evaluate(comps, closure, xi, True, xi_sq, free(xi))
         worst = loss0
     else:
         given, loss0 = start
@@ -214,11 +247,10 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         if math.sqrt(max(float(xi_sq), 0.0)) > rho * (1 + 1e-6):
             raise ValueError(f"the warm start has norm {math.sqrt(float(xi_sq)):.4g} > rho = "
                              f"{rho:.4g}: start from a point of a smaller ball")
-        xi = pool[0]
         for comp, buf, t in zip(comps, xi, given):
             comp.to_coords(t, buf)
-        worst, grad = _evaluate(comps, closure, xi, True, xi_sq)
-    xi_prev = xi
+        worst, grad = _evaluate(comps, closure, xi, True, xi_sq, free(xi))
+    has_step = False  # the last step d = ξ − ξ⁻ is 0 at the start and after a restart
     n_fwd, n_bwd = 1, 1
     xi_worst, worst_sq, grad_worst = xi, xi_sq, grad
     history, steps = [worst], [eta]
@@ -230,9 +262,9 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
             ckpt_eta, ckpt_worst = eta, worst
             if stalled or frozen:
                 eta *= decay
-                xi, xi_prev, grad, xi_sq = xi_worst, xi_worst, grad_worst, worst_sq
+                xi, grad, xi_sq, has_step = xi_worst, grad_worst, worst_sq, False
                 if grad is None:  # not kept: recomputed at the worst point (the same values)
-                    grad = grad_worst = _evaluate(comps, closure, xi, True, xi_sq)[1]
+                    grad = grad_worst = _evaluate(comps, closure, xi, True, xi_sq, free(xi))[1]
                     n_fwd, n_bwd = n_fwd + 1, n_bwd + 1
             n_updates, last_ckpt = 0, k
         # scalars stay 0-d tensors (no host sync): the step s, z = P_S(ξ + s g) = c(ξ + s g)
@@ -241,20 +273,24 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         z_sq = (xi_sq + 2 * s * grad.dot + s * s * grad.sq).clamp_min(0)
         c = ball_factor(z_sq.sqrt(), rho)
         A, C, B, project = _step_coefficients(momentum, k == 0, alpha, c, s)
-        # ξ⁺ = A·y with y = ξ + (C/A) ξ⁻ + (B/A) g, written over ξ⁻ unless ξ⁻ is ξ or the worst
-        out = xi_prev if all(xi_prev is not t for t in (xi, xi_worst)) else next(
-            b for b in pool if b is not xi and b is not xi_worst)
-        y_sq = sum(comp.combine(o, x, None if C == 0 else u, C / A, B / A, g) for
-                   comp, o, x, u, g in zip(comps, out, xi, xi_prev, grad.parts))
+        # ξ⁺ = A·y, y = ξ + (C/A) ξ⁻ + (B/A) g = (1 + C/A) ξ − (C/A) d + (B/A) g, written over
+        # the gradient's buffer unless that is the kept gradient of the worst point
+        worst_buffer = None if grad_worst is None else grad_worst.buffer
+        out = (grad.buffer if grad.buffer is not None and grad.buffer is not worst_buffer
+               else free(xi, xi_worst, grad.buffer, worst_buffer))
+        y_sq = sum(comp.combine(o, x, d if has_step and C != 0 else None, g, 1 + C / A, -C / A,
+                                B / A)
+                   for comp, o, x, d, g in zip(comps, out, xi, last_step, grad.parts))
         factor = ball_factor(y_sq.sqrt(), rho, A) if project else A
-        for comp, o in zip(comps, out):
-            comp.scale_(o, factor)
-        grad = None  # only the worst point's gradient outlives its step, if kept
+        for comp, o, x, d in zip(comps, out, xi, last_step):
+            comp.finish_step_(o, factor, x, d)
+        grad, has_step = None, True  # only the worst point's gradient outlives its step, if kept
         if not keep_worst_gradient:
             grad_worst = None
-        xi_prev, xi, xi_sq = xi, out, factor * factor * y_sq
+        xi, xi_sq = out, factor * factor * y_sq
         last = k == n_iters - 1
-        loss, grad = _evaluate(comps, closure, xi, not last, xi_sq)
+        into = free(xi, xi_worst, None if grad_worst is None else grad_worst.buffer)
+        loss, grad = _evaluate(comps, closure, xi, not last, xi_sq, into)
         n_fwd += 1
         n_bwd += 0 if last else 1
         history.append(loss)

@@ -4,23 +4,29 @@ For a Qwen2-shaped decoder from config (random weights; ``--layers``/``--hidden`
 float32 and in bfloat16, each measurement in a fresh process, on the CPU:
 
 * ``fwd+bwd``: a forward and backward of the batch in the compute dtype (float32; a bfloat16
-  model is converted first, as sharpness evaluates it in float32), with the weights' gradients;
-  its peak over the loaded model gives the activations A = peak − 4 bytes × parameters;
+  model is converted first, as sharpness evaluates it in float32) in which each weight's gradient
+  is dropped as soon as it is formed (a post-accumulate-grad hook): its peak over the loaded
+  model is A, the activations of one forward+backward with the gradient of one weight at a time
+  (what a pass needs at least: gradients are not activations, and keeping all of them would
+  count 4 bytes per parameter that sharpness never holds);
 * ``adaptive``, ``geodesic-mix``, ``geodesic-inv``: ``adapters.sharpness`` on the same batch,
-  keeping the worst point's gradient (``solver.KEEP_WORST_GRADIENT = True``: 4 bytes more);
-  ``adaptive lean``: without it (the default where memory is short).
+  without the worst point's gradient (``lean``: ``solver.KEEP_WORST_GRADIENT = False``, the
+  default where memory is short) and keeping it (``kept``: 4 bytes more, the default where it
+  fits); ``--full-step`` stores the solver's last step in float32 (``solver.COMPACT_STEP =
+  False``: 2 bytes more), as before it was kept in bfloat16.
 
 ``bytes/param`` = (peak − A) / parameters, the peak of the process's RSS over the model as loaded
 (Linux VmHWM, reset after loading; it counts the allocator's caching): what sharpness holds beyond
-the model's own weights and the activations of one forward+backward. The target is ≤ 16 (the
-solver's ξ, ξ⁻, worst point and gradient in float32); the largest weight's transients in the
-backward (its gradient, its recomputed value: the tied embedding here) add a few bytes on a model
-this small. ``tensors`` is the peak of the tensors the run holds from Python
+the model's own weights and the activations of one forward+backward. The target is ≤ 16; the
+solver holds 14 (ξ, the worst point and the gradient in float32, the last step in bfloat16), and
+the largest weight's transients in the backward (its recomputed value: the tied embedding here)
+add a little on a model this small. ``tensors`` is the peak of the tensors the run holds from Python
 (:class:`LiveTensorBytes`). On a CUDA device (``--device cuda``) the peak is
 ``torch.cuda.max_memory_allocated``.
 
     python benchmarks/bench_memory.py [--layers 12] [--hidden 512] [--batch 2] [--seq 64]
                                       [--iters 6] [--dtypes float32 bfloat16] [--device cpu]
+                                      [--full-step]
 """
 
 from __future__ import annotations
@@ -93,9 +99,12 @@ def build(layers: int, hidden: int, dtype, device: str):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     heads = max(hidden // 64, 1)
+    # Qwen2.5-3B's proportions (MLP 5.375 × hidden, 8 query heads per key-value head): the
+    # attention weights, which the geodesic geometries hold more for, are 11 % of the weights,
+    # as in the 3B (11 %) and 7B (11 %) decoders
     config = transformers.Qwen2Config(
-        vocab_size=8192, hidden_size=hidden, intermediate_size=int(2.75 * hidden),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(heads // 4, 1),
+        vocab_size=8192, hidden_size=hidden, intermediate_size=int(5.375 * hidden),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(heads // 8, 1),
         tie_word_embeddings=True, max_position_embeddings=4096)
     model = transformers.Qwen2ForCausalLM(config).to(dtype=dtype, device=device).eval()
     return model
@@ -109,10 +118,11 @@ def measure(method, dtype_name, args, queue):
     torch.set_num_threads(args.threads)
     try:
         from quotient_manifolds.adapters import solver
-        solver.KEEP_WORST_GRADIENT = not method.endswith(" lean") if method != "fwd+bwd" else None
-    except ImportError:
+        solver.KEEP_WORST_GRADIENT = method.endswith(" kept") if method != "fwd+bwd" else None
+        solver.COMPACT_STEP = not args.full_step
+    except (ImportError, AttributeError):
         pass
-    method = method.replace(" lean", "")
+    method = method.split(" ")[0]
     dtype = getattr(torch, dtype_name)
     model = build(args.layers, args.hidden, dtype, args.device)
     n = sum(p.numel() for p in model.parameters())
@@ -121,6 +131,8 @@ def measure(method, dtype_name, args, queue):
     batch = {"input_ids": ids, "labels": ids}
     if method == "fwd+bwd":
         model = model.float()
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -163,22 +175,25 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--full-step", action="store_true",
+                        help="store the solver's last step in float32 (the layout before)")
     args = parser.parse_args(argv)
-    print(f"{'dtype':9s} {'method':13s} {'params':>11s} {'RSS MiB':>8s} {'bytes/param':>11s} "
+    print(f"{'dtype':9s} {'method':17s} {'params':>11s} {'RSS MiB':>8s} {'bytes/param':>11s} "
           f"{'tensors MiB':>11s} {'tensors B/p':>11s}")
     for dtype in args.dtypes:
         base = run_one("fwd+bwd", dtype, args)
         n = base["params"]
-        activations = base["peak"] - 4 * n      # the float32 gradients of the weights aside
-        print(f"{dtype:9s} {'fwd+bwd fp32':13s} {n:11,d} {base['peak'] / 2**20:8.1f} "
+        activations = base["peak"]
+        print(f"{dtype:9s} {'fwd+bwd fp32':17s} {n:11,d} {base['peak'] / 2**20:8.1f} "
               f"{'A=' + format(activations / 2**20, '.0f') + 'MiB':>11s}", flush=True)
-        for method in ("adaptive lean", *METHODS[1:]):
+        for method in (f"{m} {keep}" for m in METHODS[1:] for keep in ("lean", "kept")):
             got = run_one(method, dtype, args)
-            print(f"{dtype:9s} {method:13s} {n:11,d} {got['peak'] / 2**20:8.1f} "
+            print(f"{dtype:9s} {method:17s} {n:11,d} {got['peak'] / 2**20:8.1f} "
                   f"{(got['peak'] - activations) / n:11.1f} {got['tensors'] / 2**20:11.1f} "
                   f"{got['tensors'] / n:11.1f}", flush=True)
     print(f"settings: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens, "
-          f"{args.iters} iterations, device {args.device}, python {sys.version.split()[0]}")
+          f"{args.iters} iterations, device {args.device}, last step in "
+          f"{'float32' if args.full_step else 'bfloat16'}, python {sys.version.split()[0]}")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._validation import (batch_shape, finite_real, floating_dtype, floating_tensor, group_element,
-                           optional_generator, relaxation, size)
+from .._validation import (batch_shape, finite_real, flag, floating_dtype, floating_tensor,
+                           group_element, optional_generator, relaxation, size)
 from .groups import FULL_GL, Group, as_group, pencil_basis, sym
 from .metrics import GeodesicLeftManifold, GLMetric, InvMetric, MixMetric
 
@@ -102,9 +102,15 @@ class GLFrame:
     Methods take tangent vectors (or ambient vectors) with the layout of the point and broadcast
     over leading batch dimensions. Inputs of any float dtype are promoted to float64 internally and
     results are returned in the dtype of the tangent argument.
+
+    ``keep_dtype=True`` stores x in its own dtype and promotes it where a method uses it, instead
+    of holding a float64 copy: the same numbers (promotion is exact), half the memory of the point
+    for float32 weights (a quarter for bfloat16), one conversion per use. The sharpness engine
+    frames the attention weights of large models this way.
     """
 
-    def __init__(self, geometry: "GLQuotientGeometry", x: Tensor, *, check: bool = True):
+    def __init__(self, geometry: "GLQuotientGeometry", x: Tensor, *, check: bool = True,
+                 keep_dtype: bool = False):
         self.geometry = geometry
         self.metric = geometry.metric
         self.gl_metric = geometry.gl_metric
@@ -117,16 +123,34 @@ class GLFrame:
         self.dtype = x.dtype
         self.cdtype = compute_dtype(x.dtype)
         xc = x.to(self.cdtype)
-        self.x = xc
-        self.G, self.H = xc[..., :n, :], xc[..., n:, :]
+        self._n = n
+        if flag("keep_dtype", keep_dtype) and x.dtype != self.cdtype:
+            self._x, self._G, self._H = x, None, None
+        else:
+            self._x, self._G, self._H = xc, xc[..., :n, :], xc[..., n:, :]
         h = xc.shape[-1]
         self.eye = torch.eye(h, dtype=self.cdtype, device=x.device)
-        self.gram_G = self.G.mT @ self.G
-        self.gram_H = self.H.mT @ self.H
+        G, H = xc[..., :n, :], xc[..., n:, :]
+        self.gram_G = G.mT @ G
+        self.gram_H = H.mT @ H
+        del xc, G, H
         self.P = self.gram_G + self.eps * self.eye if self.eps else self.gram_G
         self.Q = self.gram_H + self.eps * self.eye if self.eps else self.gram_H
         self.chol_P = self._cholesky(self.P, "G", check)
         self.chol_Q = self._cholesky(self.Q, "H", check)
+
+    @property
+    def x(self) -> Tensor:
+        """The point [G; H] in the compute dtype."""
+        return self._x if self._x.dtype == self.cdtype else self._x.to(self.cdtype)
+
+    @property
+    def G(self) -> Tensor:
+        return self._G if self._G is not None else self._x[..., :self._n, :].to(self.cdtype)
+
+    @property
+    def H(self) -> Tensor:
+        return self._H if self._H is not None else self._x[..., self._n:, :].to(self.cdtype)
 
     # ------------------------------------------------------------------ factorisations
     def _cholesky(self, gram: Tensor, factor: str, check: bool) -> Tensor:
@@ -589,9 +613,10 @@ class GLQuotientGeometry:
         """x = [G; H]."""
         return torch.cat((G, H), dim=-2)
 
-    def frame(self, x: Tensor, *, check: bool = True) -> GLFrame:
-        """Precompute the geometry at x (validated unless ``check=False``)."""
-        return GLFrame(self, x, check=check)
+    def frame(self, x: Tensor, *, check: bool = True, keep_dtype: bool = False) -> GLFrame:
+        """Precompute the geometry at x (validated unless ``check=False``; ``keep_dtype``: x is
+        stored in its own dtype, see :class:`GLFrame`)."""
+        return GLFrame(self, x, check=check, keep_dtype=keep_dtype)
 
     # ------------------------------------------------------------------ group action
     def act(self, x: Tensor, A: Tensor) -> Tensor:
