@@ -777,3 +777,34 @@ def test_batched_equals_per_element(metric, eps):
     # a single point broadcast against a stack of tangent vectors
     f0 = geom.frame(X[0])
     assert rel(f0.project(U)[3], f0.project(U[3])) < 1e-12
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_frame_keeping_the_point_in_its_dtype_gives_the_same_numbers(metric, dtype):
+    """``keep_dtype=True`` stores x in its own dtype and promotes it where used: every method gives
+    the numbers of a frame built on the float64 copy of the same point, bit for bit (promotion is
+    exact), and the frame holds no float64 copy of x."""
+    gen = torch.Generator().manual_seed(3)
+    geom = GLQuotientGeometry(6, 5, 2, metric)
+    x = torch.randn(4, 11, 2, generator=gen).to(dtype)
+    lean, full = geom.frame(x, keep_dtype=True), geom.frame(x.double())
+    assert lean._x.dtype == dtype and lean._x.data_ptr() == x.data_ptr()
+    u = torch.randn(4, 11, 2, dtype=torch.float64, generator=gen)
+    e = torch.randn(4, 11, 2, dtype=torch.float64, generator=gen)
+    h = full.project(u)
+    assert torch.equal(lean.x, full.x) and torch.equal(lean.G, full.G) and torch.equal(lean.H, full.H)
+    assert torch.equal(lean.project(u), h)
+    assert torch.equal(lean.egrad2rgrad(e), full.egrad2rgrad(e))
+    assert torch.equal(lean.inner(h, h), full.inner(h, h))
+    assert torch.equal(lean.christoffel(h), full.christoffel(h))
+    for method in ("first_order", "second_order", "exact"):
+        assert torch.equal(lean.retract(0.1 * h, method), full.retract(0.1 * h, method))
+    u32 = (0.1 * h).float().requires_grad_()
+    y = lean.retract(u32)  # the engine's case: float32 iterates, the point in the weights' dtype
+    assert y.dtype == torch.promote_types(dtype, torch.float32)
+    (g,) = torch.autograd.grad(y.double().square().sum(), u32)
+    (want,) = torch.autograd.grad(full.retract(u32).double().square().sum(), u32)
+    torch.testing.assert_close(g, want.to(g.dtype), rtol=1e-5, atol=1e-7)  # y rounded to float32
+    with pytest.raises(TypeError, match="keep_dtype must be True or False"):
+        geom.frame(x, keep_dtype="yes")
