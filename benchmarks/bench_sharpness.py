@@ -9,7 +9,9 @@ qwen2-0.5b``, a 494 M-parameter Qwen2-shaped decoder in bfloat16, from config):
   peak / parameter bytes, ``beyond`` is (peak − peak of the bare forward+backward) / parameter
   bytes, i.e. what sharpness holds on top of training's own gradient and activations, and
   ``B/param``, (peak − activations of one float32 forward+backward) / parameters: the bytes per
-  parameter that sharpness holds beyond the model's weights (target ≤ 16). On the CPU the peak is
+  parameter that sharpness holds beyond the model's weights (with the worst point's gradient
+  where memory allows, and activations taken as the fwd+bwd peak less all its gradients: an
+  upper bound; ``bench_memory.py`` measures it against the 16-byte target). On the CPU the peak is
   the process's peak RSS after the model is loaded (Linux VmHWM, reset through /proc/self/clear_refs).
   ``--models qwen2-1.5b qwen2.5-3b qwen2-7b`` add Qwen2-family decoder shapes (bfloat16, built
   on the device: rows for a GPU).

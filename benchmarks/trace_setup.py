@@ -41,6 +41,8 @@ def trace(model, batches):
         if filename.startswith("<"):           # code generated at run time (dataclass __init__)
             return None
         path = pathlib.Path(filename).resolve()
+        if "site-packages" in path.parts or ".venv" in path.parts:  # a venv inside the checkout
+            return None
         for base in (root, package):
             if base in path.parents:
                 name = str(path.relative_to(base).with_suffix(""))
