@@ -103,7 +103,7 @@ def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Ta
     inputs, points = zip(*(c.leaf_point(x, need_grad, t) for c, x, t in zip(comps, xi, into)))
     with torch.enable_grad() if need_grad else torch.no_grad():
         loss = closure(list(points))
-    del points  # a retraction's point (float64 for GL blocks) is not needed by the backward
+    del points  # a GL block's retracted point is not needed by the backward
     value = finite_loss(loss, math.sqrt(float(xi_sq)))
     if not need_grad:
         return value, None
