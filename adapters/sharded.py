@@ -62,10 +62,13 @@ def _reshard(model: nn.Module) -> None:
     """Every FSDP2 module of ``model`` back to its sharded parameters: the root keeps its weights
     gathered after a forward without backward, and its next forward would reuse them instead of
     gathering the shards just written."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
     for module in model.modules():
-        reshard = getattr(module, "reshard", None)
-        if callable(reshard) and type(module).__name__.startswith("FSDP"):
-            reshard()
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _local_rows(p) -> Tuple[Tensor, int, int]:
@@ -199,7 +202,7 @@ class ShardedClosure:
         for (comp, (blocks, counts)), point in zip(self.quotients, points[:n_quot]):
             from .ball import _gather_heads
 
-            cot = _gather_heads(blocks, counts, full_grads, point.device).to(point.dtype)
+            cot = _gather_heads(blocks, counts, full_grads, point.device, point.dtype)
             surrogate = surrogate + ((point * cot).sum() - (point.detach() * cot).sum())
         return surrogate
 

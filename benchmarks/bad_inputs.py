@@ -405,28 +405,25 @@ def _low_level(geometry="adaptive"):
     return m, ball, closure
 
 
-def case_auto_pgd(**kw):
+def _case_solver(solve, defaults, value, **kw):
+    """A case calling the low-level ``solve(ball, closure, rho, **defaults, **kw)`` (``rho``
+    0.1 unless given) and reading the attribute ``value`` of its result."""
     words = [k for k in kw]
 
     def make():
         m, ball, closure = _low_level()
-        args = dict(n_iters=2)
-        args.update(kw)
+        args = {**defaults, **kw}
         rho = args.pop("rho", 0.1)
-        return m, lambda: adapters.solver.auto_pgd(ball, closure, rho, **args).worst_loss, words
+        return m, lambda: getattr(solve(ball, closure, rho, **args), value), words
     return make
+
+
+def case_auto_pgd(**kw):
+    return _case_solver(adapters.solver.auto_pgd, dict(n_iters=2), "worst_loss", **kw)
 
 
 def case_average_case(**kw):
-    words = [k for k in kw]
-
-    def make():
-        m, ball, closure = _low_level()
-        args = dict(n_samples=2)
-        args.update(kw)
-        rho = args.pop("rho", 0.1)
-        return m, lambda: adapters.solver.average_case(ball, closure, rho, **args).mean_loss, words
-    return make
+    return _case_solver(adapters.solver.average_case, dict(n_samples=2), "mean_loss", **kw)
 
 
 def case_build_ball_no_layout():

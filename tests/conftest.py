@@ -19,7 +19,7 @@ torch.set_num_threads(int(os.environ.get("QM_TEST_THREADS", "1")))
 
 
 # ------------------------------------------------------------------------------- time budget
-# The whole suite runs in about 3 minutes on 2 CPU cores (-n auto: one process per core), and no
+# The whole suite runs in about 6 minutes on 2 CPU cores (-n auto: one process per core), and no
 # test may take more than 15 s (setup, call and teardown, one thread). A study smoke test takes its smallest configuration
 # (few models, few sharpness points and iterations), a test that needs a loaded model shares a
 # fixture, a property test keeps its number of examples modest. Timings belong in benchmarks/.
