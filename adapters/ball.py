@@ -141,33 +141,9 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     components: List = []
     groups: List[Tuple[List, List[int]]] = []  # (blocks, head counts) per quotient component
     if metric is not None:
-        by_key: "OrderedDict[Tuple[int, int, int, Hashable], List]" = OrderedDict()
-        for block in layout.blocks:
-            by_key.setdefault(_component_key(block), []).append(block)
-        runs = [(key, run) for key, blocks in by_key.items()
-                for run in _runs_of_blocks(blocks, key, params0[blocks[0].g_pieces[0].param])]
-        for (n, m, h, group), blocks in runs:
-            try:
-                geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=gram_eps,
-                                          **({"group": group} if group is not None else {}))
-            except ValueError as err:   # e.g. a head dimension h larger than n or m
-                raise ValueError(f"block(s) {', '.join(b.name for b in blocks)}: {err}; measure this "
-                                 f"model with geometry='adaptive', or pass a layout= without these "
-                                 f"blocks") from None
-            counts = [block.num_heads for block in blocks]
-            like = params0[blocks[0].g_pieces[0].param]
-            dtype = compute_dtype or like.dtype
-            # streaming (large models): the heads stay in the weights' dtype, and the frame
-            # promotes them where it uses them (the same numbers, no float64 copy)
-            x0 = _gather_heads(blocks, counts, params0, like.device,
-                               like.dtype if streaming else torch.float64)
-            frame = _frame_or_explain(geom, x0, blocks, counts, keep_dtype=streaming)
-            name = f"GL(h={h}) n={n} m={m} [{len(blocks)} blocks]"
-            # iterates in the model's dtype; the frame does its Gram-matrix work in float64
-            components.append(QuotientComponent(name, frame, x0, retraction=retraction,
-                                                use_metric_norm=use_metric_norm, dtype=dtype,
-                                                recompute=streaming))
-            groups.append((blocks, counts))
+        components, groups = quotient_components(
+            layout.blocks, params0, metric=metric, retraction=retraction, gram_eps=gram_eps,
+            use_metric_norm=use_metric_norm, streaming=streaming, compute_dtype=compute_dtype)
         masks = getattr(layout, "gl_masks", {})
         elementwise = [(n, ~masks[n].to(params0[n].device) if n in masks else None)
                        for n in layout.adaptive if n in params0]
@@ -185,6 +161,47 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
                                                second_order=elementwise_second_order,
                                                streaming=streaming, dtype=dtype))
     return ProductBall(components), BallParameters(params0, components, groups, compute_dtype)
+
+
+def quotient_components(blocks: Sequence, params0: Mapping[str, Tensor], *, metric: str,
+                        retraction: str = "second_order", gram_eps: float = 0.0,
+                        use_metric_norm: bool = True, streaming: bool = False,
+                        compute_dtype: Optional[torch.dtype] = None
+                        ) -> Tuple[List[QuotientComponent], List[Tuple[List, List[int]]]]:
+    """The quotient components of :func:`build_ball` for GL ``blocks`` (with the ``metric`` of
+    the GL blocks, ``"inv"`` or ``"mix"``), and each component's (blocks, head counts): blocks
+    of equal :func:`_component_key` are stacked, in runs of at most :data:`CPU_COMPONENT_BYTES`
+    (:data:`ACCELERATOR_COMPONENT_BYTES` off the CPU) of float64 heads."""
+    by_key: "OrderedDict[Tuple[int, int, int, Hashable], List]" = OrderedDict()
+    for block in blocks:
+        by_key.setdefault(_component_key(block), []).append(block)
+    runs = [(key, run) for key, same in by_key.items()
+            for run in _runs_of_blocks(same, key, params0[same[0].g_pieces[0].param])]
+    components: List[QuotientComponent] = []
+    groups: List[Tuple[List, List[int]]] = []
+    for (n, m, h, group), run in runs:
+        try:
+            geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=gram_eps,
+                                      **({"group": group} if group is not None else {}))
+        except ValueError as err:   # e.g. a head dimension h larger than n or m
+            raise ValueError(f"block(s) {', '.join(b.name for b in run)}: {err}; measure this "
+                             f"model with geometry='adaptive', or pass a layout= without these "
+                             f"blocks") from None
+        counts = [block.num_heads for block in run]
+        like = params0[run[0].g_pieces[0].param]
+        dtype = compute_dtype or like.dtype
+        # streaming (large models): the heads stay in the weights' dtype, and the frame
+        # promotes them where it uses them (the same numbers, no float64 copy)
+        x0 = _gather_heads(run, counts, params0, like.device,
+                           like.dtype if streaming else torch.float64)
+        frame = _frame_or_explain(geom, x0, run, counts, keep_dtype=streaming)
+        name = f"GL(h={h}) n={n} m={m} [{len(run)} blocks]"
+        # iterates in the model's dtype; the frame does its Gram-matrix work in float64
+        components.append(QuotientComponent(name, frame, x0, retraction=retraction,
+                                            use_metric_norm=use_metric_norm, dtype=dtype,
+                                            recompute=streaming))
+        groups.append((run, counts))
+    return components, groups
 
 
 class BallParameters:

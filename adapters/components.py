@@ -62,7 +62,12 @@ class BallComponent(Protocol):
     * ``finish_step_(out, f, u, d)``: out ← f·out, then d ← out − u (in d's dtype).
 
     Scalars (‖·‖², ⟨·,·⟩, the coefficients c, b, a) are 0-d float64 tensors: the solver's only host
-    sync per iteration is the loss."""
+    sync per iteration is the loss.
+
+    ``quotient`` says whether the component is a quotient (GL) piece of the ball: its share of
+    ‖ξ‖² is the attention share of a result (:meth:`ProductBall.quotient_share`)."""
+
+    quotient: bool
 
     def zeros(self) -> Tensor: ...
 
@@ -132,6 +137,8 @@ class QuotientComponent:
     (:func:`~quotient_manifolds._runtime.threads_for`): h×h solves are far too small to pay for
     thread synchronisation.
     """
+
+    quotient = True
 
     def __init__(self, name: str, frame, x0: Tensor, *, retraction: str,
                  use_metric_norm: bool = True, dtype: Optional[torch.dtype] = None,
@@ -261,7 +268,7 @@ class ProductBall:
         along the quotient, comparably across geometries."""
         parts = [float(c.inner(a, a)) for c, a in zip(self.components, u)]
         total = sum(parts)
-        on = sum(v if isinstance(c, QuotientComponent) else
+        on = sum(v if getattr(c, "quotient", False) else
                  (c.sq_norm_on(a, covered) if covered and isinstance(c, ElementwiseComponent) else 0.0)
                  for c, a, v in zip(self.components, u, parts))
         return on / total if total > 0 else float("nan")
@@ -282,7 +289,7 @@ class ProductBall:
 
     @property
     def has_quotients(self) -> bool:
-        return any(isinstance(c, QuotientComponent) for c in self.components)
+        return any(getattr(c, "quotient", False) for c in self.components)
 
     def random(self, generator: Optional[torch.Generator] = None) -> Tangent:
         return [c.random(generator) for c in self.components]

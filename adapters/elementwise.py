@@ -142,6 +142,8 @@ class ElementwiseComponent:
       several modules (tied embeddings) adds up its gradients.
     """
 
+    quotient = False
+
     def __init__(self, tensors: Dict[str, Tensor], *, masks: Optional[Dict[str, Tensor]] = None,
                  direction: str = "riemannian", second_order: bool = False,
                  name: str = "elementwise", flat: Optional[bool] = None,

@@ -9,19 +9,22 @@ and every rank returns the same :class:`~quotient_manifolds.adapters.SharpnessRe
 
 What each rank holds: the perturbation ξ and every buffer of the solver over the *local shard* of
 each elementwise (adaptive) weight, a copy of that shard (the trained weights, to move from and to
-restore), and the GL(h) attention blocks whole. The solver's norms and inner products over the
-elementwise part are summed over the ranks (``all_reduce``). A GL block's heads take their rows
-from several parameters, which FSDP2 cuts at other places than head boundaries (a head may
-straddle two ranks, and its G and H live on different ones), so the blocks' factors are assembled
-whole on every rank (``DTensor.full_tensor``, one parameter at a time) and their geometry (Gram
-matrices, projections, retraction) is computed identically everywhere. Memory per rank is thus
-about 1/world of the elementwise part (most of a transformer's weights) plus all of the attention
-blocks; the values equal those of the unsharded model.
+restore), and the GL(h) attention blocks it owns. The solver's norms and inner products are
+summed over the ranks (``all_reduce``). A GL block's heads take their rows from several
+parameters, which FSDP2 cuts at other places than head boundaries (a head may straddle two ranks,
+and its G and H live on different ones), so no rank holds the rows of a head's Gram matrices,
+even in part. Each group of blocks sharing a weight is held by one rank instead
+(:func:`assign_owners`: largest groups first, each to the least loaded rank): the owner holds the
+blocks' trained heads, their geometry (Gram matrices, projections, retraction) and their part of
+every solver vector (:class:`ShardedQuotients`). Memory per rank is thus about 1/world of the
+solver's state of the whole model; the values equal those of the unsharded model.
 
 An evaluation writes the perturbed weights into the local shards (in place, under ``no_grad``;
-the sharded weights must be float32 or float64), runs the model as it is (FSDP2 gathers and
+the sharded weights must be float32 or float64; each attention weight is sent whole from its
+owner, one weight at a time, and every rank copies its rows), runs the model as it is (FSDP2 gathers and
 scatters as in training, with its mixed-precision policy if it has one), and reads the gradient
-from the sharded ``.grad`` (averaged over the ranks by FSDP2's reduce-scatter). The trained weights
+from the sharded ``.grad`` (averaged over the ranks by FSDP2's reduce-scatter; an attention
+weight's gradient is gathered whole, one weight at a time, and kept by its owner). The trained weights
 and the parameters' ``.grad`` are restored when the run ends, also after an exception. The layout
 of a geodesic geometry must have been verified before sharding (``layout.verify(model, inputs)``
 on the unsharded model); it is passed as ``layout=``.
@@ -32,16 +35,16 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .ball import _written, build_ball, head_writes
-from .components import ElementwiseComponent, ProductBall, StreamedPoint
+from .ball import _gather_heads, _written, head_writes, quotient_components
+from .components import ElementwiseComponent, ProductBall, QuotientComponent, StreamedPoint
 from .evaluation import eval_mode
 
-__all__ = ["is_sharded", "ShardedElementwise"]
+__all__ = ["is_sharded", "assign_owners", "ShardedElementwise", "ShardedQuotients"]
 
 
 def _dtensor_type():
@@ -96,6 +99,15 @@ def _local_rows(p) -> Tuple[Tensor, int, int]:
     return local, start, start + local.shape[0]
 
 
+def _summed(group: Any, *values: Tensor) -> Tuple[Tensor, ...]:
+    """The 0-d ``values`` summed over the ranks of ``group`` (one ``all_reduce``), in float64."""
+    import torch.distributed as dist
+
+    stacked = torch.stack([v.to(torch.float64) for v in values])
+    dist.all_reduce(stacked, group=group)
+    return tuple(stacked.unbind())
+
+
 class ShardedElementwise(ElementwiseComponent):
     """The streaming elementwise component over this rank's shards of the weights: every norm and
     inner product it returns is summed over the ranks of ``group`` (one ``all_reduce`` per
@@ -106,11 +118,7 @@ class ShardedElementwise(ElementwiseComponent):
         self.group = group
 
     def _summed(self, *values: Tensor) -> Tuple[Tensor, ...]:
-        import torch.distributed as dist
-
-        stacked = torch.stack([v.to(torch.float64) for v in values])
-        dist.all_reduce(stacked, group=self.group)
-        return tuple(stacked.unbind())
+        return _summed(self.group, *values)
 
     def inner(self, u: Tensor, v: Tensor) -> Tensor:
         return self._summed(super().inner(u, v))[0]
@@ -127,48 +135,205 @@ class ShardedElementwise(ElementwiseComponent):
         return self._summed(super().combine(out, r, d, h, a, c, b))[0]
 
 
+def assign_owners(blocks: Sequence, sizes: Mapping[str, int], world: int) -> Dict[str, int]:
+    """Which rank holds each weight of the GL ``blocks`` (weight name → rank in ``0..world-1``):
+    blocks that share a weight go to one rank together (a weight is written by one rank), and the
+    groups of blocks, largest first (``sizes``: elements per weight), each go to the rank holding
+    the fewest elements so far (the lowest rank on ties). The same on every rank."""
+    parent: Dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    for block in blocks:
+        names = list(block.params)
+        for other in names[1:]:
+            parent[root(other)] = root(names[0])
+    connected: Dict[str, List[str]] = {}
+    for name in sorted(parent):
+        connected.setdefault(root(name), []).append(name)
+    load = [0] * world
+    owner: Dict[str, int] = {}
+    for names in sorted(connected.values(), key=lambda ns: (-sum(sizes[n] for n in ns), ns[0])):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        load[rank] += sum(sizes[n] for n in names)
+        owner.update({n: rank for n in names})
+    return owner
+
+
+class ShardedQuotients:
+    """The GL(h) blocks of a sharded model, each held whole by one rank, as one component of the
+    ball.
+
+    A head's rows of W_Q, W_K or W_V are cut by FSDP2 at arbitrary rows, so no rank could form
+    its h×h Gram matrices from partial sums. Instead each group of blocks sharing weights belongs
+    to one rank (:func:`assign_owners`), which holds their heads, frames and solver buffers (this
+    rank's ``components``, a list that may be empty); on every rank the component's vectors are
+    one flat tensor of the owned components' coordinates (empty on a rank owning nothing). Every
+    norm and inner product is the owned components' sum, summed over the ranks of ``group`` (one
+    ``all_reduce`` of scalars per call), so all ranks take the same steps. A point is the list of
+    the owned components' points; :class:`ShardedClosure` sends each weight from its owner to the
+    ranks holding its rows."""
+
+    quotient = True
+
+    def __init__(self, components: List[QuotientComponent], groups: List[Tuple[list, List[int]]], *,
+                 dtype: torch.dtype, device: torch.device, group: Any = None):
+        self.components, self.groups = components, groups
+        self.dtype, self.device, self.group = dtype, device, group
+        self.shapes = [c.zeros().shape for c in components]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
+
+    def _views(self, u: Tensor) -> List[Tensor]:
+        return [part.view(shape) for part, shape in zip(torch.split(u, self.sizes), self.shapes)]
+
+    def _each(self, method: str, *vectors: Tensor, **kwargs) -> Tensor:
+        """A new flat vector whose owned parts are ``component.method(parts of vectors)``."""
+        out = self.zeros()
+        for comp, o, *parts in zip(self.components, self._views(out), *map(self._views, vectors)):
+            o.copy_(getattr(comp, method)(*parts, **kwargs))
+        return out
+
+    def _local_sum(self, values) -> Tensor:
+        return sum(values, torch.zeros((), dtype=torch.float64, device=self.device))
+
+    def zeros(self) -> Tensor:
+        return torch.zeros(sum(self.sizes), dtype=self.dtype, device=self.device)
+
+    def inner(self, u: Tensor, v: Tensor) -> Tensor:
+        local = self._local_sum(c.inner(a, b) for c, a, b in
+                                zip(self.components, self._views(u), self._views(v)))
+        return _summed(self.group, local)[0]
+
+    def project(self, u: Tensor) -> Tensor:
+        return self._each("project", u)
+
+    def rgrad(self, egrad: Tensor) -> Tensor:
+        return self._each("rgrad", egrad)
+
+    def random(self, generator: Optional[torch.Generator]) -> Tensor:
+        out = self.zeros()
+        for comp, o in zip(self.components, self._views(out)):
+            o.copy_(comp.random(generator))
+        return out
+
+    def point(self, xi: Tensor, retraction: Optional[str] = None, exact_steps: Optional[int] = None,
+              *, out: Optional[Tensor] = None) -> List[Tensor]:
+        return [c.point(a, retraction, exact_steps) for c, a in zip(self.components, self._views(xi))]
+
+    # solver protocol (BallComponent)
+    def to_coords(self, xi: Tensor, out: Tensor) -> None:
+        out.copy_(xi)
+
+    def from_coords_(self, u: Tensor) -> Tensor:
+        return u
+
+    def leaf_point(self, u: Tensor, need_grad: bool, into: Optional[Tensor] = None
+                   ) -> Tuple[List[Tensor], List[Tensor]]:
+        leaves: List[Tensor] = []
+        points: List[Tensor] = []
+        for comp, part in zip(self.components, self._views(u)):
+            (leaf,), point = comp.leaf_point(part, need_grad)
+            leaves.append(leaf)
+            points.append(point)
+        return leaves, points
+
+    def gradient(self, grads: List[Optional[Tensor]], u: Tensor) -> Tuple[List[Tensor], Tensor, Tensor]:
+        parts = [c.gradient([g], a) for c, g, a in zip(self.components, grads, self._views(u))]
+        sq, dot = _summed(self.group, self._local_sum(p[1] for p in parts),
+                          self._local_sum(p[2] for p in parts))
+        return [p[0] for p in parts], sq, dot
+
+    def step_buffer(self, compact: bool) -> Tensor:
+        return self.zeros()  # exact, as every quotient component's (QuotientComponent.step_buffer)
+
+    def combine(self, out: Tensor, u: Tensor, d: Optional[Tensor], g: List[Tensor], a: Tensor,
+                c: Tensor, b: Tensor) -> Tensor:
+        ds = self._views(d) if d is not None else [None] * len(self.components)
+        local = self._local_sum(comp.combine(o, x, dd, gg, a, c, b) for comp, o, x, dd, gg in
+                                zip(self.components, self._views(out), self._views(u), ds, g))
+        return _summed(self.group, local)[0]
+
+    def finish_step_(self, out: Tensor, f: Tensor, u: Tensor, d: Tensor) -> None:
+        for comp, o, x, dd in zip(self.components, self._views(out), self._views(u), self._views(d)):
+            comp.finish_step_(o, f, x, dd)
+
+
 class ShardedClosure:
     """The loss of the sharded model on its batch at the ball's points (module docstring); with
     gradients enabled it runs the backward itself, hands the elementwise gradient to the
-    component's buffer and returns a loss whose only graph carries the GL blocks' gradient
-    (value + ⟨point, ∂L/∂point⟩ − ⟨point, ∂L/∂point⟩ detached: the same number)."""
+    component's buffer and returns a loss whose only graph carries the owned GL blocks' gradient
+    (value + ⟨point, ∂L/∂point⟩ − ⟨point, ∂L/∂point⟩ detached: the same number).
+
+    ``gl_weights``: every weight a GL block writes (name → (owner's rank in ``group``, shape,
+    dtype)), the same on every rank; ``full0``: the trained values of the weights this rank owns."""
 
     def __init__(self, model: nn.Module, local: Dict[str, Tensor],
                  rows: Dict[str, Tuple[int, int]], elementwise: Optional[ShardedElementwise],
-                 quotients: List[Tuple[Any, Tuple[list, List[int]]]], full0: Dict[str, Tensor],
-                 local_masks: Dict[str, Tensor], group: Any):
+                 quotients: Optional[ShardedQuotients], gl_weights: Dict[str, Tuple[int, Any, Any]],
+                 full0: Dict[str, Tensor], local_masks: Dict[str, Tensor], group: Any):
+        import torch.distributed as dist
+
         self.model, self.local, self.rows = model, local, rows
         self.elementwise, self.quotients, self.full0 = elementwise, quotients, full0
-        self.local_masks, self.group = local_masks, group
+        self.gl_weights, self.local_masks, self.group = gl_weights, local_masks, group
+        self.rank = dist.get_rank(group)
         self.params = dict(model.named_parameters())
         self.inputs: Any = None
         self.targets: Any = None
         self.loss_fn = None
 
-    def _write(self, points: List[Any]) -> Dict[str, List]:
-        """Writes the perturbed weights into the local shards; returns the GL writes per weight."""
-        n_quot = len(self.quotients)
-        stream = points[n_quot] if len(points) > n_quot else None
+    def _global(self, rank: int) -> int:
+        import torch.distributed as dist
+
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    def _write(self, points: List[Any]) -> None:
+        """Writes the perturbed weights into the local shards: the elementwise ones from this
+        rank's shards, the GL ones whole from their owner (a broadcast per weight, one weight
+        held at a time), each rank copying its rows."""
+        import torch.distributed as dist
+
+        stream = points[-1]
         if isinstance(stream, StreamedPoint):
             comp = self.elementwise
             for i, name in enumerate(comp.names):
                 self.local[name].copy_(comp.moved(comp.tensors[i], stream.leaves[i].detach()))
-        writes = head_writes([groups for _, groups in self.quotients],
-                             [p.detach() for p in points[:n_quot]], self.full0)
-        for name, pieces in writes.items():
-            full = _written(self.full0[name], pieces, None)
+        if self.quotients is None:
+            return
+        writes = head_writes(self.quotients.groups, [p.detach() for p in points[0]], self.full0)
+        for name, (owner, shape, dtype) in self.gl_weights.items():
+            mine = owner == self.rank
+            full = (_written(self.full0[name], writes[name], None) if mine else
+                    torch.empty(shape, dtype=dtype, device=self.local[name].device))
+            dist.broadcast(full, src=self._global(owner), group=self.group)
             a, b = self.rows[name]
             mask = self.local_masks.get(name)
             target = self.local[name]
             target.copy_(full[a:b] if mask is None else torch.where(mask, full[a:b], target))
-        return writes
+            del full
+
+    def _gl_gradients(self) -> Dict[str, Tensor]:
+        """The gradients of the GL weights this rank owns, whole (each gathered in turn, kept by
+        its owner only)."""
+        grads = {}
+        for name, (owner, _, _) in self.gl_weights.items():
+            g = self.params[name].grad
+            full = None if g is None else g.full_tensor() if hasattr(g, "full_tensor") else g
+            if owner == self.rank:
+                grads[name] = torch.zeros_like(self.full0[name]) if full is None else full
+            del full
+        return grads
 
     def __call__(self, points: List[Any]) -> Tensor:
         import torch.distributed as dist
 
         grad = torch.is_grad_enabled()
         with torch.no_grad():
-            writes = self._write(points)
+            self._write(points)
         if isinstance(self.inputs, dict):
             outputs = self.model(**self.inputs)
         else:
@@ -182,8 +347,7 @@ class ShardedClosure:
             _reshard(self.model)
             return value.reshape(())
         loss.backward()
-        n_quot = len(self.quotients)
-        stream = points[n_quot] if len(points) > n_quot else None
+        stream = points[-1]
         if isinstance(stream, StreamedPoint):
             comp = self.elementwise
             for i, name in enumerate(comp.names):
@@ -191,19 +355,14 @@ class ShardedClosure:
                 if g is not None:
                     comp.accumulate_(stream, i, g.to_local() if hasattr(g, "to_local") else g,
                                      stream.leaves[i].detach())
-        full_grads = {}
-        for name in writes:
-            g = self.params[name].grad
-            full_grads[name] = (torch.zeros_like(self.full0[name]) if g is None else
-                                g.full_tensor() if hasattr(g, "full_tensor") else g)
+        full_grads = self._gl_gradients() if self.quotients is not None else {}
         for p in self.params.values():
             p.grad = None
         surrogate = value.reshape(())
-        for (comp, (blocks, counts)), point in zip(self.quotients, points[:n_quot]):
-            from .ball import _gather_heads
-
-            cot = _gather_heads(blocks, counts, full_grads, point.device, point.dtype)
-            surrogate = surrogate + ((point * cot).sum() - (point.detach() * cot).sum())
+        if self.quotients is not None:
+            for (blocks, counts), point in zip(self.quotients.groups, points[0]):
+                cot = _gather_heads(blocks, counts, full_grads, point.device, point.dtype)
+                surrogate = surrogate + ((point * cot).sum() - (point.detach() * cot).sum())
         return surrogate
 
 
@@ -270,7 +429,15 @@ def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, 
     if finite.item() < 1:
         raise ValueError("a parameter contains non-finite values; sharpness is undefined at such weights")
     gl_names = sorted({piece.param for block in layout.blocks for piece in block.pieces}) if geodesic else []
-    full0 = {n: params[n].full_tensor().detach() for n in gl_names}
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    owners = assign_owners(layout.blocks, {n: params[n].numel() for n in gl_names}, world) if gl_names else {}
+    gl_weights = {n: (owners[n], tuple(params[n].shape), params[n].dtype) for n in gl_names}
+    full0 = {}
+    for n in gl_names:  # gathered one at a time, kept by the owner only
+        full = params[n].full_tensor().detach()
+        if owners[n] == me:
+            full0[n] = full
+        del full
     masks = dict(getattr(layout, "gl_masks", {}) or {}) if geodesic else {}
     adaptive = [n for n in (layout.adaptive if geodesic else params) if n in params]
     for n in adaptive:
@@ -281,19 +448,21 @@ def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, 
     for n in gl_names:
         if n not in copies:
             copies[n] = local[n].detach().clone()
-    quotients: List = []
+    quotients = None
     if geodesic and layout.blocks:
-        ball, write_back = build_ball(model, {n: full0[n] for n in gl_names}, geometry=options.geometry,
-                                      layout=layout, retraction=options.retraction,
-                                      gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm)
-        quotients = [(comp, groups) for (groups, comp) in write_back._quotients]
+        owned = [b for b in layout.blocks if owners[b.g_pieces[0].param] == me]
+        components, groups = quotient_components(
+            owned, full0, metric=options.spec.metric, retraction=options.retraction,
+            gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm)
+        like = params[gl_names[0]]
+        quotients = ShardedQuotients(components, groups, dtype=like.dtype,
+                                     device=local[gl_names[0]].device, group=group)
     elementwise = ShardedElementwise(
         {n: copies[n] for n in adaptive},
         masks={n: ~m for n, m in local_masks.items()}, direction=options.adaptive_direction,
         second_order=options.elementwise_second_order, group=group) if adaptive else None
-    components = [c for c, _ in quotients] + ([elementwise] if elementwise is not None else [])
-    ball = ProductBall(components)
-    closure = ShardedClosure(model, local, rows, elementwise, quotients, full0,
+    ball = ProductBall([c for c in (quotients, elementwise) if c is not None])
+    closure = ShardedClosure(model, local, rows, elementwise, quotients, gl_weights, full0,
                              local_masks, group)
     generator = torch.Generator(device=next(iter(local.values())).device).manual_seed(options.seed)
     runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]

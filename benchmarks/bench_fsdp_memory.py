@@ -7,9 +7,10 @@ geometry: the largest per-rank peak of the bytes of live tensors created during 
 tensor counted until it and its views are freed: FSDP2's gathered weights, the gradients, the
 solver's vectors, activations), in MiB and in bytes per parameter of the whole model, and the
 ratio to W = 1.
-What falls as 1/W: the solver's vectors and the trained-weight copy of the elementwise weights;
-what does not: the attention blocks (assembled whole on every rank), the activations, and one
-gathered layer of weights at a time.
+FSDP2's lazy initialisation (a first forward and backward) runs before anything is measured.
+What falls as 1/W: the solver's vectors and the trained-weight copy of the elementwise weights,
+and the attention blocks (each held by one rank); what does not: the activations, one gathered
+layer of weights at a time, and one attention weight at a time gathered whole on every rank.
 
     python benchmarks/bench_fsdp_memory.py [--worlds 1 2 4] [--layers 8] [--hidden 512]
                                            [--geometries adaptive geodesic-inv]
@@ -65,6 +66,9 @@ def _rank(rank, world, port, args, queue):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    # FSDP2's lazy initialisation (its first forward) is not the sharpness run's: done untracked
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
     peaks = {}
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_memory import LiveTensorBytes

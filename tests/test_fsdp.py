@@ -2,7 +2,8 @@
 processes, float64): the value, the worst-point loss and the attention share equal those of the
 unsharded model, also with data parallelism combined (each rank its half of the batch); the
 model's weights and gradients are left as they were. The heads straddle shard boundaries: 7 heads
-of 2 over 14 rows cut at 7 (2 ranks) and at 5 and 10 (3 ranks)."""
+of 2 over 14 rows cut at 7 (2 ranks) and at 5 and 10 (3 ranks). The GL blocks are divided among
+the ranks: each block is held by exactly one, and every rank holds some."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ WORKER = textwrap.dedent("""
 def build():
     import transformers
 
-    cfg = transformers.BertConfig(vocab_size=30, hidden_size=14, num_hidden_layers=1,
+    cfg = transformers.BertConfig(vocab_size=30, hidden_size=14, num_hidden_layers=2,
                                   num_attention_heads=7, intermediate_size=16, num_labels=3)
     torch.manual_seed(0)
     return transformers.BertForSequenceClassification(cfg).double().eval()
@@ -70,7 +71,16 @@ def measure_sharded(rank: int, world: int):
     from torch.distributed.fsdp import fully_shard
 
     from quotient_manifolds import adapters
+    from quotient_manifolds.adapters import sharded
 
+    held = set()                              # the GL blocks this rank builds frames for
+    build_components = sharded.quotient_components
+
+    def recorded(blocks, *args, **kwargs):
+        held.update(b.name for b in blocks)
+        return build_components(blocks, *args, **kwargs)
+
+    sharded.quotient_components = recorded
     model = build()
     layout = adapters.layout(model)
     layout.verify(model, batch()[0])          # verified before sharding
@@ -85,7 +95,8 @@ def measure_sharded(rank: int, world: int):
     split = _measure(model, [batch(mine)], layout, ("geodesic-mix",)) if world == 2 else None
     unchanged = all(torch.equal(p.full_tensor(), before[n]) and p.grad is None
                     for n, p in model.named_parameters())
-    return {"same": same, "split": split, "unchanged": unchanged}
+    return {"same": same, "split": split, "unchanged": unchanged, "held": sorted(held),
+            "blocks": layout.block_names}
 
 
 def _run(world, tmp_path):
@@ -126,6 +137,9 @@ def test_fsdp2_sharded_sharpness_equals_the_unsharded_model(world, tmp_path):
     layout.verify(model, batch()[0])
     plain = _measure(model, [batch()], layout, GEOMETRIES if world == 2 else ("geodesic-inv",))
     ranks = _collect(world, procs, tmp_path)
+    held = [set(out["held"]) for out in ranks]
+    assert all(held), held                            # 4 blocks (QK, VO per layer): each rank some
+    assert sum(map(len, held)) == len(set().union(*held)) == len(ranks[0]["blocks"])
     for out in ranks:
         assert out["unchanged"]
         assert out["same"] == ranks[0]["same"]        # every rank returns the same result
@@ -150,3 +164,29 @@ def test_sharded_geodesic_needs_a_layout_verified_before_sharding(tmp_path):
             adapters.sharpness(model, [batch()], geometry="geodesic-mix", rho=0.01, n_iters=2)
     finally:
         dist.destroy_process_group()
+
+
+def test_owners_keep_blocks_that_share_a_weight_together_and_balance_the_rest():
+    """Blocks sharing a weight (a fused QKV written by the QK and VO blocks) go to one rank; the
+    groups, largest first, each to the least loaded rank; the same answer for the same input."""
+    from types import SimpleNamespace
+
+    from quotient_manifolds.adapters.sharded import assign_owners
+
+    def block(*params):
+        return SimpleNamespace(params=params)
+
+    blocks = [block("l0.qkv", "l0.o"), block("l0.qkv"),        # one group through l0.qkv: 40
+              block("l1.q", "l1.k"), block("l1.v", "l1.o"),    # 20 and 20
+              block("l2.q", "l2.k")]                           # 10
+    sizes = {"l0.qkv": 30, "l0.o": 10, "l1.q": 10, "l1.k": 10, "l1.v": 10, "l1.o": 10,
+             "l2.q": 5, "l2.k": 5}
+    owners = assign_owners(blocks, sizes, 2)
+    assert owners == assign_owners(list(blocks), dict(sizes), 2)
+    assert set(owners) == set(sizes)
+    assert owners["l0.qkv"] == owners["l0.o"] == 0                 # the largest group first
+    assert owners["l1.q"] == owners["l1.k"] == owners["l1.v"] == owners["l1.o"] == 1  # 20, then 20
+    assert owners["l2.q"] == owners["l2.k"] == 0                   # loads 40 and 40: the lowest rank
+    load = [sum(sizes[n] for n, r in owners.items() if r == rank) for rank in range(2)]
+    assert load == [50, 40]
+    assert set(assign_owners(blocks, sizes, 8).values()) == {0, 1, 2, 3}   # 4 groups, 8 ranks
