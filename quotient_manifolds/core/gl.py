@@ -390,12 +390,14 @@ class GLFrame:
         horizontal; the final projection makes non-invariant terms (weight decay) horizontal too.
         """
         gc = self._in(egrad)
+        # projected in the compute dtype, then cast once: no rounded copy in between
         if self._paired(gc):
             rgrad = self.block_combination((gc, self._stacked_inverse_weights))
-            return self.project(self._out(rgrad, egrad))
+            del gc
+            return self._out(self.project(rgrad), egrad)
         gG, gH = self._split(gc)
         N_G, N_H = self.inverse_metric_weights
-        return self.project(self._out(self._pack_like(gG @ N_G, gH @ N_H, egrad), egrad))
+        return self._out(self.project(self._pack_like(gG @ N_G, gH @ N_H, egrad)), egrad)
 
     def ehess2rhess(self, egrad: Tensor, ehess: Tensor, u: Tensor) -> Tensor:
         """Riemannian Hessian P_h(D rgrad[u] + Γ(rgrad, u)) of the quotient, u horizontal.
