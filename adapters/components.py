@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from quotient_manifolds._runtime import bounded_threads, threads_for
+from quotient_manifolds.core.gl import GLFrame, second_order_riemannian_gradient, second_order_step
 
 from .elementwise import (  # noqa: F401  (served here too: the components of the ball)
     ADAPTIVE_DIRECTIONS,
@@ -153,6 +154,13 @@ class QuotientComponent:
         self.elementwise_norm = None if use_metric_norm else _inverse_square(x64)
         self.elementwise_rgrad = None if use_metric_norm else x64 * x64 * (self.elementwise_norm > 0)
         self.threads = threads_for(x0.numel())
+        #: the solver's gradient from ∂ℓ/∂point in closed form (second-order retraction of a GL
+        #: frame, quotient metric): the point is the autograd leaf, and
+        #: :func:`~quotient_manifolds.core.gl.second_order_riemannian_gradient` forms P_h(ū N)
+        #: without the vector–Jacobian product ū (three n×h products fewer per iteration)
+        self.closed_form_gradient = (retraction == "second_order" and use_metric_norm
+                                     and isinstance(frame, GLFrame))
+        self._forward: Optional[Tuple[Tensor, int, Any]] = None
 
     def zeros(self) -> Tensor:
         return torch.zeros(self.x0.shape, dtype=self.dtype, device=self.x0.device)
@@ -195,12 +203,20 @@ class QuotientComponent:
 
     def leaf_point(self, xi: Tensor, need_grad: bool, into: Optional[Tensor] = None
                    ) -> Tuple[List[Tensor], Tensor]:
-        """The point R(ξ) and its leaf ξ. With ``recompute`` the exact retraction keeps no graph
+        """The point R(ξ) and its leaf: the point itself where the gradient has a closed form
+        (:attr:`closed_form_gradient`; :meth:`gradient` then takes ∂ℓ/∂point), ξ otherwise.
+        With ``recompute`` the exact retraction keeps no graph
         between the forward and the backward pass (the ODE's float64 steps would be held all that
         time): the backward recomputes it, one component at a time, and differentiates that. The
         second-order retraction needs none: its backward is closed-form and keeps only ξ and
         h×h matrices (:func:`~quotient_manifolds.core.gl.second_order_retraction_vjp`). ``into``
         is not used: the gradient of a quotient component is formed by :meth:`gradient`."""
+        if self.closed_form_gradient:
+            with torch.no_grad(), bounded_threads(self.threads):
+                point, grams = second_order_step(self.frame, xi)
+            self._forward = (xi, xi._version, grams) if need_grad else None
+            leaf = point.to(self.dtype).requires_grad_(need_grad)
+            return [leaf], leaf
         leaf = xi.detach().requires_grad_(need_grad)
         if self.recompute and need_grad and self.retraction == "exact":
             return [leaf], _RecomputedPoint.apply(leaf, self).to(self.dtype)
@@ -212,6 +228,19 @@ class QuotientComponent:
         """g = rgrad(∇); with the quotient metric ‖g‖² = ⟨∇, g⟩ and ⟨g, ξ⟩ = ⟨∇, ξ⟩ (Euclidean):
         g is the metric-orthogonal projection of the metric gradient, so g(g, v) = ⟨∇, v⟩ for every
         horizontal v (g and ξ are), and no n×h×h product is needed."""
+        if self.closed_form_gradient:  # grads: ∂ℓ/∂point, at the point of leaf_point(xi)
+            forward, self._forward = self._forward, None
+            y_bar = torch.zeros_like(xi) if grads[0] is None else grads[0]
+            # the forward's Gram products, if this is the same ξ, unchanged (a view of the same
+            # values, as a sharded component passes, counts as the same)
+            same = forward is not None and forward[1] == xi._version and (forward[0] is xi or (
+                forward[0].data_ptr() == xi.data_ptr() and forward[0].shape == xi.shape
+                and forward[0].stride() == xi.stride()))
+            with bounded_threads(self.threads):
+                g = second_order_riemannian_gradient(self.frame, xi, y_bar,
+                                                     forward[2] if same else None)
+                sq, dot = self.frame.inners(g, g, xi)
+            return g.to(self.dtype), sq.sum(dtype=torch.float64), dot.sum(dtype=torch.float64)
         egrad = torch.zeros_like(xi) if grads[0] is None else grads[0]
         g = self.rgrad(egrad).to(self.dtype)
         if self.elementwise_norm is not None:

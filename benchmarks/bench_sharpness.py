@@ -20,11 +20,14 @@ Per-iteration time is taken between consecutive iterations of the solver (``on_i
 set-up (layout, Gram factorisations, the initial pass) is excluded; the last iteration (forward
 only) is dropped. Each measurement runs in its own process (peak RSS per method), and the methods
 are interleaved over ``--rounds`` rounds so that load from other processes spreads over all of
-them; the tables give the median over all iterations of all rounds (and the minimum).
+them; the tables give the median over all iterations of all rounds (and the minimum). With
+``--clock cpu`` the iterations are timed in CPU seconds of the measuring process, which time
+stolen by other work on a shared machine does not inflate (with one thread, the CPU seconds are
+the work itself).
 
     python benchmarks/bench_sharpness.py [--models minilm bert-base qwen2-0.5b] [--batch 32] [--seq 32]
                                          [--iters 8] [--rounds 3] [--threads N] [--device cpu|cuda]
-                                         [--passive]
+                                         [--passive] [--clock wall|cpu]
 
 On a machine shared with other work, ``--passive`` (OMP_WAIT_POLICY=PASSIVE for the measurements)
 stops idle OpenMP threads from spinning at barriers against a busy core: with two threads on two
@@ -111,7 +114,7 @@ def _sync(device):
 
 
 def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, threads: int,
-            device: str, queue) -> None:
+            device: str, queue, clock: str = "wall") -> None:
     import torch
 
     from quotient_manifolds import adapters
@@ -131,9 +134,11 @@ def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, thr
         base_cuda = torch.cuda.memory_allocated()
     stamps = []
 
+    now = time.process_time if clock == "cpu" else time.perf_counter
+
     def stamp(*_):
         _sync(device)
-        stamps.append(time.perf_counter())
+        stamps.append(now())
 
     if method.startswith("fwd+bwd"):
         stamp()
@@ -194,7 +199,12 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--passive", action="store_true",
                         help="OMP_WAIT_POLICY=PASSIVE in the measurement processes")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time iterations by the wall clock, or by the CPU seconds of the "
+                             "measuring process (the CPU only; steadier on a shared machine)")
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu times CPU work only: use it with --device cpu")
     if args.passive:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # inherited by the spawned measurements
     results = {}
@@ -204,7 +214,7 @@ def main(argv=None) -> None:
         for _ in range(args.rounds):
             for method in methods:
                 got = run_one(model_name, method, args.iters, args.batch, args.seq, args.threads,
-                              args.device)
+                              args.device, args.clock)
                 samples[method]["times"] += got["times"]
                 samples[method]["peak_mib"] = max(samples[method]["peak_mib"], got["peak_mib"])
                 param_mib, n_params = got["param_mib"], got["n_params"]
@@ -241,7 +251,7 @@ def main(argv=None) -> None:
     print(f"settings: batch {args.batch}, {args.seq} tokens, threads {args.threads}, "
           f"device {args.device}, {args.iters} iterations x {args.rounds} rounds, python "
           f"{sys.version.split()[0]}, OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', '-')}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"load average {os.getloadavg()[0]:.2f}, {args.clock} clock")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

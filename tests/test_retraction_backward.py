@@ -93,3 +93,36 @@ def test_point_with_gradient_keeps_autograd():
     x = geometry.random_point(dtype=torch.float64, generator=gen).requires_grad_()
     u = (0.2 * torch.randn(x.shape, dtype=torch.float64, generator=gen)).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: geometry.frame(a).retract(b), (x, u))
+
+
+@pytest.mark.parametrize("metric,shape,eps,group,batch", CASES,
+                         ids=[f"{c[0]}-{c[1][0]}x{c[1][1]}-eps{c[2]}-{c[3]}-b{len(c[4])}" for c in CASES])
+def test_closed_form_riemannian_gradient_is_the_projected_metric_gradient_of_the_vjp(
+        metric, shape, eps, group, batch):
+    """``second_order_riemannian_gradient`` (the gradient without forming the VJP, the projection
+    from h×h products) equals egrad2rgrad of the autograd gradient of ξ ↦ ⟨ȳ, R(ξ)⟩ through the
+    polarised formula, with the forward's Gram products and without; ``second_order_step`` is
+    the retraction; ``inners`` are the metric's inner products."""
+    from quotient_manifolds.core.gl import second_order_riemannian_gradient, second_order_step
+
+    n, m = shape
+    geometry = GLQuotientGeometry(n, m, 4, metric, eps=eps, group=group)
+    gen = torch.Generator().manual_seed(100 + CASES.index((metric, shape, eps, group, batch)))
+    x = geometry.random_point(*batch, dtype=torch.float64, generator=gen)
+    frame = geometry.frame(x)
+    u = frame.project(0.3 * torch.randn(x.shape, dtype=torch.float64, generator=gen))
+    y_bar = torch.randn(x.shape, dtype=torch.float64, generator=gen)
+    ref = u.clone().requires_grad_()
+    (egrad,) = torch.autograd.grad(polarised_retraction(frame, ref), ref, y_bar)
+    want = frame.egrad2rgrad(egrad)
+
+    y, grams = second_order_step(frame, u)
+    assert (y - frame.retract(u)).abs().max() <= 1e-13 * y.abs().max()
+    for given in (grams, None):
+        got = second_order_riemannian_gradient(frame, u, y_bar, given)
+        assert (got - want).abs().max() <= 1e-11 * want.abs().max()
+    assert frame.horizontal_residual(got).max() < 1e-10
+    v = torch.randn(x.shape, dtype=torch.float64, generator=gen)
+    both = frame.inners(got, got, v)
+    assert torch.allclose(both[0], frame.inner(got, got), rtol=1e-13, atol=0)
+    assert torch.allclose(both[1], frame.inner(got, v), rtol=1e-12, atol=1e-12 * float(both[0].abs().max()))

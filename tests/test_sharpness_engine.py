@@ -556,6 +556,47 @@ def test_streaming_auto_pgd_follows_the_plain_algorithm(keep_worst_gradient):
         assert torch.allclose(a, b, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_quotient_gradient_in_closed_form_equals_autograd_through_the_retraction(dtype):
+    """A GL component's gradient from ∂ℓ/∂point (the point is the autograd leaf; no vector-Jacobian
+    product is formed) equals autograd through the retraction then the metric's Riemannian
+    gradient: g, ‖g‖² and ⟨g, ξ⟩; also when ξ is handed back as another view of the same values
+    (a sharded component's), and Gram products of a ξ changed since its point are not reused."""
+    from quotient_manifolds.adapters.solver import QuotientComponent
+    from quotient_manifolds.core import GLQuotientGeometry
+    from quotient_manifolds.core.gl import second_order_riemannian_gradient
+
+    gen = torch.Generator().manual_seed(4)
+    x0 = torch.randn(3, 12, 3, dtype=torch.float64, generator=gen)
+    frame = GLQuotientGeometry(6, 6, 3, "inv").frame(x0.to(dtype), keep_dtype=True)
+    comp = QuotientComponent("gl", frame, x0.to(dtype), retraction="second_order", dtype=dtype)
+    assert comp.closed_form_gradient
+    xi = comp.project(0.2 * torch.randn(x0.shape, dtype=dtype, generator=gen))
+    weights = torch.randn(x0.shape, dtype=torch.float64, generator=gen)
+
+    def gradient(closed, xi_given):
+        comp.closed_form_gradient = closed
+        inputs, point = comp.leaf_point(xi, True)
+        loss = torch.sin(point.to(torch.float64) * weights).sum()
+        grads = list(torch.autograd.grad(loss, inputs))
+        return comp.gradient(grads, xi_given(xi))
+
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    want = gradient(False, lambda u: u)
+    for handed in (lambda u: u, lambda u: u.view(u.shape)):
+        got = gradient(True, handed)
+        assert (got[0] - want[0]).abs().max() <= tol * want[0].abs().max()
+        assert float(got[1]) == pytest.approx(float(want[1]), rel=tol)
+        assert float(got[2]) == pytest.approx(float(want[2]), rel=tol, abs=tol * float(want[1]) ** 0.5)
+    comp.closed_form_gradient = True
+    inputs, point = comp.leaf_point(xi, True)
+    y_bar = torch.randn(point.shape, dtype=dtype, generator=gen)
+    xi.mul_(1.5)                                   # ξ changed after its point: its grams are stale
+    g = comp.gradient([y_bar], xi)[0]
+    fresh = second_order_riemannian_gradient(frame, xi, y_bar).to(dtype)
+    assert torch.equal(g, fresh)
+
+
 def test_compact_step_is_the_rounded_step():
     """The elementwise component's last step d = ξ⁺ − ξ is kept in bfloat16 for float32 iterates
     (finish_step_), and combine reads it as ξ⁻ = ξ − d: out = a ξ + c d + b g, here written over
