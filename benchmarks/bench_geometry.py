@@ -18,10 +18,18 @@ Rows of the table:
   ("now") and for autograd through the previous implementation ("before", x + ξ − ½Γ(ξ, ξ) with
   Γ's v = u formula of each metric, reproduced below): the backward / forward ratio of each, and
   the number of matrix-product calls (mm, bmm, baddbmm) one forward + backward issues. On the CPU
-  these rows are process (CPU) seconds, median of at least 15 repeats.
+  these rows are process (CPU) seconds, median of at least 15 repeats;
+* the sharpness solver's gradient at one iterate ξ from the cotangent ȳ of the retracted point:
+  "VJP, then egrad2rgrad" (ū = the retraction's vector–Jacobian product, g = P_h(ū N),
+  ‖g‖² = ⟨ū, g⟩ and ⟨g, ξ⟩ = ⟨ū, ξ⟩ as Euclidean sums: what the solver did before) against
+  "closed form" (``second_order_riemannian_gradient`` with the forward's Gram products, and both
+  scalars from one metric product, ``GLFrame.inners``), interleaved, with their ratio, the
+  matrix-product calls and the largest relative difference of g. ``--keep-dtype`` frames a
+  float32 point in its own dtype, as the sharpness engine does.
 
 Usage:  python benchmarks/bench_geometry.py [--threads N] [--device cpu|cuda] [--repeats R]
-        [--retraction-only]
+        [--retraction-only | --gradient-only] [--keep-dtype]
+        (MiniLM's shapes: --heads 72 --rows 384 --h 32 --dtype float32 --keep-dtype)
 Each timing is the median of R repeats after warm-up calls; the scipy loop always runs on the CPU.
 """
 
@@ -48,6 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--scipy-repeats", type=int, default=3, help="timed repeats of the scipy loop")
     p.add_argument("--retraction-only", action="store_true",
                    help="only the differentiable retraction's before/after rows")
+    p.add_argument("--gradient-only", action="store_true",
+                   help="only the solver's gradient: VJP then egrad2rgrad against the closed form")
+    p.add_argument("--keep-dtype", action="store_true",
+                   help="frame a float32 point in its own dtype (GLFrame keep_dtype), as sharpness does")
     return p.parse_args(argv)
 
 
@@ -150,6 +162,45 @@ def retraction_rows(frame, xi, device, rep, wu, rows, calls):
     return float((g_now - g_before).abs().max() / g_before.abs().max())
 
 
+def gradient_rows(frame, xi, device, rep):
+    """(ms VJP then egrad2rgrad, ms closed form, matmul calls of each, max rel. diff of g): the
+    solver's gradient at ξ from a cotangent ȳ, the two ways interleaved (process seconds on the
+    CPU), each with the scalars ‖g‖² and ⟨g, ξ⟩ the solver needs."""
+    from quotient_manifolds.core.gl import (second_order_retraction_vjp,
+                                            second_order_riemannian_gradient, second_order_step)
+
+    y_bar = torch.randn(xi.shape, dtype=xi.dtype, device=xi.device)
+    _, grams = second_order_step(frame, xi)
+
+    def before():
+        u_bar = second_order_retraction_vjp(frame, xi, y_bar).to(xi.dtype)
+        g = frame.egrad2rgrad(u_bar).to(xi.dtype)
+        return g, torch.sum(u_bar * g, dtype=torch.float64), torch.sum(u_bar * xi, dtype=torch.float64)
+
+    def now():
+        g = second_order_riemannian_gradient(frame, xi, y_bar, grams)
+        sq, dot = frame.inners(g, g, xi)
+        return g.to(xi.dtype), sq.sum(), dot.sum()
+
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
+    times = {"before": [], "now": []}
+    for fn in (before, now):
+        fn()
+    for _ in range(max(rep, 15)):
+        for label, fn in (("before", before), ("now", now)):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = clock()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[label].append(clock() - t)
+    g_before, g_now = before()[0], now()[0]
+    diff = float((g_now - g_before).abs().max() / g_before.abs().max())
+    return (1e3 * float(np.median(times["before"])), 1e3 * float(np.median(times["now"])),
+            matmul_calls(before), matmul_calls(now), diff)
+
+
 def main():
     torch.set_num_threads(THREADS)
     device = torch.device(ARGS.device)
@@ -171,6 +222,16 @@ def main():
     rows = {}
     results = {}
     calls, vjp_diff = {}, {}
+    if ARGS.gradient_only:
+        print(f"\nsolver gradient at one iterate (ms, median; same run){'':6s}  before   now   ratio  "
+              f"matmul calls  max rel. diff of g")
+        for metric in ("inv", "mix"):
+            frame = GLQuotientGeometry(n, n, h, metric).frame(x, keep_dtype=ARGS.keep_dtype)
+            xi = frame.project(0.01 * u)
+            t_before, t_now, c_before, c_now, diff = gradient_rows(frame, xi, device, rep)
+            print(f"{metric:3s}: VJP, then egrad2rgrad → closed form{'':14s}{t_before:7.2f} {t_now:6.2f}  "
+                  f"{t_now / t_before:5.2f}  {c_before:>4d} → {c_now:<4d}   {diff:.1e}")
+        return 0
     for metric in ("inv", "mix"):
         geom = GLQuotientGeometry(n, n, h, metric)
         if ARGS.retraction_only:

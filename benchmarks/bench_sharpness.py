@@ -114,7 +114,7 @@ def _sync(device):
 
 
 def measure(model_name: str, method: str, n_iters: int, size: int, seq: int, threads: int,
-            device: str, queue, clock: str = "wall") -> None:
+            device: str, clock: str, queue) -> None:
     import torch
 
     from quotient_manifolds import adapters
