@@ -451,9 +451,11 @@ def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, 
     quotients = None
     if geodesic and layout.blocks:
         owned = [b for b in layout.blocks if owners[b.g_pieces[0].param] == me]
+        # streaming=True: the owner keeps the heads in the weights' dtype (the frame promotes
+        # them where it uses them: the same numbers, no float64 copy)
         components, groups = quotient_components(
             owned, full0, metric=options.spec.metric, retraction=options.retraction,
-            gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm)
+            gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm, streaming=True)
         like = params[gl_names[0]]
         quotients = ShardedQuotients(components, groups, dtype=like.dtype,
                                      device=local[gl_names[0]].device, group=group)
