@@ -510,12 +510,8 @@ def second_order_retraction_vjp(frame: GLFrame, u: Tensor, y_bar: Tensor,
 
     .. math::
 
-        \langle ar y, \delta y
-angle = \langle ar y_A (I - 	frac12 D_A)^	op, \delta u_A
-angle
-            - 	frac12\langle R, \delta C
-angle - 	frac12\langle T, \delta D
-angle ,
+        \langle \bar y, \delta y\rangle = \langle \bar y_A (I - \tfrac12 D_A)^\top, \delta u_A\rangle
+            - \tfrac12\langle R, \delta C\rangle - \tfrac12\langle T, \delta D\rangle ,
 
     so with (Z_S, Z_W) the adjoint of (S, W) ↦ (C, D) applied to (−½R, −½T)
     (:meth:`~quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients_adjoint`),
@@ -523,7 +519,7 @@ angle ,
 
     .. math::
 
-        ar u_A = ar y_A (I - 	frac12 D_A)^	op + A\,\operatorname{sym}(Z_{S,A})
+        \bar u_A = \bar y_A (I - \tfrac12 D_A)^\top + A\,\operatorname{sym}(Z_{S,A})
                    + 2 u_A \operatorname{sym}(Z_{W,A}).
 
     Five batched products (two Gram reductions, three updates) per pair of blocks, against the
@@ -565,8 +561,8 @@ def second_order_riemannian_gradient(frame: GLFrame, u: Tensor, y_bar: Tensor,
 
     .. math::
 
-        A^	op(ar u_A N_A) = (R_A K_y + A^	op A\, K_x + A^	op u_A\, K_u) N_A,
-        \qquad R_A = A^	op ar y_A,
+        A^\top(\bar u_A N_A) = (R_A K_y + A^\top A\, K_x + A^\top u_A\, K_u) N_A,
+        \qquad R_A = A^\top \bar y_A,
 
     which are h×h products of matrices at hand (AᵀA is the frame's, Aᵀu_A the forward's:
     ``grams`` from :func:`second_order_step`, recomputed when not given). With Λ the vertical
@@ -574,8 +570,8 @@ def second_order_riemannian_gradient(frame: GLFrame, u: Tensor, y_bar: Tensor,
 
     .. math::
 
-        g_G = ar y_G K_y N_G + G (K_x N_G - \Lambda) + u_G K_u N_G, \qquad
-        g_H = ar y_H K_y N_H + H (K_x N_H + \Lambda^	op) + u_H K_u N_H:
+        g_G = \bar y_G K_y N_G + G (K_x N_G - \Lambda) + u_G K_u N_G, \qquad
+        g_H = \bar y_H K_y N_H + H (K_x N_H + \Lambda^\top) + u_H K_u N_H:
 
     two Gram reductions and three n×h products, against eight for the VJP, then
     :meth:`GLFrame.egrad2rgrad`. The same numbers up to rounding (tested). Returned in the
