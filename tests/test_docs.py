@@ -148,3 +148,19 @@ def test_install_is_stated_as_it_is():
         assert not re.search(r"pip install \"?quotient-manifolds", text), page.name
     for tutorial in (DOCS / "tutorials").glob("tutorial_*.py"):
         assert "pip install -e " in tutorial.read_text(), tutorial.name
+
+
+def test_sources_hold_no_control_characters():
+    """Docstrings are the API reference: maths written through an escaping string (a backspace
+    for ``\\bar``, a tab for ``\\top``, a carriage return for ``\\rangle``) renders as garbage
+    without any error, so the sources and pages must not contain such characters."""
+    bad = []
+    for folder in ("quotient_manifolds", "adapters", "experiments", "benchmarks", "docs", "tests"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix not in (".py", ".md", ".rst") or "_build" in path.parts:
+                continue
+            text = path.read_text(encoding="utf-8")
+            for lineno, line in enumerate(text.split("\n"), 1):
+                if re.search(r"[\x00-\x08\x0b-\x1f\x7f]|\t", line):
+                    bad.append(f"{path.relative_to(ROOT)}:{lineno}")
+    assert not bad, f"control characters (write maths in raw strings, r\"\"\"…\"\"\"): {bad[:10]}"
