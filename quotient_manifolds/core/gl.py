@@ -274,9 +274,14 @@ class GLFrame:
             out = _add_product(out, self._blocks(a), C)
         return out.flatten(-3, -2)
 
+    def _forward_grams(self, uc: Tensor) -> Tuple[Tensor, Tensor]:
+        """(Aᵀu_A, u_Aᵀu_A) per block A: the Gram products of the second-order retraction."""
+        return self.block_grams(self.x, uc), self.block_grams(uc, uc)
+
     def _retraction_grams(self, uc: Tensor) -> Tuple[Tensor, Tensor]:
         """(S, W) = (sym(Aᵀu_A), u_Aᵀu_A) per block A, the inputs of the Christoffel coefficients."""
-        return sym(self.block_grams(self.x, uc)), self.block_grams(uc, uc)
+        x_u, u_u = self._forward_grams(uc)
+        return sym(x_u), u_u
 
     # ------------------------------------------------------------------ helpers
     # A tangent vector is one stacked tensor [u_G; u_H], or (for inner, norm, project and
@@ -318,13 +323,13 @@ class GLFrame:
         """g_x(u, v) = tr(M_G u_Gᵀv_G) + tr(M_H u_Hᵀv_H) (docs/maths.md §2, Eqs. 9–10)."""
         uc = self._in(u)
         vc = uc if v is None else self._in(v)
-        if self._paired(uc) and self._paired(vc):  # both blocks in one batched product
-            out = _weighted_dot(self._blocks(uc) @ self._stacked_weights, self._blocks(vc)).sum(-1)
+        paired = self._paired(uc) and self._paired(vc)
+        uM = self._times_metric(uc, paired)
+        if paired:
+            out = _weighted_dot(uM, self._blocks(vc)).sum(-1)
         else:
-            M_G, M_H = self.metric_weights
-            uG, uH = self._split(uc)
             vG, vH = self._split(vc)
-            out = _weighted_dot(uG @ M_G, vG) + _weighted_dot(uH @ M_H, vH)
+            out = _weighted_dot(uM[0], vG) + _weighted_dot(uM[1], vH)
         if keepdim:
             out = out[..., None, None]
         first = u[0] if isinstance(u, tuple) else u
@@ -336,13 +341,20 @@ class GLFrame:
         """(g_x(u, v₁), g_x(u, v₂), …) in the compute dtype, one per batch element each, with the
         metric product u·M formed once (stacked u and v)."""
         uc = self._in(u)
-        if not self._paired(uc):
-            M_G, M_H = self.metric_weights
-            uG, uH = self._split(uc)
-            uM = self._pack(uG @ M_G, uH @ M_H)
-        else:
-            uM = (self._blocks(uc) @ self._stacked_weights).flatten(-3, -2)
+        paired = self._paired(uc)
+        uM = self._times_metric(uc, paired)
+        uM = uM.flatten(-3, -2) if paired else self._pack(*uM)
         return tuple((uM * self._in(v)).sum((-1, -2)) for v in vs)
+
+    def _times_metric(self, uc: "Tensor | Tuple[Tensor, Tensor]", paired: bool
+                      ) -> "Tensor | Tuple[Tensor, Tensor]":
+        """u·M per block: the ``(..., 2, n, h)`` blocks [u_G M_G; u_H M_H] in one batched product
+        where ``paired``, else the pair (u_G M_G, u_H M_H)."""
+        if paired:
+            return self._blocks(uc) @ self._stacked_weights
+        M_G, M_H = self.metric_weights
+        uG, uH = self._split(uc)
+        return uG @ M_G, uH @ M_H
 
     def norm(self, u: Tensor, *, keepdim: bool = False) -> Tensor:
         """‖u‖_x = √g_x(u, u)."""
@@ -546,7 +558,7 @@ def second_order_step(frame: GLFrame, u: Tensor) -> Tuple[Tensor, Tuple[Tensor, 
     differentiated) and the Gram products (Aᵀu_A, u_Aᵀu_A) of each block A that
     :func:`second_order_riemannian_gradient` at the same u reuses."""
     uc = frame._in(u)
-    grams = (frame.block_grams(frame.x, uc), frame.block_grams(uc, uc))
+    grams = frame._forward_grams(uc)
     return frame._second_order(uc, (sym(grams[0]), grams[1])), grams
 
 
@@ -578,9 +590,7 @@ def second_order_riemannian_gradient(frame: GLFrame, u: Tensor, y_bar: Tensor,
     compute dtype.
     """
     uc, yc = frame._in(u), frame._in(y_bar)
-    if grams is None:
-        grams = (frame.block_grams(frame.x, uc), frame.block_grams(uc, uc))
-    x_u, u_u = grams
+    x_u, u_u = frame._forward_grams(uc) if grams is None else grams
     _, D = frame.gl_metric.christoffel_coefficients(frame, sym(x_u), u_u)
     K_y, K_x, K_u, R = _vjp_coefficients(frame, uc, yc, D)
     N = frame._stacked_inverse_weights
