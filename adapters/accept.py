@@ -31,34 +31,19 @@ equal) is checked at the weights of the check.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
 from .derive import derive_groups, detach_inputs, with_blocks
-from .detection import layout as detect_layout
+from .detection import resolve_layout
 from .layouts import Layout, Unsupported
-from .verified import is_verified, record_verification
-from .verify import OutputNotFound, SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs
+from .verify import (OutputNotFound, SymmetryError, VerifyReport, default_tolerance, is_verified, record_verification,
+                     refuse_empty_inputs, verify_once)
 
 __all__ = ["accept_layout", "ensure_verified", "is_verified", "record_verification", "refuse_failed_blocks",
            "resolve_layout"]
-
-
-def resolve_layout(model: nn.Module, layout: Optional[Layout], *, what: str, allow_unsupported: bool = False,
-                   include_frozen: bool = False) -> Layout:
-    """The layout a geodesic entry point uses: ``layout`` once it is checked to belong to ``model``
-    (:meth:`~quotient_manifolds.adapters.Layout.check_model`: parameter names and shapes, head counts of every
-    block's module), or, when ``None``, the layout detected from ``model`` (``allow_unsupported`` and
-    ``include_frozen`` as in :func:`quotient_manifolds.adapters.layout`).  ``what`` names the caller in messages."""
-    if layout is None:
-        return detect_layout(model, allow_unsupported=allow_unsupported, include_frozen=include_frozen)
-    if not isinstance(layout, Layout):
-        raise TypeError(f"{what}: layout= must be a Layout (e.g. adapters.layout(model)), got "
-                        f"{type(layout).__name__}")
-    layout.check_model(model, what=f"{what} (layout=)")
-    return layout
 
 
 #: Relative tolerance of the automatic check, above ``default_tolerance`` (which is tuned to the
@@ -70,8 +55,8 @@ AUTO_RTOL_FLOAT64 = 1e-8
 AUTO_MARGIN = 10.0
 
 
-def _auto_rtol(model: nn.Module) -> float:
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+def _auto_rtol(dtypes: Set[torch.dtype]) -> float:
+    """The tolerance of the automatic check of a model whose floating weights have ``dtypes``."""
     if dtypes == {torch.float64}:
         return AUTO_RTOL_FLOAT64
     compute = torch.float64 if torch.float64 in dtypes else torch.float32
@@ -79,17 +64,18 @@ def _auto_rtol(model: nn.Module) -> float:
 
 
 def ensure_verified(model: nn.Module, layout: Optional[Layout], example_inputs: Any, *,
-                    what: str) -> Optional[VerifyReport]:
+                    what: str, on_reference: Optional[Callable[[Any], None]] = None) -> Optional[VerifyReport]:
     """Verify ``layout`` on ``model`` with ``example_inputs`` (a tensor, a tuple of positional
     arguments or a dict of keyword arguments: the first batch's inputs) unless it already passed;
     return the report (``None`` when nothing had to run).  Sets ``layout.verify_failed``; never
     raises on a broken block (see :func:`refuse_failed_blocks`).  ``what`` names the caller in
-    error messages."""
-    if layout is None or not layout.blocks or is_verified(model, layout):
+    error messages; ``on_reference`` is called with the model's output at its own weights when the
+    check runs (:func:`~quotient_manifolds.adapters.verify.verify_once`)."""
+    if layout is None:
         return None
+    rtol = _auto_rtol({p.dtype for p in model.parameters() if p.is_floating_point()})
     try:
-        return layout.verify(model, example_inputs, per_block="auto", raise_on_failure=False,
-                             rtol=_auto_rtol(model))
+        return verify_once(layout, model, example_inputs, rtol=rtol, on_reference=on_reference)
     except OutputNotFound as err:
         raise ValueError(
             f"{what}: the layout's blocks must be verified before a geodesic value is computed, and "
@@ -99,7 +85,8 @@ def ensure_verified(model: nn.Module, layout: Optional[Layout], example_inputs: 
 
 
 def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what: str = "accept_layout",
-                  derive: bool = True, warn: bool = True, stacklevel: int = 3) -> Tuple[Layout, Optional[VerifyReport]]:
+                  derive: bool = True, warn: bool = True, stacklevel: int = 3,
+                  on_reference: Optional[Callable[[Any], None]] = None) -> Tuple[Layout, Optional[VerifyReport]]:
     """The layout to use on ``model``: ``layout`` when it passes verification; otherwise (with
     ``derive``) the blocks that fail get their group derived from the model
     (:func:`quotient_manifolds.adapters.derive.derive_groups` on those blocks only), the derived groups replace the
@@ -108,7 +95,9 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
     ``layout.unsupported`` with the reason (and a ``UserWarning`` when ``warn``): a block is never
     perturbed along a group that is not a symmetry.  Returns ``(layout, report)`` (report ``None``
     when nothing had to run).  ``layout`` itself is never modified; ``what`` names the caller in
-    messages, ``stacklevel`` the warning's (as in ``warnings.warn`` from this function).
+    messages, ``stacklevel`` the warning's (as in ``warnings.warn`` from this function);
+    ``on_reference`` is called with the model's output at its own weights when the first check runs
+    (e.g. to refuse the batch's targets before the many forward passes of a run).
 
     This is what the geodesic entry points do with a layout they detect themselves (``layout=None``);
     call it to see the layout they use: ``print(adapters.accept_layout(model, adapters.layout(model),
@@ -121,7 +110,7 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
         raise TypeError(f"{what}: layout must be a Layout (e.g. adapters.layout(model)), got "
                         f"{type(layout).__name__}")
     refuse_empty_inputs(example_inputs, what)
-    report = ensure_verified(model, layout, example_inputs, what=what)
+    report = ensure_verified(model, layout, example_inputs, what=what, on_reference=on_reference)
     if layout is None or not derive or not layout.verify_failed:
         return layout, report
 

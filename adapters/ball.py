@@ -137,6 +137,22 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     if metric is not None:
         check.layout_for_ball(layout, params0, geometry)
         layout.check_model(model, what="build_ball")
+    return ball_of(params0, geometry=geometry, layout=layout, retraction=retraction, gram_eps=gram_eps,
+                   use_metric_norm=use_metric_norm, adaptive_direction=adaptive_direction,
+                   elementwise_second_order=elementwise_second_order, streaming=streaming,
+                   compute_dtype=compute_dtype)
+
+
+def ball_of(params0: Dict[str, Tensor], *, geometry: str, layout=None, retraction: str = "second_order",
+            gram_eps: float = 0.0, use_metric_norm: bool = True, adaptive_direction: str = "riemannian",
+            elementwise_second_order: bool = False, streaming: bool = False,
+            compute_dtype: Optional[torch.dtype] = None) -> Tuple[ProductBall, "BallParameters"]:
+    """:func:`build_ball` on arguments already checked against the model (the ball needs only the
+    weights ``params0`` and the layout): what the entry points call after their gate. The layout is
+    checked against ``params0`` here (a weight frozen or unfrozen since it was built is refused)."""
+    metric = geometry_of(geometry).metric
+    if metric is not None:
+        check.layout_for_ball(layout, params0, geometry)
     trainable = list(params0)
     components: List = []
     groups: List[Tuple[List, List[int]]] = []  # (blocks, head counts) per quotient component

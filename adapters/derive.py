@@ -48,6 +48,7 @@ Design
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Container, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -58,7 +59,7 @@ from torch import Tensor, nn
 from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
 
 from .blocks import GLBlock
-from .evaluation import eval_mode, split_inputs
+from .evaluation import device_of, eval_mode, split_inputs
 from .layouts import Layout, Unsupported
 
 __all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "with_blocks", "clear_cache",
@@ -152,7 +153,7 @@ def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        args, kwargs = split_inputs(example_inputs, model)
+        args, kwargs = split_inputs(example_inputs, device_of(itertools.chain(model.parameters(), model.buffers())))
         with eval_mode(model), torch.enable_grad():
             model(*args, **kwargs)
     finally:

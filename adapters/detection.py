@@ -108,7 +108,7 @@ from .families.structure import PACKED_NAMES, ROLE_NAMES
 from .blocks import FactorPiece, GLBlock, canonical_names
 from .layouts import Layout, Unsupported, head_structure
 
-__all__ = ["layout", "detect", "Detection", "ROLE_NAMES", "PACKED_NAMES"]
+__all__ = ["layout", "detect", "resolve_layout", "Detection", "ROLE_NAMES", "PACKED_NAMES"]
 
 
 @dataclass
@@ -131,8 +131,21 @@ def detect(model: nn.Module, *, families: Optional[Sequence[Family]] = None) -> 
     Nothing is modified."""
     if not isinstance(model, nn.Module):       # refused with the message of every entry point
         check.module("model", model)
+    ctx, _ = _context(model)
+    return _detected(ctx, families)
+
+
+def _context(model: nn.Module) -> Tuple[Context, Dict[str, str]]:
+    """The model as the families see it, and its names of tied parameters (any name -> canonical
+    name, :func:`canonical_names`)."""
+    canonical, alias = canonical_names(model)
+    return Context(model, canonical, {n: tuple(p.shape) for n, p in model.named_parameters()},
+                   dict(model.named_modules())), alias
+
+
+def _detected(ctx: Context, families: Optional[Sequence[Family]]) -> Detection:
+    """:func:`detect` on the model of ``ctx``."""
     families = list(FAMILIES if families is None else families)
-    ctx = Context.of(model)
     claimed: List[Tuple[str, bool]] = []          # (module path, claimed by a nested family)
     blocks: List[GLBlock] = []
     unsupported: List[Unsupported] = []
@@ -209,16 +222,39 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
     parameters as trainable (pass it to ``sharpness`` too).
     """
 
-    check.module("model", model)
+    if not isinstance(model, nn.Module):       # refused with the message of every entry point
+        check.module("model", model)
     for name, value in (("allow_unsupported", allow_unsupported), ("detect_blocks", detect_blocks),
                         ("include_frozen", include_frozen)):
         check.flag(name, value)
+    return _layout(model, blocks, allow_unsupported, detect_blocks, include_frozen)
+
+
+def resolve_layout(model: nn.Module, layout: Optional[Layout], *, what: str, allow_unsupported: bool = False,
+                   include_frozen: bool = False) -> Layout:
+    """The layout a geodesic entry point uses: ``layout`` once it is checked to belong to ``model``
+    (:meth:`~quotient_manifolds.adapters.Layout.check_model`: parameter names and shapes, head counts of every
+    block's module), or, when ``None``, the layout detected from ``model`` (``allow_unsupported`` and
+    ``include_frozen`` as in :func:`layout`).  ``what`` names the caller in messages."""
+    if layout is None:
+        return _layout(model, None, allow_unsupported, True, include_frozen)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"{what}: layout= must be a Layout (e.g. adapters.layout(model)), got "
+                        f"{type(layout).__name__}")
+    layout.check_model(model, what=f"{what} (layout=)")
+    return layout
+
+
+def _layout(model: nn.Module, blocks: Union[None, GLBlock, Sequence], allow_unsupported: bool,
+            detect_blocks: bool, include_frozen: bool) -> Layout:
+    """:func:`layout` on checked arguments."""
     params = dict(model.named_parameters())
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     frozen = [n for n, p in params.items() if not p.requires_grad]
-    det = detect(model) if detect_blocks else Detection([], [], [])
+    ctx, alias = _context(model)
+    det = _detected(ctx, None) if detect_blocks else Detection([], [], [])
     notes: List[str] = list(det.notes)
-    user = _declared(model, blocks, shapes)
+    user = _declared(alias, blocks, shapes)
     order = {p: i for i, (p, _) in enumerate(model.named_modules())}
     kept, unsupported = _yield_to_declared(det, user, params, order, notes)
 
@@ -231,7 +267,7 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
     frozen_set = set() if include_frozen else set(frozen)
     final = _without_frozen(all_blocks, {id(b) for b in user}, frozen_set, notes)
     gl_masks = _gl_masks(final, params)
-    _refuse_unmapped(model, unsupported, final, det, notes, allow_unsupported)
+    _refuse_unmapped(type(model).__name__, unsupported, final, det, notes, allow_unsupported)
 
     adaptive = [n for n in params if n not in frozen_set and (n not in gl_masks or not bool(gl_masks[n].all()))]
     if include_frozen:
@@ -241,10 +277,10 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
                   head_structure=head_structure(model, [b.module for b in final]))
 
 
-def _declared(model: nn.Module, blocks: Union[None, GLBlock, Sequence], shapes: Dict[str, tuple]) -> List[GLBlock]:
+def _declared(alias: Dict[str, str], blocks: Union[None, GLBlock, Sequence], shapes: Dict[str, tuple]) -> List[GLBlock]:
     """The user-declared ``blocks=`` of :func:`layout`, with the canonical names of tied parameters
-    (everything else, grouping, stride and group, kept), each checked against ``shapes``."""
-    _, alias = canonical_names(model)
+    (``alias``: any name -> canonical name; everything else, grouping, stride and group, kept), each
+    checked against ``shapes``."""
     user: List[GLBlock] = []
     for b in _flatten(blocks):
         if not isinstance(b, GLBlock):
@@ -325,7 +361,7 @@ def _gl_masks(blocks: List[GLBlock], params: Dict[str, torch.Tensor]) -> Dict[st
     return gl_masks
 
 
-def _refuse_unmapped(model: nn.Module, unsupported: List[Unsupported], final: List[GLBlock], det: Detection,
+def _refuse_unmapped(model_name: str, unsupported: List[Unsupported], final: List[GLBlock], det: Detection,
                      notes: List[str], allow_unsupported: bool) -> None:
     """Unless ``allow_unsupported``: refuse attention-like modules left unmapped, then a layout
     without any block, saying what was seen and how to declare blocks."""
@@ -333,7 +369,7 @@ def _refuse_unmapped(model: nn.Module, unsupported: List[Unsupported], final: Li
         return
     if unsupported:
         lines = [f"layout(): {len(unsupported)} attention-like module(s) or Q/K part(s) ('<module>/qk') of "
-                 f"{type(model).__name__} cannot be mapped to GL blocks:"]
+                 f"{model_name} cannot be mapped to GL blocks:"]
         lines += [f"  - {u.module} [{u.cls}]: {u.reason}" for u in unsupported]
         lines.append(
             "To proceed, either declare their blocks by hand and check them, e.g.\n"
@@ -347,7 +383,7 @@ def _refuse_unmapped(model: nn.Module, unsupported: List[Unsupported], final: Li
     if not final:
         seen = [f"  - {p} [{c}]: {f}" for p, c, f in det.seen]
         dropped = [n for n in notes if "dropped" in n]
-        msg = [f"layout(): no GL block found in {type(model).__name__}."]
+        msg = [f"layout(): no GL block found in {model_name}."]
         msg += (["Attention-like modules seen:"] + seen) if seen else ["No attention-like module was seen."]
         msg += dropped
         msg.append("Declare blocks with blocks=[adapters.declare_block(model, ...)], or pass "

@@ -1,6 +1,5 @@
 r"""Evaluating a model: inputs onto its device (:func:`split_inputs`), tensors inside nested containers
-(:func:`map_tensors`), eval mode that restores every submodule's flag (:func:`eval_mode`), the parts
-of a batch (:func:`split_batch`), the loss at perturbed weights (:class:`ModelClosure`) and the
+(:func:`map_tensors`), the parts of a batch (:func:`split_batch`), the loss at perturbed weights (:class:`ModelClosure`) and the
 half-precision policy (:func:`as_compute`, :func:`to_device`).
 
 Half precision: a float16 / bfloat16 model is evaluated in float32 at its trained weights (its
@@ -13,21 +12,21 @@ resolution of the loss vanish.
 from __future__ import annotations
 
 import contextlib
-import itertools
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import functional_call
 
 from . import validation as check
 from .components import KERNEL_LIMIT
 from .losses import HALF_DTYPES, logits_of, normalize_logits
+from .modes import eval_mode  # noqa: F401 - served here too
 from .streaming import LazyWeight, substituted
-from .validation import scalar_loss, token_inputs
+from .validation import TokenInputs, scalar_loss
 
-__all__ = ["map_tensors", "eval_mode", "split_inputs", "split_batch", "ModelClosure", "HALF_DTYPES",
-           "as_compute", "to_device", "class_targets_fit", "all_finite"]
+__all__ = ["map_tensors", "eval_mode", "device_of", "split_inputs", "split_batch", "ModelClosure", "HALF_DTYPES",
+           "as_compute", "to_device", "class_targets_check", "all_finite"]
 
 
 def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
@@ -42,26 +41,17 @@ def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
     return obj
 
 
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
-    """``with eval_mode(model):`` runs the block with ``model`` in eval mode, then restores every
-    submodule's own ``training`` flag (a plain ``model.train(flag)`` afterwards would overwrite
-    submodules deliberately kept in eval mode), also when the block raises."""
-    flags = {name: mod.training for name, mod in model.named_modules(remove_duplicate=False)}
-    try:
-        model.eval()
-        yield model
-    finally:
-        for name, mod in model.named_modules(remove_duplicate=False):
-            if name in flags:
-                mod.training = flags[name]
+def device_of(tensors: Iterable[Tensor]) -> Optional[torch.device]:
+    """The device of the first of ``tensors`` (e.g. ``itertools.chain(model.parameters(),
+    model.buffers())``) that is not on the meta device; None when there is none."""
+    return next((t.device for t in tensors if not t.is_meta), None)
 
 
-def split_inputs(example_inputs, model: nn.Module) -> Tuple[tuple, dict]:
-    """``(args, kwargs)`` of a call of ``model``, with every tensor on the model's device: inputs
-    prepared on the CPU work on a model moved to a GPU."""
-    device = next((t.device for t in itertools.chain(model.parameters(), model.buffers())
-                   if not t.is_meta), None)
+def split_inputs(example_inputs, device: Optional[torch.device]) -> Tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call of a model with ``example_inputs`` (a tensor, a tuple / list of
+    positional arguments or a dict of keyword arguments), every tensor moved to ``device`` (the
+    model's: :func:`device_of`), so that inputs prepared on the CPU work on a model moved to a GPU;
+    ``device=None`` leaves them where they are."""
 
     def moved(x):
         return x if device is None else map_tensors(lambda t: t.to(device), x)
@@ -115,12 +105,13 @@ class ModelClosure:
             for p in points))
 
 
-def split_batch(model: torch.nn.Module, batch: Any, index: int, loss_fn: Optional[Callable],
-                 normalise: bool) -> Tuple[Any, Any, bool]:
-    """(inputs, targets, use the model's own loss) of one batch; see :func:`sharpness`.  Token
-    inputs of the wrong shape are refused here, naming the batch (:func:`validation.token_inputs`)."""
+def split_batch(tokens: TokenInputs, batch: Any, index: int, loss_fn: Optional[Callable],
+                normalise: bool) -> Tuple[Any, Any, bool]:
+    """(inputs, targets, use the model's own loss) of one batch; see :func:`sharpness`.  Inputs the
+    model cannot take are refused here, naming the batch (``tokens``: the model's
+    :class:`~quotient_manifolds.adapters.validation.TokenInputs`)."""
     inputs, targets, own_loss = _batch_parts(batch, index, loss_fn, normalise)
-    token_inputs(model, inputs, index)
+    tokens.check(inputs, index)
     return inputs, targets, own_loss
 
 
@@ -148,29 +139,33 @@ def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise:
     return inputs, targets, False
 
 
-def class_targets_fit(model: torch.nn.Module, inputs: Any, targets: Any, index: int = 0) -> None:
-    """Refuse integer ``targets`` that the default cross-entropy cannot take: class indices must
-    lie in 0 … C−1 for a model with C outputs (``-100``, cross-entropy's ignored index, aside).
-    One forward pass (no gradient, eval mode), so that e.g. labels of ±1 are refused at once with
-    what to do, not after the verification of the layout (many forward passes)."""
+def class_targets_check(targets: Any, index: int = 0) -> Optional[Callable[[Any], None]]:
+    """A check of the model's output on the batch of ``targets`` (its first forward pass, at its
+    own weights) that refuses integer ``targets`` the default cross-entropy cannot take: class
+    indices must lie in 0 … C−1 for a model with C outputs (``-100``, cross-entropy's ignored
+    index, aside). So labels of ±1 are refused at the first forward pass of the set-up, with what
+    to do, not after the many of a run. None when ``targets`` are not class indices (nothing to
+    check)."""
     if (not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex()
             or targets.dtype == torch.bool):
-        return
+        return None
     valid = targets[targets != -100]
     if valid.numel() == 0:
-        return
-    args, kwargs = split_inputs(inputs, model)
-    with torch.no_grad(), eval_mode(model):
-        logits = logits_of(model(*args, **kwargs))
-    classes = logits.shape[1] if logits.ndim >= 2 else logits.shape[0]   # cross_entropy's class dim
+        return None
     low, high = int(valid.min()), int(valid.max())
-    if 0 <= low and high < classes:
-        return
-    hint = (" Labels of -1/+1? Map them to 0/1 with (y + 1) // 2." if (low, high) in ((-1, 1), (-1, 0))
-            else "")
-    raise ValueError(f"batch {index}: the default loss is cross-entropy, whose targets are class indices "
-                     f"0..{classes - 1} of the model's {classes} outputs, but these range over "
-                     f"{low}..{high}.{hint} For another loss pass loss_fn=callable(outputs, targets).")
+
+    def check_outputs(outputs: Any) -> None:
+        logits = logits_of(outputs)
+        classes = logits.shape[1] if logits.ndim >= 2 else logits.shape[0]   # cross_entropy's class dim
+        if 0 <= low and high < classes:
+            return
+        hint = (" Labels of -1/+1? Map them to 0/1 with (y + 1) // 2." if (low, high) in ((-1, 1), (-1, 0))
+                else "")
+        raise ValueError(f"batch {index}: the default loss is cross-entropy, whose targets are class indices "
+                         f"0..{classes - 1} of the model's {classes} outputs, but these range over "
+                         f"{low}..{high}.{hint} For another loss pass loss_fn=callable(outputs, targets).")
+
+    return check_outputs
 
 
 def all_finite(t: Tensor) -> bool:

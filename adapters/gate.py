@@ -1,6 +1,7 @@
 r"""The gate from a model to what an evaluation at its weights needs before its first batch: the
 weights it varies, the fixed tensors, the compute dtype (:func:`pre_run_checks`) and, for a geodesic
-geometry, the layout verified and accepted on the first inputs (:class:`Gate`).
+geometry, the layout verified and accepted on the first inputs (:class:`Gate`); for a sharpness run
+all of it, with its first batch read, in one call (:func:`prepare_run`).
 
 Every geodesic entry point (:func:`~quotient_manifolds.adapters.sharpness`, ``sharpness_sweep``,
 ``calibrate_rho``, ``distributed_sharpness``, :func:`~quotient_manifolds.adapters.hessian.riemannian_hessian`,
@@ -20,17 +21,22 @@ one-call path (``layout=None``) use the same layout:
 
 from __future__ import annotations
 
+import itertools
 import warnings
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import nn
 
+from .accept import accept_layout, refuse_failed_blocks
 from .ball import geometry_of
-from .evaluation import HALF_DTYPES, all_finite, as_compute
+from .detection import resolve_layout
+from .evaluation import HALF_DTYPES, all_finite, as_compute, class_targets_check, split_batch
 from .streaming import LazyWeight
+from .validation import TokenInputs
+from .verify import is_verified
 
-__all__ = ["Gate", "PreRun", "pre_run_checks"]
+__all__ = ["Gate", "PreRun", "pre_run_checks", "Prepared", "prepare_run", "SMALL_MODEL_PARAMS"]
 
 Tensor = torch.Tensor
 
@@ -46,8 +52,6 @@ class Gate:
 
     def __init__(self, model: nn.Module, layout: Any, *, geometry: str, what: str, consequence: str,
                  unsafe: bool = False, allow_unsupported: bool = False, include_frozen: bool = False):
-        from .accept import resolve_layout
-
         self.model, self.what, self.consequence, self.unsafe = model, what, consequence, unsafe
         self.geodesic = geometry_of(geometry).geodesic
         #: whether the layout was detected here (``layout=None``) rather than passed in
@@ -64,29 +68,31 @@ class Gate:
         """Whether :meth:`accept` still has to verify the layout on inputs: a geodesic layout with
         blocks, not verified on this model yet (a layout whose last verification failed is run as
         it is with ``unsafe=True``)."""
-        from .accept import is_verified
-
         layout = self.layout
         return bool(self.geodesic and layout.blocks and not is_verified(self.model, layout)
                     and not (self.unsafe and layout.verify_failed))
 
-    def accept(self, example_inputs: Any, *, stacklevel: int = 2) -> Any:
+    def accept(self, example_inputs: Any, *, on_reference: Optional[Callable[[Any], None]] = None,
+               stacklevel: int = 2) -> Any:
         """The layout to use, verified on ``example_inputs`` (the first batch's inputs: a tensor, a
         tuple of positional arguments or a dict of keyword arguments) when :attr:`pending`; failing
-        blocks get derived groups (module docstring).  ``stacklevel``: of the warnings, the value the
-        caller would pass to ``warnings.warn`` itself."""
-        from .accept import accept_layout, refuse_failed_blocks
-
+        blocks get derived groups (module docstring).  ``on_reference`` is called with the model's
+        output at its own weights when the check runs (e.g. to refuse the batch's targets at once).
+        ``stacklevel``: of the warnings, the value the caller would pass to ``warnings.warn`` itself."""
         layout = self.layout
         if not self.geodesic:
             return layout
-        if not self.pending:
-            refuse_failed_blocks(layout, unsafe=self.unsafe, what=self.what, consequence=self.consequence,
+        if self.unsafe and layout.verify_failed:       # run as it is (with a warning)
+            refuse_failed_blocks(layout, unsafe=True, what=self.what, consequence=self.consequence,
                                  stacklevel=stacklevel + 2)
             return layout
+        # a layout that passes (now, or on this model before), or has no block, comes back as it is
         accepted, report = accept_layout(self.model, layout, example_inputs, what=self.what,
-                                         stacklevel=stacklevel + 2)
-        self.report = report
+                                         stacklevel=stacklevel + 2, on_reference=on_reference)
+        if report is not None:
+            self.report = report
+        if accepted is layout:
+            return layout
         candidates = {b.name: b.group_source for b in layout.blocks}
         self.derived = {b.name: b.group_source for b in accepted.blocks
                         if b.name in layout.verify_failed and b.group_source != candidates.get(b.name)}
@@ -158,3 +164,83 @@ def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: 
               else LazyWeight(p.detach().float) for n, p in all_params.items() if n not in params0}
     buffers = {**{n: as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}
     return PreRun(params0, buffers, upcast, layout, detected, gate)
+
+
+#: Models with at most this many parameters run on one thread (see ``num_threads``).
+SMALL_MODEL_PARAMS = 2 ** 20
+#: marks an empty iterable of batches (reported after the set-up, as before)
+_NO_BATCH = object()
+
+
+class Prepared(NamedTuple):
+    """The set-up of a sharpness run before its first batch (:func:`prepare_run`)."""
+
+    params0: Dict[str, Tensor]
+    buffers: Dict[str, Tensor]
+    upcast: bool
+    layout: Any
+    batches: Iterator[Any]
+    n_batches: Optional[int]
+    #: the attention weights of an adaptive run (for ``attention_norm_shares``), else None
+    covered: Optional[Dict[str, Tensor]]
+    device: torch.device
+    num_threads: Optional[int]
+
+
+def prepare_run(model: nn.Module, batches: Iterable[Any], options: Any, tokens: TokenInputs,
+                stacklevel: int) -> Prepared:
+    """The set-up of a sharpness run with ``options`` (:class:`~quotient_manifolds.adapters.options.SharpnessOptions`):
+    the weights and fixed tensors (:func:`pre_run_checks`), the layout accepted on the first batch
+    for a geodesic geometry (its inputs checked with ``tokens``, its class targets refused at the
+    check's first forward pass when the default loss cannot take them), and the batches (the first
+    one read already)."""
+    geodesic = options.spec.geodesic
+    what = f"{options.geometry} sharpness"
+    params0, buffers, upcast, layout, detected, gate = pre_run_checks(
+        model, options.layout, geometry=options.geometry, what=what, consequence="the value would be meaningless",
+        unsafe=options.unsafe, allow_unsupported=options.allow_unsupported, include_frozen=options.include_frozen,
+        undefined="sharpness",
+        no_params=("sharpness perturbs the trainable weights, the frozen ones stay fixed. Set requires_grad=True "
+                   "on the weights to perturb (e.g. model.requires_grad_(True), or only the adapter weights of "
+                   "a PEFT model)"), stacklevel=stacklevel + 1, copy_half=False)
+    try:
+        n_batches: Optional[int] = len(batches)  # type: ignore[arg-type]
+    except TypeError:  # a generator, an IterableDataset loader
+        n_batches = None
+    batches = iter(batches)
+    first = next(batches, _NO_BATCH)
+    if first is not _NO_BATCH:
+        batches = itertools.chain([first], batches)
+    if first is not _NO_BATCH and geodesic:
+        # a geodesic number never comes from an unverified block (module docstring)
+        inputs, targets, own_loss = split_batch(tokens, first, 0, options.loss_fn, options.normalize_logits)
+        check_targets = None if options.loss_fn is not None or own_loss else class_targets_check(targets, 0)
+        layout = gate.accept(inputs, on_reference=check_targets, stacklevel=stacklevel)
+    if geodesic and not layout.blocks:
+        warnings.warn(f"the layout has no GL block (unsupported attention modules: "
+                      f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
+                      f"adaptively, so this {options.geometry} value is adaptive sharpness with the "
+                      f"geodesic settings", UserWarning, stacklevel=stacklevel)
+    # the attention weights, for attention_norm_shares: a geodesic ball holds them in its GL
+    # components (the share is the GL share); an adaptive one finds them in the detected layout
+    covered = None if geodesic else _attention_masks(model, layout, options.include_frozen)
+    num_threads = options.num_threads
+    if num_threads is None and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL_PARAMS:
+        num_threads = 1
+    return Prepared(params0, buffers, upcast, layout, batches, n_batches, covered,
+                    next(iter(params0.values())).device, num_threads)
+
+
+def _attention_masks(model: nn.Module, layout: Any, include_frozen: bool) -> Optional[Dict[str, Tensor]]:
+    """The entries of the GL blocks of ``layout``, or of the layout detected from ``model`` (only
+    which weights its blocks hold is used: nothing is run or verified), as parameter name → boolean
+    mask; ``None`` where detection finds no block (the share is then not recorded)."""
+    if layout is None:
+        try:
+            with warnings.catch_warnings():  # adaptive sharpness did not ask for a layout
+                warnings.simplefilter("ignore")
+                layout = resolve_layout(model, None, what="adaptive sharpness", allow_unsupported=True,
+                                        include_frozen=include_frozen)
+        except (ValueError, TypeError, NotImplementedError, RuntimeError):
+            return None  # a model detection cannot read: where the perturbation lives is unknown
+    return dict(layout.gl_masks) if getattr(layout, "gl_masks", None) else None

@@ -360,7 +360,7 @@ def riemannian_hessian(model: torch.nn.Module,
         allow_unsupported=allow_unsupported, undefined="the Hessian",
         no_params=("the Hessian is taken with respect to the trainable weights; set requires_grad=True on "
                    "the weights to include"))
-    data, num_data = _weighted_batches(model, batches, loss_fn, reduction, batch_size_fn,
+    data, num_data = _weighted_batches(check.TokenInputs(model), batches, loss_fn, reduction, batch_size_fn,
                                        next(iter(params0.values())).device, upcast)
     if geodesic:           # a geodesic number never comes from an unverified block (adapters.gate)
         layout = gate.accept(data[0][0], stacklevel=2)
@@ -368,7 +368,7 @@ def riemannian_hessian(model: torch.nn.Module,
     return RiemannianHessian(model, ball, write_back, params0, buffers, data, num_data, geometry)
 
 
-def _weighted_batches(model: torch.nn.Module, batches: Iterable[Any], loss_fn: Optional[Callable],
+def _weighted_batches(tokens: check.TokenInputs, batches: Iterable[Any], loss_fn: Optional[Callable],
                       reduction: str, batch_size_fn: Optional[Callable[[Any], int]], device: torch.device,
                       upcast: bool) -> Tuple[List[tuple], int]:
     """``[(inputs, targets, loss_fn, weight)]`` of every batch on ``device`` (weight |b|/N for
@@ -377,7 +377,7 @@ def _weighted_batches(model: torch.nn.Module, batches: Iterable[Any], loss_fn: O
         batches = list(batches)
     data, sizes = [], []
     for index, batch in enumerate(batches):
-        inputs, targets, own_loss = split_batch(model, batch, index, loss_fn, False)
+        inputs, targets, own_loss = split_batch(tokens, batch, index, loss_fn, False)
         data.append((to_device(inputs, device, upcast), to_device(targets, device, upcast),
                      None if own_loss else (loss_fn or default_loss)))
         sizes.append(_batch_size(inputs, targets, index, batch_size_fn))

@@ -37,8 +37,7 @@ from quotient_manifolds.core.gl import group_action
 from .blocks import GLBlock
 from .families.structure import HEAD_DIM_ATTRS, HEADS_ATTRS
 from .families.structural import KV_HEADS_ATTRS
-from .verified import record_verification
-from .verify import SymmetryError, VerifyReport, verify_layout
+from .verify import SymmetryError, VerifyReport, record, verify_layout
 
 __all__ = ["Layout", "Unsupported", "head_structure"]
 
@@ -362,18 +361,14 @@ class Layout:
 
         The outcome is recorded: ``verify_failed`` lists the failing blocks (all blocks when only the
         joint check failed), and a layout that passed is not verified again by the geodesic entry points
-        on this model in its current state (:mod:`~quotient_manifolds.adapters.verified`).
+        on this model in its current state (:func:`~quotient_manifolds.adapters.verify.record`).
         """
         try:
             report = verify_layout(self, model, example_inputs, scales=scales, cond=cond, rtol=rtol, atol=atol,
                                    seed=seed, per_block=per_block, raise_on_failure=raise_on_failure,
                                    output_fn=output_fn, compute_dtype=compute_dtype)
         except SymmetryError as err:
-            self._record(model, err.report)
+            record(model, self, err.report)
             raise
-        self._record(model, report)
+        record(model, self, report)
         return report
-
-    def _record(self, model: nn.Module, report: VerifyReport) -> None:
-        self.verify_failed = [] if report.passed else (report.failing or [b.name for b in self.blocks])
-        record_verification(model, self, report.passed)

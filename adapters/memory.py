@@ -12,9 +12,6 @@ reads each perturbed weight when it needs it (:mod:`~quotient_manifolds.adapters
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 from torch import nn
 
@@ -42,18 +39,22 @@ def _gib(n: float) -> str:
     return f"{n / 2 ** 30:.1f} GiB"
 
 
-@contextlib.contextmanager
-def explained_out_of_memory(model: nn.Module, what: str) -> Iterator[None]:
-    """Turns an allocator's out-of-memory error inside the block into a
-    :class:`SharpnessOutOfMemoryError` that gives the run's needs (bytes per parameter ×
-    trainable parameters, beside the model's own size and the device's free memory) and what to
-    do; the allocator's trace is dropped (its first line is quoted)."""
-    try:
-        yield
-    except Exception as err:  # noqa: BLE001 - only out-of-memory errors are translated
-        if not _is_out_of_memory(err):
-            raise
-        params = list(model.parameters())
+class explained_out_of_memory:  # noqa: N801 - a context manager named like torch.no_grad
+    """``with explained_out_of_memory(model, what):`` turns an allocator's out-of-memory error
+    inside the block into a :class:`SharpnessOutOfMemoryError` that gives the run's needs (bytes
+    per parameter × trainable parameters, beside the model's own size and the device's free
+    memory) and what to do; the allocator's trace is dropped (its first line is quoted)."""
+
+    def __init__(self, model: nn.Module, what: str):
+        self.model, self.what = model, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, trace) -> bool:
+        if err is None or not isinstance(err, Exception) or not _is_out_of_memory(err):
+            return False
+        params = list(self.model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)
         weights = sum(p.numel() * p.element_size() for p in params)
         device = params[0].device if params else torch.device("cpu")
@@ -64,7 +65,7 @@ def explained_out_of_memory(model: nn.Module, what: str) -> Iterator[None]:
             free = f"; {_gib(free_bytes)} of {_gib(total)} free on {device} now"
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SharpnessOutOfMemoryError(
-            f"{what} ran out of memory on {device} ({first[:160]}). Beyond the model's weights "
+            f"{self.what} ran out of memory on {device} ({first[:160]}). Beyond the model's weights "
             f"({_gib(weights)}) and the activations of one forward+backward of a batch (float32), "
             f"it holds about {BYTES_PER_PARAMETER} bytes per trainable parameter × {trainable:,} = "
             f"{_gib(BYTES_PER_PARAMETER * trainable)}{free}. Use a smaller batch (fewer or shorter "

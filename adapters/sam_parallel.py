@@ -55,7 +55,7 @@ def _verified_before_sharding(model: nn.Module, layout) -> bool:
     """Whether ``layout`` (its blocks, by value) passed :meth:`Layout.verify` on ``model`` while its
     parameters had the same names, shapes and dtypes, i.e. on the whole model before ``fully_shard``
     replaced them by DTensors (same global shapes, new storage)."""
-    from .verified import _VERIFIED, signature
+    from .verify import _VERIFIED, signature
 
     try:
         done = _VERIFIED.get(model) or ()

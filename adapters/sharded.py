@@ -384,10 +384,11 @@ def _restored(model: nn.Module, params: Dict[str, nn.Parameter], local: Dict[str
             p.grad = grads[n]
 
 
-def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, *, stacklevel: int
+def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, tokens, *, stacklevel: int
                 ) -> List[Any]:
     """The body of :func:`~quotient_manifolds.adapters.sharpness` for a sharded model (module
-    docstring): one :class:`~quotient_manifolds.adapters.SharpnessResult` per radius."""
+    docstring): one :class:`~quotient_manifolds.adapters.SharpnessResult` per radius. ``tokens``:
+    the model's :class:`~quotient_manifolds.adapters.validation.TokenInputs` (the batches' checks)."""
     import torch.distributed as dist
 
     from .solver import auto_pgd, average_case
@@ -471,7 +472,7 @@ def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, 
     setup_started = time.perf_counter()
     with eval_mode(model), _restored(model, params, local, copies):
         for index, batch in enumerate(batches):
-            inputs, targets, own_loss = split_batch(model, batch, index, options.loss_fn,
+            inputs, targets, own_loss = split_batch(tokens, batch, index, options.loss_fn,
                                                     options.normalize_logits)
             closure.inputs, closure.targets = inputs, targets
             closure.loss_fn = None if own_loss else (options.loss_fn or default_loss)

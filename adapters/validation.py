@@ -7,6 +7,7 @@ from quotient_manifolds._validation import *  # noqa: F401,F403
 from quotient_manifolds._validation import (  # noqa: F401 - the names this module has always served
     LAYOUT_CLASS,
     TOKEN_INPUTS,
+    TokenInputs,
     _finite_number,
     all_finite,
     batches,

@@ -1,10 +1,22 @@
 """The symmetry self-check of a layout (:meth:`Layout.verify <quotient_manifolds.adapters.Layout.verify>`):
 random ill-conditioned per-head actions of every block must leave the model's output unchanged; the
-report (:class:`VerifyReport`) names the block that is not a symmetry."""
+report (:class:`VerifyReport`) names the block that is not a symmetry.
+
+And the record of the checks: which layouts passed on which model, in the model's current state
+(:func:`record`, :func:`is_verified`), so that a layout verified once is not verified again by the
+geodesic entry points (:func:`verify_once`).  The record is a ``WeakKeyDictionary`` model -> set of
+signatures, so it never keeps a model alive.  A signature (:func:`signature`) is what a check depends
+on: the layout's blocks (by value: a layout detected again from the same model needs no new check)
+and, for every parameter a block touches, its shape, dtype, device and storage address (training
+updates parameters in place, so it keeps them; replacing a parameter tensor or changing the blocks
+does not)."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
@@ -14,11 +26,13 @@ from torch.func import functional_call
 
 from . import validation as check
 from .blocks import GLBlock
-from .evaluation import eval_mode, split_inputs
+from .evaluation import device_of, split_inputs
+from .modes import eval_mode
 from .validation import positive_finite, positive_finite_sequence
 
 __all__ = ["VerifyReport", "BlockCheck", "SymmetryError", "OutputNotFound", "default_tolerance", "primary_output", "verify_layout",
-           "TOLERANCE_FACTOR", "Checkable"]
+           "verify_once", "symmetry_report", "record", "is_verified", "record_verification", "signature",
+           "DEFAULT_SCALES", "TOLERANCE_FACTOR", "Checkable"]
 
 
 class Checkable(Protocol):
@@ -186,34 +200,74 @@ def primary_output(out: Any) -> Tensor:
     raise OutputNotFound(f"cannot find an output tensor in a {type(out).__name__}; pass output_fn=")
 
 
+#: The scales of the random actions of a check (their spread around the identity)
+DEFAULT_SCALES = (1e-2, 1e-1, 1.0, 1e1, 1e2)
+
+
 def verify_layout(layout: Checkable, model: nn.Module, example_inputs, *,
-                  scales: Sequence[float] = (1e-2, 1e-1, 1.0, 1e1, 1e2), cond: Optional[float] = 1e2,
+                  scales: Sequence[float] = DEFAULT_SCALES, cond: Optional[float] = 1e2,
                   rtol: Optional[float] = None, atol: Optional[float] = None, seed: int = 0,
                   per_block: Union[bool, str] = True, raise_on_failure: bool = True,
                   output_fn: Optional[Callable[[Any], Tensor]] = None,
                   compute_dtype: Optional[torch.dtype] = None) -> VerifyReport:
     """The check of :meth:`Layout.verify <quotient_manifolds.adapters.Layout.verify>` (arguments and
-    result as there), which also records the outcome on the layout and for the model.  This function
-    mutates nothing: it returns the :class:`VerifyReport`, or raises :class:`SymmetryError` (carrying
-    it) when a block fails and ``raise_on_failure``."""
+    result as there), its arguments checked first. This function mutates nothing: it returns the
+    :class:`VerifyReport`, or raises :class:`SymmetryError` (carrying it) when a block fails and
+    ``raise_on_failure``; :func:`record` remembers the outcome."""
     args, kwargs, scales = _checked_arguments(layout, model, example_inputs, scales=scales, cond=cond, rtol=rtol,
                                               atol=atol, seed=seed, per_block=per_block,
                                               raise_on_failure=raise_on_failure, output_fn=output_fn,
                                               compute_dtype=compute_dtype)
+    return symmetry_report(layout, model, args, kwargs, scales=scales, cond=cond, rtol=rtol, atol=atol, seed=seed,
+                           per_block=per_block, raise_on_failure=raise_on_failure, output_fn=output_fn,
+                           compute_dtype=compute_dtype)
+
+
+def verify_once(layout: Checkable, model: nn.Module, example_inputs: Any, *, rtol: float,
+                on_reference: Optional[Callable[[Any], None]] = None) -> Optional[VerifyReport]:
+    """The check the geodesic entry points run before they use a layout: ``None`` when ``layout``
+    (or one with equal blocks) already passed on ``model`` in its current state (:func:`is_verified`);
+    otherwise the report of :func:`verify_layout` with the default scales and ``per_block="auto"``,
+    never raising on a failing block, its outcome recorded (:func:`record`).  The layout must
+    belong to the model (checked by the caller); ``on_reference`` is called with the model's output
+    at its own weights (the first forward pass), e.g. to check the targets of the batch."""
+    if not layout.blocks or is_verified(model, layout):
+        return None
+    args, kwargs = split_inputs(example_inputs, device_of(itertools.chain(model.parameters(), model.buffers())))
+    report = symmetry_report(layout, model, args, kwargs, scales=DEFAULT_SCALES, cond=1e2, rtol=rtol, atol=None,
+                             seed=0, per_block="auto", raise_on_failure=False, output_fn=None, compute_dtype=None,
+                             on_reference=on_reference)
+    record(model, layout, report)
+    return report
+
+
+def symmetry_report(layout: Checkable, model: nn.Module, args: tuple, kwargs: dict, *, scales: Sequence[float],
+                    cond: Optional[float], rtol: Optional[float], atol: Optional[float], seed: int,
+                    per_block: Union[bool, str], raise_on_failure: bool,
+                    output_fn: Optional[Callable[[Any], Tensor]], compute_dtype: Optional[torch.dtype],
+                    on_reference: Optional[Callable[[Any], None]] = None) -> VerifyReport:
+    """The check of :func:`verify_layout` on checked arguments: the model called with ``args`` and
+    ``kwargs`` (on its device) at its own weights and under the random actions of every scale. In
+    eval mode (unless the model is in eval mode already), no gradient recorded."""
     fn = output_fn or primary_output
-    with eval_mode(model), torch.no_grad():
+    # inside a sharpness run the model is in eval mode already
+    training = any(m.training for m in model.modules())
+    with eval_mode(model) if training else contextlib.nullcontext(), torch.no_grad():
         params = _finite_parameters(model)
         cdt, params, extra, args, kwargs = _in_compute_dtype(model, params, args, kwargs, compute_dtype)
 
-        def run(p):
-            y = fn(functional_call(model, {**p, **extra}, args, kwargs))
+        def run(p, reference: Optional[Callable[[Any], None]] = None):
+            out = functional_call(model, {**p, **extra}, args, kwargs)
+            if reference is not None:
+                reference(out)
+            y = fn(out)
             if not isinstance(y, Tensor):
                 raise TypeError(f"verify(): output_fn returned a {type(y).__name__}, not a tensor: it must "
                                 f"pick the tensor to compare from the model's output, e.g. "
                                 f"output_fn=lambda out: out.logits")
             return y.detach()
 
-        y0 = run(params)
+        y0 = run(params, on_reference)
         if not y0.numel():
             raise ValueError("verify(): the model's output on example_inputs is empty (an empty batch?): a "
                              "check on no output proves nothing; pass inputs with at least one example")
@@ -310,7 +364,7 @@ def _checked_arguments(layout: Checkable, model: nn.Module, example_inputs, *, s
     check.materialised(model, "verify()")
     layout.check_model(model, what="verify()")
     refuse_empty_inputs(example_inputs, "verify()")
-    args, kwargs = split_inputs(example_inputs, model)
+    args, kwargs = split_inputs(example_inputs, device_of(itertools.chain(model.parameters(), model.buffers())))
     scales = positive_finite_sequence("scales", scales)
     if cond is not None and positive_finite("cond", cond) < 1:
         raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
@@ -392,3 +446,60 @@ def _failure(report: VerifyReport) -> str:
         return "GL symmetry broken when all blocks act together (blocks not checked one by one)"
     return ("GL symmetry broken when all blocks act together, although no single block fails "
             "on its own (blocks interact: overlapping or coupled parameters?)")
+
+
+# ----------------------------------------------------------------------------- the record of checks
+#: model -> signatures of the layouts that passed verification on it
+_VERIFIED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
+
+
+def _block_key(block: GLBlock) -> Any:
+    try:                                   # frozen dataclasses compare by value: a re-detected
+        hash(block)                        # layout with the same blocks counts as verified
+        return block
+    except TypeError:                      # a group holding tensors: by identity
+        return id(block)
+
+
+def signature(model: nn.Module, layout: Checkable) -> Tuple:
+    """What a verification of ``layout`` on ``model`` depends on: its blocks (by value where they are
+    hashable, else by identity) and ``(name, shape, dtype, device, storage address)`` of every
+    parameter they touch (``(name, None)`` for one the model lacks)."""
+    params = dict(model.named_parameters())
+    touched = sorted({p for b in layout.blocks for p in b.params})
+    state = tuple((n, tuple(params[n].shape), params[n].dtype, str(params[n].device), params[n].data_ptr())
+                  if n in params else (n, None) for n in touched)
+    return tuple(_block_key(b) for b in layout.blocks), state
+
+
+def record_verification(model: nn.Module, layout: Checkable, passed: bool) -> None:
+    """Remember (``passed=True``) or forget that ``layout`` passed verification on ``model`` (called
+    by :meth:`Layout.verify <quotient_manifolds.adapters.Layout.verify>`)."""
+    try:
+        done = _VERIFIED.setdefault(model, set())
+    except TypeError:                       # a model that cannot be weakly referenced: no record
+        return
+    sig = signature(model, layout)
+    if passed:
+        done.add(sig)
+    else:
+        done.discard(sig)
+
+
+def is_verified(model: nn.Module, layout: Checkable) -> bool:
+    """Whether ``layout`` (or a layout with equal blocks) passed :meth:`Layout.verify
+    <quotient_manifolds.adapters.Layout.verify>` on ``model`` in its current state (same parameter
+    tensors)."""
+    try:
+        done = _VERIFIED.get(model)
+    except TypeError:
+        return False
+    return bool(done) and signature(model, layout) in done
+
+
+def record(model: nn.Module, layout: Checkable, report: VerifyReport) -> None:
+    """Remember the outcome of a check of ``layout`` on ``model``: ``layout.verify_failed`` lists the
+    failing blocks (all blocks when only the joint check failed; empty when it passed), and a layout
+    that passed is marked verified for the model in its current state (:func:`record_verification`)."""
+    layout.verify_failed = [] if report.passed else (report.failing or [b.name for b in layout.blocks])
+    record_verification(model, layout, report.passed)

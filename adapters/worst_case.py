@@ -14,25 +14,24 @@ The maths: docs/maths.md §6 (blocks, total norm, ε), §7.3 (algorithm), §12 (
 from __future__ import annotations
 
 import gc
-import itertools
 import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from quotient_manifolds._runtime import bounded_threads
 
-from .ball import GEOMETRIES, build_ball  # GEOMETRIES is served here too
+from .ball import GEOMETRIES, ball_of, build_ball  # GEOMETRIES is served here too
 from .solver import APGDResult, ProductBall, auto_pgd, average_case
 from . import validation as check
-from .evaluation import (HALF_DTYPES, ModelClosure, as_compute, class_targets_fit, eval_mode, split_batch,
-                         to_device)
-from .gate import PreRun, pre_run_checks
+from .evaluation import HALF_DTYPES, ModelClosure, as_compute, split_batch, to_device
+from .gate import SMALL_MODEL_PARAMS, PreRun, Prepared, pre_run_checks, prepare_run  # noqa: F401 - served here too
 from .losses import default_loss, logits_of, next_token_loss, normalize_logits
 from .memory import explained_out_of_memory
+from .modes import eval_mode
 from .options import MEASURES, SHARPNESS_OPTION_NAMES, SharpnessOptions, as_rho, document_options, sharpness_options
 from .sharded import is_sharded, run_sharded
 from .validation import materialised
@@ -45,10 +44,6 @@ __all__ = ["sharpness", "sharpness_sweep", "run_sharpness", "SharpnessResult", "
 
 Tensor = torch.Tensor
 
-#: Models with at most this many parameters run on one thread (see ``num_threads``).
-SMALL_MODEL_PARAMS = 2 ** 20
-#: marks an empty iterable of batches (reported after the set-up, as before)
-_NO_BATCH = object()
 #: RK4 steps of the exact geodesic in the retraction check: the check needs the loss to a few per
 #: cent, and RK4's error falls as steps⁻⁴ (32 steps reach 1e-6 at t = 1 on trained weights)
 CHECK_EXACT_STEPS = 8
@@ -156,21 +151,36 @@ def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence
     """One :class:`SharpnessResult` per radius of ``rhos`` (each > 0, increasing: on every batch the
     run at a radius starts from the worst point at the one before), with ``options`` checked: the
     body of :func:`sharpness` and :func:`sharpness_sweep`. ``stacklevel`` is that of the warnings
-    as if this function's caller issued them."""
+    as if this function's caller issued them.
+
+    The model passes each module of the set-up once, in this order: its checks (``validation``),
+    whether it is sharded, the memory guard and eval mode for the whole call, the gate (weights,
+    layout detected or checked, verified on the first batch), then the closure that evaluates it."""
     check.module("model", model)
     check.batches("batches", batches)
     what = f"{options.geometry} sharpness"
+    materialised(model, what)
+    tokens = check.TokenInputs(model)
     if is_sharded(model):  # FSDP2: ξ and the solver's buffers sharded like the weights
         with explained_out_of_memory(model, what):
-            return run_sharded(model, batches, rhos, options, stacklevel=stacklevel + 1)
-    materialised(model, what)
-    with explained_out_of_memory(model, what):
-        prepared = _prepare(model, batches, options, stacklevel + 1)
+            return run_sharded(model, batches, rhos, options, tokens, stacklevel=stacklevel + 1)
+    with explained_out_of_memory(model, what), eval_mode(model):
+        prepared = prepare_run(model, batches, options, tokens, stacklevel + 1)
         # the set-up's verification leaves float32 copies of the weights in reference cycles
         # (exceptions caught while bisecting keep their frames): freed before the solver allocates
         gc.collect()
         started = time.perf_counter()
-        runs = _run_batches(model, prepared, rhos, options)
+        with bounded_threads(prepared.num_threads):
+            ball, write_back = ball_of(
+                prepared.params0, geometry=options.geometry, layout=prepared.layout,
+                retraction=options.retraction, gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm,
+                adaptive_direction=options.adaptive_direction,
+                elementwise_second_order=options.elementwise_second_order, streaming=True,
+                compute_dtype=torch.float32 if prepared.upcast else None)
+            # the loss function is set per batch (dict batches may use the model's own loss)
+            closure = ModelClosure(model, prepared.params0, prepared.buffers, write_back, None,
+                                   options.normalize_logits)
+            runs = _run_batches(ball, closure, prepared, tokens, rhos, options)
     setup = time.perf_counter() - started - sum(r["time"] for at in runs for r in at)
     results = []
     for rho, at in zip(rhos, runs):  # a loop, not a comprehension: its frame would shift the warnings
@@ -178,113 +188,43 @@ def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence
     return results
 
 
-class _Prepared(NamedTuple):
-    """The set-up of a sharpness run before its first batch (:func:`_prepare`)."""
-
-    params0: Dict[str, Tensor]
-    buffers: Dict[str, Tensor]
-    upcast: bool
-    layout: Any
-    batches: Iterator[Any]
-    n_batches: Optional[int]
-    #: the attention weights of an adaptive run (for ``attention_norm_shares``), else None
-    covered: Optional[Dict[str, Tensor]]
-    device: torch.device
-    num_threads: Optional[int]
-
-
-def _prepare(model: torch.nn.Module, batches: Iterable[Any], options: SharpnessOptions,
-             stacklevel: int) -> _Prepared:
-    """The weights and fixed tensors (:func:`pre_run_checks`), the layout accepted on the first
-    batch for a geodesic geometry, and the batches (the first one read already)."""
-    geodesic, unsafe = options.spec.geodesic, options.unsafe
-    what, consequence = f"{options.geometry} sharpness", "the value would be meaningless"
-    params0, buffers, upcast, layout, detected, gate = pre_run_checks(
-        model, options.layout, geometry=options.geometry, what=what, consequence=consequence, unsafe=unsafe,
-        allow_unsupported=options.allow_unsupported, include_frozen=options.include_frozen,
-        undefined="sharpness",
-        no_params=("sharpness perturbs the trainable weights, the frozen ones stay fixed. Set requires_grad=True "
-                   "on the weights to perturb (e.g. model.requires_grad_(True), or only the adapter weights of "
-                   "a PEFT model)"), stacklevel=stacklevel + 1, copy_half=False)
-    try:
-        n_batches: Optional[int] = len(batches)  # type: ignore[arg-type]
-    except TypeError:  # a generator, an IterableDataset loader
-        n_batches = None
-    batches = iter(batches)
-    first = next(batches, _NO_BATCH)
-    if first is not _NO_BATCH:
-        batches = itertools.chain([first], batches)
-    if first is not _NO_BATCH and geodesic:
-        # a geodesic number never comes from an unverified block (adapters.gate)
-        inputs = None
-        if gate.pending:
-            inputs, targets, own_loss = split_batch(model, first, 0, options.loss_fn, options.normalize_logits)
-            if options.loss_fn is None and not own_loss:
-                class_targets_fit(model, inputs, targets, 0)    # one forward pass before the many
-        layout = gate.accept(inputs, stacklevel=stacklevel)
-    if geodesic and not layout.blocks:
-        warnings.warn(f"the layout has no GL block (unsupported attention modules: "
-                      f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "
-                      f"adaptively, so this {options.geometry} value is adaptive sharpness with the "
-                      f"geodesic settings", UserWarning, stacklevel=stacklevel)
-    # the attention weights, for attention_norm_shares: a geodesic ball holds them in its GL
-    # components (the share is the GL share); an adaptive one finds them in the detected layout
-    covered = None if geodesic else _attention_masks(model, layout, options.include_frozen)
-    num_threads = options.num_threads
-    if num_threads is None and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL_PARAMS:
-        num_threads = 1
-    return _Prepared(params0, buffers, upcast, layout, batches, n_batches, covered,
-                     next(iter(params0.values())).device, num_threads)
-
-
-def _run_batches(model: torch.nn.Module, prepared: _Prepared, rhos: Sequence[float],
-                 options: SharpnessOptions) -> List[List[Dict[str, Any]]]:
-    """The runs (dicts of losses, norms, pass counts, shares, time) per radius and per batch, in
-    eval mode on a ball built once."""
+def _run_batches(ball: ProductBall, closure: ModelClosure, prepared: Prepared, tokens: check.TokenInputs,
+                 rhos: Sequence[float], options: SharpnessOptions) -> List[List[Dict[str, Any]]]:
+    """The runs (dicts of losses, norms, pass counts, shares, time) per radius and per batch, on
+    ``ball`` with ``closure`` (the batch set per batch)."""
     runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]
     bar = None
     try:
-        with eval_mode(model), bounded_threads(prepared.num_threads):
-            ball, write_back = build_ball(
-                model, prepared.params0, geometry=options.geometry, layout=prepared.layout,
-                retraction=options.retraction, gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm,
-                adaptive_direction=options.adaptive_direction,
-                elementwise_second_order=options.elementwise_second_order, streaming=True,
-                compute_dtype=torch.float32 if prepared.upcast else None)
-            check_gap = (options.check_retraction and options.retraction == "second_order"
-                         and options.measure == "worst" and ball.has_quotients)
-            # the loss function is set per batch (dict batches may use the model's own loss)
-            closure = ModelClosure(model, prepared.params0, prepared.buffers, write_back, None,
-                                   options.normalize_logits)
-            generator = torch.Generator(device=prepared.device).manual_seed(options.seed)
-            on_iteration = None
-            if options.progress:
-                from tqdm.auto import tqdm
-                steps = options.n_iters if options.measure == "worst" else options.n_samples
-                bar = tqdm(total=None if prepared.n_batches is None else prepared.n_batches * steps * len(rhos),
-                           desc=f"{options.geometry} sharpness", unit="it")
-                on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
-            for index, batch in enumerate(prepared.batches):
-                inputs, targets, own_loss = split_batch(model, batch, index, options.loss_fn,
-                                                        options.normalize_logits)
-                closure.loss_fn = None if own_loss else (options.loss_fn or default_loss)
-                closure.inputs = to_device(inputs, prepared.device, prepared.upcast)
-                closure.targets = to_device(targets, prepared.device, prepared.upcast)
-                if bar is not None:
-                    bar.set_postfix(batch=index)
-                previous = None
-                for runs_at, rho in zip(runs, rhos):
-                    started_at = time.perf_counter()
-                    if options.measure == "worst":
-                        previous, run = _worst_case_run(ball, closure, rho, options, previous, prepared,
-                                                        check_gap, on_iteration)
-                    else:
-                        res = average_case(ball, closure, rho, n_samples=options.n_samples,
-                                           generator=generator, on_iteration=on_iteration)
-                        run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
-                                   fwd=1 + options.n_samples, bwd=0, gap=None)
-                    run["time"] = time.perf_counter() - started_at
-                    runs_at.append(run)
+        check_gap = (options.check_retraction and options.retraction == "second_order"
+                     and options.measure == "worst" and ball.has_quotients)
+        generator = torch.Generator(device=prepared.device).manual_seed(options.seed)
+        on_iteration = None
+        if options.progress:
+            from tqdm.auto import tqdm
+            steps = options.n_iters if options.measure == "worst" else options.n_samples
+            bar = tqdm(total=None if prepared.n_batches is None else prepared.n_batches * steps * len(rhos),
+                       desc=f"{options.geometry} sharpness", unit="it")
+            on_iteration = lambda k, loss: bar.update(1)  # noqa: E731
+        for index, batch in enumerate(prepared.batches):
+            inputs, targets, own_loss = split_batch(tokens, batch, index, options.loss_fn, options.normalize_logits)
+            closure.loss_fn = None if own_loss else (options.loss_fn or default_loss)
+            closure.inputs = to_device(inputs, prepared.device, prepared.upcast)
+            closure.targets = to_device(targets, prepared.device, prepared.upcast)
+            if bar is not None:
+                bar.set_postfix(batch=index)
+            previous = None
+            for runs_at, rho in zip(runs, rhos):
+                started_at = time.perf_counter()
+                if options.measure == "worst":
+                    previous, run = _worst_case_run(ball, closure, rho, options, previous, prepared,
+                                                    check_gap, on_iteration)
+                else:
+                    res = average_case(ball, closure, rho, n_samples=options.n_samples,
+                                       generator=generator, on_iteration=on_iteration)
+                    run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
+                               fwd=1 + options.n_samples, bwd=0, gap=None)
+                run["time"] = time.perf_counter() - started_at
+                runs_at.append(run)
         if not runs[0]:
             raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or "
                              "dict batch")
@@ -295,7 +235,7 @@ def _run_batches(model: torch.nn.Module, prepared: _Prepared, rhos: Sequence[flo
 
 
 def _worst_case_run(ball: ProductBall, closure: ModelClosure, rho: float, options: SharpnessOptions,
-                    previous: Optional[APGDResult], prepared: _Prepared, check_gap: bool,
+                    previous: Optional[APGDResult], prepared: Prepared, check_gap: bool,
                     on_iteration: Optional[Callable[[int, float], None]]) -> Tuple[APGDResult, Dict[str, Any]]:
     """One Auto-PGD run on the closure's batch, warm-started at ``previous`` (the run at the radius
     before): its result and its record."""
@@ -344,23 +284,6 @@ def _result(rho: float, runs: List[Dict[str, Any]], options: SharpnessOptions, s
         n_backward=sum(r["bwd"] for r in runs), time_s=setup_s + sum(r["time"] for r in runs),
         options=recorded, retraction_gaps=gaps, gl_norm_shares=[r["share"] for r in runs if "share" in r],
         attention_norm_shares=[r["attention"] for r in runs if r.get("attention") is not None])
-
-
-def _attention_masks(model: torch.nn.Module, layout: Any, include_frozen: bool) -> Optional[Dict[str, Tensor]]:
-    """The entries of the GL blocks of ``layout``, or of the layout detected from ``model`` (only
-    which weights its blocks hold is used: nothing is run or verified), as parameter name → boolean
-    mask; ``None`` where detection finds no block (the share is then not recorded)."""
-    if layout is None:
-        from .accept import resolve_layout
-
-        try:
-            with warnings.catch_warnings():  # adaptive sharpness did not ask for a layout
-                warnings.simplefilter("ignore")
-                layout = resolve_layout(model, None, what="adaptive sharpness", allow_unsupported=True,
-                                        include_frozen=include_frozen)
-        except (ValueError, TypeError, NotImplementedError, RuntimeError):
-            return None  # a model detection cannot read: where the perturbation lives is unknown
-    return dict(layout.gl_masks) if getattr(layout, "gl_masks", None) else None
 
 
 def _retraction_gap(ball: ProductBall, closure: Callable, res) -> float:

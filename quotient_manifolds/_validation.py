@@ -241,6 +241,89 @@ def scalar_loss(loss: Any, *, needs_grad: bool, closure: bool = False) -> torch.
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
+class TokenInputs:
+    """The checks of a model's token inputs, with what they read of the model read once (its class
+    name, ``main_input_name``, whether it has a Hugging Face ``config``, the rows of its input
+    embedding): ``TokenInputs(model).check(inputs, index)`` refuses a batch the model cannot take
+    (:func:`token_inputs`), naming the batch, without reading the model again per batch."""
+
+    def __init__(self, model: torch.nn.Module):
+        main = getattr(model, "main_input_name", None)
+        self.model_name = type(model).__name__
+        #: the name of the model's one positional input (Hugging Face ``main_input_name``), or None
+        self.main_input = main if isinstance(main, str) else None
+        self.hugging_face = getattr(model, "config", None) is not None and self.main_input is not None
+        #: the number of rows of the input embedding (``get_input_embeddings()``), or None
+        self.vocabulary = _vocabulary(model)
+
+    def check(self, inputs: Any, index: int) -> None:
+        """Refuse ``inputs`` (what the model is called with: a dict of keyword arguments or one
+        positional tensor) of batch ``index``: empty, of a token shape the model cannot take,
+        floating token ids, or ids outside the vocabulary (:func:`token_inputs`)."""
+        non_empty_batch(inputs, index)
+        if self.hugging_face:
+            self._shapes(inputs, index)
+        self._in_vocabulary(inputs, index)
+
+    def _shapes(self, inputs: Any, index: int) -> None:
+        named = dict(inputs) if isinstance(inputs, Mapping) else {self.main_input: inputs}
+        choices = self.model_name.endswith("ForMultipleChoice")
+        ndim, layout = (3, "(batch, choices, sequence)") if choices else (2, "(batch, sequence)")
+        ids = named.get("input_ids")
+        for key in TOKEN_INPUTS:
+            value = named.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            shape = tuple(value.shape)
+            if key == "attention_mask" and value.dim() > ndim:
+                continue                            # a (batch, heads, query, key) mask of its own
+            if value.dim() != ndim:
+                if value.dim() == ndim + 1 and shape[0] == 1:
+                    hint = ("it has an extra leading dimension of 1: batches batched again (a DataLoader "
+                            "over ready-made batches needs batch_size=None), or remove it with .squeeze(0)")
+                elif value.dim() == ndim - 1:
+                    hint = "it has no batch dimension: for one example add it with .unsqueeze(0)"
+                else:
+                    hint = f"give {key} as a {ndim}-D tensor"
+                raise ValueError(f"batch {index}: {key} has shape {shape}, but {self.model_name} "
+                                 f"expects {ndim} dimensions {layout}; {hint}")
+            if key != "input_ids" and isinstance(ids, torch.Tensor) and ids.dim() == ndim and shape != tuple(ids.shape):
+                raise ValueError(f"batch {index}: {key} has shape {shape}, but input_ids has shape "
+                                 f"{tuple(ids.shape)}; they must match (one entry per token)")
+        if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.is_complex()):
+            raise TypeError(f"batch {index}: input_ids has dtype {ids.dtype}; token ids are integers "
+                            f"(torch.long), e.g. the tokenizer's output or ids.long()")
+
+    def _in_vocabulary(self, inputs: Any, index: int) -> None:
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else (
+            inputs if self.main_input == "input_ids" else None)
+        vocab = self.vocabulary
+        if vocab is None or not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0:
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            where = tuple(int(i) for i in torch.nonzero(ids == bad)[0])
+            raise ValueError(f"batch {index}: input_ids holds the token id {bad} (at {where}), outside "
+                             f"the vocabulary of {self.model_name} (ids 0 .. {vocab - 1}): the "
+                             f"batch was tokenised with another tokenizer, or padding / ignore values "
+                             f"(-100) were put in input_ids rather than in labels")
+
+
+def _vocabulary(model: torch.nn.Module) -> Optional[int]:
+    """The rows of the model's input embedding (``get_input_embeddings().num_embeddings``), or None
+    where it has none that says."""
+    get = getattr(model, "get_input_embeddings", None)
+    if get is None:
+        return None
+    try:
+        embedding = get()
+    except (NotImplementedError, AttributeError):
+        return None
+    vocab = getattr(embedding, "num_embeddings", None)
+    return vocab if isinstance(vocab, int) else None
+
+
 def token_inputs(model: torch.nn.Module, inputs: Any, index: int) -> None:
     """Refuse token inputs of a Hugging Face model (one with a ``config`` and a
     ``main_input_name``) whose shape it cannot take, before the call that would fail inside the
@@ -248,39 +331,8 @@ def token_inputs(model: torch.nn.Module, inputs: Any, index: int) -> None:
     is what the model is called with: a dict of keyword arguments or one positional tensor (its
     ``main_input_name``). An empty batch (:func:`non_empty_batch`, any model) and token ids
     outside the vocabulary (:func:`token_ids_in_vocabulary`) are refused here too, naming the
-    batch."""
-    non_empty_batch(inputs, index)
-    main = getattr(model, "main_input_name", None)
-    if getattr(model, "config", None) is None or not isinstance(main, str):
-        return
-    named = dict(inputs) if isinstance(inputs, Mapping) else {main: inputs}
-    choices = type(model).__name__.endswith("ForMultipleChoice")
-    ndim, layout = (3, "(batch, choices, sequence)") if choices else (2, "(batch, sequence)")
-    ids = named.get("input_ids")
-    for key in TOKEN_INPUTS:
-        value = named.get(key)
-        if not isinstance(value, torch.Tensor):
-            continue
-        shape = tuple(value.shape)
-        if key == "attention_mask" and value.dim() > ndim:
-            continue                            # a (batch, heads, query, key) mask of its own
-        if value.dim() != ndim:
-            if value.dim() == ndim + 1 and shape[0] == 1:
-                hint = ("it has an extra leading dimension of 1: batches batched again (a DataLoader "
-                        "over ready-made batches needs batch_size=None), or remove it with .squeeze(0)")
-            elif value.dim() == ndim - 1:
-                hint = "it has no batch dimension: for one example add it with .unsqueeze(0)"
-            else:
-                hint = f"give {key} as a {ndim}-D tensor"
-            raise ValueError(f"batch {index}: {key} has shape {shape}, but {type(model).__name__} "
-                             f"expects {ndim} dimensions {layout}; {hint}")
-        if key != "input_ids" and isinstance(ids, torch.Tensor) and ids.dim() == ndim and shape != tuple(ids.shape):
-            raise ValueError(f"batch {index}: {key} has shape {shape}, but input_ids has shape "
-                             f"{tuple(ids.shape)}; they must match (one entry per token)")
-    if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.is_complex()):
-        raise TypeError(f"batch {index}: input_ids has dtype {ids.dtype}; token ids are integers "
-                        f"(torch.long), e.g. the tokenizer's output or ids.long()")
-    token_ids_in_vocabulary(model, inputs, index)
+    batch. For many batches of one model use :class:`TokenInputs` (the model read once)."""
+    TokenInputs(model).check(inputs, index)
 
 
 def materialised(model: torch.nn.Module, what: str) -> None:
@@ -425,26 +477,7 @@ def non_empty_batch(inputs: Any, index: int) -> None:
 def token_ids_in_vocabulary(model: torch.nn.Module, inputs: Any, index: int) -> None:
     """Refuse token ids outside the model's vocabulary (the rows of its input embedding), before
     the embedding fails with ``index out of range in self`` and no word of which batch."""
-    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else (
-        inputs if getattr(model, "main_input_name", None) == "input_ids" else None)
-    get = getattr(model, "get_input_embeddings", None)
-    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.numel() == 0 or get is None:
-        return
-    try:
-        embedding = get()
-    except (NotImplementedError, AttributeError):
-        return
-    vocab = getattr(embedding, "num_embeddings", None)
-    if not isinstance(vocab, int):
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        where = tuple(int(i) for i in torch.nonzero(ids == bad)[0])
-        raise ValueError(f"batch {index}: input_ids holds the token id {bad} (at {where}), outside "
-                         f"the vocabulary of {type(model).__name__} (ids 0 .. {vocab - 1}): the "
-                         f"batch was tokenised with another tokenizer, or padding / ignore values "
-                         f"(-100) were put in input_ids rather than in labels")
+    TokenInputs(model)._in_vocabulary(inputs, index)
 
 
 # ----------------------------------------------------------------- the core's constructor arguments

@@ -289,3 +289,20 @@ def test_hessian_and_sam_accept_a_passed_layout_like_sharpness():
     F.cross_entropy(model(x), y).backward()
     sam.second_step(zero_grad=True)
     assert [type(b.group) for b in sam.layout.blocks] == [ScaledOrthogonalGroup, OrthogonalGroup]
+
+
+def test_one_sharpness_call_passes_each_module_once_in_one_direction():
+    """Following the model through one geodesic sharpness call (benchmarks/trace_setup.py): every
+    module of the set-up is entered once, in one direction (no return to a module already left)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "trace_setup.py"
+    spec = importlib.util.spec_from_file_location("trace_setup", path)
+    trace_setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace_setup)
+    model, batches = trace_setup._model()
+    stops, modules, returns = trace_setup.trace(model, batches)
+    assert returns == 0, " -> ".join(stops)
+    assert stops[0] == "adapters/worst_case" and stops[-1] == "adapters/streaming"
+    assert {"adapters/gate", "adapters/detection", "adapters/verify", "adapters/evaluation"} <= set(modules)
