@@ -120,7 +120,7 @@ from quotient_manifolds.core.gl import check_choice
 from quotient_manifolds.core.groups import sym
 
 from . import validation as check
-from .ball import build_ball, geometry_of, gram_eps_of
+from .ball import ball_of, geometry_of, gram_eps_of
 from .evaluation import ModelClosure, eval_mode, split_batch, to_device
 from .gate import pre_run_checks
 from .losses import default_loss
@@ -351,6 +351,7 @@ def riemannian_hessian(model: torch.nn.Module,
     check.flag("unsafe", unsafe)
     geodesic = geometry_of(geometry).geodesic
     materialised(model, f"{geometry} Hessian")
+    tokens = check.TokenInputs(model)
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
     check_choice(reduction, REDUCTIONS, "reduction")
@@ -360,11 +361,11 @@ def riemannian_hessian(model: torch.nn.Module,
         allow_unsupported=allow_unsupported, undefined="the Hessian",
         no_params=("the Hessian is taken with respect to the trainable weights; set requires_grad=True on "
                    "the weights to include"))
-    data, num_data = _weighted_batches(check.TokenInputs(model), batches, loss_fn, reduction, batch_size_fn,
+    data, num_data = _weighted_batches(tokens, batches, loss_fn, reduction, batch_size_fn,
                                        next(iter(params0.values())).device, upcast)
     if geodesic:           # a geodesic number never comes from an unverified block (adapters.gate)
         layout = gate.accept(data[0][0], stacklevel=2)
-    ball, write_back = build_ball(model, params0, geometry=geometry, layout=layout, gram_eps=gram_eps)
+    ball, write_back = ball_of(params0, geometry=geometry, layout=layout, gram_eps=gram_eps)
     return RiemannianHessian(model, ball, write_back, params0, buffers, data, num_data, geometry)
 
 
