@@ -48,7 +48,6 @@ Design
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Container, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -59,8 +58,9 @@ from torch import Tensor, nn
 from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
 
 from .blocks import GLBlock
-from .evaluation import device_of, eval_mode, split_inputs
+from .evaluation import eval_mode, split_inputs
 from .layouts import Layout, Unsupported
+from .verify import model_device
 
 __all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "with_blocks", "clear_cache",
            "SECOND_GAUGE_MAX_HEAD_DIM"]
@@ -153,7 +153,7 @@ def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        args, kwargs = split_inputs(example_inputs, device_of(itertools.chain(model.parameters(), model.buffers())))
+        args, kwargs = split_inputs(example_inputs, model_device(model))
         with eval_mode(model), torch.enable_grad():
             model(*args, **kwargs)
     finally:

@@ -1,6 +1,6 @@
 r"""Evaluating a model: inputs onto its device (:func:`split_inputs`), tensors inside nested containers
-(:func:`map_tensors`), the parts of a batch (:func:`split_batch`), the loss at perturbed weights (:class:`ModelClosure`) and the
-half-precision policy (:func:`as_compute`, :func:`to_device`).
+(:func:`map_tensors`), the parts of a batch (:func:`split_batch`), the loss at perturbed weights
+(:class:`ModelClosure`) and the half-precision policy (:func:`as_compute`, :func:`to_device`).
 
 Half precision: a float16 / bfloat16 model is evaluated in float32 at its trained weights (its
 weights read in float32 where the model reads them, float32 copies of its buffers, half-precision

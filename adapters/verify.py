@@ -233,7 +233,7 @@ def verify_once(layout: Checkable, model: nn.Module, example_inputs: Any, *, rto
     at its own weights (the first forward pass), e.g. to check the targets of the batch."""
     if not layout.blocks or is_verified(model, layout):
         return None
-    args, kwargs = split_inputs(example_inputs, device_of(itertools.chain(model.parameters(), model.buffers())))
+    args, kwargs = split_inputs(example_inputs, model_device(model))
     report = symmetry_report(layout, model, args, kwargs, scales=DEFAULT_SCALES, cond=1e2, rtol=rtol, atol=None,
                              seed=0, per_block="auto", raise_on_failure=False, output_fn=None, compute_dtype=None,
                              on_reference=on_reference)
@@ -364,7 +364,7 @@ def _checked_arguments(layout: Checkable, model: nn.Module, example_inputs, *, s
     check.materialised(model, "verify()")
     layout.check_model(model, what="verify()")
     refuse_empty_inputs(example_inputs, "verify()")
-    args, kwargs = split_inputs(example_inputs, device_of(itertools.chain(model.parameters(), model.buffers())))
+    args, kwargs = split_inputs(example_inputs, model_device(model))
     scales = positive_finite_sequence("scales", scales)
     if cond is not None and positive_finite("cond", cond) < 1:
         raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
@@ -392,6 +392,11 @@ def refuse_empty_inputs(example_inputs: Any, what: str) -> None:
         raise ValueError(f"{what}: example_inputs hold no data (empty tensors of shapes "
                          f"{[tuple(t.shape) for t in tensors][:3]}): a verification on an empty batch proves "
                          f"nothing; pass inputs with at least one example, e.g. the first batch")
+
+
+def model_device(model: nn.Module) -> Optional[torch.device]:
+    """The device of the model's weights (of its first parameter or buffer not on the meta device)."""
+    return device_of(itertools.chain(model.parameters(), model.buffers()))
 
 
 def _finite_parameters(model: nn.Module) -> Dict[str, Tensor]:
