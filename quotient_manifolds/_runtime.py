@@ -98,10 +98,10 @@ class FrameCache:
                 raise
             raise ValueError(f"{name}: {err}") from None
 
-    def _frame(self, geometry, x: Tensor):
+    def _frame(self, geometry, x: Tensor, *, new: bool = False):
         if self.size < 1 or (x.requires_grad and torch.is_grad_enabled()):
             return geometry.frame(x)
-        for i, (geom, snap, frame) in enumerate(self._entries):
+        for i, (geom, snap, frame) in enumerate(() if new else self._entries):
             if (geom is geometry and snap.shape == x.shape and snap.dtype == x.dtype
                     and snap.device == x.device and torch.equal(snap, x)):
                 self._entries.insert(0, self._entries.pop(i))
@@ -117,7 +117,7 @@ class FrameCache:
         there, so the validation costs nothing extra). A ``y`` off the manifold (non-finite, or a
         factor that lost rank) raises :class:`StepTooLarge` with what to do."""
         try:
-            return self._frame(geometry, y)
+            return self._frame(geometry, y, new=True)   # just computed: no earlier frame has it
         except ValueError as err:
             raise StepTooLarge(step_too_large_message(geometry, err)) from err
 

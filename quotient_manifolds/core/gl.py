@@ -83,8 +83,10 @@ def _add_product(out: Tensor, a: Tensor, C: Tensor) -> Tensor:
 
 
 def _weighted_dot(uM: Tensor, v: Tensor) -> Tensor:
-    """Σ (uM ⊙ v) over the last two dimensions (in place into ``uM``, a fresh product, when the
-    shapes agree)."""
+    """Σ (uM ⊙ v) over the last two dimensions: one dot product for single contiguous matrices,
+    else in place into ``uM`` (a fresh product) when the shapes agree."""
+    if uM.dim() == 2 and uM.shape == v.shape and uM.is_contiguous() and v.is_contiguous():
+        return torch.dot(uM.view(-1), v.view(-1))
     return (uM.mul_(v) if uM.shape == v.shape else uM * v).sum((-1, -2))
 
 
@@ -118,26 +120,41 @@ class GLFrame:
         n = geometry.n
         if check:
             geometry.check_shape(x.shape, "x")
-            if not bool(torch.isfinite(x).all()):
-                raise ValueError("the point x = [G; H] contains non-finite values (nan or inf)")
         self.dtype = x.dtype
         self.cdtype = compute_dtype(x.dtype)
-        xc = x.to(self.cdtype)
+        xc = x if x.dtype == self.cdtype else x.to(self.cdtype)
         self._n = n
         if flag("keep_dtype", keep_dtype) and x.dtype != self.cdtype:
             self._x, self._G, self._H = x, None, None
         else:
             self._x, self._G, self._H = xc, xc[..., :n, :], xc[..., n:, :]
-        h = xc.shape[-1]
-        self.eye = torch.eye(h, dtype=self.cdtype, device=x.device)
-        G, H = xc[..., :n, :], xc[..., n:, :]
-        self.gram_G = G.mT @ G
-        self.gram_H = H.mT @ H
-        del xc, G, H
-        self.P = self.gram_G + self.eps * self.eye if self.eps else self.gram_G
-        self.Q = self.gram_H + self.eps * self.eye if self.eps else self.gram_H
-        self.chol_P = self._cholesky(self.P, "G", check)
-        self.chol_Q = self._cholesky(self.Q, "H", check)
+        self.eye = geometry.identity(self.cdtype, x.device)
+        # (GᵀG, HᵀH) stacked (..., 2, h, h): both factors through one Cholesky and one check
+        self._stacked_grams = self.block_grams(xc, xc)
+        del xc
+        self._stacked_relaxed = (self._stacked_grams + self.eps * self.eye if self.eps
+                                 else self._stacked_grams)
+        self._stacked_chol = self._cholesky(self._stacked_relaxed, x, check)
+
+    # the blocks of the stacked (..., 2, h, h) matrices, as views made when first asked for
+    @functools.cached_property
+    def _grams(self) -> Tuple[Tensor, Tensor]:
+        return self._stacked_grams.unbind(-3)
+
+    @functools.cached_property
+    def _relaxed(self) -> Tuple[Tensor, Tensor]:
+        return self._stacked_relaxed.unbind(-3)
+
+    @functools.cached_property
+    def _chol(self) -> Tuple[Tensor, Tensor]:
+        return self._stacked_chol.unbind(-3)
+
+    gram_G = property(lambda self: self._grams[0], doc="GᵀG.")
+    gram_H = property(lambda self: self._grams[1], doc="HᵀH.")
+    P = property(lambda self: self._relaxed[0], doc="P = GᵀG + εI.")
+    Q = property(lambda self: self._relaxed[1], doc="Q = HᵀH + εI.")
+    chol_P = property(lambda self: self._chol[0], doc="The Cholesky factor of P.")
+    chol_Q = property(lambda self: self._chol[1], doc="The Cholesky factor of Q.")
 
     @property
     def x(self) -> Tensor:
@@ -153,36 +170,49 @@ class GLFrame:
         return self._H if self._H is not None else self._x[..., self._n:, :].to(self.cdtype)
 
     # ------------------------------------------------------------------ factorisations
-    def _cholesky(self, gram: Tensor, factor: str, check: bool) -> Tensor:
-        chol, info = torch.linalg.cholesky_ex(gram)
+    def _cholesky(self, grams: Tensor, x: Tensor, check: bool) -> Tensor:
+        """The Cholesky factors of the stacked (P, Q) ``(..., 2, h, h)``; with ``check``, a point
+        with non-finite values or a factor without full column rank raises a ValueError naming it.
+
+        A non-finite entry of x reaches a diagonal entry of its Gram matrix (a sum of squares), so
+        the pivot test below catches it too; x itself is read only to say which it was."""
+        chol, info = torch.linalg.cholesky_ex(grams)
         if check:
-            diag = torch.diagonal(chol, dim1=-2, dim2=-1)
+            smallest, largest = torch.aminmax(torch.diagonal(chol, dim1=-2, dim2=-1), dim=-1)
             # min_i L_ii² ≥ λ_min(gram): a tiny pivot relative to the largest one flags rank loss.
-            ratio = (diag.min(-1).values / diag.max(-1).values.clamp_min(1e-300)) ** 2
+            ratio = (smallest / largest.clamp_min(1e-300)).square_()
             # ratio ≈ (σ_min/σ_max)² of the factor: rank is judged at the input precision
             # (σ_min/σ_max < 10·eps(dtype)) and at the compute precision of the Gram matrix.
             tol = max((10 * torch.finfo(self.dtype).eps) ** 2, 10 * torch.finfo(self.cdtype).eps)
-            bad = (info != 0) | ~(ratio > tol)
+            bad = (ratio > tol).logical_and_(info == 0).logical_not_()   # NaN ratios are bad too
             if bool(bad.any()):
-                idx = tuple(int(i) for i in torch.nonzero(bad)[0]) if bad.ndim else ()
-                where = f" at batch index {idx}" if idx else ""
+                if not bool(torch.isfinite(x).all()):
+                    raise ValueError("the point x = [G; H] contains non-finite values (nan or inf)")
+                *idx, block = (int(i) for i in torch.nonzero(bad)[0])
+                factor = "GH"[block]
+                where = f" at batch index {tuple(idx)}" if idx else ""
                 raise ValueError(
                     f"{factor} is rank-deficient or numerically singular{where}: its Gram matrix "
                     f"{factor}ᵀ{factor}{' + εI' if self.eps else ''} has relative smallest pivot "
-                    f"{float(ratio.reshape(-1).min()):.2e} (tolerance {tol:.1e} for {self.dtype}). "
-                    f"The quotient needs G and H of full column rank h; pass a relaxation eps > 0 "
-                    f"(e.g. eps=1e-6 × the mean eigenvalue of the Gram matrix, docs/maths.md "
-                    f"§6.4) to use the relaxed metric GᵀG + εI."
+                    f"{float(ratio[..., block].reshape(-1).min()):.2e} (tolerance {tol:.1e} for "
+                    f"{self.dtype}). The quotient needs G and H of full column rank h; pass a "
+                    f"relaxation eps > 0 (e.g. eps=1e-6 × the mean eigenvalue of the Gram matrix, "
+                    f"docs/maths.md §6.4) to use the relaxed metric GᵀG + εI."
                 )
         return chol
 
     @functools.cached_property
-    def P_inv(self) -> Tensor:
-        return torch.cholesky_inverse(self.chol_P)
+    def _stacked_inverses(self) -> Tuple[Tensor, Tensor]:
+        """(P⁻¹, Q⁻¹), from one batched inversion of the stacked Cholesky factors."""
+        return torch.cholesky_inverse(self._stacked_chol).unbind(-3)
 
-    @functools.cached_property
+    @property
+    def P_inv(self) -> Tensor:
+        return self._stacked_inverses[0]
+
+    @property
     def Q_inv(self) -> Tensor:
-        return torch.cholesky_inverse(self.chol_Q)
+        return self._stacked_inverses[1]
 
     @functools.cached_property
     def metric_weights(self) -> Tuple[Tensor, Tensor]:
@@ -232,11 +262,6 @@ class GLFrame:
     def _stacked_weights(self) -> Tensor:
         """(M_G, M_H) stacked as ``(..., 2, h, h)``."""
         return torch.stack(self.metric_weights, dim=-3)
-
-    @functools.cached_property
-    def _stacked_grams(self) -> Tensor:
-        """(GᵀG, HᵀH) stacked as ``(..., 2, h, h)`` (without the relaxation ε)."""
-        return torch.stack((self.gram_G, self.gram_H), dim=-3)
 
     @functools.cached_property
     def _stacked_inverse_weights(self) -> Tensor:
@@ -370,25 +395,28 @@ class GLFrame:
     def _vertical_solver(self):
         return self.geometry.group.vertical_solver(self)
 
-    def _vertical_pairing(self, u: Tensor) -> Tensor:
-        """C = Gᵀu_G M_G − M_H u_HᵀH, so that g(u, (GE, −HEᵀ)) = ⟨E, C⟩_F for every E."""
-        uc = self._in(u)
-        if self._paired(uc):  # (Gᵀu_G, Hᵀu_H) in one batched product
-            return self._pairing_of_grams(self.block_grams(self.x, uc))
-        uG, uH = self._split(uc)
-        M_G, M_H = self.metric_weights
-        return (self.G.mT @ uG) @ M_G - M_H @ (uH.mT @ self.H)
+    def _generator_of_grams(self, GtuG: Tensor, HtuH: Tensor) -> Tensor:
+        """Λ of :meth:`vertical_generator` from Gᵀu_G and Hᵀu_H.
 
-    def _pairing_of_grams(self, grams: Tensor) -> Tensor:
-        """The pairing C of :meth:`_vertical_pairing` from (Gᵀu_G, Hᵀu_H) stacked ``(..., 2, h, h)``."""
+        The pairing C = Gᵀu_G M_G − M_H u_HᵀH gives g(u, (GE, −HEᵀ)) = ⟨E, C⟩_F for every E, and Λ
+        solves L(Λ) = C on the group's algebra. Where L(Λ) = 2 M_H Λ M_G (the mix metric, ε = 0,
+        full GL(h)), Λ = ½ N_H C N_G = ½(N_H Gᵀu_G − u_HᵀH N_G), without forming C."""
+        closed = getattr(self._vertical_solver, "closed_form", None)   # only GL(h) solvers have it
+        if closed is not None:
+            N_G, N_H = closed
+            return (N_H @ GtuG).sub_(HtuH.mT @ N_G).mul_(0.5)
         M_G, M_H = self.metric_weights
-        return grams[..., 0, :, :] @ M_G - M_H @ grams[..., 1, :, :].mT
+        return self._vertical_solver.solve(GtuG @ M_G - M_H @ HtuH.mT)
 
     def vertical_generator(self, u: Tensor) -> Tensor:
         """Λ ∈ 𝔤 such that (GΛ, −HΛᵀ) is the metric-orthogonal vertical component of u
         (docs/maths.md §3.2; for a subgroup of GL(h), §13.2 and
         :mod:`quotient_manifolds.core.groups`)."""
-        return self._vertical_solver.solve(self._vertical_pairing(u))
+        uc = self._in(u)
+        if self._paired(uc):  # (Gᵀu_G, Hᵀu_H) in one batched product
+            return self._generator_of_grams(*self.block_grams(self.x, uc).unbind(-3))
+        uG, uH = self._split(uc)
+        return self._generator_of_grams(self.G.mT @ uG, self.H.mT @ uH)
 
     def project(self, u: Tensor) -> Tensor:
         """Metric-orthogonal projection onto the horizontal space H_x (docs/maths.md §3.2)."""
@@ -491,24 +519,24 @@ class GLFrame:
         forward.
         """
         method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
+        out_dtype = u.dtype if u.dtype == self.dtype else torch.promote_types(self.dtype, u.dtype)
         if method == "second_order":
-            out_dtype = torch.promote_types(self.dtype, u.dtype)
             if torch.is_grad_enabled() and u.requires_grad and not self.x.requires_grad:
                 self._in(u)  # shape check
                 return _SecondOrderRetraction.apply(u, self, out_dtype)
-            return self._second_order(self._in(u)).to(out_dtype)
-        uc = self._in(u)
-        if method == "first_order":
-            y = self.x + uc
+            y = self._second_order(self._in(u))
+        elif method == "first_order":
+            y = self.x + self._in(u)
         else:
-            y, _ = self.geometry.integrate_geodesic(self.x, uc, steps=exact_steps)
-        return y.to(torch.promote_types(self.dtype, u.dtype))
+            y, _ = self.geometry.integrate_geodesic(self.x, self._in(u), steps=exact_steps)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
     def _second_order(self, uc: Tensor, grams: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
         """x + u − ½Γ(u, u) for u in the compute dtype (``grams``: (S, W) if already computed)."""
-        C, D = self.gl_metric.christoffel_coefficients(self, *(grams or self._retraction_grams(uc)))
-        return self.block_combination((self.x, self.eye - 0.5 * C), (uc, self.eye - 0.5 * D))
+        K_x, K_u = self.gl_metric.christoffel_coefficients(
+            self, *(grams or self._retraction_grams(uc)), shift=self.eye, scale=-0.5)
+        return self.block_combination((self.x, K_x), (uc, K_u))
 
 
 def second_order_retraction_vjp(frame: GLFrame, u: Tensor, y_bar: Tensor,
@@ -595,8 +623,7 @@ def second_order_riemannian_gradient(frame: GLFrame, u: Tensor, y_bar: Tensor,
     K_y, K_x, K_u, R = _vjp_coefficients(frame, uc, yc, D)
     N = frame._stacked_inverse_weights
     K_y, K_x, K_u = K_y @ N, K_x @ N, K_u @ N
-    lam = frame._vertical_solver.solve(frame._pairing_of_grams(R @ K_y + frame._stacked_grams @ K_x
-                                                               + x_u @ K_u))
+    lam = frame._generator_of_grams(*(R @ K_y + frame._stacked_grams @ K_x + x_u @ K_u).unbind(-3))
     K_x = K_x + torch.stack((-lam, lam.mT), dim=-3)
     return frame.block_combination((yc, K_y), (frame.x, K_x), (uc, K_u))
 
@@ -673,6 +700,7 @@ class GLQuotientGeometry:
         self.exact_method = exact_method
         self.group = as_group(group)
         self.group.check(h)
+        self._identities = {}
 
     def __repr__(self) -> str:
         group = "" if self.group == FULL_GL else f", group={self.group!r}"
@@ -698,6 +726,15 @@ class GLQuotientGeometry:
     def pack(self, G: Tensor, H: Tensor) -> Tensor:
         """x = [G; H]."""
         return torch.cat((G, H), dim=-2)
+
+    def identity(self, dtype: torch.dtype, device) -> Tensor:
+        """The h×h identity in ``dtype`` on ``device``, made once per pair (frames share it; it
+        is never written to)."""
+        key = (dtype, torch.device(device))
+        eye = self._identities.get(key)
+        if eye is None:
+            eye = self._identities[key] = torch.eye(self.h, dtype=dtype, device=device)
+        return eye
 
     def frame(self, x: Tensor, *, check: bool = True, keep_dtype: bool = False) -> GLFrame:
         """Precompute the geometry at x (validated unless ``check=False``; ``keep_dtype``: x is

@@ -375,6 +375,11 @@ class VerticalSolver:
         self.st = group.structure(h, frame.G.device)
         F = self.st.free
         self.full = F.numel() == h
+        #: (N_G, N_H) when L(Λ) = 2 M_H Λ M_G (mix, ε = 0): then Λ = ½ N_H C N_G, two products
+        self.closed_form = None
+        if self.full and frame.gl_metric.closed_form_projection(frame.eps):
+            self.closed_form = frame.inverse_metric_weights
+            return
         A, A2 = frame.gram_G, frame.metric_weights[1]          # L(Λ) = AΛB + A2ΛB2
         B, B2 = frame.metric_weights[0], frame.gram_H
         if self.full:
@@ -412,6 +417,9 @@ class VerticalSolver:
 
     def solve(self, C: Tensor) -> Tensor:
         """Λ ∈ 𝔤 (..., h, h) with Π_𝔤 L(Λ) = Π_𝔤 C."""
+        if self.closed_form is not None:
+            N_G, N_H = self.closed_form
+            return (N_H @ C @ N_G).mul_(0.5)
         if self.full:
             return apply_pencil(self.free_basis, C)
         F = self.st.free

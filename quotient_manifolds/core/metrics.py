@@ -49,6 +49,14 @@ def mix_geodesic_scale(b: Tensor, t: float = 1.0) -> Tensor:
     return 1 + 2 * t * b
 
 
+def _affine(shift: Optional[Tensor], product: Tensor, alpha: float) -> Tensor:
+    """shift + alpha·product in one pass (``product`` is fresh: scaled in place when there is no
+    shift)."""
+    if shift is not None:
+        return torch.add(shift, product, alpha=alpha)
+    return product if alpha == 1 else product.mul_(alpha)
+
+
 class GLMetric:
     r"""A GL(h)-invariant metric g_x(u, v) = tr(M_G u_Gᵀv_G) + tr(M_H u_Hᵀv_H) of the two-factor
     quotient: the formulas that depend on the choice of (M_G, M_H). Subclasses: :class:`InvMetric`,
@@ -106,13 +114,16 @@ class GLMetric:
         ``(..., 2, h, h)`` (index 0: the G block, 1: the H block)."""
         raise NotImplementedError
 
-    def christoffel_coefficients(self, frame: "GLFrame", S: Tensor, W: Tensor
+    def christoffel_coefficients(self, frame: "GLFrame", S: Tensor, W: Tensor, *,
+                                 scale: float = 1.0, shift: Optional[Tensor] = None
                                  ) -> Tuple[Tensor, Tensor]:
         r"""Γ_x(u, u) in the form Γ_A = A C_A + u_A D_A for each block A ∈ {G, H} of x (h×h
         coefficients C, D), from the block Gram matrices S_A = sym(Aᵀu_A) and W_A = u_Aᵀu_A.
 
         All four are stacked over the blocks as ``(..., 2, h, h)``. The second-order retraction is
-        then x + u − ½Γ(u, u) = A(I − ½C_A) + u_A(I − ½D_A): two products per block."""
+        then x + u − ½Γ(u, u) = A(I − ½C_A) + u_A(I − ½D_A): two products per block. Given
+        ``scale`` and ``shift`` the result is (shift + scale·C, shift + scale·D), each formed in
+        one pass (the retraction's I − ½C, I − ½D with ``shift=I, scale=-0.5``)."""
         raise NotImplementedError
 
     def christoffel_coefficients_adjoint(self, frame: "GLFrame", ZC: Tensor, ZD: Tensor
@@ -187,12 +198,13 @@ class InvMetric(GLMetric):
     def christoffel_weights(self, frame: "GLFrame") -> Tensor:
         return torch.stack((frame.P_inv, frame.Q_inv), dim=-3)
 
-    def christoffel_coefficients(self, frame: "GLFrame", S: Tensor, W: Tensor
+    def christoffel_coefficients(self, frame: "GLFrame", S: Tensor, W: Tensor, *,
+                                 scale: float = 1.0, shift: Optional[Tensor] = None
                                  ) -> Tuple[Tensor, Tensor]:
         """Γ_G(u, u) = G P⁻¹W_G − 2u_G P⁻¹S_G (Eq. 11 with v = u), Γ_H the same with H, Q: C = KW,
         D = −2KS with K = (P⁻¹, Q⁻¹)."""
         K = frame.christoffel_weights
-        return K @ W, -2 * (K @ S)
+        return _affine(shift, K @ W, scale), _affine(shift, K @ S, -2 * scale)
 
     def christoffel_coefficients_adjoint(self, frame: "GLFrame", ZC: Tensor, ZD: Tensor
                                          ) -> Tuple[Tensor, Tensor]:
@@ -272,12 +284,14 @@ class MixMetric(GLMetric):
         """The stacked (..., 2, h, h) blocks in the order (H, G): Γ_G uses the H block's Grams."""
         return T.flip(-3)
 
-    def christoffel_coefficients(self, frame: "GLFrame", S: Tensor, W: Tensor
+    def christoffel_coefficients(self, frame: "GLFrame", S: Tensor, W: Tensor, *,
+                                 scale: float = 1.0, shift: Optional[Tensor] = None
                                  ) -> Tuple[Tensor, Tensor]:
         """Γ_G(u, u) = −G W_H Q⁻¹ + 2u_G S_H Q⁻¹ (Eq. 12 with v = u), Γ_H the same with G and H
         (and P, Q) exchanged: C_A = −W_B K_A, D_A = 2S_B K_A, B the other block, K = (Q⁻¹, P⁻¹)."""
         K = frame.christoffel_weights
-        return -(self._other_block(W) @ K), 2 * (self._other_block(S) @ K)
+        return (_affine(shift, self._other_block(W) @ K, -scale),
+                _affine(shift, self._other_block(S) @ K, 2 * scale))
 
     def christoffel_coefficients_adjoint(self, frame: "GLFrame", ZC: Tensor, ZD: Tensor
                                          ) -> Tuple[Tensor, Tensor]:

@@ -15,11 +15,13 @@ optimizer's calls at its current point convert nothing. Methods on small points 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from pymanopt.manifolds.manifold import Manifold
 
-from .._runtime import FrameCache, finite_step, small_work
+from .._runtime import FrameCache, StepTooLarge, finite_step, small_work
 from ._tangent import PairConverter
 
 _small = small_work(lambda point: sum(np.size(part) for part in point))
@@ -49,18 +51,24 @@ class CoreQuotientManifold(Manifold):
     #: whether the core frame takes tangent vectors as pairs (u_G, u_H) (no concatenation)
     _pairs = False
 
-    def _tv(self, pair, name: str):
+    def _tv(self, pair, name: str, *, check_finite: bool = True):
         """The tangent vector ``name`` as one float64 tensor, or as a pair of them for a core that
-        takes pairs (also checked to be finite)."""
-        return self._conv.to_torch(pair, name, tangent=True, stacked=not self._pairs)
+        takes pairs; checked to be finite unless ``check_finite=False`` (for a caller that checks
+        its result instead, see :meth:`_refuse_non_finite`)."""
+        return self._conv.to_torch(pair, name, tangent=check_finite, stacked=not self._pairs)
+
+    def _refuse_non_finite(self, *named) -> None:
+        """Raise the ValueError naming the first of ``named`` ((name, pair) items) that holds a NaN
+        or an infinity. Called when a result came out non-finite: a non-finite input always makes
+        it so (u·M ⊙ v has an inf or NaN term), so checking the one result replaces checking
+        every input first; a result that overflowed from finite inputs is returned as it is."""
+        for name, pair in named:
+            self._tv(pair, name)
 
     def _step(self, pair) -> torch.Tensor:
-        """The step ``tangent_vector`` of a retraction: a non-finite one raises
-        :class:`~quotient_manifolds.StepTooLarge`."""
-        step = self._t(pair, "tangent_vector")
-        if not np.isfinite(step.numpy()).all():  # numpy's test: a fifth of torch's cost here
-            finite_step(self.geometry, "tangent_vector", step)
-        return step
+        """The step ``tangent_vector`` of a retraction (its finiteness is checked when the new
+        point fails its check, :meth:`_checked_step`)."""
+        return self._t(pair, "tangent_vector")
 
     def _point(self, t: torch.Tensor):
         return self._conv.to_numpy(t, self._point_cls)
@@ -84,10 +92,10 @@ class CoreQuotientManifold(Manifold):
         if not isinstance(point, tuple) or len(point) != 2:
             return None
         for arrays, snapshot, frame in self.__dict__.get("_own_points", ()):
-            # the frame was built on its own copy of the values: compare with it (one pass each)
+            # the frame was built on its own copy of the values: compare with it (one numpy pass
+            # each, a third of torch.equal's cost on arrays of this size)
             if (point[0] is arrays[0] and point[1] is arrays[1]
-                    and torch.equal(torch.from_numpy(arrays[0]), snapshot[0])
-                    and torch.equal(torch.from_numpy(arrays[1]), snapshot[1])):
+                    and (arrays[0] == snapshot[0]).all() and (arrays[1] == snapshot[1]).all()):
                 return frame
         return None
 
@@ -97,13 +105,19 @@ class CoreQuotientManifold(Manifold):
             cache = self.__dict__["_frame_cache"] = FrameCache()
         return cache
 
-    def _checked_step(self, y: torch.Tensor):
+    def _checked_step(self, y: torch.Tensor, step: torch.Tensor):
         """The point ``y`` (torch) for pymanopt, after validating it (its frame is cached: the
-        next step starts there); off the manifold raises :class:`~quotient_manifolds.StepTooLarge`."""
-        frame = self._frame_cache_().frame_after_step(self.geometry, y)
+        next step starts there); off the manifold raises :class:`~quotient_manifolds.StepTooLarge`,
+        naming the ``step`` if it held a NaN or an infinity (then no retraction along it stays on
+        the manifold)."""
+        try:
+            frame = self._frame_cache_().frame_after_step(self.geometry, y)
+        except StepTooLarge:
+            finite_step(self.geometry, "tangent_vector", step)
+            raise
         point = self._point(y)
         own = self.__dict__.setdefault("_own_points", [])
-        snapshot = tuple(t.reshape(a.shape) for t, a in zip(self._conv.split(frame.x), point))
+        snapshot = self._point(frame.x)   # numpy views of the values the frame was built on
         own.insert(0, (point, snapshot, frame))
         del own[self._OWN_POINTS:]
         return point
@@ -120,13 +134,22 @@ class CoreQuotientManifold(Manifold):
     @_small
     def inner_product(self, point, tangent_vector_a, tangent_vector_b) -> float:
         """g_x(a, b) (core ``frame.inner``)."""
-        return float(self._frame(point).inner(self._tv(tangent_vector_a, "tangent_vector_a"),
-                                              self._tv(tangent_vector_b, "tangent_vector_b")))
+        frame = self._frame(point)
+        value = float(frame.inner(self._tv(tangent_vector_a, "tangent_vector_a", check_finite=False),
+                                  self._tv(tangent_vector_b, "tangent_vector_b", check_finite=False)))
+        if not math.isfinite(value):
+            self._refuse_non_finite(("tangent_vector_a", tangent_vector_a),
+                                    ("tangent_vector_b", tangent_vector_b))
+        return value
 
     @_small
     def norm(self, point, tangent_vector) -> float:
         """‖v‖_x (core ``frame.norm``)."""
-        return float(self._frame(point).norm(self._tv(tangent_vector, "tangent_vector")))
+        frame = self._frame(point)
+        value = float(frame.norm(self._tv(tangent_vector, "tangent_vector", check_finite=False)))
+        if not math.isfinite(value):
+            self._refuse_non_finite(("tangent_vector", tangent_vector))
+        return value
 
     # ------------------------------------------------------------------ projections
     @_small
@@ -155,12 +178,14 @@ class CoreQuotientManifold(Manifold):
     @_small
     def retraction(self, point, tangent_vector):
         """The retraction chosen at construction (core ``frame.retract``)."""
-        return self._checked_step(self._frame(point).retract(self._step(tangent_vector)))
+        step = self._step(tangent_vector)
+        return self._checked_step(self._frame(point).retract(step), step)
 
     @_small
     def exp(self, point, tangent_vector):
         """The exact geodesic at t = 1 (core ``frame.retract(·, "exact")``)."""
-        return self._checked_step(self._frame(point).retract(self._step(tangent_vector), "exact"))
+        step = self._step(tangent_vector)
+        return self._checked_step(self._frame(point).retract(step, "exact"), step)
 
     @_small
     def transport(self, point_a, point_b, tangent_vector_a):

@@ -82,6 +82,13 @@ def _plain_float64(part, shape) -> bool:
             and part.flags.writeable and all(s >= 0 for s in part.strides))
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a float64 tensor outside autograd (no call where it is one already)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.dtype == torch.float64 else t.to(torch.float64)
+
+
 class PairConverter:
     """numpy 2-sequence ↔ one float64 torch tensor with the two parts stacked along rows.
 
@@ -124,13 +131,11 @@ class PairConverter:
             tensors.append(t if t.ndim == 2 else t.reshape(rows, shape[-1]))
         return torch.cat(tensors, dim=0) if stacked else tuple(tensors)
 
-    def split(self, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The two parts of a stacked tensor, as matrices (views)."""
-        return tuple(torch.split(t, self.rows, dim=0))
-
     def to_numpy(self, t: "torch.Tensor | Tuple[torch.Tensor, torch.Tensor]", cls):
+        # split and reshaped in numpy: one torch call per tensor (numpy's slicing is cheaper)
         if isinstance(t, tuple):
-            first, second = (part.detach().to(torch.float64) for part in t)
+            first, second = (_plain(part).numpy() for part in t)
         else:
-            first, second = torch.split(t.detach().to(torch.float64), self.rows, dim=0)
-        return cls(first.reshape(self.shapes[0]).numpy(), second.reshape(self.shapes[1]).numpy())
+            stacked = _plain(t).numpy()
+            first, second = stacked[:self.rows[0]], stacked[self.rows[0]:]
+        return cls(first.reshape(self.shapes[0]), second.reshape(self.shapes[1]))
