@@ -110,8 +110,10 @@ class PairConverter:
         (the checks of :mod:`quotient_manifolds._validation`, shared with the geoopt faces).
         ``stacked=False`` returns the two parts as a pair of matrices instead (no copy when they
         are float64 arrays already)."""
-        if isinstance(pair, (str, bytes, np.ndarray, torch.Tensor)) or not isinstance(pair, Sequence) \
-                or len(pair) != 2:
+        # tuples (what pymanopt passes) are decided without the slower Sequence check
+        if not isinstance(pair, tuple) and (
+                isinstance(pair, (str, bytes, np.ndarray, torch.Tensor))
+                or not isinstance(pair, Sequence)) or len(pair) != 2:
             got = (f"{len(pair)} items" if isinstance(pair, Sequence) and not isinstance(pair, str)
                    else type(pair).__name__)
             raise TypeError(f"{name} must be a pair ({', '.join(self.parts)}) of arrays of shapes "
