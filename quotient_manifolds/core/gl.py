@@ -315,6 +315,8 @@ class GLFrame:
     def _split(self, u: "Tensor | Tuple[Tensor, Tensor]") -> Tuple[Tensor, Tensor]:
         if isinstance(u, tuple):
             return u
+        if u is self._x and self._G is not None:   # the point: its blocks are kept
+            return self._G, self._H
         return u.split((self.geometry.n, self.geometry.m), dim=-2)  # one call, not two slicings
 
     def _pack(self, uG: Tensor, uH: Tensor) -> Tensor:
