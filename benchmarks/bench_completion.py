@@ -321,6 +321,17 @@ def run_geoopt(problem: Completion, method: str, budget: float, retraction: str 
     return mon
 
 
+def _row(row: str, method: str, results, budget: float) -> str:
+    """The table row of one method: medians over its runs."""
+    within = sum(r[0] for r in results)
+    t, iterations, per_iter, own, err = (float(np.median([r[i] for r in results]))
+                                          for i in range(1, 6))
+    reached = (f"{t:.2f}" if within == len(results) else f"— (not within {t:.0f} s)"
+               if not within else f"— ({within} of {len(results)} runs within {budget:g} s)")
+    return (f"| {row} | {LABELS[method]} | {reached} | {iterations:.0f} | {per_iter:.2f} | "
+            f"{own:.2f} | {err:.1e} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", nargs="+", default=["200x500", "1000", "ill"], choices=list(ROWS))
@@ -348,7 +359,7 @@ def main(argv=None):
         n, m, r = spec["n"], spec["m"], spec["r"]
         problem = Completion(n, m, r, spec["observed"](n, m, r), spec["cond"], args.seed)
         runs = {method: [] for method in args.methods}
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for method in args.methods:
                 runner = run_geoopt if method.startswith("geoopt") else run_pymanopt
                 mon = runner(problem, method, args.budget, args.retraction)
@@ -357,14 +368,8 @@ def main(argv=None):
                 runs[method].append((mon.reached_at is not None, t, mon.iterations,
                                      1e3 * t / max(mon.iterations, 1),
                                      1e3 * (t - mon.user) / max(mon.iterations, 1), err))
-        for method, results in runs.items():
-            within = sum(r[0] for r in results)
-            t, iterations, per_iter, own, err = (float(np.median([r[i] for r in results]))
-                                                  for i in range(1, 6))
-            reached = (f"{t:.2f}" if within == len(results) else f"— (not within {t:.0f} s)"
-                       if not within else f"— ({within} of {len(results)} runs within {args.budget:g} s)")
-            print(f"| {row} | {LABELS[method]} | {reached} | {iterations:.0f} | {per_iter:.2f} | "
-                  f"{own:.2f} | {err:.1e} |", flush=True)
+                if repeat == args.repeats - 1:   # this method's runs are complete
+                    print(_row(row, method, runs[method], args.budget), flush=True)
     return 0
 
 
