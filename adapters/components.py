@@ -161,6 +161,10 @@ class QuotientComponent:
         self.closed_form_gradient = (retraction == "second_order" and use_metric_norm
                                      and isinstance(frame, GLFrame))
         self._forward: Optional[Tuple[Tensor, int, Any]] = None
+        #: the Gram products of the step the solver is forming (combine → finish_step_ →
+        #: leaf_point): (out, its version once scaled, grams), so the retraction along the new ξ
+        #: takes them instead of recomputing them
+        self._next: Optional[Tuple[Tensor, Optional[int], Any]] = None
 
     def zeros(self) -> Tensor:
         return torch.zeros(self.x0.shape, dtype=self.dtype, device=self.x0.device)
@@ -212,8 +216,11 @@ class QuotientComponent:
         h×h matrices (:func:`~quotient_manifolds.core.gl.second_order_retraction_vjp`). ``into``
         is not used: the gradient of a quotient component is formed by :meth:`gradient`."""
         if self.closed_form_gradient:
+            carried, self._next = self._next, None
+            grams = (carried[2] if carried is not None and carried[0] is xi
+                     and carried[1] == xi._version else None)
             with torch.no_grad(), bounded_threads(self.threads):
-                point, grams = second_order_step(self.frame, xi)
+                point, grams = second_order_step(self.frame, xi, grams)
             self._forward = (xi, xi._version, grams) if need_grad else None
             leaf = point.to(self.dtype).requires_grad_(need_grad)
             return [leaf], leaf
@@ -254,11 +261,24 @@ class QuotientComponent:
         out.addcmul_(xi, a)
         if d is not None:
             out.addcmul_(d, c)
+        if self.closed_form_gradient:
+            # ‖out‖² from the Gram products of out, which the retraction along the next ξ, a
+            # multiple of out (finish_step_), takes scaled: one product here, two fewer there
+            with torch.no_grad(), bounded_threads(self.threads):
+                sq, grams = self.frame.norm_sq_and_grams(out)
+            self._next = (out, None, grams)
+            return sq
         return self.inner(out, out)
 
     def finish_step_(self, out: Tensor, factor: Tensor, xi: Tensor, d: Tensor) -> None:
         out.mul_(factor)
         torch.sub(out, xi, out=d)
+        carried = self._next
+        if carried is not None and carried[0] is out:
+            x_out, out_out = carried[2]
+            self._next = (out, out._version, (x_out * factor, out_out * (factor * factor)))
+        else:
+            self._next = None
 
     def step_buffer(self, compact: bool) -> Tensor:
         """A zero step in the iterates' dtype, also where ``compact``: rounding the step's

@@ -597,6 +597,44 @@ def test_quotient_gradient_in_closed_form_equals_autograd_through_the_retraction
     assert torch.equal(g, fresh)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_next_retraction_takes_the_gram_products_of_the_step(dtype):
+    """combine computes ‖out‖² from the Gram products of out (the same number as the metric's inner
+    product), finish_step_ scales them with out, and the retraction along the new ξ takes them: the
+    same point as recomputing them, to rounding. A ξ changed after finish_step_, or another
+    tensor, recomputes them."""
+    from quotient_manifolds.adapters.solver import QuotientComponent
+    from quotient_manifolds.core import GLQuotientGeometry
+    from quotient_manifolds.core.gl import second_order_step
+
+    gen = torch.Generator().manual_seed(5)
+    x0 = torch.randn(4, 14, 3, dtype=torch.float64, generator=gen).to(dtype)
+    frame = GLQuotientGeometry(8, 6, 3, "mix").frame(x0, keep_dtype=True)
+    comp = QuotientComponent("gl", frame, x0, retraction="second_order", dtype=dtype)
+    xi, d, g = (comp.project(0.1 * torch.randn(x0.shape, dtype=dtype, generator=gen))
+                for _ in range(3))
+    out = torch.empty_like(xi)
+    a, c, b = (torch.tensor(v, dtype=torch.float64) for v in (0.9, 0.3, 0.05))
+    sq = comp.combine(out, xi, d, g, a, c, b)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    assert float(sq) == pytest.approx(float(frame.inner(out, out).sum(dtype=torch.float64)), rel=tol)
+    factor = torch.tensor(0.7, dtype=torch.float64)
+    comp.finish_step_(out, factor, xi, d)
+    carried = comp._next[2]
+    _, point = comp.leaf_point(out, False)
+    want, grams = second_order_step(frame, out)
+    for got, fresh in zip(carried, grams):
+        assert (got - fresh).abs().max() <= tol * fresh.abs().max()
+    assert (point.to(torch.float64) - want).abs().max() <= tol * want.abs().max()
+    assert comp._next is None                          # used once
+    # changed after the step (or never formed by combine): recomputed, exactly
+    comp.combine(out, xi, d, g, a, c, b)
+    comp.finish_step_(out, factor, xi, d)
+    out.mul_(2.0)
+    _, point = comp.leaf_point(out, False)
+    assert torch.equal(point, second_order_step(frame, out)[0].to(dtype))
+
+
 def test_compact_step_is_the_rounded_step():
     """The elementwise component's last step d = ξ⁺ − ξ is kept in bfloat16 for float32 iterates
     (finish_step_), and combine reads it as ξ⁻ = ξ − d: out = a ξ + c d + b g, here written over

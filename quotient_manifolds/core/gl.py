@@ -373,6 +373,14 @@ class GLFrame:
         uM = uM.flatten(-3, -2) if paired else self._pack(*uM)
         return tuple((uM * self._in(v)).sum((-1, -2)) for v in vs)
 
+    def norm_sq_and_grams(self, u: Tensor) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+        """Σ over the batch of ‖u‖²_x = Σ_A tr(M_A u_Aᵀu_A), in float64, and the Gram products
+        (Aᵀu_A, u_Aᵀu_A) it comes from: those of the second-order retraction along u (and, scaled
+        by c and c², along c·u), one product more than the norm alone needs."""
+        uc = self._in(u)
+        grams = self._forward_grams(uc)
+        return (self._stacked_weights * grams[1]).sum(dtype=torch.float64), grams
+
     def _times_metric(self, uc: "Tensor | Tuple[Tensor, Tensor]", paired: bool
                       ) -> "Tensor | Tuple[Tensor, Tensor]":
         """u·M per block: the ``(..., 2, n, h)`` blocks [u_G M_G; u_H M_H] in one batched product
@@ -583,12 +591,16 @@ def _vjp_coefficients(frame: GLFrame, uc: Tensor, yc: Tensor, D: Tensor
     return (frame.eye - 0.5 * D).mT, sym(ZS), 2 * sym(ZW), R
 
 
-def second_order_step(frame: GLFrame, u: Tensor) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+def second_order_step(frame: GLFrame, u: Tensor, grams: Optional[Tuple[Tensor, Tensor]] = None
+                      ) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
     """The second-order retraction y = x + u − ½Γ_x(u, u) (in the compute dtype, not
     differentiated) and the Gram products (Aᵀu_A, u_Aᵀu_A) of each block A that
-    :func:`second_order_riemannian_gradient` at the same u reuses."""
+    :func:`second_order_riemannian_gradient` at the same u reuses (``grams``: those products if
+    the caller has them, e.g. from :meth:`GLFrame.norm_sq_and_grams` of the vector u is a multiple
+    of)."""
     uc = frame._in(u)
-    grams = frame._forward_grams(uc)
+    if grams is None:
+        grams = frame._forward_grams(uc)
     return frame._second_order(uc, (sym(grams[0]), grams[1])), grams
 
 
