@@ -194,7 +194,9 @@ OPTION_DOCS: Dict[str, str] = {
         '(``result.retraction_gaps``); warn when it exceeds ``retraction_tolerance`` (the\n'
         'second-order step is then outside its range of validity: at large rho, especially for the\n'
         'mix metric where GᵀG or HᵀH have small singular values; use ``retraction="exact"`` or a\n'
-        'smaller rho). One forward pass and one geodesic integration per batch.'),
+        'smaller rho). One forward pass per batch, and the geodesic integrated with 1, 2, 4 or 8\n'
+        'RK4 steps: the fewest whose endpoint agrees with the previous one (on trained weights,\n'
+        'two integrations of 1 and 2 steps).'),
     'retraction_tolerance': (
         'relative gap beyond which ``check_retraction`` warns (default 0.1).'),
 }

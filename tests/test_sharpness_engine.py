@@ -408,6 +408,41 @@ def test_retraction_check_says_when_the_exact_geodesic_leaves_the_manifold(monke
     assert "inf%" not in str(seen[0].message) and res.retraction_gaps == [-math.inf]
 
 
+@pytest.mark.parametrize("geometry,rho,steps", [("geodesic-inv", 1e-3, "few"),
+                                                ("geodesic-mix", 0.01, "more"),
+                                                ("geodesic-mix", 0.3, "most")])
+def test_retraction_check_takes_few_steps_where_they_agree(monkeypatch, geometry, rho, steps):
+    """The check integrates the exact geodesic with 1, 2, 4, … RK4 steps until two endpoints agree:
+    on a smooth geodesic two step counts suffice; where 1 and 2 steps disagree it takes more, and
+    where the geodesic bends fast (mix at a large rho) the most; either way it measures the gap of
+    the fixed most steps."""
+    engine = sys.modules["quotient_manifolds.adapters.worst_case"]
+    from quotient_manifolds.adapters.components import QuotientComponent
+
+    model, batches = _fitted_vit()
+    taken = []
+    point = QuotientComponent.point
+
+    def counted(self, xi, retraction=None, exact_steps=None, **kw):
+        if retraction == "exact":
+            taken.append(exact_steps)
+        return point(self, xi, retraction, exact_steps, **kw)
+
+    monkeypatch.setattr(QuotientComponent, "point", counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = adapters.sharpness(model, batches, geometry=geometry, rho=rho, n_iters=4)
+    most = engine.CHECK_EXACT_STEPS
+    assert {"few": max(taken) <= 2, "more": 2 < max(taken), "most": max(taken) == most}[steps]
+    taken.clear()
+    monkeypatch.setattr(engine, "_endpoints_agree", lambda *a: False)   # the most steps, as before
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fixed = adapters.sharpness(model, batches, geometry=geometry, rho=rho, n_iters=4)
+    assert max(taken) == most
+    assert got.retraction_gaps[0] == pytest.approx(fixed.retraction_gaps[0], abs=1e-3)
+
+
 # ------------------------------------------------------------------------------ solver at scale
 def _toy_ball(dtype=torch.float64):
     """A GL(2) quotient (3 heads) and an elementwise part with a zero, a tiny and a masked-out
