@@ -180,12 +180,14 @@ class GLFrame:
         if check:
             smallest, largest = torch.aminmax(torch.diagonal(chol, dim1=-2, dim2=-1), dim=-1)
             # min_i L_ii² ≥ λ_min(gram): a tiny pivot relative to the largest one flags rank loss.
-            ratio = (smallest / largest.clamp_min(1e-300)).square_()
-            # ratio ≈ (σ_min/σ_max)² of the factor: rank is judged at the input precision
+            # (min/max)² ≈ (σ_min/σ_max)² of the factor: rank is judged at the input precision
             # (σ_min/σ_max < 10·eps(dtype)) and at the compute precision of the Gram matrix.
             tol = max((10 * torch.finfo(self.dtype).eps) ** 2, 10 * torch.finfo(self.cdtype).eps)
-            bad = (ratio > tol).logical_and_(info == 0).logical_not_()   # NaN ratios are bad too
-            if bool(bad.any()):
+            # min > √tol·max ⟺ (min/max)² > tol; false for NaN pivots and for max = 0
+            full_rank = (smallest > math.sqrt(tol) * largest).logical_and_(info == 0)
+            if not bool(full_rank.all()):
+                bad = full_rank.logical_not_()
+                ratio = (smallest / largest.clamp_min(1e-300)).square_()
                 if not bool(torch.isfinite(x).all()):
                     raise ValueError("the point x = [G; H] contains non-finite values (nan or inf)")
                 *idx, block = (int(i) for i in torch.nonzero(bad)[0])
@@ -274,9 +276,10 @@ class GLFrame:
 
     def block_grams(self, a: Tensor, b: Tensor) -> Tensor:
         """(a_Gᵀb_G, a_Hᵀb_H) stacked as ``(..., 2, h, h)``: one batched product when n = m."""
-        if self.geometry.n == self.geometry.m:
+        if self.geometry.n == self.geometry.m and not isinstance(a, tuple):
             return self._blocks(a).mT @ self._blocks(b)
-        (aG, aH), (bG, bH) = self._split(a), self._split(b)
+        aG, aH = self._split(a)
+        bG, bH = (aG, aH) if b is a else self._split(b)
         return torch.stack((aG.mT @ bG, aH.mT @ bH), dim=-3)
 
     def block_combination(self, *terms: Tuple[Tensor, Tensor]) -> Tensor:
@@ -544,6 +547,8 @@ class GLFrame:
 
     def _second_order(self, uc: Tensor, grams: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
         """x + u − ½Γ(u, u) for u in the compute dtype (``grams``: (S, W) if already computed)."""
+        if not self._paired(uc):
+            uc = self._split(uc)   # the blocks once, for the Gram products and the combination
         K_x, K_u = self.gl_metric.christoffel_coefficients(
             self, *(grams or self._retraction_grams(uc)), shift=self.eye, scale=-0.5)
         return self.block_combination((self.x, K_x), (uc, K_u))
