@@ -276,7 +276,7 @@ class GLFrame:
 
     def block_grams(self, a: Tensor, b: Tensor) -> Tensor:
         """(a_Gᵀb_G, a_Hᵀb_H) stacked as ``(..., 2, h, h)``: one batched product when n = m."""
-        if self.geometry.n == self.geometry.m and not isinstance(a, tuple):
+        if self.geometry.n == self.geometry.m and not (isinstance(a, tuple) or isinstance(b, tuple)):
             return self._blocks(a).mT @ self._blocks(b)
         aG, aH = self._split(a)
         bG, bH = (aG, aH) if b is a else self._split(b)
