@@ -409,15 +409,9 @@ class GLFrame:
         return self.geometry.group.vertical_solver(self)
 
     def _generator_of_grams(self, GtuG: Tensor, HtuH: Tensor) -> Tensor:
-        """Λ of :meth:`vertical_generator` from Gᵀu_G and Hᵀu_H.
-
-        The pairing C = Gᵀu_G M_G − M_H u_HᵀH gives g(u, (GE, −HEᵀ)) = ⟨E, C⟩_F for every E, and Λ
-        solves L(Λ) = C on the group's algebra. Where L(Λ) = 2 M_H Λ M_G (the mix metric, ε = 0,
-        full GL(h)), Λ = ½ N_H C N_G = ½(N_H Gᵀu_G − u_HᵀH N_G), without forming C."""
-        closed = getattr(self._vertical_solver, "closed_form", None)   # only GL(h) solvers have it
-        if closed is not None:
-            N_G, N_H = closed
-            return (N_H @ GtuG).sub_(HtuH.mT @ N_G).mul_(0.5)
+        """Λ of :meth:`vertical_generator` from Gᵀu_G and Hᵀu_H: the pairing
+        C = Gᵀu_G M_G − M_H u_HᵀH gives g(u, (GE, −HEᵀ)) = ⟨E, C⟩_F for every E, and Λ solves
+        L(Λ) = C on the group's algebra (the group's solver)."""
         M_G, M_H = self.metric_weights
         return self._vertical_solver.solve(GtuG @ M_G - M_H @ HtuH.mT)
 
