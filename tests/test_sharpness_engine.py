@@ -542,7 +542,14 @@ def test_in_place_auto_pgd_follows_the_plain_algorithm(momentum):
                                                              start)
         got = auto_pgd(ball, closure, rho, n_iters=20, momentum=momentum, start=start)
         assert got.history == pytest.approx(want_hist, rel=1e-9, abs=1e-12)
-        assert got.step_sizes == want_steps
+        # once the loss has settled to rounding, whether an iterate "improves" on the worst is a
+        # coin flip of the last bit, and so are the restarts it triggers: the steps are compared
+        # while the loss still moves (the restarts of apgd and andriushchenko happen there)
+        moving = next((k for k, (a, b) in enumerate(zip(want_hist, want_hist[1:]))
+                       if abs(b - a) <= 1e-12 * abs(a)), len(want_hist))
+        assert got.step_sizes[:moving + 1] == want_steps[:moving + 1]
+        if momentum != "none":
+            assert any(b < a for a, b in zip(want_steps[:moving + 1], want_steps[1:moving + 1]))
         if start is None:  # restarts from the worst point were taken
             assert any(b < a for a, b in zip(want_steps, want_steps[1:]))
         assert got.worst_loss == pytest.approx(max(want_hist), rel=1e-12)

@@ -54,6 +54,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from .products import matmul
+
 Tensor = torch.Tensor
 
 PAIRINGS = ("half", "interleaved")
@@ -82,7 +84,7 @@ def pencil_basis(F1: Tensor, A: Tensor, F2: Tensor, B2: Tensor) -> Tuple[Tensor,
 def apply_pencil(basis: Tuple[Tensor, Tensor, Tensor], R: Tensor) -> Tensor:
     """Λ = W₁ [(W₁ᵀ R W₂) ⊘ D] W₂ᵀ (see :func:`pencil_basis`); R may carry extra batch dims."""
     W1, W2, D = basis
-    return W1 @ ((W1.mT @ R @ W2) / D) @ W2.mT
+    return matmul(matmul(W1, matmul(matmul(W1.mT, R), W2) / D), W2.mT)
 
 
 def _inverse_factor(spd: Tensor) -> Tensor:
@@ -419,7 +421,7 @@ class VerticalSolver:
         """Λ ∈ 𝔤 (..., h, h) with Π_𝔤 L(Λ) = Π_𝔤 C."""
         if self.closed_form is not None:
             N_G, N_H = self.closed_form
-            return (N_H @ C @ N_G).mul_(0.5)
+            return matmul(matmul(N_H, C), N_G).mul_(0.5)
         if self.full:
             return apply_pencil(self.free_basis, C)
         F = self.st.free

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 import torch
 
 from .groups import sym
+from .products import matmul
 
 
 class GeodesicLeftManifold(ValueError):
@@ -190,8 +191,9 @@ class InvMetric(GLMetric):
         vG, vH = (uG, uH) if vG is None else (vG, vH)
 
         def block(A, uA, vA, inv):
-            return (-(uA @ (inv @ sym(A.mT @ vA))) - vA @ (inv @ sym(A.mT @ uA))
-                    + A @ (inv @ sym(vA.mT @ uA)))
+            return (-matmul(uA, matmul(inv, sym(matmul(A.mT, vA))))
+                    - matmul(vA, matmul(inv, sym(matmul(A.mT, uA))))
+                    + matmul(A, matmul(inv, sym(matmul(vA.mT, uA)))))
 
         return block(frame.G, uG, vG, frame.P_inv), block(frame.H, uH, vH, frame.Q_inv)
 
@@ -204,13 +206,13 @@ class InvMetric(GLMetric):
         """Γ_G(u, u) = G P⁻¹W_G − 2u_G P⁻¹S_G (Eq. 11 with v = u), Γ_H the same with H, Q: C = KW,
         D = −2KS with K = (P⁻¹, Q⁻¹)."""
         K = frame.christoffel_weights
-        return _affine(shift, K @ W, scale), _affine(shift, K @ S, -2 * scale)
+        return _affine(shift, matmul(K, W), scale), _affine(shift, matmul(K, S), -2 * scale)
 
     def christoffel_coefficients_adjoint(self, frame: "GLFrame", ZC: Tensor, ZD: Tensor
                                          ) -> Tuple[Tensor, Tensor]:
         """C = KW and D = −2KS with K symmetric: Z_S = −2KZ_D, Z_W = KZ_C."""
         K = frame.christoffel_weights
-        return -2 * (K @ ZD), K @ ZC
+        return -2 * matmul(K, ZD), matmul(K, ZC)
 
     def gl1_geodesic(self, x: Tensor, bu: Tensor, bv: Tensor, t: float) -> Tensor:
         return x * torch.exp(t * torch.stack((bu, bv), dim=-2))
@@ -254,7 +256,8 @@ class MixMetric(GLMetric):
     def inverse_weights_derivative(self, frame: "GLFrame", dP: Tensor, dQ: Tensor
                                    ) -> Tuple[Tensor, Tensor]:
         """D(Q⁻¹)[u] = −Q⁻¹ DQ[u] Q⁻¹ and D(P⁻¹)[u] = −P⁻¹ DP[u] P⁻¹."""
-        return -frame.Q_inv @ dQ @ frame.Q_inv, -frame.P_inv @ dP @ frame.P_inv
+        return (-matmul(matmul(frame.Q_inv, dQ), frame.Q_inv),
+                -matmul(matmul(frame.P_inv, dP), frame.P_inv))
 
     def closed_form_projection(self, eps: float) -> bool:
         """For ε = 0, M_H = P and M_G = Q make L(Λ) = 2PΛQ."""
@@ -270,8 +273,9 @@ class MixMetric(GLMetric):
 
         # the h×h factor Q⁻¹ (P⁻¹) is folded into the small matrices: one n×h×h product less
         def block(A, uA, vA, uB, vB, B, inv):
-            return (uA @ (sym(vB.mT @ B) @ inv) + vA @ (sym(uB.mT @ B) @ inv)
-                    - A @ (sym(vB.mT @ uB) @ inv))
+            return (matmul(uA, matmul(sym(matmul(vB.mT, B)), inv))
+                    + matmul(vA, matmul(sym(matmul(uB.mT, B)), inv))
+                    - matmul(A, matmul(sym(matmul(vB.mT, uB)), inv)))
 
         return (block(frame.G, uG, vG, uH, vH, frame.H, frame.Q_inv),
                 block(frame.H, uH, vH, uG, vG, frame.G, frame.P_inv))
@@ -290,14 +294,14 @@ class MixMetric(GLMetric):
         """Γ_G(u, u) = −G W_H Q⁻¹ + 2u_G S_H Q⁻¹ (Eq. 12 with v = u), Γ_H the same with G and H
         (and P, Q) exchanged: C_A = −W_B K_A, D_A = 2S_B K_A, B the other block, K = (Q⁻¹, P⁻¹)."""
         K = frame.christoffel_weights
-        return (_affine(shift, self._other_block(W) @ K, -scale),
-                _affine(shift, self._other_block(S) @ K, 2 * scale))
+        return (_affine(shift, matmul(self._other_block(W), K), -scale),
+                _affine(shift, matmul(self._other_block(S), K), 2 * scale))
 
     def christoffel_coefficients_adjoint(self, frame: "GLFrame", ZC: Tensor, ZD: Tensor
                                          ) -> Tuple[Tensor, Tensor]:
         """C_A = −W_B K_A and D_A = 2S_B K_A: Z_{W,B} = −Z_{C,A}K_A, Z_{S,B} = 2Z_{D,A}K_A."""
         K = frame.christoffel_weights
-        return 2 * self._other_block(ZD @ K), -self._other_block(ZC @ K)
+        return 2 * self._other_block(matmul(ZD, K)), -self._other_block(matmul(ZC, K))
 
     def gl1_geodesic(self, x: Tensor, bu: Tensor, bv: Tensor, t: float) -> Tensor:
         """A non-horizontal ξ (bu ≠ bv) or s = 1 + 2bt ≤ 0 (past the end of the geodesic) raise a
