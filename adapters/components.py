@@ -244,9 +244,10 @@ class QuotientComponent:
                 forward[0].data_ptr() == xi.data_ptr() and forward[0].shape == xi.shape
                 and forward[0].stride() == xi.stride()))
             with bounded_threads(self.threads):
-                g = second_order_riemannian_gradient(self.frame, xi, y_bar,
+                xc = xi.to(self.frame.cdtype)   # once for both uses
+                g = second_order_riemannian_gradient(self.frame, xc, y_bar,
                                                      forward[2] if same else None)
-                sq, dot = self.frame.inners(g, g, xi)
+                sq, dot = self.frame.inners(g, g, xc)
             return g.to(self.dtype), sq.sum(dtype=torch.float64), dot.sum(dtype=torch.float64)
         egrad = torch.zeros_like(xi) if grads[0] is None else grads[0]
         g = self.rgrad(egrad).to(self.dtype)

@@ -570,15 +570,17 @@ def second_order_retraction_vjp(frame: GLFrame, u: Tensor, y_bar: Tensor,
     uc, yc = u.to(frame.cdtype), y_bar.to(frame.cdtype)
     if D is None:
         _, D = frame.gl_metric.christoffel_coefficients(frame, *frame._retraction_grams(uc))
-    K_y, K_x, K_u, _ = _vjp_coefficients(frame, uc, yc, D)
-    return frame.block_combination((yc, K_y), (frame.x, K_x), (uc, K_u))
+    x = frame.x   # (once: a frame that keeps the weights' dtype converts it at each use)
+    K_y, K_x, K_u, _ = _vjp_coefficients(frame, x, uc, yc, D)
+    return frame.block_combination((yc, K_y), (x, K_x), (uc, K_u))
 
 
-def _vjp_coefficients(frame: GLFrame, uc: Tensor, yc: Tensor, D: Tensor
+def _vjp_coefficients(frame: GLFrame, x: Tensor, uc: Tensor, yc: Tensor, D: Tensor
                       ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(K_y, K_x, K_u, R) with ū_A = ȳ_A K_y + A K_x + u_A K_u per block (the VJP of
-    :func:`second_order_retraction_vjp`) and R = Aᵀȳ_A, all stacked ``(..., 2, h, h)``."""
-    R, T = frame.block_grams(frame.x, yc), frame.block_grams(uc, yc)
+    :func:`second_order_retraction_vjp`) and R = Aᵀȳ_A, all stacked ``(..., 2, h, h)``; x is
+    the frame's point in the compute dtype."""
+    R, T = frame.block_grams(x, yc), frame.block_grams(uc, yc)
     ZS, ZW = frame.gl_metric.christoffel_coefficients_adjoint(frame, -0.5 * R, -0.5 * T)
     return (frame.eye - 0.5 * D).mT, sym(ZS), 2 * sym(ZW), R
 
@@ -626,13 +628,14 @@ def second_order_riemannian_gradient(frame: GLFrame, u: Tensor, y_bar: Tensor,
     uc, yc = frame._in(u), frame._in(y_bar)
     x_u, u_u = frame._forward_grams(uc) if grams is None else grams
     _, D = frame.gl_metric.christoffel_coefficients(frame, sym(x_u), u_u)
-    K_y, K_x, K_u, R = _vjp_coefficients(frame, uc, yc, D)
+    x = frame.x   # (once: a frame that keeps the weights' dtype converts it at each use)
+    K_y, K_x, K_u, R = _vjp_coefficients(frame, x, uc, yc, D)
     N = frame._stacked_inverse_weights
     K_y, K_x, K_u = matmul(K_y, N), matmul(K_x, N), matmul(K_u, N)
     pairing = add_product(add_product(matmul(R, K_y), frame._stacked_grams, K_x), x_u, K_u)
     lam = frame._generator_of_grams(*pairing.unbind(-3))
     K_x = K_x + torch.stack((-lam, lam.mT), dim=-3)
-    return frame.block_combination((yc, K_y), (frame.x, K_x), (uc, K_u))
+    return frame.block_combination((yc, K_y), (x, K_x), (uc, K_u))
 
 
 class _SecondOrderRetraction(torch.autograd.Function):

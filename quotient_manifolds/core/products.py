@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 Tensor = torch.Tensor
+_FLOAT64 = torch.float64
 
 #: Route CPU float64 products through numpy's BLAS (see the module's docstring).
 NUMPY_ON_CPU = True
@@ -68,15 +69,17 @@ def add_product(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
 
 def _numpy_views(a: Tensor, b: Tensor) -> Optional[Tuple[np.ndarray, np.ndarray]]:
     """numpy views of a and b where the product may go through numpy, else None."""
-    if not (NUMPY_ON_CPU and a.dtype is torch.float64 and b.dtype is torch.float64
-            and a.device.type == "cpu" and b.device.type == "cpu" and a.dim() >= 2
-            and b.dim() >= 2):
+    # (attributes that cost a fraction of a microsecond first: products of 700×10 by 10×10
+    # take 6 µs in BLAS)
+    if not (a.dtype is _FLOAT64 and b.dtype is _FLOAT64 and a.is_cpu and b.is_cpu
+            and NUMPY_ON_CPU and a.dim() >= 2 and b.dim() >= 2):
         return None
-    if (a.requires_grad or b.requires_grad) and torch.is_grad_enabled():
-        return None   # autograd records the product
+    if a.requires_grad or b.requires_grad:
+        if torch.is_grad_enabled():
+            return None   # autograd records the product
+        a, b = a.detach(), b.detach()
     try:
-        return ((a.detach() if a.requires_grad else a).numpy(),
-                (b.detach() if b.requires_grad else b).numpy())
+        return a.numpy(), b.numpy()
     except (RuntimeError, TypeError):   # no storage (e.g. functorch), a negative bit, a subclass
         return None
 
