@@ -127,12 +127,21 @@ def previous_second_order(frame, u):
 
 
 def matmul_calls(fn):
-    """Matrix-product operator calls (aten mm, bmm, baddbmm, addmm) issued by fn()."""
+    """Matrix-product calls issued by fn(): torch's operators (aten mm, bmm, baddbmm, addmm) and
+    the core's products that numpy's BLAS computed (CPU float64, quotient_manifolds.core.products)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
+
+    from quotient_manifolds.core import products
+    in_numpy = []
+    real = products._quiet_matmul
+    products._quiet_matmul = lambda a, b: (in_numpy.append(1), real(a, b))[1]
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+    finally:
+        products._quiet_matmul = real
     names = ("aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmm")
-    return sum(e.count for e in prof.key_averages() if e.key in names)
+    return sum(e.count for e in prof.key_averages() if e.key in names) + len(in_numpy)
 
 
 def retraction_rows(frame, xi, device, rep, wu, rows, calls):

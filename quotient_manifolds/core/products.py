@@ -12,11 +12,12 @@ BLAS on views of the same memory (no copy in, none out); everything else (other 
 dtypes, products autograd records, tensors numpy cannot view) stays in torch. The values agree to
 rounding (the summation order of a dot product may differ).
 
-Threads: numpy's BLAS runs on at most ``torch.get_num_threads()`` threads, the bound the rest of
-the library keeps (:func:`~quotient_manifolds._runtime.bounded_threads`). OpenBLAS runs products
-of fewer than about 2·10⁶ multiply-adds per matrix on one thread anyway; above
-:data:`THREADED_WORK` the bound is set around the product through ``threadpoolctl`` (where it is
-not installed, such products stay in torch).
+Threads: numpy's BLAS runs on at most ``torch.get_num_threads()`` threads, the bound torch's own
+products keep (the library lowers it to one for work on small tensors, where thread
+synchronisation costs more than it saves). OpenBLAS runs products of fewer than about 2·10⁶
+multiply-adds per matrix on one thread anyway; above :data:`THREADED_WORK` the bound is set
+around the product through ``threadpoolctl`` (where that is not installed, such products stay in
+torch).
 
 Set :data:`NUMPY_ON_CPU` to ``False`` to keep every product in torch (e.g. where numpy's BLAS
 is slower than torch's on your machine).
