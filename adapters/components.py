@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from quotient_manifolds._runtime import bounded_threads, threads_for
-from quotient_manifolds.core.gl import GLFrame, second_order_riemannian_gradient, second_order_step
+from quotient_manifolds.core.gl import GLFrame, second_order_gradient_and_inners, second_order_step
 
 from .elementwise import (  # noqa: F401  (served here too: the components of the ball)
     ADAPTIVE_DIRECTIONS,
@@ -244,10 +244,8 @@ class QuotientComponent:
                 forward[0].data_ptr() == xi.data_ptr() and forward[0].shape == xi.shape
                 and forward[0].stride() == xi.stride()))
             with bounded_threads(self.threads):
-                xc = xi.to(self.frame.cdtype)   # once for both uses
-                g = second_order_riemannian_gradient(self.frame, xc, y_bar,
-                                                     forward[2] if same else None)
-                sq, dot = self.frame.inners(g, g, xc)
+                g, sq, dot = second_order_gradient_and_inners(self.frame, xi, y_bar,
+                                                              forward[2] if same else None)
             return g.to(self.dtype), sq.sum(dtype=torch.float64), dot.sum(dtype=torch.float64)
         egrad = torch.zeros_like(xi) if grads[0] is None else grads[0]
         g = self.rgrad(egrad).to(self.dtype)

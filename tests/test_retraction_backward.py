@@ -102,8 +102,10 @@ def test_closed_form_riemannian_gradient_is_the_projected_metric_gradient_of_the
     """``second_order_riemannian_gradient`` (the gradient without forming the VJP, the projection
     from h×h products) equals egrad2rgrad of the autograd gradient of ξ ↦ ⟨ȳ, R(ξ)⟩ through the
     polarised formula, with the forward's Gram products and without; ``second_order_step`` is
-    the retraction; ``inners`` are the metric's inner products."""
-    from quotient_manifolds.core.gl import second_order_riemannian_gradient, second_order_step
+    the retraction; ``inners`` are the metric's inner products, and so are the two that
+    ``second_order_gradient_and_inners`` forms from h×h matrices."""
+    from quotient_manifolds.core.gl import (second_order_gradient_and_inners,
+                                            second_order_riemannian_gradient, second_order_step)
 
     n, m = shape
     geometry = GLQuotientGeometry(n, m, 4, metric, eps=eps, group=group)
@@ -122,7 +124,52 @@ def test_closed_form_riemannian_gradient_is_the_projected_metric_gradient_of_the
         got = second_order_riemannian_gradient(frame, u, y_bar, given)
         assert (got - want).abs().max() <= 1e-11 * want.abs().max()
     assert frame.horizontal_residual(got).max() < 1e-10
+    g, sq, dot = second_order_gradient_and_inners(frame, u, y_bar, grams)
+    assert torch.equal(g, second_order_riemannian_gradient(frame, u, y_bar, grams))
+    scale = float(frame.inner(g, g).abs().max())
+    assert torch.allclose(sq, frame.inner(g, g), rtol=1e-11, atol=0)
+    assert torch.allclose(dot, frame.inner(g, u), rtol=1e-10, atol=1e-11 * scale)
     v = torch.randn(x.shape, dtype=torch.float64, generator=gen)
     both = frame.inners(got, got, v)
     assert torch.allclose(both[0], frame.inner(got, got), rtol=1e-13, atol=0)
     assert torch.allclose(both[1], frame.inner(got, v), rtol=1e-12, atol=1e-12 * float(both[0].abs().max()))
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("shape", [(6, 6), (7, 5)], ids=["paired", "unpaired"])
+def test_a_frame_that_keeps_the_weights_dtype_gives_the_float64_frames_numbers(metric, shape):
+    """A ``keep_dtype`` frame (the sharpness engine's: a float32 point, promoted where it is
+    used) gives the step, its Gram products, the gradient, its inner products and ‖u‖² of a frame
+    at the same point in float64, to rounding."""
+    from quotient_manifolds.core.gl import (second_order_gradient_and_inners,
+                                            second_order_riemannian_gradient, second_order_step)
+
+    n, m = shape
+    geometry = GLQuotientGeometry(n, m, 3, metric)
+    gen = torch.Generator().manual_seed(7)
+    x = geometry.random_point(4, dtype=torch.float32, generator=gen)
+    kept, wide = geometry.frame(x, keep_dtype=True), geometry.frame(x.double())
+    assert kept.x.dtype == torch.float64 and kept._x.dtype == torch.float32
+    u = kept.project(0.2 * torch.randn(x.shape, generator=gen)).float()
+    y_bar = torch.randn(x.shape, generator=gen)
+
+    def close(a, b):
+        assert a.dtype == b.dtype == torch.float64
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max(), (a - b).abs().max()
+
+    y, grams = second_order_step(kept, u)
+    y_want, grams_want = second_order_step(wide, u.double())
+    close(y, y_want)
+    for a, b in zip(grams, grams_want):
+        close(a, b)
+    for given in (grams, None):
+        close(second_order_riemannian_gradient(kept, u, y_bar, given),
+              second_order_riemannian_gradient(wide, u.double(), y_bar.double(), given))
+        for a, b in zip(second_order_gradient_and_inners(kept, u, y_bar, given),
+                        second_order_gradient_and_inners(wide, u.double(), y_bar.double(), given)):
+            close(a, b)
+    (sq, grams), (sq_want, grams_want) = kept.norm_sq_and_grams(u), wide.norm_sq_and_grams(u.double())
+    close(sq, sq_want)
+    for a, b in zip(grams, grams_want):
+        close(a, b)
+    close(kept.retract(u.double(), "second_order"), wide.retract(u.double(), "second_order"))

@@ -571,18 +571,18 @@ def second_order_retraction_vjp(frame: GLFrame, u: Tensor, y_bar: Tensor,
     if D is None:
         _, D = frame.gl_metric.christoffel_coefficients(frame, *frame._retraction_grams(uc))
     x = frame.x   # (once: a frame that keeps the weights' dtype converts it at each use)
-    K_y, K_x, K_u, _ = _vjp_coefficients(frame, x, uc, yc, D)
+    K_y, K_x, K_u = _vjp_coefficients(frame, D, frame.block_grams(x, yc),
+                                      frame.block_grams(uc, yc))
     return frame.block_combination((yc, K_y), (x, K_x), (uc, K_u))
 
 
-def _vjp_coefficients(frame: GLFrame, x: Tensor, uc: Tensor, yc: Tensor, D: Tensor
-                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(K_y, K_x, K_u, R) with ū_A = ȳ_A K_y + A K_x + u_A K_u per block (the VJP of
-    :func:`second_order_retraction_vjp`) and R = Aᵀȳ_A, all stacked ``(..., 2, h, h)``; x is
-    the frame's point in the compute dtype."""
-    R, T = frame.block_grams(x, yc), frame.block_grams(uc, yc)
+def _vjp_coefficients(frame: GLFrame, D: Tensor, R: Tensor, T: Tensor
+                      ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(K_y, K_x, K_u) with ū_A = ȳ_A K_y + A K_x + u_A K_u per block (the VJP of
+    :func:`second_order_retraction_vjp`) from R = Aᵀȳ_A and T = u_Aᵀȳ_A, all stacked
+    ``(..., 2, h, h)``."""
     ZS, ZW = frame.gl_metric.christoffel_coefficients_adjoint(frame, -0.5 * R, -0.5 * T)
-    return (frame.eye - 0.5 * D).mT, sym(ZS), 2 * sym(ZW), R
+    return (frame.eye - 0.5 * D).mT, sym(ZS), 2 * sym(ZW)
 
 
 def second_order_step(frame: GLFrame, u: Tensor, grams: Optional[Tuple[Tensor, Tensor]] = None
@@ -625,17 +625,53 @@ def second_order_riemannian_gradient(frame: GLFrame, u: Tensor, y_bar: Tensor,
     :meth:`GLFrame.egrad2rgrad`. The same numbers up to rounding (tested). Returned in the
     compute dtype.
     """
+    return _second_order_gradient(frame, u, y_bar, grams)[0]
+
+
+def second_order_gradient_and_inners(frame: GLFrame, u: Tensor, y_bar: Tensor,
+                                     grams: Optional[Tuple[Tensor, Tensor]] = None
+                                     ) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""The gradient g of :func:`second_order_riemannian_gradient` and, per batch element, the
+    inner products ‖g‖²_x and g_x(g, u) the sharpness solver takes, for a horizontal u, without
+    an n×h product or pass beyond one Gram reduction:
+
+    .. math::
+
+        \|g\|_x^2 = \sum_A \operatorname{tr}(M_A\, g_A^\top g_A), \qquad
+        g_x(g, u) = \langle \bar u, u\rangle
+          = \sum_A \langle I - \tfrac12 D_A, u_A^\top \bar y_A\rangle
+                 + \langle K_{x,A}, A^\top u_A\rangle + \langle K_{u,A}, u_A^\top u_A\rangle,
+
+    the second because g is the metric-orthogonal projection of ū N onto the horizontal space, so
+    g_x(g, v) = g_x(ū N, v) = ⟨ū, v⟩ for horizontal v, and ū = ȳ(I − ½D)ᵀ + A K_x + u K_u
+    (:func:`second_order_retraction_vjp`) pairs with u through h×h matrices at hand. All three
+    in the compute dtype.
+    """
+    g, K_y, K_x, K_u, T, (x_u, u_u) = _second_order_gradient(frame, u, y_bar, grams)
+    dims = (-1, -2, -3)
+    sq = (frame._stacked_weights * frame.block_grams(g, g)).sum(dims)
+    # ⟨ȳK_y, u⟩ = ⟨K_y, ȳᵀu⟩ = ⟨K_yᵀ, uᵀȳ⟩ = ⟨K_yᵀ, T⟩
+    dot = (K_y.mT * T).sum(dims) + (K_x * x_u).sum(dims) + (K_u * u_u).sum(dims)
+    return g, sq, dot
+
+
+def _second_order_gradient(frame: GLFrame, u: Tensor, y_bar: Tensor,
+                           grams: Optional[Tuple[Tensor, Tensor]]) -> Tuple:
+    """(g, K_y, K_x, K_u, T, (x_u, u_u)) of :func:`second_order_riemannian_gradient`: the
+    gradient, the VJP's coefficients (before N), T = u_Aᵀȳ_A and the forward's Gram products."""
     uc, yc = frame._in(u), frame._in(y_bar)
+    x = frame.x   # (once: a frame that keeps the weights' dtype converts it at each use)
+    R, T = frame.block_grams(x, yc), frame.block_grams(uc, yc)
     x_u, u_u = frame._forward_grams(uc) if grams is None else grams
     _, D = frame.gl_metric.christoffel_coefficients(frame, sym(x_u), u_u)
-    x = frame.x   # (once: a frame that keeps the weights' dtype converts it at each use)
-    K_y, K_x, K_u, R = _vjp_coefficients(frame, x, uc, yc, D)
+    K_y, K_x, K_u = _vjp_coefficients(frame, D, R, T)
     N = frame._stacked_inverse_weights
-    K_y, K_x, K_u = matmul(K_y, N), matmul(K_x, N), matmul(K_u, N)
-    pairing = add_product(add_product(matmul(R, K_y), frame._stacked_grams, K_x), x_u, K_u)
+    L_y, L_x, L_u = matmul(K_y, N), matmul(K_x, N), matmul(K_u, N)
+    pairing = add_product(add_product(matmul(R, L_y), frame._stacked_grams, L_x), x_u, L_u)
     lam = frame._generator_of_grams(*pairing.unbind(-3))
-    K_x = K_x + torch.stack((-lam, lam.mT), dim=-3)
-    return frame.block_combination((yc, K_y), (x, K_x), (uc, K_u))
+    L_x = L_x + torch.stack((-lam, lam.mT), dim=-3)
+    g = frame.block_combination((yc, L_y), (x, L_x), (uc, L_u))
+    return g, K_y, K_x, K_u, T, (x_u, u_u)
 
 
 class _SecondOrderRetraction(torch.autograd.Function):
