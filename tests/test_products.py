@@ -148,3 +148,17 @@ def test_large_products_stay_in_torch_without_threadpoolctl(monkeypatch, numpy_c
     assert torch.equal(matmul(a, b), a @ b)
     out = torch.zeros(6, 4, dtype=torch.float64)
     assert torch.equal(add_product(out, a, b), a @ b) and not numpy_calls
+
+
+def test_function_transforms_differentiate_through_the_products():
+    """torch.func's grad, jvp and vmap wrap tensors numpy cannot see through: the products stay
+    in torch there, so derivatives and batching are right."""
+    a = torch.randn(5, 3, dtype=torch.float64)
+    b = torch.randn(3, 4, dtype=torch.float64)
+    grad = torch.func.grad(lambda t: matmul(t, b).sum())(a)
+    torch.testing.assert_close(grad, torch.ones(5, 4, dtype=torch.float64) @ b.mT)
+    _, tangent = torch.func.jvp(lambda t: add_product(torch.zeros(5, 4, dtype=torch.float64), t, b),
+                                (a,), (torch.ones_like(a),))
+    torch.testing.assert_close(tangent, torch.ones_like(a) @ b)
+    batched = torch.randn(7, 5, 3, dtype=torch.float64)
+    torch.testing.assert_close(torch.func.vmap(lambda t: matmul(t, b))(batched), batched @ b)
