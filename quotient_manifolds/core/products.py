@@ -53,8 +53,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def add_product(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """out + a b, in place into ``out`` when the product has its shape (pass a fresh tensor: its
-    values are overwritten), else out of place."""
+    """out + a b, accumulated in place into ``out`` when the product has its shape, else out of
+    place: pass an ``out`` the caller may modify (e.g. a fresh product)."""
     arrays = _numpy_views(a, b)
     product = None if arrays is None else _numpy_product(*arrays)
     if product is not None:
