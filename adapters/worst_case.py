@@ -13,7 +13,6 @@ The maths: docs/maths.md §6 (blocks, total norm, ε), §7.3 (algorithm), §12 (
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 import warnings
@@ -169,9 +168,6 @@ def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence
             return run_sharded(model, batches, rhos, options, tokens, stacklevel=stacklevel + 1)
     with explained_out_of_memory(model, what), eval_mode(model):
         prepared = prepare_run(model, batches, options, tokens, stacklevel + 1)
-        # the set-up's verification leaves float32 copies of the weights in reference cycles
-        # (exceptions caught while bisecting keep their frames): freed before the solver allocates
-        gc.collect()
         started = time.perf_counter()
         with bounded_threads(prepared.num_threads):
             ball, write_back = ball_of(

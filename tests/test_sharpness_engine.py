@@ -1065,3 +1065,20 @@ def test_substituted_weights_reach_every_reader_and_match_functional_call():
     with pytest.raises(TypeError, match="LazyWeight"):
         with substituted(model, {"emb.weight": weights["emb.weight"]}):
             pass
+
+
+def test_a_full_garbage_collection_only_where_the_layout_was_checked(tiny_bert, monkeypatch):
+    """The layout's check leaves copies of the weights in reference cycles, so it ends with a
+    full collection (about 0.2 s in a process that imported transformers); a run on a model whose
+    layout passed already, and an adaptive run, which checks nothing, do not pay it."""
+    import quotient_manifolds.adapters.verify as verify_module
+
+    model, inputs = tiny_bert
+    collections = []
+    monkeypatch.setattr(verify_module.gc, "collect", lambda *a: collections.append(a) or 0)
+    batch = [(inputs, torch.tensor([0, 1]))]
+    for geometry, want in (("geodesic-inv", 1), ("geodesic-inv", 1), ("adaptive", 1),
+                           ("geodesic-mix", 1)):
+        adapters.sharpness(model, batch, geometry=geometry, rho=0.01, n_iters=2,
+                           check_retraction=False)
+        assert len(collections) == want, geometry
