@@ -424,7 +424,8 @@ class GLFrame:
             out = self.block_combination((self.x, torch.stack((-lam, lam.mT), dim=-3)))
             return self._out(out.add_(uc) if out.shape == uc.shape else out + uc, u)
         uG, uH = self._split(uc)
-        return self._out(self._pack_like(uG - matmul(self.G, lam), uH + matmul(self.H, lam.mT), u), u)
+        moved = (uG - matmul(self.G, lam), uH + matmul(self.H, lam.mT))
+        return self._out(self._pack_like(*moved, u), u)
 
     def horizontal_residual(self, u: Tensor) -> Tensor:
         """Relative residual of the horizontal equations (0 for horizontal u; docs/maths.md §3.1).
