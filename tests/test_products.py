@@ -13,7 +13,7 @@ from quotient_manifolds.core.products import add_product, matmul
 
 @pytest.fixture
 def numpy_calls(monkeypatch):
-    """The number of products numpy computed."""
+    """The products numpy computed, with torch on one thread (the numpy path's condition)."""
     calls = []
     real = np.matmul
 
@@ -22,7 +22,10 @@ def numpy_calls(monkeypatch):
         return real(a, b, *args, **kwargs)
 
     monkeypatch.setattr(products.np, "matmul", counted)
-    return calls
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield calls
+    torch.set_num_threads(previous)
 
 
 def _pairs():
@@ -124,7 +127,20 @@ class _FakeBlas:
         self.num_threads = n
 
 
-def test_large_products_run_on_torchs_thread_count(monkeypatch, numpy_calls):
+def test_products_stay_in_torch_where_torch_has_several_threads(numpy_calls):
+    """torch's batched products use its threads; numpy's BLAS would run these on one."""
+    a, b = torch.randn(4, 6, 5, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.get_num_threads() == 2
+        assert torch.equal(matmul(a, b), a @ b)
+    finally:
+        torch.set_num_threads(previous)
+    assert not numpy_calls
+
+
+def test_large_products_run_on_one_blas_thread(monkeypatch, numpy_calls):
     blas = _FakeBlas(8)
     monkeypatch.setattr(products, "_blas_controllers", lambda: [blas])
     monkeypatch.setattr(products, "THREADED_WORK", 10)
@@ -135,7 +151,7 @@ def test_large_products_run_on_torchs_thread_count(monkeypatch, numpy_calls):
         torch.testing.assert_close(matmul(a, b), a @ b)
     finally:
         torch.set_num_threads(previous)
-    assert blas.calls == [1, 8] and blas.num_threads == 8 and numpy_calls   # bounded, restored
+    assert blas.calls == [1, 8] and blas.num_threads == 8 and numpy_calls   # one, then restored
     blas.calls.clear()
     matmul(torch.randn(2, 2, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64))
     assert blas.calls == []   # small: BLAS runs it on one thread anyway
