@@ -373,7 +373,12 @@ class GLFrame:
         by c and c², along c·u), one product more than the norm alone needs."""
         uc = self._in(u)
         grams = self._forward_grams(uc)
-        return (self._stacked_weights * grams[1]).sum(dtype=torch.float64), grams
+        return self.norm_sq_of_gram(grams[1]).sum(dtype=torch.float64), grams
+
+    def norm_sq_of_gram(self, W: Tensor) -> Tensor:
+        """‖u‖²_x = Σ_A tr(M_A u_Aᵀu_A) per batch element, from W = (u_Gᵀu_G, u_Hᵀu_H) stacked
+        ``(..., 2, h, h)`` (:meth:`block_grams` of u with itself)."""
+        return (self._stacked_weights * W).sum((-1, -2, -3))
 
     def _times_metric(self, uc: "Tensor | Tuple[Tensor, Tensor]", paired: bool
                       ) -> "Tensor | Tuple[Tensor, Tensor]":
@@ -572,18 +577,18 @@ def second_order_retraction_vjp(frame: GLFrame, u: Tensor, y_bar: Tensor,
     if D is None:
         _, D = frame.gl_metric.christoffel_coefficients(frame, *frame._retraction_grams(uc))
     x = frame.x   # (once: a frame that keeps the weights' dtype converts it at each use)
-    K_y, K_x, K_u = _vjp_coefficients(frame, D, frame.block_grams(x, yc),
-                                      frame.block_grams(uc, yc))
+    K_y, K_x, K_u, _, _ = _vjp_coefficients(frame, x, uc, yc, D)
     return frame.block_combination((yc, K_y), (x, K_x), (uc, K_u))
 
 
-def _vjp_coefficients(frame: GLFrame, D: Tensor, R: Tensor, T: Tensor
-                      ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(K_y, K_x, K_u) with ū_A = ȳ_A K_y + A K_x + u_A K_u per block (the VJP of
-    :func:`second_order_retraction_vjp`) from R = Aᵀȳ_A and T = u_Aᵀȳ_A, all stacked
-    ``(..., 2, h, h)``."""
+def _vjp_coefficients(frame: GLFrame, x: Tensor, uc: Tensor, yc: Tensor, D: Tensor
+                      ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(K_y, K_x, K_u, R, T) with ū_A = ȳ_A K_y + A K_x + u_A K_u per block (the VJP of
+    :func:`second_order_retraction_vjp`), R = Aᵀȳ_A and T = u_Aᵀȳ_A, all stacked
+    ``(..., 2, h, h)``; x is the frame's point in the compute dtype."""
+    R, T = frame.block_grams(x, yc), frame.block_grams(uc, yc)
     ZS, ZW = frame.gl_metric.christoffel_coefficients_adjoint(frame, -0.5 * R, -0.5 * T)
-    return (frame.eye - 0.5 * D).mT, sym(ZS), 2 * sym(ZW)
+    return (frame.eye - 0.5 * D).mT, sym(ZS), 2 * sym(ZW), R, T
 
 
 def second_order_step(frame: GLFrame, u: Tensor, grams: Optional[Tuple[Tensor, Tensor]] = None
@@ -650,7 +655,7 @@ def second_order_gradient_and_inners(frame: GLFrame, u: Tensor, y_bar: Tensor,
     """
     g, K_y, K_x, K_u, T, (x_u, u_u) = _second_order_gradient(frame, u, y_bar, grams)
     dims = (-1, -2, -3)
-    sq = (frame._stacked_weights * frame.block_grams(g, g)).sum(dims)
+    sq = frame.norm_sq_of_gram(frame.block_grams(g, g))
     # ⟨ȳK_y, u⟩ = ⟨K_y, ȳᵀu⟩ = ⟨K_yᵀ, uᵀȳ⟩ = ⟨K_yᵀ, T⟩
     dot = (K_y.mT * T).sum(dims) + (K_x * x_u).sum(dims) + (K_u * u_u).sum(dims)
     return g, sq, dot
@@ -662,10 +667,9 @@ def _second_order_gradient(frame: GLFrame, u: Tensor, y_bar: Tensor,
     gradient, the VJP's coefficients (before N), T = u_Aᵀȳ_A and the forward's Gram products."""
     uc, yc = frame._in(u), frame._in(y_bar)
     x = frame.x   # (once: a frame that keeps the weights' dtype converts it at each use)
-    R, T = frame.block_grams(x, yc), frame.block_grams(uc, yc)
     x_u, u_u = frame._forward_grams(uc) if grams is None else grams
     _, D = frame.gl_metric.christoffel_coefficients(frame, sym(x_u), u_u)
-    K_y, K_x, K_u = _vjp_coefficients(frame, D, R, T)
+    K_y, K_x, K_u, R, T = _vjp_coefficients(frame, x, uc, yc, D)
     N = frame._stacked_inverse_weights
     L_y, L_x, L_u = matmul(K_y, N), matmul(K_x, N), matmul(K_u, N)
     pairing = add_product(add_product(matmul(R, L_y), frame._stacked_grams, L_x), x_u, L_u)
