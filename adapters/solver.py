@@ -104,24 +104,28 @@ def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Ta
     with torch.enable_grad() if need_grad else torch.no_grad():
         loss = closure(list(points))
     del points  # a GL block's retracted point is not needed by the backward
-    value = finite_loss(loss, math.sqrt(float(xi_sq)))
     if not need_grad:
-        return value, None
+        return finite_loss(loss, xi_sq), None
     flat = [t for ts in inputs for t in ts]
     # a closure that ran the backward itself (a sharded model) hands back a loss whose graph holds
     # only what is left to differentiate, possibly nothing
     grads = (list(torch.autograd.grad(loss, flat, allow_unused=True)) if loss.requires_grad
              else [None] * len(flat))
-    del loss, flat
+    loss = loss.detach()
+    del flat
     parts, at = [], 0
     for c, x, ts in zip(comps, xi, inputs):
         parts.append(c.gradient(grads[at:at + len(ts)], x))
         grads[at:at + len(ts)] = [None] * len(ts)  # consumed: the component owns them now
         at += len(ts)
     sq = sum(p[1] for p in parts)
-    # ‖g‖² is finite exactly when every entry of g is: one check of a scalar the step needs
-    # anyway, one host sync, no pass over the gradient
-    if not bool(torch.isfinite(sq)):
+    # The loss and ‖g‖² are read in one host sync, after the backward: an accelerator is handed
+    # the backward and the gradient's assembly before the host waits for the forward. ‖g‖² is
+    # finite exactly when every entry of g is: one check of a scalar the step needs anyway, no
+    # pass over the gradient. A non-finite loss is named first (its gradient is then no news).
+    value, sq_value = torch.stack([loss.to(sq), sq]).tolist()
+    refuse_non_finite_loss(value, xi_sq)
+    if not math.isfinite(sq_value):
         # a finite loss with a non-finite gradient is a kink of the model or loss (sqrt or log at
         # 0, a norm of a zero vector), not a step that went too far
         raise FloatingPointError(
@@ -330,16 +334,22 @@ def _room_for_two_more(like: Tangent) -> bool:
     return True
 
 
-def finite_loss(loss: Tensor, perturbation_norm: float) -> float:
+def finite_loss(loss: Tensor, perturbation_sq: Union[float, Tensor]) -> float:
     """The loss as a float, refused (``FloatingPointError``, with where and what to do) when it is
-    nan or inf: a mean or a maximum over such values would be a silent wrong number."""
+    nan or inf: a mean or a maximum over such values would be a silent wrong number.
+    ``perturbation_sq``: the squared norm of the perturbation (read only to name it)."""
     value = float(loss.detach())
-    if not math.isfinite(value):
-        where = ("at the unperturbed weights: check the model, its inputs and targets"
-                 if perturbation_norm == 0 else f"at a perturbation of norm {perturbation_norm:.3g}: "
-                 f"reduce rho")
-        raise FloatingPointError(f"the loss is not finite ({value}) {where}")
+    refuse_non_finite_loss(value, perturbation_sq)
     return value
+
+
+def refuse_non_finite_loss(value: float, perturbation_sq: Union[float, Tensor]) -> None:
+    """Refuses a loss ``value`` that is nan or inf (see :func:`finite_loss`)."""
+    if not math.isfinite(value):
+        norm = math.sqrt(max(float(perturbation_sq), 0.0))
+        where = ("at the unperturbed weights: check the model, its inputs and targets"
+                 if norm == 0 else f"at a perturbation of norm {norm:.3g}: reduce rho")
+        raise FloatingPointError(f"the loss is not finite ({value}) {where}")
 
 
 @dataclass
@@ -387,7 +397,7 @@ def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], r
         for k in range(n_samples):
             u = ball.random(generator)
             torch._foreach_mul_(u, rho / float(ball.norm(u)))
-            losses.append(finite_loss(closure(_points_at(ball, u)), rho))
+            losses.append(finite_loss(closure(_points_at(ball, u)), rho * rho))
             del u
             if on_iteration is not None:
                 on_iteration(k, losses[-1])

@@ -27,6 +27,7 @@ the work itself).
 
     python benchmarks/bench_sharpness.py [--models minilm bert-base qwen2-0.5b] [--batch 32] [--seq 32]
                                          [--iters 8] [--rounds 3] [--threads N] [--device cpu|cuda]
+                                         [--methods adaptive geodesic-mix geodesic-inv]
                                          [--passive] [--clock wall|cpu]
 
 On a machine shared with other work, ``--passive`` (OMP_WAIT_POLICY=PASSIVE for the measurements)
@@ -196,6 +197,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of all methods")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--methods", nargs="+", choices=METHODS[1:],
+                        help="the sharpness methods to time (default: all three); the forward+"
+                             "backward baselines always run")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--passive", action="store_true",
                         help="OMP_WAIT_POLICY=PASSIVE in the measurement processes")
@@ -209,7 +213,8 @@ def main(argv=None) -> None:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # inherited by the spawned measurements
     results = {}
     for model_name in args.models:
-        methods = METHODS + (("fwd+bwd-fp32",) if model_name in HALF_PRECISION_MODELS else ())
+        chosen = tuple(m for m in METHODS if m == "fwd+bwd" or args.methods is None or m in args.methods)
+        methods = chosen + (("fwd+bwd-fp32",) if model_name in HALF_PRECISION_MODELS else ())
         samples = {m: {"times": [], "peak_mib": 0.0} for m in methods}
         for _ in range(args.rounds):
             for method in methods:
@@ -239,12 +244,15 @@ def main(argv=None) -> None:
                   f"{r['copies']:7.2f} {r['beyond']:7.2f} {r['bytes_per_param']:8.1f}")
         print("B/param: bytes per parameter beyond the model's weights and the activations of one "
               "float32 forward+backward (target <= 16 for the sharpness rows)")
-        ada = rows["adaptive"]["s_per_iter"]
-        ratios = {"adaptive / (fwd+bwd)": ada / rows["fwd+bwd"]["s_per_iter"],
-                  "geodesic-mix / adaptive": rows["geodesic-mix"]["s_per_iter"] / ada,
-                  "geodesic-inv / adaptive": rows["geodesic-inv"]["s_per_iter"] / ada}
-        if "fwd+bwd-fp32" in rows:
-            ratios["adaptive / (fwd+bwd fp32)"] = ada / rows["fwd+bwd-fp32"]["s_per_iter"]
+        ratios = {}
+        if "adaptive" in rows:
+            ada = rows["adaptive"]["s_per_iter"]
+            ratios["adaptive / (fwd+bwd)"] = ada / rows["fwd+bwd"]["s_per_iter"]
+            for geodesic in ("geodesic-mix", "geodesic-inv"):
+                if geodesic in rows:
+                    ratios[f"{geodesic} / adaptive"] = rows[geodesic]["s_per_iter"] / ada
+            if "fwd+bwd-fp32" in rows:
+                ratios["adaptive / (fwd+bwd fp32)"] = ada / rows["fwd+bwd-fp32"]["s_per_iter"]
         for key, val in ratios.items():
             print(f"{key:26s} {val:6.3f}")
         results[model_name] = {"rows": rows, "ratios": ratios, "param_mib": param_mib}

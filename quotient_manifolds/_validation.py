@@ -703,11 +703,19 @@ def parameter_tensors(name: str, params: Any, model: torch.nn.Module) -> None:
             raise ValueError(f"{name}[{n!r}] has shape {tuple(t.shape)}, the parameter {shapes[n]}")
 
 
+#: integer targets found in range, by tensor (a view by its base): the view's place, the
+#: version counter and the number of classes at that check. A loss evaluated many times on one
+#: batch (every iteration of a sharpness run) reads its targets' range once: the range check
+#: reads values on the host, a sync that would stall an accelerator in every evaluation.
+_TARGETS_IN_RANGE: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+
+
 def class_targets(logits: torch.Tensor, targets: Any, what: str = "the default loss") -> None:
     """Refuse ``targets`` that ``cross_entropy(logits, targets)`` cannot read as class indices
     (or probabilities) of these ``logits`` — a non-tensor, a batch size of its own, a class out
     of range — before torch fails with no word of which argument (``Target 5 is out of
-    bounds``)."""
+    bounds``). The range is read once per targets tensor and number of classes, again after
+    the tensor is modified in place."""
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"{what}: the targets must be a tensor of class indices, got "
                         f"{type(targets).__name__}")
@@ -727,11 +735,19 @@ def class_targets(logits: torch.Tensor, targets: Any, what: str = "the default l
         raise ValueError(f"{what}: the targets have shape {tuple(targets.shape)}, but the logits "
                          f"{tuple(logits.shape)} need {tuple(logits.shape[:-1])} (one class index per "
                          f"row of logits)")
+    base = targets if targets._base is None else targets._base
+    # an inference tensor has no version counter: it is read every time
+    seen = None if targets.is_inference() else (
+        targets.storage_offset(), tuple(targets.shape), targets.stride(), targets._version, classes)
+    if seen is not None and _TARGETS_IN_RANGE.get(base) == seen:
+        return
     kept = targets[targets != -100]
     if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= classes):
         bad = int(kept.min()) if int(kept.min()) < 0 else int(kept.max())
         raise ValueError(f"{what}: the targets hold the class {bad}, but the logits have {classes} "
                          f"classes (0 .. {classes - 1}; -100 marks an ignored position)")
+    if seen is not None:
+        _TARGETS_IN_RANGE[base] = seen
 
 
 # ----------------------------------------------------------------- group elements and sampling (core)

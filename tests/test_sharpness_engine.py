@@ -3,6 +3,7 @@ dict batches and next-token loss, verify gating, thread bounds, and the faces' f
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import sys
@@ -1082,3 +1083,70 @@ def test_a_full_garbage_collection_only_where_the_layout_was_checked(tiny_bert, 
         adapters.sharpness(model, batch, geometry=geometry, rho=0.01, n_iters=2,
                            check_retraction=False)
         assert len(collections) == want, geometry
+
+
+# ------------------------------------------------------------------------------ host reads
+#: the Tensor methods that read values on the host (on an accelerator: wait for it)
+_HOST_READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Where tensors are read on the host: a list of (method, caller) filled as they are."""
+    seen = []
+    for name in _HOST_READS:
+        method = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _method=method, **kwargs):
+            frame = sys._getframe(1)
+            seen.append((_name, f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"))
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_solver_reads_the_host_once_per_evaluation(host_reads, streaming):
+    """An accelerator runs ahead of the host only between host reads: the solver reads the loss
+    and ‖g‖² in one read per evaluation, after the backward (none for the steps, the ball's
+    projection or the restarts; one at the end for the result's norm), so the backward is queued
+    before the host waits."""
+    ball, closure = _streaming_toy_ball() if streaming else _toy_ball()
+    host_reads.clear()  # the set-up's
+    got = auto_pgd(ball, closure, 0.05, n_iters=20, keep_worst_gradient=False)
+    assert any(b < a for a, b in zip(got.step_sizes, got.step_sizes[1:]))  # restarts were taken
+    assert len(host_reads) == got.n_forward + 1, collections.Counter(where for _, where in host_reads)
+
+
+def test_the_default_loss_reads_its_targets_range_once_per_tensor(host_reads):
+    """A loss evaluated on one batch at every iteration checks the targets' range once (a host
+    read each time would stall an accelerator), and again after they change in place; a view
+    is remembered by its base, an inference tensor (no version counter) read every time."""
+    from quotient_manifolds.adapters.losses import default_loss, next_token_loss
+
+    logits = torch.randn(4, 3)
+    targets = torch.tensor([0, 2, 1, -100])
+    values = [default_loss(logits, targets) for _ in range(5)]
+    first = len(host_reads)
+    assert first > 0 and all(torch.equal(v, values[0]) for v in values)
+    default_loss(logits, targets)
+    assert len(host_reads) == first
+    targets[0] = 3  # in place: read again, and refused
+    with pytest.raises(ValueError, match="class 3.*3 classes"):
+        default_loss(logits, targets)
+    with pytest.raises(ValueError, match="class 3"):  # a refused tensor is not remembered
+        default_loss(logits, targets)
+    assert default_loss(torch.randn(4, 4), targets) is not None  # more classes: in range
+    ids = torch.randint(0, 7, (2, 5))
+    lm = torch.randn(2, 5, 7)
+    next_token_loss(lm, ids)
+    before = len(host_reads)
+    next_token_loss(lm, ids)  # a new view labels[:, 1:] of the same tensor each time
+    assert len(host_reads) == before
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 1, 2, 1])
+    default_loss(logits, frozen)
+    before = len(host_reads)
+    default_loss(logits, frozen)
+    assert len(host_reads) > before
