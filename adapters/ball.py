@@ -289,11 +289,8 @@ def head_writes(groups: Sequence[Tuple[List, List[int]]], points: Sequence[Tenso
     writes: Dict[str, List[Tuple[Any, Tensor]]] = {}
     for (blocks, counts), point in zip(groups, points):
         for block, x in zip(blocks, torch.split(point, counts, dim=0)):
-            start = 0
-            for piece in block.pieces:
-                k = piece.rows_per_head(weights[piece.param].shape)
-                writes.setdefault(piece.param, []).append((piece, x[:, start:start + k, :]))
-                start += k
+            for piece, rows in zip(block.pieces, block.split_rows(x, weights)):
+                writes.setdefault(piece.param, []).append((piece, rows))
     return writes
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -150,16 +150,22 @@ class FactorPiece:
         k = self.rows_per_head(W.shape)
         if tuple(value.shape) != (self.block_heads, k, h):
             raise ValueError(f"{self}: value has shape {tuple(value.shape)}, expected {(self.block_heads, k, h)}")
+        given = value
         value = value.to(dtype=W.dtype, device=W.device).reshape(nh, k // self.group_size, h)
         if self.kind == "rows":
-            return self._put(W, 0, value.transpose(1, 2).reshape(nh * h, W.shape[1]))
-        if self.kind == "cols":
-            return self._put(W, 1, value.permute(1, 0, 2).reshape(W.shape[0], nh * h))
-        return self._put(W.reshape(-1), 0, value.reshape(nh * h)).reshape(W.shape)
+            out = self._put(W, 0, value.transpose(1, 2).reshape(nh * h, W.shape[1]))
+        elif self.kind == "cols":
+            out = self._put(W, 1, value.permute(1, 0, 2).reshape(W.shape[0], nh * h))
+        else:
+            out = self._put(W.reshape(-1), 0, value.reshape(nh * h)).reshape(W.shape)
+        # a piece that is the whole weight may come back as a view of the value: a new tensor
+        return out.clone() if out.untyped_storage().data_ptr() == given.untyped_storage().data_ptr() else out
 
     def _put(self, W: Tensor, dim: int, new: Tensor) -> Tensor:
         if self.stride is None or self.stride == self.head_dim:
             o, w = self.offset, self.width
+            if o == 0 and w == W.shape[dim]:  # the whole weight: the heads are its value
+                return new
             return torch.cat([W.narrow(dim, 0, o), new, W.narrow(dim, o + w, W.shape[dim] - o - w)], dim=dim)
         return W.index_copy(dim, self._index(W.device), new)
 
@@ -276,12 +282,15 @@ class GLBlock:
         if tuple(x.shape) != expected:
             raise ValueError(f"block {self.name!r}: x has shape {tuple(x.shape)}, expected {expected}")
         out = dict(params)
-        start = 0
-        for p in self.pieces:
-            k = p.rows_per_head(out[p.param].shape)
-            out[p.param] = p.write(out[p.param], x[:, start:start + k, :])
-            start += k
+        for p, rows in zip(self.pieces, self.split_rows(x, out)):
+            out[p.param] = p.write(out[p.param], rows)
         return out
+
+    def split_rows(self, x: Tensor, params: Mapping[str, Any]) -> Tuple[Tensor, ...]:
+        """The rows of ``x = [G; H]`` that each piece holds, in piece order (``params``: anything
+        with the parameters' shapes). One split, whose backward is one concatenation, where a
+        slice per piece would cost a zero-filled gradient of ``x``'s size each."""
+        return torch.split(x, [p.rows_per_head(params[p.param].shape) for p in self.pieces], dim=-2)
 
     def validate(self, shapes: Mapping[str, Sequence[int]]) -> None:
         """Check parameter names, slice ranges and ``n``/``m`` against parameter shapes."""

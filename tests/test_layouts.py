@@ -50,22 +50,30 @@ FAST = dict(scales=(1e-2, 1.0, 1e2))
 
 
 # ------------------------------------------------------------------------ FactorPiece / GLBlock
+@pytest.mark.parametrize("offset, heads", [(4, 2), (0, 4)])   # (0, 4): the whole weight
 @pytest.mark.parametrize("kind", ["rows", "cols", "bias"])
-def test_factor_piece_read_write_mask(kind):
+def test_factor_piece_read_write_mask(kind, offset, heads):
     g = torch.Generator().manual_seed(0)
-    W = torch.randn(12, 10, generator=g, dtype=torch.float64) if kind != "bias" else torch.randn(1, 1, 12, generator=g, dtype=torch.float64)
-    p = FactorPiece("w", kind, offset=4, num_heads=2, head_dim=3)
+    W = torch.randn(12, 12, generator=g, dtype=torch.float64) if kind != "bias" else torch.randn(1, 1, 12, generator=g, dtype=torch.float64)
+    p = FactorPiece("w", kind, offset=offset, num_heads=heads, head_dim=3)
     x = p.read({"w": W})
+    o = offset
     if kind == "rows":
-        ref = torch.stack([W[4 + 3 * i: 7 + 3 * i, :].T for i in range(2)])
+        ref = torch.stack([W[o + 3 * i: o + 3 + 3 * i, :].T for i in range(heads)])
     elif kind == "cols":
-        ref = torch.stack([W[:, 4 + 3 * i: 7 + 3 * i] for i in range(2)])
+        ref = torch.stack([W[:, o + 3 * i: o + 3 + 3 * i] for i in range(heads)])
     else:
-        ref = torch.stack([W.reshape(-1)[4 + 3 * i: 7 + 3 * i][None] for i in range(2)])
+        ref = torch.stack([W.reshape(-1)[o + 3 * i: o + 3 + 3 * i][None] for i in range(heads)])
     assert torch.equal(x, ref)
     new_val = torch.randn(x.shape, generator=g, dtype=torch.float64)
     W2 = p.write(W, new_val)
     assert W2.shape == W.shape and torch.equal(p.read({"w": W2}), new_val)
+    # a new tensor, also where the piece is the whole weight: changing the value later leaves it
+    W_in, value_in = W.clone(), new_val.clone()
+    W3 = p.write(W_in, value_in)
+    W_in.add_(1.0)
+    value_in.add_(1.0)
+    assert torch.equal(W3, W2)
     mask = p.mask(W)
     assert torch.equal(W2[~mask], W[~mask]) and int(mask.sum()) == x.numel()
     # differentiable in both arguments, no in-place modification of the inputs
@@ -73,7 +81,7 @@ def test_factor_piece_read_write_mask(kind):
     weights = torch.randn(W.shape, generator=g, dtype=torch.float64)
     (p.write(Wr, vr) * weights).sum().backward()
     assert torch.equal(vr.grad, p.read({"w": weights}))
-    assert torch.equal(Wr.grad, weights * (~mask))
+    assert torch.equal(torch.zeros_like(W) if Wr.grad is None else Wr.grad, weights * (~mask))
     with pytest.raises(ValueError):
         FactorPiece("w", "diag", 0, 1, 1)
     with pytest.raises(ValueError, match="out of range"):
@@ -102,6 +110,37 @@ def test_gather_scatter_round_trip_exact_and_differentiable(tiny_bert):
         w = {n: torch.randn_like(params[n]) for n in b.params}
         sum((b.scatter(params, xr)[n] * w[n]).sum() for n in b.params).backward()
         assert torch.allclose(xr.grad, b.gather(w))
+
+
+def test_the_backward_of_a_scatter_is_one_concatenation_per_block(tiny_bert):
+    """The gradient of the heads from the written weights is one concatenation of the pieces'
+    gradients per block: no zero-filled tensor of the heads' size per piece, summed (what a
+    slice per piece costs), and no concatenation where a piece is the whole weight."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    model, _ = tiny_bert
+    params = params_of(model)
+    block = adapters.layout(model).blocks[0]
+    assert len(block.pieces) > 2
+    x = block.gather(params).clone().requires_grad_()
+    w = {n: torch.randn_like(params[n]) for n in block.params}
+    with Ops() as forward:
+        new = block.scatter(params, x)
+    loss = sum((new[n] * w[n]).sum() for n in block.params)
+    with Ops() as backward:
+        loss.backward()
+    assert "cat" not in forward.names
+    assert backward.names.count("cat") == 1 and "slice_backward" not in backward.names
+    assert torch.equal(x.grad, block.gather(w))
 
 
 def test_scatter_composes_on_packed_in_proj():
