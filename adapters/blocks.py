@@ -150,22 +150,24 @@ class FactorPiece:
         k = self.rows_per_head(W.shape)
         if tuple(value.shape) != (self.block_heads, k, h):
             raise ValueError(f"{self}: value has shape {tuple(value.shape)}, expected {(self.block_heads, k, h)}")
-        given = value
         value = value.to(dtype=W.dtype, device=W.device).reshape(nh, k // self.group_size, h)
+        # the heads in the weight's layout (views): rows (nh, h, in), cols (out, nh, h), flat (nh, 1, h)
+        heads = (value.transpose(1, 2) if self.kind == "rows"
+                 else value.permute(1, 0, 2) if self.kind == "cols" else value)
+        dim = 1 if self.kind == "cols" else 0
+        size = W.shape[dim] if self.kind in ("rows", "cols") else W.numel()
+        if self.offset == 0 and self.width == size and self.stride in (None, self.head_dim):
+            # the piece is the whole weight: one copy of the heads, never a view of ``value``
+            return heads.clone(memory_format=torch.contiguous_format).reshape(W.shape)
         if self.kind == "rows":
-            out = self._put(W, 0, value.transpose(1, 2).reshape(nh * h, W.shape[1]))
-        elif self.kind == "cols":
-            out = self._put(W, 1, value.permute(1, 0, 2).reshape(W.shape[0], nh * h))
-        else:
-            out = self._put(W.reshape(-1), 0, value.reshape(nh * h)).reshape(W.shape)
-        # a piece that is the whole weight may come back as a view of the value: a new tensor
-        return out.clone() if out.untyped_storage().data_ptr() == given.untyped_storage().data_ptr() else out
+            return self._put(W, 0, heads.reshape(nh * h, W.shape[1]))
+        if self.kind == "cols":
+            return self._put(W, 1, heads.reshape(W.shape[0], nh * h))
+        return self._put(W.reshape(-1), 0, heads.reshape(nh * h)).reshape(W.shape)
 
     def _put(self, W: Tensor, dim: int, new: Tensor) -> Tensor:
         if self.stride is None or self.stride == self.head_dim:
             o, w = self.offset, self.width
-            if o == 0 and w == W.shape[dim]:  # the whole weight: the heads are its value
-                return new
             return torch.cat([W.narrow(dim, 0, o), new, W.narrow(dim, o + w, W.shape[dim] - o - w)], dim=dim)
         return W.index_copy(dim, self._index(W.device), new)
 

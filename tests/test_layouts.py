@@ -74,6 +74,10 @@ def test_factor_piece_read_write_mask(kind, offset, heads):
     W_in.add_(1.0)
     value_in.add_(1.0)
     assert torch.equal(W3, W2)
+    # functorch transforms run through it (the group derivation's forward-mode AD does)
+    tangent = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    out, d_out = torch.func.jvp(lambda v: p.write(W, v), (new_val,), (tangent,))
+    assert torch.equal(out, W2) and torch.equal(d_out, p.write(torch.zeros_like(W), tangent))
     mask = p.mask(W)
     assert torch.equal(W2[~mask], W[~mask]) and int(mask.sum()) == x.numel()
     # differentiable in both arguments, no in-place modification of the inputs
