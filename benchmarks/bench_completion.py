@@ -67,10 +67,11 @@ ROWS = {
     "5000": dict(n=5000, m=5000, r=10, observed=lambda n, m, r: 3 * r * (m + n - r), cond=None),
     "ill": dict(n=500, m=500, r=5, observed=lambda n, m, r: 2 * r * (m + n - r), cond=1e6),
 }
-METHODS = ("fixedrank-cg", "mix-cg", "inv-cg", "mix-tr", "geoopt-mix-sgd", "geoopt-mix-adam",
-           "geoopt-inv-sgd")
+METHODS = ("fixedrank-cg", "mix-cg", "inv-cg", "mix-tr", "mix-cg-ranks", "geoopt-mix-sgd",
+           "geoopt-mix-adam", "geoopt-inv-sgd")
 LABELS = {"fixedrank-cg": "pymanopt FixedRankEmbedded + CG", "mix-cg": "ours, pymanopt face, mix + CG",
           "inv-cg": "ours, pymanopt face, inv + CG", "mix-tr": "ours, pymanopt face, mix + TR",
+          "mix-cg-ranks": "ours, pymanopt face, mix + CG, ranks 1 … r from a spectral start",
           "geoopt-mix-sgd": "ours, geoopt face, mix SGD", "geoopt-mix-adam": "ours, geoopt face, mix Adam",
           "geoopt-inv-sgd": "ours, geoopt face, inv SGD"}
 
@@ -97,8 +98,7 @@ class Completion:
         self.n, self.m, self.r = n, m, r
         flat = np.sort(rng.choice(n * m, size=k, replace=False))
         self.I, self.J = flat // m, flat % m
-        self.ones = np.ones(r)
-        self._gi, self._hj = np.empty((k, r)), np.empty((k, r))
+        self._buffers = {}    # per rank (the rank continuation fits ranks 1 … r)
         self.vals = self._pairs(self.Gt, self.Ht)
         indptr = np.concatenate(([0], np.cumsum(np.bincount(self.I, minlength=n))))
         self.R = sp.csr_matrix((np.zeros(k), self.J, indptr), shape=(n, m))
@@ -116,9 +116,14 @@ class Completion:
     def _pairs(self, G, H):
         """⟨G_i, H_j⟩ for every observed (i, j) (into buffers allocated once: fresh |Ω|×r arrays
         are page-faulted in at every call, which cost more than the arithmetic here)."""
-        gi = np.take(G, self.I, axis=0, out=self._gi)
-        np.multiply(gi, np.take(H, self.J, axis=0, out=self._hj), out=gi)
-        return gi @ self.ones
+        rank = G.shape[1]
+        if rank not in self._buffers:
+            k = len(self.I)
+            self._buffers[rank] = (np.empty((k, rank)), np.empty((k, rank)), np.ones(rank))
+        gi, hj, ones = self._buffers[rank]
+        np.take(G, self.I, axis=0, out=gi)
+        np.multiply(gi, np.take(H, self.J, axis=0, out=hj), out=gi)
+        return gi @ ones
 
     def residual(self, G, H):
         return self._pairs(G, H) - self.vals
@@ -273,6 +278,73 @@ def run_pymanopt(problem: Completion, method: str, budget: float, retraction: st
     return mon
 
 
+#: CG iterations of each rank below r in the rank continuation (the last rank runs to the target)
+RANK_STAGE_ITERATIONS = 400
+
+
+def run_rank_continuation(problem: Completion, method: str, budget: float,
+                          retraction: str = "second_order"):
+    """Mix + CG over the ranks 1, 2, …, r (the fixed-rank quotients GLQuotient(n, m, k)): rank 1
+    from the top singular pair of the observed entries (scaled by nm/|Ω|), each next rank from the
+    current factors and the top singular pair of the residual's negative, the pair split evenly
+    between G and H. A rank k < r fits what it can in :data:`RANK_STAGE_ITERATIONS` iterations;
+    rank r runs to the target. Where the singular values span many decades, a rank-r start fits
+    the observed entries with a wrong matrix (a slow valley of the cost, from every start we
+    tried), while each rank here only resolves its own next singular value.
+
+    The line search is pymanopt's backtracking one, whose first trial step of each rank is the
+    gradient step of the user guide's SGD rule, nm/|Ω| times the mix gradient (with all entries
+    observed the mix metric makes the cost's Hessian the identity; sampling scales it by
+    |Ω|/nm). pymanopt's default for CG tries a metric length of 1 first, which here jumps to a
+    worse fit, leaves the manifold, or is rejected where the cost is tiny; after one rejected
+    search it tries a step of 0 forever."""
+    import pymanopt
+    import scipy.sparse.linalg as spl
+    from pymanopt.optimizers import ConjugateGradient
+    from pymanopt.optimizers.line_search import BackTrackingLineSearcher
+    from quotient_manifolds.pymanopt import GLQuotient
+
+    mon = Monitor(problem, budget)
+    p = problem
+    scale = p.n * p.m / len(p.vals)
+
+    def top_pair(values):
+        u, s, vt = spl.svds(sp.csr_matrix((values * scale, (p.I, p.J)), shape=(p.n, p.m)), k=1)
+        return u * np.sqrt(s), vt.T * np.sqrt(s)
+
+    G, H = top_pair(p.vals)
+    try:
+        for rank in range(1, p.r + 1):
+            M = GLQuotient(p.n, p.m, rank, metric="mix", retraction=retraction)
+
+            @pymanopt.function.numpy(M)
+            def cost(G, H):
+                value = mon.timed(p.cost, G, H)
+                mon.seen(G, H, value)
+                return value
+
+            @pymanopt.function.numpy(M)
+            def egrad(G, H):
+                mon.iterations += 1
+                return mon.timed(p.gradient, G, H)
+
+            last = rank == p.r
+            step = scale * M.norm((G, H), M.euclidean_to_riemannian_gradient(
+                (G, H), mon.timed(p.gradient, G, H)))
+            optimizer = ConjugateGradient(
+                line_searcher=BackTrackingLineSearcher(initial_step_size=step),
+                max_time=math.inf, max_iterations=10 ** 7 if last else RANK_STAGE_ITERATIONS,
+                min_gradient_norm=0.0, min_step_size=0.0, max_cost_evaluations=10 ** 8, verbosity=0)
+            G, H = optimizer.run(pymanopt.Problem(M, cost, euclidean_gradient=egrad),
+                                 initial_point=(G, H)).point
+            if not last:
+                g, h = top_pair(-mon.timed(p.residual, G, H))
+                G, H = np.hstack([G, g]), np.hstack([H, h])
+    except (Reached, OutOfBudget):
+        pass
+    return mon
+
+
 def scaled_lr(base: float, problem: Completion) -> float:
     """``base`` × nm/|Ω|: the cost sums over the |Ω| observed entries only, so its (mix-metric)
     Riemannian gradient is about |Ω|/nm times the full-observation one."""
@@ -361,7 +433,8 @@ def main(argv=None):
         runs = {method: [] for method in args.methods}
         for repeat in range(args.repeats):
             for method in args.methods:
-                runner = run_geoopt if method.startswith("geoopt") else run_pymanopt
+                runner = (run_geoopt if method.startswith("geoopt") else run_rank_continuation
+                          if method == "mix-cg-ranks" else run_pymanopt)
                 mon = runner(problem, method, args.budget, args.retraction)
                 t = mon.reached_at if mon.reached_at is not None else mon.elapsed()
                 err = TARGET if mon.reached_at is not None else problem.error(*mon.best)
