@@ -124,7 +124,7 @@ def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Ta
     # finite exactly when every entry of g is: one check of a scalar the step needs anyway, no
     # pass over the gradient. A non-finite loss is named first (its gradient is then no news).
     value, sq_value = torch.stack([loss.to(sq), sq]).tolist()
-    refuse_non_finite_loss(value, xi_sq)
+    _refuse_non_finite_loss(value, xi_sq)
     if not math.isfinite(sq_value):
         # a finite loss with a non-finite gradient is a kink of the model or loss (sqrt or log at
         # 0, a norm of a zero vector), not a step that went too far
@@ -339,11 +339,11 @@ def finite_loss(loss: Tensor, perturbation_sq: Union[float, Tensor]) -> float:
     nan or inf: a mean or a maximum over such values would be a silent wrong number.
     ``perturbation_sq``: the squared norm of the perturbation (read only to name it)."""
     value = float(loss.detach())
-    refuse_non_finite_loss(value, perturbation_sq)
+    _refuse_non_finite_loss(value, perturbation_sq)
     return value
 
 
-def refuse_non_finite_loss(value: float, perturbation_sq: Union[float, Tensor]) -> None:
+def _refuse_non_finite_loss(value: float, perturbation_sq: Union[float, Tensor]) -> None:
     """Refuses a loss ``value`` that is nan or inf (see :func:`finite_loss`)."""
     if not math.isfinite(value):
         norm = math.sqrt(max(float(perturbation_sq), 0.0))

@@ -14,6 +14,7 @@ import numbers
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 # ----------------------------------------------------------------- tensors (core and faces)
@@ -707,15 +708,16 @@ def parameter_tensors(name: str, params: Any, model: torch.nn.Module) -> None:
 #: version counter and the number of classes at that check. A loss evaluated many times on one
 #: batch (every iteration of a sharpness run) reads its targets' range once: the range check
 #: reads values on the host, a sync that would stall an accelerator in every evaluation.
-_TARGETS_IN_RANGE: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+_TARGETS_IN_RANGE = WeakIdKeyDictionary()
 
 
 def class_targets(logits: torch.Tensor, targets: Any, what: str = "the default loss") -> None:
     """Refuse ``targets`` that ``cross_entropy(logits, targets)`` cannot read as class indices
     (or probabilities) of these ``logits`` — a non-tensor, a batch size of its own, a class out
     of range — before torch fails with no word of which argument (``Target 5 is out of
-    bounds``). The range is read once per targets tensor and number of classes, again after
-    the tensor is modified in place."""
+    bounds``). The range is read once per targets tensor and number of classes, and again after
+    torch modifies the tensor in place (its version counter; a write through a numpy view of it
+    is not seen)."""
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"{what}: the targets must be a tensor of class indices, got "
                         f"{type(targets).__name__}")
