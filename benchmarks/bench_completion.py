@@ -207,6 +207,32 @@ class Monitor:
         return self.elapsed() > self.budget
 
 
+def _watched_problem(manifold, mon: Monitor, hessian: bool = False):
+    """The pymanopt problem of ``mon``'s completion on one of our faces (points (G, H)), every
+    cost evaluation watched and every call timed as the problem's."""
+    import pymanopt
+
+    p = mon.p
+
+    @pymanopt.function.numpy(manifold)
+    def cost(G, H):
+        value = mon.timed(p.cost, G, H)
+        mon.seen(G, H, value)
+        return value
+
+    @pymanopt.function.numpy(manifold)
+    def egrad(G, H):
+        mon.iterations += 1
+        return mon.timed(p.gradient, G, H)
+
+    @pymanopt.function.numpy(manifold)
+    def ehess(G, H, dG, dH):
+        return mon.timed(p.hessian, G, H, dG, dH)
+
+    return pymanopt.Problem(manifold, cost, euclidean_gradient=egrad,
+                            euclidean_hessian=ehess if hessian else None)
+
+
 def run_pymanopt(problem: Completion, method: str, budget: float, retraction: str = "second_order"):
     import pymanopt
     from pymanopt.manifolds import FixedRankEmbedded
@@ -237,27 +263,9 @@ def run_pymanopt(problem: Completion, method: str, budget: float, retraction: st
         x0 = (Q1 @ Us, S, (Q2 @ Vts.T).T)
         problem_ = pymanopt.Problem(M, cost, euclidean_gradient=egrad)
     else:
-        metric = method.split("-")[0]
-        M = GLQuotient(p.n, p.m, p.r, metric=metric, retraction=retraction)
-
-        @pymanopt.function.numpy(M)
-        def cost(G, H):
-            value = mon.timed(p.cost, G, H)
-            mon.seen(G, H, value)
-            return value
-
-        @pymanopt.function.numpy(M)
-        def egrad(G, H):
-            mon.iterations += 1
-            return mon.timed(p.gradient, G, H)
-
-        @pymanopt.function.numpy(M)
-        def ehess(G, H, dG, dH):
-            return mon.timed(p.hessian, G, H, dG, dH)
-
+        M = GLQuotient(p.n, p.m, p.r, metric=method.split("-")[0], retraction=retraction)
         x0 = (p.G0.copy(), p.H0.copy())
-        problem_ = pymanopt.Problem(M, cost, euclidean_gradient=egrad,
-                                    euclidean_hessian=ehess if method.endswith("tr") else None)
+        problem_ = _watched_problem(M, mon, hessian=method.endswith("tr"))
     stop = dict(max_time=math.inf, max_iterations=10 ** 7, min_gradient_norm=0.0, min_step_size=0.0,
                 max_cost_evaluations=10 ** 8, verbosity=0)
     optimizer = TrustRegions(**stop) if method.endswith("tr") else ConjugateGradient(**stop)
@@ -298,7 +306,6 @@ def run_rank_continuation(problem: Completion, method: str, budget: float,
     |Ω|/nm). pymanopt's default for CG tries a metric length of 1 first, which here jumps to a
     worse fit, leaves the manifold, or is rejected where the cost is tiny; after one rejected
     search it tries a step of 0 forever."""
-    import pymanopt
     import scipy.sparse.linalg as spl
     from pymanopt.optimizers import ConjugateGradient
     from pymanopt.optimizers.line_search import BackTrackingLineSearcher
@@ -316,18 +323,6 @@ def run_rank_continuation(problem: Completion, method: str, budget: float,
     try:
         for rank in range(1, p.r + 1):
             M = GLQuotient(p.n, p.m, rank, metric="mix", retraction=retraction)
-
-            @pymanopt.function.numpy(M)
-            def cost(G, H):
-                value = mon.timed(p.cost, G, H)
-                mon.seen(G, H, value)
-                return value
-
-            @pymanopt.function.numpy(M)
-            def egrad(G, H):
-                mon.iterations += 1
-                return mon.timed(p.gradient, G, H)
-
             last = rank == p.r
             step = scale * M.norm((G, H), M.euclidean_to_riemannian_gradient(
                 (G, H), mon.timed(p.gradient, G, H)))
@@ -335,8 +330,7 @@ def run_rank_continuation(problem: Completion, method: str, budget: float,
                 line_searcher=BackTrackingLineSearcher(initial_step_size=step),
                 max_time=math.inf, max_iterations=10 ** 7 if last else RANK_STAGE_ITERATIONS,
                 min_gradient_norm=0.0, min_step_size=0.0, max_cost_evaluations=10 ** 8, verbosity=0)
-            G, H = optimizer.run(pymanopt.Problem(M, cost, euclidean_gradient=egrad),
-                                 initial_point=(G, H)).point
+            G, H = optimizer.run(_watched_problem(M, mon), initial_point=(G, H)).point
             if not last:
                 g, h = top_pair(-mon.timed(p.residual, G, H))
                 G, H = np.hstack([G, g]), np.hstack([H, h])
