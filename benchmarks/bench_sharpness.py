@@ -42,6 +42,7 @@ import importlib
 import json
 import multiprocessing as mp
 import os
+import queue as queue_module
 import statistics
 import sys
 import time
@@ -94,7 +95,8 @@ def build(model_name: str, device: str):
             tie_word_embeddings=True, num_labels=2, pad_token_id=0)
         model = transformers.Qwen2ForSequenceClassification(config).to(torch.bfloat16)
     else:
-        raise ValueError(f"unknown model {model_name!r}; choose minilm, bert-base or qwen2-0.5b")
+        raise ValueError(f"unknown model {model_name!r}; choose minilm, bert-base, qwen2-0.5b or "
+                         f"{', '.join(DECODER_SHAPES)}")
     return model.to(device).eval()
 
 
@@ -180,7 +182,21 @@ def run_one(*args):
     queue = ctx.Queue()
     proc = ctx.Process(target=measure, args=(*args, queue))
     proc.start()
-    result = queue.get()  # before join: a large message would block the child's exit
+    # the result before join (a large message would block the child's exit), and no wait for one
+    # from a child that died without it (an import error, out of memory)
+    while True:
+        try:
+            result = queue.get(timeout=2)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive():
+                try:
+                    result = queue.get(timeout=2)
+                    break
+                except queue_module.Empty:
+                    proc.join()
+                    raise RuntimeError(f"measurement {args[:3]} died before reporting (exit code "
+                                       f"{proc.exitcode}); see above") from None
     proc.join()
     if proc.exitcode != 0:
         raise RuntimeError(f"measurement {args[:3]} failed (exit code {proc.exitcode}); see above")

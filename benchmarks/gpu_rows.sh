@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU rows of docs/benchmarks.md in one run, each stage bounded so that a slow one cannot take
+# the others' time: the CUDA tests, the sharpness rows of BERT-base and the Qwen2-0.5B shape (32 x
+# 128 tokens), the launch and sync counts of one iteration, and the 3B and 7B decoder shapes.
+#
+#   bash benchmarks/gpu_rows.sh [OUT_DIR]        (default: gpu-rows/; logs and JSON land there)
+#
+# Run from the repository root with the package installed (pip install --no-deps -e . works
+# offline beside an installed torch, transformers, geoopt and pymanopt).
+set -u
+out=${1:-gpu-rows}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
+stage() {  # stage NAME SECONDS COMMAND...: the command's output to the screen and $out/NAME.log
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name (at most $seconds s)"
+    timeout "$seconds" "$@" 2>&1 | tee "$out/$name.log"
+}
+stage tests 120 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider
+stage sharpness 240 python3 benchmarks/bench_sharpness.py --device cuda --models bert-base qwen2-0.5b \
+    --batch 32 --seq 128 --iters 6 --rounds 1 --threads 4 --json "$out/sharpness.json"
+stage launches 90 python3 benchmarks/bench_launches.py --device cuda --models bert-base --batch 32 --seq 128
+stage decoders 600 python3 benchmarks/bench_sharpness.py --device cuda --models qwen2.5-3b qwen2-7b \
+    --batch 32 --seq 32 --iters 4 --rounds 1 --threads 4 --methods adaptive geodesic-inv \
+    --json "$out/decoders.json"
