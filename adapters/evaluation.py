@@ -22,7 +22,7 @@ from . import validation as check
 from .components import KERNEL_LIMIT
 from .losses import HALF_DTYPES, logits_of, normalize_logits
 from .modes import eval_mode  # noqa: F401 - served here too
-from .streaming import LazyWeight, substituted
+from .streaming import LazyWeight, Slots, parameter_slots, substituted
 from .validation import TokenInputs, scalar_loss
 
 __all__ = ["map_tensors", "eval_mode", "device_of", "split_inputs", "split_batch", "ModelClosure", "HALF_DTYPES",
@@ -75,6 +75,8 @@ class ModelClosure:
         self.write_back, self.loss_fn, self.normalise = write_back, loss_fn, normalise
         self.inputs: Any = None
         self.targets: Any = None
+        #: where the recipes' parameters live, found once (the same names at every evaluation)
+        self._slots: Optional[Tuple[frozenset, Slots]] = None
 
     def __call__(self, points: List[Tensor]) -> Tensor:
         params = self.write_back(points)
@@ -82,7 +84,9 @@ class ModelClosure:
         # reads the weight; the other tensors are swapped in for the call
         lazy = {n: v for d in (self.buffers, params) for n, v in d.items() if isinstance(v, LazyWeight)}
         tensors = {n: v for d in (self.buffers, params) for n, v in d.items() if n not in lazy}
-        with substituted(self.model, lazy) if lazy else contextlib.nullcontext():
+        if lazy and (self._slots is None or self._slots[0] != lazy.keys()):
+            self._slots = (frozenset(lazy), parameter_slots(self.model, lazy))
+        with substituted(self.model, lazy, slots=self._slots[1]) if lazy else contextlib.nullcontext():
             if isinstance(self.inputs, Mapping):
                 outputs = functional_call(self.model, tensors, args=(), kwargs=dict(self.inputs))
             else:

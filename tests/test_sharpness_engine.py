@@ -1031,7 +1031,7 @@ def test_substituted_weights_reach_every_reader_and_match_functional_call():
     the modules' classes come back."""
     from torch.func import functional_call
 
-    from quotient_manifolds.adapters.streaming import LazyWeight, substituted
+    from quotient_manifolds.adapters.streaming import LazyWeight, parameter_slots, substituted
 
     class Tied(torch.nn.Module):
         def __init__(self):
@@ -1066,6 +1066,32 @@ def test_substituted_weights_reach_every_reader_and_match_functional_call():
     with pytest.raises(TypeError, match="LazyWeight"):
         with substituted(model, {"emb.weight": weights["emb.weight"]}):
             pass
+    # the places found once serve again (the tied alias included); those of other names are refused
+    slots = parameter_slots(model, recipes)
+    assert sum(len(places) for places in slots.values()) == len(recipes) + 1   # out.weight too
+    with substituted(model, recipes, slots=slots):
+        again = model(ids)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="parameter_slots"):
+        with substituted(model, recipes, slots=parameter_slots(model, ["emb.weight"])):
+            pass
+
+
+def test_a_run_finds_the_substituted_weights_once(tiny_bert, monkeypatch):
+    """Where a streaming run's recipes attach is found once per batch, not at every evaluation
+    (a walk over all modules: milliseconds of host time per iteration on a 12-layer model, which
+    an accelerator spends idle)."""
+    import quotient_manifolds.adapters.evaluation as evaluation
+
+    model, inputs = tiny_bert
+    calls = []
+    real = evaluation.parameter_slots
+    monkeypatch.setattr(evaluation, "parameter_slots", lambda *a: calls.append(1) or real(*a))
+    batches = [(inputs, torch.tensor([0, 1]))]
+    for geometry in ("adaptive", "geodesic-inv"):
+        calls.clear()
+        got = sharpness(model, batches, geometry=geometry, rho=0.01, n_iters=4)
+        assert got.n_forward >= 5 and len(calls) == 1, (geometry, len(calls))
 
 
 def test_a_full_garbage_collection_only_where_the_layout_was_checked(tiny_bert, monkeypatch):
