@@ -5,8 +5,10 @@
 #
 #   bash benchmarks/gpu_rows.sh [OUT_DIR]        (default: gpu-rows/; logs and JSON land there)
 #
-# Run from the repository root with the package installed (pip install --no-deps -e . works
-# offline beside an installed torch, transformers, geoopt and pymanopt).
+# Run from the repository root with the package installed: `pip install --no-deps
+# --no-build-isolation -e .` works offline beside an installed torch, transformers, geoopt and
+# pymanopt (the adapters are a package of their own directory, so the source tree alone does not
+# import).
 set -u
 out=${1:-gpu-rows}
 mkdir -p "$out"
