@@ -33,6 +33,15 @@ _NO_CLOSED_FORM = (
 )
 
 
+#: What a pymanopt user can do about a step that left the manifold: pymanopt's optimisers choose
+#: the step themselves, and their line searches do not take back a retraction that raises.
+_PYMANOPT_STEPS = (
+    "With pymanopt the trial step is the optimiser's: for ConjugateGradient or SteepestDescent pass "
+    "line_searcher=BackTrackingLineSearcher(initial_step_size=s) (pymanopt.optimizers.line_search) "
+    "with s a step length of your problem's scale in the metric's units (under mix, the Frobenius "
+    "size of a change of G Hᵀ; its default 1 can leave the manifold), and for TrustRegions a "
+    "smaller Delta_bar.")
+
 class CoreQuotientManifold(Manifold):
     """pymanopt ``Manifold`` delegating to a core quotient geometry (subclasses set ``geometry``,
     ``_conv``, ``_point_cls``, ``_tangent_cls`` and ``_group``)."""
@@ -112,9 +121,12 @@ class CoreQuotientManifold(Manifold):
         the manifold)."""
         try:
             frame = self._frame_cache_().frame_after_step(self.geometry, y)
-        except StepTooLarge:
-            finite_step(self.geometry, "tangent_vector", step)
-            raise
+        except StepTooLarge as left:
+            try:
+                finite_step(self.geometry, "tangent_vector", step)
+            except StepTooLarge as non_finite:
+                left = non_finite
+            raise StepTooLarge(f"{left} {_PYMANOPT_STEPS}") from None
         point = self._point(y)
         own = self.__dict__.setdefault("_own_points", [])
         snapshot = self._point(frame.x)   # numpy views of the values the frame was built on
