@@ -15,6 +15,9 @@ Methods (columns):
 * ``ours mix + TR``: the same face with pymanopt's TrustRegions and the exact Hessian (pymanopt's
   TrustRegions cannot run on FixedRankEmbedded: its tangent vectors have no Hessian here), with
   the radius bound ``Delta_bar`` = ‖G₀H₀ᵀ‖_F (a mix length is the size of a change of G Hᵀ);
+* ``ours mix + CG, ranks 1 … r`` (``mix-cg-ranks``): the same face and CG over the ranks 1, 2, …,
+  r from a spectral start (:func:`run_rank_continuation`), for targets whose singular values span
+  many decades;
 * ``ours geoopt mix SGD`` / ``Adam``: :class:`quotient_manifolds.GLQuotient` with geoopt's
   RiemannianSGD (momentum 0) / RiemannianAdam, learning rates scaled by the sampling ratio
   nm/|Ω| (:func:`scaled_lr`, see the user guide's optimisation section).
