@@ -126,7 +126,6 @@ def parameter_slots(model: nn.Module, names: Iterable[str]) -> Slots:
     recipes to. Computed once, it can be passed to every :func:`substituted` of the same
     parameters of an unchanged model (it walks all modules: milliseconds for a 12-layer model, at
     every evaluation otherwise)."""
-    names = list(names)
     wanted = set(names)
     canonical = {id(p): n for n, p in model.named_parameters() if n in wanted}
     found: Dict[int, List[Tuple[nn.Module, str, str]]] = {}

@@ -185,18 +185,15 @@ def run_one(*args):
     # the result before join (a large message would block the child's exit), and no wait for one
     # from a child that died without it (an import error, out of memory)
     while True:
+        alive = proc.is_alive()   # before the wait: a child dead by then has put all it will
         try:
             result = queue.get(timeout=2)
             break
         except queue_module.Empty:
-            if not proc.is_alive():
-                try:
-                    result = queue.get(timeout=2)
-                    break
-                except queue_module.Empty:
-                    proc.join()
-                    raise RuntimeError(f"measurement {args[:3]} died before reporting (exit code "
-                                       f"{proc.exitcode}); see above") from None
+            if not alive:
+                proc.join()
+                raise RuntimeError(f"measurement {args[:3]} died before reporting (exit code "
+                                   f"{proc.exitcode}); see above") from None
     proc.join()
     if proc.exitcode != 0:
         raise RuntimeError(f"measurement {args[:3]} failed (exit code {proc.exitcode}); see above")

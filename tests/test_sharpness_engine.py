@@ -1101,14 +1101,14 @@ def test_a_full_garbage_collection_only_where_the_layout_was_checked(tiny_bert, 
     import quotient_manifolds.adapters.verify as verify_module
 
     model, inputs = tiny_bert
-    collections = []
-    monkeypatch.setattr(verify_module.gc, "collect", lambda *a: collections.append(a) or 0)
+    collected = []
+    monkeypatch.setattr(verify_module.gc, "collect", lambda *a: collected.append(a) or 0)
     batch = [(inputs, torch.tensor([0, 1]))]
     for geometry, want in (("geodesic-inv", 1), ("geodesic-inv", 1), ("adaptive", 1),
                            ("geodesic-mix", 1)):
         adapters.sharpness(model, batch, geometry=geometry, rho=0.01, n_iters=2,
                            check_retraction=False)
-        assert len(collections) == want, geometry
+        assert len(collected) == want, geometry
 
 
 # ------------------------------------------------------------------------------ host reads

@@ -42,6 +42,7 @@ _PYMANOPT_STEPS = (
     "size of a change of G Hᵀ; its default 1 can leave the manifold), and for TrustRegions a "
     "smaller Delta_bar.")
 
+
 class CoreQuotientManifold(Manifold):
     """pymanopt ``Manifold`` delegating to a core quotient geometry (subclasses set ``geometry``,
     ``_conv``, ``_point_cls``, ``_tangent_cls`` and ``_group``)."""
