@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU rows of docs/benchmarks.md in one run, each stage bounded so that a slow one cannot take
 # the others' time: the CUDA tests, the sharpness rows of BERT-base and the Qwen2-0.5B shape (32 x
-# 128 tokens), the launch and sync counts of one iteration, and the 3B and 7B decoder shapes.
+# 128 tokens), the launch and sync counts of one iteration, the geometry core on BERT-base's heads
+# (the inv frame's eigendecomposition among them), geodesic SAM on BERT-base, and the 3B and 7B
+# decoder shapes.
 #
 #   bash benchmarks/gpu_rows.sh [OUT_DIR]        (default: gpu-rows/; logs and JSON land there)
 #
@@ -24,6 +26,9 @@ stage tests 120 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider
 stage sharpness 240 python3 benchmarks/bench_sharpness.py --device cuda --models bert-base qwen2-0.5b \
     --batch 32 --seq 128 --iters 6 --rounds 1 --threads 4 --json "$out/sharpness.json"
 stage launches 90 python3 benchmarks/bench_launches.py --device cuda --models bert-base --batch 32 --seq 128
+stage geometry 120 python3 benchmarks/bench_geometry.py --device cuda
+stage sam 240 python3 benchmarks/bench_sam.py --device cuda --models bert-base --seq 128 --steps 4 \
+    --rounds 1 --threads 4
 stage decoders 600 python3 benchmarks/bench_sharpness.py --device cuda --models qwen2.5-3b qwen2-7b \
     --batch 32 --seq 32 --iters 4 --rounds 1 --threads 4 --methods adaptive geodesic-inv \
     --json "$out/decoders.json"

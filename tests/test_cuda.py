@@ -38,6 +38,36 @@ def on_both(model: torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------------ geometry core
+@pytest.mark.parametrize("h", [8, 64])
+def test_batched_eigh_of_heads_on_the_device(h, monkeypatch):
+    """batched_eigh: batches of matrices above 32 × 32 go through the CPU (torch loops over them
+    on the device), smaller ones stay on the device; either way eigenpairs on the device, and the
+    inv projection (the pencil's eigendecomposition) equal to the CPU's."""
+    from quotient_manifolds.core import groups
+
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(12, h, h, generator=g, dtype=F64)
+    a = (a + a.mT).to(CUDA)
+    moved = []
+    real_cpu = torch.Tensor.cpu
+
+    def counted(t, *args, **kwargs):
+        moved.append(tuple(t.shape))
+        return real_cpu(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    d, U = groups.batched_eigh(a)
+    monkeypatch.undo()
+    assert d.device.type == U.device.type == CUDA.type
+    assert (tuple(a.shape) in moved) == (h > groups.CUDA_BATCHED_EIGH_MAX)
+    assert rel(U @ torch.diag_embed(d) @ U.mT, a) < 1e-12
+    assert rel(U.mT @ U, torch.eye(h, dtype=F64).expand(12, h, h)) < 1e-12
+    geom = GLQuotientGeometry(2 * h, 2 * h, h, "inv")
+    x = geom.random_point(6, dtype=F64, generator=g)
+    u = torch.randn(x.shape, generator=g, dtype=F64)
+    assert rel(geom.frame(x.to(CUDA)).project(u.to(CUDA)), geom.frame(x).project(u)) < 1e-10
+
+
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_gl_core_matches_cpu(metric):
     """Projection, metric, gradient conversion, Γ and all three retractions, batched over heads."""

@@ -66,6 +66,25 @@ def sym(a: Tensor) -> Tensor:
     return 0.5 * (a + a.mT)
 
 
+#: Batches of symmetric matrices larger than this on a CUDA device are diagonalised on the CPU by
+#: :func:`batched_eigh`: torch routes batched ``eigh`` to cuSOLVER's batched solver only up to
+#: 32 × 32 and loops over the matrices one by one above it (pytorch/pytorch#175585).
+CUDA_BATCHED_EIGH_MAX = 32
+
+
+def batched_eigh(a: Tensor) -> Tuple[Tensor, Tensor]:
+    """``torch.linalg.eigh(a)`` (eigenvalues ascending, orthonormal eigenvectors) for a batch of
+    symmetric matrices, e.g. one h×h matrix per attention head. On a CUDA device a batch of
+    matrices larger than :data:`CUDA_BATCHED_EIGH_MAX` is diagonalised on the CPU and the result
+    copied back: torch loops over such matrices one by one on the device, and BERT-base's 144
+    heads of 64 took 233 ms there (an H100) against 37 ms on one CPU thread. The copy waits for
+    the device (one host sync). Differentiable like ``eigh`` (the copies are autograd ops)."""
+    if a.is_cuda and a.dim() > 2 and a.shape[-1] > CUDA_BATCHED_EIGH_MAX:
+        values, vectors = torch.linalg.eigh(a.cpu())
+        return values.to(a.device), vectors.to(a.device)
+    return torch.linalg.eigh(a)
+
+
 def pencil_basis(F1: Tensor, A: Tensor, F2: Tensor, B2: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     r"""(W₁, W₂, D) that solve the generalised Sylvester equation A Λ B + A₂ Λ B₂ = R as
 
@@ -76,8 +95,8 @@ def pencil_basis(F1: Tensor, A: Tensor, F2: Tensor, B2: Tensor) -> Tuple[Tensor,
     W₁ᵀA₂W₁ = I, W₁ᵀAW₁ = diag(d₁), W₂ᵀBW₂ = I, W₂ᵀB₂W₂ = diag(d₂), so Z = W₁⁻¹ΛW₂⁻ᵀ solves
     d₁ᵢZᵢⱼ + Zᵢⱼd₂ⱼ = (W₁ᵀRW₂)ᵢⱼ; D_ij = d₁ᵢ + d₂ⱼ.
     """
-    d1, U1 = torch.linalg.eigh(sym(F1.mT @ A @ F1))
-    d2, U2 = torch.linalg.eigh(sym(F2.mT @ B2 @ F2))
+    d1, U1 = batched_eigh(sym(F1.mT @ A @ F1))
+    d2, U2 = batched_eigh(sym(F2.mT @ B2 @ F2))
     return F1 @ U1, F2 @ U2, d1[..., :, None] + d2[..., None, :]
 
 

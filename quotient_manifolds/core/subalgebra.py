@@ -42,7 +42,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .groups import SymmetryGroup, apply_pencil, sym
+from .groups import SymmetryGroup, apply_pencil, batched_eigh, sym
 
 Tensor = torch.Tensor
 
@@ -213,7 +213,7 @@ class SkewPencilSolver:
     def __init__(self, M: Tensor, N: Tensor, *, with_scalars: bool):
         eye = torch.eye(M.shape[-1], dtype=M.dtype, device=M.device)
         F = torch.linalg.solve_triangular(torch.linalg.cholesky(M), eye, upper=False).mT  # FᵀMF = I
-        d, U = torch.linalg.eigh(sym(F.mT @ N @ F))
+        d, U = batched_eigh(sym(F.mT @ N @ F))
         self.W = F @ U
         self.D = d[..., :, None] + d[..., None, :]
         self.with_scalars = with_scalars
