@@ -77,7 +77,7 @@ def batched_eigh(a: Tensor) -> Tuple[Tensor, Tensor]:
     symmetric matrices, e.g. one h×h matrix per attention head. On a CUDA device a batch of
     matrices larger than :data:`CUDA_BATCHED_EIGH_MAX` is diagonalised on the CPU and the result
     copied back: torch loops over such matrices one by one on the device, and BERT-base's 144
-    heads of 64 took 233 ms there (an H100) against 37 ms on one CPU thread. The copy waits for
+    heads of 64 took 233 ms there (an H100) against 39 ms on one CPU thread. The copy waits for
     the device (one host sync). Differentiable like ``eigh`` (the copies are autograd ops)."""
     if a.is_cuda and a.dim() > 2 and a.shape[-1] > CUDA_BATCHED_EIGH_MAX:
         values, vectors = torch.linalg.eigh(a.cpu())
