@@ -295,9 +295,9 @@ def run_pymanopt(problem: Completion, method: str, budget: float, retraction: st
 #: Inner (truncated CG) iterations per trust-region step, at most. pymanopt's default, the
 #: manifold's dimension, lets steps near the solution take up to 55 Hessian-vector products
 #: (the sampled Hessian is ill-conditioned there). With this cap and the initial radius above,
-#: mix TR reached 1e-10 at 5000² in 28.5 CPU s instead of 42.2 with pymanopt's defaults (the cap
-#: alone: 42.3 s), at 1000² in 0.83–0.87 s instead of 1.04–1.08, at 200 × 500 in 0.25 s instead of
-#: 0.29–0.30 (one session, seed 0).
+#: mix TR reached 1e-10 at 5000² in 28.5–28.6 CPU s instead of 42.2 with pymanopt's defaults (the
+#: cap alone: 42.3 s), at 1000² in 0.83–0.87 s instead of 1.04–1.08, at 200 × 500 in 0.25–0.26 s
+#: instead of 0.29–0.30 (one session, seed 0).
 TR_MAX_INNER = 20
 
 #: CG iterations of each rank below r in the rank continuation (the last rank runs to the target)

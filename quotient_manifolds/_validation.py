@@ -744,8 +744,9 @@ def class_targets(logits: torch.Tensor, targets: Any, what: str = "the default l
     if seen is not None and _TARGETS_IN_RANGE.get(base) == seen:
         return
     kept = targets[targets != -100]
-    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= classes):
-        bad = int(kept.min()) if int(kept.min()) < 0 else int(kept.max())
+    low, high = torch.stack(torch.aminmax(kept)).tolist() if kept.numel() else (0, 0)  # one read
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
         raise ValueError(f"{what}: the targets hold the class {bad}, but the logits have {classes} "
                          f"classes (0 .. {classes - 1}; -100 marks an ignored position)")
     if seen is not None:
