@@ -5,7 +5,10 @@ side by side in one run: CPU seconds (``time.process_time``, one thread) to a re
 Every method evaluates the same sparse cost, written once below (:class:`Completion`):
 f(G, H) = ½ Σ_{(i,j) ∈ Ω} (⟨G_i, H_j⟩ − A_ij)², its gradient (R H, Rᵀ G) with R the sparse residual
 (scipy CSR), and for trust regions its Hessian. FixedRankEmbedded's point (U, s, Vᵀ) calls it with
-(G, H) = (U diag(s), V) and the chain rule. All methods start from the same rank-r matrix X₀.
+(G, H) = (U diag(s), V) and the chain rule. All methods start from the same rank-r matrix X₀:
+Gaussian factors scaled to the target's norm, or with ``--start spectral`` the truncated SVD of
+the observed entries scaled by nm/|Ω| (the usual start of completion methods; computed once per
+row, outside every method's clock).
 
 Methods (columns):
 
@@ -42,7 +45,7 @@ Repeats: with ``--repeats N`` every method runs N times per row, the methods int
 the speed of one run varies by more than the differences measured here.
 
 Usage: python benchmarks/bench_completion.py [--rows 200x500 1000 ill] [--large] [--budget 30]
-       [--methods ...] [--seed 0] [--retraction second_order] [--repeats 1]
+       [--methods ...] [--seed 0] [--retraction second_order] [--start random] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 import scipy.sparse as sp  # noqa: E402
+import scipy.sparse.linalg as spl  # noqa: E402
 import torch  # noqa: E402
 
 #: the target relative error on all entries
@@ -91,7 +95,7 @@ class OutOfBudget(Exception):
 class Completion:
     """The sparse completion problem and its cost, gradient and Hessian on factors (G, H)."""
 
-    def __init__(self, n, m, r, k, cond, seed):
+    def __init__(self, n, m, r, k, cond, seed, start="random"):
         rng = np.random.default_rng(seed)
         if cond is None:
             self.Gt, self.Ht = rng.standard_normal((n, r)), rng.standard_normal((m, r))
@@ -113,18 +117,34 @@ class Completion:
         self.norm_vals = float(np.linalg.norm(self.vals))
         self.norm_target = math.sqrt(float(np.sum((self.Gt.T @ self.Gt) * (self.Ht.T @ self.Ht))))
         G0, H0 = rng.standard_normal((n, r)), rng.standard_normal((m, r))
-        scale = (self.norm_target / math.sqrt(float(np.sum((G0.T @ G0) * (H0.T @ H0))))) ** 0.5
-        self.G0, self.H0 = scale * G0, scale * H0
+        if start == "spectral":
+            self.G0, self.H0 = self.spectral(self.vals, r)
+        else:
+            scale = (self.norm_target / math.sqrt(float(np.sum((G0.T @ G0) * (H0.T @ H0))))) ** 0.5
+            self.G0, self.H0 = scale * G0, scale * H0
         self.norm_x0 = math.sqrt(float(np.sum((self.G0.T @ self.G0) * (self.H0.T @ self.H0))))
 
-    def _pairs(self, G, H):
-        """⟨G_i, H_j⟩ for every observed (i, j) (into buffers allocated once: fresh |Ω|×r arrays
-        are page-faulted in at every call, which cost more than the arithmetic here)."""
-        rank = G.shape[1]
+    def spectral(self, values, rank):
+        """The top ``rank`` singular triplets (U, s, V) of the sparse matrix of ``values`` on Ω,
+        scaled by nm/|Ω| (an unbiased estimate of the full matrix), as factors (U√s, V√s)."""
+        scale = self.n * self.m / len(self.I)
+        u, s, vt = spl.svds(sp.csr_matrix((values * scale, (self.I, self.J)),
+                                          shape=(self.n, self.m)), k=rank)
+        return u * np.sqrt(s), vt.T * np.sqrt(s)
+
+    def _buffers_of(self, rank):
+        """(gi, hj, ones, Gi, Hj) for factors of ``rank``: two work buffers, a vector of ones, and
+        the rows G_i, H_j of the point the gradient was last taken at (allocated once: fresh
+        |Ω|×r arrays are page-faulted in at every call, which cost more than the arithmetic)."""
         if rank not in self._buffers:
             k = len(self.I)
-            self._buffers[rank] = (np.empty((k, rank)), np.empty((k, rank)), np.ones(rank))
-        gi, hj, ones = self._buffers[rank]
+            self._buffers[rank] = (np.empty((k, rank)), np.empty((k, rank)), np.ones(rank),
+                                   np.empty((k, rank)), np.empty((k, rank)))
+        return self._buffers[rank]
+
+    def _pairs(self, G, H):
+        """⟨G_i, H_j⟩ for every observed (i, j)."""
+        gi, hj, ones, *_ = self._buffers_of(G.shape[1])
         np.take(G, self.I, axis=0, out=gi)
         np.multiply(gi, np.take(H, self.J, axis=0, out=hj), out=gi)
         return gi @ ones
@@ -142,12 +162,17 @@ class Completion:
         return 0.5 * float(res @ res)
 
     def _at(self, G, H):
-        """(R, Rᵀ) at (G, H), kept for the next call at the same point: pymanopt asks for the
-        gradient again in every Hessian-vector product."""
+        """(R, Rᵀ) at (G, H), and the rows G_i, H_j on Ω, kept for the next call at the same
+        point: pymanopt asks for the gradient again in every Hessian-vector product, which needs
+        the rows of the point as well as those of the direction."""
         memo = self._memo
         if not (memo and memo[0] is G and memo[1] is H and np.array_equal(G, memo[2])
                 and np.array_equal(H, memo[3])):
-            self._sparse(self.residual(G, H), self.R, self.RT)
+            gi, _, ones, Gi, Hj = self._buffers_of(G.shape[1])
+            np.take(G, self.I, axis=0, out=Gi)
+            np.take(H, self.J, axis=0, out=Hj)
+            res = np.multiply(Gi, Hj, out=gi) @ ones - self.vals
+            self._sparse(res, self.R, self.RT)
             memo = self._memo = (G, H, G.copy(), H.copy(), self.R @ H, self.RT @ G)
         return memo
 
@@ -159,7 +184,10 @@ class Completion:
         """D(gradient)[dG, dH] = (R dH + dR H, Rᵀ dG + dRᵀ G), dR the sparse matrix of
         ⟨dG_i, H_j⟩ + ⟨G_i, dH_j⟩ on Ω."""
         self._at(G, H)
-        dR, dRT = self._sparse(self._pairs(dG, H) + self._pairs(G, dH), self.dR, self.dRT)
+        gi, hj, ones, Gi, Hj = self._buffers_of(G.shape[1])
+        np.multiply(np.take(dG, self.I, axis=0, out=gi), Hj, out=gi)
+        gi += np.multiply(Gi, np.take(dH, self.J, axis=0, out=hj), out=hj)
+        dR, dRT = self._sparse(gi @ ones, self.dR, self.dRT)
         return dR @ H + self.R @ dH, dRT @ G + self.RT @ dG
 
     def error(self, G, H, rows=2000):
@@ -320,7 +348,6 @@ def run_rank_continuation(problem: Completion, method: str, budget: float,
     |Ω|/nm). pymanopt's default for CG tries a metric length of 1 first, which here jumps to a
     worse fit, leaves the manifold, or is rejected where the cost is tiny; after one rejected
     search it tries a step of 0 forever."""
-    import scipy.sparse.linalg as spl
     from pymanopt.optimizers import ConjugateGradient
     from pymanopt.optimizers.line_search import BackTrackingLineSearcher
     from quotient_manifolds.pymanopt import GLQuotient
@@ -328,12 +355,7 @@ def run_rank_continuation(problem: Completion, method: str, budget: float,
     mon = Monitor(problem, budget)
     p = problem
     scale = p.n * p.m / len(p.vals)
-
-    def top_pair(values):
-        u, s, vt = spl.svds(sp.csr_matrix((values * scale, (p.I, p.J)), shape=(p.n, p.m)), k=1)
-        return u * np.sqrt(s), vt.T * np.sqrt(s)
-
-    G, H = top_pair(p.vals)
+    G, H = p.spectral(p.vals, 1)
     try:
         for rank in range(1, p.r + 1):
             M = GLQuotient(p.n, p.m, rank, metric="mix", retraction=retraction)
@@ -346,7 +368,7 @@ def run_rank_continuation(problem: Completion, method: str, budget: float,
                 min_gradient_norm=0.0, min_step_size=0.0, max_cost_evaluations=10 ** 8, verbosity=0)
             G, H = optimizer.run(_watched_problem(M, mon), initial_point=(G, H)).point
             if not last:
-                g, h = top_pair(-mon.timed(p.residual, G, H))
+                g, h = p.spectral(-mon.timed(p.residual, G, H), 1)
                 G, H = np.hstack([G, g]), np.hstack([H, h])
     except (Reached, OutOfBudget):
         pass
@@ -421,6 +443,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--retraction", default="second_order", choices=("second_order", "first_order"),
                     help="the retraction of our manifolds (FixedRankEmbedded keeps its own)")
+    ap.add_argument("--start", default="random", choices=("random", "spectral"),
+                    help="the start X₀ of every method (the rank continuation makes its own)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs per method and row, interleaved; the table shows medians")
     args = ap.parse_args(argv)
@@ -430,14 +454,16 @@ def main(argv=None):
     rows = list(args.rows) + (["5000"] if args.large and "5000" not in args.rows else [])
     print(f"# bench_completion: CPU seconds (process_time, 1 thread) to relative error {TARGET:g} on "
           f"all entries; budget {args.budget:g} s; seed {args.seed}; torch {torch.__version__}; "
-          f"median of {args.repeats} interleaved run(s); our retraction {args.retraction}")
+          f"median of {args.repeats} interleaved run(s); our retraction {args.retraction}; "
+          f"{args.start} start")
     print("| problem | method | CPU s to 1e-10 | iterations | ms / iteration | of which manifold + "
           "optimizer | best err |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         spec = ROWS[row]
         n, m, r = spec["n"], spec["m"], spec["r"]
-        problem = Completion(n, m, r, spec["observed"](n, m, r), spec["cond"], args.seed)
+        problem = Completion(n, m, r, spec["observed"](n, m, r), spec["cond"], args.seed,
+                             args.start)
         runs = {method: [] for method in args.methods}
         for repeat in range(args.repeats):
             for method in args.methods:
