@@ -96,6 +96,8 @@ class Completion:
     """The sparse completion problem and its cost, gradient and Hessian on factors (G, H)."""
 
     def __init__(self, n, m, r, k, cond, seed, start="random"):
+        if start not in ("random", "spectral"):
+            raise ValueError(f"start must be 'random' or 'spectral', got {start!r}")
         rng = np.random.default_rng(seed)
         if cond is None:
             self.Gt, self.Ht = rng.standard_normal((n, r)), rng.standard_normal((m, r))

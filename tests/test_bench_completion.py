@@ -66,3 +66,5 @@ def test_spectral_start_is_the_truncated_svd_of_the_rescaled_observations(bench)
     # the default start is random, scaled to the target's norm
     q = bench.Completion(n, m, r, k, None, seed=0)
     assert np.linalg.norm(q.G0 @ q.H0.T) == pytest.approx(q.norm_target, rel=1e-12)
+    with pytest.raises(ValueError, match="start must be"):
+        bench.Completion(n, m, r, k, None, seed=0, start="svd")
