@@ -108,6 +108,8 @@ class Completion:
         self.n, self.m, self.r = n, m, r
         flat = np.sort(rng.choice(n * m, size=k, replace=False))
         self.I, self.J = flat // m, flat % m
+        #: nm/|Ω|: the observed entries, rescaled by it, estimate the full matrix without bias
+        self.scale = n * m / k
         self._buffers = {}    # per rank (the rank continuation fits ranks 1 … r)
         self.vals = self._pairs(self.Gt, self.Ht)
         indptr = np.concatenate(([0], np.cumsum(np.bincount(self.I, minlength=n))))
@@ -129,8 +131,7 @@ class Completion:
     def spectral(self, values, rank):
         """The top ``rank`` singular triplets (U, s, V) of the sparse matrix of ``values`` on Ω,
         scaled by nm/|Ω| (an unbiased estimate of the full matrix), as factors (U√s, V√s)."""
-        scale = self.n * self.m / len(self.I)
-        u, s, vt = spl.svds(sp.csr_matrix((values * scale, (self.I, self.J)),
+        u, s, vt = spl.svds(sp.csr_matrix((values * self.scale, (self.I, self.J)),
                                           shape=(self.n, self.m)), k=rank)
         return u * np.sqrt(s), vt.T * np.sqrt(s)
 
@@ -144,12 +145,14 @@ class Completion:
                                    np.empty((k, rank)), np.empty((k, rank)))
         return self._buffers[rank]
 
-    def _pairs(self, G, H):
-        """⟨G_i, H_j⟩ for every observed (i, j)."""
-        gi, hj, ones, *_ = self._buffers_of(G.shape[1])
-        np.take(G, self.I, axis=0, out=gi)
-        np.multiply(gi, np.take(H, self.J, axis=0, out=hj), out=gi)
-        return gi @ ones
+    def _pairs(self, G, H, keep_rows=False):
+        """⟨G_i, H_j⟩ for every observed (i, j); with ``keep_rows`` the rows G_i, H_j stay in the
+        buffers the Hessian-vector products read."""
+        gi, hj, ones, Gi, Hj = self._buffers_of(G.shape[1])
+        rows_G, rows_H = (Gi, Hj) if keep_rows else (gi, hj)
+        np.take(G, self.I, axis=0, out=rows_G)
+        np.take(H, self.J, axis=0, out=rows_H)
+        return np.multiply(rows_G, rows_H, out=gi) @ ones
 
     def residual(self, G, H):
         return self._pairs(G, H) - self.vals
@@ -170,11 +173,7 @@ class Completion:
         memo = self._memo
         if not (memo and memo[0] is G and memo[1] is H and np.array_equal(G, memo[2])
                 and np.array_equal(H, memo[3])):
-            gi, _, ones, Gi, Hj = self._buffers_of(G.shape[1])
-            np.take(G, self.I, axis=0, out=Gi)
-            np.take(H, self.J, axis=0, out=Hj)
-            res = np.multiply(Gi, Hj, out=gi) @ ones - self.vals
-            self._sparse(res, self.R, self.RT)
+            self._sparse(self._pairs(G, H, keep_rows=True) - self.vals, self.R, self.RT)
             memo = self._memo = (G, H, G.copy(), H.copy(), self.R @ H, self.RT @ G)
         return memo
 
@@ -356,13 +355,12 @@ def run_rank_continuation(problem: Completion, method: str, budget: float,
 
     mon = Monitor(problem, budget)
     p = problem
-    scale = p.n * p.m / len(p.vals)
     G, H = p.spectral(p.vals, 1)
     try:
         for rank in range(1, p.r + 1):
             M = GLQuotient(p.n, p.m, rank, metric="mix", retraction=retraction)
             last = rank == p.r
-            step = scale * M.norm((G, H), M.euclidean_to_riemannian_gradient(
+            step = p.scale * M.norm((G, H), M.euclidean_to_riemannian_gradient(
                 (G, H), mon.timed(p.gradient, G, H)))
             optimizer = ConjugateGradient(
                 line_searcher=BackTrackingLineSearcher(initial_step_size=step),
@@ -380,7 +378,7 @@ def run_rank_continuation(problem: Completion, method: str, budget: float,
 def scaled_lr(base: float, problem: Completion) -> float:
     """``base`` × nm/|Ω|: the cost sums over the |Ω| observed entries only, so its (mix-metric)
     Riemannian gradient is about |Ω|/nm times the full-observation one."""
-    return base * problem.n * problem.m / len(problem.vals)
+    return base * problem.scale
 
 
 #: geoopt learning rates (the user guide's rules). SGD: the mix metric's step is scale-free, a
