@@ -105,7 +105,7 @@ class Completion:
             U, _ = np.linalg.qr(rng.standard_normal((n, r)))
             V, _ = np.linalg.qr(rng.standard_normal((m, r)))
             self.Gt, self.Ht = U * np.logspace(0, -math.log10(cond), r), V
-        self.n, self.m, self.r = n, m, r
+        self.n, self.m, self.r, self.seed = n, m, r, seed
         flat = np.sort(rng.choice(n * m, size=k, replace=False))
         self.I, self.J = flat // m, flat % m
         #: nm/|Ω|: the observed entries, rescaled by it, estimate the full matrix without bias
@@ -130,9 +130,12 @@ class Completion:
 
     def spectral(self, values, rank):
         """The top ``rank`` singular triplets (U, s, V) of the sparse matrix of ``values`` on Ω,
-        scaled by nm/|Ω| (an unbiased estimate of the full matrix), as factors (U√s, V√s)."""
+        scaled by nm/|Ω| (an unbiased estimate of the full matrix), as factors (U√s, V√s).
+
+        ARPACK starts from the problem's seed, not a fresh random vector, so that a run (the rank
+        continuation calls this at every rank) is the same run to run."""
         u, s, vt = spl.svds(sp.csr_matrix((values * self.scale, (self.I, self.J)),
-                                          shape=(self.n, self.m)), k=rank)
+                                          shape=(self.n, self.m)), k=rank, random_state=self.seed)
         return u * np.sqrt(s), vt.T * np.sqrt(s)
 
     def _buffers_of(self, rank):
