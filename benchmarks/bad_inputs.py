@@ -12,7 +12,7 @@
 A case where a warning is the right outcome (a worst-case run that found no rise) counts as clear
 when the warning names what to do. Cases are grouped by root cause: the first round's (``round 1
 (...)``, by what that round found) and the second round's (the lower-level API, the CLI's records
-and faults); a root cause marked with a helper's issue is mended in that issue's branch. The counts
+and faults) and a third round's (verification on empty batches, checks below the top door). The counts
 are printed per root cause and in total; ``python benchmarks/bad_inputs.py WORD ...`` runs only the
 cases whose root cause or name contains one of the words.
 
@@ -283,7 +283,7 @@ def case_head_dim_larger_than_hidden():
 
 
 CASES: List[Tuple[str, str, Callable]] = [
-    # (what the issue found, case, maker)
+    # (root cause, case, maker)
     ("silent wrong", "measure='average' with a NaN loss", case_average_nan_loss),
     ("silent wrong", "tuple output (features, logits)", case_tuple_output),
     ("silent wrong", "step_size_mult=0", case_step_size_mult(0.0)),
@@ -908,11 +908,11 @@ ROUND2: List[Tuple[str, str, Callable]] = [
     ("faults as tracebacks", "CLI report, read-only --out", case_cli_fault("read-only", "report")),
     ("model corrupted (SAM helper)", "GeodesicSAM.second_step with a NaN gradient", case_sam_second_step_nan),
     ("model corrupted (SAM helper)", "GeodesicSAM(lr=nan)", case_sam_lr_nan),
-    ("verification that proves nothing (issue-30 helper)", "verify on an empty batch", case_verify_empty_batch),
-    ("verification that proves nothing (issue-30 helper)", "accept_layout on an empty batch", case_accept_empty_batch),
-    ("checks at the top door only (issue-30 helper)", "detect('x')", case_detect_string),
-    ("checks at the top door only (issue-30 helper)", "accept_layout(m, 'x')", case_accept_string_layout),
-    ("checks at the top door only (issue-30 helper)", "verify(output_fn=non-tensor)", case_verify_output_fn_non_tensor),
+    ("verification that proves nothing (round 3)", "verify on an empty batch", case_verify_empty_batch),
+    ("verification that proves nothing (round 3)", "accept_layout on an empty batch", case_accept_empty_batch),
+    ("checks at the top door only (round 3)", "detect('x')", case_detect_string),
+    ("checks at the top door only (round 3)", "accept_layout(m, 'x')", case_accept_string_layout),
+    ("checks at the top door only (round 3)", "verify(output_fn=non-tensor)", case_verify_output_fn_non_tensor),
 ]
 
 

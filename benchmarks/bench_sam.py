@@ -1,4 +1,4 @@
-"""Cost of one geodesic-SAM update relative to plain SAM (issue "beyond measurement" §2).
+"""Cost of one geodesic-SAM update relative to plain SAM.
 
 Prints, for MiniLM-L6 (real weights) and BERT-base (from config), batch 32: seconds per update of
 the base optimizer alone (one forward+backward and an AdamW step), SAM, ASAM (the adaptive geometry

@@ -1,4 +1,4 @@
-"""Cost of one Auto-PGD iteration relative to a bare forward+backward (issue 3 §4).
+"""Cost of one Auto-PGD iteration relative to a bare forward+backward.
 
 Prints, for MiniLM-L6 (real weights) and BERT-base (from config), batch 32 (and, with ``--models
 qwen2-0.5b``, a 494 M-parameter Qwen2-shaped decoder in bfloat16, from config):
