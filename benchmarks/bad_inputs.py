@@ -11,10 +11,11 @@
 
 A case where a warning is the right outcome (a worst-case run that found no rise) counts as clear
 when the warning names what to do. Cases are grouped by root cause: the first round's (``round 1
-(...)``, by what that round found) and the second round's (the lower-level API, the CLI's records
-and faults) and a third round's (verification on empty batches, checks below the top door). The counts
-are printed per root cause and in total; ``python benchmarks/bad_inputs.py WORD ...`` runs only the
-cases whose root cause or name contains one of the words.
+(...)``, by what that round found), the second round's (the lower-level API, the CLI's records
+and faults) and the third round's, marked ``(round 3)`` (verification on empty batches, checks
+below the top door). The counts are printed per root cause and in total; ``python
+benchmarks/bad_inputs.py WORD ...`` runs only the cases whose root cause or name contains one of
+the words.
 
 Tiny models from configs (float64, BERT unless the case needs another), so it runs in about half
 a minute on CPU; the worker-exit case is in tests/test_worker_exit.py (it needs a process to kill).
