@@ -20,6 +20,7 @@ from typing import Any, List, Mapping, Optional, Protocol, Sequence, Tuple, Unio
 import numpy as np
 import torch
 
+from quotient_manifolds import _validation as check
 from quotient_manifolds._runtime import bounded_threads, threads_for
 from quotient_manifolds.core.gl import GLFrame, second_order_gradient_and_inners, second_order_step
 
@@ -63,7 +64,9 @@ class BallComponent(Protocol):
     * ``finish_step_(out, f, u, d)``: out ← f·out, then d ← out − u (in d's dtype).
 
     Scalars (‖·‖², ⟨·,·⟩, the coefficients c, b, a) are 0-d float64 tensors: the solver's only host
-    sync per iteration is the loss.
+    sync per iteration is the loss. A component sharded over several processes also has
+    ``sum_over_ranks(value) -> value summed over them`` (a 0-d float64 tensor; a collective), by
+    which every rank takes the solver's decisions alike (:meth:`ProductBall.on_every_rank`).
 
     ``quotient`` says whether the component is a quotient (GL) piece of the ball: its share of
     ‖ξ‖² is the attention share of a result (:meth:`ProductBall.quotient_share`)."""
@@ -334,6 +337,20 @@ class ProductBall:
         writes the elementwise points into ``xi`` itself (no full-size copy; ``xi`` is lost)."""
         return [c.point(a, retraction, exact_steps, out=a if consume and isinstance(c, ElementwiseComponent) else None)
                 for c, a in zip(self.components, xi)]
+
+    def on_every_rank(self, flag: bool, device: Union[str, torch.device] = "cpu") -> bool:
+        """Whether ``flag`` holds on every process over which the ball's components are sharded
+        (each such component's optional ``sum_over_ranks(value)`` sums a 0-d float64 tensor over
+        its processes; the vote is made on ``device``, that of the ball's vectors); ``flag``
+        itself for a ball of one process. Every rank must call it, as a collective: a decision
+        that changes the passes a run takes must be the same on all."""
+        check.flag("flag", flag)
+        vote = torch.tensor(0.0 if flag else 1.0, dtype=torch.float64, device=device)
+        for comp in self.components:
+            summed = getattr(comp, "sum_over_ranks", None)
+            if summed is not None:
+                vote = summed(vote)
+        return bool(vote == 0)
 
     @property
     def has_quotients(self) -> bool:

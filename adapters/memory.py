@@ -4,22 +4,104 @@ Beyond the model's own weights and the activations of one forward+backward of a 
 float32 for a half-precision model), a run holds three float32 vectors of the perturbed
 weights: the iterate ξ, the worst point and the gradient (over which the next iterate is
 written), and the last step ξ − ξ⁻ in bfloat16 (:data:`BYTES_PER_PARAMETER`); one more float32
-vector for the worst point's gradient where memory allows
-(:func:`~quotient_manifolds.adapters.solver.auto_pgd`); and for the GL(h) attention blocks
+vector for the worst point's gradient where the device's memory holds it after the first forward
+and backward (:func:`room_for_two_more`, read by
+:func:`~quotient_manifolds.adapters.solver.auto_pgd`); and for the GL(h) attention blocks
 their heads, points and exact last step. The weights themselves are never copied: the model
 reads each perturbed weight when it needs it (:mod:`~quotient_manifolds.adapters.streaming`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Dict, Optional
+
 import torch
 from torch import nn
 
-__all__ = ["BYTES_PER_PARAMETER", "SharpnessOutOfMemoryError", "explained_out_of_memory"]
+__all__ = ["BYTES_PER_PARAMETER", "HEADROOM", "DeviceMemory", "SharpnessOutOfMemoryError",
+           "device_memory", "explained_out_of_memory", "room_for_two_more"]
 
 #: bytes per perturbed float32 weight held by the solver: ξ, the worst point and the gradient in
 #: float32, the last step ξ − ξ⁻ in bfloat16
 BYTES_PER_PARAMETER = 14
+#: the share of a device's memory that :func:`room_for_two_more` leaves free: room for what a
+#: reading cannot see (the allocator's fragmentation, other processes on the device)
+HEADROOM = 0.05
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One reading of a device's memory, in bytes.
+
+    ``available``: what new allocations can take (CUDA: the driver's free memory plus what torch's
+    caching allocator holds unused; the CPU: Linux's MemAvailable); ``total``: the device's
+    memory; ``in_use``: what this process holds now (CUDA: torch's allocated tensors; the CPU: the
+    resident set); ``peak``: the most it has held (CUDA: torch's peak allocation; the CPU: the
+    peak resident set), so ``peak − in_use`` bounds from above what the process took beyond its
+    present holdings at its highest."""
+
+    available: int
+    total: int
+    in_use: int
+    peak: int
+
+    def __post_init__(self):
+        for name in ("available", "total", "in_use", "peak"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"DeviceMemory.{name} must be a number of bytes (an int >= 0), "
+                                 f"got {value!r}")
+
+
+def _kib_fields(path: str) -> Dict[str, int]:
+    """The ``Name: value kB`` lines of a /proc file, in bytes."""
+    out = {}
+    with open(path) as fh:
+        for line in fh:
+            name, _, rest = line.partition(":")
+            fields = rest.split()
+            if len(fields) == 2 and fields[1] == "kB":
+                out[name] = int(fields[0]) * 1024
+    return out
+
+
+def device_memory(device: torch.device) -> Optional[DeviceMemory]:
+    """The memory of ``device`` as this process sees it now (:class:`DeviceMemory`): for a CUDA
+    device from torch's allocator and the driver, for the CPU from Linux's /proc; None where it
+    cannot be read (another accelerator, another operating system)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        unused_cache = max(torch.cuda.memory_reserved(device) - allocated, 0)
+        return DeviceMemory(available=int(free + unused_cache), total=int(total),
+                            in_use=int(allocated), peak=int(torch.cuda.max_memory_allocated(device)))
+    if device.type == "cpu":
+        try:
+            system, process = _kib_fields("/proc/meminfo"), _kib_fields("/proc/self/status")
+            return DeviceMemory(available=system["MemAvailable"], total=system["MemTotal"],
+                                in_use=process["VmRSS"], peak=process["VmHWM"])
+        except (OSError, KeyError, ValueError):
+            return None
+    return None
+
+
+def room_for_two_more(vector_bytes: int, now: Optional[DeviceMemory]) -> bool:
+    """Whether a device whose memory reads ``now`` holds two more vectors of ``vector_bytes``
+    bytes on top of what the process holds, while it still takes its highest transient:
+
+        available ≥ 2 · vector_bytes + (peak − in_use) + HEADROOM · total.
+
+    Read after a run's first forward and backward, ``peak − in_use`` is what that pass took beyond
+    the buffers that stay (an upper bound where the process once held more). True where the
+    memory cannot be read (``now`` None)."""
+    if isinstance(vector_bytes, bool) or not isinstance(vector_bytes, int) or vector_bytes < 0:
+        raise ValueError(f"vector_bytes must be a number of bytes (an int >= 0), got {vector_bytes!r}")
+    if now is None:
+        return True
+    transient = max(now.peak - now.in_use, 0)
+    return now.available >= 2 * vector_bytes + transient + HEADROOM * now.total
 
 
 class SharpnessOutOfMemoryError(MemoryError):

@@ -108,7 +108,17 @@ def _summed(group: Any, *values: Tensor) -> Tuple[Tensor, ...]:
     return tuple(stacked.unbind())
 
 
-class ShardedElementwise(ElementwiseComponent):
+class _OverRanks:
+    """A component of the ball sharded over the ranks of its process group ``group``."""
+
+    group: Any
+
+    def sum_over_ranks(self, value: Tensor) -> Tensor:
+        """The 0-d ``value`` summed over the ranks of ``group`` (:meth:`ProductBall.on_every_rank`)."""
+        return _summed(self.group, value)[0]
+
+
+class ShardedElementwise(_OverRanks, ElementwiseComponent):
     """The streaming elementwise component over this rank's shards of the weights: every norm and
     inner product it returns is summed over the ranks of ``group`` (one ``all_reduce`` per
     call), so the solver sees the component of the whole model."""
@@ -164,7 +174,7 @@ def assign_owners(blocks: Sequence, sizes: Mapping[str, int], world: int) -> Dic
     return owner
 
 
-class ShardedQuotients:
+class ShardedQuotients(_OverRanks):
     """The GL(h) blocks of a sharded model, each held whole by one rank, as one component of the
     ball.
 

@@ -29,13 +29,16 @@ from .components import (  # noqa: F401  (served here too: the solver's vocabula
     ball_factor,
     scale,
 )
+from .memory import device_memory, room_for_two_more
 
 Tensor = torch.Tensor
 
 MOMENTUM_FORMS = ("apgd", "andriushchenko", "none")
 #: The default of :func:`auto_pgd`'s ``keep_worst_gradient`` (and so of every sharpness run):
-#: ``None`` keeps the worst point's gradient where free memory holds two more vectors of the ball's
-#: size; ``False`` never (the least memory: 14 bytes per float32 weight), ``True`` always.
+#: ``None`` keeps the worst point's gradient where, after the first forward and backward, the
+#: device's memory still holds two more vectors of the ball's size beside that pass's peak
+#: (:func:`~quotient_manifolds.adapters.memory.room_for_two_more`); ``False`` never (the least
+#: memory: 14 bytes per float32 weight), ``True`` always.
 KEEP_WORST_GRADIENT: Optional[bool] = None
 STEP_NORMALISATIONS = ("metric", "none")
 #: The default of :func:`auto_pgd`'s ``compact_step`` (and so of every sharpness run): the last
@@ -195,9 +198,12 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     size). ``keep_worst_gradient`` keeps the gradient at an older worst point as one more vector,
     which saves a forward and backward at each restart from it (3 to 6 restarts in 20 iterations
     on MiniLM); without it the restart recomputes the gradient there (same values, one more pass
-    of each). Default (``None``): :data:`KEEP_WORST_GRADIENT`, which by default keeps it while
-    the device's free memory (CUDA; the CPU's available memory on Linux) holds two more such
-    vectors after the iterates are allocated.
+    of each). Default (``None``): :data:`KEEP_WORST_GRADIENT`, which by default decides after
+    the first forward and backward, with ξ, its gradient and d allocated: it keeps the gradient
+    while the device's memory (CUDA; the CPU's on Linux) still holds the two vectors to come (the
+    worst point and its gradient) beside that pass's peak and 5 % of the device to spare
+    (:func:`~quotient_manifolds.adapters.memory.room_for_two_more`), the same on every rank of a
+    sharded ball (:meth:`ProductBall.on_every_rank`).
     """
     rho = check.radius(rho)
     n_iters = check.positive_integer("n_iters", n_iters)
@@ -238,8 +244,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     compact_step = COMPACT_STEP if compact_step is None else compact_step
     last_step = [comp.step_buffer(compact_step) for comp in comps]
     if keep_worst_gradient is None:
-        keep_worst_gradient = (_room_for_two_more(xi) if KEEP_WORST_GRADIENT is None
-                               else KEEP_WORST_GRADIENT)
+        keep_worst_gradient = KEEP_WORST_GRADIENT  # None: decided after the first evaluation
     eta = 2 * rho * step_size_mult
     if start is None:
         xi_sq = torch.zeros((), dtype=torch.float64, device=xi[0].device)
@@ -254,6 +259,13 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         for comp, buf, t in zip(comps, xi, given):
             comp.to_coords(t, buf)
         worst, grad = _evaluate(comps, closure, xi, True, xi_sq, free(xi))
+    if keep_worst_gradient is None:
+        # now that ξ, its gradient and d are held and one forward+backward has shown its peak,
+        # the worst point and its gradient are the two vectors still to come; every rank of a
+        # sharded ball takes the same decision (a rank that recomputes alone would wait forever)
+        keep_worst_gradient = ball.on_every_rank(
+            room_for_two_more(sum(t.numel() * t.element_size() for t in xi),
+                              device_memory(xi[0].device)), xi[0].device)
     has_step = False  # the last step d = ξ − ξ⁻ is 0 at the start and after a restart
     n_fwd, n_bwd = 1, 1
     xi_worst, worst_sq, grad_worst = xi, xi_sq, grad
@@ -315,23 +327,6 @@ def _points_at(ball: ProductBall, xi: Tangent) -> list:
     for comp, x in zip(ball.components, xi):
         comp.to_coords(x, x)
     return [comp.leaf_point(x, False)[1] for comp, x in zip(ball.components, xi)]
-
-
-def _room_for_two_more(like: Tangent) -> bool:
-    """Whether two more vectors like ``like`` (a tangent of the ball) fit: always on the CPU, on a
-    CUDA device while its free memory holds them."""
-    device = like[0].device
-    need = 2 * sum(t.numel() * t.element_size() for t in like)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] > need
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as fh:
-                info = dict(line.split(":", 1) for line in fh)
-            return int(info["MemAvailable"].split()[0]) * 1024 > need
-        except (OSError, KeyError, ValueError):  # not Linux: no way to tell, keep it
-            return True
-    return True
 
 
 def finite_loss(loss: Tensor, perturbation_sq: Union[float, Tensor]) -> float:

@@ -105,6 +105,19 @@ def parse_measures(text: str) -> Tuple[str, ...]:
     return names
 
 
+def curvature_unavailable(measures: Sequence[str]) -> Optional[str]:
+    """Why the curvature measures among ``measures`` cannot run here (their operators need
+    curvlinops, which does not import: the reason, with how to install it), or None; checked
+    before a study trains its first model rather than after each."""
+    if not any(m in CURVATURE for m in measures):
+        return None
+    try:
+        from quotient_manifolds.adapters import hessian  # noqa: F401  (imports curvlinops)
+    except ImportError as err:
+        return str(err)
+    return None
+
+
 def parse_floats(text: str, what: str = "values") -> Tuple[float, ...]:
     try:
         vals = tuple(float(s) for s in text.split(",") if s.strip())

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 from . import calibrate
 from .population_summary import population_kwargs, population_report
 from .reporting import print_table
-from .measures import population_job
+from .measures import CURVATURE, curvature_unavailable, population_job
 from .runner import ExperimentError, OutputDir, cores, fmt_seconds, restore_exact, run_population, trained_model
 
 
@@ -50,6 +50,14 @@ def apply_sharp_overrides(config: Dict[str, Any], args: argparse.Namespace) -> N
             raise ExperimentError("--sweep-only evaluates the main measures at the --rho-sweep "
                                   "radii only, but no sweep is set: add --rho-sweep M1,M2,...")
         config["sweep_only"] = True
+    measures = list(config.get("measures") or ())
+    unavailable = curvature_unavailable(measures)
+    if unavailable:
+        others = [m for m in measures if m not in CURVATURE]
+        raise ExperimentError(
+            f"the curvature measures {', '.join(m for m in measures if m in CURVATURE)} cannot run "
+            f"here: {unavailable.rstrip('.')}." + (f" Or leave them out: --measures "
+                                                   f"{','.join(others)}" if others else ""))
 
 
 def log_line(msg: str) -> None:

@@ -276,6 +276,30 @@ def test_cli_refuses_a_file_for_a_directory_before_any_work(tmp_path, capsys, mo
     assert _read(readme) == before
 
 
+def test_curvature_measures_without_curvlinops_are_refused_before_any_model_trains(
+        tmp_path, capsys, monkeypatch):
+    """The vision study measures curvature by default; where curvlinops does not import, the
+    study stops at once (no calibration, no model trained and then failed) with how to install it
+    and the --measures that leave the curvature out, and those run."""
+    monkeypatch.setitem(sys.modules, "curvlinops", None)
+    monkeypatch.delitem(sys.modules, "quotient_manifolds.adapters.hessian", raising=False)
+    out = tmp_path / "vision"
+    args = ["vision", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", str(out)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hess-lmax-mix" in err and "pip install" in err, err
+    assert not out.exists()
+    others = err.split("--measures ")[1].strip()
+    assert "hess" not in others and "geodesic-mix" in others
+    from quotient_manifolds.experiments import population
+    from quotient_manifolds.experiments.cli import build_parser
+
+    config = {"rho": {"adaptive": 1.0, "inv": 1.0, "mix": 1.0}}
+    population.apply_sharp_overrides(config, build_parser().parse_args(["vision", "--measures",
+                                                                        others]))
+    assert config["measures"] == others.split(",")
+
+
 def test_cli_help_shows_the_configured_defaults(capsys):
     """text, vision and diagonal show each default's value (the default protocol's, and --quick's
     where it differs), never "(default: config)"; --help leaves out the advanced options and

@@ -3,7 +3,8 @@ processes, float64): the value, the worst-point loss and the attention share equ
 unsharded model, also with data parallelism combined (each rank its half of the batch); the
 model's weights and gradients are left as they were. The heads straddle shard boundaries: 7 heads
 of 2 over 14 rows cut at 7 (2 ranks) and at 5 and 10 (3 ranks). The GL blocks are divided among
-the ranks: each block is held by exactly one, and every rank holds some."""
+the ranks: each block is held by exactly one, and every rank holds some. The solver's memory
+decision (keep the worst point's gradient or recompute it) is the same on every rank."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def measure_sharded(rank: int, world: int):
     from torch.distributed.fsdp import fully_shard
 
     from quotient_manifolds import adapters
-    from quotient_manifolds.adapters import sharded
+    from quotient_manifolds.adapters import memory, sharded, solver
+    from quotient_manifolds.adapters.components import ProductBall
 
     held = set()                              # the GL blocks this rank builds frames for
     build_components = sharded.quotient_components
@@ -81,6 +83,13 @@ def measure_sharded(rank: int, world: int):
         return build_components(blocks, *args, **kwargs)
 
     sharded.quotient_components = recorded
+    # a vote of the ranks: every rank learns that one of them said no
+    vote = ProductBall([sharded.ShardedElementwise({"w": torch.ones(2, dtype=torch.float64)})])
+    votes = [vote.on_every_rank(rank == 0), vote.on_every_rank(True)]
+    if rank == 1:  # this rank alone has no room for the worst point's gradient: every rank then
+        # recomputes it at restarts (one rank alone taking passes the others do not would hang)
+        solver.device_memory = lambda device: memory.DeviceMemory(available=0, total=1, in_use=0,
+                                                                  peak=0)
     model = build()
     layout = adapters.layout(model)
     layout.verify(model, batch()[0])          # verified before sharding
@@ -96,7 +105,7 @@ def measure_sharded(rank: int, world: int):
     unchanged = all(torch.equal(p.full_tensor(), before[n]) and p.grad is None
                     for n, p in model.named_parameters())
     return {"same": same, "split": split, "unchanged": unchanged, "held": sorted(held),
-            "blocks": layout.block_names}
+            "blocks": layout.block_names, "votes": votes}
 
 
 def _run(world, tmp_path):
@@ -141,7 +150,7 @@ def test_fsdp2_sharded_sharpness_equals_the_unsharded_model(world, tmp_path):
     assert all(held), held                            # 4 blocks (QK, VO per layer): each rank some
     assert sum(map(len, held)) == len(set().union(*held)) == len(ranks[0]["blocks"])
     for out in ranks:
-        assert out["unchanged"]
+        assert out["unchanged"] and out["votes"] == [False, True]
         assert out["same"] == ranks[0]["same"]        # every rank returns the same result
         _assert_equal(out["same"], plain)
         if world == 2:                                # data parallelism: each rank half the batch

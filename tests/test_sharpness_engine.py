@@ -1024,6 +1024,67 @@ def test_adaptive_sharpness_holds_14_bytes_per_weight_and_no_copy_of_the_model(m
     assert tracker.peak <= 14 * n + slack, (tracker.peak / n, slack / n)
 
 
+def _memory_probe_run(keep_worst_gradient=None, tracker=None):
+    """An Auto-PGD run with restarts (20 iterations) on an elementwise ball, under a
+    :class:`_LiveBytes` tracker (``tracker``, or a new one): (result, tracker)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(300, 50, generator=gen), "b": torch.randn(777, generator=gen)}
+    comp = ElementwiseComponent(tensors, streaming=True)
+
+    def closure(points):
+        p = {n: lazy.compute() for n, lazy in points[0].weights().items()}
+        return torch.tanh(p["a"] * 3).sum() + (p["b"] ** 3).sum()
+
+    tracker = tracker or _LiveBytes()
+    with tracker.mode:
+        res = auto_pgd(ProductBall([comp]), closure, 0.3, n_iters=20,
+                       keep_worst_gradient=keep_worst_gradient)
+    return res, tracker
+
+
+def test_the_worst_gradient_is_kept_only_where_the_whole_run_fits(monkeypatch):
+    """The default decides after the first forward and backward, counting the two vectors still to
+    come (the worst point and its gradient) beside that pass's peak. On a device simulated by the
+    bytes the run creates (capacity between the peaks of a run without and with the kept
+    gradient), the run stays within it and recomputes at restarts; on a larger one it keeps the
+    gradient. Deciding before the first pass with two vectors in hand kept it on the small device
+    and overflowed it (as a 7B-shaped decoder did on a 140 GiB GPU)."""
+    from quotient_manifolds.adapters import memory, solver
+
+    lean, lean_tracker = _memory_probe_run(False)
+    kept, kept_tracker = _memory_probe_run(True)
+    assert lean.step_sizes == kept.step_sizes and lean.n_forward > kept.n_forward  # restarts
+    for capacity, like in (((lean_tracker.peak + kept_tracker.peak) // 2, lean),
+                           (3 * kept_tracker.peak, kept)):
+        tracker = _LiveBytes()
+        monkeypatch.setattr(solver, "device_memory", lambda device, capacity=capacity: memory.DeviceMemory(
+            available=max(capacity - tracker.live, 0), total=capacity, in_use=tracker.live,
+            peak=tracker.peak))
+        got, _ = _memory_probe_run(None, tracker)
+        assert tracker.peak <= capacity, (tracker.peak, capacity)
+        assert got.n_forward == like.n_forward and got.history == like.history
+
+
+def test_device_memory_reads_this_process_and_the_decision_counts_the_pass_and_headroom():
+    """The CPU reading is Linux's (available within total, the resident set within its peak);
+    the rule asks for two vectors, the pass's peak above what is held, and 5 % of the device."""
+    from quotient_manifolds.adapters.memory import DeviceMemory, device_memory, room_for_two_more
+
+    now = device_memory(torch.device("cpu"))
+    if sys.platform.startswith("linux"):
+        assert 0 < now.available <= now.total and 0 < now.in_use <= now.peak
+    assert device_memory(torch.device("meta")) is None and room_for_two_more(10, None)
+    gib = 2 ** 30
+    at = dict(total=100 * gib, in_use=40 * gib, peak=45 * gib)
+    # needs 2 × 20 + (45 − 40) + 5 = 50 GiB
+    assert room_for_two_more(20 * gib, DeviceMemory(available=50 * gib, **at))
+    assert not room_for_two_more(20 * gib, DeviceMemory(available=50 * gib - 1, **at))
+    with pytest.raises(ValueError, match="in_use must be a number of bytes"):
+        DeviceMemory(available=1, total=2, in_use=-1, peak=0)
+    with pytest.raises(ValueError, match="vector_bytes"):
+        room_for_two_more(1.5, None)
+
+
 def test_substituted_weights_reach_every_reader_and_match_functional_call():
     """Recipes reach a weight read outside its own module's forward (nn.MultiheadAttention reads
     out_proj.weight itself) and both places of a tied weight; output and gradients equal those of
