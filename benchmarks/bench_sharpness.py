@@ -220,6 +220,12 @@ def main(argv=None) -> None:
                         help="time iterations by the wall clock, or by the CPU seconds of the "
                              "measuring process (the CPU only; steadier on a shared machine)")
     args = parser.parse_args(argv)
+    if args.iters < 3:  # an interval between two iterations is timed, and the last one dropped
+        parser.error(f"--iters {args.iters}: at least 3 (the time between consecutive iterations "
+                     f"is measured, and the last iteration, a forward only, is not counted)")
+    for name in ("batch", "seq", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu times CPU work only: use it with --device cpu")
     if args.passive:
