@@ -281,8 +281,13 @@ def test_curvature_measures_without_curvlinops_are_refused_before_any_model_trai
     """The vision study measures curvature by default; where curvlinops does not import, the
     study stops at once (no calibration, no model trained and then failed) with how to install it
     and the --measures that leave the curvature out, and those run."""
-    monkeypatch.setitem(sys.modules, "curvlinops", None)
+    from quotient_manifolds import adapters
+
+    for name in [n for n in sys.modules if n.split(".")[0] == "curvlinops"] + ["curvlinops"]:
+        monkeypatch.setitem(sys.modules, name, None)  # its submodules too: an earlier test's
+    # as if never imported (an earlier test may have): the package's attribute and the module
     monkeypatch.delitem(sys.modules, "quotient_manifolds.adapters.hessian", raising=False)
+    monkeypatch.delattr(adapters, "hessian", raising=False)
     out = tmp_path / "vision"
     args = ["vision", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", str(out)]
     assert main(args) == 2
