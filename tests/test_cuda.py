@@ -163,6 +163,31 @@ def test_half_precision_model_on_cuda(tiny_bert, dtype):
     assert all(torch.equal(p, before[n]) and p.dtype == dtype for n, p in half.named_parameters())
 
 
+def test_device_memory_on_cuda_and_the_worst_gradient_kept_where_it_fits(monkeypatch):
+    """The CUDA reading (the driver's free memory and torch's allocator) is consistent; a small
+    run keeps the worst point's gradient (no recomputation at restarts), and one on a device read
+    as nearly full recomputes it, with the same values either way."""
+    from quotient_manifolds.adapters import memory, solver
+    from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall, auto_pgd
+
+    x = torch.empty(1000, device=CUDA)
+    now = memory.device_memory(CUDA)
+    assert 0 < now.available <= now.total and 4000 <= now.in_use <= now.peak
+    del x
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(300, 50, generator=gen, dtype=F64).to(CUDA)}
+
+    def run():
+        comp = ElementwiseComponent(tensors)
+        return auto_pgd(ProductBall([comp]), lambda p: torch.tanh(3 * p[0]).sum(), 0.3, n_iters=20)
+
+    kept = run()
+    monkeypatch.setattr(solver, "device_memory", lambda device: memory.DeviceMemory(
+        available=0, total=now.total, in_use=now.in_use, peak=now.in_use))
+    lean = run()
+    assert kept.history == lean.history and kept.n_forward < lean.n_forward
+
+
 # ------------------------------------------------------------------------------------ Hessian, SAM
 @pytest.mark.parametrize("geometry", ["geodesic-inv", "geodesic-mix", "adaptive"])
 def test_riemannian_hessian_matches_cpu(plain_vit, geometry):
