@@ -14,7 +14,7 @@ reads each perturbed weight when it needs it (:mod:`~quotient_manifolds.adapters
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 import torch
 from torch import nn
@@ -66,7 +66,7 @@ def _kib_fields(path: str) -> Dict[str, int]:
     return out
 
 
-def device_memory(device: torch.device) -> Optional[DeviceMemory]:
+def device_memory(device: Union[str, torch.device]) -> Optional[DeviceMemory]:
     """The memory of ``device`` as this process sees it now (:class:`DeviceMemory`): for a CUDA
     device from torch's allocator and the driver, for the CPU from Linux's /proc; None where it
     cannot be read (another accelerator, another operating system)."""
@@ -98,6 +98,9 @@ def room_for_two_more(vector_bytes: int, now: Optional[DeviceMemory]) -> bool:
     memory cannot be read (``now`` None)."""
     if isinstance(vector_bytes, bool) or not isinstance(vector_bytes, int) or vector_bytes < 0:
         raise ValueError(f"vector_bytes must be a number of bytes (an int >= 0), got {vector_bytes!r}")
+    if now is not None and not isinstance(now, DeviceMemory):
+        raise TypeError(f"now must be a DeviceMemory reading (device_memory(device)) or None, got "
+                        f"{type(now).__name__}")
     if now is None:
         return True
     transient = max(now.peak - now.in_use, 0)

@@ -1084,6 +1084,8 @@ def test_device_memory_reads_this_process_and_the_decision_counts_the_pass_and_h
         DeviceMemory(available=1, total=2, in_use=-1, peak=0)
     with pytest.raises(ValueError, match="vector_bytes"):
         room_for_two_more(1.5, None)
+    with pytest.raises(TypeError, match="DeviceMemory reading"):
+        room_for_two_more(1, {"available": 1})
 
 
 def test_substituted_weights_reach_every_reader_and_match_functional_call():
