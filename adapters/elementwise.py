@@ -37,6 +37,12 @@ REDUCTION_BLOCK = 2 ** 18
 #: component is kept compact, per iterate dtype: bfloat16 for float32 (2 bytes per weight instead
 #: of 4); any other dtype (float64) keeps its own.
 COMPACT_STEP_DTYPES: Dict[torch.dtype, torch.dtype] = {torch.float32: torch.bfloat16}
+#: One-dimensional tensors of at most this many elements (biases, norm scales) get their streaming
+#: points formed together, in one autograd node per evaluation, before the model reads them: per
+#: tensor, the host work of a recipe and a node of its own costs more than holding the values.
+#: Such vectors grow with a model's width, not its square (a few hundred kB for a 7B decoder's
+#: biases and norms), so the weights are still never copied.
+SMALL_TENSOR = 2 ** 16
 
 
 def add_dot_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
@@ -76,6 +82,29 @@ class _StreamedPoint(torch.autograd.Function):
         return None, None, None, None, None
 
 
+class _StreamedSmall(torch.autograd.Function):
+    """The points w(1 + r) of many small tensors (:data:`SMALL_TENSOR`) in one node: the forward
+    forms them all, the backward writes the Riemannian gradient of each into the evaluation's
+    gradient buffer as :class:`_StreamedPoint` does for one."""
+
+    @staticmethod
+    def forward(ctx, comp: "ElementwiseComponent", point: "StreamedPoint", indices: List[int],
+                *rs: Tensor) -> Tuple[Tensor, ...]:
+        ctx.comp, ctx.point, ctx.indices = comp, point, indices
+        ctx.rs = [r.detach() for r in rs]
+        ws = [comp.tensors[i] for i in indices]
+        if not comp.second_order and all(w.dtype == comp.dtype for w in ws):
+            return tuple(torch._foreach_addcmul(ws, ws, list(rs)))  # one call for all of them
+        return tuple(comp.moved(w, r) for w, r in zip(ws, rs))
+
+    @staticmethod
+    def backward(ctx, *grads: Optional[Tensor]):
+        for index, grad, r in zip(ctx.indices, grads, ctx.rs):
+            if grad is not None:
+                ctx.comp.accumulate_(ctx.point, index, grad, r)
+        return (None, None, None, *(None for _ in grads))
+
+
 class StreamedPoint:
     """The elementwise point of one evaluation in the streaming layout: per tensor a recipe
     (:class:`~quotient_manifolds.adapters.streaming.LazyWeight`) computing w(1 + r) when the model
@@ -93,11 +122,19 @@ class StreamedPoint:
         self.written = [False] * len(leaves)
 
     def weights(self) -> Dict[str, "LazyWeight"]:
+        """A recipe per tensor: the small vectors (:data:`SMALL_TENSOR`) formed now, together,
+        and returned as they are; the others formed at each read."""
         from .streaming import LazyWeight
 
         comp = self.comp
-        return {name: LazyWeight(lambda i=i: _StreamedPoint.apply(
-                    self.leaves[i], comp.tensors[i], comp, i, self))
+        small = [i for i, (size, shape) in enumerate(zip(comp.sizes, comp.shapes))
+                 if size <= SMALL_TENSOR and len(shape) <= 1]
+        formed = dict(zip(small, _StreamedSmall.apply(comp, self, small,
+                                                      *(self.leaves[i] for i in small))
+                          if small else ()))
+        return {name: LazyWeight(lambda t=formed[i]: t) if i in formed else
+                LazyWeight(lambda i=i: _StreamedPoint.apply(self.leaves[i], comp.tensors[i], comp,
+                                                            i, self))
                 for i, name in enumerate(comp.names)}
 
 

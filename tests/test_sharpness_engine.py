@@ -936,25 +936,57 @@ def test_streaming_sharpness_with_tiny_kernel_calls_is_bit_for_bit_the_same(monk
     assert got[0] == got[1]
 
 
+@pytest.mark.parametrize("geometry,second_order", [("adaptive", False), ("adaptive", True),
+                                                   ("geodesic-mix", False)])
+def test_small_vectors_formed_together_give_the_same_numbers_in_one_node(monkeypatch, tiny_bert,
+                                                                         geometry, second_order):
+    """The biases and norm scales of a real model are formed in one autograd node per evaluation
+    (no recipe and node per vector, a host cost on an accelerator), and the run's numbers are
+    bit for bit those of one recipe per tensor; matrices still stream one by one."""
+    from quotient_manifolds.adapters import elementwise
+
+    model, inputs = tiny_bert
+    batches = _labelled(inputs)
+    vectors = {n for n, p in model.named_parameters() if p.dim() == 1}
+    got, nodes = [], collections.Counter()
+    for small in (elementwise.SMALL_TENSOR, 0):
+        monkeypatch.setattr(elementwise, "SMALL_TENSOR", small)
+        for cls in (elementwise._StreamedSmall, elementwise._StreamedPoint):
+            monkeypatch.setattr(cls, "apply", classmethod(
+                lambda c, *a, small=small, apply=cls.apply: nodes.update([(small, c.__name__)])
+                or apply(*a)))
+        res = sharpness(model, batches, geometry=geometry, rho=0.05, n_iters=4,
+                        check_retraction=False, elementwise_second_order=second_order)
+        got.append((res.value, res.worst_losses, res.norms))
+        monkeypatch.undo()
+    assert got[0] == got[1]
+    evaluations = nodes[(elementwise.SMALL_TENSOR, "_StreamedSmall")]
+    assert evaluations >= 5 and nodes[(0, "_StreamedSmall")] == 0
+    # per evaluation, one node for all vectors and one per read of a matrix, against one per read
+    # of every tensor
+    assert (nodes[(0, "_StreamedPoint")] - nodes[(elementwise.SMALL_TENSOR, "_StreamedPoint")]
+            >= len(vectors) * evaluations)
+
+
 def test_out_of_memory_says_what_the_run_needs_and_leaves_the_model_as_it_was(monkeypatch, tiny_bert):
     """An allocator failure in the middle of a forward (the weights substituted, the classes of
     the modules swapped) ends in one error with the run's needs and what to do, not an allocator
     trace; the model's classes, weights and gradients are as before."""
-    from quotient_manifolds.adapters import components
     from quotient_manifolds.adapters.memory import SharpnessOutOfMemoryError
 
     model, inputs = tiny_bert
     classes = {n: type(m) for n, m in model.named_modules()}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    moved, calls = components.ElementwiseComponent.moved, []
+    layer = model.bert.encoder.layer[1].intermediate   # BertIntermediate: its class fails
+    forward, calls = type(layer).forward, []
 
     def failing(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 30:
+        if len(calls) == 3:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0)")
-        return moved(self, *args, **kwargs)
+        return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(components.ElementwiseComponent, "moved", failing)
+    monkeypatch.setattr(type(layer), "forward", failing)
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     with pytest.raises(SharpnessOutOfMemoryError, match=rf"14 bytes per trainable parameter × {n:,}"
                        r"(.|\n)*KEEP_WORST_GRADIENT = False(.|\n)*smaller batch(.|\n)*FSDP2"
