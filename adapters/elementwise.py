@@ -176,7 +176,9 @@ class ElementwiseComponent:
       backward writes h straight into one gradient buffer; the passes of the solver over its own
       buffers run flat in pieces of :data:`KERNEL_LIMIT` (:data:`CHUNK` on the CPU). Beyond the
       model and the solver's iterates, nothing of the model's size is held. A weight used by
-      several modules (tied embeddings) adds up its gradients.
+      several modules (tied embeddings) adds up its gradients. The small vectors (biases, norm
+      scales: :data:`SMALL_TENSOR`) are formed together before the model reads them, in one
+      autograd node.
     """
 
     quotient = False
