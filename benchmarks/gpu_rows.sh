@@ -17,7 +17,9 @@
 # Run from the repository root with the package installed: `pip install --no-deps
 # --no-build-isolation -e .` works offline beside an installed torch, transformers, geoopt and
 # pymanopt (the adapters are a package of their own directory, so the source tree alone does not
-# import).
+# import). Without installing, two links make the source tree importable (as on the H200 above):
+# `ln -sfn ../adapters quotient_manifolds/adapters; ln -sfn ../experiments
+# quotient_manifolds/experiments; export PYTHONPATH=$PWD`.
 set -u
 out=${1:-gpu-rows}
 mkdir -p "$out"
