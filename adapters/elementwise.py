@@ -105,6 +105,29 @@ class _StreamedSmall(torch.autograd.Function):
         return (None, None, None, *(None for _ in grads))
 
 
+class _StreamedRows(torch.autograd.Function):
+    """Rows ``ids`` of the point w(1 + r) of one two-dimensional tensor, as an embedding lookup
+    reads them (``F.embedding(ids, w(1 + r), padding_idx)``), formed from those rows alone; the
+    backward adds the Riemannian gradient of the rows into the evaluation's gradient buffer
+    (:meth:`ElementwiseComponent.accumulate_rows_`). The rows a batch does not read are never
+    formed, and their gradient is a zero fill."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, r: Tensor, comp: "ElementwiseComponent", index: int,
+                point: "StreamedPoint", padding_idx: Optional[int]) -> Tensor:
+        rows = ids.reshape(-1)
+        w = comp.tensors[index]
+        ctx.comp, ctx.index, ctx.point, ctx.padding_idx = comp, index, point, padding_idx
+        ctx.rows, ctx.r_rows, ctx.w_rows = rows, r.detach().index_select(0, rows), w.index_select(0, rows)
+        return comp.moved(ctx.w_rows, ctx.r_rows).reshape(*ids.shape, w.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.comp.accumulate_rows_(ctx.point, ctx.index, ctx.rows, grad.reshape(ctx.rows.numel(), -1),
+                                  ctx.r_rows, ctx.w_rows, ctx.padding_idx)
+        return None, None, None, None, None, None
+
+
 class StreamedPoint:
     """The elementwise point of one evaluation in the streaming layout: per tensor a recipe
     (:class:`~quotient_manifolds.adapters.streaming.LazyWeight`) computing w(1 + r) when the model
@@ -123,7 +146,8 @@ class StreamedPoint:
 
     def weights(self) -> Dict[str, "LazyWeight"]:
         """A recipe per tensor: the small vectors (:data:`SMALL_TENSOR`) formed now, together,
-        and returned as they are; the others formed at each read."""
+        and returned as they are; the others formed at each read, and for a matrix read by an
+        embedding lookup only the rows it reads (``rows``, where :attr:`ElementwiseComponent.row_reads`)."""
         from .streaming import LazyWeight
 
         comp = self.comp
@@ -134,7 +158,10 @@ class StreamedPoint:
                           if small else ()))
         return {name: LazyWeight(lambda t=formed[i]: t) if i in formed else
                 LazyWeight(lambda i=i: _StreamedPoint.apply(self.leaves[i], comp.tensors[i], comp,
-                                                            i, self))
+                                                            i, self),
+                           rows=(lambda ids, padding_idx, i=i: _StreamedRows.apply(
+                               ids, self.leaves[i], comp, i, self, padding_idx))
+                           if comp.row_reads and len(comp.shapes[i]) == 2 else None)
                 for i, name in enumerate(comp.names)}
 
 
@@ -182,6 +209,9 @@ class ElementwiseComponent:
     """
 
     quotient = False
+    #: whether an embedding lookup may form the rows of a tensor's point it reads alone (the
+    #: tensors are whole weights, indexed as the model indexes them)
+    row_reads = True
 
     def __init__(self, tensors: Dict[str, Tensor], *, masks: Optional[Dict[str, Tensor]] = None,
                  direction: str = "riemannian", second_order: bool = False,
@@ -443,6 +473,28 @@ class ElementwiseComponent:
             point.written[index] = True
         if self.fixed[index] is not None:
             dest.masked_fill_(self.fixed[index], 0.0)
+
+    def accumulate_rows_(self, point: StreamedPoint, index: int, rows: Tensor, grad: Tensor,
+                         r_rows: Tensor, w_rows: Tensor, padding_idx: Optional[int]) -> None:
+        """The streaming backward of an embedding lookup of tensor ``index`` (``rows``: the row of
+        each looked-up entry, ``grad`` its gradient, ``r_rows`` and ``w_rows`` its rows of r and
+        w): h = ∇⊙w of those rows (as :meth:`accumulate_`), summed into the tensor's piece of the
+        gradient buffer, which is zero elsewhere (or, already written, keeps what it holds); the
+        ``padding_idx`` row gets none, as in ``F.embedding``."""
+        if point.gradient is None:
+            return
+        start, size = self.offsets[index], self.sizes[index]
+        dest = point.gradient[start:start + size].view(self.shapes[index])
+        g = torch.addcmul(grad, grad, r_rows) if self.second_order else grad
+        h = g * self._direction_factor(w_rows)
+        if padding_idx is not None:
+            h.masked_fill_((rows == padding_idx).unsqueeze(1), 0.0)
+        if self.fixed[index] is not None:
+            h.masked_fill_(self.fixed[index].view(self.shapes[index]).index_select(0, rows), 0.0)
+        if not point.written[index]:
+            dest.zero_()
+            point.written[index] = True
+        dest.index_add_(0, rows, h.to(dest.dtype))
 
     def gradient(self, grads: List[Optional[Tensor]], r: Tensor
                  ) -> Tuple[Union[Tensor, List[Tensor]], Tensor, Tensor]:

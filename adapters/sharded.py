@@ -123,6 +123,8 @@ class ShardedElementwise(_OverRanks, ElementwiseComponent):
     inner product it returns is summed over the ranks of ``group`` (one ``all_reduce`` per
     call), so the solver sees the component of the whole model."""
 
+    row_reads = False  # its tensors are this rank's shards, not the tables a lookup indexes
+
     def __init__(self, tensors: Dict[str, Tensor], *, group: Any = None, **options):
         super().__init__(tensors, streaming=True, **options)
         self.group = group

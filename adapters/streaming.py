@@ -34,14 +34,22 @@ __all__ = ["LazyWeight", "Slots", "parameter_slots", "substituted"]
 class LazyWeight:
     """The value of one parameter during an evaluation, computed on every read by ``compute()``
     (differentiable in whatever it depends on); where an operation saves it for the backward
-    pass, the backward pass recomputes it with ``compute`` under ``torch.no_grad``."""
+    pass, the backward pass recomputes it with ``compute`` under ``torch.no_grad``.
 
-    __slots__ = ("compute", "__weakref__")
+    ``rows(indices, padding_idx)``, where given, is ``F.embedding(indices, compute(),
+    padding_idx)`` formed from the rows it reads alone: a plain ``nn.Embedding`` whose weight is
+    substituted calls it instead of reading the whole table (a batch reads a few of its rows)."""
 
-    def __init__(self, compute: Callable[[], Tensor]):
+    __slots__ = ("compute", "rows", "__weakref__")
+
+    def __init__(self, compute: Callable[[], Tensor],
+                 rows: Optional[Callable[[Tensor, Optional[int]], Tensor]] = None):
         if not callable(compute):
             raise TypeError(f"LazyWeight needs a callable returning the tensor, got {compute!r}")
-        self.compute = compute
+        if rows is not None and not callable(rows):
+            raise TypeError(f"LazyWeight's rows must be callable (indices, padding_idx) -> rows of "
+                            f"the value, or None, got {rows!r}")
+        self.compute, self.rows = compute, rows
 
 
 class _Recompute:
@@ -99,6 +107,16 @@ class _SavedWeights:
 _SUBCLASSES: Dict[Tuple[type, Tuple[str, ...]], type] = {}
 
 
+def _embedding_rows_forward(self: nn.Embedding, input: Tensor) -> Tensor:
+    """``nn.Embedding.forward`` with a substituted weight: the rows the lookup reads, from the
+    recipe's ``rows`` where it has one and the lookup is a plain one (no ``max_norm``, which
+    renormalises the table in place; dense gradients, unscaled)."""
+    recipe = self.__dict__["_lazy_weights"]["weight"][0]
+    if recipe.rows is None or self.max_norm is not None or self.sparse or self.scale_grad_by_freq:
+        return nn.Embedding.forward(self, input)
+    return recipe.rows(input, self.padding_idx)
+
+
 def _lazy_class(cls: type, attrs: Tuple[str, ...]) -> type:
     """A subclass of ``cls`` whose attributes ``attrs`` are read through the instance's recipes
     (``__dict__['_lazy_weights']``): a data descriptor on the class takes precedence over
@@ -110,9 +128,11 @@ def _lazy_class(cls: type, attrs: Tuple[str, ...]) -> type:
                 recipe, saved = self.__dict__["_lazy_weights"][attr]
                 return saved.register(recipe.compute(), recipe)
             return property(read, doc=f"{attr}, computed by the active substitution")
+        methods = {a: reader(a) for a in attrs}
+        if issubclass(cls, nn.Embedding) and cls.forward is nn.Embedding.forward and "weight" in attrs:
+            methods["forward"] = _embedding_rows_forward
         _SUBCLASSES[key] = type(cls)(cls.__name__, (cls,), {
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            **{a: reader(a) for a in attrs}})
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, **methods})
     return _SUBCLASSES[key]
 
 

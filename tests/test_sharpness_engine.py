@@ -968,6 +968,63 @@ def test_small_vectors_formed_together_give_the_same_numbers_in_one_node(monkeyp
             >= len(vectors) * evaluations)
 
 
+class _TiedLookup(nn.Module):
+    """A lookup whose table is also read whole (a tied output layer), with a padding row, and a
+    lookup with ``max_norm`` (which renormalises its table in place: read whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, 8, padding_idx=1)
+        self.capped = nn.Embedding(30, 8, max_norm=1.0)
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.emb(ids) + self.capped(ids))).mean(dim=1)
+        return h @ self.emb.weight.T
+
+
+@pytest.mark.parametrize("geometry,options", [("adaptive", {}),
+                                              ("adaptive", {"elementwise_second_order": True}),
+                                              ("adaptive", {"adaptive_direction": "andriushchenko"}),
+                                              ("geodesic-mix", {})])
+def test_embedding_lookups_form_only_the_rows_they_read(monkeypatch, tiny_bert, geometry, options):
+    """A plain nn.Embedding reads the rows of its perturbed table that the batch looks up, never
+    the whole table; the numbers equal those of reading it whole (float64), with the padding
+    row's gradient dropped as F.embedding drops it, fixed entries kept fixed, a table also read
+    whole (tied) adding both gradients, and a max_norm lookup read whole."""
+    from quotient_manifolds.adapters import elementwise
+
+    model, inputs = tiny_bert
+    model = copy.deepcopy(model).double()
+    inputs = dict(inputs, input_ids=inputs["input_ids"].clone())
+    inputs["input_ids"][0, :2] = model.config.pad_token_id       # the padding row is read
+    torch.manual_seed(0)
+    tied = _TiedLookup().double()
+    with torch.no_grad():  # padding rows start at 0 (their ∇⊙w is 0 anyway): give them weights
+        model.bert.embeddings.word_embeddings.weight[model.config.pad_token_id] = 0.1
+        tied.emb.weight[1] = 0.3
+        tied.emb.weight[4, 0] = 1e-170  # w² underflows: a fixed entry in a row that is read
+    ids = torch.tensor([[1, 4, 4, 7], [2, 1, 9, 4]])
+    cases = [(model, _labelled(inputs), options),
+             (tied, [(ids, torch.tensor([3, 5]))], options if geometry == "adaptive" else None)]
+    for net, batches, opts in cases:
+        if opts is None:  # no GL block in the tied lookup model
+            continue
+        got, reads = [], collections.Counter()
+        for row_reads in (True, False):
+            monkeypatch.setattr(elementwise.ElementwiseComponent, "row_reads", row_reads)
+            apply = elementwise._StreamedRows.apply
+            monkeypatch.setattr(elementwise._StreamedRows, "apply", classmethod(
+                lambda c, *a, row_reads=row_reads, apply=apply: reads.update([row_reads]) or apply(*a)))
+            res = sharpness(net, batches, geometry=geometry, rho=0.05, n_iters=4,
+                            check_retraction=False, **opts)
+            got.append((res.value, res.worst_losses[0], res.norms[0]))
+            monkeypatch.undo()
+        assert reads[True] >= 5 and reads[False] == 0
+        for a, b in zip(*got):
+            assert a == pytest.approx(b, rel=1e-10, abs=1e-14)
+
+
 def test_out_of_memory_says_what_the_run_needs_and_leaves_the_model_as_it_was(monkeypatch, tiny_bert):
     """An allocator failure in the middle of a forward (the weights substituted, the classes of
     the modules swapped) ends in one error with the run's needs and what to do, not an allocator
