@@ -117,14 +117,17 @@ class _StreamedRows(torch.autograd.Function):
                 point: "StreamedPoint", padding_idx: Optional[int]) -> Tensor:
         rows = ids.reshape(-1)
         w = comp.tensors[index]
+        # only the row indices are kept: r stays unchanged until the backward has run (the
+        # solver's buffer), so the backward gathers its rows and w's again
         ctx.comp, ctx.index, ctx.point, ctx.padding_idx = comp, index, point, padding_idx
-        ctx.rows, ctx.r_rows, ctx.w_rows = rows, r.detach().index_select(0, rows), w.index_select(0, rows)
-        return comp.moved(ctx.w_rows, ctx.r_rows).reshape(*ids.shape, w.shape[1])
+        ctx.rows, ctx.r = rows, r.detach()
+        return comp.moved(w.index_select(0, rows), ctx.r.index_select(0, rows)
+                          ).reshape(*ids.shape, w.shape[1])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         ctx.comp.accumulate_rows_(ctx.point, ctx.index, ctx.rows, grad.reshape(ctx.rows.numel(), -1),
-                                  ctx.r_rows, ctx.w_rows, ctx.padding_idx)
+                                  ctx.r, ctx.padding_idx)
         return None, None, None, None, None, None
 
 
@@ -475,18 +478,18 @@ class ElementwiseComponent:
             dest.masked_fill_(self.fixed[index], 0.0)
 
     def accumulate_rows_(self, point: StreamedPoint, index: int, rows: Tensor, grad: Tensor,
-                         r_rows: Tensor, w_rows: Tensor, padding_idx: Optional[int]) -> None:
+                         r: Tensor, padding_idx: Optional[int]) -> None:
         """The streaming backward of an embedding lookup of tensor ``index`` (``rows``: the row of
-        each looked-up entry, ``grad`` its gradient, ``r_rows`` and ``w_rows`` its rows of r and
-        w): h = ∇⊙w of those rows (as :meth:`accumulate_`), summed into the tensor's piece of the
-        gradient buffer, which is zero elsewhere (or, already written, keeps what it holds); the
+        each looked-up entry, ``grad`` its gradient, ``r`` the tensor's coordinates): h = ∇⊙w of
+        those rows (as :meth:`accumulate_`), summed into the tensor's piece of the gradient
+        buffer, which is zero elsewhere (or, already written, keeps what it holds); the
         ``padding_idx`` row gets none, as in ``F.embedding``."""
         if point.gradient is None:
             return
         start, size = self.offsets[index], self.sizes[index]
         dest = point.gradient[start:start + size].view(self.shapes[index])
-        g = torch.addcmul(grad, grad, r_rows) if self.second_order else grad
-        h = g * self._direction_factor(w_rows)
+        g = torch.addcmul(grad, grad, r.index_select(0, rows)) if self.second_order else grad
+        h = g * self._direction_factor(self.tensors[index].index_select(0, rows))
         if padding_idx is not None:
             h.masked_fill_((rows == padding_idx).unsqueeze(1), 0.0)
         if self.fixed[index] is not None:
