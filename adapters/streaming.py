@@ -6,7 +6,8 @@ the model for the whole pass, in float32 even for a bfloat16 model: 4 bytes per 
 the model's own weights. Here each substituted weight is a :class:`LazyWeight`, a recipe that
 :func:`substituted` attaches to every place the parameter lives (``module.weight``, tied aliases
 included): each read runs the recipe, and the value lives only as long as the code that read it
-holds it.
+holds it. A plain ``nn.Embedding`` whose recipe can form single rows (``LazyWeight.rows``) looks
+up those rows alone instead of reading its table.
 
 Operations that need the value again in the backward pass (a linear layer's weight, a norm's
 scale) would keep it alive until then. While :func:`substituted` is active, such saved values are
