@@ -113,9 +113,12 @@ class _OverRanks:
 
     group: Any
 
+    def _summed(self, *values: Tensor) -> Tuple[Tensor, ...]:
+        return _summed(self.group, *values)
+
     def sum_over_ranks(self, value: Tensor) -> Tensor:
         """The 0-d ``value`` summed over the ranks of ``group`` (:meth:`ProductBall.on_every_rank`)."""
-        return _summed(self.group, value)[0]
+        return self._summed(value)[0]
 
 
 class ShardedElementwise(_OverRanks, ElementwiseComponent):
@@ -128,9 +131,6 @@ class ShardedElementwise(_OverRanks, ElementwiseComponent):
     def __init__(self, tensors: Dict[str, Tensor], *, group: Any = None, **options):
         super().__init__(tensors, streaming=True, **options)
         self.group = group
-
-    def _summed(self, *values: Tensor) -> Tuple[Tensor, ...]:
-        return _summed(self.group, *values)
 
     def inner(self, u: Tensor, v: Tensor) -> Tensor:
         return self._summed(super().inner(u, v))[0]
@@ -218,7 +218,7 @@ class ShardedQuotients(_OverRanks):
     def inner(self, u: Tensor, v: Tensor) -> Tensor:
         local = self._local_sum(c.inner(a, b) for c, a, b in
                                 zip(self.components, self._views(u), self._views(v)))
-        return _summed(self.group, local)[0]
+        return self._summed(local)[0]
 
     def project(self, u: Tensor) -> Tensor:
         return self._each("project", u)
@@ -255,8 +255,8 @@ class ShardedQuotients(_OverRanks):
 
     def gradient(self, grads: List[Optional[Tensor]], u: Tensor) -> Tuple[List[Tensor], Tensor, Tensor]:
         parts = [c.gradient([g], a) for c, g, a in zip(self.components, grads, self._views(u))]
-        sq, dot = _summed(self.group, self._local_sum(p[1] for p in parts),
-                          self._local_sum(p[2] for p in parts))
+        sq, dot = self._summed(self._local_sum(p[1] for p in parts),
+                               self._local_sum(p[2] for p in parts))
         return [p[0] for p in parts], sq, dot
 
     def step_buffer(self, compact: bool) -> Tensor:
@@ -267,7 +267,7 @@ class ShardedQuotients(_OverRanks):
         ds = self._views(d) if d is not None else [None] * len(self.components)
         local = self._local_sum(comp.combine(o, x, dd, gg, a, c, b) for comp, o, x, dd, gg in
                                 zip(self.components, self._views(out), self._views(u), ds, g))
-        return _summed(self.group, local)[0]
+        return self._summed(local)[0]
 
     def finish_step_(self, out: Tensor, f: Tensor, u: Tensor, d: Tensor) -> None:
         for comp, o, x, dd in zip(self.components, self._views(out), self._views(u), self._views(d)):
