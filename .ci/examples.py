@@ -15,6 +15,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -112,10 +113,22 @@ def beside_adapterhub(env_dir, workdir):
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=None, help="extras to run ('' = the core install)")
-    parser.add_argument("--keep", default=None, help="build the environments here (default: a temp dir)")
+    parser.add_argument("--keep", default=None,
+                        help="build the environments here and keep them (default: a temporary folder, "
+                             "each environment removed once its examples ran, the folder at the end)")
     args = parser.parse_args()
     base = pathlib.Path(args.keep or tempfile.mkdtemp(prefix="qm-examples-"))
     base.mkdir(parents=True, exist_ok=True)
+    try:
+        run_all(base, args.only, keep=args.keep is not None)
+    finally:
+        # each environment holds its own torch (~1 GB): left behind, a few CI runs fill the disk
+        if args.keep is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def run_all(base, only, keep):
+    """Build the wheel, then each install's environment in ``base``, and run its examples there."""
     sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(base / "dist"), str(ROOT)])
     wheel = next((base / "dist").glob("quotient_manifolds-*.whl"))
     workdir = base / "work"                 # not the checkout: the examples use the installed wheel
@@ -125,13 +138,15 @@ def main():
     for (extra, rest), items in found.items():
         print(f"  [{extra or 'core'}] {' && '.join(rest)}: " + ", ".join(w for w, _ in items))
     for (extra, rest), items in found.items():
-        if args.only is not None and extra not in args.only:
+        if only is not None and extra not in only:
             continue
         env_dir = build_env(base, extra.replace(",", "-"), wheel, extra, rest)
         for where, code in items:
             run_example(env_dir, where, code, workdir)
         if extra == "hf" and not rest:
             beside_adapterhub(env_dir, workdir)
+        if not keep:
+            shutil.rmtree(env_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
