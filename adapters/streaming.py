@@ -188,11 +188,13 @@ def substituted(model: nn.Module, weights: Mapping[str, LazyWeight], *,
             attrs = tuple(sorted(attr for _, attr, _ in places))
             module.__dict__["_lazy_weights"] = {attr: (weights[name], saved) for _, attr, name in places}
             changed.append((module, cls))
-            module.__class__ = _lazy_class(cls, attrs)
+            # (object's own setter: nn.Module.__setattr__'s checks are for parameters, modules and
+            # buffers, and cost microseconds per module at every evaluation)
+            object.__setattr__(module, "__class__", _lazy_class(cls, attrs))
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             yield
     finally:
         saved.by_storage.clear()  # the recipes (and what they hold) go with the evaluation
         for module, cls in reversed(changed):
-            module.__class__ = cls
+            object.__setattr__(module, "__class__", cls)
             module.__dict__.pop("_lazy_weights", None)

@@ -1329,3 +1329,44 @@ def test_the_default_loss_reads_its_targets_range_once_per_tensor(host_reads):
     before = len(host_reads)
     default_loss(logits, frozen)
     assert len(host_reads) > before
+
+
+# ------------------------------------------------------------------------------ the closure's call
+class _ScaledMLP(nn.Module):
+    """A model whose forward reads a float buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        return self.lin2(torch.tanh(self.lin1(x)) * self.scale)
+
+
+def test_the_closure_swaps_in_only_tensors_the_model_does_not_hold(monkeypatch):
+    from quotient_manifolds.adapters import evaluation
+
+    torch.manual_seed(0)
+    model, x, y = _ScaledMLP(), torch.randn(4, 6), torch.tensor([0, 1, 2, 1])
+    loss_fn = nn.functional.cross_entropy
+
+    def closure(buffers):
+        c = evaluation.ModelClosure(model, {}, buffers, lambda points: {}, loss_fn, False)
+        c.inputs, c.targets = x, y
+        return c([])
+
+    own = loss_fn(model(x), y)
+    real_call = evaluation.functional_call
+
+    def refused(*args, **kwargs):
+        raise AssertionError("functional_call for tensors the model holds")
+
+    monkeypatch.setattr(evaluation, "functional_call", refused)
+    assert torch.equal(closure({"scale": model.scale}), own)      # the model's own buffer: no swap
+    monkeypatch.setattr(evaluation, "functional_call", real_call)
+    doubled = closure({"scale": 2 * model.scale})                  # another tensor: swapped in
+    with torch.no_grad():
+        expected = loss_fn(model.lin2(torch.tanh(model.lin1(x)) * (2 * model.scale)), y)
+    assert torch.allclose(doubled, expected) and not torch.allclose(doubled, own)
+    assert torch.equal(model.scale, torch.linspace(0.5, 1.5, 8))   # the model is left as it was
