@@ -89,7 +89,7 @@ class ModelClosure:
         # tensors the model holds already (its own buffers, when every parameter streams) need no
         # swap: functional_call walks every module's parameters and buffers at each call (about
         # 1 ms on a 12-layer model on the CPU, host time a GPU waits for)
-        swapped = any(not _held_by(self.model, n, v) for n, v in tensors.items())
+        swapped = any(not self._holds(n, v) for n, v in tensors.items())
         args, kwargs = (((), dict(self.inputs)) if isinstance(self.inputs, Mapping)
                         else ((self.inputs,), {}))
         with substituted(self.model, lazy, slots=self._slots[1]) if lazy else contextlib.nullcontext():
@@ -114,15 +114,14 @@ class ModelClosure:
             p.requires_grad if isinstance(p, Tensor) else any(t.requires_grad for t in p.leaves)
             for p in points))
 
-
-def _held_by(model: torch.nn.Module, name: str, tensor: Tensor) -> bool:
-    """Whether ``tensor`` is the very parameter or buffer that ``model`` holds under ``name``."""
-    prefix, _, leaf = name.rpartition(".")
-    try:
-        module = model.get_submodule(prefix) if prefix else model
-    except AttributeError:
-        return False
-    return module._parameters.get(leaf) is tensor or module._buffers.get(leaf) is tensor
+    def _holds(self, name: str, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is the very parameter or buffer the model holds under ``name``."""
+        prefix, _, leaf = name.rpartition(".")
+        try:
+            module = self.model.get_submodule(prefix) if prefix else self.model
+        except AttributeError:
+            return False
+        return module._parameters.get(leaf) is tensor or module._buffers.get(leaf) is tensor
 
 
 def split_batch(tokens: TokenInputs, batch: Any, index: int, loss_fn: Optional[Callable],
