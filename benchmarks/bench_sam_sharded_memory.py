@@ -27,14 +27,13 @@ from conftest import PlainAttention  # noqa: E402
 
 
 def _resident() -> tuple:
-    """(current, peak) resident set size in bytes (Linux /proc)."""
-    values = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            key = line.split(":")[0]
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(line.split()[1]) * 1024
-    return values["VmRSS"], values["VmHWM"]
+    """(current, peak) resident set size in bytes (Linux /proc, by the library's reading)."""
+    from quotient_manifolds.adapters.memory import device_memory
+
+    now = device_memory("cpu")
+    if now is None:
+        raise RuntimeError("the resident set is read from /proc/self/status (Linux only)")
+    return now.in_use, now.peak
 
 
 def _reset_peak() -> None:

@@ -1345,6 +1345,9 @@ class _ScaledMLP(nn.Module):
 
 
 def test_the_closure_swaps_in_only_tensors_the_model_does_not_hold(monkeypatch):
+    """A tensor the model holds under its name is not swapped in (no functional_call, which walks
+    every module at each evaluation); another tensor under that name is, with its values, and
+    the model is left as it was."""
     from quotient_manifolds.adapters import evaluation
 
     torch.manual_seed(0)
