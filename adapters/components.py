@@ -352,6 +352,16 @@ class ProductBall:
                 vote = summed(vote)
         return bool(vote == 0)
 
+    def sum_over_ranks(self, values: Tensor) -> Tensor:
+        """``values`` (a float64 tensor) summed over the processes over which the ball is sharded
+        (one collective, through the first component that has ``sum_over_ranks``); ``values``
+        itself for a ball of one process. Every rank must call it."""
+        for comp in self.components:
+            summed = getattr(comp, "sum_over_ranks", None)
+            if summed is not None:
+                return summed(values)
+        return values
+
     @property
     def has_quotients(self) -> bool:
         return any(getattr(c, "quotient", False) for c in self.components)

@@ -26,7 +26,7 @@ from .streaming import LazyWeight, Slots, parameter_slots, substituted
 from .validation import TokenInputs, scalar_loss
 
 __all__ = ["map_tensors", "eval_mode", "device_of", "split_inputs", "split_batch", "ModelClosure", "HALF_DTYPES",
-           "as_compute", "to_device", "class_targets_check", "all_finite"]
+           "as_compute", "to_device", "class_targets_check", "all_finite", "loss_of"]
 
 
 def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
@@ -97,19 +97,7 @@ class ModelClosure:
                 outputs = functional_call(self.model, tensors, args=args, kwargs=kwargs)
             else:
                 outputs = self.model(*args, **kwargs)
-        if self.loss_fn is None:
-            loss = check.own_loss(outputs, self.inputs)
-        else:
-            if self.normalise:
-                outputs = normalize_logits(logits_of(outputs))
-            loss = self.loss_fn(outputs, self.targets)
-        if isinstance(loss, Tensor) and loss.dtype in HALF_DTYPES:
-            # the half resolution of the loss (~1e-3 relative) is the size of typical sharpness
-            raise TypeError(
-                f"the loss is computed in {loss.dtype}: sharpness differences of the order of its "
-                f"resolution ({torch.finfo(loss.dtype).eps:.1e} relative) would be rounded away. "
-                f"The model or loss_fn casts to half precision although its weights are given in "
-                f"float32 (torch.autocast?): run without autocast and compute the loss in float32")
+        loss = loss_of(outputs, self.inputs, self.targets, self.loss_fn, self.normalise)
         return scalar_loss(loss, needs_grad=torch.is_grad_enabled() and any(
             p.requires_grad if isinstance(p, Tensor) else any(t.requires_grad for t in p.leaves)
             for p in points))
@@ -122,6 +110,27 @@ class ModelClosure:
         except AttributeError:
             return False
         return module._parameters.get(leaf) is tensor or module._buffers.get(leaf) is tensor
+
+
+def loss_of(outputs: Any, inputs: Any, targets: Any, loss_fn: Optional[Callable], normalise: bool) -> Any:
+    """The loss of a batch from the model's ``outputs``: the model's own ``outputs.loss`` when
+    ``loss_fn`` is None, else ``loss_fn(outputs, targets)`` (on Andriushchenko et al.'s normalised
+    logits when ``normalise``); refused in half precision (the differences a sharpness measures
+    would round away)."""
+    if loss_fn is None:
+        loss = check.own_loss(outputs, inputs)
+    else:
+        if normalise:
+            outputs = normalize_logits(logits_of(outputs))
+        loss = loss_fn(outputs, targets)
+    if isinstance(loss, Tensor) and loss.dtype in HALF_DTYPES:
+        # the half resolution of the loss (~1e-3 relative) is the size of typical sharpness
+        raise TypeError(
+            f"the loss is computed in {loss.dtype}: sharpness differences of the order of its "
+            f"resolution ({torch.finfo(loss.dtype).eps:.1e} relative) would be rounded away. "
+            f"The model or loss_fn casts to half precision although its weights are given in "
+            f"float32 (torch.autocast?): run without autocast and compute the loss in float32")
+    return loss
 
 
 def split_batch(tokens: TokenInputs, batch: Any, index: int, loss_fn: Optional[Callable],
@@ -190,7 +199,15 @@ def class_targets_check(targets: Any, index: int = 0) -> Optional[Callable[[Any]
 def all_finite(t: Tensor) -> bool:
     """Whether every entry of ``t`` is finite, checked in pieces of at most
     :data:`~quotient_manifolds.adapters.components.KERNEL_LIMIT` elements (no temporary of the
-    tensor's size: a model of billions of weights is checked in place); one host sync."""
+    tensor's size: a model of billions of weights is checked in place); one host sync. A DTensor
+    is checked shard by shard, the answer agreed by its ranks (a collective: every rank calls it)."""
+    local = getattr(t, "to_local", None)
+    if local is not None:   # a DTensor: its shards checked where they are, the vote of the ranks
+        import torch.distributed as dist
+
+        finite = torch.tensor(float(all_finite(local())), device=local().device)
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=t.device_mesh.get_group())
+        return bool(finite.item() == 1)
     flat = t.reshape(-1)
     checks = [torch.isfinite(flat[a:a + KERNEL_LIMIT]).all() for a in range(0, flat.numel(), KERNEL_LIMIT)]
     return bool(torch.stack(checks).all()) if checks else True

@@ -89,6 +89,15 @@ class Gate:
         # a layout that passes (now, or on this model before), or has no block, comes back as it is
         accepted, report = accept_layout(self.model, layout, example_inputs, what=self.what,
                                          stacklevel=stacklevel + 2, on_reference=on_reference)
+        return self.settle(accepted, report, stacklevel=stacklevel + 1)
+
+    def settle(self, accepted: Any, report: Any, *, stacklevel: int = 2) -> Any:
+        """The layout to use once the checks of :meth:`accept` gave ``accepted`` (the layout with
+        its failing blocks' groups derived, or removed) and their ``report``: a layout passed in of
+        which no block verifies is refused, groups derived for a layout passed in are named in a
+        warning. A placement that checks the blocks elsewhere (module by module on a sharded model)
+        ends here too. ``stacklevel``: of the warnings, as in :meth:`accept`."""
+        layout = self.layout
         if report is not None:
             self.report = report
         if accepted is layout:
@@ -187,13 +196,25 @@ class Prepared(NamedTuple):
     num_threads: Optional[int]
 
 
+#: how a placement accepts a layout on the first inputs: ``accept(gate, inputs, on_reference,
+#: stacklevel) -> layout`` (:meth:`Gate.accept` for a model in one process)
+Accept = Callable[[Gate, Any, Optional[Callable[[Any], None]], int], Any]
+
+
+def _accept_here(gate: Gate, inputs: Any, on_reference: Optional[Callable[[Any], None]],
+                 stacklevel: int) -> Any:
+    return gate.accept(inputs, on_reference=on_reference, stacklevel=stacklevel + 1)
+
+
 def prepare_run(model: nn.Module, batches: Iterable[Any], options: Any, tokens: TokenInputs,
-                stacklevel: int) -> Prepared:
+                stacklevel: int, accept: Accept = _accept_here) -> Prepared:
     """The set-up of a sharpness run with ``options`` (:class:`~quotient_manifolds.adapters.options.SharpnessOptions`):
     the weights and fixed tensors (:func:`pre_run_checks`), the layout accepted on the first batch
     for a geodesic geometry (its inputs checked with ``tokens``, its class targets refused at the
     check's first forward pass when the default loss cannot take them), and the batches (the first
-    one read already)."""
+    one read already). ``accept``: how the placement verifies and accepts the layout on the first
+    inputs (:meth:`Gate.accept` in one process;
+    :func:`~quotient_manifolds.adapters.sharded_gate.accept_on_shards` on a sharded model)."""
     geodesic = options.spec.geodesic
     what = f"{options.geometry} sharpness"
     params0, buffers, upcast, layout, detected, gate = pre_run_checks(
@@ -215,7 +236,7 @@ def prepare_run(model: nn.Module, batches: Iterable[Any], options: Any, tokens: 
         # a geodesic number never comes from an unverified block (module docstring)
         inputs, targets, own_loss = split_batch(tokens, first, 0, options.loss_fn, options.normalize_logits)
         check_targets = None if options.loss_fn is not None or own_loss else class_targets_check(targets, 0)
-        layout = gate.accept(inputs, on_reference=check_targets, stacklevel=stacklevel)
+        layout = accept(gate, inputs, check_targets, stacklevel)
     if geodesic and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "

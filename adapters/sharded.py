@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -42,9 +41,11 @@ from torch import Tensor, nn
 
 from .ball import _gather_heads, _written, head_writes, quotient_components
 from .components import ElementwiseComponent, ProductBall, QuotientComponent, StreamedPoint
-from .evaluation import eval_mode
+from .evaluation import eval_mode, loss_of
+from .validation import scalar_loss
 
-__all__ = ["is_sharded", "assign_owners", "ShardedElementwise", "ShardedQuotients"]
+__all__ = ["is_sharded", "assign_owners", "group_of", "reshard", "ShardedPlacement", "ShardedElementwise",
+           "ShardedQuotients", "ShardedClosure"]
 
 
 def _dtensor_type():
@@ -61,7 +62,7 @@ def is_sharded(model: nn.Module) -> bool:
     return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
-def _reshard(model: nn.Module) -> None:
+def reshard(model: nn.Module) -> None:
     """Every FSDP2 module of ``model`` back to its sharded parameters: the root keeps its weights
     gathered after a forward without backward, and its next forward would reuse them instead of
     gathering the shards just written."""
@@ -162,6 +163,7 @@ def assign_owners(blocks: Sequence, sizes: Mapping[str, int], world: int) -> Dic
 
     for block in blocks:
         names = list(block.params)
+        root(names[0])   # a block of one weight is a group of its own
         for other in names[1:]:
             parent[root(other)] = root(names[0])
     connected: Dict[str, List[str]] = {}
@@ -286,7 +288,8 @@ class ShardedClosure:
     def __init__(self, model: nn.Module, local: Dict[str, Tensor],
                  rows: Dict[str, Tuple[int, int]], elementwise: Optional[ShardedElementwise],
                  quotients: Optional[ShardedQuotients], gl_weights: Dict[str, Tuple[int, Any, Any]],
-                 full0: Dict[str, Tensor], local_masks: Dict[str, Tensor], group: Any):
+                 full0: Dict[str, Tensor], local_masks: Dict[str, Tensor], group: Any,
+                 normalise: bool = False):
         import torch.distributed as dist
 
         self.model, self.local, self.rows = model, local, rows
@@ -297,6 +300,7 @@ class ShardedClosure:
         self.inputs: Any = None
         self.targets: Any = None
         self.loss_fn = None
+        self.normalise = normalise
 
     def _global(self, rank: int) -> int:
         import torch.distributed as dist
@@ -309,11 +313,13 @@ class ShardedClosure:
         held at a time), each rank copying its rows."""
         import torch.distributed as dist
 
-        stream = points[-1]
+        stream, comp = points[-1], self.elementwise
         if isinstance(stream, StreamedPoint):
-            comp = self.elementwise
             for i, name in enumerate(comp.names):
                 self.local[name].copy_(comp.moved(comp.tensors[i], stream.leaves[i].detach()))
+        elif comp is not None:   # a flat point (ProductBall.points, e.g. the retraction check's)
+            for name, value in comp.unflatten(stream.detach()).items():
+                self.local[name].copy_(value)
         if self.quotients is None:
             return
         writes = head_writes(self.quotients.groups, [p.detach() for p in points[0]], self.full0)
@@ -350,13 +356,13 @@ class ShardedClosure:
             outputs = self.model(**self.inputs)
         else:
             outputs = self.model(self.inputs)
-        loss = getattr(outputs, "loss", None) if self.loss_fn is None else self.loss_fn(
-            outputs, self.targets)
+        loss = scalar_loss(loss_of(outputs, self.inputs, self.targets, self.loss_fn, self.normalise),
+                           needs_grad=grad)
         value = loss.detach().to(torch.float64).reshape(1)
         dist.all_reduce(value, group=self.group)
         value = value / dist.get_world_size(self.group)
         if not grad:
-            _reshard(self.model)
+            reshard(self.model)
             return value.reshape(())
         loss.backward()
         stream = points[-1]
@@ -391,128 +397,109 @@ def _restored(model: nn.Module, params: Dict[str, nn.Parameter], local: Dict[str
         with torch.no_grad():
             for name, copy in copies.items():
                 local[name].copy_(copy)
-        _reshard(model)
+        reshard(model)
         for n, p in params.items():
             p.grad = grads[n]
 
 
-def run_sharded(model: nn.Module, batches: Any, rhos: Sequence[float], options, tokens, *, stacklevel: int
-                ) -> List[Any]:
-    """The body of :func:`~quotient_manifolds.adapters.sharpness` for a sharded model (module
-    docstring): one :class:`~quotient_manifolds.adapters.SharpnessResult` per radius. ``tokens``:
-    the model's :class:`~quotient_manifolds.adapters.validation.TokenInputs` (the batches' checks)."""
+def group_of(model: nn.Module) -> Any:
+    """The process group a sharded model's weights are sharded over (the group of the device mesh
+    of its first DTensor parameter: FSDP2's one-dimensional mesh, not necessarily the world), after
+    checking that ``torch.distributed`` is initialised."""
     import torch.distributed as dist
-
-    from .solver import auto_pgd, average_case
-    from .worst_case import _result, default_loss, split_batch
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("the model's parameters are DTensors but no torch.distributed process group "
                            "is initialised: call sharpness on every rank of the group the model is "
                            "sharded over (e.g. under torchrun)")
-    _reshard(model)
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if not params:
-        raise ValueError("the model has no trainable parameter: sharpness perturbs the trainable weights")
-    # the ranks the weights are sharded over (FSDP2's one-dimensional mesh), not necessarily the world
-    group = next((p.device_mesh.get_group() for p in params.values() if hasattr(p, "device_mesh")), None)
-    geodesic = options.spec.geodesic
-    layout = options.layout
-    if geodesic:
-        failed = getattr(layout, "verify_failed", None)
-        if layout is None or failed is None or failed:
-            raise ValueError(
-                f"{options.geometry} sharpness of a sharded model needs layout= a layout verified before "
-                f"sharding: layout = adapters.layout(model); layout.verify(model, example_inputs) on "
-                f"the unsharded model, then fully_shard, then sharpness(..., layout=layout)"
-                + ("" if not failed else f" (this one failed on blocks {list(failed)})"))
-    half = sorted(n for n, p in params.items() if p.dtype in (torch.float16, torch.bfloat16))
-    if half:
-        raise TypeError(
-            f"the sharded parameters {half[:3]} are in half precision: a perturbation of relative size "
-            f"~1e-4 rounds away in them, and the sharded path writes the perturbed weights in place. "
-            f"Keep the sharded weights in float32 (FSDP2's MixedPrecisionPolicy(param_dtype="
-            f"torch.bfloat16) still computes in bfloat16 if you want that)")
-    local, rows, copies, local_masks = {}, {}, {}, {}
-    for name, p in params.items():
-        local[name], a, b = _local_rows(p)
-        rows[name] = (a, b)
-    finite = torch.tensor([float(all(bool(torch.isfinite(t).all()) for t in local.values()))])
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=group)
-    if finite.item() < 1:
-        raise ValueError("a parameter contains non-finite values; sharpness is undefined at such weights")
-    gl_names = sorted({piece.param for block in layout.blocks for piece in block.pieces}) if geodesic else []
-    world, me = dist.get_world_size(group), dist.get_rank(group)
-    owners = assign_owners(layout.blocks, {n: params[n].numel() for n in gl_names}, world) if gl_names else {}
-    gl_weights = {n: (owners[n], tuple(params[n].shape), params[n].dtype) for n in gl_names}
-    full0 = {}
-    for n in gl_names:  # gathered one at a time, kept by the owner only
-        full = params[n].full_tensor().detach()
-        if owners[n] == me:
-            full0[n] = full
-        del full
-    masks = dict(getattr(layout, "gl_masks", {}) or {}) if geodesic else {}
-    adaptive = [n for n in (layout.adaptive if geodesic else params) if n in params]
-    for n in adaptive:
-        copies[n] = local[n].detach().clone()
-        if n in masks:
-            a, b = rows[n]
-            local_masks[n] = masks[n].to(local[n].device)[a:b]
-    for n in gl_names:
-        if n not in copies:
+    return next((p.device_mesh.get_group() for p in model.parameters() if hasattr(p, "device_mesh")), None)
+
+
+class ShardedPlacement:
+    """The :class:`~quotient_manifolds.adapters.placement.Placement` of a model sharded with FSDP2
+    (module docstring): every rank calls the run with its own batches; the ball's vectors are the
+    ranks' shards, each GL block held whole by one rank; the layout is verified module by module on
+    the sharded model (:func:`~quotient_manifolds.adapters.sharded_gate.accept_on_shards`)."""
+
+    def __init__(self, model: nn.Module, what: str):
+        import torch.distributed as dist
+
+        self.model, self.what = model, what
+        self.group = group_of(model)
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.is_main = self.rank == 0
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        half = sorted(n for n, p in self.params.items() if p.dtype in (torch.float16, torch.bfloat16))
+        if half:
+            raise TypeError(
+                f"the sharded parameters {half[:3]} are in half precision: a perturbation of relative size "
+                f"~1e-4 rounds away in them, and the sharded path writes the perturbed weights in place. "
+                f"Keep the sharded weights in float32 (FSDP2's MixedPrecisionPolicy(param_dtype="
+                f"torch.bfloat16) still computes in bfloat16 if you want that)")
+        self.local: Dict[str, Tensor] = {}
+        self.rows: Dict[str, Tuple[int, int]] = {}
+        for name, p in self.params.items():
+            self.local[name], a, b = _local_rows(p)
+            self.rows[name] = (a, b)
+        #: the trained values of the shards the run writes, restored when it ends
+        self.copies: Dict[str, Tensor] = {}
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        reshard(self.model)
+        with eval_mode(self.model), _restored(self.model, self.params, self.local, self.copies):
+            yield
+
+    def prepare(self, batches: Any, options: Any, tokens: Any, stacklevel: int) -> Any:
+        from .gate import prepare_run
+        from .sharded_gate import accept_on_shards
+
+        return prepare_run(self.model, batches, options, tokens, stacklevel + 1, accept=accept_on_shards)
+
+    def build(self, prepared: Any, options: Any) -> Tuple[ProductBall, "ShardedClosure"]:
+        params, local, rows, copies = self.params, self.local, self.rows, self.copies
+        layout = prepared.layout
+        geodesic = options.spec.geodesic
+        gl_names = sorted({piece.param for block in layout.blocks for piece in block.pieces}) if geodesic else []
+        owners = (assign_owners(layout.blocks, {n: params[n].numel() for n in gl_names}, self.world_size)
+                  if gl_names else {})
+        gl_weights = {n: (owners[n], tuple(params[n].shape), params[n].dtype) for n in gl_names}
+        full0 = {}
+        for n in gl_names:  # gathered one at a time, kept by the owner only
+            full = params[n].full_tensor().detach()
+            if owners[n] == self.rank:
+                full0[n] = full
+            del full
+        masks = dict(getattr(layout, "gl_masks", {}) or {}) if geodesic else {}
+        adaptive = [n for n in (layout.adaptive if geodesic else params) if n in params]
+        local_masks = {}
+        for n in adaptive:
             copies[n] = local[n].detach().clone()
-    quotients = None
-    if geodesic and layout.blocks:
-        owned = [b for b in layout.blocks if owners[b.g_pieces[0].param] == me]
-        # streaming=True: the owner keeps the heads in the weights' dtype (the frame promotes
-        # them where it uses them: the same numbers, no float64 copy)
-        components, groups = quotient_components(
-            owned, full0, metric=options.spec.metric, retraction=options.retraction,
-            gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm, streaming=True)
-        like = params[gl_names[0]]
-        quotients = ShardedQuotients(components, groups, dtype=like.dtype,
-                                     device=local[gl_names[0]].device, group=group)
-    elementwise = ShardedElementwise(
-        {n: copies[n] for n in adaptive},
-        masks={n: ~m for n, m in local_masks.items()}, direction=options.adaptive_direction,
-        second_order=options.elementwise_second_order, group=group) if adaptive else None
-    ball = ProductBall([c for c in (quotients, elementwise) if c is not None])
-    closure = ShardedClosure(model, local, rows, elementwise, quotients, gl_weights, full0,
-                             local_masks, group)
-    generator = torch.Generator(device=next(iter(local.values())).device).manual_seed(options.seed)
-    runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]
-    setup_started = time.perf_counter()
-    with eval_mode(model), _restored(model, params, local, copies):
-        for index, batch in enumerate(batches):
-            inputs, targets, own_loss = split_batch(tokens, batch, index, options.loss_fn,
-                                                    options.normalize_logits)
-            closure.inputs, closure.targets = inputs, targets
-            closure.loss_fn = None if own_loss else (options.loss_fn or default_loss)
-            previous = None
-            for runs_at, rho in zip(runs, rhos):
-                started = time.perf_counter()
-                if options.measure == "worst":
-                    res = auto_pgd(ball, closure, rho, n_iters=options.n_iters, momentum=options.momentum,
-                                   step_normalisation=options.step_normalisation,
-                                   step_size_mult=options.step_size_mult,
-                                   start=None if previous is None else (previous.xi, previous.init_loss))
-                    previous = res
-                    share = ball.quotient_share(res.xi)
-                    run = dict(init=res.init_loss, worst=res.worst_loss, norm=res.norm,
-                               fwd=res.n_forward, bwd=res.n_backward, gap=None, share=share,
-                               attention=share if geodesic and layout.blocks else None)
-                else:
-                    res = average_case(ball, closure, rho, n_samples=options.n_samples, generator=generator)
-                    run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
-                               fwd=1 + options.n_samples, bwd=0, gap=None)
-                run["time"] = time.perf_counter() - started
-                runs_at.append(run)
-    if not runs[0]:
-        raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
-    setup = time.perf_counter() - setup_started - sum(r["time"] for at in runs for r in at)
-    results = []
-    for rho, at in zip(rhos, runs):
-        results.append(_result(rho, at, options, setup / len(rhos), False, stacklevel + 1))
-    for r in results:
-        r.options["world_size"] = dist.get_world_size(group)
-    return results
+            if n in masks:
+                a, b = rows[n]
+                local_masks[n] = masks[n].to(local[n].device)[a:b]
+        for n in gl_names:
+            if n not in copies:
+                copies[n] = local[n].detach().clone()
+        quotients = None
+        if geodesic and layout.blocks:
+            owned = [b for b in layout.blocks if owners[b.g_pieces[0].param] == self.rank]
+            # streaming=True: the owner keeps the heads in the weights' dtype (the frame promotes
+            # them where it uses them: the same numbers, no float64 copy)
+            components, groups = quotient_components(
+                owned, full0, metric=options.spec.metric, retraction=options.retraction,
+                gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm, streaming=True)
+            quotients = ShardedQuotients(components, groups, dtype=params[gl_names[0]].dtype,
+                                         device=local[gl_names[0]].device, group=self.group)
+        elementwise = ShardedElementwise(
+            {n: copies[n] for n in adaptive},
+            masks={n: ~m for n, m in local_masks.items()}, direction=options.adaptive_direction,
+            second_order=options.elementwise_second_order, group=self.group) if adaptive else None
+        if prepared.covered:   # an adaptive run's attention entries, as this rank's rows
+            prepared.covered.update({n: m.to(local[n].device)[slice(*rows[n])]
+                                     for n, m in prepared.covered.items() if n in local})
+        ball = ProductBall([c for c in (quotients, elementwise) if c is not None])
+        closure = ShardedClosure(self.model, local, rows, elementwise, quotients, gl_weights, full0,
+                                 local_masks, self.group, normalise=options.normalize_logits)
+        return ball, closure

@@ -23,16 +23,15 @@ import torch
 
 from quotient_manifolds._runtime import bounded_threads
 
-from .ball import GEOMETRIES, ball_of, build_ball  # GEOMETRIES is served here too
+from .ball import GEOMETRIES, build_ball  # GEOMETRIES is served here too
 from .solver import APGDResult, ProductBall, auto_pgd, average_case
 from . import validation as check
 from .evaluation import HALF_DTYPES, ModelClosure, as_compute, split_batch, to_device
-from .gate import SMALL_MODEL_PARAMS, PreRun, Prepared, pre_run_checks, prepare_run  # noqa: F401 - served here too
+from .gate import SMALL_MODEL_PARAMS, PreRun, Prepared, pre_run_checks  # noqa: F401 - served here too
 from .losses import default_loss, logits_of, next_token_loss, normalize_logits
 from .memory import explained_out_of_memory
-from .modes import eval_mode
 from .options import MEASURES, SHARPNESS_OPTION_NAMES, SharpnessOptions, as_rho, document_options, sharpness_options
-from .sharded import is_sharded, run_sharded
+from .placement import placement_of
 from .validation import materialised
 
 # served here too: the names the driver was the module of before the set-up was split
@@ -163,34 +162,28 @@ def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence
     what = f"{options.geometry} sharpness"
     materialised(model, what)
     tokens = check.TokenInputs(model)
-    if is_sharded(model):  # FSDP2: ξ and the solver's buffers sharded like the weights
-        with explained_out_of_memory(model, what):
-            return run_sharded(model, batches, rhos, options, tokens, stacklevel=stacklevel + 1)
-    with explained_out_of_memory(model, what), eval_mode(model):
-        prepared = prepare_run(model, batches, options, tokens, stacklevel + 1)
+    placement = placement_of(model, what)
+    with explained_out_of_memory(model, what), placement.session():
+        prepared = placement.prepare(batches, options, tokens, stacklevel + 1)
         started = time.perf_counter()
         with bounded_threads(prepared.num_threads):
-            ball, write_back = ball_of(
-                prepared.params0, geometry=options.geometry, layout=prepared.layout,
-                retraction=options.retraction, gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm,
-                adaptive_direction=options.adaptive_direction,
-                elementwise_second_order=options.elementwise_second_order, streaming=True,
-                compute_dtype=torch.float32 if prepared.upcast else None)
-            # the loss function is set per batch (dict batches may use the model's own loss)
-            closure = ModelClosure(model, prepared.params0, prepared.buffers, write_back, None,
-                                   options.normalize_logits)
-            runs = _run_batches(ball, closure, prepared, tokens, rhos, options)
+            ball, closure = placement.build(prepared, options)
+            runs = _run_batches(ball, closure, prepared, tokens, rhos, options, placement.is_main)
     setup = time.perf_counter() - started - sum(r["time"] for at in runs for r in at)
     results = []
     for rho, at in zip(rhos, runs):  # a loop, not a comprehension: its frame would shift the warnings
-        results.append(_result(rho, at, options, setup / len(rhos), prepared.upcast, stacklevel + 1))
+        result = _result(rho, at, options, setup / len(rhos), prepared.upcast, stacklevel + 1)
+        result.options["world_size"] = placement.world_size
+        results.append(result)
     return results
 
 
-def _run_batches(ball: ProductBall, closure: ModelClosure, prepared: Prepared, tokens: check.TokenInputs,
-                 rhos: Sequence[float], options: SharpnessOptions) -> List[List[Dict[str, Any]]]:
+def _run_batches(ball: ProductBall, closure: Any, prepared: Prepared, tokens: check.TokenInputs,
+                 rhos: Sequence[float], options: SharpnessOptions, show_progress: bool = True
+                 ) -> List[List[Dict[str, Any]]]:
     """The runs (dicts of losses, norms, pass counts, shares, time) per radius and per batch, on
-    ``ball`` with ``closure`` (the batch set per batch)."""
+    ``ball`` with ``closure`` (the batch set per batch); the progress bar (``options.progress``)
+    where ``show_progress`` (one process of a sharded run)."""
     runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]
     bar = None
     try:
@@ -198,7 +191,7 @@ def _run_batches(ball: ProductBall, closure: ModelClosure, prepared: Prepared, t
                      and options.measure == "worst" and ball.has_quotients)
         generator = torch.Generator(device=prepared.device).manual_seed(options.seed)
         on_iteration = None
-        if options.progress:
+        if options.progress and show_progress:
             from tqdm.auto import tqdm
             steps = options.n_iters if options.measure == "worst" else options.n_samples
             bar = tqdm(total=None if prepared.n_batches is None else prepared.n_batches * steps * len(rhos),
@@ -291,7 +284,8 @@ def _exact_points(ball: ProductBall, xi) -> list:
     :data:`CHECK_AGREEMENT` of its distance from the second-order point, or to the rounding of
     the weights. On trained weights one or two steps agree (the check then costs a fraction of a
     fixed number of steps); where the geodesic bends fast, the most steps are taken. A ValueError
-    (the integration left the manifold) is raised only at the most steps."""
+    (the integration left the manifold) is raised only at the most steps. On a sharded ball every
+    decision is taken alike on all ranks (sums and votes over them)."""
     quotients = {i: c for i, c in enumerate(ball.components) if getattr(c, "quotient", False)}
     second = {i: c.point(xi[i]) for i, c in quotients.items()}
     steps, previous = 1, None
@@ -299,33 +293,36 @@ def _exact_points(ball: ProductBall, xi) -> list:
         try:
             current = {i: c.point(xi[i], "exact", steps) for i, c in quotients.items()}
         except ValueError:
+            current = None
+        if not ball.on_every_rank(current is not None, xi[0].device):  # left the manifold on a rank
             if steps >= CHECK_EXACT_STEPS:
-                raise
+                raise ValueError("the exact geodesic leaves the manifold")
             current = None
         if steps >= CHECK_EXACT_STEPS or (
                 previous is not None and current is not None
-                and _endpoints_agree(previous, current, second)):
+                and _endpoints_agree(ball, previous, current, second, xi[0].device)):
             break
         previous, steps = current, 2 * steps
     return [current[i] if i in current else c.point(a, "exact", steps)
             for i, (c, a) in enumerate(zip(ball.components, xi))]
 
 
-def _endpoints_agree(previous: dict, current: dict, second: dict) -> bool:
+def _endpoints_agree(ball: ProductBall, previous: dict, current: dict, second: dict,
+                     device: torch.device) -> bool:
     """‖current − previous‖ ≤ CHECK_AGREEMENT·‖current − second‖ + (the rounding of the weights),
-    over all quotient components' points (float64 sums)."""
+    over all quotient components' points (float64 sums, over every rank of a sharded ball)."""
     def flat(points):
         for p in points.values():
             yield from (p if isinstance(p, (list, tuple)) else [p])
 
-    change = gap = size = 0.0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # a collective's tensor: on the ball's device
     floor_eps = 1e-6
     for p, c, s2 in zip(flat(previous), flat(current), flat(second)):
         c64 = c.double()
-        change += float((c64 - p.double()).square().sum())
-        gap += float((c64 - s2.double()).square().sum())
-        size += float(c64.square().sum())
+        sums += torch.stack([(c64 - p.double()).square().sum(), (c64 - s2.double()).square().sum(),
+                             c64.square().sum()]).to(device)
         floor_eps = max(floor_eps, 4 * torch.finfo(c.dtype).eps)
+    change, gap, size = (float(v) for v in ball.sum_over_ranks(sums))
     if not math.isfinite(change + gap + size):   # a blown-up integration agrees with nothing
         return False
     return math.sqrt(change) <= CHECK_AGREEMENT * math.sqrt(gap) + floor_eps * math.sqrt(size)
