@@ -23,6 +23,7 @@ from . import validation as check
 from .gate import Gate
 from .ball import GEOMETRY_TABLE
 from .options import sharpness_options
+from .sharded import is_sharded
 from .worst_case import SharpnessResult, sharpness
 
 __all__ = ["distributed_sharpness"]
@@ -49,6 +50,12 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
         raise TypeError("distributed_sharpness needs rho= (the radius of the ball), as "
                         "quotient_manifolds.adapters.sharpness does")
     resolved = sharpness_options({k: v for k, v in options.items() if k != "rho"}, rho=options["rho"])
+    if is_sharded(model):
+        raise ValueError(
+            "distributed_sharpness measures a whole model on every rank, each rank its share of the "
+            "batches; this model is sharded with FSDP2 (its parameters are DTensors). Call "
+            "adapters.sharpness(model, batches, ...) on every rank instead: on a sharded model each rank "
+            "passes its own batches, and the loss is their mean over the ranks")
     check.batches("batches", batches)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("distributed_sharpness needs an initialised torch.distributed process "

@@ -123,6 +123,7 @@ from . import validation as check
 from .ball import ball_of, geometry_of, gram_eps_of
 from .evaluation import ModelClosure, eval_mode, split_batch, to_device
 from .gate import pre_run_checks
+from .sharded import is_sharded
 from .losses import default_loss
 from .solver import ElementwiseComponent, QuotientComponent
 from .validation import integer_at_least, materialised
@@ -351,6 +352,12 @@ def riemannian_hessian(model: torch.nn.Module,
     check.flag("unsafe", unsafe)
     geodesic = geometry_of(geometry).geodesic
     materialised(model, f"{geometry} Hessian")
+    if is_sharded(model):
+        raise NotImplementedError(
+            f"riemannian_hessian on a model sharded with FSDP2 (its parameters are DTensors): the "
+            f"Hessian operator (curvlinops) multiplies vectors of the whole model in one process. "
+            f"Compute it on the unsharded model (e.g. on one rank, or a smaller model), or measure "
+            f"the sharded model with adapters.sharpness, which runs sharded")
     tokens = check.TokenInputs(model)
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")

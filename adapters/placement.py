@@ -20,20 +20,23 @@ of a model.
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Iterable, Protocol, Tuple
+import contextlib
+from typing import Any, ContextManager, Dict, Iterable, Iterator, Protocol, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from .ball import ball_of
+from .ball import ball_of, quotient_components
 from .components import ProductBall
 from .evaluation import ModelClosure
 from .gate import Prepared, prepare_run
 from .modes import eval_mode
-from .sharded import ShardedPlacement, is_sharded
+from .sharded import (ShardedClosure, ShardedElementwise, ShardedQuotients, assign_owners, group_of, is_sharded,
+                      local_rows, reshard, restored)
+from .sharded_gate import accept_on_shards
 from .validation import TokenInputs
 
-__all__ = ["Placement", "LocalPlacement", "placement_of"]
+__all__ = ["Placement", "LocalPlacement", "ShardedPlacement", "placement_of"]
 
 
 class Placement(Protocol):
@@ -84,6 +87,98 @@ class LocalPlacement:
         # the loss function is set per batch (dict batches may use the model's own loss)
         return ball, ModelClosure(self.model, prepared.params0, prepared.buffers, write_back, None,
                                   options.normalize_logits)
+
+
+class ShardedPlacement:
+    """The :class:`~quotient_manifolds.adapters.placement.Placement` of a model sharded with FSDP2
+    (module docstring): every rank calls the run with its own batches; the ball's vectors are the
+    ranks' shards, each GL block held whole by one rank; the layout is verified module by module on
+    the sharded model (:func:`~quotient_manifolds.adapters.sharded_gate.accept_on_shards`)."""
+
+    def __init__(self, model: nn.Module, what: str):
+        import torch.distributed as dist
+
+        self.model, self.what = model, what
+        self.group = group_of(model)
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.is_main = self.rank == 0
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        half = sorted(n for n, p in self.params.items() if p.dtype in (torch.float16, torch.bfloat16))
+        if half:
+            raise TypeError(
+                f"the sharded parameters {half[:3]} are in half precision: a perturbation of relative size "
+                f"~1e-4 rounds away in them, and the sharded path writes the perturbed weights in place. "
+                f"Keep the sharded weights in float32 (FSDP2's MixedPrecisionPolicy(param_dtype="
+                f"torch.bfloat16) still computes in bfloat16 if you want that)")
+        self.local: Dict[str, Tensor] = {}
+        self.rows: Dict[str, Tuple[int, int]] = {}
+        for name, p in self.params.items():
+            self.local[name], a, b = local_rows(p)
+            self.rows[name] = (a, b)
+        #: the trained values of the shards the run writes, restored when it ends
+        self.copies: Dict[str, Tensor] = {}
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        reshard(self.model)
+        with eval_mode(self.model), restored(self.model, self.params, self.local, self.copies):
+            yield
+
+    def prepare(self, batches: Any, options: Any, tokens: Any, stacklevel: int) -> Any:
+        if options.include_frozen:
+            raise ValueError(
+                f"{self.what}: include_frozen=True on a model sharded with FSDP2: FSDP2 computes no "
+                f"gradient for frozen weights, which the run needs. Set requires_grad=True on the "
+                f"weights to perturb (the run leaves .grad as it was), or measure unsharded")
+        return prepare_run(self.model, batches, options, tokens, stacklevel + 1, accept=accept_on_shards)
+
+    def build(self, prepared: Any, options: Any) -> Tuple[ProductBall, "ShardedClosure"]:
+        params, local, rows, copies = self.params, self.local, self.rows, self.copies
+        layout = prepared.layout
+        geodesic = options.spec.geodesic
+        gl_names = sorted({piece.param for block in layout.blocks for piece in block.pieces}) if geodesic else []
+        owners = (assign_owners(layout.blocks, {n: params[n].numel() for n in gl_names}, self.world_size)
+                  if gl_names else {})
+        gl_weights = {n: (owners[n], tuple(params[n].shape), params[n].dtype) for n in gl_names}
+        full0 = {}
+        for n in gl_names:  # gathered one at a time, kept by the owner only
+            full = params[n].full_tensor().detach()
+            if owners[n] == self.rank:
+                full0[n] = full
+            del full
+        masks = dict(getattr(layout, "gl_masks", {}) or {}) if geodesic else {}
+        adaptive = [n for n in (layout.adaptive if geodesic else params) if n in params]
+        local_masks = {}
+        for n in adaptive:
+            copies[n] = local[n].detach().clone()
+            if n in masks:
+                a, b = rows[n]
+                local_masks[n] = masks[n].to(local[n].device)[a:b]
+        for n in gl_names:
+            if n not in copies:
+                copies[n] = local[n].detach().clone()
+        quotients = None
+        if geodesic and layout.blocks:
+            owned = [b for b in layout.blocks if owners[b.g_pieces[0].param] == self.rank]
+            # streaming=True: the owner keeps the heads in the weights' dtype (the frame promotes
+            # them where it uses them: the same numbers, no float64 copy)
+            components, groups = quotient_components(
+                owned, full0, metric=options.spec.metric, retraction=options.retraction,
+                gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm, streaming=True)
+            quotients = ShardedQuotients(components, groups, dtype=params[gl_names[0]].dtype,
+                                         device=local[gl_names[0]].device, group=self.group)
+        elementwise = ShardedElementwise(
+            {n: copies[n] for n in adaptive},
+            masks={n: ~m for n, m in local_masks.items()}, direction=options.adaptive_direction,
+            second_order=options.elementwise_second_order, group=self.group) if adaptive else None
+        if prepared.covered:   # an adaptive run's attention entries, as this rank's rows
+            prepared.covered.update({n: m.to(local[n].device)[slice(*rows[n])]
+                                     for n, m in prepared.covered.items() if n in local})
+        ball = ProductBall([c for c in (quotients, elementwise) if c is not None])
+        closure = ShardedClosure(self.model, local, rows, elementwise, quotients, gl_weights, full0,
+                                 local_masks, self.group, normalise=options.normalize_logits)
+        return ball, closure
 
 
 def placement_of(model: nn.Module, what: str) -> Placement:

@@ -51,7 +51,8 @@ from . import validation as check
 from .ball import GEOMETRY_TABLE, build_ball, geometry_of
 from .evaluation import HALF_DTYPES, as_compute
 from .options import as_rho
-from .sam_parallel import ParallelAscent, _is_ddp, _local, _shard_group_of, _verified_before_sharding
+from .sam_parallel import ParallelAscent, _is_ddp, _local, _shard_group_of
+from .sharded_gate import verified_before_sharding
 from .validation import materialised
 
 #: why a layout whose blocks fail verification is refused (``unsafe=True``: the warning's reason)
@@ -284,25 +285,9 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
                           consequence=SAM_CONSEQUENCE, unsafe=unsafe, allow_unsupported=allow_unsupported)
         layout = self._gate.layout
         pending = self._gate.pending
-        if pending and self._shard_group is not None:
-            # FSDP2 gathers the weights inside the forward pass itself, so the acted-on weights of a
-            # verification would never reach it: the layout must have passed on the whole model
-            if _verified_before_sharding(self.model, layout):
-                pending = False
-            elif unsafe:
-                warnings.warn(f"unsafe=True: GeodesicSAM({self.geometry}) uses a layout not verified "
-                              f"on this model before it was sharded; {SAM_CONSEQUENCE} if a block is "
-                              f"not a symmetry", UserWarning, stacklevel=4)
-                pending = False
-            else:
-                raise ValueError(
-                    f"GeodesicSAM({self.geometry}): the model is sharded (FSDP2), and a layout's blocks "
-                    f"cannot be verified on a sharded model. Verify them on the whole model before "
-                    f"fully_shard, on every rank: lay = adapters.layout(model); lay.verify(model, "
-                    f"inputs); then fully_shard(...) and GeodesicSAM(model, ..., layout=lay) (or "
-                    f"layout=None: the same blocks are recognised). Or use geometry='adaptive'")
-            if not pending:    # the whole model's verification stands for the sharded one
-                self._gate = None
+        if pending and self._shard_group is not None and verified_before_sharding(self.model, layout):
+            # the whole model's verification before fully_shard stands for the sharded one
+            pending, self._gate = False, None
         if pending:
             # verified on the inputs of the model's next forward pass (the first batch)
             self._capture = capture_first_call(self.model, self._first_inputs)
@@ -414,7 +399,12 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
                 f"was called with both positional and keyword arguments, which Layout.verify cannot "
                 f"replay. Verify the layout yourself once (lay = adapters.layout(model); "
                 f"lay.verify(model, {{...keyword inputs...}})) and pass layout=lay")
-        self.layout = self._gate.accept(captured["inputs"], stacklevel=3)
+        if self._shard_group is not None:   # FSDP2: checked module by module on the shards
+            from .sharded_gate import accept_on_shards
+
+            self.layout = accept_on_shards(self._gate, captured["inputs"], None, 2)
+        else:
+            self.layout = self._gate.accept(captured["inputs"], stacklevel=3)
         self._first_inputs, self._capture = {}, None  # after a refusal the next step verifies again
 
     @torch.no_grad()

@@ -51,21 +51,6 @@ def _shard_of(whole: Tensor, like: Tensor) -> Tensor:
                              src_data_rank=None).to_local()
 
 
-def _verified_before_sharding(model: nn.Module, layout) -> bool:
-    """Whether ``layout`` (its blocks, by value) passed :meth:`Layout.verify` on ``model`` while its
-    parameters had the same names, shapes and dtypes, i.e. on the whole model before ``fully_shard``
-    replaced them by DTensors (same global shapes, new storage)."""
-    from .verify import _VERIFIED, signature
-
-    try:
-        done = _VERIFIED.get(model) or ()
-    except TypeError:
-        return False
-    blocks, state = signature(model, layout)
-    now = tuple(entry[:3] for entry in state)
-    return any(sig[0] == blocks and tuple(entry[:3] for entry in sig[1]) == now for sig in done)
-
-
 def _shard_group_of(params: Dict[str, Tensor]):
     """The process group over which FSDP2 (``fully_shard``) shards ``params``, ``None`` when no
     parameter is a DTensor; refused unless all are DTensors sharded on one dimension of one 1-D

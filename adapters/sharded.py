@@ -26,8 +26,10 @@ scatters as in training, with its mixed-precision policy if it has one), and rea
 from the sharded ``.grad`` (averaged over the ranks by FSDP2's reduce-scatter; an attention
 weight's gradient is gathered whole, one weight at a time, and kept by its owner). The trained weights
 and the parameters' ``.grad`` are restored when the run ends, also after an exception. The layout
-of a geodesic geometry must have been verified before sharding (``layout.verify(model, inputs)``
-on the unsharded model); it is passed as ``layout=``.
+of a geodesic geometry is detected on the sharded model and verified on its shards, module by
+module (:mod:`~quotient_manifolds.adapters.sharded_gate`); the run itself is the one loop of
+:func:`~quotient_manifolds.adapters.worst_case.run_sharpness`, with this module's components and
+closure behind :class:`~quotient_manifolds.adapters.placement.ShardedPlacement`.
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .ball import _gather_heads, _written, head_writes, quotient_components
-from .components import ElementwiseComponent, ProductBall, QuotientComponent, StreamedPoint
-from .evaluation import eval_mode, loss_of
+from .ball import _gather_heads, _written, head_writes
+from .components import ElementwiseComponent, QuotientComponent, StreamedPoint
+from .evaluation import loss_of
 from .validation import scalar_loss
 
-__all__ = ["is_sharded", "assign_owners", "group_of", "reshard", "ShardedPlacement", "ShardedElementwise",
+__all__ = ["is_sharded", "assign_owners", "group_of", "reshard", "restored", "ShardedElementwise",
            "ShardedQuotients", "ShardedClosure"]
 
 
@@ -75,7 +77,7 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def _local_rows(p) -> Tuple[Tensor, int, int]:
+def local_rows(p) -> Tuple[Tensor, int, int]:
     """(local tensor, first row, last row + 1) of a DTensor sharded on dim 0 or replicated, the
     rows of the full tensor this rank holds (``torch.chunk`` semantics, as FSDP2 cuts)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -385,7 +387,7 @@ class ShardedClosure:
 
 
 @contextlib.contextmanager
-def _restored(model: nn.Module, params: Dict[str, nn.Parameter], local: Dict[str, Tensor],
+def restored(model: nn.Module, params: Dict[str, nn.Parameter], local: Dict[str, Tensor],
               copies: Dict[str, Tensor]) -> Iterator[None]:
     """Restores the local shards from ``copies`` and every parameter's ``.grad`` on exit."""
     grads = {n: p.grad for n, p in params.items()}
@@ -413,93 +415,3 @@ def group_of(model: nn.Module) -> Any:
                            "is initialised: call sharpness on every rank of the group the model is "
                            "sharded over (e.g. under torchrun)")
     return next((p.device_mesh.get_group() for p in model.parameters() if hasattr(p, "device_mesh")), None)
-
-
-class ShardedPlacement:
-    """The :class:`~quotient_manifolds.adapters.placement.Placement` of a model sharded with FSDP2
-    (module docstring): every rank calls the run with its own batches; the ball's vectors are the
-    ranks' shards, each GL block held whole by one rank; the layout is verified module by module on
-    the sharded model (:func:`~quotient_manifolds.adapters.sharded_gate.accept_on_shards`)."""
-
-    def __init__(self, model: nn.Module, what: str):
-        import torch.distributed as dist
-
-        self.model, self.what = model, what
-        self.group = group_of(model)
-        self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        self.is_main = self.rank == 0
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        half = sorted(n for n, p in self.params.items() if p.dtype in (torch.float16, torch.bfloat16))
-        if half:
-            raise TypeError(
-                f"the sharded parameters {half[:3]} are in half precision: a perturbation of relative size "
-                f"~1e-4 rounds away in them, and the sharded path writes the perturbed weights in place. "
-                f"Keep the sharded weights in float32 (FSDP2's MixedPrecisionPolicy(param_dtype="
-                f"torch.bfloat16) still computes in bfloat16 if you want that)")
-        self.local: Dict[str, Tensor] = {}
-        self.rows: Dict[str, Tuple[int, int]] = {}
-        for name, p in self.params.items():
-            self.local[name], a, b = _local_rows(p)
-            self.rows[name] = (a, b)
-        #: the trained values of the shards the run writes, restored when it ends
-        self.copies: Dict[str, Tensor] = {}
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
-        reshard(self.model)
-        with eval_mode(self.model), _restored(self.model, self.params, self.local, self.copies):
-            yield
-
-    def prepare(self, batches: Any, options: Any, tokens: Any, stacklevel: int) -> Any:
-        from .gate import prepare_run
-        from .sharded_gate import accept_on_shards
-
-        return prepare_run(self.model, batches, options, tokens, stacklevel + 1, accept=accept_on_shards)
-
-    def build(self, prepared: Any, options: Any) -> Tuple[ProductBall, "ShardedClosure"]:
-        params, local, rows, copies = self.params, self.local, self.rows, self.copies
-        layout = prepared.layout
-        geodesic = options.spec.geodesic
-        gl_names = sorted({piece.param for block in layout.blocks for piece in block.pieces}) if geodesic else []
-        owners = (assign_owners(layout.blocks, {n: params[n].numel() for n in gl_names}, self.world_size)
-                  if gl_names else {})
-        gl_weights = {n: (owners[n], tuple(params[n].shape), params[n].dtype) for n in gl_names}
-        full0 = {}
-        for n in gl_names:  # gathered one at a time, kept by the owner only
-            full = params[n].full_tensor().detach()
-            if owners[n] == self.rank:
-                full0[n] = full
-            del full
-        masks = dict(getattr(layout, "gl_masks", {}) or {}) if geodesic else {}
-        adaptive = [n for n in (layout.adaptive if geodesic else params) if n in params]
-        local_masks = {}
-        for n in adaptive:
-            copies[n] = local[n].detach().clone()
-            if n in masks:
-                a, b = rows[n]
-                local_masks[n] = masks[n].to(local[n].device)[a:b]
-        for n in gl_names:
-            if n not in copies:
-                copies[n] = local[n].detach().clone()
-        quotients = None
-        if geodesic and layout.blocks:
-            owned = [b for b in layout.blocks if owners[b.g_pieces[0].param] == self.rank]
-            # streaming=True: the owner keeps the heads in the weights' dtype (the frame promotes
-            # them where it uses them: the same numbers, no float64 copy)
-            components, groups = quotient_components(
-                owned, full0, metric=options.spec.metric, retraction=options.retraction,
-                gram_eps=options.gram_eps, use_metric_norm=options.use_metric_norm, streaming=True)
-            quotients = ShardedQuotients(components, groups, dtype=params[gl_names[0]].dtype,
-                                         device=local[gl_names[0]].device, group=self.group)
-        elementwise = ShardedElementwise(
-            {n: copies[n] for n in adaptive},
-            masks={n: ~m for n, m in local_masks.items()}, direction=options.adaptive_direction,
-            second_order=options.elementwise_second_order, group=self.group) if adaptive else None
-        if prepared.covered:   # an adaptive run's attention entries, as this rank's rows
-            prepared.covered.update({n: m.to(local[n].device)[slice(*rows[n])]
-                                     for n, m in prepared.covered.items() if n in local})
-        ball = ProductBall([c for c in (quotients, elementwise) if c is not None])
-        closure = ShardedClosure(self.model, local, rows, elementwise, quotients, gl_weights, full0,
-                                 local_masks, self.group, normalise=options.normalize_logits)
-        return ball, closure

@@ -43,9 +43,9 @@ from .accept import accept_layout
 from .derive import capture_module_inputs, with_blocks
 from .gate import Gate
 from .layouts import Layout
-from .verify import record_verification
+from .verify import _VERIFIED, record_verification, signature
 
-__all__ = ["accept_on_shards", "ModuleAlone"]
+__all__ = ["accept_on_shards", "ModuleAlone", "verified_before_sharding"]
 
 
 class ModuleAlone(nn.Module):
@@ -167,6 +167,8 @@ def accept_on_shards(gate: Gate, example_inputs: Any, on_reference: Optional[Cal
     from .sharded import group_of, reshard
 
     model, layout = gate.model, gate.layout
+    if gate.pending and verified_before_sharding(model, layout):
+        record_verification(model, layout, True)   # the whole model's check stands for the shards
     if not gate.pending:   # verified on this model before, or run unchecked with unsafe=True
         return gate.accept(example_inputs, on_reference=on_reference, stacklevel=stacklevel + 1)
     group = group_of(model)
@@ -220,6 +222,19 @@ def accept_on_shards(gate: Gate, example_inputs: Any, on_reference: Optional[Cal
         for message, category in merged[path]["warnings"]:
             warnings.warn(message, category, stacklevel=stacklevel + 1)
     return _settled(gate, layout, paths, merged, stacklevel + 1)
+
+
+def verified_before_sharding(model: nn.Module, layout) -> bool:
+    """Whether ``layout`` (its blocks, by value) passed :meth:`Layout.verify` on ``model`` while its
+    parameters had the same names, shapes and dtypes, i.e. on the whole model before ``fully_shard``
+    replaced them by DTensors (same global shapes, new storage)."""
+    try:
+        done = _VERIFIED.get(model) or ()
+    except TypeError:
+        return False
+    blocks, state = signature(model, layout)
+    now = tuple(entry[:3] for entry in state)
+    return any(sig[0] == blocks and tuple(entry[:3] for entry in sig[1]) == now for sig in done)
 
 
 def _rebuilt(error: Tuple[type, str]) -> Exception:

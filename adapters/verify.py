@@ -477,9 +477,15 @@ def signature(model: nn.Module, layout: Checkable) -> Tuple:
     parameter they touch (``(name, None)`` for one the model lacks)."""
     params = dict(model.named_parameters())
     touched = sorted({p for b in layout.blocks for p in b.params})
-    state = tuple((n, tuple(params[n].shape), params[n].dtype, str(params[n].device), params[n].data_ptr())
+    state = tuple((n, tuple(params[n].shape), params[n].dtype, str(params[n].device), _address(params[n]))
                   if n in params else (n, None) for n in touched)
     return tuple(_block_key(b) for b in layout.blocks), state
+
+
+def _address(p: Tensor) -> int:
+    """The storage address of a parameter (of this rank's shard for a DTensor, whose own is 0)."""
+    local = getattr(p, "to_local", None)
+    return (local() if local is not None else p).data_ptr()
 
 
 def record_verification(model: nn.Module, layout: Checkable, passed: bool) -> None:

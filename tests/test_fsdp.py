@@ -72,17 +72,17 @@ def measure_sharded(rank: int, world: int):
     from torch.distributed.fsdp import fully_shard
 
     from quotient_manifolds import adapters
-    from quotient_manifolds.adapters import memory, sharded, solver
+    from quotient_manifolds.adapters import memory, placement, sharded, solver
     from quotient_manifolds.adapters.components import ProductBall
 
     held = set()                              # the GL blocks this rank builds frames for
-    build_components = sharded.quotient_components
+    build_components = placement.quotient_components
 
     def recorded(blocks, *args, **kwargs):
         held.update(b.name for b in blocks)
         return build_components(blocks, *args, **kwargs)
 
-    sharded.quotient_components = recorded
+    placement.quotient_components = recorded
     # a vote of the ranks: every rank learns that one of them said no
     vote = ProductBall([sharded.ShardedElementwise({"w": torch.ones(2, dtype=torch.float64)})])
     votes = [vote.on_every_rank(rank == 0), vote.on_every_rank(True)]
@@ -157,8 +157,10 @@ def test_fsdp2_sharded_sharpness_equals_the_unsharded_model(world, tmp_path):
             _assert_equal(out["split"], {"geodesic-mix": plain["geodesic-mix"]})
 
 
-def test_sharded_geodesic_needs_a_layout_verified_before_sharding(tmp_path):
-    """Refused before any work, naming what to do (a one-rank world here)."""
+def test_sharded_refusals_name_the_option_before_any_work():
+    """What the sharded placement cannot do is refused before any forward pass, naming the option
+    or the entry point and what to do instead (a one-rank world here); the weights are left as they
+    were."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -169,8 +171,40 @@ def test_sharded_geodesic_needs_a_layout_verified_before_sharding(tmp_path):
     try:
         model = build()
         fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        with pytest.raises(ValueError, match="verified before sharding"):
-            adapters.sharpness(model, [batch()], geometry="geodesic-mix", rho=0.01, n_iters=2)
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        calls = []
+        model.register_forward_pre_hook(lambda module, args: calls.append(1))
+        with pytest.raises(ValueError, match="include_frozen=True on a model sharded with FSDP2"):
+            adapters.sharpness(model, [batch()], geometry="geodesic-inv", rho=0.05, include_frozen=True)
+        with pytest.raises(ValueError, match="Call adapters.sharpness.*on every rank"):
+            adapters.distributed_sharpness(model, [batch()], geometry="adaptive", rho=0.05)
+        with pytest.raises(NotImplementedError, match="riemannian_hessian on a model sharded with FSDP2"):
+            adapters.riemannian_hessian(model, [batch()], geometry="geodesic-inv")
+        assert not calls
+        assert all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_attention_module_that_is_an_fsdp_unit_is_refused_with_what_to_shard_instead():
+    """A block is checked on a copy of its module alone, which an FSDP2 unit's hooks do not allow:
+    refused naming the module and the layers to shard instead."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from quotient_manifolds import adapters
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build()
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model.bert.encoder.layer[0].attention, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(NotImplementedError, match="bert.encoder.layer.0.attention.*itself an FSDP2 unit"):
+            adapters.sharpness(model, [batch()], geometry="geodesic-inv", rho=0.05, n_iters=2)
+        res = adapters.sharpness(model, [batch()], geometry="adaptive", rho=0.05, n_iters=2)
+        assert res.value > 0
     finally:
         dist.destroy_process_group()
 

@@ -198,7 +198,9 @@ def bf16_step(x, y):
 
 
 def refusals(x, y):
-    """What GeodesicSAM refuses on a sharded model, each with the message that says what to do."""
+    """What GeodesicSAM refuses on a sharded model, each with the message that says what to do, and
+    a geodesic step on a model whose layout was never verified before sharding (verified on the
+    shards at the first step)."""
     from torch.distributed.fsdp import fully_shard
 
     from quotient_manifolds.adapters import GeodesicSAM
@@ -212,10 +214,13 @@ def refusals(x, y):
     except ValueError as err:
         out["root"] = "fully_shard(model)" in str(err)
     fully_shard(model)
-    try:
-        GeodesicSAM(model, torch.optim.SGD, geometry="geodesic-mix", lr=0.1)
-    except ValueError as err:
-        out["unverified"] = "before fully_shard" in str(err)
+    # no layout verified before sharding: the first step verifies it on the shards, module by module
+    opt = GeodesicSAM(model, torch.optim.SGD, geometry="geodesic-mix", lr=0.1)
+    loss_of(model, x, y).backward()
+    opt.first_step(zero_grad=True)
+    loss_of(model, x, y).backward()
+    opt.second_step(zero_grad=True)
+    out["unverified"] = bool(opt.layout.blocks) and not opt.layout.verify_failed
     opt = GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", lr=0.1)
     loss_of(model, x, y).backward()
     try:
