@@ -14,8 +14,7 @@ between placements is behind a :class:`Placement`:
   component are summed over the ranks, so the solver and the run loop never ask where a tensor is.
 
 Two placements: :class:`LocalPlacement` (here) and
-:class:`~quotient_manifolds.adapters.sharded.ShardedPlacement`; :func:`placement_of` picks the one
-of a model.
+:class:`ShardedPlacement` (a model whose parameters are DTensors: FSDP2).
 """
 
 from __future__ import annotations
@@ -31,12 +30,12 @@ from .components import ProductBall
 from .evaluation import ModelClosure
 from .gate import Prepared, prepare_run
 from .modes import eval_mode
-from .sharded import (ShardedClosure, ShardedElementwise, ShardedQuotients, assign_owners, group_of, is_sharded,
+from .sharded import (ShardedClosure, ShardedElementwise, ShardedQuotients, assign_owners, group_of,
                       local_rows, reshard, restored)
 from .sharded_gate import accept_on_shards
 from .validation import TokenInputs
 
-__all__ = ["Placement", "LocalPlacement", "ShardedPlacement", "placement_of"]
+__all__ = ["Placement", "LocalPlacement", "ShardedPlacement"]
 
 
 class Placement(Protocol):
@@ -49,6 +48,9 @@ class Placement(Protocol):
 
     def session(self) -> ContextManager[None]:
         """The context of the whole run (eval mode, and what is restored at its end)."""
+
+    def seed_of(self, seed: int) -> int:
+        """The seed of this process's random draws (``measure="average"``) for the run's ``seed``."""
 
     def prepare(self, batches: Iterable[Any], options: Any, tokens: TokenInputs,
                 stacklevel: int) -> Prepared:
@@ -72,6 +74,9 @@ class LocalPlacement:
 
     def session(self) -> ContextManager[None]:
         return eval_mode(self.model)
+
+    def seed_of(self, seed: int) -> int:
+        return seed
 
     def prepare(self, batches: Iterable[Any], options: Any, tokens: TokenInputs,
                 stacklevel: int) -> Prepared:
@@ -124,6 +129,11 @@ class ShardedPlacement:
         reshard(self.model)
         with eval_mode(self.model), restored(self.model, self.params, self.local, self.copies):
             yield
+
+    def seed_of(self, seed: int) -> int:
+        # every rank draws its own shards' directions: the same generator on every rank would
+        # repeat one draw in every shard of equal size (directions correlated across the ranks)
+        return (seed * self.world_size + self.rank) % 2 ** 64   # the range torch.manual_seed takes
 
     def prepare(self, batches: Any, options: Any, tokens: Any, stacklevel: int) -> Any:
         if options.include_frozen:
@@ -179,12 +189,3 @@ class ShardedPlacement:
         closure = ShardedClosure(self.model, local, rows, elementwise, quotients, gl_weights, full0,
                                  local_masks, self.group, normalise=options.normalize_logits)
         return ball, closure
-
-
-def placement_of(model: nn.Module, what: str) -> Placement:
-    """The placement of ``model``: sharded when any of its parameters is a DTensor (FSDP2), else
-    local. ``what`` names the caller in messages."""
-    if is_sharded(model):
-        return ShardedPlacement(model, what)
-    return LocalPlacement(model)
-

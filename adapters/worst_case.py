@@ -31,7 +31,8 @@ from .gate import SMALL_MODEL_PARAMS, PreRun, Prepared, pre_run_checks  # noqa: 
 from .losses import default_loss, logits_of, next_token_loss, normalize_logits
 from .memory import explained_out_of_memory
 from .options import MEASURES, SHARPNESS_OPTION_NAMES, SharpnessOptions, as_rho, document_options, sharpness_options
-from .placement import placement_of
+from .placement import LocalPlacement, Placement, ShardedPlacement
+from .sharded import is_sharded
 from .validation import materialised
 
 # served here too: the names the driver was the module of before the set-up was split
@@ -155,20 +156,22 @@ def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence
     as if this function's caller issued them.
 
     The model passes each module of the set-up once, in this order: its checks (``validation``),
-    whether it is sharded, the memory guard and eval mode for the whole call, the gate (weights,
+    whether it is sharded, its placement (:mod:`~quotient_manifolds.adapters.placement`: where the
+    run's tensors live), the memory guard and eval mode for the whole call, the gate (weights,
     layout detected or checked, verified on the first batch), then the closure that evaluates it."""
     check.module("model", model)
     check.batches("batches", batches)
     what = f"{options.geometry} sharpness"
     materialised(model, what)
     tokens = check.TokenInputs(model)
-    placement = placement_of(model, what)
+    # the placement (module placement): whether the model is sharded decides where tensors live
+    placement: Placement = ShardedPlacement(model, what) if is_sharded(model) else LocalPlacement(model)
     with explained_out_of_memory(model, what), placement.session():
         prepared = placement.prepare(batches, options, tokens, stacklevel + 1)
         started = time.perf_counter()
         with bounded_threads(prepared.num_threads):
             ball, closure = placement.build(prepared, options)
-            runs = _run_batches(ball, closure, prepared, tokens, rhos, options, placement.is_main)
+            runs = _run_batches(ball, closure, prepared, tokens, rhos, options, placement)
     setup = time.perf_counter() - started - sum(r["time"] for at in runs for r in at)
     results = []
     for rho, at in zip(rhos, runs):  # a loop, not a comprehension: its frame would shift the warnings
@@ -179,19 +182,20 @@ def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence
 
 
 def _run_batches(ball: ProductBall, closure: Any, prepared: Prepared, tokens: check.TokenInputs,
-                 rhos: Sequence[float], options: SharpnessOptions, show_progress: bool = True
+                 rhos: Sequence[float], options: SharpnessOptions, placement: Placement
                  ) -> List[List[Dict[str, Any]]]:
     """The runs (dicts of losses, norms, pass counts, shares, time) per radius and per batch, on
     ``ball`` with ``closure`` (the batch set per batch); the progress bar (``options.progress``)
-    where ``show_progress`` (one process of a sharded run)."""
+    in the placement's main process, the random directions of ``measure="average"`` from its
+    generator seed."""
     runs: List[List[Dict[str, Any]]] = [[] for _ in rhos]
     bar = None
     try:
         check_gap = (options.check_retraction and options.retraction == "second_order"
                      and options.measure == "worst" and ball.has_quotients)
-        generator = torch.Generator(device=prepared.device).manual_seed(options.seed)
+        generator = torch.Generator(device=prepared.device).manual_seed(placement.seed_of(options.seed))
         on_iteration = None
-        if options.progress and show_progress:
+        if options.progress and placement.is_main:
             from tqdm.auto import tqdm
             steps = options.n_iters if options.measure == "worst" else options.n_samples
             bar = tqdm(total=None if prepared.n_batches is None else prepared.n_batches * steps * len(rhos),
