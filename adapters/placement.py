@@ -27,11 +27,11 @@ from torch import Tensor, nn
 
 from .ball import ball_of, quotient_components
 from .components import ProductBall
-from .evaluation import ModelClosure
+from .evaluation import HALF_DTYPES, ModelClosure
 from .gate import Prepared, prepare_run
 from .modes import eval_mode
 from .sharded import (ShardedClosure, ShardedElementwise, ShardedQuotients, assign_owners, group_of,
-                      local_rows, reshard, restored)
+                      local_rows, restored)
 from .sharded_gate import accept_on_shards
 from .validation import TokenInputs
 
@@ -94,6 +94,19 @@ class LocalPlacement:
                                   options.normalize_logits)
 
 
+def _half_compute_policy(model: nn.Module) -> Any:
+    """The half-precision ``param_dtype`` of an FSDP2 mixed-precision policy of one of ``model``'s
+    FSDP2 modules, or None (read from FSDP2's state: no public accessor exists; where a torch
+    version keeps it elsewhere, None)."""
+    for module in model.modules():
+        state_of = getattr(module, "_get_fsdp_state", None)
+        policy = getattr(state_of(), "_mp_policy", None) if state_of is not None else None
+        dtype = getattr(policy, "param_dtype", None)
+        if dtype in HALF_DTYPES:
+            return dtype
+    return None
+
+
 class ShardedPlacement:
     """The :class:`~quotient_manifolds.adapters.placement.Placement` of a model sharded with FSDP2
     (module docstring): every rank calls the run with its own batches; the ball's vectors are the
@@ -104,18 +117,28 @@ class ShardedPlacement:
         import torch.distributed as dist
 
         self.model, self.what = model, what
-        self.group = group_of(model)
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.group = group_of(self.params, what)
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.is_main = self.rank == 0
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        half = sorted(n for n, p in self.params.items() if p.dtype in (torch.float16, torch.bfloat16))
+        half = sorted(n for n, p in self.params.items() if p.dtype in HALF_DTYPES)
         if half:
             raise TypeError(
-                f"the sharded parameters {half[:3]} are in half precision: a perturbation of relative size "
-                f"~1e-4 rounds away in them, and the sharded path writes the perturbed weights in place. "
-                f"Keep the sharded weights in float32 (FSDP2's MixedPrecisionPolicy(param_dtype="
-                f"torch.bfloat16) still computes in bfloat16 if you want that)")
+                f"{what}: the sharded parameters {half[:3]} are in half precision. The sharded path writes "
+                f"the perturbed weights into the shards, where a perturbation of relative size ~1e-4 "
+                f"rounds away (bfloat16 resolves 4e-3), and evaluating half-precision shards in float32 "
+                f"is not supported yet. Measure a float32 copy sharded with fully_shard's default policy "
+                f"(model.float() before fully_shard), or the unsharded model, which is evaluated in "
+                f"float32 at its half-precision weights")
+        policy = _half_compute_policy(model)
+        if policy is not None:
+            raise TypeError(
+                f"{what}: the model is sharded with FSDP2's MixedPrecisionPolicy(param_dtype={policy}), "
+                f"so its forward pass runs in {policy}, which rounds the perturbations away (relative size "
+                f"~1e-4; {policy} resolves {torch.finfo(policy).eps:.0e}). Evaluating such shards in "
+                f"float32 is not supported yet: measure the model sharded with fully_shard's default "
+                f"(float32) policy, or unsharded")
         self.local: Dict[str, Tensor] = {}
         self.rows: Dict[str, Tuple[int, int]] = {}
         for name, p in self.params.items():
@@ -126,8 +149,7 @@ class ShardedPlacement:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        reshard(self.model)
-        with eval_mode(self.model), restored(self.model, self.params, self.local, self.copies):
+        with restored(self.model, self.params, self.local, self.copies), eval_mode(self.model):
             yield
 
     def seed_of(self, seed: int) -> int:

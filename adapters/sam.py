@@ -51,8 +51,9 @@ from . import validation as check
 from .ball import GEOMETRY_TABLE, build_ball, geometry_of
 from .evaluation import HALF_DTYPES, as_compute
 from .options import as_rho
-from .sam_parallel import ParallelAscent, _is_ddp, _local, _shard_group_of
-from .sharded_gate import verified_before_sharding
+from .sam_parallel import ParallelAscent, _is_ddp, _local
+from .sharded import group_of
+from .verify import verified_before_sharding
 from .validation import materialised
 
 #: why a layout whose blocks fail verification is refused (``unsafe=True``: the warning's reason)
@@ -243,7 +244,7 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
             raise ValueError("the base optimizer updates no parameter with requires_grad=True")
         _check_hyperparameters(self.base_optimizer)
         #: the process group of FSDP2-sharded parameters (DTensors), ``None`` when not sharded
-        self._shard_group = _shard_group_of(self._perturbed)
+        self._shard_group = group_of(self._perturbed, "GeodesicSAM")
         #: whether the DDP model's last forward pass with autograd synchronised gradients (outside
         #: ``no_sync()``); the first backward of the SAM recipe often runs inside it
         self._ddp_state = {"synced": True}

@@ -51,39 +51,6 @@ def _shard_of(whole: Tensor, like: Tensor) -> Tensor:
                              src_data_rank=None).to_local()
 
 
-def _shard_group_of(params: Dict[str, Tensor]):
-    """The process group over which FSDP2 (``fully_shard``) shards ``params``, ``None`` when no
-    parameter is a DTensor; refused unless all are DTensors sharded on one dimension of one 1-D
-    mesh (FSDP2's layout; HSDP and tensor parallelism are not supported)."""
-    DTensor = _dtensor_type()
-    if DTensor is None:
-        return None
-    sharded = [n for n, p in params.items() if isinstance(p, DTensor)]
-    if not sharded:
-        return None
-    from torch.distributed.tensor import Shard
-
-    plain = [n for n in params if n not in set(sharded)]
-    if plain:
-        raise ValueError(f"GeodesicSAM: {len(sharded)} parameter(s) are sharded (DTensors) and "
-                         f"{len(plain)} are not ({', '.join(plain[:3])}): apply fully_shard to the "
-                         f"root module too (fully_shard(model) after its blocks), so that every "
-                         f"trained parameter is sharded and its gradient reduced")
-    mesh = params[sharded[0]].device_mesh   # fully_shard builds one mesh object per call: compare ranks
-    meshes = {tuple(params[n].device_mesh.mesh.flatten().tolist()) for n in sharded}
-    odd = [n for n in sharded if params[n].device_mesh.ndim != 1 or len(params[n].placements) != 1
-           or not isinstance(params[n].placements[0], Shard)]
-    if odd or len(meshes) != 1:
-        name = (odd or sharded)[0]
-        p = params[name]
-        several = "" if len(meshes) == 1 else " (and the parameters use several meshes)"
-        raise ValueError(f"GeodesicSAM supports parameters sharded by FSDP2 (fully_shard) on one 1-D "
-                         f"device mesh; {name} has placements {tuple(p.placements)} on a "
-                         f"{p.device_mesh.ndim}-D mesh{several}: shard the model with "
-                         f"fully_shard(module) over one mesh")
-    return mesh.get_group()
-
-
 class ParallelAscent:
     """The methods of :class:`~quotient_manifolds.adapters.GeodesicSAM` that involve other ranks
     (module docstring); mixed into it."""

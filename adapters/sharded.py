@@ -391,6 +391,7 @@ def restored(model: nn.Module, params: Dict[str, nn.Parameter], local: Dict[str,
               copies: Dict[str, Tensor]) -> Iterator[None]:
     """Restores the local shards from ``copies`` and every parameter's ``.grad`` on exit."""
     grads = {n: p.grad for n, p in params.items()}
+    reshard(model)
     try:
         for p in params.values():
             p.grad = None
@@ -404,14 +405,39 @@ def restored(model: nn.Module, params: Dict[str, nn.Parameter], local: Dict[str,
             p.grad = grads[n]
 
 
-def group_of(model: nn.Module) -> Any:
-    """The process group a sharded model's weights are sharded over (the group of the device mesh
-    of its first DTensor parameter: FSDP2's one-dimensional mesh, not necessarily the world), after
-    checking that ``torch.distributed`` is initialised."""
+def group_of(params: Mapping[str, Tensor], what: str) -> Any:
+    """The process group over which FSDP2 (``fully_shard``) shards ``params`` (the group of their
+    one-dimensional device mesh, not necessarily the world), ``None`` when no parameter is a
+    DTensor. Refused unless ``torch.distributed`` is initialised and every one of ``params`` is a
+    DTensor sharded on one dimension of one 1-D mesh (FSDP2's layout; HSDP and tensor parallelism
+    are not supported), naming ``what`` (the caller) and what to do."""
+    DTensor = _dtensor_type()
+    sharded = [n for n, p in params.items() if DTensor is not None and isinstance(p, DTensor)]
+    if not sharded:
+        return None
     import torch.distributed as dist
+    from torch.distributed.tensor import Shard
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("the model's parameters are DTensors but no torch.distributed process group "
-                           "is initialised: call sharpness on every rank of the group the model is "
-                           "sharded over (e.g. under torchrun)")
-    return next((p.device_mesh.get_group() for p in model.parameters() if hasattr(p, "device_mesh")), None)
+        raise RuntimeError(f"{what}: the model's parameters are DTensors but no torch.distributed process "
+                           f"group is initialised: call it on every rank of the group the model is "
+                           f"sharded over (e.g. under torchrun)")
+    plain = [n for n in params if n not in set(sharded)]
+    if plain:
+        raise ValueError(f"{what}: {len(sharded)} parameter(s) are sharded (DTensors) and "
+                         f"{len(plain)} are not ({', '.join(plain[:3])}): apply fully_shard to the "
+                         f"root module too (fully_shard(model) after its blocks), so that every "
+                         f"trained parameter is sharded and its gradient reduced")
+    mesh = params[sharded[0]].device_mesh   # fully_shard builds one mesh object per call: compare ranks
+    meshes = {tuple(params[n].device_mesh.mesh.flatten().tolist()) for n in sharded}
+    odd = [n for n in sharded if params[n].device_mesh.ndim != 1 or len(params[n].placements) != 1
+           or not isinstance(params[n].placements[0], Shard)]
+    if odd or len(meshes) != 1:
+        name = (odd or sharded)[0]
+        p = params[name]
+        several = "" if len(meshes) == 1 else " (and the parameters use several meshes)"
+        raise ValueError(f"{what} supports parameters sharded by FSDP2 (fully_shard) on one 1-D "
+                         f"device mesh; {name} has placements {tuple(p.placements)} on a "
+                         f"{p.device_mesh.ndim}-D mesh{several}: shard the model with "
+                         f"fully_shard(module) over one mesh")
+    return mesh.get_group()

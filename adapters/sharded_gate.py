@@ -43,9 +43,9 @@ from .accept import accept_layout
 from .derive import capture_module_inputs, with_blocks
 from .gate import Gate
 from .layouts import Layout
-from .verify import _VERIFIED, record_verification, signature
+from .verify import record_verification, verified_before_sharding
 
-__all__ = ["accept_on_shards", "ModuleAlone", "verified_before_sharding"]
+__all__ = ["accept_on_shards", "ModuleAlone"]
 
 
 class ModuleAlone(nn.Module):
@@ -71,11 +71,10 @@ class ModuleAlone(nn.Module):
         return self.get_submodule(self.path)(*args, **kwargs)
 
 
-def _plain_copy(model: nn.Module, path: str, full: Dict[str, Tensor]) -> nn.Module:
-    """A copy of the submodule at ``path`` whose parameters are the plain tensors ``full`` (the
-    gathered weights, by the model's parameter names) instead of the model's shards; buffers are
-    copied. The model is not touched."""
-    module = model.get_submodule(path)
+def _plain_copy(module: nn.Module, path: str, full: Dict[str, Tensor]) -> nn.Module:
+    """A copy of ``module`` (the model's submodule at ``path``) whose parameters are the plain
+    tensors ``full`` (the gathered weights, by the model's parameter names) instead of the model's
+    shards; buffers are copied. The model is not touched."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch < 2.6
@@ -128,22 +127,22 @@ def _tied(model: nn.Module, path: str) -> List[str]:
                   if id(p) in inside and not n.startswith(path + "."))
 
 
-def _check_module(model: nn.Module, path: str, full: Dict[str, Tensor], inputs: Tuple[tuple, dict],
+def _tied_message(path: str, tied: List[str]) -> str:
+    return (f"the weights of {path!r} are also held as {tied[:3]}: a block of a sharded model is "
+            f"checked on its module alone, which needs its weights to be that module's only. "
+            f"Measure this model unsharded, or with geometry='adaptive'")
+
+
+def _check_module(module: nn.Module, path: str, full: Dict[str, Tensor], inputs: Tuple[tuple, dict],
                   layout: Layout, what: str) -> Dict[str, Any]:
-    """The outcome of the checks of the blocks of the module at ``path`` (on its owner): the
-    accepted blocks, the blocks newly left out (``unsupported``), the failing candidates, the
-    warnings raised (to raise again on every rank), or the error."""
+    """The outcome of the checks of the blocks of ``module`` (the model's submodule at ``path``; on
+    its owner): the accepted blocks, the blocks newly left out (``unsupported``), the failing
+    candidates, the warnings raised (to raise again on every rank), or the error."""
     outcome: Dict[str, Any] = dict(blocks=[], unsupported=[], failed=[], warnings=[], error=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            tied = _tied(model, path)
-            if tied:
-                raise NotImplementedError(
-                    f"the weights of {path!r} are also held as {tied[:3]}: a block of a sharded model is "
-                    f"checked on its module alone, which needs its weights to be that module's only. "
-                    f"Measure this model unsharded, or with geometry='adaptive'")
-            alone = ModuleAlone(path, _plain_copy(model, path, full))
+            alone = ModuleAlone(path, _plain_copy(module, path, full))
             sub = _sub_layout(layout, path, list(full))
             args, kwargs = inputs
             accepted, _ = accept_layout(alone, sub, {"args": args, "kwargs": kwargs}, what=what)
@@ -171,8 +170,12 @@ def accept_on_shards(gate: Gate, example_inputs: Any, on_reference: Optional[Cal
         record_verification(model, layout, True)   # the whole model's check stands for the shards
     if not gate.pending:   # verified on this model before, or run unchecked with unsafe=True
         return gate.accept(example_inputs, on_reference=on_reference, stacklevel=stacklevel + 1)
-    group = group_of(model)
+    params = dict(model.named_parameters())
+    group = group_of(params, gate.what)
     paths = list(dict.fromkeys(b.module for b in layout.blocks))
+    modules = {path: model.get_submodule(path) for path in paths}
+    names = {path: [n for n in params if n.startswith(path + ".")] for path in paths}
+    tied = {path: _tied(model, path) for path in paths}
     reference: Dict[str, Any] = {}
 
     def keep_output(module: nn.Module, args: Any, out: Any) -> None:
@@ -183,7 +186,7 @@ def accept_on_shards(gate: Gate, example_inputs: Any, on_reference: Optional[Cal
         captured = capture_module_inputs(model, paths, example_inputs)
     finally:
         handle.remove()
-        reshard(model)
+        reshard(model)   # a forward pass without backward leaves the root's weights gathered
     problem = None
     if on_reference is not None:
         try:
@@ -191,8 +194,6 @@ def accept_on_shards(gate: Gate, example_inputs: Any, on_reference: Optional[Cal
         except ValueError as err:
             problem = (type(err), str(err))
     reference.clear()
-    params = dict(model.named_parameters())
-    names = {path: [n for n in params if n.startswith(path + ".")] for path in paths}
     owners = _module_owners(paths, {path: sum(params[n].numel() for n in names[path]) for path in paths},
                             dist.get_world_size(group))
     me = dist.get_rank(group)
@@ -206,7 +207,8 @@ def accept_on_shards(gate: Gate, example_inputs: Any, on_reference: Optional[Cal
                 full[n] = whole
             del whole
         if owners[path] == me and problem is None:
-            outcomes[path] = _check_module(model, path, full, captured[path], layout, gate.what)
+            outcomes[path] = (_check_module(modules[path], path, full, captured[path], layout, gate.what)
+                              if not tied[path] else dict(error=(NotImplementedError, _tied_message(path, tied[path]))))
         del full
     shared: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(shared, (problem, outcomes), group=group)
@@ -222,19 +224,6 @@ def accept_on_shards(gate: Gate, example_inputs: Any, on_reference: Optional[Cal
         for message, category in merged[path]["warnings"]:
             warnings.warn(message, category, stacklevel=stacklevel + 1)
     return _settled(gate, layout, paths, merged, stacklevel + 1)
-
-
-def verified_before_sharding(model: nn.Module, layout) -> bool:
-    """Whether ``layout`` (its blocks, by value) passed :meth:`Layout.verify` on ``model`` while its
-    parameters had the same names, shapes and dtypes, i.e. on the whole model before ``fully_shard``
-    replaced them by DTensors (same global shapes, new storage)."""
-    try:
-        done = _VERIFIED.get(model) or ()
-    except TypeError:
-        return False
-    blocks, state = signature(model, layout)
-    now = tuple(entry[:3] for entry in state)
-    return any(sig[0] == blocks and tuple(entry[:3] for entry in sig[1]) == now for sig in done)
 
 
 def _rebuilt(error: Tuple[type, str]) -> Exception:

@@ -33,7 +33,7 @@ from .validation import positive_finite, positive_finite_sequence
 
 __all__ = ["VerifyReport", "BlockCheck", "SymmetryError", "OutputNotFound", "default_tolerance", "primary_output", "verify_layout",
            "verify_once", "symmetry_report", "record", "is_verified", "record_verification", "signature",
-           "DEFAULT_SCALES", "TOLERANCE_FACTOR", "Checkable"]
+           "DEFAULT_SCALES", "TOLERANCE_FACTOR", "Checkable", "verified_before_sharding"]
 
 
 class Checkable(Protocol):
@@ -519,3 +519,16 @@ def record(model: nn.Module, layout: Checkable, report: VerifyReport) -> None:
     that passed is marked verified for the model in its current state (:func:`record_verification`)."""
     layout.verify_failed = [] if report.passed else (report.failing or [b.name for b in layout.blocks])
     record_verification(model, layout, report.passed)
+
+
+def verified_before_sharding(model: nn.Module, layout) -> bool:
+    """Whether ``layout`` (its blocks, by value) passed :meth:`Layout.verify` on ``model`` while its
+    parameters had the same names, shapes and dtypes, i.e. on the whole model before ``fully_shard``
+    replaced them by DTensors (same global shapes, new storage)."""
+    try:
+        done = _VERIFIED.get(model) or ()
+    except TypeError:
+        return False
+    blocks, state = signature(model, layout)
+    now = tuple(entry[:3] for entry in state)
+    return any(sig[0] == blocks and tuple(entry[:3] for entry in sig[1]) == now for sig in done)

@@ -8,6 +8,7 @@ One call that enters each module once, in one direction, has returns = 0.
 Also prints the number of public names of ``quotient_manifolds.adapters`` and its largest module.
 
     python benchmarks/trace_setup.py            # a 2-layer BERT from config, float32, CPU
+    python benchmarks/trace_setup.py --sharded  # the same model sharded with FSDP2 (a one-rank gloo world)
 """
 
 from __future__ import annotations
@@ -66,10 +67,32 @@ def trace(model, batches):
     return stops, sorted(set(stops)), len(stops) - len(set(stops))
 
 
+def _sharded(model):
+    """``model`` sharded with FSDP2 per layer and at the root, in a one-rank gloo world (this process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def main() -> None:
+    import argparse
+
     from quotient_manifolds import adapters
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sharded", action="store_true",
+                        help="trace the model sharded with FSDP2 (a one-rank gloo world)")
+    args = parser.parse_args()
     model, batches = _model()
+    if args.sharded:
+        model = _sharded(model)
     adapters.sharpness(model, batches, geometry="adaptive", rho=0.05, n_iters=1)   # imports, caches
     stops, modules, returns = trace(model, batches)
     print(f"stops {len(stops)}, modules {len(modules)}, returns {returns}")
