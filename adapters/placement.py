@@ -27,11 +27,11 @@ from torch import Tensor, nn
 
 from .ball import ball_of, quotient_components
 from .components import ProductBall
-from .evaluation import HALF_DTYPES, ModelClosure
+from .evaluation import ModelClosure
 from .gate import Prepared, prepare_run
 from .modes import eval_mode
-from .sharded import (ShardedClosure, ShardedElementwise, ShardedQuotients, assign_owners, group_of,
-                      local_rows, restored)
+from .sharded import (ShardedClosure, ShardedElementwise, ShardedQuotients, assign_owners, computed_in_float32,
+                      gradients_kept, group_of, local_rows, shards_restored)
 from .sharded_gate import accept_on_shards
 from .validation import TokenInputs
 
@@ -94,19 +94,6 @@ class LocalPlacement:
                                   options.normalize_logits)
 
 
-def _half_compute_policy(model: nn.Module) -> Any:
-    """The half-precision ``param_dtype`` of an FSDP2 mixed-precision policy of one of ``model``'s
-    FSDP2 modules, or None (read from FSDP2's state: no public accessor exists; where a torch
-    version keeps it elsewhere, None)."""
-    for module in model.modules():
-        state_of = getattr(module, "_get_fsdp_state", None)
-        policy = getattr(state_of(), "_mp_policy", None) if state_of is not None else None
-        dtype = getattr(policy, "param_dtype", None)
-        if dtype in HALF_DTYPES:
-            return dtype
-    return None
-
-
 class ShardedPlacement:
     """The :class:`~quotient_manifolds.adapters.placement.Placement` of a model sharded with FSDP2
     (module docstring): every rank calls the run with its own batches; the ball's vectors are the
@@ -122,35 +109,26 @@ class ShardedPlacement:
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.is_main = self.rank == 0
-        half = sorted(n for n, p in self.params.items() if p.dtype in HALF_DTYPES)
-        if half:
-            raise TypeError(
-                f"{what}: the sharded parameters {half[:3]} are in half precision. The sharded path writes "
-                f"the perturbed weights into the shards, where a perturbation of relative size ~1e-4 "
-                f"rounds away (bfloat16 resolves 4e-3), and evaluating half-precision shards in float32 "
-                f"is not supported yet. Measure a float32 copy sharded with fully_shard's default policy "
-                f"(model.float() before fully_shard), or the unsharded model, which is evaluated in "
-                f"float32 at its half-precision weights")
-        policy = _half_compute_policy(model)
-        if policy is not None:
-            raise TypeError(
-                f"{what}: the model is sharded with FSDP2's MixedPrecisionPolicy(param_dtype={policy}), "
-                f"so its forward pass runs in {policy}, which rounds the perturbations away (relative size "
-                f"~1e-4; {policy} resolves {torch.finfo(policy).eps:.0e}). Evaluating such shards in "
-                f"float32 is not supported yet: measure the model sharded with fully_shard's default "
-                f"(float32) policy, or unsharded")
+        #: this rank's shard of each weight and its rows of the whole weight, read in the session
+        #: (after a half-precision model's shards were converted to float32)
         self.local: Dict[str, Tensor] = {}
         self.rows: Dict[str, Tuple[int, int]] = {}
-        for name, p in self.params.items():
-            self.local[name], a, b = local_rows(p)
-            self.rows[name] = (a, b)
         #: the trained values of the shards the run writes, restored when it ends
         self.copies: Dict[str, Tensor] = {}
+        #: whether the model computes in half precision and runs in float32 here
+        self.upcast = False
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        with restored(self.model, self.params, self.local, self.copies), eval_mode(self.model):
-            yield
+        # exits in reverse: the trained shards back, eval mode off, half precision back, .grad back
+        with gradients_kept(self.params), computed_in_float32(self.model, self.what) as upcast, \
+                eval_mode(self.model):
+            self.upcast = upcast
+            for name, p in self.params.items():
+                self.local[name], a, b = local_rows(p)
+                self.rows[name] = (a, b)
+            with shards_restored(self.model, self.local, self.copies):
+                yield
 
     def seed_of(self, seed: int) -> int:
         # every rank draws its own shards' directions: the same generator on every rank would
@@ -163,7 +141,8 @@ class ShardedPlacement:
                 f"{self.what}: include_frozen=True on a model sharded with FSDP2: FSDP2 computes no "
                 f"gradient for frozen weights, which the run needs. Set requires_grad=True on the "
                 f"weights to perturb (the run leaves .grad as it was), or measure unsharded")
-        return prepare_run(self.model, batches, options, tokens, stacklevel + 1, accept=accept_on_shards)
+        prepared = prepare_run(self.model, batches, options, tokens, stacklevel + 1, accept=accept_on_shards)
+        return prepared._replace(upcast=self.upcast)   # recorded; half-precision inputs cast to float32
 
     def build(self, prepared: Any, options: Any) -> Tuple[ProductBall, "ShardedClosure"]:
         params, local, rows, copies = self.params, self.local, self.rows, self.copies

@@ -44,9 +44,11 @@ from torch import Tensor, nn
 from .ball import _gather_heads, _written, head_writes
 from .components import ElementwiseComponent, QuotientComponent, StreamedPoint
 from .evaluation import loss_of
+from .losses import HALF_DTYPES
 from .validation import scalar_loss
 
-__all__ = ["is_sharded", "assign_owners", "group_of", "reshard", "restored", "ShardedElementwise",
+__all__ = ["is_sharded", "assign_owners", "group_of", "reshard", "gradients_kept", "shards_restored",
+           "computed_in_float32", "ShardedElementwise",
            "ShardedQuotients", "ShardedClosure"]
 
 
@@ -387,22 +389,116 @@ class ShardedClosure:
 
 
 @contextlib.contextmanager
-def restored(model: nn.Module, params: Dict[str, nn.Parameter], local: Dict[str, Tensor],
-              copies: Dict[str, Tensor]) -> Iterator[None]:
-    """Restores the local shards from ``copies`` and every parameter's ``.grad`` on exit."""
+def gradients_kept(params: Mapping[str, nn.Parameter]) -> Iterator[None]:
+    """Every parameter's ``.grad`` set aside (``None`` inside) and given back on exit."""
     grads = {n: p.grad for n, p in params.items()}
-    reshard(model)
     try:
         for p in params.values():
             p.grad = None
+        yield
+    finally:
+        for n, p in params.items():
+            p.grad = grads[n]
+
+
+@contextlib.contextmanager
+def shards_restored(model: nn.Module, local: Dict[str, Tensor], copies: Dict[str, Tensor]) -> Iterator[None]:
+    """The local shards restored from ``copies`` on exit (the trained values a run writes over),
+    every FSDP2 module resharded on entry and exit."""
+    reshard(model)
+    try:
         yield
     finally:
         with torch.no_grad():
             for name, copy in copies.items():
                 local[name].copy_(copy)
         reshard(model)
-        for n, p in params.items():
-            p.grad = grads[n]
+
+
+def _fsdp_groups(model: nn.Module) -> List[Tuple[Any, Any]]:
+    """(FSDP2 state, parameter group) of every FSDP2 module of ``model``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
+    pairs = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            pairs += [(state, group) for group in getattr(state, "_fsdp_param_groups", [])]
+    return pairs
+
+
+def _half_compute(pairs: List[Tuple[Any, Any]]) -> Optional[torch.dtype]:
+    """The half-precision ``param_dtype`` of one of the groups' mixed-precision policies, or None."""
+    for _, group in pairs:
+        dtype = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
+        if dtype in HALF_DTYPES:
+            return dtype
+    return None
+
+
+def _set_policy(pairs: List[Tuple[Any, Any]], policies: List[Any]) -> None:
+    """Each (state, group) of ``pairs`` given its policy: the gathered weights dropped, so that the
+    next all-gather allocates them in the policy's (and the shards') dtype."""
+    for (state, group), policy in zip(pairs, policies):
+        state._mp_policy = group.mp_policy = policy
+        for param in group.fsdp_params:
+            param.all_gather_outputs = []
+            if hasattr(param, "_unsharded_param"):
+                del param._unsharded_param
+        group._init_mp_dtypes()
+
+
+def _float32_supported(pairs: List[Tuple[Any, Any]]) -> bool:
+    """Whether this torch's FSDP2 has the state :func:`computed_in_float32` changes (no public API
+    sets a module's mixed-precision policy after ``fully_shard``; checked here, not assumed)."""
+    return all(hasattr(state, "_mp_policy") and hasattr(group, "mp_policy") and hasattr(group, "_init_mp_dtypes")
+               and all(hasattr(p, "all_gather_outputs") for p in group.fsdp_params) for state, group in pairs)
+
+
+@contextlib.contextmanager
+def computed_in_float32(model: nn.Module, what: str) -> Iterator[bool]:
+    """A sharded model evaluated in float32 inside (yields whether anything changed): its
+    half-precision shards (and buffers) converted to float32, and any FSDP2 mixed-precision policy
+    that computes in half precision replaced by the default (float32) one; on exit the shards and
+    buffers are converted back (bit for bit: half-precision values are float32 values) and the
+    policies restored. The local path's rule for a half-precision model: the value is the sharpness
+    of the same weights in float32, since half precision would round the perturbations (relative
+    size ~1e-4) away. Refused (TypeError) where this torch's FSDP2 keeps its state elsewhere."""
+    params = [p for p in model.parameters() if p.dtype in HALF_DTYPES]
+    pairs = _fsdp_groups(model)
+    policy = _half_compute(pairs)
+    if not params and policy is None:
+        yield False
+        return
+    if not pairs or not _float32_supported(pairs):
+        raise TypeError(
+            f"{what}: the sharded model computes in half precision ({'its shards are ' + str(params[0].dtype) if params else f'MixedPrecisionPolicy(param_dtype={policy})'}), "
+            f"which rounds the perturbations away, and this torch's FSDP2 does not let the run "
+            f"evaluate it in float32. Shard a float32 copy with fully_shard's default policy, or "
+            f"measure the unsharded model (evaluated in float32 at its half-precision weights)")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    saved = [group.mp_policy for _, group in pairs]
+    half_params = {id(p): p.dtype for p in params}
+    buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
+               if buf is not None and buf.dtype in HALF_DTYPES]
+    reshard(model)
+    try:
+        for module, name, buf in buffers:
+            module._buffers[name] = buf.float()
+        if half_params:   # FSDP2's _apply re-registers the converted shards
+            model._apply(lambda t: t.float() if id(t) in half_params else t)
+        _set_policy(pairs, [MixedPrecisionPolicy()] * len(pairs))
+        yield True
+    finally:
+        reshard(model)
+        if half_params:
+            model._apply(lambda t: t.to(half_params[id(t)]) if id(t) in half_params else t)
+        for module, name, buf in buffers:
+            module._buffers[name] = buf
+        _set_policy(pairs, saved)
 
 
 def group_of(params: Mapping[str, Tensor], what: str) -> Any:

@@ -186,34 +186,6 @@ def test_sharded_refusals_name_the_option_before_any_work():
         dist.destroy_process_group()
 
 
-def test_half_precision_shards_and_a_half_compute_policy_are_refused_not_rounded_away():
-    """bfloat16 shards, and float32 shards whose MixedPrecisionPolicy computes in bfloat16, would
-    round the perturbations away: refused before any forward pass, saying what to measure instead."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from quotient_manifolds import adapters
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        half = build().to(torch.bfloat16)
-        fully_shard(half, mesh=mesh)
-        policy = build().float()
-        fully_shard(policy, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        for model, match in ((half, "sharded parameters .* are in half precision"),
-                             (policy, r"MixedPrecisionPolicy\(param_dtype=torch.bfloat16\)")):
-            calls = []
-            model.register_forward_pre_hook(lambda module, args: calls.append(1))
-            for geometry in ("adaptive", "geodesic-inv"):
-                with pytest.raises(TypeError, match=match):
-                    adapters.sharpness(model, [batch()], geometry=geometry, rho=0.05, n_iters=2)
-            assert not calls
-    finally:
-        dist.destroy_process_group()
-
-
 def test_an_attention_module_that_is_an_fsdp_unit_is_refused_with_what_to_shard_instead():
     """A block is checked on a copy of its module alone, which an FSDP2 unit's hooks do not allow:
     refused naming the module and the layers to shard instead."""

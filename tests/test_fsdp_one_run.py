@@ -3,7 +3,9 @@ sharded with FSDP2 over 2 and 3 processes (gloo, CPU, float64), measured with **
 sharded model's layout is detected and verified on the shards (module by module), and every value
 equals the one-call value of the unsharded model to 1e-10 (adaptive, geodesic-inv, geodesic-mix;
 the retraction check's gap; ``calibrate_rho``; a two-radius ``sharpness_sweep``); the weights are
-bit-identical afterwards and no ``.grad`` is left.
+bit-identical afterwards and no ``.grad`` is left. The same holds, to 1e-6, for bfloat16 shards and
+for float32 shards computed in bfloat16 by FSDP2's MixedPrecisionPolicy: both are evaluated in
+float32 at their weights, as the unsharded bfloat16 model is, and compute in bfloat16 again after.
 
 The heads straddle the shard cuts: 3 query heads of 4 rows share 1 key/value head; FSDP2 cuts
 W_Q's 12 rows at 6 (2 ranks: inside head 1) and W_K's 4 rows at 2 (2 ranks) and at 2, 4 (3 ranks)."""
@@ -22,7 +24,7 @@ import torch
 from test_distributed import _free_port
 
 RHO = {"adaptive": 0.05, "geodesic-inv": 0.05, "geodesic-mix": 0.02}
-OPTIONS = dict(n_iters=3, retraction_tolerance=1e9)   # the gap is compared, not warned about
+OPTIONS = dict(n_iters=2, retraction_tolerance=1e9)   # the gap is compared, not warned about
 
 WORKER = textwrap.dedent("""
     import json, os, sys
@@ -31,7 +33,7 @@ WORKER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_fsdp_one_run import measure_sharded
     dist.init_process_group("gloo", init_method="env://")
-    out = measure_sharded()
+    out = measure_sharded(os.environ["WHAT"])
     with open(os.environ["OUT"], "w") as fh:
         json.dump(out, fh)
     dist.barrier()
@@ -68,36 +70,66 @@ def measure(model):
                          "shares": res.gl_norm_shares, "attention": res.attention_norm_shares,
                          "world": res.options["world_size"]}
     cal = adapters.calibrate_rho(model, batches(), geometry="geodesic-inv", target_loss_rise=0.02,
-                                 max_evals=3, **OPTIONS)
+                                 max_evals=2, **OPTIONS)
     out["calibration"] = [cal.rho, *(v for evaluation in cal.evals for v in evaluation)]
     sweep = adapters.sharpness_sweep(model, batches(), [0.02, 0.05], geometry="geodesic-mix", **OPTIONS)
     out["sweep"] = [r.value for r in sweep]
     return out
 
 
-def measure_sharded():
+def measure_half(model):
+    """Adaptive and geodesic-inv values of a model that computes in bfloat16 (measured in float32)."""
+    from quotient_manifolds import adapters
+
+    return [adapters.sharpness(model, batches(), geometry=geometry, rho=RHO[geometry], n_iters=2).value
+            for geometry in ("adaptive", "geodesic-inv")]
+
+
+def shard(model, **policy):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = build()
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-    out = measure(model)
-    out["unchanged"] = all(torch.equal(p.full_tensor(), before[n]) and p.grad is None
-                           for n, p in model.named_parameters())
+        fully_shard(layer, mesh=mesh, **policy)
+    fully_shard(model, mesh=mesh, **policy)
+    return model
+
+
+def unchanged(model, before):
+    """The weights bit for bit, in their dtype, and no .grad left."""
+    return all(torch.equal(p.full_tensor(), before[n]) and p.dtype == before[n].dtype and p.grad is None
+               for n, p in model.named_parameters())
+
+
+def measure_sharded(what):
+    """On a rank: ``"float"`` the float64 model's values; ``"half"`` those of bfloat16 shards and of
+    float32 shards computed in bfloat16 by FSDP2's MixedPrecisionPolicy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if what == "float":
+        model = shard(build())
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        out = measure(model)
+        out["unchanged"] = unchanged(model, before)
+        return out
+    halves = {"bf16": shard(build().to(torch.bfloat16)),
+              "policy": shard(build().to(torch.bfloat16).float(),
+                              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))}
+    kept = {name: {n: p.full_tensor().clone() for n, p in m.named_parameters()} for name, m in halves.items()}
+    out = {name: measure_half(m) for name, m in halves.items()}
+    out["unchanged"] = all(unchanged(m, kept[name]) for name, m in halves.items())
+    out["computes_in"] = [str(m(**batches()[0]).logits.dtype) for m in halves.values()]
     return out
 
 
-def _run(world, tmp_path):
+def _run(world, tmp_path, what):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=os.path.dirname(__file__)))
     port = str(_free_port())
     return [subprocess.Popen([sys.executable, str(script)], env=dict(
         os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        OUT=str(tmp_path / f"one{world}_{rank}.json"), OMP_NUM_THREADS="1"),
+        OUT=str(tmp_path / f"one{world}_{rank}.json"), OMP_NUM_THREADS="1", WHAT=what),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(world)]
 
 
@@ -111,7 +143,7 @@ def _collect(world, procs, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_run_without_a_layout_equals_the_one_call_value(world, tmp_path):
-    procs = _run(world, tmp_path)
+    procs = _run(world, tmp_path, "float")
     local = measure(build())
     ranks = _collect(world, procs, tmp_path)
     for out in ranks:
@@ -128,3 +160,17 @@ def test_sharded_run_without_a_layout_equals_the_one_call_value(world, tmp_path)
     assert got["calibration"] == pytest.approx(local["calibration"], rel=1e-10)
     assert got["sweep"] == pytest.approx(local["sweep"], rel=1e-10)
     assert local["sweep"][0] <= local["sweep"][1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_half_precision_shards_are_measured_in_float32_as_the_unsharded_model(world, tmp_path):
+    procs = _run(world, tmp_path, "half")
+    half = measure_half(build().to(torch.bfloat16))   # evaluated in float32 at the bfloat16 weights
+    ranks = _collect(world, procs, tmp_path)
+    for out in ranks:
+        assert out.pop("unchanged")
+        assert out == ranks[0]
+    for name in ("bf16", "policy"):   # the local path's rule: the same weights in float32
+        assert ranks[0][name] == pytest.approx(half, rel=1e-6), name
+    assert ranks[0]["computes_in"] == ["torch.bfloat16"] * 2   # the model's own precision afterwards
