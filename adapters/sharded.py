@@ -20,9 +20,10 @@ every solver vector (:class:`ShardedQuotients`). Memory per rank is thus about 1
 solver's state of the whole model; the values equal those of the unsharded model.
 
 An evaluation writes the perturbed weights into the local shards (in place, under ``no_grad``;
-the sharded weights must be float32 or float64; each attention weight is sent whole from its
-owner, one weight at a time, and every rank copies its rows), runs the model as it is (FSDP2 gathers and
-scatters as in training, with its mixed-precision policy if it has one), and reads the gradient
+each attention weight is sent whole from its owner, one weight at a time, and every rank copies
+its rows), runs the model as it is (FSDP2 gathers and scatters as in training; a model that
+computes in half precision, by its shards' dtype or its mixed-precision policy, is evaluated in
+float32 for the run: :func:`computed_in_float32`), and reads the gradient
 from the sharded ``.grad`` (averaged over the ranks by FSDP2's reduce-scatter; an attention
 weight's gradient is gathered whole, one weight at a time, and kept by its owner). The trained weights
 and the parameters' ``.grad`` are restored when the run ends, also after an exception. The layout

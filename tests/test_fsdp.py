@@ -186,6 +186,34 @@ def test_sharded_refusals_name_the_option_before_any_work():
         dist.destroy_process_group()
 
 
+def test_half_precision_shards_are_refused_where_fsdp2_cannot_compute_them_in_float32(monkeypatch):
+    """Where this torch's FSDP2 keeps its mixed-precision state elsewhere than the run expects, a
+    model computing in half precision is refused before any forward pass (not measured in bfloat16,
+    where the perturbations round away); the weights stay as they were."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from quotient_manifolds import adapters
+    from quotient_manifolds.adapters import sharded
+
+    monkeypatch.setattr(sharded, "_float32_supported", lambda pairs: False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build().to(torch.bfloat16)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        calls = []
+        model.register_forward_pre_hook(lambda module, args: calls.append(1))
+        with pytest.raises(TypeError, match="computes in half precision .*shards are torch.bfloat16"):
+            adapters.sharpness(model, [batch()], geometry="adaptive", rho=0.05, n_iters=2)
+        assert not calls
+        assert all(torch.equal(p.full_tensor(), before[n]) and p.dtype == torch.bfloat16
+                   for n, p in model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_attention_module_that_is_an_fsdp_unit_is_refused_with_what_to_shard_instead():
     """A block is checked on a copy of its module alone, which an FSDP2 unit's hooks do not allow:
     refused naming the module and the layers to shard instead."""
