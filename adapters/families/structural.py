@@ -48,8 +48,8 @@ from torch import nn
 from quotient_manifolds.core.groups import FULL_GL, Group
 
 from ._base import Context, Family, Match
-from .structure import (ROLE_NAMES, Heads, Projection, add_block, forward_args, in_projection_pieces, int_attr,
-                        linear_children, out_projection_pieces, position_terms, screen_module)
+from .structure import (ROLE_NAMES, Heads, Projection, add_block, attention_sinks, forward_args, in_projection_pieces,
+                        int_attr, linear_children, out_projection_pieces, position_terms, screen_module, sink_note)
 from .hf_rotary import QK_NORM_NAMES, config_rotary_dim, rotary_group
 from .rotary_probe import probe_rotary
 
@@ -173,7 +173,9 @@ class StructuralAttention(Family):
                  f"({packing} packing)" for n, (got, want) in widths.items() if got != want]
         norms = [n for n in QK_NORM_NAMES if isinstance(getattr(mod, n, None), nn.Module)]
         terms = position_terms(path, mod, n_q, n_q * h)
-        core = proj_ids | o.param_ids() | {id(p) for n in norms for p in getattr(mod, n).parameters()} | terms.known
+        sinks, sink_ids = attention_sinks(mod, n_q)
+        core = (proj_ids | o.param_ids() | {id(p) for n in norms for p in getattr(mod, n).parameters()} | terms.known
+                | sink_ids)
         reasons = wrong + screen_module(mod, core, source_scan=False, known=norms, positions=False,
                                   stream_width=o.out_features).module
         clip = [f"{where}clip_qkv={v}" for where, v in (("", getattr(mod, "clip_qkv", None)),
@@ -201,9 +203,9 @@ class StructuralAttention(Family):
             res.reject(source, part="qk")
         else:
             add_block(res, "qk", q_pieces, in_projection_pieces(ctx, k, n_kv, h), ctx.shapes, group,
-                      group_source=source)
+                      group_source=source + sink_note(sinks))
         o_pieces = ([pc for j in range(rep) for pc in out_projection_pieces(ctx, Heads(o, j * h, rep * h), n_kv, h)]
                     if per_group else out_projection_pieces(ctx, o, n_q, h, rep))
         add_block(res, "vo", in_projection_pieces(ctx, v, n_kv, h), o_pieces, ctx.shapes, FULL_GL,
-                  group_source=f"structure: {packing} projections, V/O full GL")
+                  group_source=f"structure: {packing} projections, V/O full GL{sink_note(sinks)}")
         return res

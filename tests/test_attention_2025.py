@@ -1,0 +1,178 @@
+"""The attention of 2025 detected by structure: attention sinks, NoPE layers, interleaved (complex)
+rotary, weightless QK norms, multi-head latent attention.
+
+Each case is a tiny float64 model built from config (or a small module written here where
+transformers has none).  The symmetry action is written here, independently of the detector: per
+gauge a random element ``A`` of the true group, times a scale ``s`` where the group has the
+scalars, is applied by editing the weight rows/columns the module's ``forward`` reads as that head
+(``W_q ← Aᵀ W_q``, ``W_k ← A⁻¹ W_k``, ``W_v ← Aᵀ W_v``, ``W_o[:, head] ← W_o[:, head] A⁻ᵀ``).  The
+output must not change (a symmetry), the detected layout needs no declaration and verifies on the
+first try, its blocks have the expected groups, and geodesic-inv / geodesic-mix sharpness is
+invariant (1e-6) at scales 1e-2 and 1e2.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from quotient_manifolds import adapters
+from quotient_manifolds.core import FULL_GL, RotaryGroup
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 48, 10
+SCALES = (1e-2, 1e2)
+
+
+def _model(name: str, model_cls: str = "", **cfg):
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{name}Config")(**cfg)
+    return getattr(transformers, model_cls or f"{name}ForCausalLM")(config).double().eval()
+
+
+def _gl(h: int, gen: torch.Generator) -> torch.Tensor:
+    """Random element of GL(h) with condition number 1e2."""
+    u, _ = torch.linalg.qr(torch.randn(h, h, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(h, h, generator=gen, dtype=torch.float64))
+    return u @ torch.diag(torch.logspace(-1, 1, h, dtype=torch.float64)) @ v
+
+
+def _pairs(h: int, pairing: str):
+    return [(i, i + h // 2) for i in range(h // 2)] if pairing == "half" else [(2 * i, 2 * i + 1)
+                                                                               for i in range(h // 2)]
+
+
+def _rotary_commutant(h: int, pairing: str, gen: torch.Generator) -> torch.Tensor:
+    """Random element commuting with every rotation of the pairs: a·I + b·J on each pair."""
+    A = torch.zeros(h, h, dtype=torch.float64)
+    for i, j in _pairs(h, pairing):
+        a, b = (10 ** (2 * torch.rand(2, generator=gen, dtype=torch.float64) - 1)).tolist()
+        A[i, i] = A[j, j] = a
+        A[i, j], A[j, i] = b, -b
+    return A
+
+
+def _pair_rotations(h: int, pairing: str, gen: torch.Generator) -> torch.Tensor:
+    """A random rotation of each rotary pair: an element of SO(2)^{h/2}."""
+    A = torch.zeros(h, h, dtype=torch.float64)
+    for i, j in _pairs(h, pairing):
+        t = float(2 * math.pi * torch.rand((), generator=gen, dtype=torch.float64))
+        A[i, i] = A[j, j] = math.cos(t)
+        A[i, j], A[j, i] = math.sin(t), -math.sin(t)
+    return A
+
+
+def _rows(start: int, h: int):
+    return list(range(start, start + h))
+
+
+def _act_separate(model, attentions, sample_qk, sample_vo, scale, seed=0):
+    """A copy of ``model`` acted on: ``attentions(m)`` yields the attention modules (separate
+    ``q_proj``/``k_proj``/``v_proj``/``o_proj``, grouped-query heads as HF ``repeat_kv``);
+    ``sample_qk(layer, gen)`` gives the Q/K element of one gauge (None: Q/K not acted on) and its
+    scale flag; ``sample_vo(gen)`` the V/O element, multiplied by ``scale``."""
+    new = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer, a in enumerate(attentions(new)):
+            n_q, h = a.config.num_attention_heads, a.head_dim
+            n_kv = a.config.num_key_value_heads
+            rep = n_q // n_kv
+            for g in range(n_kv):
+                qk = sample_qk(layer, gen)
+                if qk is not None:
+                    A, scalable = qk
+                    A = A * (scale if scalable else 1.0)
+                    for lin, M, heads in ((a.q_proj, A.T, range(g * rep, (g + 1) * rep)),
+                                          (a.k_proj, A.inverse(), [g])):
+                        for i in heads:
+                            rows = _rows(i * h, h)
+                            lin.weight[rows] = M @ lin.weight[rows]
+                            if lin.bias is not None:
+                                lin.bias[rows] = M @ lin.bias[rows]
+                A = scale * sample_vo(gen)
+                rows = _rows(g * h, h)
+                a.v_proj.weight[rows] = A.T @ a.v_proj.weight[rows]
+                if a.v_proj.bias is not None:
+                    a.v_proj.bias[rows] = A.T @ a.v_proj.bias[rows]
+                for i in range(g * rep, (g + 1) * rep):
+                    cols = _rows(i * h, h)
+                    a.o_proj.weight[:, cols] = a.o_proj.weight[:, cols] @ A.inverse().T
+    return new
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _loss(out, targets):
+    logits = out.logits if hasattr(out, "logits") else out
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _groups(layout):
+    """``{(module, kind): group}`` of the layout's blocks."""
+    return {(b.module, b.kind): b.group for b in layout.blocks}
+
+
+def _check_invariance(model, act, layout, inputs, targets):
+    """``act(scale)`` is a symmetry at each scale and sharpness (inv, mix) does not move under it;
+    the layout verifies on the first try."""
+    assert not layout.unsupported, layout.unsupported
+    assert layout.verify(model, inputs).passed
+    out = lambda m: m(**inputs).logits if isinstance(inputs, dict) else m(inputs)  # noqa: E731
+    before = out(model)
+    batch = [(inputs, targets)]
+    kws = [dict(geometry=g, rho=0.01, n_iters=2, loss_fn=_loss, layout=layout, check_retraction=False)
+           for g in ("geodesic-inv", "geodesic-mix")]
+    base = [adapters.sharpness(model, batch, **kw).value for kw in kws]
+    for scale in SCALES:
+        acted = act(scale)
+        change = ((out(acted) - before).abs().max() / before.abs().max()).item()
+        assert change < 1e-10, f"the test's action is not a symmetry at scale {scale}: change {change:.2e}"
+        for kw, value in zip(kws, base):
+            moved = adapters.sharpness(acted, batch, **kw).value
+            assert abs(moved / value - 1) < 1e-6, (kw["geometry"], scale, value, moved)
+
+
+def _layers(model):
+    return [layer.self_attn for layer in model.model.layers]
+
+
+# ---------------------------------------------------------------------------------------- sinks
+
+
+def test_attention_sinks_keep_both_groups():
+    """GPT-OSS: a learned logit per head (``sinks``) is appended to each score row.  It depends on
+    none of q, k, v: Q/K keeps the rotary commutant, V/O keeps GL(h), and the blocks say why."""
+    h, n_q, n_kv = 8, 4, 2
+    model = _model("GptOss", vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                   num_attention_heads=n_q, num_key_value_heads=n_kv, head_dim=h, num_local_experts=2,
+                   num_experts_per_tok=1, max_position_embeddings=64, experts_implementation="eager")
+    with torch.no_grad():
+        for a in _layers(model):
+            a.sinks.normal_(0.0, 1.0)                  # sinks that matter (initialised near 0)
+    layout = adapters.layout(model)
+    assert set(_groups(layout).values()) == {RotaryGroup("half"), FULL_GL} and len(layout.blocks) == 4
+    assert all("attention sinks (sinks)" in b.group_source for b in layout.blocks)
+    assert not any(n.endswith("sinks") for b in layout.blocks for n in b.params)
+    ids = _ids()
+    act = lambda s: _act_separate(model, _layers, lambda _, g: (_rotary_commutant(h, "half", g), True),  # noqa: E731
+                                  lambda g: _gl(h, g), s)
+    _check_invariance(model, act, layout, {"input_ids": ids}, ids)
+
+
+def test_sinks_of_the_wrong_size_are_still_extra_parameters():
+    """A ``sinks`` parameter that is not one scalar per head is not a sink: the module is refused."""
+    h = 8
+    model = _model("GptOss", vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=h, num_local_experts=2,
+                   num_experts_per_tok=1, max_position_embeddings=64)
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.float64))
+    lay = adapters.layout(model, allow_unsupported=True)
+    assert [u.module for u in lay.unsupported] == ["model.layers.0.self_attn"]
+    assert "sinks" in lay.unsupported[0].reason
