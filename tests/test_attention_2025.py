@@ -176,3 +176,26 @@ def test_sinks_of_the_wrong_size_are_still_extra_parameters():
     lay = adapters.layout(model, allow_unsupported=True)
     assert [u.module for u in lay.unsupported] == ["model.layers.0.self_attn"]
     assert "sinks" in lay.unsupported[0].reason
+
+
+# ---------------------------------------------------------------------------------------- NoPE
+
+
+def test_nope_layers_keep_full_gl_on_qk():
+    """SmolLM3: every second layer switches its rotary map off (``use_rope`` = 0 from
+    ``config.no_rope_layers``).  Its Q/K scores are plain: full GL(h), acted on here by
+    ill-conditioned elements, where the rotary commutant of the other layers would be too small."""
+    h, n_q, n_kv = 8, 4, 2
+    model = _model("SmolLM3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=n_q, num_key_value_heads=n_kv, max_position_embeddings=64,
+                   no_rope_layer_interval=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert [a.use_rope for a in _layers(model)] == [1, 0]
+    layout = adapters.layout(model)
+    qk = {b.module: b for b in layout.blocks if b.kind == "qk"}
+    assert [b.group for b in qk.values()] == [RotaryGroup("half"), FULL_GL]
+    assert "use_rope=0: a NoPE layer" in qk["model.layers.1.self_attn"].group_source
+    ids = _ids()
+    qk_sample = lambda layer, g: ((_rotary_commutant(h, "half", g), True) if layer == 0  # noqa: E731
+                                  else (_gl(h, g), True))
+    act = lambda s: _act_separate(model, _layers, qk_sample, lambda g: _gl(h, g), s)  # noqa: E731
+    _check_invariance(model, act, layout, {"input_ids": ids}, ids)

@@ -27,7 +27,8 @@ The candidate group of each half comes from configuration evidence (``GLBlock.gr
 which): V/O always full GL(h); Q/K full GL(h) without positions or with ALiBi or another bias added
 to the scores (``forward`` takes ``alibi`` or ``position_bias``, as MPT: it depends on neither q nor
 k; see ``position_terms``), the rotary commutant ``RotaryGroup`` when ``forward`` takes
-``position_embeddings``, with the pairing (half, interleaved) and ``rotary_dim`` read by running the
+``position_embeddings`` (unless a per-layer switch of :data:`ROPE_SWITCHES` such as ``use_rope``
+turns the rotary map off: a NoPE layer keeps full GL), with the pairing (half, interleaved) and ``rotary_dim`` read by running the
 module's rotary function (:mod:`~quotient_manifolds.adapters.families.rotary_probe`); only where that
 cannot run, from the configuration (``partial_rotary_factor`` / ``rotary_pct`` / ``rotary_ndims``;
 ``rotate_half`` pairing, interleaved when the class's module defines GPT-J's ``rotate_every_two``).  Q/K with per-head or whole-width q/k normalisation (``q_norm``, ``k_norm``) has a
@@ -57,6 +58,11 @@ from .rotary_probe import probe_rotary
 #: ``multi_query`` override it, see the module docstring).
 PACKING_HINTS: Mapping[str, str] = {"query_key_value": "per_head", "c_attn": "per_head", "Wqkv": "stacked",
                                     "qkv_proj": "stacked", "qkv": "stacked", "in_proj": "stacked"}
+#: Module attributes that switch one layer's rotary map on or off (NoPE layers: SmolLM3, Llama 4 and
+#: others set ``use_rope`` per layer from ``config.no_rope_layers``): name -> the value that
+#: means "rotary on".  A layer with its rotary map off has plain scores: full GL on Q/K.
+ROPE_SWITCHES: Mapping[str, bool] = {"use_rope": True, "use_rotary": True, "no_rope": False, "nope": False,
+                                     "skip_rope": False}
 OUT_NAMES: Tuple[str, ...] = ROLE_NAMES["o"] + ("Wo",)
 KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "num_kv")
 
@@ -83,6 +89,16 @@ def _head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional
     return n_q, n_kv, h
 
 
+def rope_switched_off(mod: nn.Module) -> str:
+    """``"<attribute>=<value>"`` when an attribute of :data:`ROPE_SWITCHES` (a bool, or an int 0/1)
+    says the module's rotary map is off, else ``""``."""
+    for name, on in ROPE_SWITCHES.items():
+        v = getattr(mod, name, None)
+        if (isinstance(v, bool) or (isinstance(v, int) and v in (0, 1))) and bool(v) != on:
+            return f"{name}={v!r}"
+    return ""
+
+
 def _qk_group(mod: nn.Module, h: int, bias_source: str = "", model: Optional[nn.Module] = None
               ) -> Tuple[Optional[Group], str]:
     """Candidate Q/K group and how it was found (None: no candidate, the string says why);
@@ -94,6 +110,9 @@ def _qk_group(mod: nn.Module, h: int, bias_source: str = "", model: Optional[nn.
     args = forward_args(mod)
     if getattr(cfg, "alibi", False) is True or ("alibi" in args and "position_embeddings" not in args):
         return FULL_GL, "config: ALiBi bias added to the scores (depends on neither q nor k): full GL"
+    switch = rope_switched_off(mod)
+    if switch:
+        return FULL_GL, f"structure: {switch}: a NoPE layer (its rotary map is switched off), plain scores: full GL"
     rotary_attr = int_attr(mod, ("rotary_ndims", "rotary_dim"))
     if "position_embeddings" not in args and rotary_attr is None:
         return FULL_GL, bias_source or "structure: plain attention (no position inputs)"
