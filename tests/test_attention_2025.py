@@ -199,3 +199,83 @@ def test_nope_layers_keep_full_gl_on_qk():
                                   else (_gl(h, g), True))
     act = lambda s: _act_separate(model, _layers, qk_sample, lambda g: _gl(h, g), s)  # noqa: E731
     _check_invariance(model, act, layout, {"input_ids": ids}, ids)
+
+
+# ------------------------------------------------------- Llama 4: interleaved rotary, weightless QK norm
+
+
+def _llama4(monkeypatch):
+    """Tiny Llama 4 text model: layer 0 rotates with complex (interleaved) rotary and then
+    normalises q and k without a gain (``qk_norm``, ε = rms_norm_eps); layer 1 is a NoPE layer
+    (no rotary, no norm, temperature tuning of q).  HF computes the rotary map and the norm in
+    float32; they are evaluated in the input's dtype here so that a float64 check sees float64
+    rounding (the functions are the same)."""
+    from transformers.models.llama4 import modeling_llama4 as m4
+
+    def apply_rotary_emb(xq, xk, freqs_cis):
+        def turn(x):
+            z = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+            return torch.view_as_real(z * freqs_cis[:, :, None, :].to(z.dtype)).flatten(3)
+        return turn(xq), turn(xk)
+
+    monkeypatch.setattr(m4, "apply_rotary_emb", apply_rotary_emb)
+    monkeypatch.setattr(m4.Llama4TextL2Norm, "forward", lambda self, x: self._norm(x))
+    model = _model("Llama4Text", "Llama4ForCausalLM", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                   intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=8, max_position_embeddings=64, moe_layers=[], no_rope_layer_interval=2,
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.copy_(1.0 / 100.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    return model
+
+
+def test_llama4_interleaved_rotary_weightless_qk_norm_and_nope(monkeypatch):
+    """Layer 0: the probe reads Llama 4's complex rotary as interleaved pairs (2i, 2i+1); the weightless
+    norm after it keeps only a rotation of each pair (SO(2)^{h/2}: orthogonal, since rms(uA) = rms(u)
+    for all u, and no scale, since ε > 0).  Layer 1 (``use_rope`` = 0) keeps GL(h).  V/O GL(h) on both.
+    The layout verifies on the first try, and sharpness is invariant under the action written here."""
+    h = 8
+    model = _llama4(monkeypatch)
+    layout = adapters.layout(model)
+    groups = _groups(layout)
+    qk0 = groups[("model.layers.0.self_attn", "qk")]
+    J = torch.zeros(h // 2, h, h, dtype=torch.float64)          # quarter turns of the interleaved pairs
+    for p in range(h // 2):
+        J[p, 2 * p + 1, 2 * p], J[p, 2 * p, 2 * p + 1] = 1.0, -1.0
+    assert qk0.dim(h) == h // 2 and torch.allclose(qk0.project_algebra(J), J, atol=1e-12)
+    assert not qk0.has_scalars
+    assert groups[("model.layers.1.self_attn", "qk")] == FULL_GL
+    assert [groups[(f"model.layers.{i}.self_attn", "vo")] for i in (0, 1)] == [FULL_GL, FULL_GL]
+    source = next(b.group_source for b in layout.blocks if b.module.endswith("0.self_attn") and b.kind == "qk")
+    assert "probed apply_rotary_emb: rotary_dim=8 interleaved" in source and "ε forbids the scale" in source
+    ids = _ids()
+    qk_sample = lambda layer, g: ((_pair_rotations(h, "interleaved", g), False) if layer == 0  # noqa: E731
+                                  else (_gl(h, g), True))
+    act = lambda s: _act_separate(model, _layers, qk_sample, lambda g: _gl(h, g), s)  # noqa: E731
+    _check_invariance(model, act, layout, {"input_ids": ids}, ids)
+
+
+def test_weightless_norm_probe():
+    """The probe tells an RMS norm without gain (ε > 0: rotations only), an L2 normalisation (ε = 0:
+    rotations and scale) and norms that do not commute with rotations apart."""
+    from quotient_manifolds.adapters.families.qk_norm import normalised_rotary_group, probe_weightless_norm
+
+    class Rms(torch.nn.Module):
+        def __init__(self, eps):
+            super().__init__()
+            self.eps = eps
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    class L2(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.normalize(x, dim=-1)
+
+    assert probe_weightless_norm(Rms(1e-6), 8) is False
+    assert probe_weightless_norm(L2(), 8) is True
+    assert probe_weightless_norm(torch.nn.LayerNorm(8, elementwise_affine=False), 8) is None   # centres
+    assert probe_weightless_norm(torch.nn.LayerNorm(8), 8) is None                             # has a gain
+    group = normalised_rotary_group(RotaryGroup("half", 4), 8, scalars=True)
+    assert group.dim(8) == 2 + 6 + 1          # a turn per pair, so(4) on the free coordinates, scale
+

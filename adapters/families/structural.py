@@ -26,23 +26,28 @@ packing            rows                             evidence
 The candidate group of each half comes from configuration evidence (``GLBlock.group_source`` says
 which): V/O always full GL(h); Q/K full GL(h) without positions or with ALiBi or another bias added
 to the scores (``forward`` takes ``alibi`` or ``position_bias``, as MPT: it depends on neither q nor
-k; see ``position_terms``), the rotary commutant ``RotaryGroup`` when ``forward`` takes
-``position_embeddings`` (unless a per-layer switch of :data:`ROPE_SWITCHES` such as ``use_rope``
-turns the rotary map off: a NoPE layer keeps full GL), with the pairing (half, interleaved) and ``rotary_dim`` read by running the
-module's rotary function (:mod:`~quotient_manifolds.adapters.families.rotary_probe`); only where that
-cannot run, from the configuration (``partial_rotary_factor`` / ``rotary_pct`` / ``rotary_ndims``;
-``rotate_half`` pairing, interleaved when the class's module defines GPT-J's ``rotate_every_two``).  Q/K with per-head or whole-width q/k normalisation (``q_norm``, ``k_norm``) has a
-smaller group: the block is proposed with the group it would have without the normalisation as a
-candidate, which fails verification, and its true group is derived when the layout is accepted on
-inputs (:func:`quotient_manifolds.adapters.accept.accept_layout`, automatic in ``sharpness`` and the other geodesic
-entry points).  ``clip_qkv`` (module attribute or config) refuses the module; norms on the
+k; see ``position_terms``) or in a NoPE layer (a per-layer switch of :data:`ROPE_SWITCHES`, such as
+``use_rope`` = 0, turns its rotary map off); the rotary commutant ``RotaryGroup`` when ``forward``
+takes ``position_embeddings``, with the pairing (half, interleaved) and ``rotary_dim`` read by
+running the module's rotary function (:mod:`~quotient_manifolds.adapters.families.rotary_probe`);
+only where that cannot run, from the configuration (``partial_rotary_factor`` / ``rotary_pct`` /
+``rotary_ndims``; ``rotate_half`` pairing, interleaved when the class's module defines GPT-J's
+``rotate_every_two``).  Attention sinks (one learned logit per head appended to the scores,
+:func:`~quotient_manifolds.adapters.families.positions.attention_sinks`) change no group.  Q/K
+with q/k normalisation (``q_norm``, ``k_norm``, ``qk_norm``) has a smaller group: a weightless
+norm that commutes with rotations (probed, :mod:`~quotient_manifolds.adapters.families.qk_norm`:
+Llama 4) keeps the orthogonal part of the group above, a rotation per frequency pair; a norm with
+a learned gain is proposed with the group it would have without the normalisation as a candidate,
+which fails verification, and its true group is derived when the layout is accepted on inputs
+(:func:`quotient_manifolds.adapters.accept.accept_layout`, automatic in ``sharpness`` and the other
+geodesic entry points).  ``clip_qkv`` (module attribute or config) refuses the module; norms on the
 model-width stream are not extra parameters.  Every proposed block is a candidate: ``Layout.verify`` checks it on the model.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -52,6 +57,7 @@ from ._base import Context, Family, Match
 from .structure import (ROLE_NAMES, Heads, Projection, add_block, attention_sinks, forward_args, in_projection_pieces,
                         int_attr, linear_children, out_projection_pieces, position_terms, screen_module, sink_note)
 from .hf_rotary import QK_NORM_NAMES, config_rotary_dim, rotary_group
+from .qk_norm import normalised_rotary_group, probe_weightless_norm
 from .rotary_probe import probe_rotary
 
 #: Packing of a packed projection by child name (module attributes ``new_decoder_architecture`` and
@@ -130,6 +136,23 @@ def _qk_group(mod: nn.Module, h: int, bias_source: str = "", model: Optional[nn.
     if r % 2 or not 0 <= r <= h:
         return None, f"rotary dimension {r} is not an even number in [0, head_dim={h}]"
     return rotary_group(pairing, r, h), f"config: rotary_dim={r} {pairing}"
+
+
+def _normalised_qk_group(mod: nn.Module, norms: Sequence[str], group: Group, source: str, h: int
+                         ) -> Tuple[Group, str]:
+    """The Q/K group under the q/k norms ``norms`` of ``mod``, from ``group``, the one without them:
+    weightless norms that commute with rotations (probed, :mod:`.qk_norm`) keep the orthogonal
+    part of ``group``; otherwise ``group`` stays as a candidate, which fails verification, and the
+    true group is derived when the layout is accepted on inputs."""
+    kinds = [probe_weightless_norm(getattr(mod, n), h) for n in norms]
+    smaller = None if None in kinds else normalised_rotary_group(group, h, scalars=all(kinds))
+    names = ", ".join(norms)
+    if smaller is None:
+        return group, (f"q/k normalisation ({names}): candidate {group.describe(h)} ({source}); the true group "
+                       "is smaller and is derived when the layout is accepted on inputs")
+    eps = "ε = 0: the scale is kept" if all(kinds) else "its ε forbids the scale"
+    return smaller, (f"weightless q/k norm ({names}, probed: commutes with rotations; {eps}): {group.describe(h)} "
+                     f"({source}) intersected with the orthogonal group")
 
 
 def _packed(lin: Projection, packing: str, n_q: int, n_kv: int, h: int):
@@ -212,9 +235,8 @@ class StructuralAttention(Family):
                 "not modelled, declare the blocks"
         else:
             group, source = _qk_group(mod, h, terms.source, ctx.model)
-        if norms and group is not None:      # a candidate only: verification fails, derivation finds the group
-            source = (f"q/k normalisation ({', '.join(norms)}): candidate {group.describe(h)} ({source}); the true "
-                      "group is smaller and is derived when the layout is accepted on inputs")
+        if norms and group is not None:
+            group, source = _normalised_qk_group(mod, norms, group, source, h)
         per_group = len(qs) > 1        # query heads of one key/value group are separate pieces
         q_pieces = [pc for q in qs for pc in in_projection_pieces(ctx, q, n_kv if per_group else n_q, h,
                                                          1 if per_group else rep)]
