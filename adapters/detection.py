@@ -258,7 +258,7 @@ def _layout(model: nn.Module, blocks: Union[None, GLBlock, Sequence], allow_unsu
     order = {p: i for i, (p, _) in enumerate(model.named_modules())}
     kept, unsupported = _yield_to_declared(det, user, params, order, notes)
 
-    kind_order = {"qk": 0, "vo": 1}
+    kind_order = {"qk": 0, "qk_rope": 1, "vo": 2}
     all_blocks = sorted(kept + user, key=lambda b: (order.get(b.module, len(order)), kind_order.get(b.kind, 2)))
     names = [b.name for b in all_blocks]
     dup = sorted({n for n in names if names.count(n) > 1})

@@ -279,3 +279,54 @@ def test_weightless_norm_probe():
     group = normalised_rotary_group(RotaryGroup("half", 4), 8, scalars=True)
     assert group.dim(8) == 2 + 6 + 1          # a turn per pair, so(4) on the free coordinates, scale
 
+
+
+# ------------------------------------------------------------------------------ latent attention
+
+
+@pytest.mark.parametrize("low_rank_q, interleave", [(True, True), (False, False)])
+def test_multi_head_latent_attention(low_rank_q, interleave):
+    """DeepSeek-V3: GL(qk_nope_head_dim) per head between ``q_b_proj``'s no-rope rows and
+    ``kv_b_proj``'s key rows; the rotary commutant on the rope part, one gauge for all heads (the
+    rotary key of ``kv_a_proj_with_mqa`` is shared); GL(v_head_dim) per head between ``kv_b_proj``'s
+    value rows and ``o_proj``'s columns.  Queries low-rank (``q_a_proj`` → norm → ``q_b_proj``) or
+    full (``q_proj``, with biases); rotary pairs interleaved (DeepSeek's layout) or half."""
+    n, nope, rope, v, rank = 4, 8, 4, 6, 12
+    model = _model("DeepseekV3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                   num_hidden_layers=2, num_attention_heads=n, num_key_value_heads=n,
+                   q_lora_rank=16 if low_rank_q else None, kv_lora_rank=rank, qk_nope_head_dim=nope,
+                   qk_rope_head_dim=rope, v_head_dim=v, n_routed_experts=2, num_experts_per_tok=1,
+                   first_k_dense_replace=2, n_group=1, topk_group=1, max_position_embeddings=64,
+                   rope_interleave=interleave, attention_bias=not low_rank_q)
+    layout = adapters.layout(model)
+    pairing = "interleaved" if interleave else "half"
+    assert [(b.kind, b.group, b.num_heads, b.head_dim) for b in layout.blocks[:3]] == [
+        ("qk", FULL_GL, n, nope), ("qk_rope", RotaryGroup(pairing), 1, rope), ("vo", FULL_GL, n, v)]
+    assert len(layout.blocks) == 6 and all(b.family == "latent" for b in layout.blocks)
+
+    def act(scale, seed=0):
+        new = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for a in _layers(new):
+                q = a.q_b_proj if low_rank_q else a.q_proj
+                B = scale * _rotary_commutant(rope, pairing, gen)    # shared rotary key: one for all heads
+                rows = _rows(rank, rope)
+                a.kv_a_proj_with_mqa.weight[rows] = B.inverse() @ a.kv_a_proj_with_mqa.weight[rows]
+                if a.kv_a_proj_with_mqa.bias is not None:
+                    a.kv_a_proj_with_mqa.bias[rows] = B.inverse() @ a.kv_a_proj_with_mqa.bias[rows]
+                for i in range(n):
+                    A, C = scale * _gl(nope, gen), scale * _gl(v, gen)
+                    for M, qrows in ((A.T, _rows(i * (nope + rope), nope)), (B.T, _rows(i * (nope + rope) + nope, rope))):
+                        q.weight[qrows] = M @ q.weight[qrows]
+                        if q.bias is not None:
+                            q.bias[qrows] = M @ q.bias[qrows]
+                    krows, vrows = _rows(i * (nope + v), nope), _rows(i * (nope + v) + nope, v)
+                    a.kv_b_proj.weight[krows] = A.inverse() @ a.kv_b_proj.weight[krows]
+                    a.kv_b_proj.weight[vrows] = C.T @ a.kv_b_proj.weight[vrows]
+                    cols = _rows(i * v, v)
+                    a.o_proj.weight[:, cols] = a.o_proj.weight[:, cols] @ C.inverse().T
+        return new
+
+    ids = _ids()
+    _check_invariance(model, act, layout, {"input_ids": ids}, ids)

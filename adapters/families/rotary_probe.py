@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .structure import forward_owner
 
-__all__ = ["probe_rotary", "rotary_function", "read_pairing"]
+__all__ = ["probe_rotary", "rotary_function", "rotary_functions", "interleave_flag", "read_pairing"]
 
 #: the angle of the constant (cos, sin) used when the model has no rotary embedding module
 PROBE_ANGLE = 0.7
@@ -37,21 +37,36 @@ PROBE_ANGLE = 0.7
 ZERO = 1e-6
 
 
-def rotary_function(mod: nn.Module) -> Optional[Callable]:
-    """The rotary function that ``mod.forward`` calls: a callable global of its module named in the
-    forward's code whose name contains ``rotary`` or ``rope`` (``apply_*`` first); ``None`` if none."""
+def rotary_functions(mod: nn.Module) -> List[Callable]:
+    """The rotary functions that ``mod.forward`` may call: the callable globals of its module named
+    in the forward's code whose name contains ``rotary`` or ``rope`` (``apply_*`` first)."""
     forward = vars(forward_owner(mod)).get("forward")
     try:
         forward = inspect.unwrap(forward)     # decorators (keyword deprecations) wrap HF forwards
     except (ValueError, TypeError):
-        return None
+        return []
     code, scope = getattr(forward, "__code__", None), getattr(forward, "__globals__", None)
     if code is None or scope is None:
-        return None
+        return []
     names = [n for n in code.co_names if re.search(r"rotary|(^|_)rope", n.lower())
              and callable(scope.get(n)) and not isinstance(scope.get(n), type)]
     names.sort(key=lambda n: not n.lower().startswith("apply"))
-    return scope[names[0]] if names else None
+    return [scope[n] for n in names]
+
+
+def rotary_function(mod: nn.Module) -> Optional[Callable]:
+    """The first of :func:`rotary_functions`, or ``None``."""
+    return next(iter(rotary_functions(mod)), None)
+
+
+def interleave_flag(mod: nn.Module) -> Optional[bool]:
+    """The module's or its config's ``rope_interleave`` (DeepSeek-V3: which of two rotary functions
+    ``forward`` calls), or ``None``."""
+    for owner in (mod, getattr(mod, "config", None)):
+        v = getattr(owner, "rope_interleave", None)
+        if isinstance(v, bool):
+            return v
+    return None
 
 
 #: the positions the probe turns the basis to: 0 (no turn) and others far enough apart that every
@@ -128,14 +143,8 @@ def _calls(fn: Callable, emb: Tuple[torch.Tensor, ...], head_dim: int):
     return q, [(lambda: fn(qs, qs.clone(), emb[0]), True), (lambda: fn(q, q.clone(), emb[0]), False)]
 
 
-def probe_rotary(model: Optional[nn.Module], mod: nn.Module, head_dim: int) -> Optional[Tuple[str, int, str]]:
-    """``(pairing, rotary_dim, function name)`` read by running the rotary function of ``mod``
-    (module docstring), or ``None`` when there is none or it cannot be run on the probe.  A rotary
-    embedding that scales as it turns (YaRN's ``attention_scaling``: c·R) is read as R (the scale
-    commutes with every A, the commutant is that of R)."""
-    fn = rotary_function(mod)
-    if fn is None:
-        return None
+def _probe_one(fn: Callable, model: Optional[nn.Module], head_dim: int) -> Optional[Tuple[str, int]]:
+    """``(pairing, rotary_dim)`` of the rotary function ``fn``, or ``None``."""
     q, calls = _calls(fn, _position_embeddings(model, head_dim), head_dim)
     out: Any = None
     for call, seq_major in calls:
@@ -153,8 +162,35 @@ def probe_rotary(model: Optional[nn.Module], mod: nn.Module, head_dim: int) -> O
     if out is None or not bool(torch.isfinite(out).all()):
         return None
     turns = out[0].transpose(0, 1).to(torch.float64)         # (T, h, h): the map at each position
-    scale = float(turns[0].diagonal().mean())
-    if scale <= 0 or float((turns[0] - scale * torch.eye(head_dim, dtype=torch.float64)).abs().max()) > ZERO * scale:
-        return None                           # position 0 must not turn: the probe misread the embedding
-    found = read_pairing(turns[1:] / scale)
-    return None if found is None else (*found, getattr(fn, "__name__", "rotary function"))
+    # position 0 must not turn: its map is c·P with P orthogonal (the identity, or a fixed reordering
+    # of the coordinates, as DeepSeek's interleaved function writes its output in rotate_half order),
+    # which q Pᵀ... kᵀ cancels; the turns in the input's coordinates are then P R_t Pᵀ = M_t M_0ᵀ / c²
+    first = turns[0]
+    square = float((first @ first.T).diagonal().mean())
+    eye = torch.eye(head_dim, dtype=torch.float64)
+    if square <= 0 or float((first @ first.T / square - eye).abs().max()) > ZERO:
+        return None                           # not c·orthogonal: the probe misread the embedding
+    return read_pairing(turns[1:] @ first.T / square)
+
+
+def probe_rotary(model: Optional[nn.Module], mod: nn.Module, head_dim: int) -> Optional[Tuple[str, int, str]]:
+    """``(pairing, rotary_dim, function name)`` read by running the rotary function of ``mod``
+    (module docstring), or ``None`` when there is none or it cannot be run on the probe.  A rotary
+    embedding that scales as it turns (YaRN's ``attention_scaling``: c·R) is read as R (the scale
+    commutes with every A, the commutant is that of R), and one that also reorders the coordinates
+    by a fixed P (DeepSeek-V3's interleaved function returns them in ``rotate_half`` order: P R_t)
+    as the turns P R_t Pᵀ of the input's coordinates (the scores see only those).  When ``forward`` names several rotary
+    functions that turn differently, the module's ``rope_interleave`` flag (:func:`interleave_flag`)
+    picks the one with that pairing; without the flag the answer is ``None``."""
+    found = {}
+    for fn in rotary_functions(mod):
+        read = _probe_one(fn, model, head_dim)
+        if read is not None:
+            found.setdefault(read, getattr(fn, "__name__", "rotary function"))
+    if len(found) > 1:
+        flag = interleave_flag(mod)
+        found = {} if flag is None else {k: v for k, v in found.items() if (k[0] == "interleaved") == flag}
+    if len(found) != 1:
+        return None
+    (pairing, r), name = next(iter(found.items()))
+    return pairing, r, name
