@@ -330,3 +330,56 @@ def test_multi_head_latent_attention(low_rank_q, interleave):
 
     ids = _ids()
     _check_invariance(model, act, layout, {"input_ids": ids}, ids)
+
+
+# ------------------------------------------------------------------------- differential attention
+
+
+def _rotation(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Haar-random element of SO(n)."""
+    Q, R = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    Q = Q * torch.sign(torch.diagonal(R))
+    if torch.det(Q) < 0:
+        Q[:, 0] = -Q[:, 0]
+    return Q
+
+
+def test_differential_attention():
+    """DiffLlama: query heads j and j + n_q/2 are a differential pair, (P_j − λ P_j') [V_a V_b] with
+    value heads a and a + n_kv/2, normalised without gain over 2h, then the output projection.  Q/K
+    keeps the rotary commutant per key/value head; V/O has one SO(2h) per value pair, acting on the
+    rows of both value heads together (not contiguous: a and a + n_kv/2) and the pair's output
+    columns."""
+    h, n_q, n_kv = 8, 4, 4
+    model = _model("DiffLlama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=n_q, num_key_value_heads=n_kv, max_position_embeddings=64)
+    with torch.no_grad():
+        for a in _layers(model):                        # a λ that matters (initialised near λ_init)
+            for p in (a.lambda_q1, a.lambda_k1, a.lambda_q2, a.lambda_k2):
+                p.normal_(0.0, 0.5)
+    layout = adapters.layout(model)
+    blocks = [(b.kind, b.num_heads, b.head_dim) for b in layout.blocks]
+    assert blocks == [("qk", n_kv, h), ("vo", n_kv // 2, 2 * h)] * 2
+    assert {type(b.group).__name__ for b in layout.blocks if b.kind == "vo"} == {"OrthogonalGroup"}
+    assert {b.group for b in layout.blocks if b.kind == "qk"} == {RotaryGroup("half")}
+    pairs = n_kv // 2
+
+    def act(scale, seed=0):
+        new = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for a in _layers(new):
+                for head in range(n_kv):                    # Q/K: rotary commutant, times the scale (rep = 1)
+                    A, rows = scale * _rotary_commutant(h, "half", gen), _rows(head * h, h)
+                    a.q_proj.weight[rows] = A.T @ a.q_proj.weight[rows]
+                    a.k_proj.weight[rows] = A.inverse() @ a.k_proj.weight[rows]
+                for p in range(pairs):                      # V/O: one rotation of the 2h values of a pair
+                    Q = _rotation(2 * h, gen)
+                    rows = _rows(p * h, h) + _rows((p + pairs) * h, h)
+                    a.v_proj.weight[rows] = Q.T @ a.v_proj.weight[rows]
+                    cols = _rows(p * 2 * h, 2 * h)          # rep = 1: pair p's output columns
+                    a.o_proj.weight[:, cols] = a.o_proj.weight[:, cols] @ Q
+        return new
+
+    ids = _ids()
+    _check_invariance(model, act, layout, {"input_ids": ids}, ids)
