@@ -29,7 +29,7 @@ from torch import nn
 
 from .structure import forward_owner
 
-__all__ = ["probe_rotary", "rotary_function", "rotary_functions", "interleave_flag", "read_pairing"]
+__all__ = ["probe_rotary", "rotary_function", "read_pairing"]
 
 #: the angle of the constant (cos, sin) used when the model has no rotary embedding module
 PROBE_ANGLE = 0.7
@@ -37,7 +37,7 @@ PROBE_ANGLE = 0.7
 ZERO = 1e-6
 
 
-def rotary_functions(mod: nn.Module) -> List[Callable]:
+def _rotary_functions(mod: nn.Module) -> List[Callable]:
     """The rotary functions that ``mod.forward`` may call: the callable globals of its module named
     in the forward's code whose name contains ``rotary`` or ``rope`` (``apply_*`` first)."""
     forward = vars(forward_owner(mod)).get("forward")
@@ -55,11 +55,11 @@ def rotary_functions(mod: nn.Module) -> List[Callable]:
 
 
 def rotary_function(mod: nn.Module) -> Optional[Callable]:
-    """The first of :func:`rotary_functions`, or ``None``."""
-    return next(iter(rotary_functions(mod)), None)
+    """The first of the rotary functions that ``mod.forward`` may call, or ``None``."""
+    return next(iter(_rotary_functions(mod)), None)
 
 
-def interleave_flag(mod: nn.Module) -> Optional[bool]:
+def _interleave_flag(mod: nn.Module) -> Optional[bool]:
     """The module's or its config's ``rope_interleave`` (DeepSeek-V3: which of two rotary functions
     ``forward`` calls), or ``None``."""
     for owner in (mod, getattr(mod, "config", None)):
@@ -175,20 +175,22 @@ def _probe_one(fn: Callable, model: Optional[nn.Module], head_dim: int) -> Optio
 
 def probe_rotary(model: Optional[nn.Module], mod: nn.Module, head_dim: int) -> Optional[Tuple[str, int, str]]:
     """``(pairing, rotary_dim, function name)`` read by running the rotary function of ``mod``
-    (module docstring), or ``None`` when there is none or it cannot be run on the probe.  A rotary
-    embedding that scales as it turns (YaRN's ``attention_scaling``: c·R) is read as R (the scale
-    commutes with every A, the commutant is that of R), and one that also reorders the coordinates
-    by a fixed P (DeepSeek-V3's interleaved function returns them in ``rotate_half`` order: P R_t)
-    as the turns P R_t Pᵀ of the input's coordinates (the scores see only those).  When ``forward`` names several rotary
-    functions that turn differently, the module's ``rope_interleave`` flag (:func:`interleave_flag`)
-    picks the one with that pairing; without the flag the answer is ``None``."""
+    (module docstring), or ``None`` when there is none or it cannot be run on the probe.
+
+    A rotary embedding that scales as it turns (YaRN's ``attention_scaling``: c·R) is read as R
+    (the scale commutes with every A, the commutant is that of R), and one that also reorders the
+    coordinates by a fixed P (DeepSeek-V3's interleaved function returns them in ``rotate_half``
+    order: P R_t) as the turns P R_t Pᵀ of the input's coordinates (the scores see only those).
+    When ``forward`` names several rotary functions that turn differently, the module's (or its
+    config's) ``rope_interleave`` flag picks the one with that pairing; without it the answer is
+    ``None``."""
     found = {}
-    for fn in rotary_functions(mod):
+    for fn in _rotary_functions(mod):
         read = _probe_one(fn, model, head_dim)
         if read is not None:
             found.setdefault(read, getattr(fn, "__name__", "rotary function"))
     if len(found) > 1:
-        flag = interleave_flag(mod)
+        flag = _interleave_flag(mod)
         found = {} if flag is None else {k: v for k, v in found.items() if (k[0] == "interleaved") == flag}
     if len(found) != 1:
         return None

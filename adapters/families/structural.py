@@ -95,7 +95,7 @@ def _head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional
     return n_q, n_kv, h
 
 
-def rope_switched_off(mod: nn.Module) -> str:
+def _rope_switched_off(mod: nn.Module) -> str:
     """``"<attribute>=<value>"`` when an attribute of :data:`ROPE_SWITCHES` (a bool, or an int 0/1)
     says the module's rotary map is off, else ``""``."""
     for name, on in ROPE_SWITCHES.items():
@@ -116,7 +116,7 @@ def _qk_group(mod: nn.Module, h: int, bias_source: str = "", model: Optional[nn.
     args = forward_args(mod)
     if getattr(cfg, "alibi", False) is True or ("alibi" in args and "position_embeddings" not in args):
         return FULL_GL, "config: ALiBi bias added to the scores (depends on neither q nor k): full GL"
-    switch = rope_switched_off(mod)
+    switch = _rope_switched_off(mod)
     if switch:
         return FULL_GL, f"structure: {switch}: a NoPE layer (its rotary map is switched off), plain scores: full GL"
     rotary_attr = int_attr(mod, ("rotary_ndims", "rotary_dim"))
