@@ -159,6 +159,7 @@ def test_attention_sinks_keep_both_groups():
     layout = adapters.layout(model)
     assert set(_groups(layout).values()) == {RotaryGroup("half"), FULL_GL} and len(layout.blocks) == 4
     assert all("attention sinks (sinks)" in b.group_source for b in layout.blocks)
+    assert all("probed apply_rotary_pos_emb" in b.group_source for b in layout.blocks if b.kind == "qk")  # YaRN
     assert not any(n.endswith("sinks") for b in layout.blocks for n in b.params)
     ids = _ids()
     act = lambda s: _act_separate(model, _layers, lambda _, g: (_rotary_commutant(h, "half", g), True),  # noqa: E731
@@ -383,3 +384,49 @@ def test_differential_attention():
 
     ids = _ids()
     _check_invariance(model, act, layout, {"input_ids": ids}, ids)
+
+
+def test_factor_piece_with_runs_reads_and_writes_the_rows_written_out_by_hand():
+    """``FactorPiece(parts=2)``: head a is rows a·h … a·h+h−1 then (a+P)·h … (a+P)·h+h−1 (P pairs);
+    read, write and mask agree with those rows listed here, and overlapping runs are refused."""
+    from quotient_manifolds.adapters.blocks import FactorPiece
+
+    h, pairs, width = 3, 2, 5
+    W = torch.randn(2 * pairs * h, width, dtype=torch.float64)
+    piece = FactorPiece("w", "rows", 0, pairs, 2 * h, stride=h, parts=2, part_stride=pairs * h)
+    by_hand = [list(range(a * h, a * h + h)) + list(range((a + pairs) * h, (a + pairs) * h + h)) for a in range(pairs)]
+    read = piece.read_from(W)
+    assert torch.equal(read, torch.stack([W[rows].T for rows in by_hand]))
+    new = torch.randn_like(read)
+    written = piece.write(W, new)
+    for a, rows in enumerate(by_hand):
+        assert torch.equal(written[rows], new[a].T)
+    assert bool(piece.mask(W).all())                    # the two pairs cover every row
+    bias = FactorPiece("b", "bias", 0, pairs, 2 * h, stride=h, parts=2, part_stride=pairs * h)
+    assert torch.equal(bias.read_from(torch.arange(12.0))[1, 0], torch.tensor([3.0, 4, 5, 9, 10, 11]))
+    with pytest.raises(ValueError, match="overlap"):
+        FactorPiece("w", "rows", 0, pairs, 2 * h, stride=h, parts=2, part_stride=h)
+
+
+def apply_rotary_scaled_reordered(q, k, cos, sin):
+    """Turns the pairs (2i, 2i+1) by the angles of ``cos``/``sin``, scaled by 1.7, and writes the
+    result in rotate_half order (DeepSeek's interleaved function, YaRN's scale)."""
+    c, s = 1.7 * cos[..., : cos.shape[-1] // 2].unsqueeze(1), 1.7 * sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+
+    def turn(x):
+        return torch.cat([x[..., 0::2] * c - x[..., 1::2] * s, x[..., 1::2] * c + x[..., 0::2] * s], -1)
+    return turn(q), turn(k)
+
+
+class _ScaledReorderedRotary(torch.nn.Module):
+    def forward(self, x, position_embeddings):
+        return apply_rotary_scaled_reordered(x, x, *position_embeddings)
+
+
+def test_rotary_probe_sees_through_a_scale_and_a_reordering():
+    """The probe's reading of the maps R_t: a map scaled by c (YaRN) whose output is reordered by a
+    fixed P (c·P R_t) gives the pairs of R_t in the input's coordinates: interleaved."""
+    from quotient_manifolds.adapters.families import rotary_probe
+
+    found = rotary_probe.probe_rotary(None, _ScaledReorderedRotary(), 6)
+    assert found == ("interleaved", 6, "apply_rotary_scaled_reordered")

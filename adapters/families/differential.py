@@ -38,7 +38,7 @@ from quotient_manifolds.core.subalgebra import OrthogonalGroup
 from ..blocks import FactorPiece
 from ._base import Context, Family, Match
 from .qk_norm import probe_weightless_norm
-from .structural import _head_counts, _qk_group
+from .structural import head_counts, candidate_qk_group
 from .structure import (Heads, add_block, children_by_role, in_projection_pieces, linear_children,
                         out_projection_pieces, screen_module)
 
@@ -68,7 +68,7 @@ class DifferentialAttention(Family):
         lambdas = _lambda_params(mod)
         if [len(roles[r]) for r in "qkvo"] != [1, 1, 1, 1] or not lambdas:
             return None
-        n_q, n_kv, h = _head_counts(mod)
+        n_q, n_kv, h = head_counts(mod)
         if n_q is None or h is None:
             return None
         q, k, v, o = (children[roles[r][0]] for r in "qkvo")
@@ -93,7 +93,7 @@ class DifferentialAttention(Family):
         if any(p.adapted for p in (q, k, v, o)):
             return None                                                         # LoRA: the nested family's blocks
         rep = n_q // n_kv
-        group, source = _qk_group(mod, h, "", ctx.model)
+        group, source = candidate_qk_group(mod, h, "", ctx.model)
         if group is None:
             res.reject(source, part="qk")
         else:

@@ -77,7 +77,7 @@ def _config(mod: nn.Module):
     return getattr(mod, "config", None)
 
 
-def _head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional[int]]:
+def head_counts(mod: nn.Module) -> Tuple[Optional[int], Optional[int], Optional[int]]:
     """Query heads, key/value heads and head dim from the module, then its config."""
     cfg = _config(mod)
     n_q = int_attr(mod, ("num_heads", "num_attention_heads", "n_head", "n_heads")) or int_attr(
@@ -105,8 +105,8 @@ def _rope_switched_off(mod: nn.Module) -> str:
     return ""
 
 
-def _qk_group(mod: nn.Module, h: int, bias_source: str = "", model: Optional[nn.Module] = None
-              ) -> Tuple[Optional[Group], str]:
+def candidate_qk_group(mod: nn.Module, h: int, bias_source: str = "", model: Optional[nn.Module] = None
+                       ) -> Tuple[Optional[Group], str]:
     """Candidate Q/K group and how it was found (None: no candidate, the string says why);
     ``bias_source``: the evidence of a bias added to the scores (:func:`position_terms`), if any.
     The rotary pairing and dimension are read by running the module's rotary function
@@ -176,7 +176,7 @@ class StructuralAttention(Family):
                   and not (n == "c_attn" and children[n].transposed)]          # GPT-2's Conv1D: hf-gpt2
         roles = {r: [n for n in children if n in (OUT_NAMES if r == "o" else ROLE_NAMES[r])] for r in "qkvo"}
         args = forward_args(mod)
-        n_q, n_kv, h = _head_counts(mod)
+        n_q, n_kv, h = head_counts(mod)
         if n_q is None or h is None or len(roles["o"]) != 1:
             return None
         separate = all(len(roles[r]) == 1 for r in "qkv")
@@ -234,7 +234,7 @@ class StructuralAttention(Family):
             group, source = None, terms.reject or "positional projections beside packed or grouped projections: " \
                 "not modelled, declare the blocks"
         else:
-            group, source = _qk_group(mod, h, terms.source, ctx.model)
+            group, source = candidate_qk_group(mod, h, terms.source, ctx.model)
         if norms and group is not None:
             group, source = _normalised_qk_group(mod, norms, group, source, h)
         per_group = len(qs) > 1        # query heads of one key/value group are separate pieces
