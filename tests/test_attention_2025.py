@@ -333,6 +333,24 @@ def test_multi_head_latent_attention(low_rank_q, interleave):
     _check_invariance(model, act, layout, {"input_ids": ids}, ids)
 
 
+@pytest.mark.parametrize("name, extra, dtype", [
+    ("MiniCPM3", {}, torch.float64),
+    ("Glm4MoeLite", dict(n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=2, moe_intermediate_size=16,
+                         n_group=1, topk_group=1), torch.float64),
+    # DeepSeek-V2 turns its complex rotary in float32 (xq.float()): exact to float32 only
+    ("DeepseekV2", dict(n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=2,
+                        moe_intermediate_size=16), torch.float32),
+])
+def test_other_latent_attention_classes_verify_on_the_first_try(name, extra, dtype):
+    """The same structure in other classes: three blocks per module, the layout verifies."""
+    model = _model(name, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+                   qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=64, **extra).to(dtype)
+    layout = adapters.layout(model)
+    assert [(b.kind, b.family) for b in layout.blocks] == [("qk", "latent"), ("qk_rope", "latent"), ("vo", "latent")]
+    assert layout.verify(model, {"input_ids": _ids()}).passed
+
+
 # ------------------------------------------------------------------------- differential attention
 
 
