@@ -167,6 +167,47 @@ def test_attention_sinks_keep_both_groups():
     _check_invariance(model, act, layout, {"input_ids": ids}, ids)
 
 
+class SinkAttention(torch.nn.Module):
+    """Plain multi-head attention with a learned sink logit per head (no positions)."""
+
+    def __init__(self, dim=16, num_heads=2):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.sinks = torch.nn.Parameter(torch.randn(num_heads))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        split = lambda t: t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        sink = self.sinks.view(1, -1, 1, 1).expand(B, -1, T, 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+        return self.o_proj((probs @ v).transpose(1, 2).reshape(B, T, -1))
+
+
+def test_sinks_in_a_plain_module_keep_full_gl():
+    """The plain q/k/v/o family: the sinks are no extra parameter, both halves keep GL(h), and an
+    ill-conditioned GL action written here leaves the output unchanged."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(SinkAttention()).double()
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    layout = adapters.layout(model)
+    assert [(b.kind, b.group, b.family) for b in layout.blocks] == [("qk", FULL_GL, "qkvo"), ("vo", FULL_GL, "qkvo")]
+    assert all(b.group_source.startswith("attention sinks (sinks)") for b in layout.blocks)
+    assert layout.verify(model, x).passed
+    moved = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        a = moved[0]
+        for i in range(2):
+            rows, A, C = _rows(8 * i, 8), _gl(8, gen), _gl(8, gen)
+            for lin, M in ((a.q_proj, A.T), (a.k_proj, A.inverse()), (a.v_proj, C.T)):
+                lin.weight[rows], lin.bias[rows] = M @ lin.weight[rows], M @ lin.bias[rows]
+            a.o_proj.weight[:, rows] = a.o_proj.weight[:, rows] @ C.inverse().T
+    assert (moved(x) - model(x)).abs().max() < 1e-12
+
+
 def test_sinks_of_the_wrong_size_are_still_extra_parameters():
     """A ``sinks`` parameter that is not one scalar per head is not a sink: the module is refused."""
     h = 8

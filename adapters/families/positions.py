@@ -14,7 +14,8 @@ from torch import nn
 from .structure import _NORM_OR_GATE_NAME, Projection, linear_children
 
 __all__ = ["SCORE_BIAS_ARGS", "SCORE_BIAS_FLAGS", "POSITION_PAIR_HINTS", "DISENTANGLED_TERMS", "DISENTANGLED_ARGS",
-           "SINK_NAME", "PositionTerms", "stream_norms", "attention_sinks", "sink_note", "forward_args", "position_terms"]
+           "SINK_NAME", "PositionTerms", "stream_norms", "attention_sinks", "sink_note", "forward_args",
+           "position_terms"]
 
 
 
@@ -89,10 +90,12 @@ def attention_sinks(mod: nn.Module, num_heads: Optional[int]) -> Tuple[List[str]
     return names, ids
 
 
-def sink_note(names: List[str]) -> str:
-    """What a block's ``group_source`` says about the sinks ``names`` (empty when there are none)."""
-    return (f"; attention sinks ({', '.join(names)}): a per-head logit appended to the scores depends on none "
-            "of q, k, v: group unchanged") if names else ""
+def sink_note(source: str, names: List[str]) -> str:
+    """A block's ``group_source`` with what it says about the sinks ``names`` appended (``source``
+    itself when there are none)."""
+    note = (f"attention sinks ({', '.join(names)}): a per-head logit appended to the scores depends on none of "
+            "q, k, v: group unchanged") if names else ""
+    return "; ".join(t for t in (source, note) if t)
 
 
 @dataclass

@@ -244,9 +244,9 @@ class StructuralAttention(Family):
             res.reject(source, part="qk")
         else:
             add_block(res, "qk", q_pieces, in_projection_pieces(ctx, k, n_kv, h), ctx.shapes, group,
-                      group_source=source + sink_note(sinks))
+                      group_source=sink_note(source, sinks))
         o_pieces = ([pc for j in range(rep) for pc in out_projection_pieces(ctx, Heads(o, j * h, rep * h), n_kv, h)]
                     if per_group else out_projection_pieces(ctx, o, n_q, h, rep))
         add_block(res, "vo", in_projection_pieces(ctx, v, n_kv, h), o_pieces, ctx.shapes, FULL_GL,
-                  group_source=f"structure: {packing} projections, V/O full GL{sink_note(sinks)}")
+                  group_source=sink_note(f"structure: {packing} projections, V/O full GL", sinks))
         return res

@@ -478,7 +478,7 @@ def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: Project
     if qk_reasons:
         match.reject("; ".join(qk_reasons), part="qk")
     attention_blocks(ctx, match, q=q, k=k, v=v, o=o, num_heads=nh, head_dim=h, qk=not qk_reasons,
-                     qk_source=terms.source + sink_note(sinks), vo_source=sink_note(sinks).lstrip("; "),
+                     qk_source=sink_note(terms.source, sinks), vo_source=sink_note("", sinks),
                      q_pairs=terms.q_pairs, k_pairs=terms.k_pairs)
     return match
 
