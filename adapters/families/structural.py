@@ -47,7 +47,7 @@ model-width stream are not extra parameters.  Every proposed block is a candidat
 from __future__ import annotations
 
 import sys
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -64,11 +64,11 @@ from .rotary_probe import probe_rotary
 #: ``multi_query`` override it, see the module docstring).
 PACKING_HINTS: Mapping[str, str] = {"query_key_value": "per_head", "c_attn": "per_head", "Wqkv": "stacked",
                                     "qkv_proj": "stacked", "qkv": "stacked", "in_proj": "stacked"}
-#: Module attributes that switch one layer's rotary map on or off (NoPE layers: SmolLM3, Llama 4 and
-#: others set ``use_rope`` per layer from ``config.no_rope_layers``): name -> the value that
-#: means "rotary on".  A layer with its rotary map off has plain scores: full GL on Q/K.
-ROPE_SWITCHES: Mapping[str, bool] = {"use_rope": True, "use_rotary": True, "no_rope": False, "nope": False,
-                                     "skip_rope": False}
+#: Module attributes that switch one layer's rotary map on or off (NoPE layers: SmolLM3 and Llama 4
+#: set ``use_rope`` per layer from ``config.no_rope_layers``): name -> the value that means "rotary
+#: on".  A layer with its rotary map off has plain scores: full GL on Q/K.  Add a model's own switch
+#: here; ``Layout.verify`` checks the group it gives.
+ROPE_SWITCHES: Dict[str, bool] = {"use_rope": True}
 OUT_NAMES: Tuple[str, ...] = ROLE_NAMES["o"] + ("Wo",)
 KV_HEADS_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "num_kv")
 
