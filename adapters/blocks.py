@@ -47,6 +47,10 @@ class FactorPiece:
     ``group_size`` > 1 stacks consecutive heads into one block head (grouped-query attention: the
     ``group_size`` query heads that share one key/value head share one gauge): :meth:`read` then
     gives ``(num_heads // group_size, group_size * k, head_dim)``.
+
+    ``parts`` > 1 makes each head's ``head_dim`` coordinates ``parts`` runs of ``head_dim // parts``
+    consecutive features, run t starting ``t * part_stride`` after the head's start (differential
+    attention: one gauge acts on two value heads that lie ``part_stride`` features apart).
     """
 
     param: str
@@ -56,6 +60,8 @@ class FactorPiece:
     head_dim: int
     group_size: int = 1
     stride: Optional[int] = None
+    parts: int = 1
+    part_stride: Optional[int] = None
 
     def __post_init__(self):
         if self.kind not in PIECE_KINDS:
@@ -65,7 +71,14 @@ class FactorPiece:
         if self.group_size < 1 or self.num_heads % self.group_size:
             raise ValueError(f"invalid FactorPiece {self}: group_size must divide num_heads "
                              f"({self.num_heads} heads in groups of {self.group_size})")
-        if self.stride is not None and self.stride < self.head_dim:
+        if self.parts > 1 and (self.head_dim % self.parts or self.part_stride is None
+                               or self.part_stride < self.head_dim // self.parts):
+            raise ValueError(f"invalid FactorPiece {self}: parts must divide head_dim, with part_stride >= "
+                             "head_dim // parts so the runs of a head do not overlap")
+        if self.parts > 1 and self._index(None).unique().numel() != self.num_heads * self.head_dim:
+            raise ValueError(f"invalid FactorPiece {self}: the runs of its heads overlap (stride "
+                             f"{self.head_stride}, part_stride {self.part_stride})")
+        if self.parts == 1 and self.stride is not None and self.stride < self.head_dim:
             raise ValueError(f"invalid FactorPiece {self}: stride {self.stride} < head_dim "
                              f"{self.head_dim} would make heads overlap")
 
@@ -81,12 +94,21 @@ class FactorPiece:
     @property
     def width(self) -> int:
         """Extent of the sliced dimension from ``offset`` to the end of the last head."""
-        return (self.num_heads - 1) * self.head_stride + self.head_dim
+        run = self.head_dim // self.parts
+        return (self.num_heads - 1) * self.head_stride + (self.parts - 1) * (self.part_stride or 0) + run
+
+    @property
+    def _contiguous(self) -> bool:
+        """Whether the heads lie side by side from ``offset`` (one slice, no index)."""
+        return self.parts == 1 and self.stride in (None, self.head_dim)
 
     def _index(self, device) -> Tensor:
         """Positions along the sliced dimension, head-major: ``(num_heads * head_dim,)``."""
         heads = torch.arange(self.num_heads, device=device) * self.head_stride
-        return (self.offset + heads[:, None] + torch.arange(self.head_dim, device=device)).reshape(-1)
+        run = self.head_dim // self.parts
+        within = (torch.arange(self.parts, device=device)[:, None] * (self.part_stride or 0)
+                  + torch.arange(run, device=device)).reshape(-1)
+        return (self.offset + heads[:, None] + within).reshape(-1)
 
     def rows_per_head(self, shape: Sequence[int]) -> int:
         """Rows this piece contributes to the factor per block head (``group_size * k``)."""
@@ -135,7 +157,7 @@ class FactorPiece:
         return per_head.reshape(self.block_heads, -1, h)
 
     def _slice(self, W: Tensor, dim: int) -> Tensor:
-        if self.stride is None or self.stride == self.head_dim:
+        if self._contiguous:
             return W.narrow(dim, self.offset, self.width)
         return W.index_select(dim, self._index(W.device))
 
@@ -156,7 +178,7 @@ class FactorPiece:
                  else value.permute(1, 0, 2) if self.kind == "cols" else value)
         dim = 1 if self.kind == "cols" else 0
         size = W.shape[dim] if self.kind in ("rows", "cols") else W.numel()
-        if self.offset == 0 and self.width == size and self.stride in (None, self.head_dim):
+        if self.offset == 0 and self.width == size and self._contiguous:
             # the piece is the whole weight: one copy of the heads, never a view of ``value``
             return heads.clone(memory_format=torch.contiguous_format).reshape(W.shape)
         if self.kind == "rows":
@@ -166,7 +188,7 @@ class FactorPiece:
         return self._put(W.reshape(-1), 0, heads.reshape(nh * h)).reshape(W.shape)
 
     def _put(self, W: Tensor, dim: int, new: Tensor) -> Tensor:
-        if self.stride is None or self.stride == self.head_dim:
+        if self._contiguous:
             o, w = self.offset, self.width
             return torch.cat([W.narrow(dim, 0, o), new, W.narrow(dim, o + w, W.shape[dim] - o - w)], dim=dim)
         return W.index_copy(dim, self._index(W.device), new)
@@ -192,6 +214,8 @@ class FactorPiece:
         end = self.offset + self.width
         sl = f"{self.offset}:{end}" + (f" step {self.head_stride}" if self.head_stride != self.head_dim else "")
         grouped = f" (x{self.group_size} heads per gauge)" if self.group_size > 1 else ""
+        if self.parts > 1:
+            grouped += f" ({self.parts} runs of {self.head_dim // self.parts}, {self.part_stride} apart)"
         if self.kind == "rows":
             return f"{name}[{sl}]ᵀ{grouped}"
         if self.kind == "cols":

@@ -15,6 +15,10 @@ Families
 ``hf-rotary``   HF rotary decoders, by class allowlist: Llama, Mistral, Qwen2, Qwen3, Gemma,
                 Gemma 2, Gemma 3, Phi, Phi-3 (packed ``qkv_proj``), GPT-NeoX (``query_key_value``
                 interleaved per head); grouped-query attention, partial rotary, QK-norm.
+``latent``      multi-head latent attention (DeepSeek-V2/V3): ``kv_a_proj_with_mqa``, ``kv_b_proj``.
+``differential`` differential attention (DiffLlama): ``lambda_*`` parameters, a norm of head pairs.
+``structural``  any HF attention by structure + config (packed, grouped-query, rotary probed,
+                NoPE layers, sinks, QK-norm).
 ``qkvo``        four q/k/v/o projection children (HF ViT 5.x, CLIP, BART, plain PyTorch ...).
 ``hf-bert``     q/k/v children and a sibling ``output.dense`` (BERT, RoBERTa, ELECTRA, MiniLM,
                 ViT/DeiT 4.x).
@@ -52,6 +56,15 @@ the all-ones direction) survives, no continuous gauge shared by the pair: the Q/
 modules are treated elementwise (adaptive), deliberately, and the layout says so in
 ``layout.notes`` (not as unsupported).  V/O is unaffected and keeps GL(h).
 
+*The attention of 2025* (``adapters.families.latent``, ``differential``, ``qk_norm``): attention
+sinks (a per-head logit appended to the scores) change no group; a NoPE layer (``use_rope`` = 0)
+has plain scores, full GL on Q/K; a weightless q/k norm after (or before) the rotary map keeps
+only the orthogonal A that commute with it, a rotation per frequency pair (ε > 0 forbids the
+scale); multi-head latent attention has three blocks, GL(qk_nope_head_dim) per head between the
+no-rope query and key rows, the rotary commutant on the rope part with one gauge for all heads
+(their rotary key is shared) and GL(v_head_dim) per head on V/O; differential attention keeps
+Q/K's group and has SO(2h) on each value pair normalised together.
+
 *Position terms that keep GL* (``families.structure.position_terms``, docs/maths.md §13.7): a bias
 added to the scores (a ``forward`` input ``position_bias`` or ``alibi``, with T5's per-head
 ``relative_attention_bias`` table) depends on neither q nor k, so Q/K keeps GL(h).  DeBERTa-v2's
@@ -87,7 +100,9 @@ Checked to work: BERT, RoBERTa, ELECTRA, MiniLM, DistilBERT, ViT (4.x and 5.x st
 CLIP, SigLIP vision (incl. its MHA pooling head), BART, GPT-2, ``nn.MultiheadAttention`` /
 ``nn.TransformerEncoder``, Llama (MHA, GQA, MQA), Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3,
 Phi (incl. ``qk_layernorm``), Phi-3, GPT-NeoX, T5 and UMT5 (encoder, decoder and cross-attention),
-DeBERTa-v2 (c2p, p2c, ``share_att_key``), ALBERT, MPT, and peft LoRA on BERT, GPT-2 and Llama.  Not
+DeBERTa-v2 (c2p, p2c, ``share_att_key``), ALBERT, MPT, GPT-OSS (sinks), SmolLM3 (NoPE layers),
+Llama 4 (interleaved complex rotary, weightless QK norm, NoPE layers), DeepSeek-V3 (latent
+attention), DiffLlama (differential attention), and peft LoRA on BERT, GPT-2 and Llama.  Not
 covered (reported unsupported, declare by hand if symmetric): timm-style packed ``qkv`` Linear,
 Swin (relative position bias table as a bare parameter), rotary classes outside the allowlist
 (their V/O block is kept, Q/K is unsupported), grouped-query attention of unverified classes, DoRA
@@ -258,7 +273,7 @@ def _layout(model: nn.Module, blocks: Union[None, GLBlock, Sequence], allow_unsu
     order = {p: i for i, (p, _) in enumerate(model.named_modules())}
     kept, unsupported = _yield_to_declared(det, user, params, order, notes)
 
-    kind_order = {"qk": 0, "vo": 1}
+    kind_order = {"qk": 0, "qk_rope": 1, "vo": 2}
     all_blocks = sorted(kept + user, key=lambda b: (order.get(b.module, len(order)), kind_order.get(b.kind, 2)))
     names = [b.name for b in all_blocks]
     dup = sorted({n for n in names if names.count(n) > 1})

@@ -13,6 +13,10 @@ attention only by their class name.  Families and the maths of their groups are 
 ``hf_gpt2``         ``hf-gpt2``    ``GPT2Attention`` (``Conv1D``, packed ``c_attn``)
 ``hf_rotary``       ``hf-rotary``  HF rotary decoders (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi, Phi-3,
                                    GPT-NeoX): RoPE commutant on Q/K, grouped-query gauges, QK-norm
+``latent``          ``latent``     multi-head latent attention (DeepSeek-V2/V3): no-rope Q/K, shared
+                                   rotary key, V/O, each by structure + config
+``differential``    ``differential`` differential attention (DiffLlama): Q/K as without it, V/O SO(2h) per
+                                   value pair (two key/value heads normalised together)
 ``structural``      ``structural`` any HF attention by structure + config: packed q/k/v (three packings),
                                    grouped-query, rotary / ALiBi evidence, QK-norm (V/O only)
 ``qkvo``            ``qkvo``       four q/k/v/o projection children (T5's score bias, ALBERT's norm)
@@ -53,6 +57,8 @@ from .attention_like import UnknownAttention
 from .hf_bert import HFBertSelfAttention
 from .hf_gpt2 import HFGPT2Attention
 from .hf_rotary import ROTARY_CLASSES, HFRotaryAttention, RotaryClass
+from .differential import DifferentialAttention
+from .latent import LatentAttention
 from .peft_lora import PeftLoRA
 from .structural import PACKING_HINTS, StructuralAttention
 from .qkvo import PlainQKVO
@@ -68,6 +74,8 @@ FAMILIES: List[Family] = [
     PeftLoRA(),
     HFGPT2Attention(),
     HFRotaryAttention(),
+    LatentAttention(),
+    DifferentialAttention(),
     StructuralAttention(),
     PlainQKVO(),
     HFBertSelfAttention(),

@@ -45,7 +45,7 @@ from quotient_manifolds.core.groups import FULL_GL, Group, RotaryGroup
 from ._base import Context, Family, Match
 from .structure import Heads, attention_blocks, forward_owner, int_attr, projection, screen_module
 
-QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "qk_norm")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from torch import nn
 from .structure import _NORM_OR_GATE_NAME, Projection, linear_children
 
 __all__ = ["SCORE_BIAS_ARGS", "SCORE_BIAS_FLAGS", "POSITION_PAIR_HINTS", "DISENTANGLED_TERMS", "DISENTANGLED_ARGS",
-           "PositionTerms", "stream_norms", "forward_args", "position_terms"]
+           "SINK_NAME", "PositionTerms", "stream_norms", "attention_sinks", "sink_note", "forward_args",
+           "position_terms"]
 
 
 
@@ -43,6 +44,10 @@ DISENTANGLED_ARGS: Tuple[str, ...] = ("relative_pos", "rel_embeddings")
 
 _NORM_CLASS = re.compile(r"norm", re.I)
 
+#: Names of attention-sink parameters: one learned logit per head appended to each row of scores
+#: before the softmax and dropped after it (GPT-OSS, GraniteSWA, MiMo-V2 ... call it ``sinks``)
+SINK_NAME = re.compile(r"(^|_)sinks?$", re.I)
+
 
 def stream_norms(mod: nn.Module, width: Optional[int]) -> Tuple[List[str], set]:
     """Norm submodules of ``mod`` on the model-width stream and the ids of their parameters.
@@ -64,6 +69,33 @@ def stream_norms(mod: nn.Module, width: Optional[int]) -> Tuple[List[str], set]:
             names.append(name)
             ids |= {id(p) for p in params}
     return names, ids
+
+
+def attention_sinks(mod: nn.Module, num_heads: Optional[int]) -> Tuple[List[str], set]:
+    """The attention sinks of ``mod`` and the ids of their parameters: its own (not a child's)
+    parameters named like :data:`SINK_NAME` with one entry per query head.
+
+    A sink is a logit ``s_i`` appended to each row of head ``i``'s scores, ``softmax([x G Hᵀ yᵀ,
+    s_i])`` with the sink's column dropped: it depends on none of q, k or v, so ``(G A, H A⁻ᵀ)``
+    leaves the scores, hence the probabilities, unchanged, and the V/O action acts after them as
+    without sinks: every group of the module is the one it has without its sinks (verification
+    checks it on the model)."""
+    if num_heads is None:
+        return [], set()
+    names, ids = [], set()
+    for name, p in mod.named_parameters(recurse=False):
+        if SINK_NAME.search(name) and tuple(p.shape) == (num_heads,):
+            names.append(name)
+            ids.add(id(p))
+    return names, ids
+
+
+def sink_note(source: str, names: List[str]) -> str:
+    """A block's ``group_source`` with what it says about the sinks ``names`` appended (``source``
+    itself when there are none)."""
+    note = (f"attention sinks ({', '.join(names)}): a per-head logit appended to the scores depends on none of "
+            "q, k, v: group unchanged") if names else ""
+    return "; ".join(t for t in (source, note) if t)
 
 
 @dataclass

@@ -468,8 +468,9 @@ def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: Project
     the parameters of modelled position terms are not extra parameters."""
     nh, h, shape_reasons = _head_shapes(mod, q, k, v, o)
     terms = position_terms(q.path.rpartition(".")[0], mod, nh, None if nh is None or h is None else nh * h)
-    screen = screen_module(mod, core | terms.known, source_scan=not _verified_hf(mod), modelled=terms.modelled,
-                     stream_width=o.out_features)
+    sinks, sink_ids = attention_sinks(mod, nh)
+    screen = screen_module(mod, core | terms.known | sink_ids, source_scan=not _verified_hf(mod),
+                           modelled=terms.modelled, stream_width=o.out_features)
     whole = screen.module + shape_reasons
     if whole:
         return match.reject("; ".join(whole + screen.qk + ([terms.reject] if terms.reject else [])))
@@ -477,11 +478,12 @@ def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: Project
     if qk_reasons:
         match.reject("; ".join(qk_reasons), part="qk")
     attention_blocks(ctx, match, q=q, k=k, v=v, o=o, num_heads=nh, head_dim=h, qk=not qk_reasons,
-                     qk_source=terms.source, q_pairs=terms.q_pairs, k_pairs=terms.k_pairs)
+                     qk_source=sink_note(terms.source, sinks), vo_source=sink_note("", sinks),
+                     q_pairs=terms.q_pairs, k_pairs=terms.k_pairs)
     return match
 
 
 # the position terms live in their own module (served here too, for the families that import them)
 from .positions import (  # noqa: E402,F401
-    DISENTANGLED_ARGS, DISENTANGLED_TERMS, POSITION_PAIR_HINTS, SCORE_BIAS_ARGS, SCORE_BIAS_FLAGS, PositionTerms,
-    forward_args, position_terms, stream_norms)
+    DISENTANGLED_ARGS, DISENTANGLED_TERMS, POSITION_PAIR_HINTS, SCORE_BIAS_ARGS, SCORE_BIAS_FLAGS, SINK_NAME,
+    PositionTerms, attention_sinks, forward_args, position_terms, sink_note, stream_norms)
