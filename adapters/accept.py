@@ -36,7 +36,8 @@ from typing import Any, Callable, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from .derive import derive_groups, detach_inputs, with_blocks
+from .derive import derive_groups, with_blocks
+from .evaluation import detach_inputs
 from .detection import resolve_layout
 from .layouts import Layout, Unsupported
 from .verify import (OutputNotFound, SymmetryError, VerifyReport, default_tolerance, is_verified, record_verification,

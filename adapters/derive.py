@@ -10,7 +10,7 @@ scalars, orthogonal, scaled orthogonal, trivial, or the group of the basis itsel
 Design
 ------
 * **Inputs.**  A module's output depends on its inputs (hidden states, masks, position
-  embeddings), which only a forward pass of the model produces: :func:`capture_module_inputs`
+  embeddings), which only a forward pass of the model produces: :func:`~quotient_manifolds.adapters.evaluation.capture_module_inputs`
   records the real inputs of each attention module with forward pre-hooks during one forward pass
   of the model on ``example_inputs`` (the first batch, as for :meth:`~quotient_manifolds.adapters.Layout.verify`).
 * **The output as a function of one gauge.**  ``output_of(G, H)`` is the module's first output
@@ -50,7 +50,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Container, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Container, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -58,11 +58,10 @@ from torch import Tensor, nn
 from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
 
 from .blocks import GLBlock
-from .evaluation import eval_mode, split_inputs
+from .evaluation import capture_module_inputs, eval_mode
 from .layouts import Layout, Unsupported
-from .verify import model_device
 
-__all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "with_blocks", "clear_cache",
+__all__ = ["BlockDerivation", "derive_block", "derive_groups", "with_blocks", "clear_cache",
            "SECOND_GAUGE_MAX_HEAD_DIM"]
 
 #: derive a second gauge (and compare the groups) for heads at most this wide, or when the first
@@ -103,18 +102,6 @@ def clear_cache() -> None:
 
 
 # ------------------------------------------------------------------------------------ inputs
-def detach_inputs(x):
-    """``x`` with every tensor detached, through nested tuples, lists and mappings (captured module
-    or model inputs must not keep the caller's autograd graph alive)."""
-    if isinstance(x, Tensor):
-        return x.detach()
-    if isinstance(x, (tuple, list)):
-        return type(x)(detach_inputs(v) for v in x)
-    if isinstance(x, Mapping):
-        return {k: detach_inputs(v) for k, v in x.items()}
-    return x
-
-
 def _to_float64(x):
     if isinstance(x, Tensor):
         return x.to(torch.float64) if x.is_floating_point() else x
@@ -123,43 +110,6 @@ def _to_float64(x):
     if isinstance(x, Mapping):
         return {k: _to_float64(v) for k, v in x.items()}
     return x
-
-
-def _stateless(kwargs: Mapping[str, Any]) -> Dict[str, Any]:
-    """The keyword inputs without key/value caches: a cache object is updated by every call (the
-    derivation calls the module hundreds of times), so it is dropped and ``use_cache`` set off."""
-    out = {}
-    for k, v in kwargs.items():
-        if "cache" in type(v).__name__.lower() or k in ("past_key_value", "past_key_values", "layer_past"):
-            v = None
-        out[k] = False if k == "use_cache" else v
-    return out
-
-
-def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example_inputs: Any
-                          ) -> Dict[str, Tuple[tuple, dict]]:
-    """``{path: (args, kwargs)}``: the inputs of each module in ``module_paths`` at its first call
-    during one forward pass of ``model`` on ``example_inputs`` (a tensor, a tuple of positional
-    arguments or a dict of keyword arguments), detached.  The pass runs in eval mode with gradients
-    enabled (fused inference fast paths such as ``nn.TransformerEncoderLayer``'s would bypass the
-    attention module's ``forward``); the model's weights are untouched and its flags restored."""
-    captured: Dict[str, Tuple[tuple, dict]] = {}
-    handles = []
-    for path in dict.fromkeys(module_paths):
-        mod = model.get_submodule(path)
-
-        def hook(module, args, kwargs, path=path):
-            captured.setdefault(path, (detach_inputs(tuple(args)), _stateless(detach_inputs(kwargs))))
-
-        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        args, kwargs = split_inputs(example_inputs, model_device(model))
-        with eval_mode(model), torch.enable_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return captured
 
 
 # ------------------------------------------------------------------------------------ output_of
@@ -287,7 +237,7 @@ def _derive_one(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dict], ga
 def derive_block(model: nn.Module, block: GLBlock, inputs: Optional[Tuple[tuple, dict]], *,
                  rtol: Optional[float] = None, use_cache: bool = True) -> BlockDerivation:
     """Derive the group of ``block`` from its module's output at ``inputs`` (the module's captured
-    ``(args, kwargs)``, see :func:`capture_module_inputs`) with
+    ``(args, kwargs)``, see :func:`~quotient_manifolds.adapters.evaluation.capture_module_inputs`) with
     :func:`~quotient_manifolds.core.algebra.derive_group`.  See the module docstring."""
     started = time.perf_counter()
     mod = model.get_submodule(block.module)

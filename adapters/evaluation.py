@@ -12,10 +12,11 @@ resolution of the loss vanish.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import validation as check
@@ -26,7 +27,8 @@ from .streaming import LazyWeight, Slots, parameter_slots, substituted
 from .validation import TokenInputs, scalar_loss
 
 __all__ = ["map_tensors", "eval_mode", "device_of", "split_inputs", "split_batch", "ModelClosure", "HALF_DTYPES",
-           "as_compute", "to_device", "class_targets_check", "all_finite", "loss_of"]
+           "as_compute", "to_device", "class_targets_check", "all_finite", "loss_of", "detach_inputs",
+           "capture_module_inputs"]
 
 
 def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
@@ -222,3 +224,53 @@ def to_device(obj: Any, device: torch.device, upcast: bool = False) -> Any:
     """``obj`` (a tensor, or tuples, lists and dicts of them) with every tensor moved to ``device``,
     in the compute dtype when ``upcast`` (:func:`as_compute`)."""
     return map_tensors(lambda t: as_compute(t.to(device), upcast), obj)
+
+
+# ------------------------------------------------------------------------------------ module inputs
+def detach_inputs(x):
+    """``x`` with every tensor detached, through nested tuples, lists and mappings (captured module
+    or model inputs must not keep the caller's autograd graph alive)."""
+    if isinstance(x, Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(detach_inputs(v) for v in x)
+    if isinstance(x, Mapping):
+        return {k: detach_inputs(v) for k, v in x.items()}
+    return x
+
+
+def _stateless(kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    """The keyword inputs without key/value caches: a cache object is updated by every call (the
+    derivation calls the module hundreds of times), so it is dropped and ``use_cache`` set off."""
+    out = {}
+    for k, v in kwargs.items():
+        if "cache" in type(v).__name__.lower() or k in ("past_key_value", "past_key_values", "layer_past"):
+            v = None
+        out[k] = False if k == "use_cache" else v
+    return out
+
+
+def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example_inputs: Any
+                          ) -> Dict[str, Tuple[tuple, dict]]:
+    """``{path: (args, kwargs)}``: the inputs of each module in ``module_paths`` at its first call
+    during one forward pass of ``model`` on ``example_inputs`` (a tensor, a tuple of positional
+    arguments or a dict of keyword arguments), detached.  The pass runs in eval mode with gradients
+    enabled (fused inference fast paths such as ``nn.TransformerEncoderLayer``'s would bypass the
+    attention module's ``forward``); the model's weights are untouched and its flags restored."""
+    captured: Dict[str, Tuple[tuple, dict]] = {}
+    handles = []
+    for path in dict.fromkeys(module_paths):
+        mod = model.get_submodule(path)
+
+        def hook(module, args, kwargs, path=path):
+            captured.setdefault(path, (detach_inputs(tuple(args)), _stateless(detach_inputs(kwargs))))
+
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        args, kwargs = split_inputs(example_inputs, device_of(itertools.chain(model.parameters(), model.buffers())))
+        with eval_mode(model), torch.enable_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured

@@ -37,6 +37,7 @@ from quotient_manifolds.core.gl import group_action
 from .blocks import GLBlock
 from .families.structure import HEAD_DIM_ATTRS, HEADS_ATTRS
 from .families.structural import KV_HEADS_ATTRS
+from .sharded import is_sharded
 from .verify import SymmetryError, VerifyReport, record, verify_layout
 
 __all__ = ["Layout", "Unsupported", "head_structure"]
@@ -359,14 +360,25 @@ class Layout:
         :class:`~quotient_manifolds.adapters.SymmetryError` naming the failing block(s) unless
         ``raise_on_failure=False``.
 
+        On a model sharded with FSDP2 (call it on every rank, each with its own inputs) each attention
+        module's blocks are checked on that module alone, its weights gathered one module at a time,
+        with the inputs it receives in a sharded forward pass: as strong as the whole-model check (the
+        model's output depends on a block's weights only through its module's output); the report's
+        deviations are relative to each module's output.
+
         The outcome is recorded: ``verify_failed`` lists the failing blocks (all blocks when only the
         joint check failed), and a layout that passed is not verified again by the geodesic entry points
         on this model in its current state (:func:`~quotient_manifolds.adapters.verify.record`).
         """
+        options = dict(scales=scales, cond=cond, rtol=rtol, atol=atol, seed=seed, per_block=per_block,
+                       raise_on_failure=raise_on_failure, output_fn=output_fn, compute_dtype=compute_dtype)
         try:
-            report = verify_layout(self, model, example_inputs, scales=scales, cond=cond, rtol=rtol, atol=atol,
-                                   seed=seed, per_block=per_block, raise_on_failure=raise_on_failure,
-                                   output_fn=output_fn, compute_dtype=compute_dtype)
+            if is_sharded(model):   # module by module on the shards: every rank calls it
+                from .sharded_verify import verify_on_shards
+
+                report = verify_on_shards(self, model, example_inputs, **options)
+            else:
+                report = verify_layout(self, model, example_inputs, **options)
         except SymmetryError as err:
             record(model, self, err.report)
             raise

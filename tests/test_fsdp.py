@@ -214,6 +214,51 @@ def test_half_precision_shards_are_refused_where_fsdp2_cannot_compute_them_in_fl
         dist.destroy_process_group()
 
 
+def test_layout_verify_on_a_sharded_model_gives_the_unsharded_verdict():
+    """Layout.verify on a sharded decoder (rotary, grouped-query) checks each attention module alone
+    on its shards: the detected layout passes, and a layout whose query/key blocks claim the full
+    GL(h) (not a symmetry under the rotary map) fails on the same blocks as on the unsharded model,
+    raising SymmetryError by default; the weights are left as they were."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from quotient_manifolds import adapters
+    from quotient_manifolds.core.groups import GLGroup
+    from test_fsdp_one_run import batches as decoder_batches, build as decoder
+
+    def wrong(layout):
+        return dataclasses.replace(layout, blocks=[dataclasses.replace(b, group=GLGroup()) if b.kind == "qk"
+                                                   else b for b in layout.blocks])
+
+    inputs = {"input_ids": decoder_batches()[0]["input_ids"]}
+    plain = decoder()
+    want = wrong(adapters.layout(plain)).verify(plain, inputs, raise_on_failure=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = decoder()
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        layout = adapters.layout(model)
+        report = layout.verify(model, inputs)
+        assert report.passed and not layout.verify_failed
+        broken = wrong(layout)
+        got = broken.verify(model, inputs, raise_on_failure=False)
+        assert not got.passed and sorted(got.failing) == sorted(want.failing)
+        assert {name.rsplit("/", 1)[-1] for name in got.failing} <= {"qk"} and got.failing
+        assert broken.verify_failed == got.failing
+        with pytest.raises(adapters.SymmetryError, match="module by module on the shards"):
+            broken.verify(model, inputs)
+        assert all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_attention_module_that_is_an_fsdp_unit_is_refused_with_what_to_shard_instead():
     """A block is checked on a copy of its module alone, which an FSDP2 unit's hooks do not allow:
     refused naming the module and the layers to shard instead."""
