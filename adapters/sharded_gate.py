@@ -1,33 +1,17 @@
 r"""The gate on a model sharded with FSDP2: a layout's blocks verified, and a failing block's group
-derived, without ever holding the whole model in one process (the checks run module by module:
-:mod:`~quotient_manifolds.adapters.sharded_verify`).
+derived, without ever holding the whole model in one process.
 
-A GL block lives inside one attention module: its weights are that module's, and the model's
-output depends on them only through that module's output. So checking a block needs only the
-module, its weights and the inputs it receives in the model's forward pass:
-
-1. one sharded forward pass of the model on the first batch records the inputs of every module
-   that holds a block (every rank its own batch, FSDP2 gathering and freeing the layers as in
-   training);
-2. each such module is given to one rank (balanced by size); for each module in turn its weights
-   are gathered (``DTensor.full_tensor``: one module at a time, about one layer's attention) and
-   its owner runs, on a plain copy of the module alone with the inputs it recorded, the same
-   checks as for a model in one process (:func:`~quotient_manifolds.adapters.accept.accept_layout`:
-   random ill-conditioned actions at five scales, the failing blocks' groups derived and checked
-   again, what still fails treated elementwise);
-3. the outcomes are shared by every rank (one ``all_gather_object``), merged in the layout's block
-   order, and settled by the gate as in one process (:meth:`~quotient_manifolds.adapters.gate.Gate.settle`:
-   a layout passed in of which no block verifies is refused, derived groups are named in a
-   warning); every warning and error is raised alike on every rank.
-
-Why this is as strong as the whole-model check: if the module's output is unchanged under an
-action on its weights, for the inputs it receives in the forward pass, everything after it
-computes the same numbers, so the model's output is unchanged too; and conversely a change of the
-model's output under the action can only come through this module's output. The check is the same
-statement about the same forward pass, made where the action happens; its tolerance is relative to
-the module's output instead of the model's (the rounding of the check, not its power, differs).
-It needs the block's weights to be used by this module alone: a weight tied to another module is
-refused, naming it.
+:func:`accept_on_shards` is how a geodesic run on a sharded model
+(:class:`~quotient_manifolds.adapters.placement.ShardedPlacement`, ``GeodesicSAM``) accepts its
+layout on the first batch: the checks of one process
+(:func:`~quotient_manifolds.adapters.accept.accept_layout`: random ill-conditioned actions at five
+scales, the failing blocks' groups derived and checked again, what still fails treated
+elementwise) run module by module, each attention module alone on its owner with the inputs it
+received in a sharded forward pass (:mod:`~quotient_manifolds.adapters.sharded_verify`, which also
+says why that is as strong as the whole-model check). The outcomes are merged in the layout's
+block order and settled by the gate as in one process
+(:meth:`~quotient_manifolds.adapters.gate.Gate.settle`: a layout passed in of which no block
+verifies is refused, derived groups are named in a warning), alike on every rank.
 """
 
 from __future__ import annotations

@@ -100,7 +100,10 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], M
     ----------
     model: any ``torch.nn.Module``; never modified. A float16 / bfloat16 model is evaluated in
         float32 at its trained weights: the value is the sharpness of the same weights in float32
-        (half precision would round the perturbations away).
+        (half precision would round the perturbations away). A model sharded with FSDP2
+        (``fully_shard``) is measured sharded: call this on every rank, each with its own batches
+        (the loss is the mean over the ranks); its layout is detected and verified on the shards,
+        and the result is the same on every rank (docs/distributed.md).
     batches: iterable of either
 
         * ``(inputs, targets)``: ``inputs`` is a tensor (``model(inputs)``) or a dict of tensors
