@@ -259,6 +259,29 @@ def test_layout_verify_on_a_sharded_model_gives_the_unsharded_verdict():
         dist.destroy_process_group()
 
 
+def test_average_case_and_progress_on_one_rank_equal_the_unsharded_run(capsys):
+    """measure="average" draws each rank's shards from seed·world + rank: on one rank that is the
+    unsharded run's generator, so the value is the same to 1e-10; progress=True shows a bar (rank 0)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from quotient_manifolds import adapters
+
+    kw = dict(geometry="geodesic-inv", rho=0.05, measure="average", n_samples=3, seed=7)
+    want = adapters.sharpness(build(), [batch()], **kw)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        got = adapters.sharpness(model, [batch()], progress=True, **kw)
+    finally:
+        dist.destroy_process_group()
+    assert got.value == pytest.approx(want.value, rel=1e-10) and got.value != 0
+    assert got.per_batch == pytest.approx(want.per_batch, rel=1e-10)
+    assert "geodesic-inv sharpness" in capsys.readouterr().err
+
+
 def test_an_attention_module_that_is_an_fsdp_unit_is_refused_with_what_to_shard_instead():
     """A block is checked on a copy of its module alone, which an FSDP2 unit's hooks do not allow:
     refused naming the module and the layers to shard instead."""

@@ -2,7 +2,8 @@
 sharded with FSDP2 over 2 and 3 processes (gloo, CPU, float64), measured with **no layout=**: the
 sharded model's layout is detected and verified on the shards (module by module), and every value
 equals the one-call value of the unsharded model to 1e-10 (adaptive, geodesic-inv, geodesic-mix;
-the retraction check's gap; ``calibrate_rho``; a two-radius ``sharpness_sweep``); the weights are
+the retraction check's gap; ``calibrate_rho``; a two-radius ``sharpness_sweep``; the exact
+retraction); the weights are
 bit-identical afterwards and no ``.grad`` is left. The same holds, to 1e-6, for bfloat16 shards and
 for float32 shards computed in bfloat16 by FSDP2's MixedPrecisionPolicy: both are evaluated in
 float32 at their weights, as the unsharded bfloat16 model is, and compute in bfloat16 again after.
@@ -74,6 +75,8 @@ def measure(model):
     out["calibration"] = [cal.rho, *(v for evaluation in cal.evals for v in evaluation)]
     sweep = adapters.sharpness_sweep(model, batches(), [0.02, 0.05], geometry="geodesic-mix", **OPTIONS)
     out["sweep"] = [r.value for r in sweep]
+    out["exact"] = adapters.sharpness(model, batches(), geometry="geodesic-inv", rho=0.05, retraction="exact",
+                                      **OPTIONS).value
     return out
 
 
@@ -159,6 +162,7 @@ def test_sharded_run_without_a_layout_equals_the_one_call_value(world, tmp_path)
         assert len(g["attention"]) == 1                                 # the same fields on both
     assert got["calibration"] == pytest.approx(local["calibration"], rel=1e-10)
     assert got["sweep"] == pytest.approx(local["sweep"], rel=1e-10)
+    assert got["exact"] == pytest.approx(local["exact"], rel=1e-10)   # the exact geodesic on the owners
     assert local["sweep"][0] <= local["sweep"][1]
 
 
