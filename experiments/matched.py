@@ -143,6 +143,7 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
     _, model, hp, info, batches = _model_and_batches(model_id, config, ckpt_dir, data_dir,
                                                      progress)
     out: Dict[str, Any] = dict(hparams=hp, checkpoint=info["checkpoint"],
+                               weights_sha256=info.get("weights_sha256"),
                                n_points=sum(batch_len(b) for b in batches), searches={})
     for level in config["levels"]:
         for measure in config["measures"]:
@@ -251,6 +252,7 @@ def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional
     return dict(seed=hp["seed"], hparams=hp, study_config=config, metrics=metrics,
                 sharpness=entries, checkpoint=info["checkpoint"],
                 reused_checkpoint=info["reused"], train_info=info["train"],
+                weights_sha256=info.get("weights_sha256"),
                 timing=dict(train_s=info["train_time_s"], eval_s=eval_s,
                             sharpness_s=time.perf_counter() - t0,
                             total_s=time.perf_counter() - started,

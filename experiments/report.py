@@ -68,9 +68,11 @@ def _one_per_model(src: str, records: List[Dict[str, Any]]) -> List[Dict[str, An
         by_id[r["model_id"]] = r
     if repeated:
         shown = ", ".join(f"{i} ({n}x)" for i, n in list(repeated.items())[:8])
-        print(f"note: {src}: {len(repeated)} model id(s) appear on more than one line ({shown}"
-              f"{', ...' if len(repeated) > 8 else ''}); each model is counted once, from its last "
-              f"line, as the study's runner reads them", file=sys.stderr)
+        dropped = sum(repeated.values()) - len(repeated)
+        print(f"warning: {src}: {len(repeated)} model id(s) appear on more than one line ({shown}"
+              f"{', ...' if len(repeated) > 8 else ''}); {dropped} earlier line(s) dropped: each "
+              f"model is counted once, from its last line, as the study's runner reads them",
+              file=sys.stderr)
     return sorted(by_id.values(), key=lambda r: r["model_id"])
 
 
@@ -110,9 +112,55 @@ def merge_second_pass(records: List[Dict[str, Any]], config: Dict[str, Any], ext
     return merged, {**config, "measures": measures}
 
 
+def check_one_commit(records: Sequence[Dict[str, Any]], where: str, *,
+                     allow_mixed: bool = False) -> Dict[str, int]:
+    """:func:`~quotient_manifolds.experiments.provenance.commits_of` of ``records``; raises
+    :class:`~quotient_manifolds.experiments.runner.ExperimentError` when they were written by more
+    than one version of the code (records without a commit count as one more) and
+    ``allow_mixed`` is False: one statistic would pool numbers of two codes unseen."""
+    from .provenance import commits_of
+    from .runner import ExperimentError
+
+    commits = commits_of(records)
+    if len(commits) > 1 and not allow_mixed:
+        shown = ", ".join(f"{c[:12] + ('+dirty' if c.endswith('+dirty') else '') if len(c) >= 40 else c}"
+                          f": {n} records" for c, n in commits.items())
+        raise ExperimentError(
+            f"{where} holds records written by {len(commits)} versions of the code ({shown}). "
+            f"Pooling them would put numbers of different code into one statistic. Rerun the "
+            f"older models with the current code (into a new --out), or pass "
+            f"--allow-mixed-commits to report them together anyway (the summary lists every "
+            f"commit).")
+    return commits
+
+
 def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int = 2000,
                         config_hash: Optional[str] = None, target: Optional[str] = None,
-                        extra: Sequence[str] = (), log=print) -> Dict[str, Any]:
+                        extra: Sequence[str] = (), allow_mixed_commits: bool = False,
+                        log=print) -> Dict[str, Any]:
+    """Recompute a study's summary from ``results.jsonl`` and say which code wrote it: the
+    records must come from one commit (:func:`check_one_commit`; ``allow_mixed_commits`` pools
+    several), and summary.md / summary.json end with their provenance
+    (:func:`~quotient_manifolds.experiments.reporting.stamp_provenance`). The rest:
+    :func:`summary_from_results`."""
+    from .reporting import stamp_provenance
+
+    src = _results_file(path)
+    _, records, _ = _records_of_one_config(src, config_hash)
+    pooled = list(records)
+    for extra_path in extra:
+        pooled += _records_of_one_config(_results_file(extra_path))[1]
+    check_one_commit(pooled, src + "".join(f" with {e}" for e in extra),
+                     allow_mixed=allow_mixed_commits)
+    summary = summary_from_results(path, out_dir, n_boot=n_boot, config_hash=config_hash,
+                                   target=target, extra=extra, log=log)
+    stamp_provenance(out_dir or os.path.dirname(os.path.abspath(src)), pooled, summary)
+    return summary
+
+
+def summary_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int = 2000,
+                         config_hash: Optional[str] = None, target: Optional[str] = None,
+                         extra: Sequence[str] = (), log=print) -> Dict[str, Any]:
     """Recompute a study's summary from ``results.jsonl`` (a file, or a directory holding one).
 
     Diagonal: :func:`diagonal_report`. Text / vision populations: :func:`population_report` with

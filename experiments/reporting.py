@@ -205,8 +205,31 @@ def write_summary(out_dir: str, lines: List[str], summary: Dict[str, Any]) -> No
     """DIR/summary.md (``lines``) and DIR/summary.json (``summary``), each written atomically."""
     from .runner import atomic_write_bytes
     atomic_write_bytes(os.path.join(out_dir, "summary.md"), ("\n".join(lines) + "\n").encode())
+    _write_summary_json(out_dir, summary)
+
+
+def _write_summary_json(out_dir: str, summary: Dict[str, Any]) -> None:
+    from .runner import atomic_write_bytes
     atomic_write_bytes(os.path.join(out_dir, "summary.json"),
                        (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n").encode())
+
+
+def stamp_provenance(out_dir: str, records: Sequence[Dict[str, Any]],
+                     summary: Dict[str, Any]) -> None:
+    """End DIR/summary.md with a "Provenance" section (which commit and versions wrote
+    ``records``, :func:`~quotient_manifolds.experiments.provenance.provenance_label`) and put it
+    into ``summary`` and DIR/summary.json as ``provenance`` (``label`` and ``commits``: records per
+    commit)."""
+    from .provenance import commits_of, provenance_label
+    from .runner import atomic_write_bytes
+
+    label = provenance_label(records)
+    summary["provenance"] = dict(label=label, commits=commits_of(records))
+    path = os.path.join(out_dir, "summary.md")
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read().rstrip("\n")
+    atomic_write_bytes(path, (text + "\n\n## Provenance\n\n" + label + "\n").encode())
+    _write_summary_json(out_dir, summary)
 
 
 def closing_sections(notes: Sequence[str], config: Dict[str, Any]) -> List[str]:
