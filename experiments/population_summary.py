@@ -203,18 +203,25 @@ def _population_header(out_dir: str, study: str, config_hash: str, records, used
 
 def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[str, Any],
                   control: Optional[str], summary: Dict[str, Any]) -> List[str]:
-    """τ-b, τ-a and partial τ of the main (and extra) measures beside the paper's Table 1 row."""
+    """τ-b, τ-a and partial τ of the main (and extra) measures beside the paper's Table 1 row,
+    with each measure's median value over the models at its ρ: measures compare like for like
+    only at similar loss rises."""
     used, rho = taus.used, taus.default_rho
     lines = [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
-             f"| measure | ρ | points | τ-b [95% CI] | τ-a | partial τ given {control or '—'} "
-             "| paper τ |", "|---|---|---|---|---|---|---|"]
+             f"| measure | ρ | points | median value (nats) | τ-b [95% CI] | τ-a "
+             f"| partial τ given {control or '—'} | paper τ |",
+             "|---|---|---|---|---|---|---|---|"]
     for m in measures:
         t, pt = taus.row(m)
         ref = paper.get(m)
+        values = np.array([value_of(r, m, rho[m]) for r in used], dtype=float)
+        median = float(np.median(values[np.isfinite(values)])) if np.isfinite(values).any() \
+            else None
         lines.append(f"| {m} | {fmt_rho(rho[m])} | {_points(used, m, rho[m])} | "
+                     f"{'—' if median is None else f'{median:.3g}'} | "
                      f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
                      f"{'' if ref is None else f'{ref:+.2f}'} |")
-        summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref,
+        summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref, "median_value": median,
                               **({"partial": pt.as_dict()} if pt else {})}
     return lines + [""]
 

@@ -217,3 +217,71 @@ def summary_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: in
                              calibration=cal, n_boot=n_boot, source=src,
                              second_passes=[os.path.relpath(os.path.dirname(os.path.abspath(
                                  _results_file(e))), src_dir) for e in extra], **kwargs)
+
+
+# ------------------------------------------------------------------------------------ two studies
+#: the metrics :func:`same_models` compares model by model
+JOINED_METRICS = ("own_train_loss", "own_train_error", "test_error", "gap_own")
+
+
+def same_models(path: str, other: str) -> Dict[str, Any]:
+    """Are the records of two studies (e.g. ``matched`` and ``vision``) of the same models?
+
+    Joins the two results files by model id (the configuration of each file's last line) and
+    returns: ``models`` (ids in both), ``same_hparams`` (seed and hyperparameters equal),
+    ``same_checkpoint_name``, ``same_pretrained`` (models whose pretrained starting point has the
+    same recorded errors in both, where there is one), ``weights`` (ids whose records both carry ``weights_sha256``:
+    how many match), and per metric of :data:`JOINED_METRICS` how many models differ, the
+    largest |difference| and Kendall τ-b of the metric between the two studies.
+
+    Raises
+    ------
+    ExperimentError
+        if the two files share no model id.
+    """
+    from .runner import ExperimentError
+    from .stats import kendall_tau_b
+
+    a = {r["model_id"]: r for r in _records_of_one_config(_results_file(path))[1]}
+    b = {r["model_id"]: r for r in _records_of_one_config(_results_file(other))[1]}
+    ids = sorted(set(a) & set(b))
+    if not ids:
+        raise ExperimentError(f"{path} and {other} share no model id: nothing to join")
+    hashed = [i for i in ids if a[i].get("weights_sha256") and b[i].get("weights_sha256")]
+    out: Dict[str, Any] = dict(
+        models=len(ids),
+        same_hparams=sum(a[i].get("seed") == b[i].get("seed")
+                         and a[i].get("hparams") == b[i].get("hparams") for i in ids),
+        same_checkpoint_name=sum(a[i].get("checkpoint") == b[i].get("checkpoint") for i in ids),
+        # the pretrained model's record (vision fine-tunes): its errors, to the last digit
+        same_pretrained=sum(_pretrained(a[i]) == _pretrained(b[i]) for i in ids
+                            if _pretrained(a[i]) is not None),
+        weights=dict(both_hashed=len(hashed),
+                     equal=sum(a[i]["weights_sha256"] == b[i]["weights_sha256"] for i in hashed)),
+        metrics={})
+    for key in JOINED_METRICS:
+        x = [float(a[i]["metrics"][key]) for i in ids]
+        y = [float(b[i]["metrics"][key]) for i in ids]
+        diff = [abs(p - q) for p, q in zip(x, y)]
+        out["metrics"][key] = dict(differ=sum(d > 0 for d in diff), max_abs_diff=max(diff),
+                                   tau_b=float(kendall_tau_b(x, y)))
+    return out
+
+
+def _pretrained(record: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    return (record.get("train_info") or {}).get("pretrained")
+
+
+def same_models_lines(path: str, other: str, joined: Dict[str, Any]) -> List[str]:
+    """:func:`same_models`'s answer as lines for the log."""
+    n, w = joined["models"], joined["weights"]
+    lines = [f"{path} vs {other}: {n} models in both; the same seed and hyperparameters: "
+             f"{joined['same_hparams']}; the same checkpoint name: {joined['same_checkpoint_name']}; "
+             f"the same pretrained model's errors: {joined['same_pretrained']}; "
+             + (f"the same weights (weights_sha256): {w['equal']} of {w['both_hashed']} hashed in "
+                f"both" if w["both_hashed"] else "weights: no model hashed in both (records "
+                                                 "before weights_sha256)")]
+    for key, d in joined["metrics"].items():
+        lines.append(f"  {key}: differs on {d['differ']} of {n} models, by up to "
+                     f"{d['max_abs_diff']:.4g}; τ-b between the two studies {d['tau_b']:+.2f}")
+    return lines

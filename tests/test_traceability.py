@@ -186,3 +186,35 @@ def test_report_warns_when_it_drops_a_duplicated_line(tmp_path, capsys):
     assert main(["report", str(run), "--out", str(tmp_path / "again")]) == 0
     err = capsys.readouterr().err
     assert "warning:" in err and "2 earlier line(s) dropped" in err
+
+
+# ------------------------------------------------------------------------------ two studies
+def test_same_models_joins_two_studies_and_sees_retrained_models(capsys):
+    """The committed matched and vision studies: the same seeds, hyperparameters and checkpoint
+    names, but retrained (another pretrained model; metrics differ), as docs/results.md says."""
+    from quotient_manifolds.experiments.report import same_models
+    a, b = (os.path.join(REPO, "experiments", "results", s) for s in ("matched", "vision-finetune"))
+    got = same_models(a, b)
+    assert got["models"] == got["same_hparams"] == got["same_checkpoint_name"] == 48
+    assert got["same_pretrained"] == 0 and got["weights"]["both_hashed"] == 0
+    assert got["metrics"]["own_train_loss"]["differ"] == 48
+    assert got["metrics"]["test_error"]["differ"] == 46
+    assert got["metrics"]["test_error"]["max_abs_diff"] == pytest.approx(0.0073, abs=1e-12)
+    assert round(got["metrics"]["gap_own"]["tau_b"], 2) == 0.78
+    assert main(["report", a, "--same-models", b]) == 0
+    out = capsys.readouterr().out
+    assert "test_error: differs on 46 of 48 models, by up to 0.0073" in out
+
+
+def test_same_models_compares_weights_hashes(tmp_path):
+    from quotient_manifolds.experiments.report import same_models
+    for name, hashes in (("a", ["0" * 64, "1" * 64]), ("b", ["0" * 64, "2" * 64])):
+        store = ResultStore(str(tmp_path / name / "results.jsonl"))
+        os.makedirs(tmp_path / name)
+        for i, h in enumerate(hashes):
+            store.append({"model_id": i, "config_hash": "c", "seed": i, "hparams": {},
+                          "weights_sha256": h, "metrics": {k: 0.1 * i for k in (
+                              "own_train_loss", "own_train_error", "test_error", "gap_own")}})
+    got = same_models(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert got["weights"] == {"both_hashed": 2, "equal": 1}
+    assert got["metrics"]["gap_own"]["differ"] == 0
