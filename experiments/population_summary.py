@@ -214,11 +214,9 @@ def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[st
     for m in measures:
         t, pt = taus.row(m)
         ref = paper.get(m)
-        values = np.array([value_of(r, m, rho[m]) for r in used], dtype=float)
-        median = float(np.median(values[np.isfinite(values)])) if np.isfinite(values).any() \
-            else None
+        median = _median_at(used, m, rho[m])
         lines.append(f"| {m} | {fmt_rho(rho[m])} | {_points(used, m, rho[m])} | "
-                     f"{'—' if median is None else f'{median:.3g}'} | "
+                     f"{f'{median:.3g}' if math.isfinite(median) else '—'} | "
                      f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
                      f"{'' if ref is None else f'{ref:+.2f}'} |")
         summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref, "median_value": median,
@@ -279,16 +277,18 @@ def _sweep_section(taus: _PopulationTaus, main: Sequence[str], summary: Dict[str
     for m in main:
         rows = [(rho, taus.at(m, rho)) for rho in rhos_of(used, m)]
         sweep[m] = rows
-        summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r), **t.as_dict()}
+        summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r),
+                                "median_value": _median_at(used, m, r), **t.as_dict()}
                                for r, t in rows]
     if not any(len(v) > 1 for v in sweep.values()):
         return []
-    lines = ["## ρ sweep (τ-b [95% CI]; points per value in parentheses)", "",
+    lines = ["## ρ sweep (τ-b [95% CI]; points per value and median value in nats in "
+             "parentheses)", "",
              "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
              "scale-free.", ""]
     for m, rows in sweep.items():  # a radius measured on fewer models says so
         lines.append(f"- **{m}**: " + "; ".join(
-            f"ρ={fmt_rho(r)} ({_points(used, m, r)}"
+            f"ρ={fmt_rho(r)} ({_points(used, m, r)}; median {_median_at(used, m, r):.3g}"
             + ("" if t.n == len(used) else f"; {t.n} of {len(used)} models")
             + f"): {t.fmt()}" for r, t in rows))
     lines.append("")
@@ -563,6 +563,11 @@ def value_on(record: Dict[str, Any], measure: str, rho: float, n_batches: int) -
             pb = e.get("per_batch") or []
             return float(np.mean(pb[:n_batches])) if len(pb) >= n_batches else float("nan")
     return float("nan")
+
+
+def _median_at(used, measure: str, rho: float) -> float:
+    """The median over ``used`` of the values of ``measure`` at ``rho`` (NaN where none)."""
+    return _nanmedian([value_of(r, measure, rho) for r in used])
 
 
 def _nanmedian(v) -> float:

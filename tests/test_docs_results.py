@@ -125,3 +125,25 @@ def test_every_committed_paired_row_is_in_the_docs():
             for measure in v["rows"]:
                 if view in {VIEWS[r[0]] for r in rows}:
                     assert (view, measure) in shown, f"{heading}: {view} / {measure} missing"
+
+
+@pytest.mark.parametrize("study", ["vision-finetune", "vision-finetune-gpu"])
+def test_summary_medians_are_the_records_medians(study):
+    """The median value of each main measure at its ρ (the column that shows whether measures
+    were compared at similar loss rises), computed here from results.jsonl and config.json alone,
+    is the committed summary's: exact mix at the second-order mix ρ is ~20× below the others."""
+    import numpy as np
+    src = os.path.join(REPO, "experiments", "results", study)
+    with open(os.path.join(src, "config.json")) as fh:
+        rho = json.load(fh)["rho_used"]
+    with open(os.path.join(src, "results.jsonl")) as fh:
+        records = [json.loads(line) for line in fh]
+    family = {"adaptive": "adaptive", "adaptive-andriushchenko": "adaptive",
+              "geodesic-inv": "inv", "geodesic-mix": "mix", "mix-exact": "mix"}
+    main = _summary(study)["main"]
+    for measure, fam in family.items():
+        values = [e["value"] for r in records for e in r["sharpness"]
+                  if e["measure"] == measure and abs(e["rho"] - rho[fam]) <= 1e-9 * rho[fam]]
+        assert len(values) == len(records)
+        assert main[measure]["median_value"] == pytest.approx(float(np.median(values)), rel=1e-12)
+    assert main["mix-exact"]["median_value"] < main["adaptive-andriushchenko"]["median_value"] / 6
