@@ -379,6 +379,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
         cols = {m: values(used, m, level) for m in measures}
         views.append((f"loss rise ≈ {level:g} nats", "models resampled", {}, cols))
     lines += paired_section(y, views, summary)
+    lines += _level_changes(used, y, levels, measures, summary)
     lines += _calibration_table(config, used, y, levels, measures, summary)
     if len(used) >= 3:
         _fig_matched(os.path.join(out_dir, "fig_matched.png"), summary, levels, measures,
@@ -387,6 +388,35 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
         lines += ["![τ vs loss-rise level](fig_matched.png)", ""]
     write_summary(out_dir, lines, summary)
     return summary
+
+
+def _level_changes(used: Sequence[Dict[str, Any]], y: np.ndarray, levels: Sequence[float],
+                   measures: Sequence[str], summary: Dict[str, Any]) -> List[str]:
+    """Per measure, how its τ changes from each level to the next: Δτ = τ-b(at the higher
+    level) − τ-b(at the lower), both on the same resampled models (the paired section's
+    resamples and seed; into ``summary["level_changes"]``)."""
+    from .reporting import PAIRED_N_BOOT, PAIRED_SEED
+    from .stats import paired_delta_tau
+
+    if len(levels) < 2 or len(used) < 3:
+        return []
+    steps = list(zip(levels[:-1], levels[1:]))
+    lines = ["## τ from one level to the next", "",
+             "Δτ = τ-b(measure at the higher level) − τ-b(the same measure at the lower level), "
+             "on the same models, paired bootstrap as above.", "",
+             "| measure | " + " | ".join(f"{a:g} → {b:g} nats [95% CI]" for a, b in steps) + " |",
+             "|---|" + "---|" * len(steps)]
+    out: Dict[str, Any] = {}
+    for m in measures:
+        cells = []
+        for a, b in steps:
+            d = paired_delta_tau(values(used, m, b), values(used, m, a), y, n_boot=PAIRED_N_BOOT,
+                                 seed=PAIRED_SEED)
+            out.setdefault(m, {})[f"{level_key(a)}->{level_key(b)}"] = d.as_dict()
+            cells.append(d.fmt())
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    summary["level_changes"] = out
+    return lines + [""]
 
 
 def _calibration_table(config: Dict[str, Any], used: Sequence[Dict[str, Any]], y: np.ndarray,

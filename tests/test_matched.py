@@ -223,7 +223,8 @@ def test_report_reproduces_the_committed_matched_summary(tmp_path):
     assert main(["report", src, "--out", str(tmp_path)]) == 0
     again = _json(os.path.join(tmp_path, "summary.json"))
     assert committed["used"] == committed["models"] == 48, "the committed study is complete"
-    for key in ("paired", "matched", "levels", "measures", "excluded", "config_hash", "used"):
+    for key in ("paired", "matched", "levels", "measures", "excluded", "config_hash", "used",
+                "level_changes"):
         _assert_close(again[key], committed[key], key)
 
 
