@@ -282,13 +282,13 @@ def _sweep_section(taus: _PopulationTaus, main: Sequence[str], summary: Dict[str
                                for r, t in rows]
     if not any(len(v) > 1 for v in sweep.values()):
         return []
-    lines = ["## ρ sweep (τ-b [95% CI]; points per value and median value in nats in "
-             "parentheses)", "",
+    lines = ["## ρ sweep (τ-b [95% CI]; points per value and the values' median [min, max] "
+             "in nats in parentheses)", "",
              "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
              "scale-free.", ""]
     for m, rows in sweep.items():  # a radius measured on fewer models says so
         lines.append(f"- **{m}**: " + "; ".join(
-            f"ρ={fmt_rho(r)} ({_points(used, m, r)}; median {_median_at(used, m, r):.3g}"
+            f"ρ={fmt_rho(r)} ({_points(used, m, r)}; {_median_range_at(used, m, r)}"
             + ("" if t.n == len(used) else f"; {t.n} of {len(used)} models")
             + f"): {t.fmt()}" for r, t in rows))
     lines.append("")
@@ -568,6 +568,15 @@ def value_on(record: Dict[str, Any], measure: str, rho: float, n_batches: int) -
 def _median_at(used, measure: str, rho: float) -> float:
     """The median over ``used`` of the values of ``measure`` at ``rho`` (NaN where none)."""
     return _nanmedian([value_of(r, measure, rho) for r in used])
+
+
+def _median_range_at(used, measure: str, rho: float) -> str:
+    """"median m [min, max]" of the values of ``measure`` at ``rho`` over ``used``."""
+    v = np.array([value_of(r, measure, rho) for r in used], dtype=float)
+    v = v[~np.isnan(v)]
+    if not v.size:
+        return "no values"
+    return f"median {np.median(v):.3g} [{v.min():.2g}, {v.max():.2g}]"
 
 
 def _nanmedian(v) -> float:
