@@ -10,14 +10,16 @@ geodesic measures are taken along the exact geodesic (with the second-order step
 Each measure is calibrated with the retraction it is reported with: ``inv-exact`` and
 ``mix-exact`` along the exact geodesic, ``geodesic-inv`` and ``geodesic-mix`` with the
 second-order step (the vision study instead measured ``mix-exact`` at the ρ calibrated for
-``geodesic-mix``, which put it at a median of 0.13 nats against 2.4–3 for the others).
+``geodesic-mix``, which put it at a median of 0.13 nats against 1.3–3 for the others).
 
 Protocol
 --------
 * **Population**: the 48 fine-tunes of the vision study's default protocol (``quotient-manifolds
   vision``: one pretrained ViT width 64, depth 4, 4 heads of dim 16; model i's
-  hyperparameters from ``default_rng([seed, i, 29])``), retrained deterministically from their
-  seeds with the vision study's own training function, or reused from its checkpoints
+  hyperparameters from ``default_rng([seed, i, 29])``), retrained from their seeds with the
+  vision study's own training function (bit for bit on the same CPU kernels and software:
+  :func:`quotient_manifolds.experiments.provenance.reproducible_training`; the committed two-level
+  run predates it and its models differ from the vision study's), or reused from its checkpoints
   (``--checkpoint-dir runs/vision-finetune/checkpoints``: the checkpoint names and training hashes
   are the vision study's).
 * **Points**: the first ``points`` (256) images of the fixed sharpness points of the vision study
