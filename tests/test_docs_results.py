@@ -147,3 +147,30 @@ def test_summary_medians_are_the_records_medians(study):
         assert len(values) == len(records)
         assert main[measure]["median_value"] == pytest.approx(float(np.median(values)), rel=1e-12)
     assert main["mix-exact"]["median_value"] < main["adaptive-andriushchenko"]["median_value"] / 6
+
+
+#: the "At a glance" rows (in order) and where their four τ come from: (study, paired view,
+#: the measures of the columns paper's baseline, our adaptive, inv, mix)
+GLANCE = [
+    ("matched", "loss rise ≈ 0.1 nats", ("adaptive-andriushchenko", "adaptive", "inv-exact",
+                                         "mix-exact")),
+    ("matched", "loss rise ≈ 1 nats", ("adaptive-andriushchenko", "adaptive", "inv-exact",
+                                       "mix-exact")),
+    ("vision-finetune", "calibrated ρ", ("adaptive-andriushchenko", "adaptive", "geodesic-inv",
+                                         "geodesic-mix")),
+    ("vision-finetune-gpu", "calibrated ρ", ("adaptive-andriushchenko", "adaptive",
+                                             "geodesic-inv", "geodesic-mix")),
+    ("text-paper-seeds", "calibrated ρ", ("adaptive-andriushchenko", "adaptive", "geodesic-inv",
+                                          "geodesic-mix")),
+    ("text-paper-random", "calibrated ρ", ("adaptive-andriushchenko", "adaptive", "geodesic-inv",
+                                           "geodesic-mix")),
+]
+
+
+def test_at_a_glance_taus_are_the_committed_summaries():
+    header, rows = _tables()["## At a glance"]
+    assert header[1:5] == ["paper's baseline", "our adaptive", "inv", "mix"]
+    for row, (study, view, measures) in zip(rows, GLANCE):
+        got = _summary(study)["paired"]["views"][view]["rows"]
+        for cell, m in zip(row[1:5], measures):
+            _close(cell, [got[m]["tau_b"]], f"At a glance / {row[0]} / {m}")
