@@ -174,3 +174,44 @@ def test_at_a_glance_taus_are_the_committed_summaries():
         got = _summary(study)["paired"]["views"][view]["rows"]
         for cell, m in zip(row[1:5], measures):
             _close(cell, [got[m]["tau_b"]], f"At a glance / {row[0]} / {m}")
+
+
+def _table_from(path: str, header: str):
+    """Rows (cells) of the table whose header line starts with ``header``, without the header and
+    the separator line."""
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+@pytest.mark.parametrize("study,marker", [
+    ("vision-finetune", "| measure | ρ / calibrated ρ = 0.1 (256 points) | 1 (main, 1,024"),
+    ("vision-finetune-gpu", "| measure | ρ / calibrated ρ = 0.1 (256 points) | 1 (main, 2,048")])
+def test_experiments_readme_vision_tables_are_the_committed_summaries(study, marker):
+    """experiments/README.md's marginal τ tables (2,000 resamples; included in docs/studies.md):
+    the ρ sweep, the main measures and the curvature, each cell the committed summary's."""
+    rows = _table_from(os.path.join(REPO, "experiments", "README.md"), marker)
+    s = _summary(study)
+    names = {"geodesic-mix (second order)": "geodesic-mix", "mix-exact (256 points)": "mix-exact"}
+    curvature = {"inv metric": "inv", "mix metric": "mix", "Euclidean": "euclidean"}
+    assert len(rows) == 8
+    for row in rows:
+        if row[0].startswith("Hessian"):
+            kind = curvature[row[0].split(", ")[1]]
+            _close(row[1], [s["curvature"][f"hess-trace-{kind}"]["tau_b"],
+                            s["curvature"][f"hess-lmax-{kind}"]["tau_b"]], row[0])
+            continue
+        m = names.get(row[0], row[0])
+        main = s["main"][m]
+        _close(row[2], [main["tau_b"], main["ci_low"], main["ci_high"]], f"{study} {m} main")
+        sweep = {round(r["rho"] / main["rho"], 6): r for r in s["sweep"].get(m, [])}
+        for cell, factor in ((row[1], 0.1), (row[3], 10.0)):
+            if cell:
+                r = sweep[factor]
+                _close(cell, [r["tau_b"], r["ci_low"], r["ci_high"]], f"{study} {m} ×{factor}")
