@@ -16,7 +16,8 @@ import numpy as np
 
 from .measures import is_exact, main_measure_of
 from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, measures_of,
-                        metric_ranges, paired_section, rhos_of, tau_for, value_of, write_summary)
+                        median_at, median_range_at, metric_ranges, paired_section, rhos_of, tau_for,
+                        value_of, write_summary)
 from .runner import display_path
 from .stats import TauResult, dummies, partial_tau_with_ci, r_squared, tau_with_ci, within_tau_with_ci
 from .studies import STUDY
@@ -214,7 +215,7 @@ def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[st
     for m in measures:
         t, pt = taus.row(m)
         ref = paper.get(m)
-        median = _median_at(used, m, rho[m])
+        median = median_at(used, m, rho[m])
         lines.append(f"| {m} | {fmt_rho(rho[m])} | {_points(used, m, rho[m])} | "
                      f"{f'{median:.3g}' if math.isfinite(median) else '—'} | "
                      f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
@@ -278,7 +279,7 @@ def _sweep_section(taus: _PopulationTaus, main: Sequence[str], summary: Dict[str
         rows = [(rho, taus.at(m, rho)) for rho in rhos_of(used, m)]
         sweep[m] = rows
         summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r),
-                                "median_value": _median_at(used, m, r), **t.as_dict()}
+                                "median_value": median_at(used, m, r), **t.as_dict()}
                                for r, t in rows]
     if not any(len(v) > 1 for v in sweep.values()):
         return []
@@ -288,7 +289,7 @@ def _sweep_section(taus: _PopulationTaus, main: Sequence[str], summary: Dict[str
              "scale-free.", ""]
     for m, rows in sweep.items():  # a radius measured on fewer models says so
         lines.append(f"- **{m}**: " + "; ".join(
-            f"ρ={fmt_rho(r)} ({_points(used, m, r)}; {_median_range_at(used, m, r)}"
+            f"ρ={fmt_rho(r)} ({_points(used, m, r)}; {median_range_at(used, m, r)}"
             + ("" if t.n == len(used) else f"; {t.n} of {len(used)} models")
             + f"): {t.fmt()}" for r, t in rows))
     lines.append("")
@@ -563,20 +564,6 @@ def value_on(record: Dict[str, Any], measure: str, rho: float, n_batches: int) -
             pb = e.get("per_batch") or []
             return float(np.mean(pb[:n_batches])) if len(pb) >= n_batches else float("nan")
     return float("nan")
-
-
-def _median_at(used, measure: str, rho: float) -> float:
-    """The median over ``used`` of the values of ``measure`` at ``rho`` (NaN where none)."""
-    return _nanmedian([value_of(r, measure, rho) for r in used])
-
-
-def _median_range_at(used, measure: str, rho: float) -> str:
-    """"median m [min, max]" of the values of ``measure`` at ``rho`` over ``used``."""
-    v = np.array([value_of(r, measure, rho) for r in used], dtype=float)
-    v = v[~np.isnan(v)]
-    if not v.size:
-        return "no values"
-    return f"median {np.median(v):.3g} [{v.min():.2g}, {v.max():.2g}]"
 
 
 def _nanmedian(v) -> float:

@@ -41,6 +41,26 @@ def value_of(record: Dict[str, Any], measure: str, rho: float) -> float:
     return float("nan")
 
 
+def _values_at(records: Sequence[Dict[str, Any]], measure: str, rho: float) -> np.ndarray:
+    v = np.array([value_of(r, measure, rho) for r in records], dtype=float)
+    return v[~np.isnan(v)]
+
+
+def median_at(records: Sequence[Dict[str, Any]], measure: str, rho: float) -> float:
+    """The median over ``records`` of the values of ``measure`` at ``rho`` (NaN where none): the
+    loss rise a measure was compared at."""
+    v = _values_at(records, measure, rho)
+    return float(np.median(v)) if v.size else float("nan")
+
+
+def median_range_at(records: Sequence[Dict[str, Any]], measure: str, rho: float) -> str:
+    """"median m [min, max]" of the values of ``measure`` at ``rho`` over ``records``."""
+    v = _values_at(records, measure, rho)
+    if not v.size:
+        return "no values"
+    return f"median {np.median(v):.3g} [{v.min():.2g}, {v.max():.2g}]"
+
+
 def rhos_of(records: Sequence[Dict[str, Any]], measure: str) -> List[float]:
     """The radii at which ``measure`` was measured on any of the records, ascending."""
     out: List[float] = []
