@@ -24,6 +24,8 @@ Guarantees:
   both configurations live in the same file and every report uses only the current one.
 * **Workers.** ``--workers N > 1`` runs models in N spawned processes, each with
   ``torch.set_num_threads(max(1, cores // N))``. Workers exit by themselves if the parent dies.
+* **Traceable, repeatable.** Every line carries ``provenance`` (commit, versions); a model trains
+  under :func:`~quotient_manifolds.experiments.provenance.reproducible_training` (module there).
 """
 
 from __future__ import annotations
