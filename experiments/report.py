@@ -142,26 +142,27 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
     records must come from one commit (:func:`check_one_commit`; ``allow_mixed_commits`` pools
     several), and summary.md / summary.json end with their provenance
     (:func:`~quotient_manifolds.experiments.reporting.stamp_provenance`). The rest:
-    :func:`summary_from_results`."""
+    :func:`_summary_of`."""
     from .reporting import stamp_provenance
 
     src = _results_file(path)
-    _, records, _ = _records_of_one_config(src, config_hash)
+    chosen, records, hashes = _records_of_one_config(src, config_hash)
     pooled = list(records)
     for extra_path in extra:
         pooled += _records_of_one_config(_results_file(extra_path))[1]
     check_one_commit(pooled, src + "".join(f" with {e}" for e in extra),
                      allow_mixed=allow_mixed_commits)
-    summary = summary_from_results(path, out_dir, n_boot=n_boot, config_hash=config_hash,
-                                   target=target, extra=extra, log=log)
+    summary = _summary_of(src, chosen, records, hashes, out_dir, n_boot=n_boot, target=target,
+                          extra=extra, log=log)
     stamp_provenance(out_dir or os.path.dirname(os.path.abspath(src)), pooled, summary)
     return summary
 
 
-def summary_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int = 2000,
-                         config_hash: Optional[str] = None, target: Optional[str] = None,
-                         extra: Sequence[str] = (), log=print) -> Dict[str, Any]:
-    """Recompute a study's summary from ``results.jsonl`` (a file, or a directory holding one).
+def _summary_of(src: str, chosen: str, records: List[Dict[str, Any]], hashes: List[str],
+                out_dir: Optional[str], *, n_boot: int, target: Optional[str],
+                extra: Sequence[str], log) -> Dict[str, Any]:
+    """A study's summary from the records of configuration ``chosen`` of ``src`` (``hashes``: all
+    configurations present).
 
     Diagonal: :func:`diagonal_report`. Text / vision populations: :func:`population_report` with
     :func:`population_kwargs` of the records' configuration, the study's ``exclusions`` and, when
@@ -169,8 +170,6 @@ def summary_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: in
     ``target``, else the one of the directory's summary.json, else the study's default. ``extra``:
     results of second passes over the same models (:func:`merge_second_pass`)."""
     from .runner import ExperimentError
-    src = _results_file(path)
-    chosen, records, hashes = _records_of_one_config(src, config_hash)
     study = records[0].get("study")
     kind = STUDY[study].report if study in STUDY else None
     src_dir = os.path.dirname(os.path.abspath(src))
@@ -230,8 +229,8 @@ def same_models(path: str, other: str) -> Dict[str, Any]:
     Joins the two results files by model id (the configuration of each file's last line) and
     returns: ``models`` (ids in both), ``same_hparams`` (seed and hyperparameters equal),
     ``same_checkpoint_name``, ``same_pretrained`` (models whose pretrained starting point has the
-    same recorded errors in both, where there is one), ``weights`` (ids whose records both carry ``weights_sha256``:
-    how many match), and per metric of :data:`JOINED_METRICS` how many models differ, the
+    same recorded errors in both, where there is one), ``weights`` (of the ids whose records both
+    carry ``weights_sha256``, how many match), and per metric of :data:`JOINED_METRICS` how many models differ, the
     largest |difference| and Kendall τ-b of the metric between the two studies.
 
     Raises

@@ -43,7 +43,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .provenance import provenance
+from .provenance import provenance, reproducible_training, weights_hash
 
 RESULTS = "results.jsonl"
 ERRORS = "errors.jsonl"
@@ -401,8 +401,6 @@ def trained_model(study: str, model_id: int, train_hash: str, ckpt_dir: str, *,
     deterministic algorithms: the same weights bit for bit on a rerun) and checkpointed
     (``stored_state(model)``). Returns ``(model, info)``; ``info["weights_sha256"]`` is the
     :func:`~quotient_manifolds.experiments.provenance.weights_hash` of ``stored_state(model)``."""
-    from .provenance import reproducible_training, weights_hash
-
     path = os.path.join(ckpt_dir, f"{study}-{model_id:04d}-{train_hash[:12]}.safetensors")
     model = build()
     loaded = load_checkpoint(path, train_hash)
