@@ -157,6 +157,10 @@ def test_report_refuses_records_of_two_commits_unless_told(tmp_path, capsys):
     assert set(summary["provenance"]["commits"]) == {"a" * 40, "b" * 40}
     md = (tmp_path / "y" / "summary.md").read_text()
     assert "## Provenance" in md and "from commit aaaaaaaaaaaa" in md and "bbbbbbbbbbbb" in md
+    # records of a commit beside records written before provenance: two codes, refused too
+    _with_commits(src, tmp_path / "old-and-new", lambda i: "a" * 40 if i % 2 else None)
+    assert main(["report", str(tmp_path / "old-and-new"), "--out", str(tmp_path / "z")]) == 2
+    assert f"{UNRECORDED}: " in capsys.readouterr().err
 
 
 def test_report_labels_records_without_a_commit(tmp_path):
