@@ -61,10 +61,13 @@ def weights_hash(state: Mapping[str, Any]) -> str:
     Raises
     ------
     TypeError
-        if a value is not a tensor.
+        if ``state`` is not a mapping or a value is not a tensor.
     """
     import torch
 
+    if not isinstance(state, Mapping):
+        raise TypeError(f"weights_hash takes a state dict (name -> tensor), got a "
+                        f"{type(state).__name__}; pass e.g. model.state_dict()")
     h = hashlib.sha256()
     for name in sorted(state):
         t = state[name]
@@ -81,9 +84,14 @@ def weights_hash(state: Mapping[str, Any]) -> str:
 def git_commit(path: Optional[str] = None) -> Tuple[Optional[str], Optional[bool]]:
     """``(commit, dirty)`` of the git checkout holding ``path`` (default: this package's source):
     the commit hash of HEAD and whether tracked files differ from it; ``(None, None)`` where the
-    code is not in a git checkout or git is not installed (an installed wheel)."""
-    where = path or os.path.dirname(os.path.abspath(__file__))
+    code is not tracked by a git checkout (an installed wheel, even inside another project's
+    repository) or git is not installed."""
+    here = os.path.abspath(__file__)
+    where = path or os.path.dirname(here)
     try:
+        if path is None:  # this file must be tracked there, not merely lie below some checkout
+            subprocess.run(["git", "ls-files", "--error-unmatch", os.path.basename(here)],
+                           cwd=where, capture_output=True, timeout=20, check=True)
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,
                                 text=True, timeout=20, check=True).stdout.strip()
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],

@@ -222,3 +222,26 @@ def test_same_models_compares_weights_hashes(tmp_path):
     got = same_models(str(tmp_path / "a"), str(tmp_path / "b"))
     assert got["weights"] == {"both_hashed": 2, "equal": 1}
     assert got["metrics"]["gap_own"]["differ"] == 0
+
+
+def test_git_commit_outside_a_checkout_and_bad_weights(tmp_path):
+    """No commit is claimed for code git does not track: a directory outside any checkout, or a
+    copy of the package lying untracked inside someone else's repository (a virtual environment
+    in a project); and weights_hash refuses what is not a state dict."""
+    import importlib.util
+
+    from quotient_manifolds.experiments import provenance as P
+    assert P.git_commit(str(tmp_path)) == (None, None)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    if subprocess.run(git + ["init", "-q"]).returncode != 0:
+        pytest.skip("git is not installed")
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "theirs"], check=True)
+    copy = tmp_path / "site-packages" / "provenance_copy.py"
+    copy.parent.mkdir()
+    shutil.copy(P.__file__, copy)
+    spec = importlib.util.spec_from_file_location("provenance_copy", copy)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.git_commit() == (None, None)
+    with pytest.raises(TypeError, match="state dict"):
+        weights_hash(torch.nn.Linear(2, 2))
