@@ -68,8 +68,8 @@ Cost, measured on one model of the real configuration (``benchmarks/bench_matche
 thread, CPU seconds): the six measures once on 256 points take 113 s (inv-exact 51 s, mix-exact
 48 s, the four others 3.4–4.1 s each), so a model costs ≈ 380 s with three levels and its
 fine-tune and evaluation (≈ 40 s), and a pilot model ≈ 1,360 s more (4 sharpness runs per
-search); with the pretraining (≈ 220 s at two threads, now trained at one: about twice that)
-the full study is ≈ 7.5 CPU-hours, ≈ 3.8 h wall with ``--workers 2 --threads 1`` on an idle
+search); with the pretraining (≈ 220 s estimated at two threads; it now trains at one, not
+timed) the full study is ≈ 7.5 CPU-hours, ≈ 3.8 h wall with ``--workers 2 --threads 1`` on an idle
 2-core machine. On the shared machine the two-level run of 2026-11-26 took 18 min for the
 pilot (``calibration.json``: ``wall_s``) and 3.1 h for the 48 models (first and last
 ``finished`` of ``results.jsonl``); scaled by 3/2 levels for the pilot and 379/266 for the
