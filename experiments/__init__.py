@@ -7,6 +7,8 @@ geodesics); and two training studies: ``sam`` (SAM, ASAM and geodesic SAM) and `
 optimizers, the GL(r)-invariant ones among them). Support modules:
 :mod:`quotient_manifolds.experiments.stats` (Kendall τ, bootstrap CI, gap),
 :mod:`quotient_manifolds.experiments.runner` (crash-safe JSONL results, checkpoints, worker processes),
+:mod:`quotient_manifolds.experiments.provenance` (commit, versions and weights hash of every record;
+bit-reproducible training),
 :mod:`quotient_manifolds.experiments.training` (the training loop of every study),
 :mod:`quotient_manifolds.experiments.reporting` (what the studies' summaries share),
 :mod:`quotient_manifolds.experiments.data` (data through pip/apt),

@@ -78,6 +78,7 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
     batches = on_study_device(first_points(sharpness_batches(config, data), int(cal["points"])),
                               config)
     out: Dict[str, Any] = dict(hparams=hp, checkpoint=info["checkpoint"],
+                               weights_sha256=info.get("weights_sha256"),
                                n_points=sum(batch_len(b) for b in batches), families={})
     for fam in families_to_calibrate(config):
         measure = FAMILY_MEASURE[fam]

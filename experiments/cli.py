@@ -262,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vision/text: a second pass's DIR to merge (repeatable)")
     p.add_argument("--target", choices=("gap", "gap_own", "test_error", "test_loss"), default=None,
                    metavar="T", help="vision/text: gap, gap_own, test_error or test_loss")
+    p.add_argument("--allow-mixed-commits", action="store_true",
+                   help="pool records written by different commits of the code (refused "
+                        "otherwise: their numbers come from different code)")
+    p.add_argument("--same-models", metavar="OTHER", default=None,
+                   help="only join DIR and OTHER by model id and print whether they hold the same "
+                        "models (hyperparameters, weights hashes, metrics); writes nothing")
     return parser
 
 
@@ -322,8 +328,16 @@ def cmd_report(args) -> int:
     check_results_path(args.path)
     for extra in args.extra:
         check_results_path(extra)
+    if args.same_models is not None:
+        from .report import same_models, same_models_lines
+        check_results_path(args.same_models)
+        for line in same_models_lines(args.path, args.same_models,
+                                      same_models(args.path, args.same_models)):
+            log_line(line)
+        return 0
     summary = report_from_results(args.path, args.out, n_boot=args.n_boot, config_hash=args.config_hash,
-                                  target=args.target, extra=args.extra, log=log_line)
+                                  target=args.target, extra=args.extra, log=log_line,
+                                  allow_mixed_commits=args.allow_mixed_commits)
     print_table(summary, log_line)
     out = args.out or (args.path if os.path.isdir(args.path) else os.path.dirname(args.path))
     log_line(f"summary: {os.path.join(out, 'summary.md')}")

@@ -4,16 +4,22 @@ rise, on the width-64 ViT fine-tune population of the vision study.
 Why: a radius ρ means a different ball in every geometry (the adaptive and inv norms are
 scale-free, the mix metric has units), and the vision study calibrates each family to a median
 of 3 nats, a regime where the second-order mix step is far off its geodesic. Here each measure
-gets its own ρ for each of a few loss-rise *levels* (default ≈ 0.1 and ≈ 1 nat), so that the
-measures are compared at the same size of effect, and the geodesic measures are taken along the
-exact geodesic (with the second-order step beside them).
+gets its own ρ for each of a few loss-rise *levels* (default ≈ 0.1, ≈ 1 and ≈ 3 nats, the last
+the vision study's regime), so that the measures are compared at the same size of effect, and the
+geodesic measures are taken along the exact geodesic (with the second-order step beside them).
+Each measure is calibrated with the retraction it is reported with: ``inv-exact`` and
+``mix-exact`` along the exact geodesic, ``geodesic-inv`` and ``geodesic-mix`` with the
+second-order step (the vision study instead measured ``mix-exact`` at the ρ calibrated for
+``geodesic-mix``, which put it at a median of 0.13 nats against 1.3–3 for the others).
 
 Protocol
 --------
 * **Population**: the 48 fine-tunes of the vision study's default protocol (``quotient-manifolds
   vision``: one pretrained ViT width 64, depth 4, 4 heads of dim 16; model i's
-  hyperparameters from ``default_rng([seed, i, 29])``), retrained deterministically from their
-  seeds with the vision study's own training function, or reused from its checkpoints
+  hyperparameters from ``default_rng([seed, i, 29])``), retrained from their seeds with the
+  vision study's own training function (bit for bit on the same CPU kernels and software:
+  :func:`quotient_manifolds.experiments.provenance.reproducible_training`; the committed two-level
+  run predates it and its models differ from the vision study's), or reused from its checkpoints
   (``--checkpoint-dir runs/vision-finetune/checkpoints``: the checkpoint names and training hashes
   are the vision study's).
 * **Points**: the first ``points`` (256) images of the fixed sharpness points of the vision study
@@ -27,8 +33,10 @@ Protocol
   not of one model): on the first ``pilot_models`` (6) models, for every measure and level, the
   library's safeguarded secant :func:`quotient_manifolds.adapters.calibration.find_rho` (the search behind
   :func:`quotient_manifolds.adapters.calibrate_rho`) finds the ρᵢ at which model i's loss rise is the level
-  (tolerance factor 1.25, at most ``max_evals`` sharpness runs, starting from the vision study's
-  3-nat starting ρ of the family scaled by √(level / 3)); ρ* = exp(median log ρᵢ)
+  (tolerance factor 1.25, at most ``max_evals`` sharpness runs of that measure itself, starting
+  from the vision study's 3-nat starting ρ of the family, or of the measure where ``rho_start``
+  names it, scaled by √(level / 3); ``mix-exact``: 0.18, the committed 1-nat ρ* 0.105 × √3);
+  ρ* = exp(median log ρᵢ)
   (:func:`quotient_manifolds.experiments.calibrate.combine_roots`). An exact geodesic that leaves GL(h) inside the
   ball counts as "above the level" in the search. Then **every** model (pilot ones included) is
   measured at that one ρ* per measure and level: the achieved population median is reported
@@ -58,10 +66,14 @@ per-model records to ``DIR/results.jsonl``, each appended as the model finishes 
 
 Cost, measured on one model of the real configuration (``benchmarks/bench_matched.py``, one
 thread, CPU seconds): the six measures once on 256 points take 113 s (inv-exact 51 s, mix-exact
-48 s, the four others 3.4–4.1 s each), so a model costs ≈ 266 s with two levels and its fine-tune
-and evaluation (≈ 40 s), and a pilot model ≈ 900 s more (4 sharpness runs per search); with the
-pretraining (≈ 220 s) the full study is ≈ 5.1 CPU-hours, ≈ 2.6 h wall with ``--workers 2
---threads 1`` on an idle 2-core machine.
+48 s, the four others 3.4–4.1 s each), so a model costs ≈ 380 s with three levels and its
+fine-tune and evaluation (≈ 40 s), and a pilot model ≈ 1,360 s more (4 sharpness runs per
+search); with the pretraining (≈ 220 s estimated at two threads; it now trains at one, not
+timed) the full study is ≈ 7.5 CPU-hours, ≈ 3.8 h wall with ``--workers 2 --threads 1`` on an idle
+2-core machine. On the shared machine the two-level run of 2026-11-26 took 18 min for the
+pilot (``calibration.json``: ``wall_s``) and 3.1 h for the 48 models (first and last
+``finished`` of ``results.jsonl``); scaled by 3/2 levels for the pilot and 379/266 for the
+models, a three-level run there takes ≈ 5 h.
 """
 
 from __future__ import annotations
@@ -97,12 +109,14 @@ def defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
                 "n_iters", "eps", "sharp_points", "sharp_batch"):
         pop.pop(key)
     c: Dict[str, Any] = dict(
-        population=pop, levels=[0.1, 1.0], points=256, batch=256, n_iters=20, eps=0.0,
-        measures=list(MATCHED_MEASURES), rho_start=dict(adaptive=2.0, inv=0.6, mix=0.03),
+        population=pop, levels=[0.1, 1.0, 3.0], points=256, batch=256, n_iters=20, eps=0.0,
+        measures=list(MATCHED_MEASURES),
+        rho_start={"adaptive": 2.0, "inv": 0.6, "mix": 0.03, "mix-exact": 0.18},
         rho_start_level=3.0, pilot_models=6, tolerance=1.25, max_evals=6, target="gap_own",
         models=48)
     if quick:
-        c.update(points=32, batch=32, n_iters=2, pilot_models=2, max_evals=2, models=3)
+        c.update(points=32, batch=32, n_iters=2, pilot_models=2, max_evals=2, models=3,
+                 levels=[0.1, 3.0])
     return c
 
 
@@ -111,11 +125,14 @@ def level_key(level: float) -> str:
 
 
 def _start(config: Dict[str, Any], measure: str, level: float) -> float:
-    """First ρ of the search: the family's starting ρ at ``rho_start_level`` nats scaled by
-    √(level / rho_start_level) (S ∝ ρ² near a minimum)."""
+    """First ρ of the search: the measure's own starting ρ at ``rho_start_level`` nats where
+    ``rho_start`` has one (``mix-exact``: along the exact geodesic the mix ball needs a larger ρ
+    than the second-order step's), else its family's, scaled by √(level / rho_start_level)
+    (S ∝ ρ² near a minimum)."""
     from .measures import MEASURES
-    fam = MEASURES[measure]["family"]
-    return float(config["rho_start"][fam]) * math.sqrt(level / float(config["rho_start_level"]))
+    starts = config["rho_start"]
+    start = starts.get(measure, starts[MEASURES[measure]["family"]])
+    return float(start) * math.sqrt(level / float(config["rho_start_level"]))
 
 
 def _model_and_batches(model_id: int, config: Dict[str, Any], ckpt_dir: str,
@@ -143,6 +160,7 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
     _, model, hp, info, batches = _model_and_batches(model_id, config, ckpt_dir, data_dir,
                                                      progress)
     out: Dict[str, Any] = dict(hparams=hp, checkpoint=info["checkpoint"],
+                               weights_sha256=info.get("weights_sha256"),
                                n_points=sum(batch_len(b) for b in batches), searches={})
     for level in config["levels"]:
         for measure in config["measures"]:
@@ -251,6 +269,7 @@ def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional
     return dict(seed=hp["seed"], hparams=hp, study_config=config, metrics=metrics,
                 sharpness=entries, checkpoint=info["checkpoint"],
                 reused_checkpoint=info["reused"], train_info=info["train"],
+                weights_sha256=info.get("weights_sha256"),
                 timing=dict(train_s=info["train_time_s"], eval_s=eval_s,
                             sharpness_s=time.perf_counter() - t0,
                             total_s=time.perf_counter() - started,
@@ -362,6 +381,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
         cols = {m: values(used, m, level) for m in measures}
         views.append((f"loss rise ≈ {level:g} nats", "models resampled", {}, cols))
     lines += paired_section(y, views, summary)
+    lines += _level_changes(used, y, levels, measures, summary)
     lines += _calibration_table(config, used, y, levels, measures, summary)
     if len(used) >= 3:
         _fig_matched(os.path.join(out_dir, "fig_matched.png"), summary, levels, measures,
@@ -370,6 +390,35 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
         lines += ["![τ vs loss-rise level](fig_matched.png)", ""]
     write_summary(out_dir, lines, summary)
     return summary
+
+
+def _level_changes(used: Sequence[Dict[str, Any]], y: np.ndarray, levels: Sequence[float],
+                   measures: Sequence[str], summary: Dict[str, Any]) -> List[str]:
+    """Per measure, how its τ changes from each level to the next: Δτ = τ-b(at the higher
+    level) − τ-b(at the lower), both on the same resampled models (the paired section's
+    resamples and seed; into ``summary["level_changes"]``)."""
+    from .reporting import PAIRED_N_BOOT, PAIRED_SEED
+    from .stats import paired_delta_tau
+
+    if len(levels) < 2 or len(used) < 3:
+        return []
+    steps = list(zip(levels[:-1], levels[1:]))
+    lines = ["## τ from one level to the next", "",
+             "Δτ = τ-b(measure at the higher level) − τ-b(the same measure at the lower level), "
+             "on the same models, paired bootstrap as above.", "",
+             "| measure | " + " | ".join(f"{a:g} → {b:g} nats [95% CI]" for a, b in steps) + " |",
+             "|---|" + "---|" * len(steps)]
+    out: Dict[str, Any] = {}
+    for m in measures:
+        cells = []
+        for a, b in steps:
+            d = paired_delta_tau(values(used, m, b), values(used, m, a), y, n_boot=PAIRED_N_BOOT,
+                                 seed=PAIRED_SEED)
+            out.setdefault(m, {})[f"{level_key(a)}->{level_key(b)}"] = d.as_dict()
+            cells.append(d.fmt())
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    summary["level_changes"] = out
+    return lines + [""]
 
 
 def _calibration_table(config: Dict[str, Any], used: Sequence[Dict[str, Any]], y: np.ndarray,

@@ -357,7 +357,7 @@ def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_di
                                check=check_parent_alive)
     return dict(seed=hp["seed"], hparams=hp, study_config=config, metrics=metrics,
                 sharpness=sharp, checkpoint=info["checkpoint"], reused_checkpoint=info["reused"],
-                train_info=info["train"],
+                train_info=info["train"], weights_sha256=info.get("weights_sha256"),
                 timing=dict(train_s=info["train_time_s"], eval_s=eval_s,
                             sharpness_s=sharpness_s, curvature_s=time.perf_counter() - t0,
                             total_s=time.perf_counter() - started,

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from . import calibrate
 from .population_summary import population_kwargs, population_report
-from .reporting import print_table
+from .reporting import print_table, stamp_provenance
 from .measures import CURVATURE, curvature_unavailable, population_job
 from .runner import ExperimentError, OutputDir, cores, fmt_seconds, restore_exact, run_population, trained_model
 
@@ -120,6 +120,12 @@ def run_population_study(mod: ModuleType, config: Dict[str, Any], args: argparse
         else:
             summary = population_report(od.path, study, config, od.hash, records,
                                         wall_s=wall, exclude=exclude, **report_kwargs)
+        stamp_provenance(od.path, records, summary)
+        if len(summary["provenance"]["commits"]) > 1:
+            log(f"warning: {od.file('results.jsonl')} holds models computed by "
+                f"{len(summary['provenance']['commits'])} versions of the code (summary.md, "
+                f"'Provenance'); `quotient-manifolds report` pools them only with "
+                f"--allow-mixed-commits")
     print_table(summary, log)
     log(f"{study}: {len(records)} models done in {fmt_seconds(wall)} this run"
          + (f"; {len(failed)} FAILED (see {os.path.join(out, 'errors.jsonl')}; rerun retries "

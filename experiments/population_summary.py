@@ -16,7 +16,8 @@ import numpy as np
 
 from .measures import is_exact, main_measure_of
 from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, measures_of,
-                        metric_ranges, paired_section, rhos_of, tau_for, value_of, write_summary)
+                        median_at, median_range_at, metric_ranges, paired_section, rhos_of, tau_for,
+                        value_of, write_summary)
 from .runner import display_path
 from .stats import TauResult, dummies, partial_tau_with_ci, r_squared, tau_with_ci, within_tau_with_ci
 from .studies import STUDY
@@ -203,18 +204,23 @@ def _population_header(out_dir: str, study: str, config_hash: str, records, used
 
 def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[str, Any],
                   control: Optional[str], summary: Dict[str, Any]) -> List[str]:
-    """τ-b, τ-a and partial τ of the main (and extra) measures beside the paper's Table 1 row."""
+    """τ-b, τ-a and partial τ of the main (and extra) measures beside the paper's Table 1 row,
+    with each measure's median value over the models at its ρ: measures compare like for like
+    only at similar loss rises."""
     used, rho = taus.used, taus.default_rho
     lines = [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
-             f"| measure | ρ | points | τ-b [95% CI] | τ-a | partial τ given {control or '—'} "
-             "| paper τ |", "|---|---|---|---|---|---|---|"]
+             f"| measure | ρ | points | median value (nats) | τ-b [95% CI] | τ-a "
+             f"| partial τ given {control or '—'} | paper τ |",
+             "|---|---|---|---|---|---|---|---|"]
     for m in measures:
         t, pt = taus.row(m)
         ref = paper.get(m)
+        median = median_at(used, m, rho[m])
         lines.append(f"| {m} | {fmt_rho(rho[m])} | {_points(used, m, rho[m])} | "
+                     f"{f'{median:.3g}' if math.isfinite(median) else '—'} | "
                      f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
                      f"{'' if ref is None else f'{ref:+.2f}'} |")
-        summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref,
+        summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref, "median_value": median,
                               **({"partial": pt.as_dict()} if pt else {})}
     return lines + [""]
 
@@ -272,16 +278,18 @@ def _sweep_section(taus: _PopulationTaus, main: Sequence[str], summary: Dict[str
     for m in main:
         rows = [(rho, taus.at(m, rho)) for rho in rhos_of(used, m)]
         sweep[m] = rows
-        summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r), **t.as_dict()}
+        summary["sweep"][m] = [{"rho": r, "points": _points(used, m, r),
+                                "median_value": median_at(used, m, r), **t.as_dict()}
                                for r, t in rows]
     if not any(len(v) > 1 for v in sweep.values()):
         return []
-    lines = ["## ρ sweep (τ-b [95% CI]; points per value in parentheses)", "",
+    lines = ["## ρ sweep (τ-b [95% CI]; points per value and the values' median [min, max] "
+             "in nats in parentheses)", "",
              "The mix ρ has units (docs/maths.md §12.14); inv and adaptive are "
              "scale-free.", ""]
     for m, rows in sweep.items():  # a radius measured on fewer models says so
         lines.append(f"- **{m}**: " + "; ".join(
-            f"ρ={fmt_rho(r)} ({_points(used, m, r)}"
+            f"ρ={fmt_rho(r)} ({_points(used, m, r)}; {median_range_at(used, m, r)}"
             + ("" if t.n == len(used) else f"; {t.n} of {len(used)} models")
             + f"): {t.fmt()}" for r, t in rows))
     lines.append("")

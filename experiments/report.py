@@ -68,9 +68,11 @@ def _one_per_model(src: str, records: List[Dict[str, Any]]) -> List[Dict[str, An
         by_id[r["model_id"]] = r
     if repeated:
         shown = ", ".join(f"{i} ({n}x)" for i, n in list(repeated.items())[:8])
-        print(f"note: {src}: {len(repeated)} model id(s) appear on more than one line ({shown}"
-              f"{', ...' if len(repeated) > 8 else ''}); each model is counted once, from its last "
-              f"line, as the study's runner reads them", file=sys.stderr)
+        dropped = sum(repeated.values()) - len(repeated)
+        print(f"warning: {src}: {len(repeated)} model id(s) appear on more than one line ({shown}"
+              f"{', ...' if len(repeated) > 8 else ''}); {dropped} earlier line(s) dropped: each "
+              f"model is counted once, from its last line, as the study's runner reads them",
+              file=sys.stderr)
     return sorted(by_id.values(), key=lambda r: r["model_id"])
 
 
@@ -110,10 +112,57 @@ def merge_second_pass(records: List[Dict[str, Any]], config: Dict[str, Any], ext
     return merged, {**config, "measures": measures}
 
 
+def check_one_commit(records: Sequence[Dict[str, Any]], where: str, *,
+                     allow_mixed: bool = False) -> Dict[str, int]:
+    """:func:`~quotient_manifolds.experiments.provenance.commits_of` of ``records``; raises
+    :class:`~quotient_manifolds.experiments.runner.ExperimentError` when they were written by more
+    than one version of the code (records without a commit count as one more) and
+    ``allow_mixed`` is False: one statistic would pool numbers of two codes unseen."""
+    from .provenance import commits_of
+    from .runner import ExperimentError
+
+    commits = commits_of(records)
+    if len(commits) > 1 and not allow_mixed:
+        shown = ", ".join(f"{c[:12] + ('+dirty' if c.endswith('+dirty') else '') if len(c) >= 40 else c}"
+                          f": {n} records" for c, n in commits.items())
+        raise ExperimentError(
+            f"{where} holds records written by {len(commits)} versions of the code ({shown}). "
+            f"Pooling them would put numbers of different code into one statistic. Rerun the "
+            f"older models with the current code (into a new --out), or pass "
+            f"--allow-mixed-commits to report them together anyway (the summary lists every "
+            f"commit).")
+    return commits
+
+
 def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int = 2000,
                         config_hash: Optional[str] = None, target: Optional[str] = None,
-                        extra: Sequence[str] = (), log=print) -> Dict[str, Any]:
-    """Recompute a study's summary from ``results.jsonl`` (a file, or a directory holding one).
+                        extra: Sequence[str] = (), allow_mixed_commits: bool = False,
+                        log=print) -> Dict[str, Any]:
+    """Recompute a study's summary from ``results.jsonl`` and say which code wrote it: the
+    records must come from one commit (:func:`check_one_commit`; ``allow_mixed_commits`` pools
+    several), and summary.md / summary.json end with their provenance
+    (:func:`~quotient_manifolds.experiments.reporting.stamp_provenance`). The rest:
+    :func:`_summary_of`."""
+    from .reporting import stamp_provenance
+
+    src = _results_file(path)
+    chosen, records, hashes = _records_of_one_config(src, config_hash)
+    pooled = list(records)
+    for extra_path in extra:
+        pooled += _records_of_one_config(_results_file(extra_path))[1]
+    check_one_commit(pooled, src + "".join(f" with {e}" for e in extra),
+                     allow_mixed=allow_mixed_commits)
+    summary = _summary_of(src, chosen, records, hashes, out_dir, n_boot=n_boot, target=target,
+                          extra=extra, log=log)
+    stamp_provenance(out_dir or os.path.dirname(os.path.abspath(src)), pooled, summary)
+    return summary
+
+
+def _summary_of(src: str, chosen: str, records: List[Dict[str, Any]], hashes: List[str],
+                out_dir: Optional[str], *, n_boot: int, target: Optional[str],
+                extra: Sequence[str], log) -> Dict[str, Any]:
+    """A study's summary from the records of configuration ``chosen`` of ``src`` (``hashes``: all
+    configurations present).
 
     Diagonal: :func:`diagonal_report`. Text / vision populations: :func:`population_report` with
     :func:`population_kwargs` of the records' configuration, the study's ``exclusions`` and, when
@@ -121,8 +170,6 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
     ``target``, else the one of the directory's summary.json, else the study's default. ``extra``:
     results of second passes over the same models (:func:`merge_second_pass`)."""
     from .runner import ExperimentError
-    src = _results_file(path)
-    chosen, records, hashes = _records_of_one_config(src, config_hash)
     study = records[0].get("study")
     kind = STUDY[study].report if study in STUDY else None
     src_dir = os.path.dirname(os.path.abspath(src))
@@ -169,3 +216,71 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
                              calibration=cal, n_boot=n_boot, source=src,
                              second_passes=[os.path.relpath(os.path.dirname(os.path.abspath(
                                  _results_file(e))), src_dir) for e in extra], **kwargs)
+
+
+# ------------------------------------------------------------------------------------ two studies
+#: the metrics :func:`same_models` compares model by model
+JOINED_METRICS = ("own_train_loss", "own_train_error", "test_error", "gap_own")
+
+
+def same_models(path: str, other: str) -> Dict[str, Any]:
+    """Are the records of two studies (e.g. ``matched`` and ``vision``) of the same models?
+
+    Joins the two results files by model id (the configuration of each file's last line) and
+    returns: ``models`` (ids in both), ``same_hparams`` (seed and hyperparameters equal),
+    ``same_checkpoint_name``, ``same_pretrained`` (models whose pretrained starting point has the
+    same recorded errors in both, where there is one), ``weights`` (of the ids whose records both
+    carry ``weights_sha256``, how many match), and per metric of :data:`JOINED_METRICS` how many models differ, the
+    largest |difference| and Kendall τ-b of the metric between the two studies.
+
+    Raises
+    ------
+    ExperimentError
+        if the two files share no model id.
+    """
+    from .runner import ExperimentError
+    from .stats import kendall_tau_b
+
+    a = {r["model_id"]: r for r in _records_of_one_config(_results_file(path))[1]}
+    b = {r["model_id"]: r for r in _records_of_one_config(_results_file(other))[1]}
+    ids = sorted(set(a) & set(b))
+    if not ids:
+        raise ExperimentError(f"{path} and {other} share no model id: nothing to join")
+    hashed = [i for i in ids if a[i].get("weights_sha256") and b[i].get("weights_sha256")]
+    out: Dict[str, Any] = dict(
+        models=len(ids),
+        same_hparams=sum(a[i].get("seed") == b[i].get("seed")
+                         and a[i].get("hparams") == b[i].get("hparams") for i in ids),
+        same_checkpoint_name=sum(a[i].get("checkpoint") == b[i].get("checkpoint") for i in ids),
+        # the pretrained model's record (vision fine-tunes): its errors, to the last digit
+        same_pretrained=sum(_pretrained(a[i]) == _pretrained(b[i]) for i in ids
+                            if _pretrained(a[i]) is not None),
+        weights=dict(both_hashed=len(hashed),
+                     equal=sum(a[i]["weights_sha256"] == b[i]["weights_sha256"] for i in hashed)),
+        metrics={})
+    for key in JOINED_METRICS:
+        x = [float(a[i]["metrics"][key]) for i in ids]
+        y = [float(b[i]["metrics"][key]) for i in ids]
+        diff = [abs(p - q) for p, q in zip(x, y)]
+        out["metrics"][key] = dict(differ=sum(d > 0 for d in diff), max_abs_diff=max(diff),
+                                   tau_b=float(kendall_tau_b(x, y)))
+    return out
+
+
+def _pretrained(record: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    return (record.get("train_info") or {}).get("pretrained")
+
+
+def same_models_lines(path: str, other: str, joined: Dict[str, Any]) -> List[str]:
+    """:func:`same_models`'s answer as lines for the log."""
+    n, w = joined["models"], joined["weights"]
+    lines = [f"{path} vs {other}: {n} models in both; the same seed and hyperparameters: "
+             f"{joined['same_hparams']}; the same checkpoint name: {joined['same_checkpoint_name']}; "
+             f"the same pretrained model's errors: {joined['same_pretrained']}; "
+             + (f"the same weights (weights_sha256): {w['equal']} of {w['both_hashed']} hashed in "
+                f"both" if w["both_hashed"] else "weights: no model hashed in both (records "
+                                                 "before weights_sha256)")]
+    for key, d in joined["metrics"].items():
+        lines.append(f"  {key}: differs on {d['differ']} of {n} models, by up to "
+                     f"{d['max_abs_diff']:.4g}; τ-b between the two studies {d['tau_b']:+.2f}")
+    return lines

@@ -41,6 +41,26 @@ def value_of(record: Dict[str, Any], measure: str, rho: float) -> float:
     return float("nan")
 
 
+def _values_at(records: Sequence[Dict[str, Any]], measure: str, rho: float) -> np.ndarray:
+    v = np.array([value_of(r, measure, rho) for r in records], dtype=float)
+    return v[~np.isnan(v)]
+
+
+def median_at(records: Sequence[Dict[str, Any]], measure: str, rho: float) -> float:
+    """The median over ``records`` of the values of ``measure`` at ``rho`` (NaN where none): the
+    loss rise a measure was compared at."""
+    v = _values_at(records, measure, rho)
+    return float(np.median(v)) if v.size else float("nan")
+
+
+def median_range_at(records: Sequence[Dict[str, Any]], measure: str, rho: float) -> str:
+    """"median m [min, max]" of the values of ``measure`` at ``rho`` over ``records``."""
+    v = _values_at(records, measure, rho)
+    if not v.size:
+        return "no values"
+    return f"median {np.median(v):.3g} [{v.min():.2g}, {v.max():.2g}]"
+
+
 def rhos_of(records: Sequence[Dict[str, Any]], measure: str) -> List[float]:
     """The radii at which ``measure`` was measured on any of the records, ascending."""
     out: List[float] = []
@@ -205,8 +225,31 @@ def write_summary(out_dir: str, lines: List[str], summary: Dict[str, Any]) -> No
     """DIR/summary.md (``lines``) and DIR/summary.json (``summary``), each written atomically."""
     from .runner import atomic_write_bytes
     atomic_write_bytes(os.path.join(out_dir, "summary.md"), ("\n".join(lines) + "\n").encode())
+    _write_summary_json(out_dir, summary)
+
+
+def _write_summary_json(out_dir: str, summary: Dict[str, Any]) -> None:
+    from .runner import atomic_write_bytes
     atomic_write_bytes(os.path.join(out_dir, "summary.json"),
                        (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n").encode())
+
+
+def stamp_provenance(out_dir: str, records: Sequence[Dict[str, Any]],
+                     summary: Dict[str, Any]) -> None:
+    """End DIR/summary.md with a "Provenance" section (which commit and versions wrote
+    ``records``, :func:`~quotient_manifolds.experiments.provenance.provenance_label`) and put it
+    into ``summary`` and DIR/summary.json as ``provenance`` (``label`` and ``commits``: records per
+    commit)."""
+    from .provenance import commits_of, provenance_label
+    from .runner import atomic_write_bytes
+
+    label = provenance_label(records)
+    summary["provenance"] = dict(label=label, commits=commits_of(records))
+    path = os.path.join(out_dir, "summary.md")
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read().rstrip("\n")
+    atomic_write_bytes(path, (text + "\n\n## Provenance\n\n" + label + "\n").encode())
+    _write_summary_json(out_dir, summary)
 
 
 def closing_sections(notes: Sequence[str], config: Dict[str, Any]) -> List[str]:

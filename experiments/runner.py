@@ -24,6 +24,8 @@ Guarantees:
   both configurations live in the same file and every report uses only the current one.
 * **Workers.** ``--workers N > 1`` runs models in N spawned processes, each with
   ``torch.set_num_threads(max(1, cores // N))``. Workers exit by themselves if the parent dies.
+* **Traceable, repeatable.** Every line carries ``provenance`` (commit, versions); a model trains
+  under :func:`~quotient_manifolds.experiments.provenance.reproducible_training` (module there).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ import os
 import time
 import traceback
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .provenance import provenance, reproducible_training, weights_hash
 
 RESULTS = "results.jsonl"
 ERRORS = "errors.jsonl"
@@ -392,23 +396,28 @@ def trained_model(study: str, model_id: int, train_hash: str, ckpt_dir: str, *,
                   restore: Callable[[Any, Dict[str, Any]], bool],
                   stored_state: Callable[[Any], Dict[str, Any]], hp: Dict[str, Any]):
     """Model ``model_id`` of a population: restored from its checkpoint when one with the same
-    training hash exists and ``restore(model, tensors)`` accepts it, else built, trained and
-    checkpointed (``stored_state(model)``). Returns ``(model, info)``."""
+    training hash exists and ``restore(model, tensors)`` accepts it, else built, trained under
+    :func:`~quotient_manifolds.experiments.provenance.reproducible_training` (fixed threads,
+    deterministic algorithms: the same weights bit for bit on a rerun) and checkpointed
+    (``stored_state(model)``). Returns ``(model, info)``; ``info["weights_sha256"]`` is the
+    :func:`~quotient_manifolds.experiments.provenance.weights_hash` of ``stored_state(model)``."""
     path = os.path.join(ckpt_dir, f"{study}-{model_id:04d}-{train_hash[:12]}.safetensors")
     model = build()
     loaded = load_checkpoint(path, train_hash)
     if loaded is not None and restore(model, loaded[0]):
         model.eval()
         return model, dict(checkpoint=display_path(path), reused=True,
-                           train=loaded[1].get("train", {}),
-                           train_time_s=0.0)
+                           train=loaded[1].get("train", {}), train_time_s=0.0,
+                           weights_sha256=weights_hash(stored_state(model)))
     started = time.perf_counter()
-    info = train(model)
+    with reproducible_training() as how:
+        info = dict(train(model), reproducible=how)
     elapsed = time.perf_counter() - started
-    save_checkpoint(path, stored_state(model), {"train_hash": train_hash, "hp": hp, "train": info,
-                                                "study": study, "model_id": model_id})
+    state = stored_state(model)
+    save_checkpoint(path, state, {"train_hash": train_hash, "hp": hp, "train": info,
+                                  "study": study, "model_id": model_id})
     return model, dict(checkpoint=display_path(path), reused=False, train=info,
-                       train_time_s=elapsed)
+                       train_time_s=elapsed, weights_sha256=weights_hash(state))
 
 
 def restore_exact(model, tensors: Dict[str, Any]) -> bool:
@@ -524,7 +533,7 @@ def run_population(outdir: OutputDir, job: Callable, model_ids: Iterable[int], j
     def finish(model_id: int, ok: bool, value: Any) -> None:
         if ok:
             value.update(model_id=model_id, config_hash=outdir.hash, study=outdir.study,
-                         format_version=FORMAT_VERSION,
+                         format_version=FORMAT_VERSION, provenance=provenance(),
                          finished=_dt.datetime.now().isoformat(timespec="seconds"))
             store.append(value)
             done[model_id] = value

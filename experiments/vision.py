@@ -488,8 +488,10 @@ def add_arguments(p) -> None:
 
 def pretrain(config: Dict[str, Any], ckpt: str, threads: int, data_dir: Optional[str], progress: bool,
              log: Callable[[str], None] = log_line) -> None:
-    """The one pretrained ViT every vision fine-tune starts from (:func:`pretrained`), trained or
-    reused with every core; ``threads`` are restored after it."""
+    """The one pretrained ViT every vision fine-tune starts from (:func:`pretrained`), reused
+    with every core, or trained at the fixed threads of
+    :func:`~quotient_manifolds.experiments.provenance.reproducible_training` (bit-reproducible);
+    ``threads`` are restored after it."""
     import torch
 
     data = load_data(config, data_dir)

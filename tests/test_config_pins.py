@@ -35,7 +35,7 @@ PINNED = {
                        "643c42abe6e5b442", "720d1064d3ed8189"),
     "lora": ("lora", lambda: lora.defaults(False), "d39e03827c25b777", None),
     "sam": ("sam", lambda: sam_study.defaults(False), "ca31f0dcc8a42c36", None),
-    "matched": ("matched", lambda: matched.defaults(False, False), "599e8d33abfa1883", None),
+    "matched": ("matched", lambda: matched.defaults(False, False), "3554a7deb20f46e8", None),
 }
 TRAINED = {"diagonal": diagonal, "text": text, "vision": vision}
 

@@ -12,7 +12,9 @@ import pytest
 
 from quotient_manifolds.experiments import matched as MT
 from quotient_manifolds.experiments.cli import main
+from quotient_manifolds.experiments.provenance import weights_hash
 from quotient_manifolds.experiments.report import report_from_results
+from quotient_manifolds.experiments.runner import load_checkpoint
 
 # the pipeline is the study's; the RK4 steps of the exact geodesic are cut (32 and 8 -> 2: the
 # fixture below) so that the exact measures take a fraction of a second on the tiny model
@@ -72,7 +74,9 @@ def test_matched_pipeline_and_report(tmp_path):
     assert cal["pilot_models"] == [0] and config["rho_used"] == cal["rho"]
     recs = _lines(os.path.join(out, "results.jsonl"))
     assert [r["model_id"] for r in recs] == [0, 1]
-    pairs = {(m, lv) for m in MT.MATCHED_MEASURES for lv in (0.1, 1.0)}
+    levels = MT.defaults(True, True)["levels"]        # the quick levels: 0.1 and 3 nats
+    assert levels == [0.1, 3.0] and MT.defaults(False, False)["levels"] == [0.1, 1.0, 3.0]
+    pairs = {(m, lv) for m in MT.MATCHED_MEASURES for lv in levels}
     for r in recs:
         assert {(e["measure"], e["level"]) for e in r["sharpness"]} == pairs
         for e in r["sharpness"]:
@@ -89,17 +93,31 @@ def test_matched_pipeline_and_report(tmp_path):
                 else:
                     assert on_attention == share or math.isnan(share)
         assert r["study_config"]["rho"] == cal["rho"] and "gap_own" in r["metrics"]
+    # traceable: the code's commit and versions, and the hash of the checkpoint's weights
+    for r in recs:
+        assert r["provenance"]["torch"] and "commit" in r["provenance"]
+        tensors, _ = load_checkpoint(os.path.join(out, "checkpoints", os.path.basename(
+            r["checkpoint"])))
+        assert r["weights_sha256"] == weights_hash(tensors)
     # the pilot's per-model search is kept: every evaluation, and how many left GL
     pilot = _lines(os.path.join(out, "calibration.jsonl"))
     assert len(pilot) == 1 and len(pilot[0]["searches"]) == len(pairs)
+    # each measure searched with its own retraction: the exact and the second-order mix
+    # measures evaluated separately, each ρ* from its own search
+    for level in levels:
+        exact, second = (pilot[0]["searches"][f"{m}@{MT.level_key(level)}"]
+                         for m in ("mix-exact", "geodesic-mix"))
+        assert exact["evals"][0][0] == pytest.approx(MT._start(config["config"], "mix-exact",
+                                                               level))
+        assert exact["evals"][0][0] != second["evals"][0][0]
     assert all("failures" in s and s["evals"] for s in pilot[0]["searches"].values())
     summary = _json(os.path.join(out, "summary.json"))
     views = summary["paired"]["views"]
-    assert set(views) == {"loss rise ≈ 0.1 nats", "loss rise ≈ 1 nats"}
+    assert set(views) == {"loss rise ≈ 0.1 nats", "loss rise ≈ 3 nats"}
     for v in views.values():
         assert v["references"] == ["adaptive-andriushchenko", "adaptive"]
         assert set(v["rows"]["inv-exact"]["vs"]) == {"adaptive-andriushchenko", "adaptive"}
-    for level in ("0.1", "1"):
+    for level in ("0.1", "3"):
         for m in MT.MATCHED_MEASURES:
             got = summary["matched"][level][m]
             assert got["failures"] == int(MT.failed(recs, m, float(level)).sum())
@@ -117,7 +135,7 @@ def test_matched_report_table_figure_and_failures(tmp_path):
     """The report of 5 synthetic records: τ and Δτ per level, a failure counted and ranked as
     the sharpest in the last column, and the figure."""
     config = MT.defaults(True, True)
-    levels = config["levels"]
+    levels = config["levels"] = [0.1, 1.0]
     config["rho"] = {m: {MT.level_key(lv): 0.1 * (k + 1) for lv in levels}
                      for k, m in enumerate(config["measures"])}
     rng = np.random.default_rng(0)
@@ -205,7 +223,8 @@ def test_report_reproduces_the_committed_matched_summary(tmp_path):
     assert main(["report", src, "--out", str(tmp_path)]) == 0
     again = _json(os.path.join(tmp_path, "summary.json"))
     assert committed["used"] == committed["models"] == 48, "the committed study is complete"
-    for key in ("paired", "matched", "levels", "measures", "excluded", "config_hash", "used"):
+    for key in ("paired", "matched", "levels", "measures", "excluded", "config_hash", "used",
+                "level_changes"):
         _assert_close(again[key], committed[key], key)
 
 
