@@ -17,9 +17,9 @@ passed in:
 * the gate refuses a layout passed in of which no block verifies (:func:`refuse_failed_blocks`;
   ``unsafe=True`` runs a layout whose last verification failed as it is, with a warning).
 
-The record of what passed (:mod:`~quotient_manifolds.adapters.verified`) is kept per model, by a
-signature of what a verification depends on: the layout's blocks (by value: a layout detected
-again from the same model needs no new check) and, for every parameter a block touches, its shape,
+The record of what passed (:func:`~quotient_manifolds.adapters.verify.record_verification`) is kept
+per model, by a signature of what a verification depends on: the layout's blocks (by value: a
+layout detected again from the same model needs no new check) and, for every parameter a block touches, its shape,
 dtype, device and storage address.  Training updates parameters in place (same storage), so a
 ``GeodesicSAM`` run verifies once; replacing a parameter tensor or changing the layout's blocks
 verifies again.  Plain, rotary and grouped-query blocks are symmetries whatever the weights' values

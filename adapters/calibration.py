@@ -158,7 +158,7 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
 
     Each evaluation is one worst-case :func:`~quotient_manifolds.adapters.sharpness` run (Auto-PGD over all
     ``batches``); the search (:func:`find_rho`) needs 2–5 on a smooth loss. Pass the options you
-    will measure with (``n_iters``, ``eps``, ``retraction``, ``loss_fn``, …) in
+    will measure with (``n_iters``, ``gram_eps``, ``retraction``, ``loss_fn``, …) in
     ``sharpness_options``: the calibrated ρ is for those.
 
     Parameters

@@ -12,7 +12,7 @@ import torch
 from quotient_manifolds.core.gl import RETRACTIONS
 
 from . import validation as check
-from .ball import ADAPTIVE_DIRECTIONS, GEOMETRY_TABLE, Geometry, geometry_of, gram_eps_of
+from .ball import ADAPTIVE_DIRECTIONS, GEOMETRY_TABLE, Geometry, geometry_of
 from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS
 
 __all__ = ["MEASURES", "SharpnessOptions", "SHARPNESS_OPTION_NAMES", "OPTION_DOCS", "document_options",
@@ -82,13 +82,8 @@ class SharpnessOptions:
                              "layout(model, include_frozen=True), or pass include_frozen=False")
 
     @classmethod
-    def from_keywords(cls, options: Mapping[str, Any], *, stacklevel: int = 3) -> "SharpnessOptions":
-        """The options given as keywords of :func:`sharpness` (``eps``, the former name of
-        ``gram_eps``, is accepted with a DeprecationWarning issued ``stacklevel`` frames up)."""
-        options = dict(options)
-        if "eps" in options:
-            options["gram_eps"] = gram_eps_of(options.get("gram_eps", 0.0), options.pop("eps"),
-                                              stacklevel=stacklevel + 1)
+    def from_keywords(cls, options: Mapping[str, Any]) -> "SharpnessOptions":
+        """The options given as keywords of :func:`sharpness` (an unknown keyword is refused)."""
         unknown = [k for k in options if k not in SHARPNESS_OPTION_NAMES]
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
@@ -113,7 +108,7 @@ def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, A
     defaults filled in (:meth:`SharpnessOptions.as_dict`), refused before any work if one, or ``rho``,
     is unknown or out of range."""
     as_rho(rho)
-    return SharpnessOptions.from_keywords(options, stacklevel=3).as_dict()
+    return SharpnessOptions.from_keywords(options).as_dict()
 
 
 def as_rho(rho: Any, name: str = "rho") -> float:

@@ -9,7 +9,6 @@ blocks and the elementwise adaptive geometry, :mod:`~quotient_manifolds.adapters
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -350,10 +349,7 @@ def _refuse_non_finite_loss(value: float, perturbation_sq: Union[float, Tensor])
 @dataclass
 class AverageCaseResult:
     """Outcome of :func:`average_case`: the loss at the centre, the loss at each random point of the
-    sphere ‖ξ‖ = ρ, and their mean. ``sharpness`` = ``mean_loss`` − ``init_loss``.
-
-    ``result["init_loss"]`` (the dict of version 0.1.0) still reads a field, with a
-    DeprecationWarning: use the attribute."""
+    sphere ‖ξ‖ = ρ, and their mean. ``sharpness`` = ``mean_loss`` − ``init_loss``."""
 
     init_loss: float
     mean_loss: float
@@ -362,13 +358,6 @@ class AverageCaseResult:
     @property
     def sharpness(self) -> float:
         return self.mean_loss - self.init_loss
-
-    def __getitem__(self, key: str) -> Union[float, List[float]]:
-        if key not in ("init_loss", "mean_loss", "losses"):
-            raise KeyError(key)
-        warnings.warn(f"average_case returns an AverageCaseResult: read result.{key} instead of "
-                      f"result[{key!r}]", DeprecationWarning, stacklevel=2)
-        return getattr(self, key)
 
 
 def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,

@@ -114,7 +114,6 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], M
         numpy scalar or a 0-d array / tensor). Not comparable across geometries: mix is not
         scale-free (docs/maths.md §12.14).
     {options}
-    eps: the former name of ``gram_eps`` (deprecated: it warns, and will be removed).
 
     The options (all but ``model``, ``batches`` and ``rho``) are the fields of
     :class:`~quotient_manifolds.adapters.options.SharpnessOptions`, checked before any work: an
