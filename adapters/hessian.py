@@ -116,6 +116,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from quotient_manifolds._runtime import bounded_threads
+from quotient_manifolds._validation import flag, integer_at_least
 from quotient_manifolds.core.gl import check_choice
 from quotient_manifolds.core.groups import sym
 
@@ -126,7 +127,7 @@ from .gate import pre_run_checks
 from .sharded import is_sharded
 from .losses import default_loss
 from .solver import ElementwiseComponent, QuotientComponent
-from .validation import integer_at_least, materialised
+from .validation import materialised
 
 Tensor = torch.Tensor
 
@@ -346,8 +347,8 @@ def riemannian_hessian(model: torch.nn.Module,
     check.optional_layout("layout", layout)
     check.optional_callable("loss_fn", loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
     gram_eps = check.non_negative_finite("gram_eps", gram_eps)
-    check.flag("allow_unsupported", allow_unsupported)
-    check.flag("unsafe", unsafe)
+    flag("allow_unsupported", allow_unsupported)
+    flag("unsafe", unsafe)
     geodesic = geometry_of(geometry).geodesic
     materialised(model, f"{geometry} Hessian")
     if is_sharded(model):

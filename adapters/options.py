@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from quotient_manifolds._validation import flag, integer_at_least
 from quotient_manifolds.core.gl import RETRACTIONS
 
 from . import validation as check
@@ -62,17 +63,17 @@ class SharpnessOptions:
         check.choice("step_normalisation", self.step_normalisation, STEP_NORMALISATIONS)
         check.choice("adaptive_direction", self.adaptive_direction, ADAPTIVE_DIRECTIONS)
         check.positive_finite("step_size_mult", self.step_size_mult)
-        check.integer_at_least("n_iters", self.n_iters, 1)
-        check.integer_at_least("n_samples", self.n_samples, 1)
-        check.integer_at_least("seed", self.seed, -2 ** 63)
+        integer_at_least("n_iters", self.n_iters, 1)
+        integer_at_least("n_samples", self.n_samples, 1)
+        integer_at_least("seed", self.seed, -2 ** 63)
         check.non_negative_finite("gram_eps", self.gram_eps)
         check.positive_finite("retraction_tolerance", self.retraction_tolerance)
         if self.num_threads is not None:
-            check.integer_at_least("num_threads", self.num_threads, 1)
+            integer_at_least("num_threads", self.num_threads, 1)
         check.optional_callable("loss_fn", self.loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
         for name in ("use_metric_norm", "elementwise_second_order", "normalize_logits", "allow_unsupported",
                      "unsafe", "progress", "include_frozen", "check_retraction"):
-            check.flag(name, getattr(self, name))
+            flag(name, getattr(self, name))
         check.optional_layout("layout", self.layout)
         check.plain_numbers(self, ints=("n_iters", "n_samples", "seed", "num_threads"),
                             floats=("step_size_mult", "gram_eps", "retraction_tolerance"))

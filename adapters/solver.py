@@ -14,9 +14,10 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from quotient_manifolds import _validation as check
+from quotient_manifolds._validation import flag, optional_generator
 from quotient_manifolds.core.gl import check_choice
 
+from . import validation as check
 from .components import (  # noqa: F401  (served here too: the solver's vocabulary)
     ADAPTIVE_DIRECTIONS,
     BallComponent,
@@ -217,9 +218,9 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     check_choice(momentum, MOMENTUM_FORMS, "momentum form")
     check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
-    for flag, value in (("keep_worst_gradient", keep_worst_gradient), ("compact_step", compact_step)):
+    for name, value in (("keep_worst_gradient", keep_worst_gradient), ("compact_step", compact_step)):
         if value is not None:
-            check.flag(flag, value)
+            flag(name, value)
     check.gradients_available("worst-case sharpness (auto_pgd)")
     check.ball_and_closure(ball, closure)
     if start is not None:
@@ -372,7 +373,7 @@ def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], r
     rho = check.radius(rho)
     n_samples = check.positive_integer("n_samples", n_samples)
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
-    check.optional_generator("generator", generator)
+    optional_generator("generator", generator)
     check.ball_and_closure(ball, closure)
     closure = check.scalar_closure(closure)
     with torch.no_grad():
