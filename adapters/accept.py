@@ -37,13 +37,11 @@ import torch
 from torch import nn
 
 from .derive import derive_groups, detach_inputs, with_blocks
-from .detection import resolve_layout
 from .layouts import Layout, Unsupported
-from .verify import (OutputNotFound, SymmetryError, VerifyReport, default_tolerance, is_verified, record_verification,
-                     refuse_empty_inputs, verify_once)
+from .verify import (OutputNotFound, SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs,
+                     verify_once)
 
-__all__ = ["accept_layout", "ensure_verified", "is_verified", "record_verification", "refuse_failed_blocks",
-           "resolve_layout"]
+__all__ = ["accept_layout", "ensure_verified", "refuse_failed_blocks"]
 
 
 #: Relative tolerance of the automatic check, above ``default_tolerance`` (which is tuned to the

@@ -15,7 +15,7 @@ name               GL metric   ball
 =================  ==========  ==========================================================================
 
 :func:`build_ball` turns a model's parameters and :class:`~quotient_manifolds.adapters.Layout` into a
-:class:`~quotient_manifolds.adapters.solver.ProductBall` for one of the ball geometries
+:class:`~quotient_manifolds.adapters.components.ProductBall` for one of the ball geometries
 (:data:`GEOMETRIES`). The maths: docs/maths.md §6 (blocks, total norm, ε).
 """
 
@@ -32,8 +32,8 @@ import torch
 from quotient_manifolds.core.gl import GLQuotientGeometry
 
 from . import validation as check
-from .components import StreamedPoint
-from .solver import ADAPTIVE_DIRECTIONS, ElementwiseComponent, ProductBall, QuotientComponent
+from .components import ProductBall, QuotientComponent
+from .elementwise import ElementwiseComponent, StreamedPoint
 from .streaming import LazyWeight
 
 Tensor = torch.Tensor
@@ -48,7 +48,7 @@ class Geometry:
     #: the quotient metric of the GL blocks (``"inv"`` or ``"mix"``); ``None``: no quotient, every
     #: weight in the elementwise (adaptive) metric
     metric: Optional[str]
-    #: whether the geometry has a :class:`~quotient_manifolds.adapters.solver.ProductBall` (False only
+    #: whether the geometry has a :class:`~quotient_manifolds.adapters.components.ProductBall` (False only
     #: for plain Euclidean SAM)
     ball: bool = True
     #: the first radius :func:`~quotient_manifolds.adapters.calibrate_rho` tries: a few evaluations
@@ -106,7 +106,7 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     metrics (docs/maths.md §6.4).
 
     ``streaming=True`` gives the elementwise components the streaming layout
-    (:class:`~quotient_manifolds.adapters.components.ElementwiseComponent`): the ball parameters
+    (:class:`~quotient_manifolds.adapters.elementwise.ElementwiseComponent`): the ball parameters
     are then recipes (:class:`~quotient_manifolds.adapters.streaming.LazyWeight`) for
     :func:`~quotient_manifolds.adapters.streaming.substituted`, and no perturbed copy of the
     weights is formed. ``compute_dtype`` (e.g. float32 for a bfloat16 model whose ``params0`` are
@@ -222,7 +222,7 @@ class BallParameters:
 
     def __call__(self, points: List[Any]) -> Dict[str, Any]:
         """The parameters at ``points``: tensors, or with streaming points
-        (:class:`~quotient_manifolds.adapters.components.StreamedPoint`) recipes
+        (:class:`~quotient_manifolds.adapters.elementwise.StreamedPoint`) recipes
         (:class:`~quotient_manifolds.adapters.streaming.LazyWeight`) for every weight a point
         moves or that needs a cast to ``compute_dtype``."""
         n_quotient = len(self._quotients)

@@ -55,11 +55,12 @@ from typing import Any, Container, Dict, List, Mapping, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
+from quotient_manifolds.core.algebra import GroupDerivation, derive_group
 
 from .blocks import GLBlock
-from .evaluation import eval_mode, split_inputs
+from .evaluation import split_inputs
 from .layouts import Layout, Unsupported
+from .modes import eval_mode
 from .verify import model_device
 
 __all__ = ["BlockDerivation", "capture_module_inputs", "derive_block", "derive_groups", "with_blocks", "clear_cache",

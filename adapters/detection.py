@@ -106,11 +106,10 @@ from quotient_manifolds._validation import flag
 
 from . import validation as check
 from .families import FAMILIES, Context, Family
-from .families.structure import PACKED_NAMES, ROLE_NAMES
 from .blocks import FactorPiece, GLBlock, canonical_names
 from .layouts import Layout, Unsupported, head_structure
 
-__all__ = ["layout", "detect", "resolve_layout", "Detection", "ROLE_NAMES", "PACKED_NAMES"]
+__all__ = ["layout", "detect", "resolve_layout", "Detection"]
 
 
 @dataclass

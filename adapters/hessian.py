@@ -122,11 +122,13 @@ from quotient_manifolds.core.groups import sym
 
 from . import validation as check
 from .ball import ball_of, geometry_of
-from .evaluation import ModelClosure, eval_mode, split_batch, to_device
+from .components import QuotientComponent
+from .elementwise import ElementwiseComponent
+from .evaluation import ModelClosure, split_batch, to_device
 from .gate import pre_run_checks
-from .sharded import is_sharded
 from .losses import default_loss
-from .solver import ElementwiseComponent, QuotientComponent
+from .modes import eval_mode
+from .sharded import is_sharded
 from .validation import materialised
 
 Tensor = torch.Tensor

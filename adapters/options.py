@@ -13,7 +13,8 @@ from quotient_manifolds._validation import flag, integer_at_least
 from quotient_manifolds.core.gl import RETRACTIONS
 
 from . import validation as check
-from .ball import ADAPTIVE_DIRECTIONS, GEOMETRY_TABLE, Geometry, geometry_of
+from .ball import GEOMETRY_TABLE, Geometry, geometry_of
+from .elementwise import ADAPTIVE_DIRECTIONS
 from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS
 
 __all__ = ["MEASURES", "SharpnessOptions", "SHARPNESS_OPTION_NAMES", "OPTION_DOCS", "document_options",

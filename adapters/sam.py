@@ -50,7 +50,8 @@ from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
 from . import validation as check
 from .ball import GEOMETRY_TABLE, build_ball, geometry_of
-from .evaluation import HALF_DTYPES, as_compute
+from .evaluation import as_compute
+from .losses import HALF_DTYPES
 from .options import as_rho
 from .sam_parallel import ParallelAscent, _is_ddp, _local, _shard_group_of
 from .sharded_gate import verified_before_sharding

@@ -18,17 +18,7 @@ from quotient_manifolds._validation import flag, optional_generator
 from quotient_manifolds.core.gl import check_choice
 
 from . import validation as check
-from .components import (  # noqa: F401  (served here too: the solver's vocabulary)
-    ADAPTIVE_DIRECTIONS,
-    BallComponent,
-    CHUNK,
-    ElementwiseComponent,
-    ProductBall,
-    QuotientComponent,
-    Tangent,
-    ball_factor,
-    scale,
-)
+from .components import ProductBall, Tangent, ball_factor
 from .memory import device_memory, room_for_two_more
 
 Tensor = torch.Tensor

@@ -9,7 +9,7 @@ import torch
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.ball import GEOMETRY_TABLE, geometry_of
 from quotient_manifolds.adapters.solver import AverageCaseResult
-from quotient_manifolds.adapters.worst_case import SHARPNESS_OPTION_NAMES, SharpnessOptions
+from quotient_manifolds.adapters.options import SHARPNESS_OPTION_NAMES, SharpnessOptions
 
 
 def _mlp():

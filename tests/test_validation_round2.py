@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from quotient_manifolds import _validation
 from quotient_manifolds import adapters
-from quotient_manifolds.adapters.components import ElementwiseComponent, ProductBall
+from quotient_manifolds.adapters.components import ProductBall
+from quotient_manifolds.adapters.elementwise import ElementwiseComponent
 from quotient_manifolds.adapters.detection import layout as detect_layout
 from quotient_manifolds.adapters.losses import default_loss
 from quotient_manifolds.adapters.validation import ascent_found
