@@ -1,13 +1,8 @@
 """The argument checks of the adapters: models, batches, token inputs, losses, layouts, the
-options of the measures and the low-level solver, and the results' warnings (the checks of the
-geometry's own arguments live in :mod:`quotient_manifolds._validation`).
-
-Each check raises ``ValueError`` or ``TypeError`` with a message that names the argument, says what
-was given, what was expected and how to fix it, so that a bad argument never turns into a silent
-wrong number or a crash deep inside the library. This module imports only torch and the geometry's
-checks: every module of the adapters may use it (it names the layout class rather than importing
-it).
-"""
+options of the measures and the solver, and the results' warnings (the geometry's own checks live
+in :mod:`quotient_manifolds._validation`). Each raises ``ValueError`` or ``TypeError`` with a
+message that names the argument, says what was given, what was expected and how to fix it. This
+module imports only torch and the geometry's checks: every module of the adapters may use it."""
 from __future__ import annotations
 
 import math
@@ -154,8 +149,9 @@ TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 class TokenInputs:
     """The checks of a model's token inputs, with what they read of the model read once (its class
     name, ``main_input_name``, whether it has a Hugging Face ``config``, the rows of its input
-    embedding): ``TokenInputs(model).check(inputs, index)`` refuses a batch the model cannot take
-    (:func:`token_inputs`), naming the batch, without reading the model again per batch."""
+    embedding): ``TokenInputs(model).check(inputs, index)`` refuses a batch the model cannot take,
+    naming the batch, before the call that would fail inside the model with no word of which batch
+    or which shape (``too many values to unpack``, ``index out of range in self``)."""
 
     def __init__(self, model: torch.nn.Module):
         main = getattr(model, "main_input_name", None)
@@ -169,7 +165,8 @@ class TokenInputs:
     def check(self, inputs: Any, index: int) -> None:
         """Refuse ``inputs`` (what the model is called with: a dict of keyword arguments or one
         positional tensor) of batch ``index``: empty, of a token shape the model cannot take,
-        floating token ids, or ids outside the vocabulary (:func:`token_inputs`)."""
+        floating token ids (of a Hugging Face model: one with a ``config`` and a
+        ``main_input_name``), or ids outside the vocabulary (the rows of its input embedding)."""
         non_empty_batch(inputs, index)
         if self.hugging_face:
             self._shapes(inputs, index)
@@ -232,17 +229,6 @@ def _vocabulary(model: torch.nn.Module) -> Optional[int]:
         return None
     vocab = getattr(embedding, "num_embeddings", None)
     return vocab if isinstance(vocab, int) else None
-
-
-def token_inputs(model: torch.nn.Module, inputs: Any, index: int) -> None:
-    """Refuse token inputs of a Hugging Face model (one with a ``config`` and a
-    ``main_input_name``) whose shape it cannot take, before the call that would fail inside the
-    model with no word of which batch or which shape (``too many values to unpack``).  ``inputs``
-    is what the model is called with: a dict of keyword arguments or one positional tensor (its
-    ``main_input_name``). An empty batch (:func:`non_empty_batch`, any model) and token ids
-    outside the vocabulary (:func:`token_ids_in_vocabulary`) are refused here too, naming the
-    batch. For many batches of one model use :class:`TokenInputs` (the model read once)."""
-    TokenInputs(model).check(inputs, index)
 
 
 def materialised(model: torch.nn.Module, what: str) -> None:
@@ -372,55 +358,6 @@ def non_empty_batch(inputs: Any, index: int) -> None:
                          f"can be empty)")
 
 
-def token_ids_in_vocabulary(model: torch.nn.Module, inputs: Any, index: int) -> None:
-    """Refuse token ids outside the model's vocabulary (the rows of its input embedding), before
-    the embedding fails with ``index out of range in self`` and no word of which batch."""
-    TokenInputs(model)._in_vocabulary(inputs, index)
-
-
-# ----------------------------------------------------------------- layouts
-def layout_for_ball(layout: Any, params0: Mapping[str, torch.Tensor], geometry: str) -> None:
-    """Refuse a layout a geodesic ball cannot be built from: none at all, or one whose weights
-    disagree with the weights perturbed now (``params0``: the parameters with
-    ``requires_grad=True``, and the frozen ones with ``include_frozen``). A block on a weight that
-    is frozen now would fail on it; a trainable weight the layout left out (it was frozen when the
-    layout was built) would silently stay out of the ball."""
-    if layout is None:
-        raise ValueError(f"geometry={geometry!r} needs layout=: the GL blocks of the model, e.g. "
-                         f"layout = adapters.layout(model), verified on a batch with "
-                         f"adapters.accept_layout(model, layout, inputs)[0]; for the elementwise "
-                         f"ball of every weight pass geometry='adaptive'")
-    optional_layout("layout", layout)
-    in_blocks = {n: b.name for b in layout.blocks for n in b.params}
-    missing = [n for n in in_blocks if n not in params0]
-    covered = set(in_blocks) | set(layout.adaptive)
-    left_out = [n for n in params0 if n not in covered]
-    if not (missing or left_out):
-        return
-    if missing:
-        what = (f"its block(s) use weight(s) that are not perturbed now (requires_grad=False): "
-                f"{', '.join(f'{n} (block {in_blocks[n]})' for n in missing[:4])}"
-                f"{', ...' if len(missing) > 4 else ''}")
-    else:
-        what = (f"weight(s) perturbed now (requires_grad=True) are in none of its parts: "
-                f"{', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''} (frozen when the "
-                f"layout was built?)")
-    raise ValueError(f"the layout does not match the model's current requires_grad flags: {what}. "
-                     f"Build the layout after setting requires_grad (adapters.layout(model)), or "
-                     f"pass include_frozen=True to perturb frozen weights too")
-
-
-def condition_number(name: str, value: Any) -> Optional[float]:
-    """``value`` as a float, refused unless it is ``None`` or a finite number >= 1 (the condition
-    number of the random group elements; ``None``: Gaussian ones)."""
-    if value is None:
-        return None
-    if positive_finite(name, value) < 1:
-        raise ValueError(f"{name} must be a condition number >= 1 (or None for Gaussian actions), "
-                         f"got {value!r}")
-    return float(value)
-
-
 # ----------------------------------------------------------------- results
 def ascent_found(result: Any, rho: float, *, stacklevel: int = 2) -> None:
     """Warn when a worst-case run found no point of the ball with a loss above the unperturbed
@@ -468,6 +405,48 @@ def plain_numbers(options: Any, *, ints: Sequence[str] = (), floats: Sequence[st
 
 
 # ----------------------------------------------------------------- the low-level solver and layouts
+def layout_for_ball(layout: Any, params0: Mapping[str, torch.Tensor], geometry: str) -> None:
+    """Refuse a layout a geodesic ball cannot be built from: none at all, or one whose weights
+    disagree with the weights perturbed now (``params0``: the parameters with
+    ``requires_grad=True``, and the frozen ones with ``include_frozen``). A block on a weight that
+    is frozen now would fail on it; a trainable weight the layout left out (it was frozen when the
+    layout was built) would silently stay out of the ball."""
+    if layout is None:
+        raise ValueError(f"geometry={geometry!r} needs layout=: the GL blocks of the model, e.g. "
+                         f"layout = adapters.layout(model), verified on a batch with "
+                         f"adapters.accept_layout(model, layout, inputs)[0]; for the elementwise "
+                         f"ball of every weight pass geometry='adaptive'")
+    optional_layout("layout", layout)
+    in_blocks = {n: b.name for b in layout.blocks for n in b.params}
+    missing = [n for n in in_blocks if n not in params0]
+    covered = set(in_blocks) | set(layout.adaptive)
+    left_out = [n for n in params0 if n not in covered]
+    if not (missing or left_out):
+        return
+    if missing:
+        what = (f"its block(s) use weight(s) that are not perturbed now (requires_grad=False): "
+                f"{', '.join(f'{n} (block {in_blocks[n]})' for n in missing[:4])}"
+                f"{', ...' if len(missing) > 4 else ''}")
+    else:
+        what = (f"weight(s) perturbed now (requires_grad=True) are in none of its parts: "
+                f"{', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''} (frozen when the "
+                f"layout was built?)")
+    raise ValueError(f"the layout does not match the model's current requires_grad flags: {what}. "
+                     f"Build the layout after setting requires_grad (adapters.layout(model)), or "
+                     f"pass include_frozen=True to perturb frozen weights too")
+
+
+def condition_number(name: str, value: Any) -> Optional[float]:
+    """``value`` as a float, refused unless it is ``None`` or a finite number >= 1 (the condition
+    number of the random group elements; ``None``: Gaussian ones)."""
+    if value is None:
+        return None
+    if positive_finite(name, value) < 1:
+        raise ValueError(f"{name} must be a condition number >= 1 (or None for Gaussian actions), "
+                         f"got {value!r}")
+    return float(value)
+
+
 def ball_and_closure(ball: Any, closure: Any) -> None:
     """Refuse a ``ball`` that is not a product ball (``build_ball``'s first result) and a
     ``closure`` that is not callable."""

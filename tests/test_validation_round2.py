@@ -88,7 +88,7 @@ def test_each_check_lives_in_one_module():
     assert {"floating_tensor", "same_shape", "tangent", "flag", "integer_at_least", "size", "relaxation",
             "group_element", "optional_generator"} <= base
     assert {"positive_finite", "non_negative_finite", "choice", "module", "batches", "names",
-            "optional_callable", "optional_layout", "scalar_loss", "token_inputs", "TokenInputs",
+            "optional_callable", "optional_layout", "scalar_loss", "TokenInputs",
             "materialised", "radius", "ascent_found", "class_targets", "layout_for_ball"} <= own
     assert not (base & set(vars(validation))), "adapters.validation serves a check of the base package"
     assert not (own & set(vars(_validation))), "the base package holds a check of the adapters"
