@@ -56,17 +56,9 @@ NAMESPACES = ("quotient_manifolds", "quotient_manifolds.core", "quotient_manifol
 
 def _defined_in(module) -> set:
     """The names a module defines at its top level (functions, classes, assignments)."""
-    import ast
     import inspect
-    tree = ast.parse(inspect.getsource(module))
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
-                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
-    return names
+    from conftest import top_level_names
+    return top_level_names(inspect.getsource(module))[0]
 
 
 def test_api_reference_documents_each_name_where_it_is_defined():

@@ -85,22 +85,6 @@ FORMER_TOP_LEVEL = ("Detection", "Family", "Match", "register_family", "unregist
                     "elementwise_rhess")
 
 
-def _defined_and_all(path: pathlib.Path):
-    """The names a module defines at its top level, and its ``__all__`` (None without one)."""
-    import ast
-    tree = ast.parse(path.read_text())
-    defined, listed = set(), None
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
-                defined |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
-                if isinstance(target, ast.Name) and target.id == "__all__":
-                    listed = ast.literal_eval(node.value)
-    return defined, listed
-
-
 def test_one_import_path_per_name_and_no_compatibility_layer():
     """No compatibility layer for a version that was never released: the former top-level names
     of the extension API and the ``adapters.verified`` shim are gone, nothing in the adapters
@@ -109,6 +93,7 @@ def test_one_import_path_per_name_and_no_compatibility_layer():
     namespaces (``quotient_manifolds.adapters``, ``adapters.families``) serve what a user calls."""
     import importlib.util
 
+    from conftest import top_level_names
     from quotient_manifolds import adapters
 
     for name in FORMER_TOP_LEVEL:
@@ -122,7 +107,7 @@ def test_one_import_path_per_name_and_no_compatibility_layer():
         assert "DeprecationWarning" not in text and "_MOVED" not in text, path
         if path.name == "__init__.py":
             continue
-        defined, listed = _defined_and_all(path)
+        defined, listed = top_level_names(text)
         serving += [f"{path.relative_to(ROOT)}: {name}" for name in (listed or ()) if name not in defined]
         serving += [f"{path.relative_to(ROOT)}: {line.strip()}" for line in text.splitlines()
                     if "noqa" in line and "F401" in line and line.lstrip().startswith(("from ", "import "))]
