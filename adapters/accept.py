@@ -19,13 +19,13 @@ passed in:
 
 The record of what passed (:func:`~quotient_manifolds.adapters.verify.record_verification`) is kept
 per model, by a signature of what a verification depends on: the layout's blocks (by value: a
-layout detected again from the same model needs no new check) and, for every parameter a block touches, its shape,
-dtype, device and storage address.  Training updates parameters in place (same storage), so a
-``GeodesicSAM`` run verifies once; replacing a parameter tensor or changing the layout's blocks
-verifies again.  Plain, rotary and grouped-query blocks are symmetries whatever the weights' values
-(a property of the forward computation), so in-place updates keep them valid; a group that holds
-only at special values of other weights (an orthogonal gauge under QK-norm gains that are all
-equal) is checked at the weights of the check.
+layout detected again from the same model needs no new check) and, for every parameter a block
+touches, its shape, dtype, device and storage address.  Training updates parameters in place (same
+storage), so a ``GeodesicSAM`` run verifies once; replacing a parameter tensor or changing the
+layout's blocks verifies again.  Plain, rotary and grouped-query blocks are symmetries whatever the
+weights' values (a property of the forward computation), so in-place updates keep them valid; a
+group that holds only at special values of other weights (an orthogonal gauge under QK-norm gains
+that are all equal) is checked at the weights of the check.
 """
 
 from __future__ import annotations
