@@ -49,9 +49,10 @@ def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: Project
                           v: Projection, o: Projection, core: set) -> Match:
     """Blocks of a module with plain q/k/v/o projections (``qkvo`` and ``hf-bert``): the whole module
     is unsupported on structural problems; only its Q/K half when the screen sees position
-    encodings that :func:`position_terms` does not model (V/O is kept, and checked by
-    ``Layout.verify`` like every block).  Norms on the model-width stream (:func:`~.structure.stream_norms`) and
-    the parameters of modelled position terms are not extra parameters."""
+    encodings that :func:`~.positions.position_terms` does not model (V/O is kept, and checked by
+    ``Layout.verify`` like every block).  Norms on the model-width stream
+    (:func:`~.structure.stream_norms`) and the parameters of modelled position terms are not extra
+    parameters."""
     nh, h, shape_reasons = _head_shapes(mod, q, k, v, o)
     terms = position_terms(q.path.rpartition(".")[0], mod, nh, None if nh is None or h is None else nh * h)
     screen = screen_module(mod, core | terms.known, source_scan=not _verified_hf(mod), modelled=terms.modelled,

@@ -422,8 +422,8 @@ def screen_module(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Se
     ``positions=False`` skips the position-encoding checks (families that model them);
     ``modelled``: submodule and ``forward`` argument names of position terms the family models
     (:func:`~.positions.position_terms`): left out of the position checks, and the source scan's
-    position words (which cannot be attributed to one term) are not used; ``stream_width``: the model width, whose
-    norms (:func:`stream_norms`) are not extra parameters."""
+    position words (which cannot be attributed to one term) are not used; ``stream_width``: the
+    model width, whose norms (:func:`stream_norms`) are not extra parameters."""
     out = Screen()
     core_ids = core_ids | stream_norms(mod, stream_width)[1]
     extra = [n for n, p in mod.named_parameters() if id(p) not in core_ids]
