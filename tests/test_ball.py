@@ -44,8 +44,8 @@ def test_the_table_serves_every_list_of_geometries():
 
 
 def test_eps_the_former_name_of_gram_eps_is_an_unknown_keyword():
-    """``eps=`` (the name of ``gram_eps`` before 0.1.0 was released) is refused like any unknown
-    keyword, by every entry point that took it, before any work."""
+    """``eps=`` (the name of ``gram_eps`` in 0.1.0, a version that was never published) is refused
+    like any unknown keyword, by every entry point that took it, before any work."""
     model, batches = _mlp()
     params = {n: p.detach() for n, p in model.named_parameters()}
     with pytest.raises(TypeError, match="unexpected keyword argument.*'eps'.*the options are those of adapters.sharpness"):
@@ -78,5 +78,5 @@ def test_average_case_returns_a_result_read_by_attribute():
     res = adapters.solver.average_case(ball, closure, 0.1, n_samples=3, generator=torch.Generator().manual_seed(0))
     assert isinstance(res, AverageCaseResult) and len(res.losses) == 3
     assert res.sharpness == res.mean_loss - res.init_loss
-    with pytest.raises(TypeError, match="not subscriptable"):   # the dict of an unreleased version
+    with pytest.raises(TypeError, match="not subscriptable"):   # the dict of an unpublished version
         res["mean_loss"]

@@ -76,8 +76,8 @@ def test_library_code_imports_nothing_by_the_old_top_level_names():
     assert not offenders, offenders
 
 
-#: The extension API's names that the adapters namespace served at its top level before 0.1.0 (the
-#: package was never released with them): each lives in its submodule only.
+#: The extension API's names that the adapters namespace served at its top level in 0.1.0, a version
+#: that was never published: each lives in its submodule only.
 FORMER_TOP_LEVEL = ("Detection", "Family", "Match", "register_family", "unregister_family", "FactorPiece", "GLBlock",
                     "Unsupported", "BlockCheck", "default_tolerance", "primary_output", "build_ball", "auto_pgd",
                     "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",
