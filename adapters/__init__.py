@@ -6,13 +6,13 @@ calibrated (``calibrate_rho``), over many processes (``distributed_sharpness``),
 
 This namespace holds what a user calls. The extension API lives in the submodules: model families
 (``adapters.families``: ``Family``, ``register_family``), blocks (``adapters.blocks``: ``GLBlock``,
-``FactorPiece``), the solver (``adapters.solver``: ``auto_pgd``, ``ProductBall``, …), the ball
+``FactorPiece``), the solver (``adapters.solver``: ``auto_pgd``, ``average_case``, …), the ball's
+components (``adapters.components``: ``ProductBall``, ``QuotientComponent``, …), the ball
 (``adapters.ball.build_ball``), the check (``adapters.verify``), the gate from a model to its accepted
-layout (``adapters.gate``).  Those names are still served here with a ``DeprecationWarning``.  No
-public function is named like a module, so ``import quotient_manifolds.adapters.<module>`` always
-gives the module."""
+layout (``adapters.gate``): each name is imported from the module that defines it.  No public
+function is named like a module, so ``import quotient_manifolds.adapters.<module>`` always gives
+the module."""
 
-import warnings as _warnings
 from importlib.util import find_spec as _find_spec
 
 from .layouts import Layout
@@ -43,28 +43,10 @@ _LAZY = {name: "hessian" for name in ("RiemannianHessian", "riemannian_hessian",
 if _find_spec("curvlinops") is not None:
     __all__ += list(_LAZY)
 
-#: The extension API's former top-level names (0.x), by the submodule that defines them: served
-#: with a DeprecationWarning, to be removed in the next minor release.
-_MOVED = {
-    "Detection": "detection", "Family": "families", "Match": "families", "register_family": "families",
-    "unregister_family": "families", "FactorPiece": "blocks", "GLBlock": "blocks", "Unsupported": "layouts",
-    "BlockCheck": "verify", "default_tolerance": "verify", "primary_output": "verify", "build_ball": "ball",
-    "auto_pgd": "solver", "average_case": "solver", "apgd_checkpoints": "solver", "APGDResult": "solver",
-    "ProductBall": "solver", "QuotientComponent": "solver", "ElementwiseComponent": "solver",
-    "lora_quotient_points": "lora_training", "LoRAQuotientPoint": "lora_training",
-    "init_momentum_buffers": "lora_training", "elementwise_rhess": "hessian",
-}
-
 
 def __getattr__(name: str):
     import importlib
 
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    if name in _MOVED:
-        module = f"{__name__}.{_MOVED[name]}"
-        _warnings.warn(f"{__name__}.{name} is deprecated (the extension API moved to the submodules): use "
-                       f"{module}.{name}; the top-level name will be removed in the next minor release",
-                       DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

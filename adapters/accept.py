@@ -17,15 +17,15 @@ passed in:
 * the gate refuses a layout passed in of which no block verifies (:func:`refuse_failed_blocks`;
   ``unsafe=True`` runs a layout whose last verification failed as it is, with a warning).
 
-The record of what passed (:mod:`~quotient_manifolds.adapters.verified`) is kept per model, by a
-signature of what a verification depends on: the layout's blocks (by value: a layout detected
-again from the same model needs no new check) and, for every parameter a block touches, its shape,
-dtype, device and storage address.  Training updates parameters in place (same storage), so a
-``GeodesicSAM`` run verifies once; replacing a parameter tensor or changing the layout's blocks
-verifies again.  Plain, rotary and grouped-query blocks are symmetries whatever the weights' values
-(a property of the forward computation), so in-place updates keep them valid; a group that holds
-only at special values of other weights (an orthogonal gauge under QK-norm gains that are all
-equal) is checked at the weights of the check.
+The record of what passed (:func:`~quotient_manifolds.adapters.verify.record_verification`) is kept
+per model, by a signature of what a verification depends on: the layout's blocks (by value: a
+layout detected again from the same model needs no new check) and, for every parameter a block
+touches, its shape, dtype, device and storage address.  Training updates parameters in place (same
+storage), so a ``GeodesicSAM`` run verifies once; replacing a parameter tensor or changing the
+layout's blocks verifies again.  Plain, rotary and grouped-query blocks are symmetries whatever the
+weights' values (a property of the forward computation), so in-place updates keep them valid; a
+group that holds only at special values of other weights (an orthogonal gauge under QK-norm gains
+that are all equal) is checked at the weights of the check.
 """
 
 from __future__ import annotations
@@ -38,13 +38,11 @@ from torch import nn
 
 from .derive import derive_groups, with_blocks
 from .evaluation import detach_inputs
-from .detection import resolve_layout
 from .layouts import Layout, Unsupported
-from .verify import (OutputNotFound, SymmetryError, VerifyReport, default_tolerance, is_verified, record_verification,
-                     refuse_empty_inputs, verify_once)
+from .verify import (OutputNotFound, SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs,
+                     verify_once)
 
-__all__ = ["accept_layout", "ensure_verified", "is_verified", "record_verification", "refuse_failed_blocks",
-           "resolve_layout"]
+__all__ = ["accept_layout", "ensure_verified", "refuse_failed_blocks"]
 
 
 #: Relative tolerance of the automatic check, above ``default_tolerance`` (which is tuned to the

@@ -15,13 +15,12 @@ name               GL metric   ball
 =================  ==========  ==========================================================================
 
 :func:`build_ball` turns a model's parameters and :class:`~quotient_manifolds.adapters.Layout` into a
-:class:`~quotient_manifolds.adapters.solver.ProductBall` for one of the ball geometries
+:class:`~quotient_manifolds.adapters.components.ProductBall` for one of the ball geometries
 (:data:`GEOMETRIES`). The maths: docs/maths.md §6 (blocks, total norm, ε).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -33,8 +32,8 @@ import torch
 from quotient_manifolds.core.gl import GLQuotientGeometry
 
 from . import validation as check
-from .components import StreamedPoint
-from .solver import ADAPTIVE_DIRECTIONS, ElementwiseComponent, ProductBall, QuotientComponent
+from .components import ProductBall, QuotientComponent
+from .elementwise import ElementwiseComponent, StreamedPoint
 from .streaming import LazyWeight
 
 Tensor = torch.Tensor
@@ -49,7 +48,7 @@ class Geometry:
     #: the quotient metric of the GL blocks (``"inv"`` or ``"mix"``); ``None``: no quotient, every
     #: weight in the elementwise (adaptive) metric
     metric: Optional[str]
-    #: whether the geometry has a :class:`~quotient_manifolds.adapters.solver.ProductBall` (False only
+    #: whether the geometry has a :class:`~quotient_manifolds.adapters.components.ProductBall` (False only
     #: for plain Euclidean SAM)
     ball: bool = True
     #: the first radius :func:`~quotient_manifolds.adapters.calibrate_rho` tries: a few evaluations
@@ -79,22 +78,6 @@ GEOMETRY_TABLE: Mapping[str, Geometry] = MappingProxyType({g.name: g for g in (
 GEOMETRIES: Tuple[str, ...] = tuple(name for name, g in GEOMETRY_TABLE.items() if g.ball)
 
 
-def gram_eps_of(gram_eps: Any, eps: Any = None, *, stacklevel: int = 3) -> Any:
-    """The Gram relaxation ε of GᵀG + εI (docs/maths.md §6.4) given as ``gram_eps``, or as ``eps``,
-    its former name in ``sharpness``, ``build_ball``, ``riemannian_hessian`` and
-    ``lora_quotient_parameters``: accepted with a DeprecationWarning ``stacklevel`` frames up once
-    its value is checked (a bad one is refused naming ``eps``, the argument given)."""
-    if eps is None:
-        return gram_eps
-    check.non_negative_finite("eps", eps)
-    if not (isinstance(gram_eps, (int, float)) and gram_eps == 0):
-        raise TypeError(f"both gram_eps={gram_eps!r} and eps={eps!r} were given: eps is the former name "
-                        f"of gram_eps, pass gram_eps only")
-    warnings.warn("eps= is renamed gram_eps= (the Gram relaxation GᵀG + εI); eps= will be removed",
-                  DeprecationWarning, stacklevel=stacklevel)
-    return eps
-
-
 def geometry_of(name: object, allowed: Tuple[str, ...] = GEOMETRIES, argument: str = "geometry") -> Geometry:
     """The :class:`Geometry` called ``name``, refused (ValueError listing the valid names, and the
     one meant when ``name`` is a bare metric such as ``"mix"``) unless it is one of ``allowed``."""
@@ -109,9 +92,8 @@ def geometry_of(name: object, allowed: Tuple[str, ...] = GEOMETRIES, argument: s
 def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: str,
                layout=None, retraction: str = "second_order", gram_eps: float = 0.0,
                use_metric_norm: bool = True, adaptive_direction: str = "riemannian",
-               elementwise_second_order: bool = False, eps: Optional[float] = None,
-               streaming: bool = False, compute_dtype: Optional[torch.dtype] = None
-               ) -> Tuple[ProductBall, "BallParameters"]:
+               elementwise_second_order: bool = False, streaming: bool = False,
+               compute_dtype: Optional[torch.dtype] = None) -> Tuple[ProductBall, "BallParameters"]:
     """The ball of perturbations and the map between ball points and the parameter dict
     (:class:`BallParameters`: call it on points; ``gather`` reads gradients into the ball).
 
@@ -121,17 +103,16 @@ def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: 
     few batched h×h factorisations per group; every weight not covered by a GL block (or the
     uncovered entries of a partially covered one) is elementwise. ``"adaptive"``: every trainable
     weight is elementwise. ``gram_eps``: the Gram relaxation GᵀG + εI of the quotient
-    metrics (docs/maths.md §6.4; ``eps`` is its deprecated former name).
+    metrics (docs/maths.md §6.4).
 
     ``streaming=True`` gives the elementwise components the streaming layout
-    (:class:`~quotient_manifolds.adapters.components.ElementwiseComponent`): the ball parameters
+    (:class:`~quotient_manifolds.adapters.elementwise.ElementwiseComponent`): the ball parameters
     are then recipes (:class:`~quotient_manifolds.adapters.streaming.LazyWeight`) for
     :func:`~quotient_manifolds.adapters.streaming.substituted`, and no perturbed copy of the
     weights is formed. ``compute_dtype`` (e.g. float32 for a bfloat16 model whose ``params0`` are
     its own weights) is the dtype of the iterates and points; default: each weight's own.
     """
     metric = geometry_of(geometry).metric
-    gram_eps = gram_eps_of(gram_eps, eps)
     check.module("model", model)
     check.parameter_tensors("params0", params0, model)
     if metric is not None:
@@ -241,7 +222,7 @@ class BallParameters:
 
     def __call__(self, points: List[Any]) -> Dict[str, Any]:
         """The parameters at ``points``: tensors, or with streaming points
-        (:class:`~quotient_manifolds.adapters.components.StreamedPoint`) recipes
+        (:class:`~quotient_manifolds.adapters.elementwise.StreamedPoint`) recipes
         (:class:`~quotient_manifolds.adapters.streaming.LazyWeight`) for every weight a point
         moves or that needs a cast to ``compute_dtype``."""
         n_quotient = len(self._quotients)

@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
+from quotient_manifolds._validation import integer_at_least
+
 __all__ = ["RhoCalibration", "calibrate_rho", "find_rho", "root_estimate", "interpolate_at"]
 
 
@@ -158,7 +160,7 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
 
     Each evaluation is one worst-case :func:`~quotient_manifolds.adapters.sharpness` run (Auto-PGD over all
     ``batches``); the search (:func:`find_rho`) needs 2–5 on a smooth loss. Pass the options you
-    will measure with (``n_iters``, ``eps``, ``retraction``, ``loss_fn``, …) in
+    will measure with (``n_iters``, ``gram_eps``, ``retraction``, ``loss_fn``, …) in
     ``sharpness_options``: the calibrated ρ is for those.
 
     Parameters
@@ -194,7 +196,7 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
     if check.positive_finite("tolerance", tolerance) <= 1:
         raise ValueError(f"tolerance must be a factor > 1 (stop when the loss rise is within it of "
                          f"the target), got {tolerance!r}; e.g. tolerance=1.25")
-    check.integer_at_least("max_evals", max_evals, 1)
+    integer_at_least("max_evals", max_evals, 1)
     if sharpness_options.get("measure", "worst") != "worst":
         raise ValueError("calibrate_rho calibrates the worst-case loss rise; drop measure=")
     if "rho" in sharpness_options:

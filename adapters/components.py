@@ -24,16 +24,7 @@ from quotient_manifolds import _validation as check
 from quotient_manifolds._runtime import bounded_threads, threads_for
 from quotient_manifolds.core.gl import GLFrame, second_order_gradient_and_inners, second_order_step
 
-from .elementwise import (  # noqa: F401  (served here too: the components of the ball)
-    ADAPTIVE_DIRECTIONS,
-    CHUNK,
-    KERNEL_LIMIT,
-    REDUCTION_BLOCK,
-    ElementwiseComponent,
-    StreamedPoint,
-    _inverse_square,
-    add_dot_,
-)
+from .elementwise import ElementwiseComponent, _inverse_square
 
 Tensor = torch.Tensor
 Tangent = List[Tensor]

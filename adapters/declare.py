@@ -9,11 +9,12 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torch import Tensor, nn
 
+from quotient_manifolds._validation import integer_at_least
 from quotient_manifolds.core.groups import Group, as_group
 
 from .blocks import FactorPiece, GLBlock, canonical_names
-from .families.structure import position_terms, screen_module
-from .validation import integer_at_least
+from .families.positions import position_terms
+from .families.structure import screen_module
 
 __all__ = ["declare_block"]
 

@@ -55,11 +55,12 @@ from typing import Any, Container, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from quotient_manifolds.core.algebra import MIN_GAP, GroupDerivation, derive_group  # noqa: F401  (MIN_GAP re-exported)
+from quotient_manifolds.core.algebra import GroupDerivation, derive_group
 
 from .blocks import GLBlock
-from .evaluation import capture_module_inputs, eval_mode
+from .evaluation import capture_module_inputs
 from .layouts import Layout, Unsupported
+from .modes import eval_mode
 
 __all__ = ["BlockDerivation", "derive_block", "derive_groups", "with_blocks", "clear_cache",
            "SECOND_GAUGE_MAX_HEAD_DIM"]

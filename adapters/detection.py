@@ -117,13 +117,14 @@ from typing import Container, Dict, Iterable, List, Optional, Sequence, Tuple, U
 import torch
 from torch import nn
 
+from quotient_manifolds._validation import flag
+
 from . import validation as check
 from .families import FAMILIES, Context, Family
-from .families.structure import PACKED_NAMES, ROLE_NAMES
 from .blocks import FactorPiece, GLBlock, canonical_names
 from .layouts import Layout, Unsupported, head_structure
 
-__all__ = ["layout", "detect", "resolve_layout", "Detection", "ROLE_NAMES", "PACKED_NAMES"]
+__all__ = ["layout", "detect", "resolve_layout", "Detection"]
 
 
 @dataclass
@@ -241,7 +242,7 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
         check.module("model", model)
     for name, value in (("allow_unsupported", allow_unsupported), ("detect_blocks", detect_blocks),
                         ("include_frozen", include_frozen)):
-        check.flag(name, value)
+        flag(name, value)
     return _layout(model, blocks, allow_unsupported, detect_blocks, include_frozen)
 
 

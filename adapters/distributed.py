@@ -19,6 +19,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from quotient_manifolds._validation import integer_at_least
+
 from . import validation as check
 from .gate import Gate
 from .ball import GEOMETRY_TABLE
@@ -45,7 +47,7 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
     # every rank refuses the same bad argument before any collective (a rank that raised alone
     # would leave the others waiting in all_gather_object)
     check.module("model", model)
-    check.integer_at_least("seed", seed, -2 ** 63)
+    integer_at_least("seed", seed, -2 ** 63)
     if "rho" not in options:
         raise TypeError("distributed_sharpness needs rho= (the radius of the ball), as "
                         "quotient_manifolds.adapters.sharpness does")

@@ -20,13 +20,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import validation as check
-from .components import KERNEL_LIMIT
+from .elementwise import KERNEL_LIMIT
 from .losses import HALF_DTYPES, logits_of, normalize_logits
-from .modes import eval_mode  # noqa: F401 - served here too
+from .modes import eval_mode
 from .streaming import LazyWeight, Slots, parameter_slots, substituted
 from .validation import TokenInputs, scalar_loss
 
-__all__ = ["map_tensors", "eval_mode", "device_of", "split_inputs", "split_batch", "ModelClosure", "HALF_DTYPES",
+__all__ = ["map_tensors", "device_of", "split_inputs", "split_batch", "ModelClosure",
            "as_compute", "to_device", "class_targets_check", "all_finite", "loss_of", "detach_inputs",
            "capture_module_inputs"]
 
@@ -200,7 +200,7 @@ def class_targets_check(targets: Any, index: int = 0) -> Optional[Callable[[Any]
 
 def all_finite(t: Tensor) -> bool:
     """Whether every entry of ``t`` is finite, checked in pieces of at most
-    :data:`~quotient_manifolds.adapters.components.KERNEL_LIMIT` elements (no temporary of the
+    :data:`~quotient_manifolds.adapters.elementwise.KERNEL_LIMIT` elements (no temporary of the
     tensor's size: a model of billions of weights is checked in place); one host sync. A DTensor
     is checked shard by shard, the answer agreed by its ranks (a collective: every rank calls it)."""
     local = getattr(t, "to_local", None)

@@ -31,7 +31,8 @@ from torch import nn
 from .accept import accept_layout, refuse_failed_blocks
 from .ball import geometry_of
 from .detection import resolve_layout
-from .evaluation import HALF_DTYPES, all_finite, as_compute, class_targets_check, split_batch
+from .evaluation import all_finite, as_compute, class_targets_check, split_batch
+from .losses import HALF_DTYPES
 from .streaming import LazyWeight
 from .validation import TokenInputs
 from .verify import is_verified
@@ -43,9 +44,9 @@ Tensor = torch.Tensor
 
 class Gate:
     """The layout a geodesic run uses, from ``(model, layout or None, geometry)``: checked to belong to
-    the model when built (:func:`~quotient_manifolds.adapters.accept.resolve_layout`), verified and accepted
-    on the first inputs by :meth:`accept` (module docstring).  For a geometry that is not geodesic the
-    gate passes ``layout`` through and never verifies.
+    the model when built (:func:`~quotient_manifolds.adapters.detection.resolve_layout`), verified and
+    accepted on the first inputs by :meth:`accept` (module docstring).  For a geometry that is not
+    geodesic the gate passes ``layout`` through and never verifies.
 
     ``what`` names the caller in messages, ``consequence`` says what a failing block would do to its
     result."""

@@ -116,17 +116,20 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from quotient_manifolds._runtime import bounded_threads
+from quotient_manifolds._validation import flag, integer_at_least
 from quotient_manifolds.core.gl import check_choice
 from quotient_manifolds.core.groups import sym
 
 from . import validation as check
-from .ball import ball_of, geometry_of, gram_eps_of
-from .evaluation import ModelClosure, eval_mode, split_batch, to_device
+from .ball import ball_of, geometry_of
+from .components import QuotientComponent
+from .elementwise import ElementwiseComponent
+from .evaluation import ModelClosure, split_batch, to_device
 from .gate import pre_run_checks
-from .sharded import is_sharded
 from .losses import default_loss
-from .solver import ElementwiseComponent, QuotientComponent
-from .validation import integer_at_least, materialised
+from .modes import eval_mode
+from .sharded import is_sharded
+from .validation import materialised
 
 Tensor = torch.Tensor
 
@@ -307,8 +310,7 @@ def riemannian_hessian(model: torch.nn.Module,
                        geometry: str = "geodesic-mix", layout=None,
                        loss_fn: Optional[Callable] = None, reduction: Optional[str] = None,
                        batch_size_fn: Optional[Callable[[Any], int]] = None, gram_eps: float = 0.0,
-                       allow_unsupported: bool = False, unsafe: bool = False,
-                       eps: Optional[float] = None) -> RiemannianHessian:
+                       allow_unsupported: bool = False, unsafe: bool = False) -> RiemannianHessian:
     r"""The Riemannian Hessian of the loss of ``model`` on ``batches`` at its trained weights, on the
     quotient of its attention blocks, as a symmetric curvlinops linear operator (module docstring).
 
@@ -335,7 +337,6 @@ def riemannian_hessian(model: torch.nn.Module,
         of the targets; an empty batch is refused).
     gram_eps: Gram relaxation GᵀG + εI of the quotient metrics (docs/maths.md §6.4).
     allow_unsupported, unsafe: as in :func:`~quotient_manifolds.adapters.sharpness`.
-    eps: the former name of ``gram_eps`` (deprecated: it warns, and will be removed).
 
     Returns
     -------
@@ -347,9 +348,9 @@ def riemannian_hessian(model: torch.nn.Module,
     check.batches("batches", batches)
     check.optional_layout("layout", layout)
     check.optional_callable("loss_fn", loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
-    gram_eps = check.non_negative_finite("gram_eps", gram_eps_of(gram_eps, eps))
-    check.flag("allow_unsupported", allow_unsupported)
-    check.flag("unsafe", unsafe)
+    gram_eps = check.non_negative_finite("gram_eps", gram_eps)
+    flag("allow_unsupported", allow_unsupported)
+    flag("unsafe", unsafe)
     geodesic = geometry_of(geometry).geodesic
     materialised(model, f"{geometry} Hessian")
     if is_sharded(model):

@@ -31,9 +31,10 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Opt
 import torch
 from torch import Tensor, nn
 
-from quotient_manifolds import _validation as check
+from quotient_manifolds._validation import floating_dtype, optional_generator
 from quotient_manifolds.core.gl import group_action
 
+from . import validation as check
 from .blocks import GLBlock
 from .families.structure import HEAD_DIM_ATTRS, HEADS_ATTRS
 from .families.structural import KV_HEADS_ATTRS
@@ -307,8 +308,8 @@ class Layout:
         ``scale`` must be a finite number > 0 (0 or nan would give singular or NaN "elements")."""
         scale = check.positive_finite("scale", scale)
         cond = check.condition_number("cond", cond)
-        check.floating_dtype("dtype", dtype)
-        check.optional_generator("generator", generator)
+        floating_dtype("dtype", dtype)
+        optional_generator("generator", generator)
         missing = [b.g_pieces[0].param for b in self.blocks
                    if params is not None and b.g_pieces[0].param not in params]
         if missing:

@@ -98,7 +98,6 @@ from quotient_manifolds.core.gl import METRICS, RETRACTIONS
 from quotient_manifolds.geoopt import GLQuotient
 
 from . import validation as check
-from .ball import gram_eps_of
 from .detection import detect
 from .families import family
 
@@ -226,8 +225,8 @@ def _adapter_of(block) -> str:
 
 
 def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retraction: str = "first_order",
-                             gram_eps: float = 0.0, adapters: Optional[Sequence[str]] = None,
-                             eps: Optional[float] = None) -> List[dict]:
+                             gram_eps: float = 0.0, adapters: Optional[Sequence[str]] = None
+                             ) -> List[dict]:
     r"""Re-point every trainable peft LoRA pair of ``model`` at one GL(r)-quotient point
     ``x = [B; Aᵀ]`` and return optimizer parameter groups.
 
@@ -246,8 +245,6 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
         is needed for a rank-deficient B or A, e.g. peft's initialisation B = 0).
     adapters:
         Names of the adapters to re-point (default: every adapter whose two factors are trainable).
-    eps:
-        The former name of ``gram_eps`` (deprecated: it warns, and will be removed).
 
     Returns
     -------
@@ -259,7 +256,7 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
     check.module("model", model)
     check.choice("metric", metric, METRICS)
     check.choice("retraction", retraction, RETRACTIONS)
-    gram_eps = check.non_negative_finite("gram_eps", gram_eps_of(gram_eps, eps))
+    gram_eps = check.non_negative_finite("gram_eps", gram_eps)
     wanted = None if adapters is None else set(check.names("adapters", adapters))
     if any(True for _ in _views(model)):
         raise ValueError("the LoRA pairs of this model are already re-pointed at quotient points: use the "

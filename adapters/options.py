@@ -9,10 +9,12 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
+from quotient_manifolds._validation import flag, integer_at_least
 from quotient_manifolds.core.gl import RETRACTIONS
 
 from . import validation as check
-from .ball import ADAPTIVE_DIRECTIONS, GEOMETRY_TABLE, Geometry, geometry_of, gram_eps_of
+from .ball import GEOMETRY_TABLE, Geometry, geometry_of
+from .elementwise import ADAPTIVE_DIRECTIONS
 from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS
 
 __all__ = ["MEASURES", "SharpnessOptions", "SHARPNESS_OPTION_NAMES", "OPTION_DOCS", "document_options",
@@ -62,17 +64,17 @@ class SharpnessOptions:
         check.choice("step_normalisation", self.step_normalisation, STEP_NORMALISATIONS)
         check.choice("adaptive_direction", self.adaptive_direction, ADAPTIVE_DIRECTIONS)
         check.positive_finite("step_size_mult", self.step_size_mult)
-        check.integer_at_least("n_iters", self.n_iters, 1)
-        check.integer_at_least("n_samples", self.n_samples, 1)
-        check.integer_at_least("seed", self.seed, -2 ** 63)
+        integer_at_least("n_iters", self.n_iters, 1)
+        integer_at_least("n_samples", self.n_samples, 1)
+        integer_at_least("seed", self.seed, -2 ** 63)
         check.non_negative_finite("gram_eps", self.gram_eps)
         check.positive_finite("retraction_tolerance", self.retraction_tolerance)
         if self.num_threads is not None:
-            check.integer_at_least("num_threads", self.num_threads, 1)
+            integer_at_least("num_threads", self.num_threads, 1)
         check.optional_callable("loss_fn", self.loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
         for name in ("use_metric_norm", "elementwise_second_order", "normalize_logits", "allow_unsupported",
                      "unsafe", "progress", "include_frozen", "check_retraction"):
-            check.flag(name, getattr(self, name))
+            flag(name, getattr(self, name))
         check.optional_layout("layout", self.layout)
         check.plain_numbers(self, ints=("n_iters", "n_samples", "seed", "num_threads"),
                             floats=("step_size_mult", "gram_eps", "retraction_tolerance"))
@@ -82,13 +84,8 @@ class SharpnessOptions:
                              "layout(model, include_frozen=True), or pass include_frozen=False")
 
     @classmethod
-    def from_keywords(cls, options: Mapping[str, Any], *, stacklevel: int = 3) -> "SharpnessOptions":
-        """The options given as keywords of :func:`sharpness` (``eps``, the former name of
-        ``gram_eps``, is accepted with a DeprecationWarning issued ``stacklevel`` frames up)."""
-        options = dict(options)
-        if "eps" in options:
-            options["gram_eps"] = gram_eps_of(options.get("gram_eps", 0.0), options.pop("eps"),
-                                              stacklevel=stacklevel + 1)
+    def from_keywords(cls, options: Mapping[str, Any]) -> "SharpnessOptions":
+        """The options given as keywords of :func:`sharpness` (an unknown keyword is refused)."""
         unknown = [k for k in options if k not in SHARPNESS_OPTION_NAMES]
         if unknown:
             raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
@@ -113,7 +110,7 @@ def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, A
     defaults filled in (:meth:`SharpnessOptions.as_dict`), refused before any work if one, or ``rho``,
     is unknown or out of range."""
     as_rho(rho)
-    return SharpnessOptions.from_keywords(options, stacklevel=3).as_dict()
+    return SharpnessOptions.from_keywords(options).as_dict()
 
 
 def as_rho(rho: Any, name: str = "rho") -> float:

@@ -45,11 +45,13 @@ from typing import Any, Callable, Dict, Optional, Type, Union
 import torch
 from torch import Tensor, nn
 
+from quotient_manifolds._validation import flag
 from quotient_manifolds.core.gl import RETRACTIONS, check_choice
 
 from . import validation as check
 from .ball import GEOMETRY_TABLE, build_ball, geometry_of
-from .evaluation import HALF_DTYPES, as_compute
+from .evaluation import as_compute
+from .losses import HALF_DTYPES
 from .options import as_rho
 from .sam_parallel import ParallelAscent, _is_ddp, _local
 from .sharded import group_of
@@ -208,11 +210,11 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         if elementwise_second_order is None:
             # the adaptive geometry is the elementwise metric itself: its geodesic by default
             elementwise_second_order = spec.adaptive and retraction != "first_order"
-        self.elementwise_second_order = check.flag("elementwise_second_order", elementwise_second_order)
+        self.elementwise_second_order = flag("elementwise_second_order", elementwise_second_order)
         self.gram_eps = check.non_negative_finite("gram_eps", gram_eps)
         check.optional_layout("layout", layout)
-        check.flag("allow_unsupported", allow_unsupported)
-        check.flag("unsafe", unsafe)
+        flag("allow_unsupported", allow_unsupported)
+        flag("unsafe", unsafe)
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         if isinstance(base_optimizer, torch.optim.Optimizer):

@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .evaluation import HALF_DTYPES, as_compute
+from .evaluation import as_compute
+from .losses import HALF_DTYPES
 from .sharded import _dtensor_type
 
 __all__ = ["ParallelAscent"]

@@ -43,7 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from .ball import _gather_heads, _written, head_writes
-from .components import ElementwiseComponent, QuotientComponent, StreamedPoint
+from .components import QuotientComponent
+from .elementwise import ElementwiseComponent, StreamedPoint
 from .evaluation import loss_of
 from .losses import HALF_DTYPES
 from .validation import scalar_loss

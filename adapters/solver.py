@@ -9,26 +9,16 @@ blocks and the elementwise adaptive geometry, :mod:`~quotient_manifolds.adapters
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from quotient_manifolds import _validation as check
+from quotient_manifolds._validation import flag, optional_generator
 from quotient_manifolds.core.gl import check_choice
 
-from .components import (  # noqa: F401  (served here too: the solver's vocabulary)
-    ADAPTIVE_DIRECTIONS,
-    BallComponent,
-    CHUNK,
-    ElementwiseComponent,
-    ProductBall,
-    QuotientComponent,
-    Tangent,
-    ball_factor,
-    scale,
-)
+from . import validation as check
+from .components import ProductBall, Tangent, ball_factor
 from .memory import device_memory, room_for_two_more
 
 Tensor = torch.Tensor
@@ -218,9 +208,9 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     check_choice(momentum, MOMENTUM_FORMS, "momentum form")
     check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
-    for flag, value in (("keep_worst_gradient", keep_worst_gradient), ("compact_step", compact_step)):
+    for name, value in (("keep_worst_gradient", keep_worst_gradient), ("compact_step", compact_step)):
         if value is not None:
-            check.flag(flag, value)
+            flag(name, value)
     check.gradients_available("worst-case sharpness (auto_pgd)")
     check.ball_and_closure(ball, closure)
     if start is not None:
@@ -350,10 +340,7 @@ def _refuse_non_finite_loss(value: float, perturbation_sq: Union[float, Tensor])
 @dataclass
 class AverageCaseResult:
     """Outcome of :func:`average_case`: the loss at the centre, the loss at each random point of the
-    sphere ‖ξ‖ = ρ, and their mean. ``sharpness`` = ``mean_loss`` − ``init_loss``.
-
-    ``result["init_loss"]`` (the dict of version 0.1.0) still reads a field, with a
-    DeprecationWarning: use the attribute."""
+    sphere ‖ξ‖ = ρ, and their mean. ``sharpness`` = ``mean_loss`` − ``init_loss``."""
 
     init_loss: float
     mean_loss: float
@@ -362,13 +349,6 @@ class AverageCaseResult:
     @property
     def sharpness(self) -> float:
         return self.mean_loss - self.init_loss
-
-    def __getitem__(self, key: str) -> Union[float, List[float]]:
-        if key not in ("init_loss", "mean_loss", "losses"):
-            raise KeyError(key)
-        warnings.warn(f"average_case returns an AverageCaseResult: read result.{key} instead of "
-                      f"result[{key!r}]", DeprecationWarning, stacklevel=2)
-        return getattr(self, key)
 
 
 def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,
@@ -383,7 +363,7 @@ def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], r
     rho = check.radius(rho)
     n_samples = check.positive_integer("n_samples", n_samples)
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
-    check.optional_generator("generator", generator)
+    optional_generator("generator", generator)
     check.ball_and_closure(ball, closure)
     closure = check.scalar_closure(closure)
     with torch.no_grad():

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from quotient_manifolds._validation import flag, integer_at_least
+
 from . import validation as check
 from .blocks import GLBlock
 from .evaluation import device_of, split_inputs
@@ -357,10 +359,10 @@ def _checked_arguments(layout: Checkable, model: nn.Module, example_inputs, *, s
     for name, tol in (("rtol", rtol), ("atol", atol)):
         if tol is not None:
             check.non_negative_finite(name, tol)
-    check.integer_at_least("seed", seed, -2 ** 63)
+    integer_at_least("seed", seed, -2 ** 63)
     if not isinstance(per_block, (bool, str)) or per_block not in (True, False, "auto"):
         raise ValueError(f"per_block must be True, False or 'auto', got {per_block!r}")
-    check.flag("raise_on_failure", raise_on_failure)
+    flag("raise_on_failure", raise_on_failure)
     check.optional_callable("output_fn", output_fn, "output_fn(model output) -> tensor")
     if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
                                           and compute_dtype.is_floating_point):

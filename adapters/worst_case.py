@@ -1,7 +1,7 @@
 r"""Adaptive and geodesic worst-case (and average-case) sharpness of a real model.
 
 ``sharpness(model, batches, geometry=..., rho=...)`` turns a :class:`~quotient_manifolds.adapters.Layout` into a
-:class:`~quotient_manifolds.adapters.solver.ProductBall` (one batched GL(h) quotient per block shape, the elementwise
+:class:`~quotient_manifolds.adapters.components.ProductBall` (one batched GL(h) quotient per block shape, the elementwise
 adaptive geometry for every other weight) and runs :func:`~quotient_manifolds.adapters.solver.auto_pgd` per batch with a
 closure that evaluates the model through ``torch.func.functional_call``. The user's model is never
 modified: parameters and buffers are read once, detached; every submodule's train/eval flag is
@@ -23,23 +23,19 @@ import torch
 
 from quotient_manifolds._runtime import bounded_threads
 
-from .ball import GEOMETRIES, build_ball  # GEOMETRIES is served here too
-from .solver import APGDResult, ProductBall, auto_pgd, average_case
 from . import validation as check
-from .evaluation import HALF_DTYPES, ModelClosure, as_compute, split_batch, to_device
-from .gate import SMALL_MODEL_PARAMS, PreRun, Prepared, pre_run_checks  # noqa: F401 - served here too
-from .losses import default_loss, logits_of, next_token_loss, normalize_logits
+from .components import ProductBall
+from .evaluation import ModelClosure, split_batch, to_device
+from .gate import Prepared
+from .losses import default_loss
 from .memory import explained_out_of_memory
-from .options import MEASURES, SHARPNESS_OPTION_NAMES, SharpnessOptions, as_rho, document_options, sharpness_options
+from .options import SharpnessOptions, as_rho, document_options
 from .placement import LocalPlacement, Placement, ShardedPlacement
 from .sharded import is_sharded
+from .solver import APGDResult, auto_pgd, average_case
 from .validation import materialised
 
-# served here too: the names the driver was the module of before the set-up was split
-__all__ = ["sharpness", "sharpness_sweep", "run_sharpness", "SharpnessResult", "GEOMETRIES", "MEASURES",
-           "build_ball", "default_loss", "next_token_loss", "logits_of", "normalize_logits", "ModelClosure",
-           "split_batch", "to_device", "as_compute", "HALF_DTYPES", "SharpnessOptions",
-           "SHARPNESS_OPTION_NAMES", "sharpness_options", "as_rho", "PreRun", "pre_run_checks"]
+__all__ = ["sharpness", "sharpness_sweep", "run_sharpness", "SharpnessResult"]
 
 Tensor = torch.Tensor
 
@@ -117,7 +113,6 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], M
         numpy scalar or a 0-d array / tensor). Not comparable across geometries: mix is not
         scale-free (docs/maths.md §12.14).
     {options}
-    eps: the former name of ``gram_eps`` (deprecated: it warns, and will be removed).
 
     The options (all but ``model``, ``batches`` and ``rho``) are the fields of
     :class:`~quotient_manifolds.adapters.options.SharpnessOptions`, checked before any work: an

@@ -396,7 +396,8 @@ def case_float_size():
 
 def _low_level(geometry="adaptive"):
     """(model, batch closure pieces) for the low-level solver: a ball and a closure."""
-    from quotient_manifolds.adapters.worst_case import ModelClosure, build_ball
+    from quotient_manifolds.adapters.ball import build_ball
+    from quotient_manifolds.adapters.evaluation import ModelClosure
     m, x = bert()
     params0 = {n: p.detach() for n, p in m.named_parameters()}
     lay = detect_layout(m) if geometry != "adaptive" else None
@@ -711,7 +712,8 @@ def case_verify_output_fn_non_tensor():
 
 
 def _tiny_ball():
-    from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall
+    from quotient_manifolds.adapters.components import ProductBall
+    from quotient_manifolds.adapters.elementwise import ElementwiseComponent
     return ProductBall([ElementwiseComponent({"w": torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)})])
 
 

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from quotient_manifolds.adapters.calibration import find_rho, interpolate_at, root_estimate  # noqa: F401 (re-exported)
+from quotient_manifolds.adapters.calibration import find_rho, interpolate_at
 
 from .runner import ExperimentError, atomic_write_bytes, load_current
 

@@ -285,23 +285,8 @@ def _add_demo(sub) -> None:
 
 
 # ------------------------------------------------------------------------------------ commands
-def check_data_dir(path: Optional[str], option: str = "--data-dir") -> None:
-    """Refuse a data directory that is a file (``--data-dir README.md``), before any work; the
-    default ($QM_DATA_DIR or the cache) is checked likewise."""
-    from .data import cache_dir
-    where = cache_dir(path)
-    existing = where                      # the directory, or the part of its path that exists
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        named = option if path is not None else "$QM_DATA_DIR"
-        inside = "" if existing == where else f": {existing}"
-        raise ExperimentError(f"{named} {where}{inside} is a file, not a directory: give a directory "
-                              f"(it is created if missing), e.g. ~/.cache/quotient-manifolds")
-
-
 def cmd_prepare(args) -> int:
-    from .data import prepare_fashion_mnist, prepare_mr, prepare_rt
+    from .data import check_data_dir, prepare_fashion_mnist, prepare_mr, prepare_rt
     check_data_dir(args.data_dir)
     both = not (args.mr or args.rt or args.fashion_mnist)
     if args.mr or both:

@@ -79,6 +79,20 @@ def cache_dir(explicit: Optional[str] = None) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "quotient-manifolds")
 
 
+def check_data_dir(path: Optional[str], option: str = "--data-dir") -> None:
+    """Refuse a data directory that is a file (``--data-dir README.md``), before any work; the
+    default ($QM_DATA_DIR or the cache) is checked likewise."""
+    where = cache_dir(path)
+    existing = where                      # the directory, or the part of its path that exists
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        named = option if path is not None else "$QM_DATA_DIR"
+        inside = "" if existing == where else f": {existing}"
+        raise ExperimentError(f"{named} {where}{inside} is a file, not a directory: give a directory "
+                              f"(it is created if missing), e.g. ~/.cache/quotient-manifolds")
+
+
 def _prepared(data_dir: Optional[str], name: str, what: str, log) -> Tuple[str, str, bool]:
     """(the cache directory, created if missing; the path of the prepared file ``name`` in it;
     whether that file is already there, which is then said through ``log``)."""

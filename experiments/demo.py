@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
     sharpness per geometry and the invariance ratios."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from .cli import check_data_dir
+    from .data import check_data_dir
     args = resolved(args)
     check_data_dir(args.data_dir)            # before minutes of loading and fine-tuning
 

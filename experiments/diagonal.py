@@ -278,7 +278,7 @@ def train(config: Dict[str, Any], hp: Dict[str, Any], X, y, beta_star, progress:
 
 # ------------------------------------------------------------------------------------ sharpness
 def _project_ball(Z: np.ndarray, r: np.ndarray) -> np.ndarray:
-    from quotient_manifolds.adapters.solver import ball_factor
+    from quotient_manifolds.adapters.components import ball_factor
 
     return Z * ball_factor(np.linalg.norm(Z, axis=1, keepdims=True), r)
 
@@ -291,7 +291,7 @@ def _project_ball_box(Z: np.ndarray, r: np.ndarray, lo: np.ndarray) -> np.ndarra
     t_i = lo_i/z_i (coordinates with z_i < lo_i clamp from t_i on); A_k, B_k are the sums of z_i²
     and lo_i² over the k coordinates clamped first. Sorting the breakpoints gives t in closed form.
     """
-    from quotient_manifolds.adapters.solver import ball_factor
+    from quotient_manifolds.adapters.components import ball_factor
 
     lo = np.broadcast_to(lo, Z.shape)
     P = np.maximum(Z, lo)
@@ -476,7 +476,9 @@ def sharpness_apgd(measure: str, u: np.ndarray, v: np.ndarray, X, y, rho: float,
     """
     import torch
 
-    from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall, QuotientComponent, auto_pgd
+    from quotient_manifolds.adapters.components import ProductBall, QuotientComponent
+    from quotient_manifolds.adapters.elementwise import ElementwiseComponent
+    from quotient_manifolds.adapters.solver import auto_pgd
     from quotient_manifolds.core import RescalingGeometry
 
     Xt, yt = torch.tensor(X), torch.tensor(y)
@@ -533,7 +535,7 @@ def _apgd_classes():
     torch-based library class; importing this module stays torch-free)."""
     import torch
 
-    from quotient_manifolds.adapters.solver import QuotientComponent
+    from quotient_manifolds.adapters.components import QuotientComponent
     from quotient_manifolds.core import mix_geodesic_scale
 
     class BoxedMixComponent(QuotientComponent):

@@ -59,7 +59,7 @@ def reparametrise(model, scale: float, seed: int):
 def _logits(model, batches):
     import torch
 
-    from quotient_manifolds.adapters.worst_case import logits_of
+    from quotient_manifolds.adapters.losses import logits_of
     outs = []
     with torch.no_grad():
         for x, _ in batches:

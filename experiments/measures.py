@@ -190,7 +190,7 @@ def batch_len(batch: Any) -> int:
 
 def on_study_device(batches: Sequence[Any], config: Dict[str, Any]) -> List[Any]:
     """The sharpness batches moved to the study's device once (not at every measure)."""
-    from quotient_manifolds.adapters.worst_case import to_device
+    from quotient_manifolds.adapters.evaluation import to_device
 
     from .runner import study_device
     device = study_device(config)

@@ -243,3 +243,19 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def top_level_names(source: str):
+    """The names a module's ``source`` defines at its top level (functions, classes, assignments),
+    and its ``__all__`` (None without one): what the module serves of its own."""
+    import ast
+    defined, listed = set(), None
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                defined |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+                if isinstance(target, ast.Name) and target.id == "__all__":
+                    listed = ast.literal_eval(node.value)
+    return defined, listed

@@ -1,5 +1,5 @@
-"""The table of geometries (adapters/ball.py), the options of sharpness, the gram_eps rename and the
-result type of average_case."""
+"""The table of geometries (adapters/ball.py), the options of sharpness (``eps``, the former name of
+``gram_eps``, refused) and the result type of average_case."""
 
 import inspect
 
@@ -9,7 +9,7 @@ import torch
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.ball import GEOMETRY_TABLE, geometry_of
 from quotient_manifolds.adapters.solver import AverageCaseResult
-from quotient_manifolds.adapters.worst_case import SHARPNESS_OPTION_NAMES, SharpnessOptions
+from quotient_manifolds.adapters.options import SHARPNESS_OPTION_NAMES, SharpnessOptions
 
 
 def _mlp():
@@ -21,7 +21,7 @@ def _mlp():
 
 def test_the_options_are_the_keywords_of_sharpness_with_their_defaults():
     params = inspect.signature(adapters.sharpness).parameters
-    keywords = [p for p in params if p not in ("model", "batches", "rho", "eps")]
+    keywords = [p for p in params if p not in ("model", "batches", "rho")]
     assert list(SHARPNESS_OPTION_NAMES) == keywords
     defaults = SharpnessOptions()
     assert all(getattr(defaults, name) == params[name].default for name in keywords)
@@ -43,22 +43,29 @@ def test_the_table_serves_every_list_of_geometries():
             entry("euclidean")
 
 
-def test_eps_is_the_deprecated_name_of_gram_eps():
+def test_eps_the_former_name_of_gram_eps_is_an_unknown_keyword():
+    """``eps=`` (the name of ``gram_eps`` in 0.1.0, a version that was never published) is refused
+    like any unknown keyword, by every entry point that took it, before any work."""
     model, batches = _mlp()
-    new = adapters.sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=2, gram_eps=1e-3)
-    with pytest.warns(DeprecationWarning, match="renamed gram_eps"):
-        old = adapters.sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=2, eps=1e-3)
-    assert old.value == new.value and old.options == new.options and new.options["gram_eps"] == 1e-3
-    with pytest.warns(DeprecationWarning, match="renamed gram_eps"):
-        swept = adapters.sharpness_sweep(model, batches, [0.1], geometry="adaptive", n_iters=2, eps=1e-3)
-    assert swept[0].value == new.value
-    with pytest.raises(TypeError, match="both gram_eps"):
-        adapters.sharpness(model, batches, geometry="adaptive", rho=0.1, gram_eps=1e-3, eps=1e-3)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'eps'.*the options are those of adapters.sharpness"):
+        adapters.sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=2, eps=1e-3)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'eps'"):
+        adapters.sharpness_sweep(model, batches, [0.1], geometry="adaptive", n_iters=2, eps=1e-3)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'eps'"):
+        adapters.calibrate_rho(model, batches, geometry="adaptive", target_loss_rise=0.1, eps=1e-3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'eps'"):
+        adapters.ball.build_ball(model, params, geometry="adaptive", eps=1e-3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'eps'"):
+        adapters.lora_quotient_parameters(model, eps=1e-3)
+    for entry in (adapters.ball.build_ball, adapters.lora_quotient_parameters, adapters.sharpness):
+        assert "eps" not in inspect.signature(entry).parameters
+    assert not hasattr(adapters.ball, "gram_eps_of")
     with pytest.raises(TypeError, match="the options are those of adapters.sharpness"):
         adapters.sharpness_sweep(model, batches, [0.1], n_itres=2)
 
 
-def test_average_case_returns_a_result_whose_keys_still_read():
+def test_average_case_returns_a_result_read_by_attribute():
     model, batches = _mlp()
     params = {n: p.detach() for n, p in model.named_parameters()}
     ball, write_back = adapters.ball.build_ball(model, params, geometry="adaptive")
@@ -71,5 +78,5 @@ def test_average_case_returns_a_result_whose_keys_still_read():
     res = adapters.solver.average_case(ball, closure, 0.1, n_samples=3, generator=torch.Generator().manual_seed(0))
     assert isinstance(res, AverageCaseResult) and len(res.losses) == 3
     assert res.sharpness == res.mean_loss - res.init_loss
-    with pytest.warns(DeprecationWarning, match="result.mean_loss"):
-        assert res["mean_loss"] == res.mean_loss
+    with pytest.raises(TypeError, match="not subscriptable"):   # the dict of an unpublished version
+        res["mean_loss"]

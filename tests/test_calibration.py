@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.calibration import find_rho
-from quotient_manifolds.adapters.worst_case import GEOMETRIES
+from quotient_manifolds.adapters.ball import GEOMETRIES
 
 
 class _TinyEncoder(nn.Module):

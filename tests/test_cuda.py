@@ -169,7 +169,9 @@ def test_device_memory_on_cuda_and_the_worst_gradient_kept_where_it_fits(monkeyp
     run keeps the worst point's gradient (no recomputation at restarts), and one on a device read
     as nearly full recomputes it, with the same values either way."""
     from quotient_manifolds.adapters import memory, solver
-    from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall, auto_pgd
+    from quotient_manifolds.adapters.components import ProductBall
+    from quotient_manifolds.adapters.elementwise import ElementwiseComponent
+    from quotient_manifolds.adapters.solver import auto_pgd
 
     x = torch.empty(1000, device=CUDA)
     now = memory.device_memory(CUDA)

@@ -990,6 +990,7 @@ def test_training_loop_schedule_and_clipping():
 def test_find_rho_and_the_median_property_of_the_calibration():
     """find_rho reaches the target on increasing functions (also past a non-finite region), and
     ρ* = geometric median of the per-model roots puts the pilot's median sharpness on the target."""
+    from quotient_manifolds.adapters.calibration import find_rho
     from quotient_manifolds.experiments import calibrate as C
 
     calls = []
@@ -998,21 +999,21 @@ def test_find_rho_and_the_median_property_of_the_calibration():
         calls.append(rho)
         return 0.7 * rho ** 1.6 if rho < 50 else float("nan")  # non-finite past ρ = 50
 
-    res = C.find_rho(f, 0.01, 3.0, tolerance=1.05, max_evals=12)
+    res = find_rho(f, 0.01, 3.0, tolerance=1.05, max_evals=12)
     assert res["converged"] and len(res["evals"]) == len(calls) <= 12
     assert res["root"] == pytest.approx((3.0 / 0.7) ** (1 / 1.6), rel=0.04)
-    res = C.find_rho(f, 400.0, 3.0, tolerance=1.05, max_evals=12)  # starts in the nan region
+    res = find_rho(f, 400.0, 3.0, tolerance=1.05, max_evals=12)  # starts in the nan region
     assert res["converged"] and res["root"] == pytest.approx((3.0 / 0.7) ** (1 / 1.6), rel=0.04)
-    assert not C.find_rho(lambda r: r, 1.0, 3.0, max_evals=1)["converged"]
+    assert not find_rho(lambda r: r, 1.0, 3.0, max_evals=1)["converged"]
     with pytest.raises(ValueError, match="tolerance"):
-        C.find_rho(f, 1.0, 3.0, tolerance=1.0)
+        find_rho(f, 1.0, 3.0, tolerance=1.0)
     # per-model S_i(ρ) = c_i ρ²: the median of S_i(ρ*) is the target
     cs = [0.5, 2.0, 3.0, 10.0, 40.0]
     records = []
     for i, c in enumerate(cs):
         fams = {}
         for fam in C.FAMILIES:
-            r = C.find_rho(lambda rho, c=c: c * rho ** 2, 1.0, 3.0, tolerance=1.01, max_evals=20)
+            r = find_rho(lambda rho, c=c: c * rho ** 2, 1.0, 3.0, tolerance=1.01, max_evals=20)
             fams[fam] = dict(measure="m", **r)
         records.append(dict(model_id=i, n_points=8, families=fams))
     config = dict(calibration=C.calibration_defaults(), rho=dict(adaptive=1, inv=1, mix=1),

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.hessian import RiemannianHessian, riemannian_hessian, top_eigenvalues, trace
-from quotient_manifolds.adapters.solver import QuotientComponent
+from quotient_manifolds.adapters.components import QuotientComponent
 from quotient_manifolds.core.groups import RotaryGroup
 from conftest import reparametrised_copy
 

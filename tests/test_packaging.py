@@ -74,3 +74,41 @@ def test_library_code_imports_nothing_by_the_old_top_level_names():
                  if "_build" not in path.parts and "auto_tutorials" not in path.parts
                  and pattern.search(path.read_text())]
     assert not offenders, offenders
+
+
+#: The extension API's names that the adapters namespace served at its top level in 0.1.0, a version
+#: that was never published: each lives in its submodule only.
+FORMER_TOP_LEVEL = ("Detection", "Family", "Match", "register_family", "unregister_family", "FactorPiece", "GLBlock",
+                    "Unsupported", "BlockCheck", "default_tolerance", "primary_output", "build_ball", "auto_pgd",
+                    "average_case", "apgd_checkpoints", "APGDResult", "ProductBall", "QuotientComponent",
+                    "ElementwiseComponent", "lora_quotient_points", "LoRAQuotientPoint", "init_momentum_buffers",
+                    "elementwise_rhess")
+
+
+def test_one_import_path_per_name_and_no_compatibility_layer():
+    """No compatibility layer for a version that was never released: the former top-level names
+    of the extension API and the ``adapters.verified`` shim are gone, nothing in the adapters
+    warns of a deprecation, and no module of the adapters serves a name it imports (its
+    ``__all__`` lists what it defines; no re-export marked ``noqa: F401``). The package
+    namespaces (``quotient_manifolds.adapters``, ``adapters.families``) serve what a user calls."""
+    import importlib.util
+
+    from conftest import top_level_names
+    from quotient_manifolds import adapters
+
+    for name in FORMER_TOP_LEVEL:
+        assert not hasattr(adapters, name), f"adapters.{name} is served again"
+        with pytest.raises(AttributeError, match=name):
+            getattr(adapters, name)
+    assert importlib.util.find_spec("quotient_manifolds.adapters.verified") is None
+    serving = []
+    for path in sorted((ROOT / "adapters").rglob("*.py")):
+        text = path.read_text()
+        assert "DeprecationWarning" not in text and "_MOVED" not in text, path
+        if path.name == "__init__.py":
+            continue
+        defined, listed = top_level_names(text)
+        serving += [f"{path.relative_to(ROOT)}: {name}" for name in (listed or ()) if name not in defined]
+        serving += [f"{path.relative_to(ROOT)}: {line.strip()}" for line in text.splitlines()
+                    if "noqa" in line and "F401" in line and line.lstrip().startswith(("from ", "import "))]
+    assert not serving, serving

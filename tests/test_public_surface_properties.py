@@ -222,7 +222,7 @@ def test_lora_quotient_parameters(name, bad):
         _names(err, name)
         _same(LORA, before)
         return
-    # accepted (e.g. eps=2.5): the call re-points the model, by design; undo it for the next example
+    # accepted (e.g. gram_eps=2.5): the call re-points the model, by design; undo it for the next example
     assert all(torch.isfinite(p).all() for g in groups for p in g["params"])
     adapters.merge_back(LORA)
     now = LORA.state_dict()

@@ -13,8 +13,10 @@ import torch
 import torch.nn as nn
 
 from quotient_manifolds import adapters
-from quotient_manifolds.adapters.worst_case import GEOMETRIES, sharpness
-from quotient_manifolds.adapters.solver import ProductBall, QuotientComponent, auto_pgd
+from quotient_manifolds.adapters.ball import GEOMETRIES
+from quotient_manifolds.adapters.components import ProductBall, QuotientComponent
+from quotient_manifolds.adapters.solver import auto_pgd
+from quotient_manifolds.adapters.worst_case import sharpness
 from quotient_manifolds.core import RescalingGeometry, sharpness_mix_orthonormal
 from conftest import reparametrised_copy
 
@@ -360,7 +362,7 @@ def test_tiny_and_zero_weights_are_kept_fixed():
 def test_elementwise_second_order_point_is_the_exact_geodesic_to_second_order():
     """w + ξ + ξ²/(2w) vs the exact geodesic w·exp(ξ/w) of the metric Σ ξ²/w² (spec §10): the error
     shrinks like t³."""
-    from quotient_manifolds.adapters.solver import ElementwiseComponent
+    from quotient_manifolds.adapters.elementwise import ElementwiseComponent
 
     w = torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64)
     xi = torch.tensor([0.3, 0.7, -1.1], dtype=torch.float64)

@@ -15,9 +15,12 @@ import torch
 import torch.nn as nn
 
 from quotient_manifolds import adapters
-from quotient_manifolds.adapters.worst_case import GEOMETRIES, next_token_loss, sharpness
-from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall, auto_pgd
-from quotient_manifolds.adapters.components import StreamedPoint
+from quotient_manifolds.adapters.ball import GEOMETRIES
+from quotient_manifolds.adapters.components import ProductBall
+from quotient_manifolds.adapters.elementwise import ElementwiseComponent, StreamedPoint
+from quotient_manifolds.adapters.losses import next_token_loss
+from quotient_manifolds.adapters.solver import auto_pgd
+from quotient_manifolds.adapters.worst_case import sharpness
 from quotient_manifolds._runtime import FrameCache, bounded_threads
 
 transformers = pytest.importorskip("transformers")
@@ -448,7 +451,7 @@ def test_retraction_check_takes_few_steps_where_they_agree(monkeypatch, geometry
 def _toy_ball(dtype=torch.float64):
     """A GL(2) quotient (3 heads) and an elementwise part with a zero, a tiny and a masked-out
     weight, and a non-convex loss (restarts happen)."""
-    from quotient_manifolds.adapters.solver import QuotientComponent
+    from quotient_manifolds.adapters.components import QuotientComponent
     from quotient_manifolds.core import GLQuotientGeometry
 
     gen = torch.Generator().manual_seed(0)
@@ -605,7 +608,7 @@ def test_quotient_gradient_in_closed_form_equals_autograd_through_the_retraction
     product is formed) equals autograd through the retraction then the metric's Riemannian
     gradient: g, ‖g‖² and ⟨g, ξ⟩; also when ξ is handed back as another view of the same values
     (a sharded component's), and Gram products of a ξ changed since its point are not reused."""
-    from quotient_manifolds.adapters.solver import QuotientComponent
+    from quotient_manifolds.adapters.components import QuotientComponent
     from quotient_manifolds.core import GLQuotientGeometry
     from quotient_manifolds.core.gl import second_order_riemannian_gradient
 
@@ -646,7 +649,7 @@ def test_next_retraction_takes_the_gram_products_of_the_step(dtype):
     product), finish_step_ scales them with out, and the retraction along the new ξ takes them: the
     same point as recomputing them, to rounding. A ξ changed after finish_step_, or another
     tensor, recomputes them."""
-    from quotient_manifolds.adapters.solver import QuotientComponent
+    from quotient_manifolds.adapters.components import QuotientComponent
     from quotient_manifolds.core import GLQuotientGeometry
     from quotient_manifolds.core.gl import second_order_step
 
@@ -857,7 +860,7 @@ def test_sharpness_records_where_the_worst_perturbation_lives():
                                   layout=adapters.layout(model))
     torch.manual_seed(1)
     u = ball.project([torch.randn_like(z) for z in ball.zeros()])
-    from quotient_manifolds.adapters.solver import QuotientComponent
+    from quotient_manifolds.adapters.components import QuotientComponent
     parts = [(isinstance(c, QuotientComponent), float(c.inner(a, a)))
              for c, a in zip(ball.components, u)]
     want = sum(v for q, v in parts if q) / sum(v for _, v in parts)

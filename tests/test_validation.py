@@ -227,7 +227,7 @@ def test_geoopt_glquotient_refuses_nonfinite_and_unchecked_method_tangents():
     ({"rho": -0.1}, ValueError, "rho"), ({"rho": "0.1"}, ValueError, "rho"), ({}, TypeError, "rho="),
     ({"rho": 0.1, "seed": 1.5}, TypeError, "seed"), ({"rho": 0.1, "n_iters": 0}, ValueError, "n_iters"),
     ({"rho": 0.1, "geometry": "geodesic"}, ValueError, "geometry"),
-    ({"rho": 0.1, "n_itres": 3}, TypeError, "n_itres"), ({"rho": 0.1, "eps": -1.0}, ValueError, "eps"),
+    ({"rho": 0.1, "n_itres": 3}, TypeError, "n_itres"), ({"rho": 0.1, "gram_eps": -1.0}, ValueError, "gram_eps"),
     ({"rho": 0.1, "loss_fn": "ce"}, TypeError, "loss_fn"), ({"rho": 0.1, "progress": "no"}, TypeError,
                                                             "progress"),
 ])
@@ -248,8 +248,8 @@ def test_distributed_sharpness_checks_every_argument_before_any_collective(tiny_
 
 @pytest.mark.parametrize("kw,error,name", [
     ({"metric": "euclid"}, ValueError, "metric"), ({"retraction": 2}, ValueError, "retraction"),
-    ({"eps": -1e-6}, ValueError, "eps"), ({"eps": math.nan}, ValueError, "eps"),
-    ({"eps": "1e-6"}, TypeError, "eps"), ({"adapters": "default"}, TypeError, r"adapters=\['default'\]"),
+    ({"gram_eps": -1e-6}, ValueError, "gram_eps"), ({"gram_eps": math.nan}, ValueError, "gram_eps"),
+    ({"gram_eps": "1e-6"}, TypeError, "gram_eps"), ({"adapters": "default"}, TypeError, r"adapters=\['default'\]"),
     ({"adapters": []}, ValueError, "adapters"), ({"adapters": [1]}, TypeError, "adapters"),
     ({"adapters": ["default", "typo"]}, ValueError, r"\['typo'\].*\['default'\]"),
 ])

@@ -25,9 +25,11 @@ from hypothesis import strategies as st
 
 from quotient_manifolds import _validation
 from quotient_manifolds import adapters
+from quotient_manifolds.adapters.components import ProductBall
+from quotient_manifolds.adapters.elementwise import ElementwiseComponent
 from quotient_manifolds.adapters.detection import layout as detect_layout
-from quotient_manifolds.adapters.solver import ElementwiseComponent, ProductBall
-from quotient_manifolds.adapters.worst_case import default_loss
+from quotient_manifolds.adapters.losses import default_loss
+from quotient_manifolds.adapters.validation import ascent_found
 from quotient_manifolds.core.gl import GLQuotientGeometry
 from quotient_manifolds.core.rescaling import RescalingGeometry
 
@@ -70,21 +72,29 @@ def _same(model, before):
     assert flags == {n: m.training for n, m in model.named_modules()}
 
 
-# ------------------------------------------------------------------ one validation module
-def test_one_validation_module_serves_every_layer():
-    """The checks live in quotient_manifolds._validation; adapters.validation serves the same
-    objects under its old names, and the adapters' own helpers delegate to it."""
-    from quotient_manifolds.adapters import validation as old
-    from quotient_manifolds.adapters import worst_case
+# ------------------------------------------------------------------ two validation modules, one path per check
+def test_each_check_lives_in_one_module():
+    """The geometry's checks live in quotient_manifolds._validation (the core and the faces use
+    them), the adapters' in adapters.validation, which uses the former without serving its names:
+    every check is importable from one module only."""
+    from quotient_manifolds.adapters import validation
+    from quotient_manifolds.adapters.options import as_rho
 
-    for name in ("positive_finite", "non_negative_finite", "integer_at_least", "choice", "module",
-                 "batches", "flag", "names", "optional_callable", "optional_layout", "scalar_loss",
-                 "token_inputs", "materialised", "floating_tensor", "same_shape", "LAYOUT_CLASS",
-                 "positive_finite_sequence", "TOKEN_INPUTS"):
-        assert getattr(old, name) is getattr(_validation, name), name
-    assert worst_case.as_rho(np.float32(0.5)) == _validation.radius(np.float32(0.5)) == 0.5
+    def defined(module):
+        return {n for n, v in vars(module).items()
+                if callable(v) and getattr(v, "__module__", None) == module.__name__}
+
+    base, own = defined(_validation), defined(validation)
+    assert {"floating_tensor", "same_shape", "tangent", "flag", "integer_at_least", "size", "relaxation",
+            "group_element", "optional_generator"} <= base
+    assert {"positive_finite", "non_negative_finite", "choice", "module", "batches", "names",
+            "optional_callable", "optional_layout", "scalar_loss", "TokenInputs",
+            "materialised", "radius", "ascent_found", "class_targets", "layout_for_ball"} <= own
+    assert not (base & set(vars(validation))), "adapters.validation serves a check of the base package"
+    assert not (own & set(vars(_validation))), "the base package holds a check of the adapters"
+    assert as_rho(np.float32(0.5)) == validation.radius(np.float32(0.5)) == 0.5
     with pytest.raises(ValueError, match="rho must be a finite number > 0"):
-        worst_case.as_rho(math.nan)
+        as_rho(math.nan)
 
 
 # ------------------------------------------------------------------ the core: tangents and dtypes
@@ -359,7 +369,7 @@ def test_a_run_that_finds_no_rise_says_why(init, history, rho):
     run = _Run(init, history)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _validation.ascent_found(run, rho)
+        ascent_found(run, rho)
     said = [str(w.message) for w in caught]
     if run.worst_loss > init:
         assert not said

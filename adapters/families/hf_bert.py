@@ -13,7 +13,8 @@ from typing import Optional
 from torch import nn
 
 from ._base import Context, Family, Match
-from .structure import children_by_role, join_path, linear_children, plain_attention_match, projection
+from .qkvo import plain_attention_match
+from .structure import children_by_role, join_path, linear_children, projection
 
 
 class HFBertSelfAttention(Family):

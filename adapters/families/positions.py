@@ -1,21 +1,18 @@
-r"""Position terms that keep a GL symmetry of Q/K, and norms on the model-width stream (the part of
-the structural screen of :mod:`~quotient_manifolds.adapters.families.structure` that reads positions):
-:func:`position_terms`, :func:`stream_norms`, :func:`forward_args`."""
+r"""Position terms that keep a GL symmetry of Q/K (the part of the structural screen of
+:mod:`~quotient_manifolds.adapters.families.structure` that reads positions): :func:`position_terms`."""
 
 from __future__ import annotations
 
-import inspect
-import re
 from dataclasses import dataclass, field
+import re
 from typing import List, Mapping, Optional, Tuple
 
 from torch import nn
 
-from .structure import _NORM_OR_GATE_NAME, Projection, linear_children
+from .structure import Projection, forward_args, linear_children
 
 __all__ = ["SCORE_BIAS_ARGS", "SCORE_BIAS_FLAGS", "POSITION_PAIR_HINTS", "DISENTANGLED_TERMS", "DISENTANGLED_ARGS",
-           "SINK_NAME", "PositionTerms", "stream_norms", "attention_sinks", "sink_note", "forward_args",
-           "position_terms"]
+           "SINK_NAME", "PositionTerms", "attention_sinks", "sink_note", "position_terms"]
 
 
 
@@ -42,33 +39,9 @@ DISENTANGLED_TERMS: Mapping[str, str] = {"c2p": "k", "p2c": "q"}
 #: ``forward`` inputs of a disentangled attention that carry the positions of its terms
 DISENTANGLED_ARGS: Tuple[str, ...] = ("relative_pos", "rel_embeddings")
 
-_NORM_CLASS = re.compile(r"norm", re.I)
-
 #: Names of attention-sink parameters: one learned logit per head appended to each row of scores
 #: before the softmax and dropped after it (GPT-OSS, GraniteSWA, MiMo-V2 ... call it ``sinks``)
 SINK_NAME = re.compile(r"(^|_)sinks?$", re.I)
-
-
-def stream_norms(mod: nn.Module, width: Optional[int]) -> Tuple[List[str], set]:
-    """Norm submodules of ``mod`` on the model-width stream and the ids of their parameters.
-
-    A norm whose parameters are all vectors of the model width (``width``) and whose name is not a
-    q/k norm's acts on the module's input or on its output projection's output (ALBERT keeps the
-    residual ``LayerNorm`` inside its attention module), never on one head's q, k or v: per-head
-    actions on Q/K and V/O leave its input, hence its output, unchanged.  A norm on the concatenated
-    heads before the output projection would look the same when ``width = num_heads * head_dim``:
-    verification (``Layout.verify``) is what rules that out."""
-    if width is None:
-        return [], set()
-    names, ids = [], set()
-    for name, sub in mod.named_modules():
-        params = list(sub.parameters(recurse=False))
-        if (name and params and _NORM_CLASS.search(type(sub).__name__)
-                and not _NORM_OR_GATE_NAME.search(name.rsplit(".", 1)[-1])
-                and all(p.dim() == 1 and p.shape[0] == width for p in params)):
-            names.append(name)
-            ids |= {id(p) for p in params}
-    return names, ids
 
 
 def attention_sinks(mod: nn.Module, num_heads: Optional[int]) -> Tuple[List[str], set]:
@@ -115,14 +88,6 @@ class PositionTerms:
     known: set = field(default_factory=set)
     modelled: List[str] = field(default_factory=list)
     reject: str = ""
-
-
-def forward_args(mod: nn.Module) -> set:
-    """Names of the parameters of ``mod.forward`` (empty when its signature cannot be read)."""
-    try:
-        return set(inspect.signature(mod.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def position_terms(path: str, mod: nn.Module, num_heads: Optional[int], width: Optional[int]) -> PositionTerms:

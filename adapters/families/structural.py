@@ -54,8 +54,9 @@ from torch import nn
 from quotient_manifolds.core.groups import FULL_GL, Group
 
 from ._base import Context, Family, Match
-from .structure import (ROLE_NAMES, Heads, Projection, add_block, attention_sinks, forward_args, in_projection_pieces,
-                        int_attr, linear_children, out_projection_pieces, position_terms, screen_module, sink_note)
+from .positions import attention_sinks, position_terms, sink_note
+from .structure import (ROLE_NAMES, Heads, Projection, add_block, forward_args, in_projection_pieces, int_attr,
+                        linear_children, out_projection_pieces, screen_module)
 from .hf_rotary import QK_NORM_NAMES, config_rotary_dim, rotary_group
 from .qk_norm import normalised_rotary_group, probe_weightless_norm
 from .rotary_probe import probe_rotary

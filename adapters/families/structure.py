@@ -10,7 +10,8 @@
   :func:`out_projection_pieces`, :func:`make_block` and :func:`add_block` build other blocks
   (LoRA pairs);
 * the screen for position encodings and extra parameters (:func:`screen_module`,
-  :func:`position_terms`, :func:`stream_norms`, :func:`forward_args`)."""
+  :func:`stream_norms`, :func:`forward_args`; the position terms that keep GL are read by
+  :func:`~quotient_manifolds.adapters.families.positions.position_terms`)."""
 
 from __future__ import annotations
 
@@ -328,10 +329,10 @@ def attention_blocks(ctx: Context, match: Match, *, q: ProjectionLike, k: Projec
     is its value slice, ``H`` stacks its output-projection slices.  ``qk_group`` is the group of the
     Q/K block (the rotary commutant for RoPE); V/O always has the full GL(head_dim).
     ``q_pairs`` / ``k_pairs``: positional projections split into heads like q / k whose scores pair
-    them with the other side (:func:`position_terms`): their slices are stacked under ``G`` / ``H``
-    of the Q/K block, so the same per-head ``A`` acts on them.  A block whose projections carry LoRA
-    adapters is left out (with a note): acting on frozen base weights is no symmetry once a low-rank
-    delta is added to them.
+    them with the other side (:func:`~.positions.position_terms`): their slices are stacked under
+    ``G`` / ``H`` of the Q/K block, so the same per-head ``A`` acts on them.  A block whose
+    projections carry LoRA adapters is left out (with a note): acting on frozen base weights is no
+    symmetry once a low-rank delta is added to them.
     """
     n_kv = num_kv_heads or num_heads
     if num_heads % n_kv:
@@ -377,6 +378,39 @@ class Screen:
     qk: List[str] = field(default_factory=list)
 
 
+_NORM_CLASS = re.compile(r"norm", re.I)
+
+
+def stream_norms(mod: nn.Module, width: Optional[int]) -> Tuple[List[str], set]:
+    """Norm submodules of ``mod`` on the model-width stream and the ids of their parameters.
+
+    A norm whose parameters are all vectors of the model width (``width``) and whose name is not a
+    q/k norm's acts on the module's input or on its output projection's output (ALBERT keeps the
+    residual ``LayerNorm`` inside its attention module), never on one head's q, k or v: per-head
+    actions on Q/K and V/O leave its input, hence its output, unchanged.  A norm on the concatenated
+    heads before the output projection would look the same when ``width = num_heads * head_dim``:
+    verification (``Layout.verify``) is what rules that out."""
+    if width is None:
+        return [], set()
+    names, ids = [], set()
+    for name, sub in mod.named_modules():
+        params = list(sub.parameters(recurse=False))
+        if (name and params and _NORM_CLASS.search(type(sub).__name__)
+                and not _NORM_OR_GATE_NAME.search(name.rsplit(".", 1)[-1])
+                and all(p.dim() == 1 and p.shape[0] == width for p in params)):
+            names.append(name)
+            ids |= {id(p) for p in params}
+    return names, ids
+
+
+def forward_args(mod: nn.Module) -> set:
+    """Names of the parameters of ``mod.forward`` (empty when its signature cannot be read)."""
+    try:
+        return set(inspect.signature(mod.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _shown(names: Sequence[str]) -> str:
     return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
 
@@ -387,9 +421,9 @@ def screen_module(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Se
     ``known``: submodule names whose role is understood (e.g. QK norms handled by the family);
     ``positions=False`` skips the position-encoding checks (families that model them);
     ``modelled``: submodule and ``forward`` argument names of position terms the family models
-    (:func:`position_terms`): left out of the position checks, and the source scan's position words
-    (which cannot be attributed to one term) are not used; ``stream_width``: the model width, whose
-    norms (:func:`stream_norms`) are not extra parameters."""
+    (:func:`~.positions.position_terms`): left out of the position checks, and the source scan's
+    position words (which cannot be attributed to one term) are not used; ``stream_width``: the
+    model width, whose norms (:func:`stream_norms`) are not extra parameters."""
     out = Screen()
     core_ids = core_ids | stream_norms(mod, stream_width)[1]
     extra = [n for n, p in mod.named_parameters() if id(p) not in core_ids]
@@ -433,57 +467,3 @@ def screen_module(mod: nn.Module, core_ids: set, *, source_scan: bool, known: Se
         if hits:
             out.qk.append(f"forward() source mentions {', '.join(hits)}: cannot prove the GL symmetry of Q/K")
     return out
-
-
-def _head_shapes(mod: nn.Module, lq: Projection, lk: Projection, lv: Projection,
-                 lo: Projection) -> Tuple[Optional[int], Optional[int], List[str]]:
-    """Head count, head dim and structural reasons against per-head GL blocks of a plain module."""
-    reasons: List[str] = []
-    nh = num_heads_of(mod)
-    if nh is None:
-        return None, None, [f"no head-count attribute ({', '.join(HEADS_ATTRS[:3])}, ...): declare the blocks"]
-    h = int_attr(mod, HEAD_DIM_ATTRS)
-    if h is None:
-        if lq.out_features % nh:
-            return nh, None, [f"q has {lq.out_features} features, not divisible by {nh} heads"]
-        h = lq.out_features // nh
-    if lq.out_features != nh * h:
-        reasons.append(f"q has {lq.out_features} features, expected num_heads*head_dim = {nh}*{h}")
-    if lk.out_features != lq.out_features or lv.out_features != lq.out_features:
-        reasons.append(f"k/v have {lk.out_features}/{lv.out_features} features vs {lq.out_features} for q "
-                       "(grouped-query / multi-query attention of an unverified class: which query heads "
-                       "share a key/value head is implementation-specific; declare the blocks with "
-                       "declare_block(..., num_kv_heads=...))")
-    elif lo.in_features != lv.out_features:
-        reasons.append(f"output projection takes {lo.in_features} features, v gives {lv.out_features}")
-    return nh, h, reasons
-
-
-def plain_attention_match(ctx: Context, match: Match, mod: nn.Module, q: Projection, k: Projection,
-                          v: Projection, o: Projection, core: set) -> Match:
-    """Blocks of a module with plain q/k/v/o projections (``qkvo`` and ``hf-bert``): the whole module
-    is unsupported on structural problems; only its Q/K half when the screen sees position
-    encodings that :func:`position_terms` does not model (V/O is kept, and checked by
-    ``Layout.verify`` like every block).  Norms on the model-width stream (:func:`stream_norms`) and
-    the parameters of modelled position terms are not extra parameters."""
-    nh, h, shape_reasons = _head_shapes(mod, q, k, v, o)
-    terms = position_terms(q.path.rpartition(".")[0], mod, nh, None if nh is None or h is None else nh * h)
-    sinks, sink_ids = attention_sinks(mod, nh)
-    screen = screen_module(mod, core | terms.known | sink_ids, source_scan=not _verified_hf(mod),
-                           modelled=terms.modelled, stream_width=o.out_features)
-    whole = screen.module + shape_reasons
-    if whole:
-        return match.reject("; ".join(whole + screen.qk + ([terms.reject] if terms.reject else [])))
-    qk_reasons = screen.qk + ([terms.reject] if terms.reject else [])
-    if qk_reasons:
-        match.reject("; ".join(qk_reasons), part="qk")
-    attention_blocks(ctx, match, q=q, k=k, v=v, o=o, num_heads=nh, head_dim=h, qk=not qk_reasons,
-                     qk_source=sink_note(terms.source, sinks), vo_source=sink_note("", sinks),
-                     q_pairs=terms.q_pairs, k_pairs=terms.k_pairs)
-    return match
-
-
-# the position terms live in their own module (served here too, for the families that import them)
-from .positions import (  # noqa: E402,F401
-    DISENTANGLED_ARGS, DISENTANGLED_TERMS, POSITION_PAIR_HINTS, SCORE_BIAS_ARGS, SCORE_BIAS_FLAGS, SINK_NAME,
-    PositionTerms, attention_sinks, forward_args, position_terms, sink_note, stream_norms)
