@@ -139,7 +139,8 @@ class GeodesicSAMTrainer(transformers.Trainer):
         ∇L(w) (forward + backward),  w ← w_adv = R_w(ρ g/‖g‖)  (first_step),
         ∇L(w_adv) (forward + backward),  w restored, base step with ∇L(w_adv)  (second_step).
 
-    The logged loss is L(w). The ascent step is invariant under the per-head GL reparametrisations
+    The logged loss is L(w); :attr:`perturbed_loss` holds the last step's L(w_adv) (a detached
+    tensor: the SAM objective). The ascent step is invariant under the per-head GL reparametrisations
     of the attention blocks (:class:`~quotient_manifolds.adapters.GeodesicSAM`); gradient clipping
     (``max_grad_norm``) clips ∇L(w_adv), and the learning-rate schedule drives the base optimizer.
     Checkpoints hold the base optimizer's state (``GeodesicSAM.state_dict``), so ``train(
@@ -181,6 +182,8 @@ class GeodesicSAMTrainer(transformers.Trainer):
             raise TypeError(f"sam_options must be a dict of GeodesicSAM keywords, got {sam_options!r}")
         self.sam_rho, self.sam_geometry = sam_rho, sam_geometry
         self.sam_options = dict(sam_options or {})
+        #: the loss at the perturbed weights w_adv of the last training step (``None`` before it)
+        self.perturbed_loss: Optional[torch.Tensor] = None
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         """The Trainer's optimizer, wrapped in :class:`~quotient_manifolds.adapters.GeodesicSAM` (once)."""
@@ -202,7 +205,7 @@ class GeodesicSAMTrainer(transformers.Trainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         sam.first_step(zero_grad=True)
         try:
-            super().training_step(model, inputs, num_items_in_batch)
+            self.perturbed_loss = super().training_step(model, inputs, num_items_in_batch)
         except BaseException:
             sam._restore()   # the weights back at w before the error leaves
             raise

@@ -180,3 +180,48 @@ def test_errors_say_what_to_do(tmp_path):
     other.add_callback(SharpnessCallback(trainer, held_batches(), every_n_steps=1, rho=0.1))
     with pytest.raises(RuntimeError, match="another Trainer"):
         other.train()
+
+
+def _sam_trainer(tmp_path, model, geometry, **kw):
+    args = training_args(tmp_path, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", **kw)
+    return GeodesicSAMTrainer(model=model, args=args, train_dataset=examples(32, 0), sam_rho=0.1,
+                              sam_geometry=geometry)
+
+
+def test_geodesic_sam_trainer_lowers_the_loss_in_one_epoch(tmp_path):
+    model = tiny_model(dropout=0.0)
+    held = held_batches()
+    with torch.no_grad():
+        before = sum(float(model(**b).loss) for b in held)
+    trainer = _sam_trainer(tmp_path, model, "geodesic-mix", max_steps=-1, num_train_epochs=1)
+    trainer.train()
+    model.eval()
+    with torch.no_grad():
+        after = sum(float(model(**b).loss) for b in held)
+    assert trainer.state.global_step == 8 and isinstance(trainer.optimizer.optimizer, adapters.GeodesicSAM)
+    assert after < before
+    assert float(trainer.perturbed_loss) > 0
+
+
+def test_geodesic_sam_trainer_perturbs_the_same_function_from_every_representative(tmp_path):
+    from conftest import reparametrised_copy
+
+    model = tiny_model(dropout=0.0).eval()
+    twin = reparametrised_copy(model, scale=1.0, cond=10.0, seed=1)
+    batch = held_batches()[0]
+    with torch.no_grad():                            # the same function, another representative
+        assert torch.allclose(model(**batch).logits, twin(**batch).logits, atol=1e-10)
+    losses = {}
+    for geometry in ("geodesic-mix", "sam"):
+        for name, m in (("model", model), ("twin", twin)):
+            trainer = _sam_trainer(tmp_path / f"{geometry}-{name}", copy.deepcopy(m), geometry, max_steps=1)
+            trainer.train()
+            losses[geometry, name] = float(trainer.perturbed_loss)
+    # L(w_adv) of the first step: invariant for geodesic SAM, not for plain SAM
+    assert abs(losses["geodesic-mix", "model"] - losses["geodesic-mix", "twin"]) < 1e-10
+    assert abs(losses["sam", "model"] - losses["sam", "twin"]) > 1e-4
+
+
+def test_geodesic_sam_trainer_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
+        _sam_trainer(tmp_path, tiny_model(), "geodesic-mix", gradient_accumulation_steps=2)
