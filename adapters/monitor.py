@@ -102,7 +102,7 @@ class SharpnessMonitor:
     target_loss_rise: calibrate ρ per geometry at the first measurement so that the worst-case loss
         rise equals this many nats (:func:`~quotient_manifolds.adapters.calibrate_rho`), then keep it.
     sharpness_options: the options of :func:`~quotient_manifolds.adapters.sharpness` (``n_iters``,
-        ``loss_fn``, ``retraction`` …; not ``geometry``, ``measure`` or ``progress``), used for the
+        ``loss_fn``, ``retraction``, ``progress`` …; not ``geometry`` or ``measure``), used for the
         calibration and every measurement.
 
     Attributes
@@ -138,7 +138,7 @@ class SharpnessMonitor:
         self.geometries = tuple(geometry_of(g).name for g in check.names("geometries", geometries))
         if len(set(self.geometries)) != len(self.geometries):
             raise ValueError(f"geometries names one geometry twice: {list(self.geometries)}")
-        for reserved in ("geometry", "measure", "rho", "progress"):
+        for reserved in ("geometry", "measure", "rho"):
             if reserved in sharpness_options:
                 raise TypeError(f"{reserved}= is set by the monitor (geometries=, rho= / "
                                 f"target_loss_rise=), not a sharpness option to pass it")

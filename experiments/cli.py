@@ -262,7 +262,53 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vision/text: a second pass's DIR to merge (repeatable)")
     p.add_argument("--target", choices=("gap", "gap_own", "test_error", "test_loss"), default=None,
                    metavar="T", help="vision/text: gap, gap_own, test_error or test_loss")
+    _add_sharpness(sub)
     return parser
+
+
+def _add_sharpness(sub) -> None:
+    """``sharpness CHECKPOINT_DIR``: a saved Hugging Face model measured on a local data file (the
+    work is adapters.checkpoint.checkpoint_sharpness)."""
+    from quotient_manifolds.adapters.ball import GEOMETRIES
+
+    p = sub.add_parser(
+        "sharpness", formatter_class=_Formatter, usage="%(prog)s CHECKPOINT_DIR --data FILE (--rho R | "
+        "--target-loss-rise T) [options]",
+        help="a saved Hugging Face checkpoint's sharpness on a data file",
+        description="Worst-case sharpness (geodesic-inv and adaptive by default) of a model\n"
+                    "saved with save_pretrained (sequence classification or causal LM; loaded\n"
+                    "locally, never from the hub) on the first --batches x --batch-size rows of\n"
+                    "a .jsonl/.csv file (a text and, for a classifier, a label column) or of a\n"
+                    "datasets save_to_disk directory. Prints a table; the JSON result goes to\n"
+                    "stdout (the table then to stderr), or to --out.\n"
+                    "Example: quotient-manifolds sharpness runs/checkpoint-500 --data val.jsonl\n"
+                    "         --target-loss-rise 0.1")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="directory written by save_pretrained")
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help=".jsonl or .csv file, or a datasets save_to_disk directory")
+    radius = p.add_mutually_exclusive_group(required=True)
+    radius.add_argument("--rho", type=positive_float, default=None, help="the radius of the ball")
+    radius.add_argument("--target-loss-rise", type=positive_float, default=None, metavar="NATS",
+                        help="calibrate rho per geometry to this worst-case loss rise")
+    p.add_argument("--geometry", action="append", choices=GEOMETRIES, default=None, metavar="G",
+                   help=f"repeatable: {', '.join(GEOMETRIES)} (default: geodesic-inv and adaptive)")
+    p.add_argument("--text-column", default="text", metavar="COL", help="column of the texts")
+    p.add_argument("--label-column", default="label", metavar="COL", help="column of the labels (classifiers)")
+    p.add_argument("--task", choices=("sequence-classification", "causal-lm"), default=None,
+                   metavar="TASK", help="sequence-classification or causal-lm (default: from the "
+                                        "checkpoint's architectures)")
+    p.add_argument("--batches", type=positive_int, default=4, help="batches measured")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="rows per batch")
+    p.add_argument("--max-length", type=positive_int, default=128, help="tokens per row, at most")
+    p.add_argument("--n-iters", type=positive_int, default=20, help="Auto-PGD iterations")
+    p.add_argument("--device", default="cpu", help="e.g. cpu, cuda, cuda:1")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
+                   metavar="DTYPE", help="float32, float64, bfloat16 or float16 (default: the "
+                                         "checkpoint's)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None, help="default: CHECKPOINT_DIR")
+    p.add_argument("--split", default=None, help="split of a DatasetDict directory")
+    p.add_argument("--out", metavar="FILE", default=None, help="write the JSON here, not to stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_demo(sub) -> None:
@@ -336,7 +382,33 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"prepare-data": cmd_prepare, "report": cmd_report, "demo": cmd_demo}
+def cmd_sharpness(args) -> int:
+    import json
+
+    from quotient_manifolds.adapters.checkpoint import CheckpointError, checkpoint_sharpness
+    try:
+        result = checkpoint_sharpness(
+            args.checkpoint, args.data, geometries=args.geometry or ("geodesic-inv", "adaptive"),
+            rho=args.rho, target_loss_rise=args.target_loss_rise, text_column=args.text_column,
+            label_column=args.label_column, batches=args.batches, batch_size=args.batch_size,
+            max_length=args.max_length, task=args.task, tokenizer=args.tokenizer, split=args.split,
+            device=args.device, dtype=args.dtype, n_iters=args.n_iters, progress=not args.no_progress,
+            log=lambda line: print(line, file=sys.stderr, flush=True))
+    except CheckpointError as err:
+        raise ExperimentError(str(err)) from None
+    text = json.dumps(result.as_dict(), indent=2)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+        print(result.table(), flush=True)
+        log_line(f"result: {args.out}")
+    else:       # stdout holds only the JSON (pipeable); the table goes to stderr
+        print(result.table(), file=sys.stderr, flush=True)
+        print(text, flush=True)
+    return 0
+
+
+COMMANDS = {"prepare-data": cmd_prepare, "report": cmd_report, "demo": cmd_demo, "sharpness": cmd_sharpness}
 
 
 def _single_threaded_blas() -> None:
