@@ -4,7 +4,7 @@ sharpness posed as Riemannian maximisation over a geodesic ball (``sharpness``),
 calibrated (``calibrate_rho``), over many processes (``distributed_sharpness``), as a Hessian
 (``riemannian_hessian``, needs curvlinops), as an optimizer (``GeodesicSAM``) and for LoRA training;
 tracked during training (``SharpnessMonitor``; in the Hugging Face Trainer ``SharpnessCallback`` and
-``GeodesicSAMTrainer``, needs transformers) and measured on a saved checkpoint
+``GeodesicSAMTrainer``, needs transformers; in Lightning ``LightningSharpnessCallback``) and measured on a saved checkpoint
 (``checkpoint_sharpness``).
 
 This namespace holds what a user calls. The extension API lives in the submodules: model families
@@ -52,6 +52,10 @@ if _find_spec("curvlinops") is not None:
 _LAZY.update({name: "integrations" for name in ("SharpnessCallback", "GeodesicSAMTrainer")})
 if _find_spec("transformers") is not None:
     __all__ += ["SharpnessCallback", "GeodesicSAMTrainer"]
+#: the Lightning callback (adapters.lightning) needs lightning (the lightning extra)
+_LAZY["LightningSharpnessCallback"] = "lightning"
+if _find_spec("lightning") is not None:
+    __all__ += ["LightningSharpnessCallback"]
 
 #: The extension API's former top-level names (0.x), by the submodule that defines them: served
 #: with a DeprecationWarning, to be removed in the next minor release.
