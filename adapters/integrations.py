@@ -47,8 +47,11 @@ class SharpnessCallback(transformers.TrainerCallback):
     ----------
     trainer: the ``transformers.Trainer`` it is added to (the callback logs through it); add it
         with ``trainer.add_callback(callback)``.
-    batches: the held batches, e.g. ``list(itertools.islice(trainer.get_eval_dataloader(), 4))``
-        (dict batches with ``labels``: the model's own loss) or ``(inputs, targets)`` pairs.
+    batches: the held batches: dict batches with ``labels`` (the model's own loss), e.g.
+        ``[trainer.data_collator(rows[i:i + 16]) for i in range(0, 64, 16)]``, or
+        ``(inputs, targets)`` pairs. Build them with the collator rather than by iterating a
+        ``DataLoader``: starting a DataLoader's iterator draws from torch's generator, which
+        changes the training run that follows.
     geometries: default ``("geodesic-inv", "adaptive")``.
     every_n_steps: measure after every n-th optimizer step (``state.global_step % n == 0``);
         ``None``: not by steps.
@@ -66,7 +69,7 @@ class SharpnessCallback(transformers.TrainerCallback):
     Example::
 
         trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val)
-        held = list(itertools.islice(trainer.get_eval_dataloader(), 4))
+        held = [trainer.data_collator([val[j] for j in range(i, i + 16)]) for i in range(0, 64, 16)]
         trainer.add_callback(SharpnessCallback(trainer, held, every_n_steps=50,
                                                target_loss_rise=0.1, n_iters=10))
         trainer.train()      # TensorBoard/W&B/CSV get sharpness/geodesic-inv, sharpness/adaptive, ...

@@ -77,7 +77,7 @@ def _trained_parameters(tmp_path, with_callback: bool):
                                    train_dataset=examples(16, 0))
     if with_callback:
         trainer.add_callback(SharpnessCallback(trainer, held_batches(), geometries=["geodesic-inv"],
-                                               every_n_steps=1, rho=0.05, n_iters=2))
+                                               every_n_steps=1, at_train_begin=True, rho=0.05, n_iters=2))
     trainer.train()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
