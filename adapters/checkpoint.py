@@ -110,6 +110,13 @@ def load_checkpoint(path: str, *, task: Optional[str] = None, tokenizer: Optiona
                               f"writes them")
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise CheckpointError(f"unknown device {device!r}: e.g. cpu, cuda, cuda:1") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(f"device {device} asked for, but torch sees no CUDA device here: use "
+                              f"--device cpu, or install the CUDA build of torch")
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     task = _task_of(config, task)
     auto = (transformers.AutoModelForSequenceClassification if task == "sequence-classification"

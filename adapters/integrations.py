@@ -27,8 +27,10 @@ import transformers
 from torch import nn
 
 from . import validation as check
+from .ball import geometry_of
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor
-from .sam import GeodesicSAM
+from .options import as_rho
+from .sam import SAM_GEOMETRIES, GeodesicSAM
 
 __all__ = ["SharpnessCallback", "GeodesicSAMTrainer"]
 
@@ -183,7 +185,9 @@ class GeodesicSAMTrainer(transformers.Trainer):
                              "unscale the gradients twice per step): use bf16=True")
         if sam_options is not None and not isinstance(sam_options, Mapping):
             raise TypeError(f"sam_options must be a dict of GeodesicSAM keywords, got {sam_options!r}")
-        self.sam_rho, self.sam_geometry = sam_rho, sam_geometry
+        # checked now, not when the Trainer builds the optimizer at train()
+        self.sam_rho = as_rho(sam_rho, "sam_rho")
+        self.sam_geometry = geometry_of(sam_geometry, SAM_GEOMETRIES, "sam_geometry").name
         self.sam_options = dict(sam_options or {})
         #: the loss at the perturbed weights w_adv of the last training step (``None`` before it)
         self.perturbed_loss: Optional[torch.Tensor] = None

@@ -25,7 +25,8 @@ gives bit-identical weights.
 **Many processes.** Under ``torch.distributed`` (e.g. DistributedDataParallel) with more than one
 rank, the held batches are spread over the ranks (:func:`~quotient_manifolds.adapters.distributed_sharpness`):
 every rank must call :meth:`SharpnessMonitor.measure` with the same held batches, and every rank
-returns the same numbers. A model sharded with FSDP2 (``fully_shard``) is measured by
+returns the same numbers. The calibration of ρ (once) runs on every rank on all the held batches,
+with the same result on each. A model sharded with FSDP2 (``fully_shard``) is measured by
 :func:`~quotient_manifolds.adapters.sharpness`'s sharded path, which runs collectives on every rank
 (each rank gets the value of all the held batches).
 """

@@ -122,6 +122,7 @@ def test_bad_inputs_give_one_line_errors(saved, capsys, tmp_path):
         ([saved["classifier"], "--data", saved["jsonl"], "--text-column", "sentence"], "has no column 'sentence'"),
         ([saved["classifier"], "--data", str(empty)], "is empty"),
         ([saved["classifier"], "--data", str(tmp_path / "missing.jsonl")], "does not exist"),
+        ([saved["classifier"], "--data", saved["jsonl"], "--device", "gpu0"], "unknown device"),
     ]
     for args, message in cases:
         code = main(["sharpness", *args, "--rho", "0.1", "--no-progress"])

@@ -225,3 +225,7 @@ def test_geodesic_sam_trainer_perturbs_the_same_function_from_every_representati
 def test_geodesic_sam_trainer_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
         _sam_trainer(tmp_path, tiny_model(), "geodesic-mix", gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="sam_geometry"):
+        _sam_trainer(tmp_path, tiny_model(), "geodesic")
+    with pytest.raises(ValueError, match="sam_rho"):
+        GeodesicSAMTrainer(model=tiny_model(), args=training_args(tmp_path), sam_rho=-1.0)
