@@ -272,17 +272,14 @@ def _add_sharpness(sub) -> None:
     from quotient_manifolds.adapters.ball import GEOMETRIES
 
     p = sub.add_parser(
-        "sharpness", formatter_class=_Formatter, usage="%(prog)s CHECKPOINT_DIR --data FILE (--rho R | "
-        "--target-loss-rise T) [options]",
+        "sharpness", formatter_class=_Formatter, usage="%(prog)s CHECKPOINT_DIR --data FILE [options]",
         help="a saved Hugging Face checkpoint's sharpness on a data file",
-        description="Worst-case sharpness (geodesic-inv and adaptive by default) of a model\n"
-                    "saved with save_pretrained (sequence classification or causal LM; loaded\n"
-                    "locally, never from the hub) on the first --batches x --batch-size rows of\n"
-                    "a .jsonl/.csv file (a text and, for a classifier, a label column) or of a\n"
-                    "datasets save_to_disk directory. Prints a table; the JSON result goes to\n"
-                    "stdout (the table then to stderr), or to --out.\n"
-                    "Example: quotient-manifolds sharpness runs/checkpoint-500 --data val.jsonl\n"
-                    "         --target-loss-rise 0.1")
+        description="Sharpness of a model saved with save_pretrained (classifier or causal LM,\n"
+                    "loaded locally) on the first --batches x --batch-size rows of a .jsonl/.csv\n"
+                    "file or a save_to_disk directory; a table, and the JSON on stdout or --out.\n"
+                    "Needs --rho or --target-loss-rise. E.g.: quotient-manifolds sharpness\n"
+                    "runs/checkpoint-500 --data val.jsonl --target-loss-rise 0.1\n"
+                    f"In full: section 'sharpness' of {DOCS_PAGE}.")
     p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="directory written by save_pretrained")
     p.add_argument("--data", required=True, metavar="FILE",
                    help=".jsonl or .csv file, or a datasets save_to_disk directory")
