@@ -9,8 +9,10 @@ the Trainer (``logger.log_metrics``: TensorBoard, CSV, W&B …; Lightning's logg
 only). Under DDP the held batches are spread over the ranks, as in the Hugging Face callback.
 
 Geodesic SAM needs two backward passes per update, so it runs with Lightning's manual optimization:
-return :class:`~quotient_manifolds.adapters.GeodesicSAM` from ``configure_optimizers`` and call
-``first_step`` / ``second_step`` around two ``manual_backward`` calls (the guide has the example).
+return :class:`~quotient_manifolds.adapters.GeodesicSAM` from ``configure_optimizers`` and step it
+with a closure (forward + ``manual_backward``) through ``self.optimizers().step(closure=...)``:
+GeodesicSAM calls it at w and at w_adv, and Lightning counts one optimizer step (the guide has the
+example).
 """
 
 from __future__ import annotations

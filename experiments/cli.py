@@ -270,6 +270,9 @@ def _add_sharpness(sub) -> None:
     """``sharpness CHECKPOINT_DIR``: a saved Hugging Face model measured on a local data file (the
     work is adapters.checkpoint.checkpoint_sharpness)."""
     from quotient_manifolds.adapters.ball import GEOMETRIES
+    from quotient_manifolds.adapters.checkpoint import DTYPES, TASKS
+    from quotient_manifolds.adapters.monitor import DEFAULT_GEOMETRIES
+    from quotient_manifolds.adapters.options import SharpnessOptions
 
     p = sub.add_parser(
         "sharpness", formatter_class=_Formatter, usage="%(prog)s CHECKPOINT_DIR --data FILE [options]",
@@ -288,20 +291,18 @@ def _add_sharpness(sub) -> None:
     radius.add_argument("--target-loss-rise", type=positive_float, default=None, metavar="NATS",
                         help="calibrate rho per geometry to this worst-case loss rise")
     p.add_argument("--geometry", action="append", choices=GEOMETRIES, default=None, metavar="G",
-                   help=f"repeatable: {', '.join(GEOMETRIES)} (default: geodesic-inv and adaptive)")
+                   help=f"repeatable: {', '.join(GEOMETRIES)} (default: {' and '.join(DEFAULT_GEOMETRIES)})")
     p.add_argument("--text-column", default="text", metavar="COL", help="column of the texts")
     p.add_argument("--label-column", default="label", metavar="COL", help="column of the labels (classifiers)")
-    p.add_argument("--task", choices=("sequence-classification", "causal-lm"), default=None,
-                   metavar="TASK", help="sequence-classification or causal-lm (default: from the "
-                                        "checkpoint's architectures)")
+    p.add_argument("--task", choices=TASKS, default=None, metavar="TASK",
+                   help=f"{' or '.join(TASKS)} (default: from the checkpoint's architectures)")
     p.add_argument("--batches", type=positive_int, default=4, help="batches measured")
     p.add_argument("--batch-size", type=positive_int, default=16, help="rows per batch")
     p.add_argument("--max-length", type=positive_int, default=128, help="tokens per row, at most")
-    p.add_argument("--n-iters", type=positive_int, default=20, help="Auto-PGD iterations")
+    p.add_argument("--n-iters", type=positive_int, default=SharpnessOptions.n_iters, help="Auto-PGD iterations")
     p.add_argument("--device", default="cpu", help="e.g. cpu, cuda, cuda:1")
-    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default=None,
-                   metavar="DTYPE", help="float32, float64, bfloat16 or float16 (default: the "
-                                         "checkpoint's)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, metavar="DTYPE",
+                   help=f"{', '.join(DTYPES)} (default: the checkpoint's)")
     p.add_argument("--tokenizer", metavar="DIR", default=None, help="default: CHECKPOINT_DIR")
     p.add_argument("--split", default=None, help="split of a DatasetDict directory")
     p.add_argument("--out", metavar="FILE", default=None, help="write the JSON here, not to stdout")
@@ -383,9 +384,10 @@ def cmd_sharpness(args) -> int:
     import json
 
     from quotient_manifolds.adapters.checkpoint import CheckpointError, checkpoint_sharpness
+    from quotient_manifolds.adapters.monitor import DEFAULT_GEOMETRIES
     try:
         result = checkpoint_sharpness(
-            args.checkpoint, args.data, geometries=args.geometry or ("geodesic-inv", "adaptive"),
+            args.checkpoint, args.data, geometries=args.geometry or DEFAULT_GEOMETRIES,
             rho=args.rho, target_loss_rise=args.target_loss_rise, text_column=args.text_column,
             label_column=args.label_column, batches=args.batches, batch_size=args.batch_size,
             max_length=args.max_length, task=args.task, tokenizer=args.tokenizer, split=args.split,
