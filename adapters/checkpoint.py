@@ -303,6 +303,8 @@ def checkpoint_sharpness(checkpoint: str, data: str, *, geometries: Sequence[str
     for name, value in (("batches", batches), ("batch_size", batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{name} must be an integer >= 1, got {value!r}")
+    # the geometries, radius and options refused before the model is loaded (the batch is a stand-in)
+    SharpnessMonitor([{}], geometries=geometries, rho=rho, target_loss_rise=target_loss_rise, **sharpness_options)
     say = log or (lambda line: None)
     model, tok, task = load_checkpoint(checkpoint, task=task, tokenizer=tokenizer, device=device, dtype=dtype)
     say(f"loaded {type(model).__name__} ({task}) from {checkpoint}")

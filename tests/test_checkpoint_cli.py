@@ -132,5 +132,7 @@ def test_bad_inputs_give_one_line_errors(saved, capsys, tmp_path):
     bad_label.write_text(json.dumps({"text": "good film", "label": 7}) + "\n")
     with pytest.raises(CheckpointError, match="outside the checkpoint's 2 classes"):
         checkpoint_sharpness(saved["classifier"], str(bad_label), rho=0.1)
+    with pytest.raises(TypeError, match="unexpected keyword"):       # before the model is loaded
+        checkpoint_sharpness(str(tmp_path), saved["jsonl"], rho=0.1, n_iter=3)
     with pytest.raises(SystemExit):     # --rho or --target-loss-rise is required (argparse)
         main(["sharpness", saved["classifier"], "--data", saved["jsonl"]])
