@@ -209,10 +209,12 @@ class GeodesicSAMTrainer(transformers.Trainer):
             raise RuntimeError("GeodesicSAMTrainer's optimizer is not a GeodesicSAM: "
                                "create_optimizer wraps the Trainer's (or the one given with "
                                "optimizers=); do not replace trainer.optimizer after it is built")
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        # transformers < 4.46 has no num_items_in_batch (and never passes it)
+        extra = () if num_items_in_batch is None else (num_items_in_batch,)
+        loss = super().training_step(model, inputs, *extra)
         sam.first_step(zero_grad=True)
         try:
-            self.perturbed_loss = super().training_step(model, inputs, num_items_in_batch)
+            self.perturbed_loss = super().training_step(model, inputs, *extra)
         except BaseException:
             sam._restore()   # the weights back at w before the error leaves
             raise
