@@ -2,7 +2,10 @@
 (``layout``, verified by ``Layout.verify`` and accepted by ``accept_layout``) and adaptive / geodesic
 sharpness posed as Riemannian maximisation over a geodesic ball (``sharpness``), with the radius
 calibrated (``calibrate_rho``), over many processes (``distributed_sharpness``), as a Hessian
-(``riemannian_hessian``, needs curvlinops), as an optimizer (``GeodesicSAM``) and for LoRA training.
+(``riemannian_hessian``, needs curvlinops), as an optimizer (``GeodesicSAM``) and for LoRA training;
+tracked during training (``SharpnessMonitor``; in the Hugging Face Trainer ``SharpnessCallback`` and
+``GeodesicSAMTrainer``, needs transformers; in Lightning ``LightningSharpnessCallback``) and measured on a saved checkpoint
+(``checkpoint_sharpness``).
 
 This namespace holds what a user calls. The extension API lives in the submodules: model families
 (``adapters.families``: ``Family``, ``register_family``), blocks (``adapters.blocks``: ``GLBlock``,
@@ -28,13 +31,16 @@ from .calibration import RhoCalibration, calibrate_rho
 from .distributed import distributed_sharpness
 from .lora_training import InvariantRiemannianSGD, lora_quotient_parameters, merge_back
 from .sam import SAM_GEOMETRIES, GeodesicSAM
+from .monitor import SharpnessMonitor
+from .checkpoint import CheckpointSharpness, checkpoint_sharpness
 from . import blocks, families, solver  # noqa: F401  (the extension API's modules, as attributes)
 
 __all__ = [
     "layout", "Layout", "detect", "declare_block", "accept_layout", "VerifyReport", "SymmetryError",
     "sharpness", "sharpness_sweep", "SharpnessResult", "GEOMETRIES", "MEASURES", "next_token_loss",
     "calibrate_rho", "RhoCalibration", "distributed_sharpness", "GeodesicSAM", "SAM_GEOMETRIES",
-    "InvariantRiemannianSGD", "lora_quotient_parameters", "merge_back",
+    "InvariantRiemannianSGD", "lora_quotient_parameters", "merge_back", "SharpnessMonitor",
+    "checkpoint_sharpness", "CheckpointSharpness",
 ]
 
 #: Names served by a module with an optional dependency, imported on first use (PEP 562) so that
@@ -42,6 +48,14 @@ __all__ = [
 _LAZY = {name: "hessian" for name in ("RiemannianHessian", "riemannian_hessian", "top_eigenvalues", "trace")}
 if _find_spec("curvlinops") is not None:
     __all__ += list(_LAZY)
+#: the Hugging Face Trainer integration (adapters.integrations) needs transformers (the hf extra)
+_LAZY.update({name: "integrations" for name in ("SharpnessCallback", "GeodesicSAMTrainer")})
+if _find_spec("transformers") is not None:
+    __all__ += ["SharpnessCallback", "GeodesicSAMTrainer"]
+#: the Lightning callback (adapters.lightning) needs lightning (the lightning extra)
+_LAZY["LightningSharpnessCallback"] = "lightning"
+if _find_spec("lightning") is not None:
+    __all__ += ["LightningSharpnessCallback"]
 
 
 def __getattr__(name: str):

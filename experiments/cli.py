@@ -268,7 +268,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--same-models", metavar="OTHER", default=None,
                    help="only join DIR and OTHER by model id and print whether they hold the same "
                         "models (hyperparameters, weights hashes, metrics); writes nothing")
+    _add_sharpness(sub)
     return parser
+
+
+def _add_sharpness(sub) -> None:
+    """``sharpness CHECKPOINT_DIR``: a saved Hugging Face model measured on a local data file (the
+    work is adapters.checkpoint.checkpoint_sharpness)."""
+    from quotient_manifolds.adapters.ball import GEOMETRIES
+    from quotient_manifolds.adapters.checkpoint import DTYPES, TASKS
+    from quotient_manifolds.adapters.monitor import DEFAULT_GEOMETRIES
+    from quotient_manifolds.adapters.options import SharpnessOptions
+
+    p = sub.add_parser(
+        "sharpness", formatter_class=_Formatter, usage="%(prog)s CHECKPOINT_DIR --data FILE [options]",
+        help="a saved Hugging Face checkpoint's sharpness on a data file",
+        description="Sharpness of a model saved with save_pretrained (classifier or causal LM,\n"
+                    "loaded locally) on the first --batches x --batch-size rows of a .jsonl/.csv\n"
+                    "file or a save_to_disk directory; a table, and the JSON on stdout or --out.\n"
+                    "Needs --rho or --target-loss-rise. E.g.: quotient-manifolds sharpness\n"
+                    "runs/checkpoint-500 --data val.jsonl --target-loss-rise 0.1\n"
+                    f"In full: section 'sharpness' of {DOCS_PAGE}.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="directory written by save_pretrained")
+    p.add_argument("--data", required=True, metavar="FILE",
+                   help=".jsonl or .csv file, or a datasets save_to_disk directory")
+    radius = p.add_mutually_exclusive_group(required=True)
+    radius.add_argument("--rho", type=positive_float, default=None, help="the radius of the ball")
+    radius.add_argument("--target-loss-rise", type=positive_float, default=None, metavar="NATS",
+                        help="calibrate rho per geometry to this worst-case loss rise")
+    p.add_argument("--geometry", action="append", choices=GEOMETRIES, default=None, metavar="G",
+                   help=f"repeatable: {', '.join(GEOMETRIES)} (default: {' and '.join(DEFAULT_GEOMETRIES)})")
+    p.add_argument("--text-column", default="text", metavar="COL", help="column of the texts")
+    p.add_argument("--label-column", default="label", metavar="COL", help="column of the labels (classifiers)")
+    p.add_argument("--task", choices=TASKS, default=None, metavar="TASK",
+                   help=f"{' or '.join(TASKS)} (default: from the checkpoint's architectures)")
+    p.add_argument("--batches", type=positive_int, default=4, help="batches measured")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="rows per batch")
+    p.add_argument("--max-length", type=positive_int, default=128, help="tokens per row, at most")
+    p.add_argument("--n-iters", type=positive_int, default=SharpnessOptions.n_iters, help="Auto-PGD iterations")
+    p.add_argument("--device", default="cpu", help="e.g. cpu, cuda, cuda:1")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None, metavar="DTYPE",
+                   help=f"{', '.join(DTYPES)} (default: the checkpoint's)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None, help="default: CHECKPOINT_DIR")
+    p.add_argument("--split", default=None, help="split of a DatasetDict directory")
+    p.add_argument("--out", metavar="FILE", default=None, help="write the JSON here, not to stdout")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_demo(sub) -> None:
@@ -335,7 +379,34 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"prepare-data": cmd_prepare, "report": cmd_report, "demo": cmd_demo}
+def cmd_sharpness(args) -> int:
+    import json
+
+    from quotient_manifolds.adapters.checkpoint import CheckpointError, checkpoint_sharpness
+    from quotient_manifolds.adapters.monitor import DEFAULT_GEOMETRIES
+    try:
+        result = checkpoint_sharpness(
+            args.checkpoint, args.data, geometries=args.geometry or DEFAULT_GEOMETRIES,
+            rho=args.rho, target_loss_rise=args.target_loss_rise, text_column=args.text_column,
+            label_column=args.label_column, batches=args.batches, batch_size=args.batch_size,
+            max_length=args.max_length, task=args.task, tokenizer=args.tokenizer, split=args.split,
+            device=args.device, dtype=args.dtype, n_iters=args.n_iters, progress=not args.no_progress,
+            log=lambda line: print(line, file=sys.stderr, flush=True))
+    except CheckpointError as err:
+        raise ExperimentError(str(err)) from None
+    text = json.dumps(result.as_dict(), indent=2)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+        print(result.table(), flush=True)
+        log_line(f"result: {args.out}")
+    else:       # stdout holds only the JSON (pipeable); the table goes to stderr
+        print(result.table(), file=sys.stderr, flush=True)
+        print(text, flush=True)
+    return 0
+
+
+COMMANDS = {"prepare-data": cmd_prepare, "report": cmd_report, "demo": cmd_demo, "sharpness": cmd_sharpness}
 
 
 def _single_threaded_blas() -> None:
