@@ -26,7 +26,8 @@ import torch
 import transformers
 from torch import nn
 
-from . import validation as check
+from quotient_manifolds._validation import flag, integer_at_least
+
 from .ball import geometry_of
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor
 from .options import as_rho
@@ -88,10 +89,10 @@ class SharpnessCallback(transformers.TrainerCallback):
                             f"then trainer.add_callback(callback)")
         self.trainer = trainer
         if every_n_steps is not None:
-            check.integer_at_least("every_n_steps", every_n_steps, 1)
+            integer_at_least("every_n_steps", every_n_steps, 1)
         self.every_n_steps = every_n_steps
-        self.at_evaluation = check.flag("at_evaluation", at_evaluation)
-        self.at_train_begin = check.flag("at_train_begin", at_train_begin)
+        self.at_evaluation = flag("at_evaluation", at_evaluation)
+        self.at_train_begin = flag("at_train_begin", at_train_begin)
         if every_n_steps is None and not at_evaluation and not at_train_begin:
             raise ValueError("the callback would never measure: pass every_n_steps=N, "
                              "at_evaluation=True or at_train_begin=True")

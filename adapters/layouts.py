@@ -374,7 +374,7 @@ class Layout:
         options = dict(scales=scales, cond=cond, rtol=rtol, atol=atol, seed=seed, per_block=per_block,
                        raise_on_failure=raise_on_failure, output_fn=output_fn, compute_dtype=compute_dtype)
         try:
-            if is_sharded(model):   # module by module on the shards: every rank calls it
+            if isinstance(model, nn.Module) and is_sharded(model):   # module by module on the shards
                 from .sharded_verify import verify_on_shards
 
                 report = verify_on_shards(self, model, example_inputs, **options)

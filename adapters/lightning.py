@@ -21,7 +21,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 
-from . import validation as check
+from quotient_manifolds._validation import flag, integer_at_least
+
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor
 
 __all__ = ["LightningSharpnessCallback"]
@@ -54,9 +55,9 @@ class LightningSharpnessCallback(pl.Callback):
                  target_loss_rise: Optional[float] = None, **sharpness_options: Any) -> None:
         super().__init__()
         if every_n_steps is not None:
-            check.integer_at_least("every_n_steps", every_n_steps, 1)
+            integer_at_least("every_n_steps", every_n_steps, 1)
         self.every_n_steps = every_n_steps
-        self.at_validation = check.flag("at_validation", at_validation)
+        self.at_validation = flag("at_validation", at_validation)
         if every_n_steps is None and not at_validation:
             raise ValueError("the callback would never measure: pass every_n_steps=N or at_validation=True")
         self.monitor = SharpnessMonitor(batches, geometries=geometries, rho=rho,
