@@ -1,4 +1,4 @@
-r"""geoopt's RiemannianSGD with its momentum buffer started at the Riemannian gradient.
+r"""geoopt's RiemannianSGD with its momentum buffer started as ``torch.optim.SGD`` starts it.
 
 geoopt 0.5.1's ``RiemannianSGD(momentum > 0)`` creates the momentum buffer on the first step as a
 copy of the *Euclidean* gradient, before converting the gradient to a Riemannian one; the first
@@ -7,20 +7,102 @@ the quotient: under ``metric="mix"`` it is larger than the Riemannian gradient b
 of the factors (rgrad = (∇_G (HᵀH)⁻¹, ∇_H (GᵀG)⁻¹)), so a learning rate chosen for the Riemannian
 gradient overshoots, in a completion run from a relative error of 1.41 to 2·10⁵. Under
 ``metric="inv"`` it is smaller by the same factors, and the first step is mostly the plain gradient
-step.
+step. The Euclidean seed also breaks the GL invariance of the iterates (it is a covector).
 
-:class:`RiemannianSGD` starts the buffer as torch's SGD does, at the first (Riemannian) gradient:
-buffer₁ = rgrad₁, so every step moves along the metric's own directions with both metrics. It is a
-drop-in replacement; everything else is geoopt's.
+:class:`RiemannianSGD` starts the buffer as torch's SGD does, at the first (Riemannian) gradient,
+buffer₁ = rgrad₁, so that every step moves along the metric's own directions with both metrics;
+:func:`init_momentum_buffers` does the same for an optimizer built from geoopt's class. This module
+is the one implementation of that fix (``quotient_manifolds.adapters.InvariantRiemannianSGD`` is
+this class).
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 from geoopt.optim import RiemannianSGD as _GeooptRiemannianSGD
 from geoopt.tensor import ManifoldParameter, ManifoldTensor
 
-__all__ = ["RiemannianSGD"]
+__all__ = ["RiemannianSGD", "init_momentum_buffers"]
+
+
+def _initial_buffer(optimizer: torch.optim.Optimizer, point: torch.Tensor, group: dict
+                    ) -> Optional[torch.Tensor]:
+    """The buffer that geoopt's update buffer ← momentum·buffer + (1 − dampening)·rgrad turns into
+    rgrad at the first step: 0 for ``dampening = 0``, else (dampening / momentum)·rgrad f with the
+    gradient (plus weight decay) as geoopt's step forms it; ``None`` when that needs a gradient the
+    point does not have yet."""
+    dampening = group["dampening"]
+    if not dampening:
+        return torch.zeros_like(point)
+    if point.grad is None:
+        return None
+    manifold = (point.manifold if isinstance(point, (ManifoldParameter, ManifoldTensor))
+                else optimizer._default_manifold)
+    grad = point.grad.add(point, alpha=group["weight_decay"])
+    return manifold.egrad2rgrad(point, grad).mul_(dampening / group["momentum"])
+
+
+def _start_buffers(optimizer: torch.optim.Optimizer, *, strict: bool) -> None:
+    """Create the missing momentum buffers of ``optimizer`` (:func:`_initial_buffer`); a point that
+    needs a gradient it lacks is skipped, or refused with ``strict``."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            if group.get("momentum", 0) <= 0:
+                continue
+            for point in group["params"]:
+                state = optimizer.state[point]
+                if "momentum_buffer" in state:
+                    continue
+                buffer = _initial_buffer(optimizer, point, group)
+                if buffer is not None:
+                    state["momentum_buffer"] = buffer
+                elif strict:
+                    raise ValueError(
+                        "init_momentum_buffers: with dampening > 0 the first buffer is "
+                        "(dampening / momentum)·rgrad f, so every parameter needs its gradient: call "
+                        "it after the first backward(), before the first step(), or use "
+                        "quotient_manifolds.geoopt.RiemannianSGD, which does it at each step")
+
+
+def init_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
+    r"""Start the momentum buffers of a ``geoopt.optim.RiemannianSGD`` as ``torch.optim.SGD`` does.
+
+    geoopt's update is buffer ← momentum·buffer + (1 − dampening)·rgrad f, and geoopt creates a
+    missing buffer as the Euclidean gradient. This sets every missing buffer to the value that makes
+    the first buffer rgrad f: 0 when ``dampening = 0`` (possible before any gradient exists), else
+    (dampening / momentum)·rgrad f (needs the gradients: call it after the first ``backward()``).
+    Existing buffers are left alone; groups without momentum are skipped.
+    :class:`RiemannianSGD` calls this at every step, so it needs no call.
+
+    Parameters
+    ----------
+    optimizer : a ``geoopt.optim.RiemannianSGD`` (any optimizer whose groups have ``momentum``,
+        ``dampening`` and ``weight_decay``).
+
+    Raises
+    ------
+    TypeError
+        ``optimizer`` is not a ``torch.optim.Optimizer``.
+    ValueError
+        ``dampening > 0`` and a parameter has no gradient yet.
+
+    Example
+    -------
+    >>> import geoopt, torch
+    >>> from quotient_manifolds.geoopt import GLQuotient, init_momentum_buffers
+    >>> M = GLQuotient(4, 3, 2)
+    >>> x = geoopt.ManifoldParameter(M.random(dtype=torch.float64), manifold=M)
+    >>> opt = geoopt.optim.RiemannianSGD([x], lr=0.1, momentum=0.9)
+    >>> init_momentum_buffers(opt)
+    >>> float(opt.state[x]["momentum_buffer"].abs().sum())
+    0.0
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (a geoopt.optim.RiemannianSGD), "
+                        f"got {type(optimizer).__name__}")
+    _start_buffers(optimizer, strict=True)
 
 
 class RiemannianSGD(_GeooptRiemannianSGD):
@@ -28,31 +110,48 @@ class RiemannianSGD(_GeooptRiemannianSGD):
 
     geoopt seeds the buffer with the Euclidean gradient, so its first step is
     −lr·(momentum·∇f + rgrad f) instead of torch SGD's −lr·rgrad f; under the mix metric that
-    overshoots by the Gram matrices of the factors. Here the buffer of a parameter is created before
-    geoopt's step as (dampening / momentum)·rgrad f (zero for ``dampening=0``), so that geoopt's
-    update buffer ← momentum·buffer + (1 − dampening)·rgrad f gives buffer₁ = rgrad f, as in
+    overshoots by the Gram matrices of the factors. Here every step first runs the closure (if any,
+    with autograd on), then creates the missing buffers (:func:`init_momentum_buffers`:
+    buffer₀ = (dampening / momentum)·rgrad f, zero for ``dampening = 0``), so that geoopt's update
+    buffer ← momentum·buffer + (1 − dampening)·rgrad f gives buffer₁ = rgrad f, as in
     ``torch.optim.SGD``. Later steps are geoopt's (buffer transported by the manifold's
-    ``retr_transp``). Same arguments as geoopt's.
+    ``retr_transp``). Same arguments as geoopt's; with a GL-invariant metric the iterates are
+    exactly equivariant: started at x·A they are the iterates from x, moved by A.
+
+    Parameters
+    ----------
+    params : parameters or parameter groups (``geoopt.ManifoldParameter`` s on a manifold; plain
+        parameters are Euclidean).
+    lr, momentum, dampening, weight_decay, nesterov, stabilize : as ``geoopt.optim.RiemannianSGD``.
+
+    Example
+    -------
+    >>> import geoopt, torch
+    >>> from quotient_manifolds.geoopt import GLQuotient, RiemannianSGD
+    >>> M = GLQuotient(6, 5, 3)
+    >>> x = geoopt.ManifoldParameter(M.random(dtype=torch.float64), manifold=M)
+    >>> opt = RiemannianSGD([x], lr=1e-2, momentum=0.9)
+    >>> def closure():
+    ...     opt.zero_grad()
+    ...     G, H = M.split(x)
+    ...     loss = (G @ H.T).pow(2).sum()
+    ...     loss.backward()
+    ...     return loss
+    >>> first = float(opt.step(closure))
+    >>> float(opt.step(closure)) < first
+    True
     """
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            momentum, dampening = group["momentum"], group["dampening"]
-            if momentum <= 0:
-                continue
-            for point in group["params"]:
-                if point.grad is None or len(self.state[point]) != 0:
-                    continue
-                self.state[point]["momentum_buffer"] = self._initial_buffer(point, group)
-        return super().step(closure)
-
-    def _initial_buffer(self, point, group) -> torch.Tensor:
-        """(dampening / momentum)·rgrad f at ``point`` (rgrad of the gradient with weight decay,
-        as geoopt's step computes it)."""
-        if not group["dampening"]:
-            return torch.zeros_like(point)
-        manifold = (point.manifold if isinstance(point, (ManifoldParameter, ManifoldTensor))
-                    else self._default_manifold)
-        grad = point.grad.add(point, alpha=group["weight_decay"])
-        return manifold.egrad2rgrad(point, grad).mul_(group["dampening"] / group["momentum"])
+    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):
+        """One step; ``closure`` (optional) re-evaluates the loss with gradients (it should call
+        ``zero_grad()`` and ``backward()``) and its value is returned."""
+        if closure is not None and not callable(closure):
+            raise TypeError(f"closure must be a callable that computes the loss (or None), got "
+                            f"{type(closure).__name__}")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():   # step() may be called under no_grad; the closure needs autograd
+                loss = closure()
+        _start_buffers(self, strict=False)   # after the closure: the buffer needs its gradient
+        super().step()
+        return loss
