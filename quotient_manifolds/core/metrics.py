@@ -27,13 +27,9 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
+from .errors import GeodesicLeftManifold
 from .groups import sym
 from .products import matmul
-
-
-class GeodesicLeftManifold(ValueError):
-    """A geodesic left the manifold (a factor lost full rank, or the closed form passed its end)
-    or diverged within the step asked for: the step is too long for this point."""
 
 if TYPE_CHECKING:  # pragma: no cover
     from .gl import GLFrame

@@ -21,7 +21,7 @@ from geoopt.manifolds.base import Manifold
 from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
-from .._runtime import FrameCache, finite_step, small_work
+from .._runtime import FrameCache, finite_step, small_work, step_advice
 from .._validation import floating_dtype, floating_tensor, tangent
 
 Tensor = torch.Tensor
@@ -175,12 +175,16 @@ class CoreQuotientManifold(Manifold):
     def retr(self, x: Tensor, u: Tensor) -> Tensor:
         """The retraction chosen at construction (core ``frame.retract``, docs/maths.md §5.1).
         Raises :class:`~quotient_manifolds.StepTooLarge` if the new point is off the manifold."""
-        return self._checked_step(self._frame(x).retract(self._step(x, u)))
+        with step_advice(self.geometry):
+            return self._checked_step(self._frame(x).retract(self._step(x, u)))
 
     @_small
     def expmap(self, x: Tensor, u: Tensor) -> Tensor:
-        """Exact geodesic at t = 1 (core ``frame.retract(u, "exact")``)."""
-        return self._checked_step(self._frame(x).retract(self._step(x, u), "exact"))
+        """Exact geodesic at t = 1 (core ``frame.retract(u, "exact")``). Raises
+        :class:`~quotient_manifolds.StepTooLarge` (a ``GeodesicLeftManifold``) if the geodesic
+        leaves the manifold before t = 1."""
+        with step_advice(self.geometry):
+            return self._checked_step(self._frame(x).retract(self._step(x, u), "exact"))
 
     def _checked_step(self, y: Tensor) -> Tensor:
         """``y`` after validating it (and caching its frame: the next step starts there)."""

@@ -18,13 +18,17 @@ this class).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
+from geoopt.optim import RiemannianLineSearch as _GeooptRiemannianLineSearch
 from geoopt.optim import RiemannianSGD as _GeooptRiemannianSGD
 from geoopt.tensor import ManifoldParameter, ManifoldTensor
 
-__all__ = ["RiemannianSGD", "init_momentum_buffers"]
+from ..core.errors import StepTooLarge
+
+__all__ = ["RiemannianSGD", "RiemannianLineSearch", "init_momentum_buffers"]
 
 
 def _initial_buffer(optimizer: torch.optim.Optimizer, point: torch.Tensor, group: dict
@@ -155,3 +159,64 @@ class RiemannianSGD(_GeooptRiemannianSGD):
         _start_buffers(self, strict=False)   # after the closure: the buffer needs its gradient
         super().step()
         return loss
+
+
+class RiemannianLineSearch(_GeooptRiemannianLineSearch):
+    r"""``geoopt.optim.RiemannianLineSearch`` for which a trial step that leaves the manifold is a
+    rejected trial, not an error.
+
+    The search evaluates φ(α) = f(R_x(α η)) at trial step sizes α; on a quotient, R_x(α η) leaves
+    the manifold for α too large (a factor loses rank, the incomplete mix geodesic ends), and
+    geoopt's search then fails with :class:`~quotient_manifolds.StepTooLarge` at its first trial
+    (α = 1). Here such a trial is valued just above φ(0) (the next float): no decrease, so Armijo's
+    and Wolfe's sufficient decrease conditions reject it, and the interpolation of both searches
+    (the quadratic through φ(0), φ'(0) and φ(α) ≈ φ(0)) tries about α/2 next. The parameters are left at x; the step sizes so
+    rejected are in :attr:`rejected_step_sizes`. Everything else, arguments included, is geoopt's.
+    A forced step (``step(closure, force_step=True)`` when no step size was found) that leaves the
+    manifold still raises.
+
+    Example
+    -------
+    >>> import geoopt, torch
+    >>> from quotient_manifolds.geoopt import RescalingQuotient, RiemannianLineSearch
+    >>> M = RescalingQuotient(1, metric="mix", retraction="exact")
+    >>> x = geoopt.ManifoldParameter(torch.full((2, 1), 2.0, dtype=torch.float64), manifold=M)
+    >>> opt = RiemannianLineSearch([x], line_search_method="armijo")
+    >>> def closure():
+    ...     opt.zero_grad()
+    ...     loss = (M.beta(x) - 0.01).pow(2).sum()   # β = u·v from 4 to 0.01: α = 1 crosses 0
+    ...     loss.backward()
+    ...     return loss.item()
+    >>> for _ in range(10):
+    ...     loss = opt.step(closure)
+    >>> loss < 1e-12, len(opt.rejected_step_sizes) > 0
+    (True, True)
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        #: the trial step sizes whose retraction left the manifold (valued at φ(0), rejected)
+        self.rejected_step_sizes: list = []
+        self._phi_at_zero = None
+
+    def _init_loss(self, recompute_gradients=False):
+        loss, derphi0 = super()._init_loss(recompute_gradients=recompute_gradients)
+        self._phi_at_zero = loss
+        return loss, derphi0
+
+    def _phi(self, step_size):
+        if step_size in self._step_size_dic:
+            return self._step_size_dic[step_size]
+        start = [point.detach().clone() for point in self._params]
+        try:
+            return super()._phi(step_size)
+        except StepTooLarge:
+            # geoopt moves the parameters one by one: put back those it already moved
+            with torch.no_grad():
+                for point, value in zip(self._params, start):
+                    point.copy_(value)
+            self.rejected_step_sizes.append(step_size)
+            # just above φ(0): rejected even where α·φ'(0) is below φ(0)'s last digit
+            value = math.nextafter(float(self._phi_at_zero), math.inf)
+            self._step_size_dic[step_size] = value
+            return value

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from pymanopt.manifolds.manifold import Manifold
 
-from .._runtime import FrameCache, StepTooLarge, finite_step, small_work
+from .._runtime import FrameCache, StepTooLarge, finite_step, small_work, step_advice
 from ._tangent import PairConverter
 
 _small = small_work(lambda point: sum(np.size(part) for part in point))
@@ -192,13 +192,17 @@ class CoreQuotientManifold(Manifold):
     def retraction(self, point, tangent_vector):
         """The retraction chosen at construction (core ``frame.retract``)."""
         step = self._step(tangent_vector)
-        return self._checked_step(self._frame(point).retract(step), step)
+        with step_advice(self.geometry, _PYMANOPT_STEPS):
+            y = self._frame(point).retract(step)
+        return self._checked_step(y, step)
 
     @_small
     def exp(self, point, tangent_vector):
         """The exact geodesic at t = 1 (core ``frame.retract(·, "exact")``)."""
         step = self._step(tangent_vector)
-        return self._checked_step(self._frame(point).retract(step, "exact"), step)
+        with step_advice(self.geometry, _PYMANOPT_STEPS):
+            y = self._frame(point).retract(step, "exact")
+        return self._checked_step(y, step)
 
     @_small
     def transport(self, point_a, point_b, tangent_vector_a):

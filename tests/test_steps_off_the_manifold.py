@@ -1,0 +1,101 @@
+"""One error for "the step leaves the manifold" (:class:`quotient_manifolds.StepTooLarge`, the exact
+geodesic's ``GeodesicLeftManifold`` among them), and line searches that reject such a trial step
+instead of failing (:class:`quotient_manifolds.geoopt.RiemannianLineSearch`)."""
+
+from __future__ import annotations
+
+import geoopt
+import pytest
+import torch
+
+from quotient_manifolds import StepTooLarge
+from quotient_manifolds.core.errors import GeodesicLeftManifold
+from quotient_manifolds.geoopt import GLQuotient, RescalingQuotient, RiemannianLineSearch
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_the_issue_case_is_a_step_too_large():
+    """The exact mix geodesic of the rescaling quotient ends at 1 + 2b = 0: retr and expmap past it
+    raise StepTooLarge (as GeodesicLeftManifold), saying what to change."""
+    M = RescalingQuotient(1, metric="mix", retraction="exact")
+    x, u = torch.ones(2, 1, dtype=F64), torch.full((2, 1), -0.6, dtype=F64)
+    for move in (M.retr, M.expmap):
+        with pytest.raises(StepTooLarge, match="step too large(.|\n)*learning rate") as info:
+            move(x, u)
+        assert isinstance(info.value, GeodesicLeftManifold)
+    assert issubclass(GeodesicLeftManifold, StepTooLarge) and issubclass(StepTooLarge, ValueError)
+
+
+def test_integrated_geodesic_that_diverges_is_a_step_too_large():
+    """The integrated (RK4) geodesic of the GL quotient past the end of the mix geodesic (here
+    G = H = e₁ moved along −0.6·x: the closed form is x·√(1 − 1.2t), which ends at t = 5/6) is a
+    StepTooLarge too, found by the speed the integration failed to keep (it returned a finite point
+    of size 1e19 before); just short of the end it is the closed form. The pymanopt face adds its
+    own advice."""
+    from quotient_manifolds.pymanopt import RescalingQuotient as PymanoptRescaling
+
+    M = GLQuotient(3, 3, 1, metric="mix")
+    x = M.origin(dtype=F64)
+    with pytest.raises(StepTooLarge, match="step too large(.|\n)*speed"):
+        M.expmap(x, -0.6 * x)
+    torch.testing.assert_close(M.expmap(x, -0.3 * x), x * 0.4 ** 0.5, rtol=1e-8, atol=1e-10)
+    P = PymanoptRescaling(1, metric="mix")
+    point = (torch.ones(1, dtype=F64).numpy(), torch.ones(1, dtype=F64).numpy())
+    with pytest.raises(StepTooLarge, match="line_searcher"):
+        P.exp(point, P.projection(point, (-0.6 * point[0], -0.6 * point[1])))
+
+
+def _descend(cls, method, retraction="exact", steps=20):
+    M = RescalingQuotient(1, metric="mix", retraction=retraction)
+    x = geoopt.ManifoldParameter(torch.full((2, 1), 2.0, dtype=F64), manifold=M)
+    opt = cls([x], line_search_method=method)
+
+    def closure():
+        opt.zero_grad()
+        loss = (M.beta(x) - 0.01).pow(2).sum()   # β from 4 to 0.01: the first trial, α = 1,
+        loss.backward()                          # passes the end of the mix geodesic
+        return loss.item()
+
+    losses = []
+    for _ in range(steps):
+        losses.append(opt.step(closure))
+        if opt.last_step_size is None or losses[-1] < 1e-20:
+            break
+    return opt, x, losses
+
+
+@pytest.mark.parametrize("method", ["armijo", "wolfe"])
+def test_line_search_rejects_a_trial_step_off_the_manifold(method):
+    """geoopt's search fails at its first trial; ours rejects it, halves, and converges to the
+    target in a few steps, the point staying on the manifold."""
+    with pytest.raises(StepTooLarge):
+        _descend(geoopt.optim.RiemannianLineSearch, method)
+    opt, x, losses = _descend(RiemannianLineSearch, method)
+    assert opt.rejected_step_sizes and opt.rejected_step_sizes[0] == 1.0
+    assert losses[-1] < 1e-20 and len(losses) <= 8
+    x.manifold.assert_check_point_on_manifold(x.detach())
+
+
+def test_rejected_trial_puts_back_every_parameter():
+    """geoopt moves the parameters one by one; when a later one leaves the manifold, the ones
+    already moved are put back before the next trial (a plain parameter first, then the point)."""
+    M = RescalingQuotient(1, metric="mix", retraction="exact")
+    w = torch.nn.Parameter(torch.tensor([3.0], dtype=F64))
+    x = geoopt.ManifoldParameter(torch.full((2, 1), 2.0, dtype=F64), manifold=M)
+    opt = RiemannianLineSearch([w, x], line_search_method="armijo")
+
+    def closure():
+        opt.zero_grad()
+        loss = (M.beta(x) - 0.01).pow(2).sum() + (w ** 2).sum()
+        loss.backward()
+        return loss.item()
+
+    opt.closure = closure
+    opt._init_loss()
+    w0, x0 = w.detach().clone(), x.detach().clone()
+    value = opt._phi(1.0)
+    assert opt.rejected_step_sizes == [1.0] and value > closure()
+    assert torch.equal(w.detach(), w0) and torch.equal(x.detach(), x0)
