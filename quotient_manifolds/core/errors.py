@@ -9,7 +9,7 @@ too far to reach. Line searches reject such a trial step instead of failing
 
 from __future__ import annotations
 
-__all__ = ["StepTooLarge", "GeodesicLeftManifold"]
+__all__ = ["StepTooLarge", "GeodesicLeftManifold", "LogNotFound"]
 
 
 class StepTooLarge(ValueError):
@@ -34,3 +34,16 @@ class GeodesicLeftManifold(StepTooLarge):
     """The exact geodesic left the manifold (a factor lost full rank, or the closed form passed its
     end, as the incomplete mix geodesic does at 1 + 2b = 0) or diverged within the step asked for:
     the step is too long for this point."""
+
+
+class LogNotFound(ValueError):
+    """No geodesic from x to y was found: the logarithm log_x(y) (and so dist(x, y)) is not known.
+
+    The points lie in different components of the quotient (the sign of β = u⊙v differs for the
+    rescaling quotient), or the shooting method did not converge: y is too far from x, beyond where
+    the geodesics from x stay on the manifold (the mix metric is incomplete). ``report`` is the
+    :class:`~quotient_manifolds.core.logmap.LogResult` of the failed solve, or ``None``."""
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report

@@ -24,7 +24,8 @@ class RescalingQuotient(CoreQuotientManifold):
     (``metric`` ``"mix"`` | ``"inv"``, ``retraction``, ``eps``). Dimension d; ``typical_dist`` =
     10√d (d independent GL(1) quotients with Manopt's 10k, k = 1, combined like pymanopt's
     ``Product``). ``exp`` is the closed-form geodesic of docs/maths.md §8.3 (ε = 0; the mix one
-    needs 1 + 2b > 0 and raises ValueError otherwise).
+    needs 1 + 2b > 0 and raises StepTooLarge otherwise); ``log`` and ``dist`` are in closed form
+    for ε = 0 (:func:`~quotient_manifolds.core.logmap.log_map`).
     """
 
     _point_cls = RescalingPoint
