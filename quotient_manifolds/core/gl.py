@@ -878,8 +878,9 @@ class GLQuotientGeometry:
 
     #: relative change of the speed ‖γ̇‖_γ along an integrated geodesic that means the integration
     #: failed (a geodesic keeps its speed; RK4 with 32 steps keeps it to 2e-7 for steps of 8 times
-    #: the point's scale, and misses by orders of magnitude past the end of an incomplete geodesic)
-    SPEED_TOLERANCE = 1e-3
+    #: the point's scale, with 8 steps to ~2e-3 on long steps, and misses by orders of magnitude
+    #: past the end of an incomplete geodesic)
+    SPEED_TOLERANCE = 0.1
 
     def _check_speed(self, x0: Tensor, u0: Tensor, pos: Tensor, vel: Tensor, t: float,
                      steps: int) -> None:

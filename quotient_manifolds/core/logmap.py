@@ -19,7 +19,7 @@ dist(x, y) = ‖ξ‖_x, the length of that geodesic.
   Jacobian of r is taken by finite differences along a basis of the horizontal space, all
   integrated in one batched call; each step is the minimum-norm least-squares solution, projected
   onto the horizontal space, halved until the residual falls (a trial that leaves the manifold is
-  halved too). It stops when ‖r‖_F ≤ ``tol``·‖G_y H_yᵀ‖_F. The geodesic found is the one
+  halved too). It stops when ‖r‖_F ≤ ``tol``·‖G_y H_yᵀ‖_F, or at rounding level. The geodesic found is the one
   Gauss–Newton reaches from ξ = 0 (the first step is the first-order solution
   ξ_G Hᵀ + G ξ_Hᵀ = Y − G Hᵀ): for nearby points the minimising one, for far points perhaps a
   longer one, and beyond where the geodesics from x stay on the manifold (the mix metric is
@@ -65,7 +65,7 @@ class LogResult:
 
 
 def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Tensor, *,
-            tol: float = 1e-10, max_iter: int = 30, strict: bool = True) -> LogResult:
+            tol: float = 1e-12, max_iter: int = 30, strict: bool = True) -> LogResult:
     r"""log_x(y): the horizontal vector at x whose geodesic reaches the orbit of y at t = 1.
 
     Closed form on the rescaling quotient with ε = 0, shooting along the integrated geodesic
@@ -77,7 +77,8 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
     geometry : a :class:`~quotient_manifolds.core.gl.GLQuotientGeometry` (group GL(h)) or a
         :class:`~quotient_manifolds.core.rescaling.RescalingGeometry`.
     x, y : points of the same shape.
-    tol : relative residual of the invariant at which shooting stops.
+    tol : relative residual of the invariant at which shooting stops (it also stops, converged,
+        when no step lowers a residual below 1e-10, where float64 rounding dominates).
     max_iter : Gauss–Newton steps at most.
     strict : raise :class:`~quotient_manifolds.core.errors.LogNotFound` when no geodesic was found
         (default); with ``False`` return the report with ``converged=False`` instead.
@@ -143,7 +144,7 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
 
 
 def distance(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Tensor, *,
-             tol: float = 1e-10, max_iter: int = 30) -> Tensor:
+             tol: float = 1e-12, max_iter: int = 30) -> Tensor:
     r"""dist(x, y) = ‖log_x(y)‖_x (:func:`log_map`), per batch element; ∞ where x and y lie in
     different components of the rescaling quotient (β of different signs).
 
@@ -192,6 +193,10 @@ def _component_distance(geometry, x: Tensor, y: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------- shooting
+#: relative residual of the invariant at which rounding dominates (float64 products of points of
+#: norm ~1): a shot that no step improves below it has converged as far as float64 allows
+ROUNDOFF = 1e-10
+
 def _gl_invariant(geometry: GLQuotientGeometry) -> Callable[[Tensor], Tensor]:
     def invariant(z: Tensor) -> Tensor:
         G, H = geometry.split(z)
@@ -210,17 +215,28 @@ def _shoot(geometry: GLQuotientGeometry, x: Tensor, y: Tensor,
     vector, end = torch.zeros_like(x64), x64
     residual = invariant(end) - target
     size = float(torch.linalg.vector_norm(residual))
-    iterations = 0
+    iterations, stalled = 0, False
+    # The Jacobian at ξ = 0 is that of the straight line x + ξ (Exp_x(ξ) = x + ξ + O(‖ξ‖²)), free of
+    # integrations; it is kept (a chord method) while each step cuts the residual a thousandfold,
+    # as it does for nearby points, and replaced by the Jacobian at ξ otherwise.
+    jacobian, chord = _jacobian(geometry, x64, None, x64, directions, invariant), True
     while size > tol * scale and iterations < max_iter:
         iterations += 1
-        jacobian = _jacobian(geometry, x64, vector, end, directions, invariant)
+        if not chord:
+            jacobian = _jacobian(geometry, x64, vector, end, directions, invariant)
         coefficients = torch.linalg.lstsq(jacobian, -residual.reshape(-1, 1), driver="gelsd").solution
         delta = frame.project((coefficients[:, 0, None] * directions.flatten(1)).sum(0).reshape(x64.shape))
         moved = _backtrack(geometry, x64, vector, delta, target, size, invariant)
         if moved is None:
+            if chord:
+                chord, iterations = False, iterations - 1   # retry with the Jacobian at ξ
+                continue
+            stalled = size <= ROUNDOFF * scale   # no step lowers a residual at rounding level
             break
+        chord = chord and moved[3] < 1e-3 * size
         vector, end, residual, size = moved
-    return LogResult(vector.to(x.dtype), size / scale, iterations, size <= tol * scale, "shooting")
+    converged = size <= tol * scale or stalled
+    return LogResult(vector.to(x.dtype), size / scale, iterations, converged, "shooting")
 
 
 def _horizontal_basis(frame, x: Tensor) -> Tensor:
@@ -235,13 +251,17 @@ def _horizontal_basis(frame, x: Tensor) -> Tensor:
     return left[:, :rank].mT.reshape(rank, *x.shape)
 
 
-def _jacobian(geometry, x: Tensor, vector: Tensor, end: Tensor, directions: Tensor,
+def _jacobian(geometry, x: Tensor, vector: "Tensor | None", end: Tensor, directions: Tensor,
               invariant) -> Tensor:
     """d inv(Exp_x(ξ)) / dξ along ``directions`` by forward differences, one batched integration
-    (columns: the directions; rows: the entries of the invariant)."""
-    step = 1e-7 * (1.0 + float(torch.linalg.vector_norm(vector)) + float(torch.linalg.vector_norm(x))
-                   / max(1, x.numel()) ** 0.5)
-    shifted, _ = geometry.integrate_geodesic(x, vector + step * directions)
+    (columns: the directions; rows: the entries of the invariant); ``vector=None``: at ξ = 0, along
+    the straight line x + ξ (the same derivative, no integration)."""
+    size = 0.0 if vector is None else float(torch.linalg.vector_norm(vector))
+    step = 1e-7 * (1.0 + size + float(torch.linalg.vector_norm(x)) / max(1, x.numel()) ** 0.5)
+    if vector is None:
+        shifted = x + step * directions
+    else:
+        shifted, _ = geometry.integrate_geodesic(x, vector + step * directions)
     columns = (invariant(shifted) - invariant(end)) / step
     return columns.reshape(directions.shape[0], -1).mT
 

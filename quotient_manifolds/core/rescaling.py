@@ -162,11 +162,22 @@ class RescalingGeometry:
         bu, bv = u[..., 0, :] / x[..., 0, :], u[..., 1, :] / x[..., 1, :]
         return self.gl_metric.gl1_geodesic(x, bu, bv, t)
 
-    def random_point(self, *batch: int, dtype=None, device=None, generator=None) -> Tensor:
+    def random_point(self, *batch: int, dtype=None, device=None, generator=None,
+                     signs: Optional[Tensor] = None) -> Tensor:
+        """Gaussian u and v; with ``signs`` (d entries ±1) the signs of v are set so that
+        β = u⊙v has those signs: a point of that component of the quotient (β cannot change sign
+        along a curve, so each sign pattern is a component)."""
         floating_dtype("dtype", dtype)
         optional_generator("generator", generator)
-        return torch.randn(batch_shape("batch", batch) + (2, self.d), dtype=dtype, device=device,
-                           generator=generator)
+        x = torch.randn(batch_shape("batch", batch) + (2, self.d), dtype=dtype, device=device,
+                        generator=generator)
+        if signs is None:
+            return x
+        signs = torch.as_tensor(signs, dtype=x.dtype, device=x.device)
+        if signs.shape != (self.d,) or not bool((signs.abs() == 1).all()):
+            raise ValueError(f"signs must hold d = {self.d} entries, each +1 or -1 (the signs of "
+                             f"β = u⊙v), got {signs.tolist()}")
+        return torch.stack((x[..., 0, :], x[..., 1, :].abs() * torch.sign(x[..., 0, :]) * signs), -2)
 
     def random_horizontal(self, x: Tensor, *, unit: bool = True, generator=None) -> Tensor:
         floating_tensor("x", x)

@@ -227,6 +227,10 @@ class CoreQuotientManifold(Manifold):
         return self._vec(log_map(self.geometry, self._t(point_a, "point_a"),
                                  self._t(point_b, "point_b")).vector)
 
+    def pair_mean(self, point_a, point_b):
+        """The midpoint of the geodesic from a to b, exp_a(½ log_a(b)) (NelderMead's centroid)."""
+        return self.exp(point_a, 0.5 * self.log(point_a, point_b))
+
     @_small
     def dist(self, point_a, point_b) -> float:
         """‖log_a(b)‖_a (core :func:`~quotient_manifolds.core.logmap.distance`; ∞ between
