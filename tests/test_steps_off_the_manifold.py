@@ -99,3 +99,24 @@ def test_rejected_trial_puts_back_every_parameter():
     value = opt._phi(1.0)
     assert opt.rejected_step_sizes == [1.0] and value > closure()
     assert torch.equal(w.detach(), w0) and torch.equal(x.detach(), x0)
+
+
+def test_collapsed_coordinate_is_refused_before_nan():
+    """A coordinate whose β = u⊙v underflows when squared (Adam at lr = 1 with amsgrad on the inv
+    rescaling quotient drives one there geometrically: u, v ~ 1e-77 after 1680 steps, and the
+    projection's products then gave NaN) is refused by name; reached by a step, it is a
+    StepTooLarge. Just above the limit the point is accepted."""
+    M = RescalingQuotient(3, metric="inv")
+    x = torch.tensor([[0.5, 1e-78, 2.0], [1.0, -1e-78, 1.0]], dtype=F64)
+    with pytest.raises(ValueError, match=r"β = u⊙v = -1e-156 at index \[1\](.|\n)*collapsed"):
+        M.inner(x, torch.zeros_like(x))
+    fine = x.clone()
+    fine[:, 1] = torch.tensor([1e-76, -1e-76], dtype=F64)
+    assert float(M.inner(fine, M.proju(fine, torch.ones_like(fine)))) > 0
+    start = fine.clone()
+    start[:, 1] = torch.tensor([1e-70, -1e-70], dtype=F64)
+    b = torch.zeros_like(start[0])
+    b[1] = -8 * torch.log(torch.tensor(10.0, dtype=F64))   # u e^b, v e^b: β × 1e-16
+    step = start * b   # horizontal: (b u, b v)
+    with pytest.raises(StepTooLarge, match=r"index \[1\]"):
+        RescalingQuotient(3, metric="inv", retraction="exact").retr(start, step)

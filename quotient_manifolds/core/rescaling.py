@@ -36,6 +36,26 @@ from .metrics import GLMetric
 Tensor = torch.Tensor
 
 
+def _check_representable(x: Tensor) -> None:
+    """Refuse a point whose u², v² or β² = (u v)² underflow in float64 (below its smallest normal
+    number): the metrics and the projection multiply these, and they would turn into 0 and then NaN
+    (a coordinate that an optimiser drove towards β = 0)."""
+    x64 = x.detach().to(torch.float64)
+    beta = x64[..., 0, :] * x64[..., 1, :]
+    tiny = torch.finfo(torch.float64).tiny
+    small = ((x64 * x64) < tiny).any(-2) | ((beta * beta) < tiny)
+    if bool(small.any()):
+        index = torch.nonzero(small)[0].tolist()
+        u, v = (float(x64[(*index[:-1], row, index[-1])]) for row in (0, 1))
+        raise ValueError(
+            f"x = [u; v] has β = u⊙v = {u * v:.3g} at index {index} (u = {u:.3g}, v = {v:.3g}): "
+            f"the metric's products of these underflow in float64 and would give NaN. The "
+            f"coordinate's β has collapsed towards 0: under metric='inv' β = 0 is infinitely far "
+            f"and the gradient along it vanishes, so an optimiser that overshoots towards it (e.g. "
+            f"Adam with a large learning rate) drives it there geometrically and it does not come "
+            f"back; use a smaller learning rate, or metric='mix'")
+
+
 class RescalingFrame:
     """Geometry of the rescaling quotient at one point x = [u; v], computed once."""
 
@@ -50,6 +70,8 @@ class RescalingFrame:
                     f"x = [u; v] has a zero entry at index {idx}: the rescaling quotient needs every "
                     f"uⁱ ≠ 0 and vⁱ ≠ 0 (the metrics are singular there); pass eps > 0 to use the "
                     f"relaxed metric (u² + ε in place of u²).")
+            if not geometry.eps:
+                _check_representable(x)
         self.geometry = geometry
         self.x = x
         self.gl: GLFrame = geometry.gl.frame(geometry.to_gl(x), check=False)
