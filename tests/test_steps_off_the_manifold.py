@@ -120,3 +120,39 @@ def test_collapsed_coordinate_is_refused_before_nan():
     step = start * b   # horizontal: (b u, b v)
     with pytest.raises(StepTooLarge, match=r"index \[1\]"):
         RescalingQuotient(3, metric="inv", retraction="exact").retr(start, step)
+
+
+@pytest.mark.parametrize("retraction", ["second_order", "first_order"])
+def test_line_search_slope_is_the_derivative_along_the_retraction(retraction):
+    """φ'(α) of the Wolfe search equals the finite-difference slope of φ(α) = f(R_x(αη)): with the
+    differential of the retraction (η − αΓ(η, η) for the second-order one). geoopt's projected η
+    misses the Γ term: its slope is off by far more than the finite-difference error."""
+    torch.manual_seed(0)
+    M = GLQuotient(6, 5, 2, metric="mix", retraction=retraction)
+    target = torch.randn(6, 5, dtype=F64)
+    slopes = {}
+    for name, cls in (("ours", RiemannianLineSearch), ("geoopt", geoopt.optim.RiemannianLineSearch)):
+        x = geoopt.ManifoldParameter(M.random(dtype=F64, generator=torch.Generator().manual_seed(1)),
+                                     manifold=M)
+        opt = cls([x], line_search_method="wolfe")
+
+        def closure():
+            opt.zero_grad()
+            G, H = M.split(x)
+            loss = ((G @ H.T - target) ** 2).sum()
+            loss.backward()
+            return loss.item()
+
+        opt.closure = closure
+        opt._init_loss()
+        alpha, h = 0.3 / M.norm(x, opt.state[x]["search_direction"]).item(), 1e-6
+        fd = (opt._phi(alpha * (1 + h)) - opt._phi(alpha * (1 - h))) / (2 * alpha * h)
+        opt._phi(alpha)
+        slopes[name] = (opt._derphi(alpha), fd)
+    derphi, fd = slopes["ours"]
+    assert derphi == pytest.approx(fd, rel=1e-6)
+    derphi, fd = slopes["geoopt"]
+    if retraction == "second_order":
+        assert abs(derphi - fd) > 1e-3 * abs(fd)
+    else:
+        assert derphi == pytest.approx(fd, rel=1e-6)

@@ -538,6 +538,20 @@ class GLFrame:
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
+    def retraction_differential(self, u: Tensor, v: Tensor, method: Optional[str] = None) -> Tensor:
+        r"""DR_x(u)[v], the derivative of the retraction at u along v, projected onto the horizontal
+        space at y = R_x(u): the vector transport along the retraction whose inner product with
+        grad f(y) is d/dt f(R_x(u + tv)) (a line search's φ'(α) for u = αη, v = η).
+
+        ``first_order``: v; ``second_order``: v − Γ_x(u, v) (Γ symmetric); ``exact``: the
+        differential of the exponential is a Jacobi field, not computed: the projection of v
+        (exact only to first order in u).
+        """
+        method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
+        if method == "second_order":
+            v = v - self.christoffel(u, v)
+        return self.geometry.frame(self.retract(u, method)).project(v)
+
     def _second_order(self, uc: Tensor, grams: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
         """x + u − ½Γ(u, u) for u in the compute dtype (``grams``: (S, W) if already computed)."""
         if not self._paired(uc):

@@ -103,6 +103,10 @@ class RescalingFrame:
     def christoffel(self, u: Tensor, v: Optional[Tensor] = None) -> Tensor:
         return self._drop(self.gl.christoffel(self._lift(u), None if v is None else self._lift(v)))
 
+    def retraction_differential(self, u: Tensor, v: Tensor, method: Optional[str] = None) -> Tensor:
+        """As :meth:`GLFrame.retraction_differential` (the exact retraction: projection of v)."""
+        return self._drop(self.gl.retraction_differential(self._lift(u), self._lift(v), method))
+
     def horizontal_coefficient(self, u: Tensor) -> Tensor:
         """b with u = (b⊙u₀, b⊙v₀) for horizontal u; returns ξ_u/u (shape (..., d))."""
         return u[..., 0, :] / self.x[..., 0, :]

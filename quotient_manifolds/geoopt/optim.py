@@ -209,7 +209,7 @@ class RiemannianLineSearch(_GeooptRiemannianLineSearch):
             return self._step_size_dic[step_size]
         start = [point.detach().clone() for point in self._params]
         try:
-            return super()._phi(step_size)
+            value = super()._phi(step_size)
         except StepTooLarge:
             # geoopt moves the parameters one by one: put back those it already moved
             with torch.no_grad():
@@ -220,3 +220,24 @@ class RiemannianLineSearch(_GeooptRiemannianLineSearch):
             value = math.nextafter(float(self._phi_at_zero), math.inf)
             self._step_size_dic[step_size] = value
             return value
+        if self.compute_derphi:
+            self._exact_derphi(step_size, start)
+        return value
+
+    def _exact_derphi(self, step_size, start) -> None:
+        """φ'(α) = ⟨grad f(y), DR_x(αη)[η]⟩_y with the differential of the retraction (core
+        ``retraction_differential``), replacing geoopt's ⟨grad f(y), P_y(η)⟩: for the second-order
+        retraction x + αη − ½α²Γ(η, η) the curve's velocity is η − αΓ(η, η), and the projected η
+        missed the −αΓ term, so Wolfe's curvature condition judged the wrong slope."""
+        from ._base import CoreQuotientManifold
+
+        for point, x in zip(self._params, start):
+            manifold = getattr(point, "manifold", None)
+            state = self.state[point]
+            if not isinstance(manifold, CoreQuotientManifold) or "new_grad" not in state:
+                continue
+            direction = state["search_direction"]
+            transported = manifold._frame(x).retraction_differential(step_size * direction, direction)
+            state["search_transported"] = transported
+            state["der_phi"] = torch.sum(
+                manifold.inner(state["new_point"], state["new_grad"], transported)).item()
