@@ -12,7 +12,7 @@ from .subalgebra import (
     SubalgebraGroup,
     TrivialGroup,
 )
-from .errors import GeodesicLeftManifold, LogNotFound, StepTooLarge
+from .errors import GeodesicLeftManifold, LogNotFound
 from .logmap import LogResult, distance, log_map
 from .rescaling import (
     RescalingFrame,
@@ -30,6 +30,6 @@ __all__ = [
     "ScalarGroup", "OrthogonalGroup", "ScaledOrthogonalGroup", "AlgebraDerivation",
     "GroupDerivation", "derive_algebra", "derive_group", "recognise_algebra", "RescalingFrame",
     "RescalingGeometry", "beta_along_geodesic", "diagonal_trust_region", "mix_geodesic_scale",
-    "sharpness_inv_orthonormal_second_order", "sharpness_mix_orthonormal", "StepTooLarge",
+    "sharpness_inv_orthonormal_second_order", "sharpness_mix_orthonormal",
     "GeodesicLeftManifold", "LogNotFound", "LogResult", "log_map", "distance",
 ]
