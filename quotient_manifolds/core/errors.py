@@ -1,10 +1,10 @@
 """The errors of the geometry core that callers catch by type.
 
 :class:`StepTooLarge` is the one error for "the step leaves the manifold", whatever moved along it:
-an optimiser's retraction (a non-finite step, a new point with a factor that lost rank or a zero
-coordinate), the exact geodesic (:class:`GeodesicLeftManifold`), or a log map asked for a point
-too far to reach. Line searches reject such a trial step instead of failing
-(:class:`quotient_manifolds.geoopt.RiemannianLineSearch`).
+an optimiser's retraction (a non-finite step, a new point with a factor that lost rank or a
+collapsed coordinate) or the exact geodesic (:class:`GeodesicLeftManifold`). Line searches reject
+such a trial step instead of failing (:class:`quotient_manifolds.geoopt.RiemannianLineSearch`).
+:class:`LogNotFound` says that no geodesic joins two points (the logarithm and the distance).
 """
 
 from __future__ import annotations

@@ -537,7 +537,6 @@ class GLFrame:
             y, _ = self.geometry.integrate_geodesic(self.x, self._in(u), steps=exact_steps)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
-
     def retraction_differential(self, u: Tensor, v: Tensor, method: Optional[str] = None) -> Tensor:
         r"""DR_x(u)[v], the derivative of the retraction at u along v, projected onto the horizontal
         space at y = R_x(u): the vector transport along the retraction whose inner product with

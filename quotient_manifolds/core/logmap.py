@@ -19,8 +19,8 @@ dist(x, y) = ‖ξ‖_x, the length of that geodesic.
   Jacobian of r is taken by finite differences along a basis of the horizontal space, all
   integrated in one batched call; each step is the minimum-norm least-squares solution, projected
   onto the horizontal space, halved until the residual falls (a trial that leaves the manifold is
-  halved too). It stops when ‖r‖_F ≤ ``tol``·‖G_y H_yᵀ‖_F, or at rounding level. The geodesic found is the one
-  Gauss–Newton reaches from ξ = 0 (the first step is the first-order solution
+  halved too). It stops when ‖r‖_F ≤ ``tol``·‖G_y H_yᵀ‖_F, or at rounding level. The geodesic
+  found is the one Gauss–Newton reaches from ξ = 0 (the first step is the first-order solution
   ξ_G Hᵀ + G ξ_Hᵀ = Y − G Hᵀ): for nearby points the minimising one, for far points perhaps a
   longer one, and beyond where the geodesics from x stay on the manifold (the mix metric is
   incomplete) none is found: :class:`~quotient_manifolds.core.errors.LogNotFound`.
@@ -196,6 +196,7 @@ def _component_distance(geometry, x: Tensor, y: Tensor) -> Tensor:
 #: relative residual of the invariant at which rounding dominates (float64 products of points of
 #: norm ~1): a shot that no step improves below it has converged as far as float64 allows
 ROUNDOFF = 1e-10
+
 
 def _gl_invariant(geometry: GLQuotientGeometry) -> Callable[[Tensor], Tensor]:
     def invariant(z: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from geoopt.optim import RiemannianSGD as _GeooptRiemannianSGD
 from geoopt.tensor import ManifoldParameter, ManifoldTensor
 
 from ..core.errors import StepTooLarge
+from ._base import CoreQuotientManifold
 
 __all__ = ["RiemannianSGD", "RiemannianLineSearch", "init_momentum_buffers"]
 
@@ -170,10 +171,15 @@ class RiemannianLineSearch(_GeooptRiemannianLineSearch):
     geoopt's search then fails with :class:`~quotient_manifolds.StepTooLarge` at its first trial
     (α = 1). Here such a trial is valued just above φ(0) (the next float): no decrease, so Armijo's
     and Wolfe's sufficient decrease conditions reject it, and the interpolation of both searches
-    (the quadratic through φ(0), φ'(0) and φ(α) ≈ φ(0)) tries about α/2 next. The parameters are left at x; the step sizes so
-    rejected are in :attr:`rejected_step_sizes`. Everything else, arguments included, is geoopt's.
-    A forced step (``step(closure, force_step=True)`` when no step size was found) that leaves the
-    manifold still raises.
+    (the quadratic through φ(0), φ'(0) and φ(α) ≈ φ(0)) tries about α/2 next. The parameters are
+    left at x; the step sizes so rejected are in :attr:`rejected_step_sizes`. A forced step
+    (``step(closure, force_step=True)`` when no step size was found) that leaves the manifold
+    still raises.
+
+    The Wolfe search's slope φ'(α) is taken with the differential of the retraction,
+    ⟨grad f(y), DR_x(αη)[η]⟩ (geoopt projects η at y, which misses the −αΓ(η, η) of the
+    second-order retraction's velocity). Everything else, arguments included, is geoopt's; the
+    closure returns a number (``loss.item()``), as scipy's searches need.
 
     Example
     -------
@@ -213,8 +219,8 @@ class RiemannianLineSearch(_GeooptRiemannianLineSearch):
         except StepTooLarge:
             # geoopt moves the parameters one by one: put back those it already moved
             with torch.no_grad():
-                for point, value in zip(self._params, start):
-                    point.copy_(value)
+                for point, saved in zip(self._params, start):
+                    point.copy_(saved)
             self.rejected_step_sizes.append(step_size)
             # just above φ(0): rejected even where α·φ'(0) is below φ(0)'s last digit
             value = math.nextafter(float(self._phi_at_zero), math.inf)
@@ -229,8 +235,6 @@ class RiemannianLineSearch(_GeooptRiemannianLineSearch):
         ``retraction_differential``), replacing geoopt's ⟨grad f(y), P_y(η)⟩: for the second-order
         retraction x + αη − ½α²Γ(η, η) the curve's velocity is η − αΓ(η, η), and the projected η
         missed the −αΓ term, so Wolfe's curvature condition judged the wrong slope."""
-        from ._base import CoreQuotientManifold
-
         for point, x in zip(self._params, start):
             manifold = getattr(point, "manifold", None)
             state = self.state[point]
