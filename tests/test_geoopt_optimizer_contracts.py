@@ -214,3 +214,21 @@ def test_init_momentum_buffers_on_geoopt_sgd_gives_torch_start(dampening):
     torch.testing.assert_close(x.detach(), ours.detach(), rtol=1e-12, atol=1e-14)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         init_momentum_buffers([x])
+
+
+@pytest.mark.parametrize("manifold", ["gl-inv", "rescaling-mix"])
+def test_manifold_parameter_torch_save_and_load(manifold):
+    """``torch.save`` of a ``ManifoldParameter`` loads back (``weights_only=False``: the file
+    holds the manifold object, so only for trusted files; torch's default ``weights_only=True``
+    refuses geoopt's rebuild function) as a parameter on an equal manifold, which then works."""
+    M = MANIFOLDS[manifold]()
+    x = _start(M)
+    M.proju(x.detach(), torch.ones_like(x))   # the manifold caches a frame: it must not matter
+    buffer = io.BytesIO()
+    torch.save(x, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded, geoopt.ManifoldParameter) and repr(loaded.manifold) == repr(M)
+    assert torch.equal(loaded.detach(), x.detach())
+    torch.testing.assert_close(loaded.manifold.proju(loaded.detach(), torch.ones_like(x)),
+                               M.proju(x.detach(), torch.ones_like(x)), rtol=0, atol=0)
