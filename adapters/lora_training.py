@@ -61,9 +61,11 @@ Two details of geoopt 0.5.1 would break the invariance and are handled here:
 
 * ``RiemannianSGD`` starts its momentum buffer with the *Euclidean* gradient (``grad.clone()``
   before ``egrad2rgrad``), a covector; its first step adds ``momentum · ∇`` to the Riemannian
-  gradient. Use :class:`InvariantRiemannianSGD` (the same optimizer with the buffer started from
-  the Riemannian gradient, as ``torch.optim.SGD`` starts from its gradient), or call
-  :func:`init_momentum_buffers` once after building a ``geoopt.optim.RiemannianSGD``.
+  gradient. Use :class:`InvariantRiemannianSGD` (the library's
+  :class:`~quotient_manifolds.geoopt.RiemannianSGD`: the buffer started from the Riemannian
+  gradient, as ``torch.optim.SGD`` starts from its gradient), or call
+  :func:`init_momentum_buffers` (:func:`quotient_manifolds.geoopt.init_momentum_buffers`) once
+  after building a ``geoopt.optim.RiemannianSGD``.
 * Both optimizers add ``weight_decay · x`` to the Euclidean gradient: ‖B‖² + ‖A‖² is not
   invariant (it pulls towards the balanced representative, not towards small ΔW). The group of
   points therefore carries ``weight_decay = 0``; for an invariant penalty add λ‖s B A‖²_F to the
@@ -95,7 +97,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from quotient_manifolds.core.gl import METRICS, RETRACTIONS
-from quotient_manifolds.geoopt import GLQuotient
+from quotient_manifolds.geoopt import GLQuotient, RiemannianSGD, init_momentum_buffers
 
 from . import validation as check
 from .detection import detect
@@ -354,33 +356,17 @@ def merge_back(model: nn.Module) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# momentum: start the buffer from the Riemannian gradient
+# momentum: the library's optimizer (one implementation of the buffer fix)
 # --------------------------------------------------------------------------------------------------
 
 
-def init_momentum_buffers(optimizer: "geoopt.optim.RiemannianSGD") -> None:
-    """Give every parameter of a ``geoopt.optim.RiemannianSGD`` with momentum a zero momentum buffer,
-    so that its first step sets ``buffer = 0·momentum + grad``, the Riemannian gradient (geoopt 0.5.1
-    starts from the Euclidean gradient, which breaks GL invariance: module docstring). Call it once,
-    before the first step; it leaves existing buffers alone."""
-    for group in optimizer.param_groups:
-        if group.get("momentum", 0) > 0:
-            for p in group["params"]:
-                state = optimizer.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-
-
-class InvariantRiemannianSGD(geoopt.optim.RiemannianSGD):
-    r"""``geoopt.optim.RiemannianSGD`` whose momentum buffer starts from the Riemannian gradient.
+class InvariantRiemannianSGD(RiemannianSGD):
+    r"""``geoopt.optim.RiemannianSGD`` whose momentum buffer starts from the Riemannian gradient:
+    :class:`quotient_manifolds.geoopt.RiemannianSGD` under the name the LoRA docs use.
 
     Same arguments and update (``buffer ← momentum · transp(buffer) + (1 − dampening) · grad``,
-    step ``−lr · buffer`` or Nesterov), except that the buffer of a new parameter is 0 instead of
-    geoopt's Euclidean ``grad.clone()``; for ``dampening = 0`` the first buffer is then the
-    Riemannian gradient, as in ``torch.optim.SGD``. With a GL-invariant metric the iterates are then
-    exactly equivariant (module docstring).
+    step ``−lr · buffer`` or Nesterov), except that the first buffer is the Riemannian gradient, as
+    in ``torch.optim.SGD``, instead of geoopt's Euclidean ``grad.clone()``. With a GL-invariant
+    metric the iterates are then exactly equivariant (module docstring). ``step(closure)`` works as
+    in torch.
     """
-
-    def step(self, closure=None):
-        init_momentum_buffers(self)
-        return super().step(closure)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 
 from ._validation import all_finite
+from .core.errors import GeodesicLeftManifold, StepTooLarge
 from .core.metrics import GLMetric
 
 Tensor = torch.Tensor
@@ -122,11 +123,6 @@ class FrameCache:
             raise StepTooLarge(step_too_large_message(geometry, err)) from err
 
 
-class StepTooLarge(ValueError):
-    """A retraction left the manifold: the new point has non-finite values or a factor that lost
-    rank. The step (the optimiser's learning rate times its direction) was too large."""
-
-
 def step_too_large_message(geometry, err: Exception) -> str:
     """What :class:`StepTooLarge` says: the reason, and how to take smaller steps per metric.
 
@@ -137,6 +133,18 @@ def step_too_large_message(geometry, err: Exception) -> str:
     reason = str(err).split(":")[0]
     return (f"step too large: the retraction left the manifold (at the new point, {reason}). "
             f"{_smaller_steps(geometry)}.")
+
+
+@contextmanager
+def step_advice(geometry, more: str = "") -> Iterator[None]:
+    """Run a move (a retraction, the exact geodesic); a :class:`GeodesicLeftManifold` it raises
+    comes out as one of the same type saying what to change (:func:`_smaller_steps`, then
+    ``more``)."""
+    try:
+        yield
+    except GeodesicLeftManifold as err:
+        raise GeodesicLeftManifold(f"step too large: {err}. {_smaller_steps(geometry)}."
+                                   + (f" {more}" if more else "")) from None
 
 
 def finite_step(geometry, name: str, step: Tensor) -> Tensor:

@@ -12,6 +12,8 @@ from .subalgebra import (
     SubalgebraGroup,
     TrivialGroup,
 )
+from .errors import GeodesicLeftManifold, LogNotFound
+from .logmap import LogResult, distance, log_map
 from .rescaling import (
     RescalingFrame,
     RescalingGeometry,
@@ -29,4 +31,5 @@ __all__ = [
     "GroupDerivation", "derive_algebra", "derive_group", "recognise_algebra", "RescalingFrame",
     "RescalingGeometry", "beta_along_geodesic", "diagonal_trust_region", "mix_geodesic_scale",
     "sharpness_inv_orthonormal_second_order", "sharpness_mix_orthonormal",
+    "GeodesicLeftManifold", "LogNotFound", "LogResult", "log_map", "distance",
 ]

@@ -27,13 +27,9 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
+from .errors import GeodesicLeftManifold
 from .groups import sym
 from .products import matmul
-
-
-class GeodesicLeftManifold(ValueError):
-    """A geodesic left the manifold (a factor lost full rank, or the closed form passed its end)
-    or diverged within the step asked for: the step is too long for this point."""
 
 if TYPE_CHECKING:  # pragma: no cover
     from .gl import GLFrame
@@ -145,6 +141,11 @@ class GLMetric:
         (docs/maths.md §8.3)."""
         raise NotImplementedError
 
+    def gl1_log_coefficient(self, ratio: Tensor) -> Tensor:
+        """The horizontal coefficient b whose GL(1) geodesic reaches β₁ = ratio·β₀ at t = 1, the
+        inverse of :meth:`gl1_beta_scale` at t = 1 (``ratio`` > 0: points of one component)."""
+        raise NotImplementedError
+
 
 class InvMetric(GLMetric):
     r"""The inv metric g_x(u, v) = tr(P⁻¹u_Gᵀv_G) + tr(Q⁻¹u_Hᵀv_H) (paper Eq. 9; Manopt
@@ -219,6 +220,10 @@ class InvMetric(GLMetric):
 
     def gl1_beta_scale(self, b: Tensor, t: float) -> Tensor:
         return torch.exp(2 * t * b)
+
+    def gl1_log_coefficient(self, ratio: Tensor) -> Tensor:
+        """b = ½ log(β₁/β₀)."""
+        return 0.5 * torch.log(ratio)
 
 
 class MixMetric(GLMetric):
@@ -318,3 +323,7 @@ class MixMetric(GLMetric):
 
     def gl1_beta_scale(self, b: Tensor, t: float) -> Tensor:
         return mix_geodesic_scale(b, t)
+
+    def gl1_log_coefficient(self, ratio: Tensor) -> Tensor:
+        """b = (β₁/β₀ − 1)/2: β is linear along the mix geodesic."""
+        return 0.5 * (ratio - 1)

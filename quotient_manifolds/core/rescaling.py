@@ -36,6 +36,26 @@ from .metrics import GLMetric
 Tensor = torch.Tensor
 
 
+def _check_representable(x: Tensor) -> None:
+    """Refuse a point whose u², v² or β² = (u v)² underflow in float64 (below its smallest normal
+    number): the metrics and the projection multiply these, and they would turn into 0 and then NaN
+    (a coordinate that an optimiser drove towards β = 0)."""
+    x64 = x.detach().to(torch.float64)
+    beta = x64[..., 0, :] * x64[..., 1, :]
+    tiny = torch.finfo(torch.float64).tiny
+    small = ((x64 * x64) < tiny).any(-2) | ((beta * beta) < tiny)
+    if bool(small.any()):
+        index = torch.nonzero(small)[0].tolist()
+        u, v = (float(x64[(*index[:-1], row, index[-1])]) for row in (0, 1))
+        raise ValueError(
+            f"x = [u; v] has β = u⊙v = {u * v:.3g} at index {index} (u = {u:.3g}, v = {v:.3g}): "
+            f"the metric's products of these underflow in float64 and would give NaN. The "
+            f"coordinate's β has collapsed towards 0: under metric='inv' β = 0 is infinitely far "
+            f"and the gradient along it vanishes, so an optimiser that overshoots towards it (e.g. "
+            f"Adam with a large learning rate) drives it there geometrically and it does not come "
+            f"back; use a smaller learning rate, or metric='mix'")
+
+
 class RescalingFrame:
     """Geometry of the rescaling quotient at one point x = [u; v], computed once."""
 
@@ -50,6 +70,8 @@ class RescalingFrame:
                     f"x = [u; v] has a zero entry at index {idx}: the rescaling quotient needs every "
                     f"uⁱ ≠ 0 and vⁱ ≠ 0 (the metrics are singular there); pass eps > 0 to use the "
                     f"relaxed metric (u² + ε in place of u²).")
+            if not geometry.eps:
+                _check_representable(x)
         self.geometry = geometry
         self.x = x
         self.gl: GLFrame = geometry.gl.frame(geometry.to_gl(x), check=False)
@@ -80,6 +102,10 @@ class RescalingFrame:
 
     def christoffel(self, u: Tensor, v: Optional[Tensor] = None) -> Tensor:
         return self._drop(self.gl.christoffel(self._lift(u), None if v is None else self._lift(v)))
+
+    def retraction_differential(self, u: Tensor, v: Tensor, method: Optional[str] = None) -> Tensor:
+        """As :meth:`GLFrame.retraction_differential` (the exact retraction: projection of v)."""
+        return self._drop(self.gl.retraction_differential(self._lift(u), self._lift(v), method))
 
     def horizontal_coefficient(self, u: Tensor) -> Tensor:
         """b with u = (b⊙u₀, b⊙v₀) for horizontal u; returns ξ_u/u (shape (..., d))."""
@@ -162,11 +188,22 @@ class RescalingGeometry:
         bu, bv = u[..., 0, :] / x[..., 0, :], u[..., 1, :] / x[..., 1, :]
         return self.gl_metric.gl1_geodesic(x, bu, bv, t)
 
-    def random_point(self, *batch: int, dtype=None, device=None, generator=None) -> Tensor:
+    def random_point(self, *batch: int, dtype=None, device=None, generator=None,
+                     signs: Optional[Tensor] = None) -> Tensor:
+        """Gaussian u and v; with ``signs`` (d entries ±1) the signs of v are set so that
+        β = u⊙v has those signs: a point of that component of the quotient (β cannot change sign
+        along a curve, so each sign pattern is a component)."""
         floating_dtype("dtype", dtype)
         optional_generator("generator", generator)
-        return torch.randn(batch_shape("batch", batch) + (2, self.d), dtype=dtype, device=device,
-                           generator=generator)
+        x = torch.randn(batch_shape("batch", batch) + (2, self.d), dtype=dtype, device=device,
+                        generator=generator)
+        if signs is None:
+            return x
+        signs = torch.as_tensor(signs, dtype=x.dtype, device=x.device)
+        if signs.shape != (self.d,) or not bool((signs.abs() == 1).all()):
+            raise ValueError(f"signs must hold d = {self.d} entries, each +1 or -1 (the signs of "
+                             f"β = u⊙v), got {signs.tolist()}")
+        return torch.stack((x[..., 0, :], x[..., 1, :].abs() * torch.sign(x[..., 0, :]) * signs), -2)
 
     def random_horizontal(self, x: Tensor, *, unit: bool = True, generator=None) -> Tensor:
         floating_tensor("x", x)

@@ -21,20 +21,13 @@ from geoopt.manifolds.base import Manifold
 from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
-from .._runtime import FrameCache, finite_step, small_work
+from .._runtime import FrameCache, finite_step, small_work, step_advice
 from .._validation import floating_dtype, floating_tensor, tangent
+from ..core.logmap import distance, log_map
 
 Tensor = torch.Tensor
 
 _small = small_work(lambda x: x.numel())  # the point's size decides the thread bound
-
-_NO_CLOSED_FORM = (
-    "{name}.{method} is not available: the quotient by the non-compact group {group} has no "
-    "closed-form Riemannian {what} (there is no Procrustes-style alignment of representatives as "
-    "for O(k) quotients; Manopt offers none either, docs/maths.md §A.7). Use the invariant "
-    "(e.g. G Hᵀ, or β = u⊙v) to compare points."
-)
-
 
 class CoreQuotientManifold(Manifold):
     r"""geoopt :class:`~geoopt.manifolds.base.Manifold` delegating to a core quotient geometry.
@@ -97,10 +90,6 @@ class CoreQuotientManifold(Manifold):
     @property
     def eps(self) -> float:
         return self.geometry.eps
-
-    def _not_available(self, method: str, what: str):
-        return NotImplementedError(_NO_CLOSED_FORM.format(
-            name=type(self).__name__, method=method, group=self._group, what=what))
 
     # ------------------------------------------------------------------ checks
     def _check_shape(self, shape: Tuple[int], name: str) -> Tuple[bool, Optional[str]]:
@@ -175,12 +164,16 @@ class CoreQuotientManifold(Manifold):
     def retr(self, x: Tensor, u: Tensor) -> Tensor:
         """The retraction chosen at construction (core ``frame.retract``, docs/maths.md §5.1).
         Raises :class:`~quotient_manifolds.StepTooLarge` if the new point is off the manifold."""
-        return self._checked_step(self._frame(x).retract(self._step(x, u)))
+        with step_advice(self.geometry):
+            return self._checked_step(self._frame(x).retract(self._step(x, u)))
 
     @_small
     def expmap(self, x: Tensor, u: Tensor) -> Tensor:
-        """Exact geodesic at t = 1 (core ``frame.retract(u, "exact")``)."""
-        return self._checked_step(self._frame(x).retract(self._step(x, u), "exact"))
+        """Exact geodesic at t = 1 (core ``frame.retract(u, "exact")``). Raises
+        :class:`~quotient_manifolds.StepTooLarge` (a ``GeodesicLeftManifold``) if the geodesic
+        leaves the manifold before t = 1."""
+        with step_advice(self.geometry):
+            return self._checked_step(self._frame(x).retract(self._step(x, u), "exact"))
 
     def _checked_step(self, y: Tensor) -> Tensor:
         """``y`` after validating it (and caching its frame: the next step starts there)."""
@@ -208,12 +201,22 @@ class CoreQuotientManifold(Manifold):
     def transp_follow_expmap(self, x: Tensor, u: Tensor, v: Tensor) -> Tensor:
         return self.transp(x, self.expmap(x, u), v)
 
-    # ------------------------------------------------------------------ no closed form
-    def dist(self, x: Tensor, y: Tensor, *, keepdim=False) -> Tensor:
-        raise self._not_available("dist", "distance")
-
+    # ------------------------------------------------------------------ logarithm and distance
+    @_small
     def logmap(self, x: Tensor, y: Tensor) -> Tensor:
-        raise self._not_available("logmap", "logarithm")
+        """log_x(y): the horizontal vector at x whose geodesic (:meth:`expmap`) reaches the orbit of
+        y (core :func:`~quotient_manifolds.core.logmap.log_map`: closed form on the rescaling
+        quotient with ε = 0, shooting along the integrated geodesic otherwise). Raises
+        :class:`~quotient_manifolds.core.errors.LogNotFound` when no geodesic is found (points too
+        far apart, or in different components)."""
+        return log_map(self.geometry, x, self._tangent(x, y, "y", "x")).vector
+
+    @_small
+    def dist(self, x: Tensor, y: Tensor, *, keepdim=False) -> Tensor:
+        """dist(x, y) = ‖log_x(y)‖_x (core :func:`~quotient_manifolds.core.logmap.distance`; ∞
+        between components of the rescaling quotient); ``keepdim=True`` gives ``(..., 1, 1)``."""
+        d = distance(self.geometry, x, self._tangent(x, y, "y", "x"))
+        return d[..., None, None] if keepdim else d
 
     # ------------------------------------------------------------------ sampling
     def random(self, *size, dtype=None, device=None, generator=None) -> ManifoldTensor:

@@ -44,7 +44,9 @@ class GLQuotient(CoreQuotientManifold):
         ``proju``/``egrad2rgrad`` and ``dim``, depend on it.
 
     ``expmap`` is the exact geodesic (integrated), ``transp`` the projection onto the horizontal
-    space at the new point, ``projx`` the identity; ``dist``/``logmap`` raise NotImplementedError.
+    space at the new point, ``projx`` the identity; ``logmap`` solves for the geodesic from x to
+    the orbit of y by shooting along that integrated geodesic and ``dist`` is its length (group
+    GL(h) only; :func:`~quotient_manifolds.core.logmap.log_map`).
     """
 
     name = "GLQuotient"

@@ -34,7 +34,9 @@ class RescalingQuotient(CoreQuotientManifold):
     eps : relaxation ε ≥ 0 (u² + ε in place of u²); needed if a coordinate can be 0.
 
     ``expmap`` is the exact geodesic (closed form for ε = 0; the mix one needs a horizontal vector
-    and 1 + 2b > 0), ``transp`` the projection at the new point, ``projx`` the identity.
+    and 1 + 2b > 0), ``transp`` the projection at the new point, ``projx`` the identity,
+    ``logmap``/``dist`` in closed form for ε = 0 (b = ½ log(β₁/β₀) for inv, (β₁/β₀ − 1)/2 for mix;
+    dist = ∞ between points whose β differ in sign).
     """
 
     name = "RescalingQuotient"

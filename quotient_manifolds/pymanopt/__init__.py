@@ -3,10 +3,11 @@ with ``point_layout=2`` that convert numpy ↔ torch and delegate to :mod:`quoti
 (docs/maths.md §A.5–§A.8). Importing this subpackage imports pymanopt."""
 
 from ._tangent import GLPoint, GLTangentVector, RescalingPoint, RescalingTangentVector
+from .diagnostics import patched_diagnostics
 from .gl_quotient import GLQuotient
 from .rescaling import RescalingQuotient
 
 __all__ = [
     "GLQuotient", "RescalingQuotient", "GLPoint", "GLTangentVector", "RescalingPoint",
-    "RescalingTangentVector",
+    "RescalingTangentVector", "patched_diagnostics",
 ]

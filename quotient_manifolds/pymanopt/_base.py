@@ -21,17 +21,11 @@ import numpy as np
 import torch
 from pymanopt.manifolds.manifold import Manifold
 
-from .._runtime import FrameCache, StepTooLarge, finite_step, small_work
+from .._runtime import FrameCache, StepTooLarge, finite_step, small_work, step_advice
+from ..core.logmap import distance, log_map
 from ._tangent import PairConverter
 
 _small = small_work(lambda point: sum(np.size(part) for part in point))
-
-_NO_CLOSED_FORM = (
-    "{name}.{method} is not available: the quotient by the non-compact group {group} has no "
-    "closed-form Riemannian {what} (no Procrustes-style alignment of representatives as for O(k) "
-    "quotients; Manopt has none either, docs/maths.md §A.7)."
-)
-
 
 #: What a pymanopt user can do about a step that left the manifold: pymanopt's optimisers choose
 #: the step themselves, and their line searches do not take back a retraction that raises.
@@ -139,10 +133,6 @@ class CoreQuotientManifold(Manifold):
     def _generator() -> torch.Generator:
         return torch.Generator().manual_seed(int(np.random.randint(0, 2 ** 62)))
 
-    def _not_available(self, method: str, what: str):
-        return NotImplementedError(_NO_CLOSED_FORM.format(
-            name=type(self).__name__, method=method, group=self._group, what=what))
-
     # ------------------------------------------------------------------ metric
     @_small
     def inner_product(self, point, tangent_vector_a, tangent_vector_b) -> float:
@@ -192,13 +182,17 @@ class CoreQuotientManifold(Manifold):
     def retraction(self, point, tangent_vector):
         """The retraction chosen at construction (core ``frame.retract``)."""
         step = self._step(tangent_vector)
-        return self._checked_step(self._frame(point).retract(step), step)
+        with step_advice(self.geometry, _PYMANOPT_STEPS):
+            y = self._frame(point).retract(step)
+        return self._checked_step(y, step)
 
     @_small
     def exp(self, point, tangent_vector):
         """The exact geodesic at t = 1 (core ``frame.retract(·, "exact")``)."""
         step = self._step(tangent_vector)
-        return self._checked_step(self._frame(point).retract(step, "exact"), step)
+        with step_advice(self.geometry, _PYMANOPT_STEPS):
+            y = self._frame(point).retract(step, "exact")
+        return self._checked_step(y, step)
 
     @_small
     def transport(self, point_a, point_b, tangent_vector_a):
@@ -224,9 +218,21 @@ class CoreQuotientManifold(Manifold):
     def zero_vector(self, point):
         return self._vec(self.geometry.zero_vector(self._t(point)))
 
-    # ------------------------------------------------------------------ no closed form
-    def dist(self, point_a, point_b):
-        raise self._not_available("dist", "distance")
-
+    # ------------------------------------------------------------------ logarithm and distance
+    @_small
     def log(self, point_a, point_b):
-        raise self._not_available("log", "logarithm")
+        """log_a(b), horizontal at ``point_a`` (core :func:`~quotient_manifolds.core.logmap.log_map`:
+        closed form on the rescaling quotient with ε = 0, shooting otherwise); raises
+        :class:`~quotient_manifolds.core.errors.LogNotFound` when no geodesic is found."""
+        return self._vec(log_map(self.geometry, self._t(point_a, "point_a"),
+                                 self._t(point_b, "point_b")).vector)
+
+    def pair_mean(self, point_a, point_b):
+        """The midpoint of the geodesic from a to b, exp_a(½ log_a(b)) (NelderMead's centroid)."""
+        return self.exp(point_a, 0.5 * self.log(point_a, point_b))
+
+    @_small
+    def dist(self, point_a, point_b) -> float:
+        """‖log_a(b)‖_a (core :func:`~quotient_manifolds.core.logmap.distance`; ∞ between
+        components of the rescaling quotient)."""
+        return float(distance(self.geometry, self._t(point_a, "point_a"), self._t(point_b, "point_b")))

@@ -29,7 +29,8 @@ class GLQuotient(CoreQuotientManifold):
 
     Dimension (n+m)h − dim(group) ((n+m)h − h² for GL(h)), ``typical_dist`` = 10h (Manopt's ``typicaldist = 10k``).
     ``exp`` is the exact (numerically integrated) geodesic, ``transport`` the projection at the
-    target point; ``dist`` and ``log`` raise NotImplementedError (no closed form).
+    target point; ``log`` shoots along that geodesic to the orbit of the second point and
+    ``dist`` is its length (group GL(h) only; :func:`~quotient_manifolds.core.logmap.log_map`).
     """
 
     _point_cls = GLPoint
