@@ -2,7 +2,8 @@
 (``layout``, verified by ``Layout.verify`` and accepted by ``accept_layout``) and adaptive / geodesic
 sharpness posed as Riemannian maximisation over a geodesic ball (``sharpness``), with the radius
 calibrated (``calibrate_rho``), over many processes (``distributed_sharpness``), as a Hessian
-(``riemannian_hessian``, needs curvlinops), as an optimizer (``GeodesicSAM``) and for LoRA training.
+(``riemannian_hessian``, needs curvlinops), as an optimizer (``GeodesicSAM``) and for LoRA training;
+and Petzka et al.'s relative flatness of one layer (``relative_flatness``), for comparison.
 
 This namespace holds what a user calls. The extension API lives in the submodules: model families
 (``adapters.families``: ``Family``, ``register_family``), blocks (``adapters.blocks``: ``GLBlock``,
@@ -26,6 +27,7 @@ from .ball import GEOMETRIES
 from .worst_case import SharpnessResult, sharpness, sharpness_sweep
 from .calibration import RhoCalibration, calibrate_rho
 from .distributed import distributed_sharpness
+from .flatness import RelativeFlatness, relative_flatness
 from .lora_training import InvariantRiemannianSGD, lora_quotient_parameters, merge_back
 from .sam import SAM_GEOMETRIES, GeodesicSAM
 from . import blocks, families, solver  # noqa: F401  (the extension API's modules, as attributes)
@@ -34,7 +36,8 @@ __all__ = [
     "layout", "Layout", "detect", "declare_block", "accept_layout", "VerifyReport", "SymmetryError",
     "sharpness", "sharpness_sweep", "SharpnessResult", "GEOMETRIES", "MEASURES", "next_token_loss",
     "calibrate_rho", "RhoCalibration", "distributed_sharpness", "GeodesicSAM", "SAM_GEOMETRIES",
-    "InvariantRiemannianSGD", "lora_quotient_parameters", "merge_back",
+    "InvariantRiemannianSGD", "lora_quotient_parameters", "merge_back", "relative_flatness",
+    "RelativeFlatness",
 ]
 
 #: Names served by a module with an optional dependency, imported on first use (PEP 562) so that
