@@ -157,7 +157,7 @@ PAPER_MAX_EPOCHS = 8
 PAPER_SHARP_POINTS = 64
 #: measures of the population run; the ablations, the Andriushchenko baseline and the ρ sweep are
 #: a second pass from the checkpoints (module docstring, "Plan")
-PAPER_MEASURES = tuple(M.MAIN)
+PAPER_MEASURES = M.MAIN + M.FLATNESS
 PAPER_POINTS: Dict[str, int] = {}
 #: ρ the calibration starts from (pilot: the converged model gave 0.09 / 0.69 / 0.15 nats at
 #: ρ = 0.3 / 0.1 / 0.05; S ∝ ρ² near a minimum puts 3 nats near these)
@@ -235,7 +235,7 @@ def paper_defaults(quick: bool, synthetic: bool, population: str = "seeds") -> D
         c.update(train_size=192, test_size=96, sharp_points=16, sharp_batch=8, n_iters=3,
                  rho_sweep=[2.0], models=4, measures=list(M.DEFAULT_MEASURES))
         if not synthetic:  # the 22.6M-weight model even at 1 layer: fewer measures, loose target
-            c.update(layers=1, max_length=32, measures=list(M.MAIN), rho_sweep=[], models=3,
+            c.update(layers=1, max_length=32, measures=list(M.MAIN + M.FLATNESS), rho_sweep=[], models=3,
                      target_train_error=0.3)
         if population == "seeds":
             c.update(max_epochs=4 if synthetic else 2, batch_size=16)

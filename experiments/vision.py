@@ -76,9 +76,9 @@ PROTOCOLS = ("finetune", "scratch")
 #: coarse pretraining task: Fashion-MNIST class -> group (upper body / trouser / dress / shoes / bag)
 COARSE = (0, 1, 0, 2, 0, 3, 0, 3, 4, 3)
 #: measures of the fine-tune protocol: the main three, the paper's adaptive baseline, the exact
-#: mix geodesic, the ablations, and the curvature measures (experiments/measures.py)
+#: mix geodesic, the ablations, the curvature measures and relative flatness (experiments/measures.py)
 FINETUNE_MEASURES = (M.MAIN + ("adaptive-andriushchenko", "mix-exact") + M.ABLATIONS
-                     + tuple(M.CURVATURE))
+                     + M.AT_WEIGHTS)
 #: knobs whose R² the report gives (label, hparams key, transform)
 KNOBS = (("log lr", "lr", "log"), ("log weight decay", "weight_decay", "log"),
          ("epochs", "epochs", "linear"), ("label smoothing", "label_smoothing", "categorical"),

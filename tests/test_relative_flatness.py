@@ -248,3 +248,32 @@ def test_half_precision_and_empty_batches_are_refused():
         adapters.relative_flatness(mlp().half(), data(), layer="2")
     with pytest.raises(ValueError, match="empty"):
         adapters.relative_flatness(mlp(), [], layer="2")
+
+
+def test_the_studies_measure_it_at_the_trained_weights_beside_sharpness():
+    """experiments.measures: relative flatness has no ρ (not in the plan, the curvature points);
+    its entry is adapters.relative_flatness of the output layer; the paired Δτ views hold it at
+    the calibrated ρ only (no sweep radii)."""
+    from quotient_manifolds.experiments import measures as M
+    from quotient_manifolds.experiments.population_summary import _paired_views
+
+    config = dict(sharp_points=512, rho=dict(adaptive=1.0, inv=0.5, mix=0.1), points=dict(hessian=64))
+    assert M.parse_measures("adaptive,relative-flatness") == ("adaptive", "relative-flatness")
+    assert M.plan(["adaptive", "relative-flatness"], config["rho"], [0.1]) == [("adaptive", 1.0),
+                                                                              ("adaptive", 0.1)]
+    assert M.points_of(config, "relative-flatness") == 64
+    net = nn.Sequential()
+    net.add_module("body", nn.Linear(4, 8)), net.add_module("act", nn.ReLU())
+    net.add_module("head", nn.Linear(8, 3))
+    net, batches = net.double(), data()
+    (entry,) = M.run_flatness(net, batches)
+    assert entry["measure"] == "relative-flatness" and entry["rho"] == 0.0 and entry["n_points"] == 12
+    assert entry["layer"] == "head" and entry["method"] == "exact"
+    assert entry["value"] == adapters.relative_flatness(net, batches, layer="head").value
+    records = [dict(sharpness=[dict(measure="adaptive", rho=r, value=float(i + r)) for r in (1.0, 0.1, 10.0)]
+                    + [dict(measure="relative-flatness", rho=0.0, value=float(i))], metrics={})
+               for i in range(4)]
+    views = {name: cols for name, _, _, cols in _paired_views(records, ["adaptive", "relative-flatness"],
+                                                            {"adaptive": 1.0, "relative-flatness": 0.0})}
+    assert set(views["calibrated ρ"]) == {"adaptive", "relative-flatness"}
+    assert set(views["ρ × 0.1"]) == set(views["ρ × 10"]) == {"adaptive"}
