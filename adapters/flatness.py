@@ -71,6 +71,9 @@ REDUCTIONS = ("mean", "sum")
 HEAD_NAMES = ("classifier", "score", "lm_head", "head", "fc")
 #: ``method="auto"`` computes κ exactly when the layer's Hessian, (m·n)², has at most this many entries
 EXACT_LIMIT = 10 ** 7
+#: Hessian-vector products run as one vectorised backward of at most 64 directions and this many
+#: entries together (the backward's intermediate tensors grow with the number of directions)
+CHUNK_ENTRIES = 2 ** 22
 
 
 @dataclass(frozen=True)
@@ -186,17 +189,18 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
                                       batch_size_fn, weight.device, False)
     rows = weight.T if proj.transposed else weight            # W ∈ R^{m×n}, rows per output unit
     factor = _gram_factor(rows)                               # G = F Fᵀ, F ∈ R^{m×r}
+    chunk = max(1, min(64, CHUNK_ENTRIES // (m * n)))
     if method == "exact":
-        probes = _unit_probes(factor, n)
+        probes = _unit_probes(factor, n, chunk)
         n_products = factor.shape[1] * n
     else:
-        probes = _rademacher_probes(factor, n, n_probes, seed)
+        probes = _rademacher_probes(factor, n, n_probes, seed, chunk)
         n_products = n_probes
 
     name = join_path(proj.path, "weight")
     closure = ModelClosure(model, {name: weight}, {}, lambda points: {name: points[0]}, None, False)
     # quad[b, k] = ⟨U_k, H_b[U_k]⟩ for batch b and direction k
-    quad = torch.zeros(len(data), n_products, dtype=torch.float64)
+    quad = torch.zeros(len(data), n_products, dtype=torch.float64, device=weight.device)
     loss_total = 0.0
     with second_order_mode(model):
         for b, (inputs, targets, batch_loss_fn, c_b) in enumerate(data):
@@ -211,12 +215,13 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
             (grad,) = torch.autograd.grad(loss, leaf, create_graph=True)
             if not grad.requires_grad:        # the loss is linear in W: H = 0
                 continue
-            for k, U in enumerate(probes()):
-                U = U.T if proj.transposed else U
-                (hvp,) = torch.autograd.grad(grad, leaf, grad_outputs=U.to(leaf.dtype),
-                                             retain_graph=True, allow_unused=True)
-                if hvp is not None:
-                    quad[b, k] = (U.double() * hvp.double()).sum()
+            k = 0
+            for U in probes():                # a chunk of directions (c, m, n)
+                stored = (U.mT if proj.transposed else U).to(leaf.dtype)
+                hvp = _hvps(grad, leaf, stored)
+                quad[b, k:k + len(U)] = (stored.double() * hvp.double()).sum((1, 2))
+                k += len(U)
+    quad = quad.cpu()
     weights = torch.tensor([d[3] for d in data], dtype=torch.float64)
     if method == "exact":
         per_batch = quad.sum(1)
@@ -285,27 +290,48 @@ def _gram_factor(rows: Tensor) -> Tensor:
     return V * lam.clamp_min(0.0).sqrt()
 
 
-def _unit_probes(factor: Tensor, n: int) -> Callable[[], Iterable[Tensor]]:
-    """The directions F_k e_jᵀ (k < r, j < n) of the exact form, made one at a time."""
+def _hvps(grad: Tensor, leaf: Tensor, directions: Tensor) -> Tensor:
+    """H[U] for a stack of directions U (c, *leaf.shape), H the Jacobian of ``grad`` with respect
+    to ``leaf``: one vectorised backward (``is_grads_batched``), or one backward per direction
+    where an operation of the graph has no batching rule."""
+    try:
+        (hvp,) = torch.autograd.grad(grad, leaf, grad_outputs=directions, retain_graph=True,
+                                     allow_unused=True, is_grads_batched=True)
+    except RuntimeError:
+        hvp = torch.stack([_hvp(grad, leaf, U) for U in directions])
+    return torch.zeros_like(directions) if hvp is None else hvp
+
+
+def _hvp(grad: Tensor, leaf: Tensor, direction: Tensor) -> Tensor:
+    (hvp,) = torch.autograd.grad(grad, leaf, grad_outputs=direction, retain_graph=True, allow_unused=True)
+    return torch.zeros_like(direction) if hvp is None else hvp
+
+
+def _unit_probes(factor: Tensor, n: int, chunk: int) -> Callable[[], Iterable[Tensor]]:
+    """The directions F_k e_jᵀ (k < r, j < n) of the exact form, ``chunk`` at a time (c, m, n)."""
+    pairs = [(k, j) for k in range(factor.shape[1]) for j in range(n)]
+
     def probes() -> Iterable[Tensor]:
-        for k in range(factor.shape[1]):
-            for j in range(n):
-                U = torch.zeros(factor.shape[0], n, dtype=factor.dtype, device=factor.device)
-                U[:, j] = factor[:, k]
-                yield U
+        for start in range(0, len(pairs), chunk):
+            block = pairs[start:start + chunk]
+            U = torch.zeros(len(block), factor.shape[0], n, dtype=factor.dtype, device=factor.device)
+            for i, (k, j) in enumerate(block):
+                U[i, :, j] = factor[:, k]
+            yield U
     return probes
 
 
-def _rademacher_probes(factor: Tensor, n: int, count: int, seed: Optional[int]
+def _rademacher_probes(factor: Tensor, n: int, count: int, seed: Optional[int], chunk: int
                        ) -> Callable[[], Iterable[Tensor]]:
-    """``count`` directions F Z with Rademacher Z ∈ {±1}^{r×n}, the same for every batch (drawn
-    on the CPU from a generator of their own, so that every device draws the same probes)."""
+    """``count`` directions F Z with Rademacher Z ∈ {±1}^{r×n}, the same for every batch, ``chunk``
+    at a time (drawn on the CPU from a generator of their own, so that every device draws the
+    same probes)."""
     generator = torch.Generator()
     generator.manual_seed(int(torch.randint(0, 2 ** 62, ()).item()) if seed is None else seed)
     signs = torch.randint(0, 2, (count, factor.shape[1], n), generator=generator)
     Z = (2.0 * signs - 1.0).to(factor.dtype)
 
     def probes() -> Iterable[Tensor]:
-        for k in range(count):
-            yield factor @ Z[k].to(factor.device)
+        for start in range(0, count, chunk):
+            yield factor @ Z[start:start + chunk].to(factor.device)
     return probes

@@ -49,6 +49,7 @@ def main(argv=None) -> None:
     from quotient_manifolds import adapters
 
     torch.set_num_threads(args.threads)
+    torch.manual_seed(0)                      # the fresh classifier head
     model = build("minilm", "cpu")
     inputs, targets = batch(model, args.batch, args.seq, "cpu")
     batches = [(inputs, targets)]

@@ -277,3 +277,25 @@ def test_the_studies_measure_it_at_the_trained_weights_beside_sharpness():
                                                             {"adaptive": 1.0, "relative-flatness": 0.0})}
     assert set(views["calibrated ρ"]) == {"adaptive", "relative-flatness"}
     assert set(views["ρ × 0.1"]) == set(views["ρ × 10"]) == {"adaptive"}
+
+
+def test_one_backward_per_direction_where_vectorising_fails(monkeypatch):
+    from quotient_manifolds.adapters import flatness
+
+    model, batches = mlp(), data()
+    want = adapters.relative_flatness(model, batches, layer="2").value
+    grad = torch.autograd.grad
+
+    def unbatched(*args, **kwargs):
+        if kwargs.get("is_grads_batched"):
+            raise RuntimeError("no batching rule")
+        return grad(*args, **kwargs)
+
+    monkeypatch.setattr(flatness.torch.autograd, "grad", unbatched)
+    assert adapters.relative_flatness(model, batches, layer="2").value == pytest.approx(want, rel=1e-12)
+
+
+def test_a_loss_linear_in_the_layer_has_zero_kappa():
+    model, batches = mlp(), data()
+    res = adapters.relative_flatness(model, batches, layer="4", loss_fn=lambda out, y: out.sum())
+    assert res.value == 0.0 and res.per_batch == [0.0, 0.0]
