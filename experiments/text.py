@@ -118,7 +118,8 @@ Small protocol (``--protocol small``, the earlier study)
   (64), 10 Auto-PGD iterations, model in eval mode. Measures: adaptive, geodesic-inv,
   geodesic-mix, the ablations inv/mix-no-gamma and inv/mix-no-metric-norm, plus the ρ sweep
   (×1/3, ×3) of the three main ones; each measure costs ~20 s per model on one thread (13
-  measures: ~4.5 min).
+  measures: ~4.5 min). Relative flatness (Petzka et al.'s κ of the 2×384 classifier head, exact)
+  at the trained weights beside them; the paper protocol measures it with the main three.
 
 ``--quick`` runs either protocol small (192 train / 96 test sentences, 16 points, 3 iterations;
 the paper protocol's real-data quick run uses 1 layer and a loose 30 % target, its ``--synthetic``
