@@ -149,8 +149,7 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
     -------
     >>> import torch
     >>> from quotient_manifolds import adapters
-    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-    <...>
+    >>> _ = torch.manual_seed(0)
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     >>> batches = [(torch.randn(16, 4), torch.randint(0, 3, (16,)))]
     >>> res = adapters.relative_flatness(model, batches, layer="2")

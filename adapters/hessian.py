@@ -354,7 +354,7 @@ def riemannian_hessian(model: torch.nn.Module,
         no_params=("the Hessian is taken with respect to the trainable weights; set requires_grad=True on "
                    "the weights to include"))
     data, num_data = weighted_batches(tokens, batches, loss_fn, reduction, batch_size_fn,
-                                       next(iter(params0.values())).device, upcast)
+                                      next(iter(params0.values())).device, upcast)
     if geodesic:           # a geodesic number never comes from an unverified block (adapters.gate)
         layout = gate.accept(data[0][0], stacklevel=2)
     ball, write_back = ball_of(params0, geometry=geometry, layout=layout, gram_eps=gram_eps)
