@@ -168,13 +168,14 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
 
 def _population_figures(out_dir: str, study: str, taus: _PopulationTaus, measures: Sequence[str],
                         curvature: Sequence[str], tag: str, logx: bool, logy: bool) -> None:
-    """fig_scatter.png (the target against each measure at its main ρ) and, with curvature
-    measures, fig_curvature.png."""
+    """fig_scatter.png (the target against each measure at its main ρ; none for a pass that
+    measures only at the trained weights) and, with curvature measures, fig_curvature.png."""
     used, target = taus.used, taus.target
-    _fig_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
-                 [(m, taus.default_rho[m]) for m in measures], target, taus.taus,
-                 f"{study}: {TARGET_LABEL.get(target, target)} vs sharpness ({len(used)} models)"
-                 + tag, logx, logy)
+    if measures:
+        _fig_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
+                     [(m, taus.default_rho[m]) for m in measures], target, taus.taus,
+                     f"{study}: {TARGET_LABEL.get(target, target)} vs sharpness ({len(used)} models)"
+                     + tag, logx, logy)
     if curvature:
         _fig_scatter(os.path.join(out_dir, "fig_curvature.png"), used,
                      [(m, 0.0) for m in curvature], target, taus.taus,

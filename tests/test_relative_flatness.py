@@ -299,3 +299,20 @@ def test_a_loss_linear_in_the_layer_has_zero_kappa():
     model, batches = mlp(), data()
     res = adapters.relative_flatness(model, batches, layer="4", loss_fn=lambda out, y: out.sum())
     assert res.value == 0.0 and res.per_batch == [0.0, 0.0]
+
+
+def test_a_report_of_a_pass_with_relative_flatness_alone(tmp_path):
+    """A second pass that measures only at the trained weights has no sharpness to plot: its
+    report holds the curvature table (it failed on an empty figure before)."""
+    pytest.importorskip("matplotlib")
+    from quotient_manifolds.experiments.population_summary import population_report
+
+    records = [dict(model_id=i, hparams=dict(seed=i, lr=1e-4 * (i + 1)),
+                    metrics=dict(gap=0.1 * i, train_loss=0.5 - 0.01 * i),
+                    sharpness=[dict(measure="relative-flatness", rho=0.0, value=1.0 + i % 3, n_points=8)])
+               for i in range(5)]
+    summary = population_report(str(tmp_path), "text", dict(models=5), "hash", records, target="gap", main=[],
+                                default_rho={"relative-flatness": 0.0}, curvature=["relative-flatness"],
+                                flatness=["relative-flatness"], n_boot=50)
+    assert set(summary["curvature"]) == {"relative-flatness"}
+    assert (tmp_path / "fig_curvature.png").stat().st_size > 0 and not (tmp_path / "fig_scatter.png").exists()
