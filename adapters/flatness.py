@@ -78,27 +78,25 @@ CHUNK_ENTRIES = 2 ** 22
 
 @dataclass(frozen=True)
 class RelativeFlatness:
-    """The relative flatness κ(W) of one layer (:func:`relative_flatness`).
+    """The relative flatness κ(W) of one layer (:func:`relative_flatness`)."""
 
-    Attributes
-    ----------
-    value: κ(W) of the loss over all batches (Σ_b c_b ``per_batch[b]``).
-    per_batch: κ of each batch's own loss L_b, in the order of the batches.
-    layer: the module path of the layer; shape: (m, n) of W, rows per output unit.
-    method: ``"exact"`` or ``"stochastic"``.
-    n_products: Hessian-vector products per batch (r·n exact; the number of probes stochastic).
-    std_error: standard error of ``value`` over the probes (0.0 for ``"exact"``).
-    loss: the loss L at the trained weights; num_data: N, the number of data points.
-    """
-
+    #: κ(W) of the loss over all batches: Σ_b c_b ``per_batch[b]`` (c_b = |b|/N, or 1 for ``"sum"``)
     value: float
+    #: κ of each batch's own loss L_b, in the order of the batches
     per_batch: List[float]
+    #: the module path of the layer
     layer: str
+    #: (m, n) of W, one row per output unit (an HF ``Conv1D``'s weight transposed)
     shape: Tuple[int, int]
+    #: ``"exact"`` or ``"stochastic"``
     method: str
+    #: Hessian-vector products per batch: min(m, n)·n exact, the number of probes stochastic
     n_products: int
+    #: standard error of ``value`` over the probes (0.0 for ``"exact"``)
     std_error: float
+    #: the loss L at the trained weights
     loss: float
+    #: N, the number of data points
     num_data: int
 
 
