@@ -214,9 +214,9 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
                 continue
             k = 0
             for U in probes():                # a chunk of directions (c, m, n)
-                stored = (U.mT if proj.transposed else U).to(leaf.dtype)
+                stored = U.mT if proj.transposed else U
                 hvp = _hvps(grad, leaf, stored)
-                quad[b, k:k + len(U)] = (stored.double() * hvp.double()).sum((1, 2))
+                quad[b, k:k + len(U)] = (stored * hvp).sum((1, 2), dtype=torch.float64)
                 k += len(U)
     quad = quad.cpu()
     weights = torch.tensor([d[3] for d in data], dtype=torch.float64)
@@ -277,14 +277,15 @@ def _layer(model: nn.Module, layer: Optional[str]) -> Projection:
 
 
 def _gram_factor(rows: Tensor) -> Tensor:
-    """F with F Fᵀ = W Wᵀ and r = min(m, n) columns, in float64: W itself when n ≤ m (no m×m Gram
-    matrix: m may be a vocabulary), else V Λ^{1/2} of the eigendecomposition of G = W Wᵀ."""
-    W = rows.double()
-    m, n = W.shape
+    """F with F Fᵀ = W Wᵀ and r = min(m, n) columns, in W's dtype: W itself when n ≤ m (no copy,
+    no m×m Gram matrix: m may be a vocabulary), else V Λ^{1/2} of the eigendecomposition of
+    G = W Wᵀ (in float64)."""
+    m, n = rows.shape
     if n <= m:
-        return W
+        return rows
+    W = rows.double()
     lam, V = torch.linalg.eigh(W @ W.T)
-    return V * lam.clamp_min(0.0).sqrt()
+    return (V * lam.clamp_min(0.0).sqrt()).to(rows.dtype)
 
 
 def _hvps(grad: Tensor, leaf: Tensor, directions: Tensor) -> Tensor:
