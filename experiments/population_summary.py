@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .measures import is_exact, main_measure_of
+from .measures import FLATNESS, is_exact, main_measure_of
 from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, measures_of,
                         metric_ranges, paired_section, rhos_of, tau_for, value_of, write_summary)
 from .runner import display_path
@@ -251,11 +251,16 @@ def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float]
 def _curvature_section(taus: _PopulationTaus, curvature: Sequence[str], control: Optional[str],
                        summary: Dict[str, Any]) -> List[str]:
     summary["curvature"] = {}
-    lines = ["## Curvature at the trained weights (adapters.hessian, adapters.relative_flatness)", "",
-             "Trace and largest eigenvalue of the Riemannian Hessian on the quotient (inv / "
-             "mix metric on the GL blocks, adaptive metric elsewhere; docs/maths.md §4) and "
-             "of the Euclidean Hessian (not GL-invariant); relative flatness (Petzka et al. 2021) "
-             "of the output layer, κ = Σ ⟨w_s, w_s'⟩ Tr H_{s,s'}; on the first "
+    what = ([] if all(m in FLATNESS for m in curvature) else
+            ["trace and largest eigenvalue of the Riemannian Hessian on the quotient (inv / mix metric "
+             "on the GL blocks, adaptive metric elsewhere; docs/maths.md §4) and of the Euclidean "
+             "Hessian (not GL-invariant)"])
+    what += (["relative flatness (Petzka et al. 2021) of the output layer, κ = Σ ⟨w_s, w_s'⟩ Tr "
+              "H_{s,s'} (adapters.relative_flatness), invariant to its neuron-wise rescalings"]
+             if any(m in FLATNESS for m in curvature) else [])
+    text = "; ".join(what)
+    lines = ["## Curvature at the trained weights", "",
+             f"{text[0].upper()}{text[1:]}; on the first "
              f"{_points(taus.used, curvature[0], 0.0)} sharpness points.", "",
              f"| measure | median value | τ-b [95% CI] | τ-a | partial τ given "
              f"{control or '—'} |", "|---|---|---|---|---|"]
