@@ -78,7 +78,7 @@ CHUNK_ENTRIES = 2 ** 22
 
 @dataclass(frozen=True)
 class RelativeFlatness:
-    """The relative flatness κ(W) of one layer (:func:`relative_flatness`)."""
+    """The relative flatness κ(W) of one layer (:func:`~quotient_manifolds.adapters.relative_flatness`)."""
 
     #: κ(W) of the loss over all batches: Σ_b c_b ``per_batch[b]`` (c_b = |b|/N, or 1 for ``"sum"``)
     value: float
@@ -117,7 +117,8 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
         :func:`~quotient_manifolds.adapters.sharpness`); an iterator is materialised once.
     layer: the module path of an ``nn.Linear`` or Hugging Face ``Conv1D`` of the model (e.g.
         ``"classifier"``, ``"bert.pooler.dense"``). Default: the model's output layer, the first of
-        :data:`HEAD_NAMES` it has (:func:`default_layer`).
+        :data:`~quotient_manifolds.adapters.flatness.HEAD_NAMES` it has
+        (:func:`~quotient_manifolds.adapters.flatness.default_layer`).
     loss_fn: ``loss_fn(outputs, targets)`` (default mean cross-entropy; the model's own
         ``outputs.loss`` for dict batches without ``loss_fn``).
     method: ``"exact"`` (r·n Hessian-vector products per batch, r = min(m, n)), ``"stochastic"``
@@ -135,7 +136,7 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
 
     Returns
     -------
-    :class:`RelativeFlatness`: ``value``, ``per_batch``, the layer's name and shape, the method,
+    :class:`~quotient_manifolds.adapters.RelativeFlatness`: ``value``, ``per_batch``, the layer's name and shape, the method,
     the products per batch and the standard error.
 
     Raises
