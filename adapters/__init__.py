@@ -5,7 +5,8 @@ calibrated (``calibrate_rho``), over many processes (``distributed_sharpness``),
 (``riemannian_hessian``, needs curvlinops), as an optimizer (``GeodesicSAM``) and for LoRA training;
 tracked during training (``SharpnessMonitor``; in the Hugging Face Trainer ``SharpnessCallback`` and
 ``GeodesicSAMTrainer``, needs transformers; in Lightning ``LightningSharpnessCallback``) and measured on a saved checkpoint
-(``checkpoint_sharpness``).
+(``checkpoint_sharpness``);
+and Petzka et al.'s relative flatness of one layer (``relative_flatness``), for comparison.
 
 This namespace holds what a user calls. The extension API lives in the submodules: model families
 (``adapters.families``: ``Family``, ``register_family``), blocks (``adapters.blocks``: ``GLBlock``,
@@ -29,6 +30,7 @@ from .ball import GEOMETRIES
 from .worst_case import SharpnessResult, sharpness, sharpness_sweep
 from .calibration import RhoCalibration, calibrate_rho
 from .distributed import distributed_sharpness
+from .flatness import RelativeFlatness, relative_flatness
 from .lora_training import InvariantRiemannianSGD, lora_quotient_parameters, merge_back
 from .sam import SAM_GEOMETRIES, GeodesicSAM
 from .monitor import SharpnessMonitor
@@ -40,7 +42,7 @@ __all__ = [
     "sharpness", "sharpness_sweep", "SharpnessResult", "GEOMETRIES", "MEASURES", "next_token_loss",
     "calibrate_rho", "RhoCalibration", "distributed_sharpness", "GeodesicSAM", "SAM_GEOMETRIES",
     "InvariantRiemannianSGD", "lora_quotient_parameters", "merge_back", "SharpnessMonitor",
-    "checkpoint_sharpness", "CheckpointSharpness",
+    "checkpoint_sharpness", "CheckpointSharpness", "relative_flatness", "RelativeFlatness",
 ]
 
 #: Names served by a module with an optional dependency, imported on first use (PEP 562) so that

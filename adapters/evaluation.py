@@ -19,16 +19,18 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from quotient_manifolds._validation import integer_at_least
+
 from . import validation as check
 from .elementwise import KERNEL_LIMIT
-from .losses import HALF_DTYPES, logits_of, normalize_logits
+from .losses import HALF_DTYPES, default_loss, logits_of, normalize_logits
 from .modes import eval_mode
 from .streaming import LazyWeight, Slots, parameter_slots, substituted
 from .validation import TokenInputs, scalar_loss
 
 __all__ = ["map_tensors", "device_of", "split_inputs", "split_batch", "ModelClosure",
            "as_compute", "to_device", "class_targets_check", "all_finite", "loss_of", "detach_inputs",
-           "capture_module_inputs"]
+           "capture_module_inputs", "weighted_batches", "batch_size_of"]
 
 
 def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
@@ -274,3 +276,50 @@ def capture_module_inputs(model: nn.Module, module_paths: Sequence[str], example
         for h in handles:
             h.remove()
     return captured
+
+
+def weighted_batches(tokens: check.TokenInputs, batches: Iterable[Any], loss_fn: Optional[Callable],
+                     reduction: str, batch_size_fn: Optional[Callable[[Any], int]], device: torch.device,
+                     upcast: bool) -> Tuple[List[tuple], int]:
+    """``[(inputs, targets, loss_fn, weight)]`` of every batch on ``device`` (weight |b|/N for
+    ``"mean"``, 1 for ``"sum"``) and the number N of data points; an empty ``batches`` is refused."""
+    if iter(batches) is batches:           # an iterator: keep its batches for repeated passes
+        batches = list(batches)
+    data, sizes = [], []
+    for index, batch in enumerate(batches):
+        inputs, targets, own_loss = split_batch(tokens, batch, index, loss_fn, False)
+        data.append((to_device(inputs, device, upcast), to_device(targets, device, upcast),
+                     None if own_loss else (loss_fn or default_loss)))
+        sizes.append(batch_size_of(inputs, targets, index, batch_size_fn))
+    if not data:
+        raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
+    num_data = sum(sizes)
+    weights = [n / num_data if reduction == "mean" else 1.0 for n in sizes]
+    return [(*d, w) for d, w in zip(data, weights)], num_data
+
+
+def batch_size_of(inputs: Any, targets: Any, index: int,
+                  batch_size_fn: Optional[Callable[[Any], int]] = None) -> int:
+    """``batch_size_fn(inputs)``, else the leading dimension of the input tensor, of the first
+    tensor of a dict input, or of the targets; refused unless an integer >= 1 (the weight |b|/N of
+    batch ``index`` divides by the total)."""
+    if batch_size_fn is not None:
+        size = batch_size_fn(inputs)
+        if isinstance(size, Tensor) and size.numel() == 1 and not size.is_floating_point():
+            size = size.item()
+        return integer_at_least(f"batch_size_fn(inputs) of batch {index}", size, 1)
+    candidates = [inputs] if isinstance(inputs, Tensor) else []
+    if isinstance(inputs, Mapping):
+        candidates += [v for v in inputs.values() if isinstance(v, Tensor) and v.ndim]
+    if isinstance(targets, Tensor) and targets.ndim:
+        candidates.append(targets)
+    if not candidates:
+        raise ValueError("cannot infer the batch size of a batch without tensors (needed for "
+                         "reduction='mean'); pass batch_size_fn=callable(inputs) -> int, or "
+                         "reduction='sum'")
+    size = int(candidates[0].shape[0])
+    if size < 1:
+        raise ValueError(f"batch {index} is empty (leading dimension 0 of a tensor of shape "
+                         f"{tuple(candidates[0].shape)}): drop empty batches, or pass "
+                         f"batch_size_fn=callable(inputs) -> int if the batch dimension is not the first")
+    return size

@@ -102,7 +102,6 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:
     from curvlinops._torch_base import PyTorchLinearOperator
@@ -116,7 +115,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from quotient_manifolds._runtime import bounded_threads
-from quotient_manifolds._validation import flag, integer_at_least
+from quotient_manifolds._validation import flag
 from quotient_manifolds.core.gl import check_choice
 from quotient_manifolds.core.groups import sym
 
@@ -124,10 +123,9 @@ from . import validation as check
 from .ball import ball_of, geometry_of
 from .components import QuotientComponent
 from .elementwise import ElementwiseComponent
-from .evaluation import ModelClosure, split_batch, to_device
+from .evaluation import ModelClosure, weighted_batches
 from .gate import pre_run_checks
-from .losses import default_loss
-from .modes import eval_mode
+from .modes import second_order_mode
 from .sharded import is_sharded
 from .validation import materialised
 
@@ -215,13 +213,6 @@ class RiemannianHessian(PyTorchLinearOperator):
                 f"quotient_dim={self.quotient_dim}, components={self.names})")
 
     # ------------------------------------------------------------------ data passes
-    @contextmanager
-    def _eval_mode(self):
-        """Eval mode (flags restored afterwards) and the math kernel of scaled_dot_product_attention:
-        the fused kernels (flash, memory-efficient) have no double backward."""
-        with eval_mode(self.model), sdpa_kernel([SDPBackend.MATH]):
-            yield
-
     def _batch_loss(self, leaves: List[Tensor], batch) -> Tensor:
         inputs, targets, loss_fn, weight = batch
         self._closure.inputs, self._closure.targets, self._closure.loss_fn = inputs, targets, loss_fn
@@ -237,7 +228,7 @@ class RiemannianHessian(PyTorchLinearOperator):
     def _loss_and_gradient(self) -> Tuple[float, List[Tensor]]:
         total = 0.0
         grads = [torch.zeros_like(c.x0) for c in self.components]
-        with self._eval_mode(), torch.enable_grad():
+        with second_order_mode(self.model):
             for batch in self._data:
                 leaves = self._leaves()
                 loss = self._batch_loss(leaves, batch)
@@ -251,7 +242,7 @@ class RiemannianHessian(PyTorchLinearOperator):
         """∇²f u by double backward, for K vectors at once: ``us[c]`` of shape ``(K, *x0_c.shape)``."""
         K = us[0].shape[0]
         out = [torch.zeros_like(u) for u in us]
-        with self._eval_mode(), torch.enable_grad():
+        with second_order_mode(self.model):
             for batch in self._data:
                 leaves = self._leaves()
                 loss = self._batch_loss(leaves, batch)
@@ -355,10 +346,10 @@ def riemannian_hessian(model: torch.nn.Module,
     materialised(model, f"{geometry} Hessian")
     if is_sharded(model):
         raise NotImplementedError(
-            f"riemannian_hessian on a model sharded with FSDP2 (its parameters are DTensors): the "
-            f"Hessian operator (curvlinops) multiplies vectors of the whole model in one process. "
-            f"Compute it on the unsharded model (e.g. on one rank, or a smaller model), or measure "
-            f"the sharded model with adapters.sharpness, which runs sharded")
+            "riemannian_hessian on a model sharded with FSDP2 (its parameters are DTensors): the "
+            "Hessian operator (curvlinops) multiplies vectors of the whole model in one process. "
+            "Compute it on the unsharded model (e.g. on one rank, or a smaller model), or measure "
+            "the sharded model with adapters.sharpness, which runs sharded")
     tokens = check.TokenInputs(model)
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
@@ -369,59 +360,12 @@ def riemannian_hessian(model: torch.nn.Module,
         allow_unsupported=allow_unsupported, undefined="the Hessian",
         no_params=("the Hessian is taken with respect to the trainable weights; set requires_grad=True on "
                    "the weights to include"))
-    data, num_data = _weighted_batches(tokens, batches, loss_fn, reduction, batch_size_fn,
-                                       next(iter(params0.values())).device, upcast)
+    data, num_data = weighted_batches(tokens, batches, loss_fn, reduction, batch_size_fn,
+                                      next(iter(params0.values())).device, upcast)
     if geodesic:           # a geodesic number never comes from an unverified block (adapters.gate)
         layout = gate.accept(data[0][0], stacklevel=2)
     ball, write_back = ball_of(params0, geometry=geometry, layout=layout, gram_eps=gram_eps)
     return RiemannianHessian(model, ball, write_back, params0, buffers, data, num_data, geometry)
-
-
-def _weighted_batches(tokens: check.TokenInputs, batches: Iterable[Any], loss_fn: Optional[Callable],
-                      reduction: str, batch_size_fn: Optional[Callable[[Any], int]], device: torch.device,
-                      upcast: bool) -> Tuple[List[tuple], int]:
-    """``[(inputs, targets, loss_fn, weight)]`` of every batch on ``device`` (weight |b|/N for
-    ``"mean"``, 1 for ``"sum"``) and the number N of data points; an empty ``batches`` is refused."""
-    if iter(batches) is batches:           # an iterator: keep its batches for repeated passes
-        batches = list(batches)
-    data, sizes = [], []
-    for index, batch in enumerate(batches):
-        inputs, targets, own_loss = split_batch(tokens, batch, index, loss_fn, False)
-        data.append((to_device(inputs, device, upcast), to_device(targets, device, upcast),
-                     None if own_loss else (loss_fn or default_loss)))
-        sizes.append(_batch_size(inputs, targets, index, batch_size_fn))
-    if not data:
-        raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
-    num_data = sum(sizes)
-    weights = [n / num_data if reduction == "mean" else 1.0 for n in sizes]
-    return [(*d, w) for d, w in zip(data, weights)], num_data
-
-
-def _batch_size(inputs: Any, targets: Any, index: int,
-                batch_size_fn: Optional[Callable[[Any], int]] = None) -> int:
-    """``batch_size_fn(inputs)``, else the leading dimension of the input tensor, of the first
-    tensor of a dict input, or of the targets; refused unless an integer >= 1 (the weight |b|/N of
-    batch ``index`` divides by the total)."""
-    if batch_size_fn is not None:
-        size = batch_size_fn(inputs)
-        if isinstance(size, Tensor) and size.numel() == 1 and not size.is_floating_point():
-            size = size.item()
-        return integer_at_least(f"batch_size_fn(inputs) of batch {index}", size, 1)
-    candidates = [inputs] if isinstance(inputs, Tensor) else []
-    if isinstance(inputs, Mapping):
-        candidates += [v for v in inputs.values() if isinstance(v, Tensor) and v.ndim]
-    if isinstance(targets, Tensor) and targets.ndim:
-        candidates.append(targets)
-    if not candidates:
-        raise ValueError("cannot infer the batch size of a batch without tensors (needed for "
-                         "reduction='mean'); pass batch_size_fn=callable(inputs) -> int, or "
-                         "reduction='sum'")
-    size = int(candidates[0].shape[0])
-    if size < 1:
-        raise ValueError(f"batch {index} is empty (leading dimension 0 of a tensor of shape "
-                         f"{tuple(candidates[0].shape)}): drop empty batches, or pass "
-                         f"batch_size_fn=callable(inputs) -> int if the batch dimension is not the first")
-    return size
 
 
 def trace(op: PyTorchLinearOperator, *, method: str = "hutch++", num_matvecs: int = 99,

@@ -26,6 +26,12 @@ contrast). Trace: Hutch++ with ``trace_matvecs`` products (``adapters.hessian.tr
 Lanczos (``adapters.hessian.top_eigenvalues``, relative tolerance ``lanczos_tol``). Both operators
 are the mean loss over the given points (curvlinops' ``reduction="mean"`` convention).
 
+Relative flatness (``relative-flatness``, :func:`quotient_manifolds.adapters.relative_flatness`, at
+the trained weights, no ρ): Petzka et al.'s κ(W) = Σ_{s,s'} ⟨w_s, w_s'⟩ Tr H_{s,s'} of the model's
+output layer (the classifier head of the text and vision models), on the curvature measures' points;
+exact for these heads (their Hessian has at most 10⁷ entries). It is invariant to neuron-wise and
+layer-wise rescalings of that layer, not to the GL(h) action on the attention blocks it does not see.
+
 ρ: each sharpness measure uses the ρ of its family (adaptive / inv / mix); the mix ρ is not
 dimensionless (docs/maths.md §12.14), so the three are set separately. The no-metric-norm
 ablations measure their ball with the elementwise norm, so they take the adaptive ρ, as does the
@@ -75,10 +81,15 @@ CURVATURE: Dict[str, Tuple[str, str]] = {
     "hess-trace-mix": ("geodesic-mix", "trace"), "hess-lmax-mix": ("geodesic-mix", "lmax"),
     "hess-trace-euclidean": ("euclidean", "trace"), "hess-lmax-euclidean": ("euclidean", "lmax"),
 }
+#: measures at the trained weights that are no Hessian operator: Petzka et al.'s relative flatness
+#: of the output layer (adapters.relative_flatness)
+FLATNESS = ("relative-flatness",)
+#: the measures without a radius (rho = 0 in their entries)
+AT_WEIGHTS = tuple(CURVATURE) + FLATNESS
 MAIN = ("adaptive", "geodesic-inv", "geodesic-mix")
 ABLATIONS = ("inv-no-gamma", "mix-no-gamma", "inv-no-metric-norm", "mix-no-metric-norm")
 EXACT = ("inv-exact", "mix-exact")
-DEFAULT_MEASURES = MAIN + ABLATIONS
+DEFAULT_MEASURES = MAIN + ABLATIONS + FLATNESS
 #: the family whose calibrated ρ each main measure defines (docs/maths.md §12.14: not comparable)
 FAMILY_MEASURE = {"adaptive": "adaptive", "inv": "geodesic-inv", "mix": "geodesic-mix"}
 #: defaults of the curvature measures' cost knobs (config["hessian"] overrides)
@@ -98,10 +109,10 @@ def is_exact(name: str) -> bool:
 
 def parse_measures(text: str) -> Tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in MEASURES and n not in CURVATURE]
+    unknown = [n for n in names if n not in MEASURES and n not in AT_WEIGHTS]
     if unknown or not names:
         raise ValueError(f"unknown measure(s) {unknown or text!r}; valid: "
-                         f"{', '.join([*MEASURES, *CURVATURE])}")
+                         f"{', '.join([*MEASURES, *AT_WEIGHTS])}")
     return names
 
 
@@ -131,12 +142,13 @@ def parse_floats(text: str, what: str = "values") -> Tuple[float, ...]:
 def plan(measures: Sequence[str], rho: Dict[str, float], rho_sweep: Sequence[float],
          sweep_only: bool = False) -> List[Tuple[str, float]]:
     """Ordered unique (measure, ρ) pairs of the sharpness measures: every measure at its family ρ,
-    then the sweep of the main ones. Curvature measures (no ρ) are not part of the plan.
+    then the sweep of the main ones. The measures at the trained weights (no ρ: curvature, relative
+    flatness) are not part of the plan.
     ``sweep_only``: the main measures only at the sweep's radii, not at their family ρ (a second
     pass whose first pass already measured them there)."""
     out: List[Tuple[str, float]] = []
     for m in measures:
-        if m in CURVATURE or (sweep_only and m in MAIN):
+        if m in AT_WEIGHTS or (sweep_only and m in MAIN):
             continue
         out.append((m, float(rho[MEASURES[m]["family"]])))
     for m in MAIN:
@@ -151,10 +163,11 @@ def plan(measures: Sequence[str], rho: Dict[str, float], rho_sweep: Sequence[flo
 
 def points_of(config: Dict[str, Any], name: str, rho: Optional[float] = None) -> int:
     """How many of the fixed sharpness points measure ``name`` at ``rho`` uses (module docstring:
-    ``config["points"]`` cuts the ablations, the sweep, the exact measures and the curvature)."""
+    ``config["points"]`` cuts the ablations, the sweep, the exact measures and the curvature, relative
+    flatness with it)."""
     full = int(config["sharp_points"])
     points = config.get("points") or {}
-    if name in CURVATURE:
+    if name in AT_WEIGHTS:
         group = "hessian"
     elif name in EXACT:
         group = "exact"
@@ -322,12 +335,34 @@ def run_curvature(model, batches, names: Sequence[str], *, trace_matvecs: int = 
     return [found[n] for n in names]
 
 
+def run_flatness(model, batches, *, check=None) -> List[Dict[str, Any]]:
+    """Relative flatness of the model's output layer (module docstring) on ``batches``: one entry
+    in the shape of :func:`run_plan`'s (``rho`` = 0: no radius), ``value`` NaN with the message in
+    ``error`` when the loss is not finite."""
+    from quotient_manifolds.adapters import relative_flatness
+
+    if check is not None:
+        check()
+    batches = list(batches)
+    started = time.perf_counter()
+    entry: Dict[str, Any] = dict(measure=FLATNESS[0], rho=0.0, kind="flatness",
+                                 n_points=sum(batch_len(b) for b in batches))
+    try:
+        res = relative_flatness(model, batches)
+        entry.update(value=res.value, per_batch=res.per_batch, layer=res.layer, shape=list(res.shape),
+                     method=res.method, n_products=res.n_products, std_error=res.std_error)
+    except FloatingPointError as err:
+        entry.update(value=float("nan"), error=str(err))
+    entry["time_s"] = time.perf_counter() - started
+    return [entry]
+
+
 def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional[str],
                    progress: bool, *, load_data, get_model, evaluate, sharpness_batches
                    ) -> Dict[str, Any]:
     """The per-model work of the text and vision populations: load the data, train (or reuse the
     checkpoint), evaluate, then every (measure, ρ) of the plan on the fixed sharpness batches and
-    the curvature measures (:func:`points_of` says how many points each uses)."""
+    the curvature measures and relative flatness (:func:`points_of` says how many points each uses)."""
     import torch
 
     from .runner import check_parent_alive
@@ -355,6 +390,9 @@ def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_di
                                trace_matvecs=int(opts["trace_matvecs"]),
                                lanczos_tol=float(opts["lanczos_tol"]), seed=int(opts["seed"]),
                                check=check_parent_alive)
+    if any(m in FLATNESS for m in config["measures"]):
+        sharp += run_flatness(model, first_points(batches, points_of(config, FLATNESS[0])),
+                              check=check_parent_alive)
     return dict(seed=hp["seed"], hparams=hp, study_config=config, metrics=metrics,
                 sharpness=sharp, checkpoint=info["checkpoint"], reused_checkpoint=info["reused"],
                 train_info=info["train"], weights_sha256=info.get("weights_sha256"),

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .measures import is_exact, main_measure_of
+from .measures import FLATNESS, is_exact, main_measure_of
 from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, measures_of,
                         median_at, median_range_at, metric_ranges, paired_section, rhos_of, tau_for,
                         value_of, write_summary)
@@ -37,10 +37,10 @@ def population_kwargs(study: str, config: Dict[str, Any], target: str,
                       synthetic: Optional[bool] = None) -> Dict[str, Any]:
     """The arguments of :func:`population_report` for a text or vision population, from its
     configuration alone (so a run and ``report DIR`` write the same summary)."""
-    from .measures import ABLATIONS, CURVATURE, MAIN, MEASURES
+    from .measures import ABLATIONS, AT_WEIGHTS, FLATNESS, MAIN, MEASURES
     mod = STUDY[study].load()
     rho = {m: config["rho"][MEASURES[m]["family"]] for m in MEASURES}
-    rho.update({m: 0.0 for m in CURVATURE})
+    rho.update({m: 0.0 for m in AT_WEIGHTS})
     measures = list(config["measures"])
     notes = [f"sharpness on {config['sharp_points']} fixed training points in batches of "
              f"{config['sharp_batch']}, {config['n_iters']} Auto-PGD iterations, eval mode "
@@ -51,7 +51,8 @@ def population_kwargs(study: str, config: Dict[str, Any], target: str,
     return dict(target=target, main=[m for m in MAIN if m in measures], default_rho=rho,
                 extra_main=[m for m in EXTRA_MAIN if m in measures],
                 ablations=[m for m in ABLATIONS if m in measures],
-                curvature=[m for m in CURVATURE if m in measures],
+                curvature=[m for m in AT_WEIGHTS if m in measures],
+                flatness=[m for m in FLATNESS if m in measures],
                 other_targets=tuple(t for t in ("gap", "gap_own", "test_error") if t != target),
                 knobs=getattr(mod, "KNOBS", None),
                 synthetic=(config.get("data") == "synthetic") if synthetic is None else synthetic,
@@ -89,8 +90,9 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
                       records: List[Dict[str, Any]], *, target: str, main: Sequence[str],
                       default_rho: Dict[str, float], extra_main: Sequence[str] = (),
                       ablations: Sequence[str] = (), other_targets: Sequence[str] = (),
-                      curvature: Sequence[str] = (), knobs: Optional[Sequence[Tuple[str, str, str]]]
-                      = None, calibration: Optional[Dict[str, Any]] = None,
+                      curvature: Sequence[str] = (), flatness: Sequence[str] = (),
+                      knobs: Optional[Sequence[Tuple[str, str, str]]] = None,
+                      calibration: Optional[Dict[str, Any]] = None,
                       synthetic: bool = False, notes: Sequence[str] = (),
                       wall_s: Optional[float] = None, exclude: Optional[Dict[int, str]] = None,
                       logx: bool = False, logy: bool = False, n_boot: int = 2000,
@@ -104,8 +106,9 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     that it says how to recompute it).
 
     Sections: τ-b of each main / extra measure with the gap (bootstrap CI, τ-a, partial τ given
-    the training loss of the gap's train error), the curvature measures, the ρ calibration and the
-    population median at the calibrated ρ, the second-order vs exact retraction on the same points,
+    the training loss of the gap's train error), paired Δτ of those and of ``flatness`` (relative
+    flatness, also among the ``curvature`` measures at the trained weights), the curvature
+    measures, the ρ calibration and the population median at the calibrated ρ, the second-order vs exact retraction on the same points,
     the ρ sweep, the ablations, other targets, R² of each knob (:func:`knob_r2`) for the gap and
     for every measure, the population and the excluded models."""
     exclude = exclude or {}
@@ -133,7 +136,8 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     taus = _PopulationTaus(used, target, default_rho, n_boot, y, z)
     tag = " [SYNTHETIC]" if synthetic else ""
     lines += _main_section(taus, main + extra_main, PAPER.get(study, {}), control, summary)
-    lines += paired_section(np.asarray(y, float), _paired_views(used, main + extra_main,
+    flat = [m for m in flatness if m in present]
+    lines += paired_section(np.asarray(y, float), _paired_views(used, main + extra_main + flat,
                                                                 default_rho), summary)
     if curvature:
         lines += _curvature_section(taus, curvature, control, summary)
@@ -165,13 +169,14 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
 
 def _population_figures(out_dir: str, study: str, taus: _PopulationTaus, measures: Sequence[str],
                         curvature: Sequence[str], tag: str, logx: bool, logy: bool) -> None:
-    """fig_scatter.png (the target against each measure at its main ρ) and, with curvature
-    measures, fig_curvature.png."""
+    """fig_scatter.png (the target against each measure at its main ρ; none for a pass that
+    measures only at the trained weights) and, with curvature measures, fig_curvature.png."""
     used, target = taus.used, taus.target
-    _fig_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
-                 [(m, taus.default_rho[m]) for m in measures], target, taus.taus,
-                 f"{study}: {TARGET_LABEL.get(target, target)} vs sharpness ({len(used)} models)"
-                 + tag, logx, logy)
+    if measures:
+        _fig_scatter(os.path.join(out_dir, "fig_scatter.png"), used,
+                     [(m, taus.default_rho[m]) for m in measures], target, taus.taus,
+                     f"{study}: {TARGET_LABEL.get(target, target)} vs sharpness ({len(used)} models)"
+                     + tag, logx, logy)
     if curvature:
         _fig_scatter(os.path.join(out_dir, "fig_curvature.png"), used,
                      [(m, 0.0) for m in curvature], target, taus.taus,
@@ -231,7 +236,7 @@ def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float]
     within stopping epochs where training stops at a threshold) and ρ × 0.1, ρ × 10."""
     def at(factor: float) -> Dict[str, np.ndarray]:  # the measures with values at factor × ρ
         cols = {m: np.array([value_of(r, m, default_rho[m] * factor) for r in used])
-                for m in measures}
+                for m in measures if factor == 1.0 or default_rho[m] > 0}  # no ρ: one view
         return {m: v for m, v in cols.items() if np.isfinite(v).sum() >= 3}
 
     plain = "models resampled with replacement"
@@ -252,10 +257,16 @@ def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float]
 def _curvature_section(taus: _PopulationTaus, curvature: Sequence[str], control: Optional[str],
                        summary: Dict[str, Any]) -> List[str]:
     summary["curvature"] = {}
-    lines = ["## Curvature at the trained weights (adapters.hessian)", "",
-             "Trace and largest eigenvalue of the Riemannian Hessian on the quotient (inv / "
-             "mix metric on the GL blocks, adaptive metric elsewhere; docs/maths.md §4) and "
-             "of the Euclidean Hessian (not GL-invariant), on the first "
+    what = ([] if all(m in FLATNESS for m in curvature) else
+            ["trace and largest eigenvalue of the Riemannian Hessian on the quotient (inv / mix metric "
+             "on the GL blocks, adaptive metric elsewhere; docs/maths.md §4) and of the Euclidean "
+             "Hessian (not GL-invariant)"])
+    what += (["relative flatness (Petzka et al. 2021) of the output layer, κ = Σ ⟨w_s, w_s'⟩ Tr "
+              "H_{s,s'} (adapters.relative_flatness), invariant to its neuron-wise rescalings"]
+             if any(m in FLATNESS for m in curvature) else [])
+    text = "; ".join(what)
+    lines = ["## Curvature at the trained weights", "",
+             f"{text[0].upper()}{text[1:]}; on the first "
              f"{_points(taus.used, curvature[0], 0.0)} sharpness points.", "",
              f"| measure | median value | τ-b [95% CI] | τ-a | partial τ given "
              f"{control or '—'} |", "|---|---|---|---|---|"]

@@ -118,7 +118,8 @@ Small protocol (``--protocol small``, the earlier study)
   (64), 10 Auto-PGD iterations, model in eval mode. Measures: adaptive, geodesic-inv,
   geodesic-mix, the ablations inv/mix-no-gamma and inv/mix-no-metric-norm, plus the ρ sweep
   (×1/3, ×3) of the three main ones; each measure costs ~20 s per model on one thread (13
-  measures: ~4.5 min).
+  measures: ~4.5 min). Relative flatness (Petzka et al.'s κ of the 2×384 classifier head, exact)
+  at the trained weights beside them; the paper protocol measures it with the main three.
 
 ``--quick`` runs either protocol small (192 train / 96 test sentences, 16 points, 3 iterations;
 the paper protocol's real-data quick run uses 1 layer and a loose 30 % target, its ``--synthetic``
@@ -157,7 +158,7 @@ PAPER_MAX_EPOCHS = 8
 PAPER_SHARP_POINTS = 64
 #: measures of the population run; the ablations, the Andriushchenko baseline and the ρ sweep are
 #: a second pass from the checkpoints (module docstring, "Plan")
-PAPER_MEASURES = tuple(M.MAIN)
+PAPER_MEASURES = M.MAIN + M.FLATNESS
 PAPER_POINTS: Dict[str, int] = {}
 #: ρ the calibration starts from (pilot: the converged model gave 0.09 / 0.69 / 0.15 nats at
 #: ρ = 0.3 / 0.1 / 0.05; S ∝ ρ² near a minimum puts 3 nats near these)
@@ -235,7 +236,7 @@ def paper_defaults(quick: bool, synthetic: bool, population: str = "seeds") -> D
         c.update(train_size=192, test_size=96, sharp_points=16, sharp_batch=8, n_iters=3,
                  rho_sweep=[2.0], models=4, measures=list(M.DEFAULT_MEASURES))
         if not synthetic:  # the 22.6M-weight model even at 1 layer: fewer measures, loose target
-            c.update(layers=1, max_length=32, measures=list(M.MAIN), rho_sweep=[], models=3,
+            c.update(layers=1, max_length=32, measures=list(M.MAIN + M.FLATNESS), rho_sweep=[], models=3,
                      target_train_error=0.3)
         if population == "seeds":
             c.update(max_epochs=4 if synthetic else 2, batch_size=16)

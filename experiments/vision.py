@@ -37,8 +37,8 @@ hyperparameters, "model soups"; docs/maths.md §11.3):
 * sharpness: on the first ``sharp_points`` (1024; ✂ paper 2048, cut for time: see
   experiments/README.md) pool images in batches of ``sharp_batch`` (256), eval mode, no
   augmentation, ``n_iters`` (20) Auto-PGD iterations; ``points`` cuts the ablations, the ρ sweep
-  (×0.1, ×10), the exact-retraction measure and the curvature measures to the first batch of 256
-  (cost; :func:`quotient_manifolds.experiments.measures.points_of`);
+  (×0.1, ×10), the exact-retraction measure, the curvature measures and relative flatness (κ of the
+  classifier head) to the first batch of 256 (cost; :func:`quotient_manifolds.experiments.measures.points_of`);
 * ρ: calibrated per family (adaptive / inv / mix) on a pilot of models so that the median
   sharpness is ``calibration.target`` nats (:mod:`quotient_manifolds.experiments.calibrate`), then swept by
   ``rho_sweep``.
@@ -76,9 +76,9 @@ PROTOCOLS = ("finetune", "scratch")
 #: coarse pretraining task: Fashion-MNIST class -> group (upper body / trouser / dress / shoes / bag)
 COARSE = (0, 1, 0, 2, 0, 3, 0, 3, 4, 3)
 #: measures of the fine-tune protocol: the main three, the paper's adaptive baseline, the exact
-#: mix geodesic, the ablations, and the curvature measures (experiments/measures.py)
+#: mix geodesic, the ablations, the curvature measures and relative flatness (experiments/measures.py)
 FINETUNE_MEASURES = (M.MAIN + ("adaptive-andriushchenko", "mix-exact") + M.ABLATIONS
-                     + tuple(M.CURVATURE))
+                     + M.AT_WEIGHTS)
 #: knobs whose R² the report gives (label, hparams key, transform)
 KNOBS = (("log lr", "lr", "log"), ("log weight decay", "weight_decay", "log"),
          ("epochs", "epochs", "linear"), ("label smoothing", "label_smoothing", "categorical"),

@@ -1091,7 +1091,7 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     out = str(tmp_path / "vft")
     # one measure of each kind (the full list is the default): seconds instead of a minute
     measures = ["adaptive", "adaptive-andriushchenko", "geodesic-inv", "geodesic-mix", "mix-exact",
-                "inv-no-gamma", "hess-trace-mix", "hess-lmax-euclidean"]
+                "inv-no-gamma", "hess-trace-mix", "hess-lmax-euclidean", "relative-flatness"]
     argv = ["vision", "--quick", "--synthetic", "--no-progress", "--models", "2", "--out", out,
             "--measures", ",".join(measures), "--rho-sweep", "3", "--n-boot", "200",
             "--n-iters", "1"]
@@ -1134,7 +1134,7 @@ def test_quick_vision_finetune_synthetic(tmp_path):
     s = _summary(out)
     assert {"adaptive", "geodesic-inv", "geodesic-mix", "adaptive-andriushchenko",
             "mix-exact"} <= set(s["main"])
-    assert set(s["curvature"]) == {"hess-trace-mix", "hess-lmax-euclidean"}
+    assert set(s["curvature"]) == {"hess-trace-mix", "hess-lmax-euclidean", "relative-flatness"}
     assert set(s["calibration"]) == {"adaptive", "inv", "mix"} and "r2" in s
     for name in ("fig_scatter.png", "fig_rho_sweep.png", "fig_ablations.png",
                  "fig_curvature.png", "summary.md", "calibration.jsonl"):

@@ -192,6 +192,17 @@ def test_riemannian_hessian(name, bad):
 
 
 @PROPERTY
+@given(name=st.sampled_from(["layer", "loss_fn", "method", "n_probes", "seed", "reduction", "batch_size_fn",
+                             "exact_limit", "model", "batches"]), bad=st.sampled_from(BAD))
+def test_relative_flatness(name, bad):
+    before = _state(MODEL)
+    args, kwargs = _with(name, bad, {"model": MODEL, "batches": BATCHES}, {"n_probes": 2})
+    _refused_or_finite(lambda: adapters.relative_flatness(*args, **kwargs), name,
+                       finite=lambda r: math.isfinite(r.value) and all(map(math.isfinite, r.per_batch)))
+    _same(MODEL, before)
+
+
+@PROPERTY
 @given(name=st.sampled_from(["geometry", "target_loss_rise", "rho_start", "tolerance", "max_evals",
                              "model", "batches"]),
        bad=st.sampled_from(BAD))

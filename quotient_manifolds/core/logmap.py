@@ -33,7 +33,7 @@ from typing import Callable, Tuple
 
 import torch
 
-from .._validation import floating_tensor, positive_finite, positive_integer
+from .._validation import finite_real, floating_tensor, size
 from .errors import LogNotFound, StepTooLarge
 from .gl import GLQuotientGeometry
 from .rescaling import RescalingGeometry
@@ -110,7 +110,9 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
     x, y = floating_tensor("x", x), floating_tensor("y", y)
     if x.shape != y.shape:
         raise ValueError(f"x and y must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}")
-    tol, max_iter = positive_finite("tol", tol), positive_integer("max_iter", max_iter)
+    tol, max_iter = finite_real("tol", tol), size("max_iter", max_iter)
+    if not tol > 0:
+        raise ValueError(f"tol must be a positive finite number, got {tol!r}")
     geometry.frame(x)   # validates both points (shape, finiteness, rank), naming them
     try:
         geometry.frame(y)
