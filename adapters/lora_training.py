@@ -64,7 +64,7 @@ Two details of geoopt 0.5.1 would break the invariance and are handled here:
   gradient. Use :class:`InvariantRiemannianSGD` (the library's
   :class:`~quotient_manifolds.geoopt.RiemannianSGD`: the buffer started from the Riemannian
   gradient, as ``torch.optim.SGD`` starts from its gradient), or call
-  :func:`init_momentum_buffers` (:func:`quotient_manifolds.geoopt.init_momentum_buffers`) once
+  :func:`quotient_manifolds.geoopt.init_momentum_buffers` once
   after building a ``geoopt.optim.RiemannianSGD``.
 * Both optimizers add ``weight_decay · x`` to the Euclidean gradient: ‖B‖² + ‖A‖² is not
   invariant (it pulls towards the balanced representative, not towards small ΔW). The group of
@@ -97,14 +97,14 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from quotient_manifolds.core.gl import METRICS, RETRACTIONS
-from quotient_manifolds.geoopt import GLQuotient, RiemannianSGD, init_momentum_buffers
+from quotient_manifolds.geoopt import GLQuotient, RiemannianSGD
 
 from . import validation as check
 from .detection import detect
 from .families import family
 
 __all__ = ["LoRAQuotientPoint", "lora_quotient_parameters", "lora_quotient_points", "merge_back",
-           "InvariantRiemannianSGD", "init_momentum_buffers"]
+           "InvariantRiemannianSGD"]
 
 
 # --------------------------------------------------------------------------------------------------

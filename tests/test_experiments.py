@@ -787,7 +787,7 @@ def test_quick_vision_synthetic_with_workers(tmp_path):
     assert b"SYNTHETIC" in _read(os.path.join(out, "summary.md"))
     # partial τ given the loss on the points of the gap's train error
     assert {p["control"] for p in s["partial"].values()} == {"own_train_loss"}
-    assert set(s["partial"]) == set(s["main"]) | set(s["ablations"])
+    assert set(s["partial"]) == set(s["main"]) | set(s["ablations"]) | {"relative-flatness"}
     recs = _lines(os.path.join(out, "results.jsonl"))
     assert all(np.isfinite(e["value"]) for r in recs for e in r["sharpness"])
     assert all(os.path.exists(r["checkpoint"]) for r in recs)

@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 load_file = pytest.importorskip("safetensors.torch").load_file
 
 from quotient_manifolds.adapters import InvariantRiemannianSGD, lora_quotient_parameters, merge_back  # noqa: E402
-from quotient_manifolds.adapters.lora_training import init_momentum_buffers, lora_quotient_points  # noqa: E402
+from quotient_manifolds.adapters.lora_training import lora_quotient_points  # noqa: E402
+from quotient_manifolds.geoopt import init_momentum_buffers  # noqa: E402
 from quotient_manifolds.geoopt import GLQuotient  # noqa: E402
 
 DT = torch.float64
