@@ -8,36 +8,14 @@ decision (keep the worst point's gradient or recompute it) is the same on every 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
-from test_distributed import _free_port
+from gloo_ranks import collect, launch
 
 GEOMETRIES = ("adaptive", "geodesic-inv", "geodesic-mix")
 RHO = {"adaptive": 0.05, "geodesic-inv": 0.05, "geodesic-mix": 0.01}
-
-WORKER = textwrap.dedent("""
-    import json, os, sys
-    import torch, torch.distributed as dist
-    torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    from test_fsdp import measure_sharded
-    dist.init_process_group("gloo", init_method="env://")
-    out = measure_sharded(dist.get_rank(), dist.get_world_size())
-    with open(os.environ["OUT"], "w") as fh:
-        json.dump(out, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
-""")
-
 
 def build():
     import transformers
@@ -67,7 +45,7 @@ def _measure(model, batches, layout, geometries=GEOMETRIES):
     return out
 
 
-def measure_sharded(rank: int, world: int):
+def measure_sharded():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -75,6 +53,7 @@ def measure_sharded(rank: int, world: int):
     from quotient_manifolds.adapters import memory, placement, sharded, solver
     from quotient_manifolds.adapters.components import ProductBall
 
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     held = set()                              # the GL blocks this rank builds frames for
     build_components = placement.quotient_components
 
@@ -108,24 +87,6 @@ def measure_sharded(rank: int, world: int):
             "blocks": layout.block_names, "votes": votes}
 
 
-def _run(world, tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=os.path.dirname(__file__)))
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(
-        os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        OUT=str(tmp_path / f"fsdp{world}_{rank}.json"), OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(world)]
-    return procs
-
-
-def _collect(world, procs, tmp_path):
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out.decode()[-3000:]
-    return [json.loads((tmp_path / f"fsdp{world}_{r}.json").read_text()) for r in range(world)]
-
-
 def _assert_equal(got, want):
     assert set(got) == set(want)
     for geometry in got:
@@ -140,12 +101,12 @@ def _assert_equal(got, want):
 def test_fsdp2_sharded_sharpness_equals_the_unsharded_model(world, tmp_path):
     from quotient_manifolds import adapters
 
-    procs = _run(world, tmp_path)
+    procs = launch(world, tmp_path, "test_fsdp", "measure_sharded")
     model = build()
     layout = adapters.layout(model)
     layout.verify(model, batch()[0])
     plain = _measure(model, [batch()], layout, GEOMETRIES if world == 2 else ("geodesic-inv",))
-    ranks = _collect(world, procs, tmp_path)
+    ranks = collect(procs, tmp_path, "measure_sharded")
     held = [set(out["held"]) for out in ranks]
     assert all(held), held                            # 4 blocks (QK, VO per layer): each rank some
     assert sum(map(len, held)) == len(set().union(*held)) == len(ranks[0]["blocks"])

@@ -13,36 +13,15 @@ W_Q's 12 rows at 6 (2 ranks: inside head 1) and W_K's 4 rows at 2 (2 ranks) and 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
-from test_distributed import _free_port
+from gloo_ranks import collect, launch
 
 RHO = {"adaptive": 0.05, "geodesic-inv": 0.05, "geodesic-mix": 0.02}
 OPTIONS = dict(n_iters=2, retraction_tolerance=1e9)   # the gap is compared, not warned about
-
-WORKER = textwrap.dedent("""
-    import json, os, sys
-    import torch, torch.distributed as dist
-    torch.set_num_threads(1)
-    sys.path.insert(0, {tests!r})
-    from test_fsdp_one_run import measure_sharded
-    dist.init_process_group("gloo", init_method="env://")
-    out = measure_sharded(os.environ["WHAT"])
-    with open(os.environ["OUT"], "w") as fh:
-        json.dump(out, fh)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
-""")
-
 
 def build():
     import transformers
@@ -105,11 +84,12 @@ def unchanged(model, before):
                for n, p in model.named_parameters())
 
 
-def measure_sharded(what):
-    """On a rank: ``"float"`` the float64 model's values; ``"half"`` those of bfloat16 shards and of
-    float32 shards computed in bfloat16 by FSDP2's MixedPrecisionPolicy."""
+def measure_sharded():
+    """On a rank: with ``WHAT=float`` the float64 model's values; with ``WHAT=half`` those of
+    bfloat16 shards and of float32 shards computed in bfloat16 by FSDP2's MixedPrecisionPolicy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    what = os.environ["WHAT"]
     if what == "float":
         model = shard(build())
         before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
@@ -126,29 +106,12 @@ def measure_sharded(what):
     return out
 
 
-def _run(world, tmp_path, what):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=os.path.dirname(__file__)))
-    port = str(_free_port())
-    return [subprocess.Popen([sys.executable, str(script)], env=dict(
-        os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        OUT=str(tmp_path / f"one{world}_{rank}.json"), OMP_NUM_THREADS="1", WHAT=what),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(world)]
-
-
-def _collect(world, procs, tmp_path):
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out.decode()[-4000:]
-    return [json.loads((tmp_path / f"one{world}_{r}.json").read_text()) for r in range(world)]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_run_without_a_layout_equals_the_one_call_value(world, tmp_path):
-    procs = _run(world, tmp_path, "float")
+    procs = launch(world, tmp_path, "test_fsdp_one_run", "measure_sharded", WHAT="float")
     local = measure(build())
-    ranks = _collect(world, procs, tmp_path)
+    ranks = collect(procs, tmp_path, "measure_sharded")
     for out in ranks:
         assert out.pop("unchanged")
         assert out == ranks[0]                      # every rank returns the same results
@@ -169,9 +132,9 @@ def test_sharded_run_without_a_layout_equals_the_one_call_value(world, tmp_path)
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_half_precision_shards_are_measured_in_float32_as_the_unsharded_model(world, tmp_path):
-    procs = _run(world, tmp_path, "half")
+    procs = launch(world, tmp_path, "test_fsdp_one_run", "measure_sharded", WHAT="half")
     half = measure_half(build().to(torch.bfloat16))   # evaluated in float32 at the bfloat16 weights
-    ranks = _collect(world, procs, tmp_path)
+    ranks = collect(procs, tmp_path, "measure_sharded")
     for out in ranks:
         assert out.pop("unchanged")
         assert out == ranks[0]
