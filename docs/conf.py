@@ -83,7 +83,8 @@ autoclass_content = "both"
 # curvlinops-for-pytorch (the Riemannian Hessian) is installed with --no-deps, outside any extra (its
 # requirements pull torchvision and another torch), so the `docs` extra cannot bring it: where it is
 # missing, autodoc imports adapters.hessian against a stand-in and the API pages are the same.
-autodoc_mock_imports = [name for name in ("curvlinops",) if find_spec(name) is None]
+# Likewise lightning (the `lightning` extra), for adapters.lightning's callback.
+autodoc_mock_imports = [name for name in ("curvlinops", "lightning") if find_spec(name) is None]
 autodoc_type_aliases = {"PyTorchLinearOperator": "PyTorchLinearOperator"}   # same text either way
 napoleon_google_docstring = True
 napoleon_numpy_docstring = True
