@@ -37,10 +37,11 @@ call: a few batched h×h factorisations per block shape); the layout of the mode
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import warnings
-from typing import Any, Callable, Dict, Optional, Type, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Type, Union
 
 import torch
 from torch import Tensor, nn
@@ -53,7 +54,7 @@ from .ball import GEOMETRY_TABLE, build_ball, geometry_of
 from .evaluation import as_compute
 from .losses import HALF_DTYPES
 from .options import as_rho
-from .sam_parallel import ParallelAscent, _is_ddp, _local
+from .sam_parallel import AscentPiece, ParallelAscent, _is_ddp, _local
 from .sharded import group_of
 from .verify import verified_before_sharding
 from .validation import materialised
@@ -363,8 +364,6 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         try:
             if not GEOMETRY_TABLE[self.geometry].ball:
                 self._euclidean_ascent_(grads)
-            elif self._shard_group is not None:
-                self._sharded_ball_ascent_(grads)
             else:
                 self._ball_ascent_(grads)
         except BaseException:
@@ -504,28 +503,49 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
                 p.add_(g, alpha=self.rho / norm)
 
     def _ball_ascent_(self, grads: Dict[str, Optional[Tensor]]) -> None:
-        r"""w ← R(ε), ε = ρ g/‖g‖ in the ball of the current weights.
+        r"""w ← R(ε), ε = ρ g/‖g‖ in the ball of the current weights: one ascent for a model in one
+        process and for an FSDP2-sharded one, over the pieces of the ball (:meth:`_pieces`). A
+        first pass forms each piece's Riemannian gradient and ‖g‖² (the shards' summed over the
+        ranks), a second scales the gradient to ε and writes each piece's point R(ε) back.
 
         The Euclidean gradient in ball coordinates is the gather of ∇ into the blocks' and the
         elementwise layout (:class:`~quotient_manifolds.adapters.ball.BallParameters`), the gradient of
         ξ ↦ L(R(ξ)) at ξ = 0 since DR₀ = id for every retraction."""
         upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
-        params0 = {n: as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}
-        ball, ball_params = build_ball(self.model, params0, geometry=self.geometry,
-                                       layout=self.layout, retraction=self.retraction,
-                                       gram_eps=self.gram_eps,
-                                       elementwise_second_order=self.elementwise_second_order)
-        rgrad = ball.rgrad(ball_params.gather(grads))
-        norm = float(ball.norm(rgrad))
+        kept, summed, once = [], 0.0, 0.0
+        for piece in self._pieces(grads, upcast):
+            value = float(piece.ball.inner(piece.rgrad, piece.rgrad))
+            summed, once = (summed + value, once) if piece.summed else (summed, once + value)
+            if piece.kept:
+                kept.append(piece)
+        norm = math.sqrt(max(self._sum_over_ranks(summed) + once, 0.0))
         self.grad_norm = self._checked_norm(norm)
         if norm == 0:
             return
-        torch._foreach_mul_(rgrad, self.rho / norm)  # ε, in place: rgrad is a fresh gather
-        params = ball_params(ball.points(rgrad, consume=True))
-        for n, p in self._perturbed.items():
-            if params[n] is not params0[n]:
-                p.copy_(params[n])
+        for piece in itertools.chain(kept, self._pieces(grads, upcast, rebuilt_only=True)):
+            torch._foreach_mul_(piece.rgrad, self.rho / norm)  # ε, in place: rgrad is a fresh gather
+            piece.write(piece.ball_params(piece.ball.points(piece.rgrad, consume=True)))
 
+    def _pieces(self, grads: Dict[str, Optional[Tensor]], upcast: bool,
+                rebuilt_only: bool = False) -> Iterator[AscentPiece]:
+        """The pieces of the ascent's ball: in one process one, the ball of every perturbed weight
+        (kept between the passes); sharded, this rank's shards and each attention module whole
+        (:meth:`_sharded_pieces`). ``rebuilt_only``: only the pieces not kept."""
+        if self._shard_group is not None:
+            yield from self._sharded_pieces(grads, upcast, rebuilt_only)
+            return
+        if rebuilt_only:
+            return
+        params0 = {n: as_compute(p.detach(), upcast) for n, p in self._perturbed.items()}
+        ball, ball_params = self._ball_of(params0, self.layout)
+
+        def write(params: Dict[str, Tensor]) -> None:
+            for n, p in self._perturbed.items():
+                if params[n] is not params0[n]:
+                    p.copy_(params[n])
+
+        yield AscentPiece(ball, ball_params, ball.rgrad(ball_params.gather(grads)), write,
+                          summed=True, kept=True)
 
     def _ball_of(self, params0: Dict[str, Tensor], layout):
         return build_ball(self.model, params0, geometry=self.geometry, layout=layout,

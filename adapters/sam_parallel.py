@@ -6,27 +6,26 @@ r"""Geodesic SAM across processes: DistributedDataParallel (every rank the whole
   or one by :meth:`ParallelAscent._synchronised_gradients` after a pass inside ``no_sync()``), so
   every rank perturbs alike; a layout verified on each rank's own first batch must come out the
   same on every rank.
-* FSDP2: the weights outside the GL blocks are moved on each rank's shard, with one all-reduce of
-  the squared norm; the GL blocks, whose heads straddle shard boundaries and whose G and H live in
-  different weights, are assembled whole one attention module at a time
-  (``DTensor.full_tensor()``), their direction is formed identically on every rank, and each rank
-  writes back its shard.
+* FSDP2: the ascent (:meth:`GeodesicSAM._ball_ascent_`, the same for one process) runs over the
+  pieces of :meth:`ParallelAscent._sharded_pieces`: the weights outside the GL blocks are moved on
+  each rank's shard, with one all-reduce of the squared norm; the GL blocks, whose heads straddle
+  shard boundaries and whose G and H live in different weights, are assembled whole one attention
+  module at a time (``DTensor.full_tensor()``), their direction is formed identically on every
+  rank, and each rank writes back its shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .evaluation import as_compute
-from .losses import HALF_DTYPES
 from .sharded import _dtensor_type
 
-__all__ = ["ParallelAscent"]
+__all__ = ["ParallelAscent", "AscentPiece"]
 
 
 def _is_ddp(model: nn.Module) -> bool:
@@ -50,6 +49,21 @@ def _shard_of(whole: Tensor, like: Tensor) -> Tensor:
     from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(whole.to(like.dtype), like.device_mesh, like.placements,
                              src_data_rank=None).to_local()
+
+
+class AscentPiece(NamedTuple):
+    """A part of the ball of one ascent step (:meth:`GeodesicSAM._ball_ascent_`): its ball, the map
+    to the parameters, the Riemannian gradient in its coordinates, and how the perturbed point is
+    written back to the model's weights. ``summed``: its ‖g‖² is summed over the ranks (a rank's
+    shards) rather than counted once (the same on every rank); ``kept``: held between the
+    ascent's two passes (else formed again for the second)."""
+
+    ball: Any
+    ball_params: Any
+    rgrad: List[Tensor]
+    write: Callable[[Dict[str, Tensor]], None]
+    summed: bool
+    kept: bool
 
 
 class ParallelAscent:
@@ -89,60 +103,54 @@ class ParallelAscent:
                                f"lay.verify(model, inputs) with the same inputs on every rank) and "
                                f"pass layout=lay")
 
-    def _sharded_ball_ascent_(self, grads: Dict[str, Optional[Tensor]]) -> None:
-        r""":meth:`_ball_ascent_` for FSDP2-sharded parameters (DTensors sharded on one mesh
-        dimension), with the same ε = ρ g/‖g‖ and w_adv on every rank as the unsharded model.
+    def _sharded_pieces(self, grads: Dict[str, Optional[Tensor]], upcast: bool,
+                        rebuilt_only: bool = False) -> Iterator["AscentPiece"]:
+        r"""The pieces of the ascent's ball for FSDP2-sharded parameters (DTensors sharded on one
+        mesh dimension), with which :meth:`_ball_ascent_` takes the same ε = ρ g/‖g‖ and w_adv on
+        every rank as for the unsharded model.
 
-        * Weights outside the GL blocks (elementwise metric, every weight for ``"adaptive"``): each
-          rank's own shard, ‖g‖² summed over the ranks (one all-reduce of a scalar).
+        * Weights outside the GL blocks (elementwise metric, every weight for ``"adaptive"``): one
+          piece, each rank's own shard; its ‖g‖² is summed over the ranks (one all-reduce of a
+          scalar). Kept between the ascent's two passes (``rebuilt_only`` leaves it out).
         * GL blocks: a head's rows may straddle shard boundaries and its G and H live in different
           parameters, so the parameters of one attention module's blocks (blocks that share a
           parameter are taken together) are assembled whole (``DTensor.full_tensor()``, one
-          parameter at a time), the ascent direction of their heads is formed on every rank alike
-          (so the Gram matrices need no collective and ‖g‖² of the blocks is not summed), and each
-          rank writes back its own shard. This is done twice per step, once for ‖g‖ and once for
-          the point at ε, so only one module's attention weights and gradients are whole at a time:
-          the transient memory is 2× the largest attention module's parameters in the compute
-          dtype, plus a few float64 copies of its heads (point, gradient, direction), not the
-          model's.
+          parameter at a time) and their ascent direction is formed on every rank alike (the Gram
+          matrices need no collective, and their ‖g‖² is counted once). One piece per module,
+          formed again in the second pass, so only one module's attention weights and gradients
+          are whole at a time: the transient memory is 2× the largest attention module's
+          parameters in the compute dtype, plus a few float64 copies of its heads (point,
+          gradient, direction), not the model's.
         """
-        upcast = any(p.dtype in HALF_DTYPES for p in self._perturbed.values())
-        covered = self._block_parameters()
-        local_names = [n for n in self._perturbed if n not in covered and _local(self._perturbed[n]).numel()]
-        layout = None
-        if self.layout is not None:   # the weights a geodesic ball moves elementwise
-            layout = dataclasses.replace(self.layout, blocks=[])
-            local_names = [n for n in local_names if n in set(self.layout.adaptive)]
-        local = None
-        if local_names:   # this rank's shards of them (a rank may hold none)
-            params0 = {n: as_compute(_local(self._perturbed[n]).detach(), upcast) for n in local_names}
-            ball, ball_params = self._ball_of(params0, layout)
-            rgrad = ball.rgrad(ball_params.gather({n: None if grads[n] is None else _local(grads[n])
-                                                   for n in local_names}))
-            local = (ball, ball_params, rgrad)
-        sq = self._sum_over_ranks(0.0 if local is None else float(local[0].inner(local[2], local[2])))
-        for blocks in self._block_groups():
-            ball, _, rgrad = self._whole_blocks(blocks, grads, upcast)
-            sq += float(ball.inner(rgrad, rgrad))   # the same on every rank: counted once
-        norm = math.sqrt(max(sq, 0.0))
-        self.grad_norm = self._checked_norm(norm)
-        if norm == 0:
-            return
-        if local is not None:
-            ball, ball_params, rgrad = local
-            torch._foreach_mul_(rgrad, self.rho / norm)
-            params = ball_params(ball.points(rgrad, consume=True))
-            for n in ball_params.params0:
-                if params[n] is not ball_params.params0[n]:
-                    _local(self._perturbed[n]).copy_(params[n])
+        if not rebuilt_only:
+            covered = self._block_parameters()
+            local_names = [n for n in self._perturbed if n not in covered and _local(self._perturbed[n]).numel()]
+            layout = None
+            if self.layout is not None:   # the weights a geodesic ball moves elementwise
+                layout = dataclasses.replace(self.layout, blocks=[])
+                local_names = [n for n in local_names if n in set(self.layout.adaptive)]
+            if local_names:   # this rank's shards of them (a rank may hold none)
+                params0 = {n: as_compute(_local(self._perturbed[n]).detach(), upcast) for n in local_names}
+                ball, ball_params = self._ball_of(params0, layout)
+                rgrad = ball.rgrad(ball_params.gather({n: None if grads[n] is None else _local(grads[n])
+                                                       for n in local_names}))
+
+                def write_shards(params: Dict[str, Tensor], params0=params0) -> None:
+                    for n in params0:
+                        if params[n] is not params0[n]:
+                            _local(self._perturbed[n]).copy_(params[n])
+
+                yield AscentPiece(ball, ball_params, rgrad, write_shards, summed=True, kept=True)
         for blocks in self._block_groups():
             ball, ball_params, rgrad = self._whole_blocks(blocks, grads, upcast)
-            torch._foreach_mul_(rgrad, self.rho / norm)
-            params = ball_params(ball.points(rgrad, consume=True))
-            for n, whole in params.items():
-                if whole is not ball_params.params0[n]:
-                    p = self._perturbed[n]
-                    _local(p).copy_(_shard_of(whole, p))
+
+            def write_whole(params: Dict[str, Tensor], params0=ball_params.params0) -> None:
+                for n, whole in params.items():
+                    if whole is not params0[n]:
+                        p = self._perturbed[n]
+                        _local(p).copy_(_shard_of(whole, p))
+
+            yield AscentPiece(ball, ball_params, rgrad, write_whole, summed=False, kept=False)
 
     def _block_parameters(self) -> set:
         """Names of the parameters that a GL block touches (wholly or in part)."""

@@ -2,7 +2,7 @@
 
 Under FSDP2, ``GeodesicSAM`` assembles one attention module's parameters whole at a time
 (``DTensor.full_tensor()``) and forms its heads' ascent direction and perturbed point on every rank
-(adapters/sam.py, ``_sharded_ball_ascent_``). This measures, in one process on the CPU, the peak
+(adapters/sam_parallel.py, ``_sharded_pieces``). This measures, in one process on the CPU, the peak
 resident memory that this per-module work adds (the ball of the whole module: float64 heads, their
 gradient, direction and point), for one float32 attention module with separate q/k/v/o layers. The
 whole weights and gradients that FSDP2 gathers for it add 8 bytes per parameter on top (float32).
@@ -66,7 +66,7 @@ def measure(dim: int, head_dim: int) -> float:
     gc.collect()
     _reset_peak()
     before, _ = _resident()
-    # the work of _sharded_ball_ascent_ for one module; unsharded tensors are used as they are
+    # the work of one module's piece of the sharded ascent (_sharded_pieces); unsharded tensors are used as they are
     # (their "whole" copies are the 8 bytes per parameter not counted here)
     ball, ball_params, rgrad = opt._whole_blocks(opt._block_groups()[0], grads, False)
     torch._foreach_mul_(rgrad, 0.01)
