@@ -49,21 +49,46 @@ CHECK_AGREEMENT = 0.05
 
 @dataclass
 class SharpnessResult:
-    """Outcome of :func:`sharpness`. ``value`` is the mean over batches of (worst − initial) loss
-    (or mean − initial for ``measure="average"``)."""
+    """Outcome of :func:`sharpness` (one per radius of :func:`sharpness_sweep`); the same fields
+    for a model in one process and a sharded one, and the same on every rank of a sharded run.
 
+    Example::
+
+        res = adapters.sharpness(model, batches, geometry="geodesic-inv", rho=0.1)
+        print(res)                          # one line: value, batches, initial loss, passes, time
+        res.value, res.per_batch            # the loss rise, overall and per batch (nats for CE)
+    """
+
+    #: the sharpness: the mean over batches of (worst − initial) loss, or of (mean − initial) loss
+    #: over the random directions for ``measure="average"``
     value: float
+    #: per batch, worst (or mean) − initial loss, in batch order
     per_batch: List[float]
+    #: per batch, the loss at the trained weights
     init_losses: List[float]
+    #: per batch, the largest loss found in the ball (the mean over directions for average-case)
     worst_losses: List[float]
+    #: per batch, the norm of the worst perturbation in the ball's metric (≤ ``rho``; ``rho`` for
+    #: average-case, whose directions lie on the sphere)
     norms: List[float]
+    #: the radius of the ball
     rho: float
+    #: the geometry of the ball (``"adaptive"``, ``"geodesic-inv"``, ``"geodesic-mix"``)
     geometry: str
+    #: ``"worst"`` (Auto-PGD) or ``"average"``
     measure: str
+    #: the Auto-PGD iterations per batch
     n_iters: int
+    #: forward passes of the model in all, the retraction check's included
     n_forward: int
+    #: backward passes of the model in all
     n_backward: int
+    #: seconds of the whole call (its set-up shared among the radii of a sweep)
     time_s: float
+    #: the options the value was computed with (every option of :func:`sharpness` but ``layout``,
+    #: ``loss_fn`` and ``progress``), ``compute_dtype`` (``"model"``, or float32 upcast from half
+    #: precision) and ``world_size`` (the processes of a sharded run; 1 in one process): enough to
+    #: repeat it
     options: Dict[str, Any] = field(default_factory=dict)
     #: per batch (S_exact − S)/S at the worst perturbation, for the second-order retraction with
     #: ``check_retraction`` (empty otherwise); −inf where the exact geodesic left the manifold
