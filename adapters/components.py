@@ -331,22 +331,19 @@ class ProductBall:
 
     def on_every_rank(self, flag: bool, device: Union[str, torch.device] = "cpu") -> bool:
         """Whether ``flag`` holds on every process over which the ball's components are sharded
-        (each such component's optional ``sum_over_ranks(value)`` sums a 0-d float64 tensor over
-        its processes; the vote is made on ``device``, that of the ball's vectors); ``flag``
-        itself for a ball of one process. Every rank must call it, as a collective: a decision
-        that changes the passes a run takes must be the same on all."""
+        (the count of ranks where it does not, :meth:`sum_over_ranks`; the vote is made on
+        ``device``, that of the ball's vectors); ``flag`` itself for a ball of one process. Every
+        rank must call it, as a collective: a decision that changes the passes a run takes must be
+        the same on all."""
         check.flag("flag", flag)
         vote = torch.tensor(0.0 if flag else 1.0, dtype=torch.float64, device=device)
-        for comp in self.components:
-            summed = getattr(comp, "sum_over_ranks", None)
-            if summed is not None:
-                vote = summed(vote)
-        return bool(vote == 0)
+        return bool(self.sum_over_ranks(vote) == 0)
 
     def sum_over_ranks(self, values: Tensor) -> Tensor:
         """``values`` (a float64 tensor) summed over the processes over which the ball is sharded
-        (one collective, through the first component that has ``sum_over_ranks``); ``values``
-        itself for a ball of one process. Every rank must call it."""
+        (one collective, through the first component that has ``sum_over_ranks(value)``: a sharded
+        component's sum over its processes, the same group for all of a ball's components);
+        ``values`` itself for a ball of one process. Every rank must call it."""
         for comp in self.components:
             summed = getattr(comp, "sum_over_ranks", None)
             if summed is not None:

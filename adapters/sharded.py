@@ -1,8 +1,8 @@
 r"""Sharpness of a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
 :func:`~quotient_manifolds.adapters.sharpness` takes this path by itself when the model's
-parameters are DTensors sharded on their first dimension (``Shard(0)``, FSDP2's default) or
-replicated. Every rank calls it with its own batches (the same ones, or each its share of a
+parameters are DTensors sharded on their first dimension (``Shard(0)``, FSDP2's layout) over one
+one-dimensional device mesh (:func:`group_of` refuses others). Every rank calls it with its own batches (the same ones, or each its share of a
 global batch: data parallelism combined with sharding); the loss of an evaluation is the mean over
 the ranks of their mean losses, so equal batch sizes give the loss of the union of the batches,
 and every rank returns the same :class:`~quotient_manifolds.adapters.SharpnessResult`.
@@ -475,8 +475,9 @@ def computed_in_float32(model: nn.Module, what: str) -> Iterator[bool]:
         yield False
         return
     if not pairs or not _float32_supported(pairs):
+        cause = f"its shards are {params[0].dtype}" if params else f"MixedPrecisionPolicy(param_dtype={policy})"
         raise TypeError(
-            f"{what}: the sharded model computes in half precision ({'its shards are ' + str(params[0].dtype) if params else f'MixedPrecisionPolicy(param_dtype={policy})'}), "
+            f"{what}: the sharded model computes in half precision ({cause}), "
             f"which rounds the perturbations away, and this torch's FSDP2 does not let the run "
             f"evaluate it in float32. Shard a float32 copy with fully_shard's default policy, or "
             f"measure the unsharded model (evaluated in float32 at its half-precision weights)")

@@ -49,7 +49,7 @@ class ModuleAlone(nn.Module):
     """One submodule of a model, alone: at the same path as in the model (so its parameters have
     the model's names), called with the inputs it received in the model's forward pass
     (``forward(args, kwargs)`` calls it as ``module(*args, **kwargs)``). What
-    :func:`accept_on_shards` verifies a sharded model's blocks on."""
+    :func:`checked_on_owners` checks a sharded model's blocks on."""
 
     def __init__(self, path: str, module: nn.Module):
         super().__init__()

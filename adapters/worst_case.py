@@ -25,7 +25,7 @@ from quotient_manifolds._runtime import bounded_threads
 
 from . import validation as check
 from .components import ProductBall
-from .evaluation import ModelClosure, split_batch, to_device
+from .evaluation import split_batch, to_device
 from .gate import Prepared
 from .losses import default_loss
 from .memory import explained_out_of_memory
@@ -253,7 +253,7 @@ def _run_batches(ball: ProductBall, closure: Any, prepared: Prepared, tokens: ch
     return runs
 
 
-def _worst_case_run(ball: ProductBall, closure: ModelClosure, rho: float, options: SharpnessOptions,
+def _worst_case_run(ball: ProductBall, closure: Any, rho: float, options: SharpnessOptions,
                     previous: Optional[APGDResult], prepared: Prepared, check_gap: bool,
                     on_iteration: Optional[Callable[[int, float], None]]) -> Tuple[APGDResult, Dict[str, Any]]:
     """One Auto-PGD run on the closure's batch, warm-started at ``previous`` (the run at the radius
