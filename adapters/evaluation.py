@@ -209,7 +209,8 @@ def all_finite(t: Tensor) -> bool:
     if local is not None:   # a DTensor: its shards checked where they are, the vote of the ranks
         import torch.distributed as dist
 
-        finite = torch.tensor(float(all_finite(local())), device=local().device)
+        shard = local()
+        finite = torch.tensor(float(all_finite(shard)), device=shard.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=t.device_mesh.get_group())
         return bool(finite.item() == 1)
     flat = t.reshape(-1)
