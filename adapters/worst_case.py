@@ -29,7 +29,7 @@ from .evaluation import split_batch, to_device
 from .gate import Prepared
 from .losses import default_loss
 from .memory import explained_out_of_memory
-from .options import SharpnessOptions, as_rho, document_options
+from .options import SharpnessKwargs, SharpnessOptions, Unpack, as_rho, document_options
 from .placement import LocalPlacement, Placement, ShardedPlacement
 from .sharded import is_sharded
 from .solver import APGDResult, auto_pgd, average_case
@@ -114,7 +114,7 @@ class SharpnessResult:
 
 @document_options
 def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], Mapping[str, Any]]], *,
-              rho: float, **options: Any) -> SharpnessResult:
+              rho: float, **options: Unpack[SharpnessKwargs]) -> SharpnessResult:
     r"""Worst-case (Auto-PGD) or average-case sharpness of ``model`` on ``batches``.
 
     Parameters
@@ -141,7 +141,9 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], M
 
     The options (all but ``model``, ``batches`` and ``rho``) are the fields of
     :class:`~quotient_manifolds.adapters.options.SharpnessOptions`, checked before any work: an
-    unknown name or an out-of-range value is refused, naming it.
+    unknown name or an out-of-range value is refused, naming it. Their names and types are also
+    :class:`~quotient_manifolds.adapters.options.SharpnessKwargs`, which type checkers (mypy,
+    pyright) and editors read: a misspelt option is flagged before the call runs.
 
     For sharpness as a function of rho use :func:`sharpness_sweep`: it warm-starts each radius
     from the worst point of the previous one, so a larger ball never returns a smaller maximum.
@@ -150,8 +152,9 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], M
     return run_sharpness(model, batches, [rho], SharpnessOptions.from_keywords(options), stacklevel=3)[0]
 
 
+@document_options
 def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence[float],
-                    **options) -> List[SharpnessResult]:
+                    **options: Unpack[SharpnessKwargs]) -> List[SharpnessResult]:
     """Worst-case sharpness at increasing radii ``rhos`` (options as :func:`sharpness`).
 
     The ball's frames are built once; on every batch the Auto-PGD run at ρ_k starts from the worst
@@ -259,7 +262,7 @@ def _worst_case_run(ball: ProductBall, closure: Any, rho: float, options: Sharpn
     """One Auto-PGD run on the closure's batch, warm-started at ``previous`` (the run at the radius
     before): its result and its record."""
     res = auto_pgd(ball, closure, rho, n_iters=options.n_iters, momentum=options.momentum,
-                   step_normalisation=options.step_normalisation, step_size_mult=options.step_size_mult,
+                   step_normalization=options.step_normalization, step_size_mult=options.step_size_mult,
                    on_iteration=on_iteration,
                    start=None if previous is None else (previous.xi, previous.init_loss))
     check.ascent_found(res, rho, stacklevel=5)  # as if sharpness() warned
