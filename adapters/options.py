@@ -331,7 +331,8 @@ def document_options(fn: EntryPoint) -> EntryPoint:
     if "geometry" in options:   # the order sharpness's keywords were written in: geometry, then rho
         radius = [p for p in fixed if p.name == "rho"]
         fixed = [p for p in fixed if p.name != "rho"] + [options.pop("geometry")] + radius
-    fn.__signature__ = signature  # type: ignore[attr-defined].replace(parameters=fixed + list(options.values()))
+    fn.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=fixed + list(options.values()))
     entries = "\n".join(f"    {name}: " + OPTION_DOCS[name].replace("\n", "\n        ") for name in shown)
     fn.__doc__ = fn.__doc__.replace("    {options}", entries)
     return fn
