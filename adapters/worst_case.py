@@ -25,7 +25,7 @@ from quotient_manifolds._runtime import bounded_threads
 
 from . import validation as check
 from .components import ProductBall
-from .evaluation import split_batch, to_device
+from .evaluation import inputs_explained, split_batch, to_device
 from .gate import Prepared
 from .losses import default_loss
 from .memory import explained_out_of_memory
@@ -237,14 +237,15 @@ def _run_batches(ball: ProductBall, closure: Any, prepared: Prepared, tokens: ch
             previous = None
             for runs_at, rho in zip(runs, rhos):
                 started_at = time.perf_counter()
-                if options.measure == "worst":
-                    previous, run = _worst_case_run(ball, closure, rho, options, previous, prepared,
-                                                    check_gap, on_iteration)
-                else:
-                    res = average_case(ball, closure, rho, n_samples=options.n_samples,
-                                       generator=generator, on_iteration=on_iteration)
-                    run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
-                               fwd=1 + options.n_samples, bwd=0, gap=None)
+                with inputs_explained(placement.model, index):   # inputs the model cannot take
+                    if options.measure == "worst":
+                        previous, run = _worst_case_run(ball, closure, rho, options, previous, prepared,
+                                                        check_gap, on_iteration)
+                    else:
+                        res = average_case(ball, closure, rho, n_samples=options.n_samples,
+                                           generator=generator, on_iteration=on_iteration)
+                        run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
+                                   fwd=1 + options.n_samples, bwd=0, gap=None)
                 run["time"] = time.perf_counter() - started_at
                 runs_at.append(run)
         if not runs[0]:
