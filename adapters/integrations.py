@@ -82,7 +82,8 @@ class SharpnessCallback(transformers.TrainerCallback):
                  geometries: Sequence[str] = DEFAULT_GEOMETRIES, every_n_steps: Optional[int] = None,
                  at_evaluation: bool = False, at_train_begin: bool = False,
                  rho: Union[None, float, Mapping[str, float]] = None,
-                 target_loss_rise: Optional[float] = None, **sharpness_options: Unpack[PerGeometryKwargs]) -> None:
+                 target_loss_rise: Optional[float] = None,
+                 **sharpness_options: Unpack[PerGeometryKwargs]) -> None:
         if not isinstance(trainer, transformers.Trainer):
             raise TypeError(f"SharpnessCallback needs the transformers.Trainer it logs through, got "
                             f"{type(trainer).__name__}: SharpnessCallback(trainer, held_batches, ...), "

@@ -53,7 +53,8 @@ class LightningSharpnessCallback(pl.Callback):
     def __init__(self, batches: Iterable[Any], *, geometries: Sequence[str] = DEFAULT_GEOMETRIES,
                  every_n_steps: Optional[int] = None, at_validation: bool = False,
                  rho: Union[None, float, Mapping[str, float]] = None,
-                 target_loss_rise: Optional[float] = None, **sharpness_options: Unpack[PerGeometryKwargs]) -> None:
+                 target_loss_rise: Optional[float] = None,
+                 **sharpness_options: Unpack[PerGeometryKwargs]) -> None:
         super().__init__()
         if every_n_steps is not None:
             integer_at_least("every_n_steps", every_n_steps, 1)

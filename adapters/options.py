@@ -334,5 +334,5 @@ def document_options(fn: EntryPoint) -> EntryPoint:
     fn.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=fixed + list(options.values()))
     entries = "\n".join(f"    {name}: " + OPTION_DOCS[name].replace("\n", "\n        ") for name in shown)
-    fn.__doc__ = fn.__doc__.replace("    {options}", entries)
+    fn.__doc__ = (fn.__doc__ or "").replace("    {options}", entries)
     return fn
