@@ -29,12 +29,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 import torch
+from typing_extensions import Unpack
 
 from quotient_manifolds._validation import integer_at_least
 
 from . import validation as check
 from .ball import geometry_of
-from .options import GeometryName, PerGeometryKwargs, SharpnessOptions, Unpack, document_options
+from .options import GeometryName, PerGeometryKwargs, SharpnessOptions, document_options
 from .worst_case import run_sharpness
 
 __all__ = ["RhoCalibration", "calibrate_rho", "find_rho", "root_estimate", "interpolate_at"]

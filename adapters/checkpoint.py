@@ -26,9 +26,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from typing_extensions import Unpack
 
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor, metric_name
-from .options import PerGeometryKwargs, Unpack, document_options
+from .options import PerGeometryKwargs, document_options
 
 __all__ = ["CheckpointError", "CheckpointSharpness", "checkpoint_sharpness", "load_checkpoint",
            "read_rows", "TASKS", "DTYPES"]

@@ -18,11 +18,12 @@ import itertools
 from typing import Any, Iterable, Optional
 
 import torch
+from typing_extensions import Unpack
 
 from . import validation as check
 from .gate import Gate
 from .ball import GEOMETRY_TABLE
-from .options import SharpnessKwargs, Unpack, document_options, renamed_options, sharpness_options
+from .options import SharpnessKwargs, document_options, renamed_options, sharpness_options
 from .sharded import is_sharded
 from .worst_case import SharpnessResult, sharpness
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
+from typing_extensions import Unpack
 import transformers
 from torch import nn
 
@@ -30,7 +31,7 @@ from quotient_manifolds._validation import flag, integer_at_least
 
 from .ball import geometry_of
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor
-from .options import PerGeometryKwargs, Unpack, as_rho
+from .options import PerGeometryKwargs, as_rho
 from .sam import SAM_GEOMETRIES, GeodesicSAM
 
 __all__ = ["SharpnessCallback", "GeodesicSAMTrainer"]

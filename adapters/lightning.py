@@ -20,11 +20,12 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
+from typing_extensions import Unpack
 
 from quotient_manifolds._validation import flag, integer_at_least
 
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor
-from .options import PerGeometryKwargs, Unpack
+from .options import PerGeometryKwargs
 
 __all__ = ["LightningSharpnessCallback"]
 

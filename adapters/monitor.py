@@ -40,6 +40,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 import torch
+from typing_extensions import Unpack
 from torch import nn
 
 from . import validation as check
@@ -47,7 +48,7 @@ from .ball import geometry_of
 from .calibration import RhoCalibration, calibrate_rho
 from .distributed import distributed_sharpness
 from .modes import eval_mode
-from .options import PerGeometryKwargs, SharpnessOptions, Unpack, as_rho, renamed_options
+from .options import PerGeometryKwargs, SharpnessOptions, as_rho, renamed_options
 from .sharded import is_sharded
 from .worst_case import SharpnessResult, sharpness
 

@@ -10,12 +10,12 @@ list the same names with the same types."""
 from __future__ import annotations
 
 import inspect
-import sys
 import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, Literal, Mapping, Optional, Tuple, TypeVar, get_args, get_type_hints
 
 import torch
+from typing_extensions import TypedDict   # the one PEP 692's Unpack takes, on every Python
 
 from quotient_manifolds._validation import flag, integer_at_least
 from quotient_manifolds.core.gl import RETRACTIONS
@@ -25,12 +25,7 @@ from .ball import GEOMETRY_TABLE, Geometry, geometry_of
 from .elementwise import ADAPTIVE_DIRECTIONS
 from .solver import MOMENTUM_FORMS, STEP_NORMALIZATIONS
 
-if sys.version_info >= (3, 12):
-    from typing import TypedDict, Unpack
-else:  # PEP 692's Unpack of a TypedDict for **kwargs (typing_extensions comes with torch)
-    from typing_extensions import TypedDict, Unpack
-
-__all__ = ["MEASURES", "SharpnessOptions", "SharpnessKwargs", "PerGeometryKwargs", "Unpack",
+__all__ = ["MEASURES", "SharpnessOptions", "SharpnessKwargs", "PerGeometryKwargs",
            "GeometryName", "RetractionName", "MeasureName", "MomentumForm", "StepNormalization",
            "AdaptiveDirection", "SHARPNESS_OPTION_NAMES", "RENAMED_OPTIONS", "renamed_options", "OPTION_DOCS",
            "document_options", "sharpness_options", "as_rho"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+from typing_extensions import Unpack
 
 from quotient_manifolds._runtime import bounded_threads
 
@@ -29,7 +30,7 @@ from .evaluation import inputs_explained, split_batch, to_device
 from .gate import Prepared
 from .losses import default_loss
 from .memory import explained_out_of_memory
-from .options import SharpnessKwargs, SharpnessOptions, Unpack, as_rho, document_options
+from .options import SharpnessKwargs, SharpnessOptions, as_rho, document_options
 from .placement import LocalPlacement, Placement, ShardedPlacement
 from .sharded import is_sharded
 from .solver import APGDResult, auto_pgd, average_case
