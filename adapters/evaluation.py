@@ -215,7 +215,9 @@ def input_mismatch(err: BaseException, model: nn.Module, index: Optional[int]) -
                              f"tensor of shape {tuple(received.shape)}. Pass the ids as integers "
                              f"(e.g. inputs.long())")
         return None
-    if received.dtype != weight.dtype:
+    # a half-precision model runs in float32 (module docstring): its layers get float32 inputs
+    upcast = weight.dtype in HALF_DTYPES and received.dtype == torch.float32
+    if received.dtype != weight.dtype and not upcast:
         integer = not (received.is_floating_point() or received.is_complex())
         cast = "inputs.float()" if integer and weight.dtype == torch.float32 else f"inputs.to({weight.dtype})"
         other = "" if integer else ", or the model the inputs' (model.to(...))"

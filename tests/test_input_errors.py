@@ -67,3 +67,12 @@ def test_an_error_inside_the_model_passes_unchanged():
     with pytest.raises(RuntimeError, match="mat1 and mat2") as err:
         adapters.sharpness(model, [(torch.randn(5, 4), TARGETS)], rho=0.1, geometry="adaptive", n_iters=1)
     assert "batch" not in str(err.value)
+
+
+def test_a_half_precision_model_takes_its_inputs_as_before():
+    """A float16 model runs in float32 with its floating inputs cast: float16 and float32 inputs
+    are both taken (no mismatch is reported for the float32 inputs its layers then get)."""
+    model = _mlp(torch.float16)
+    for x in (torch.randn(5, 4).half(), torch.randn(5, 4)):
+        res = adapters.sharpness(model, [(x, TARGETS)], rho=0.1, geometry="adaptive", n_iters=1)
+        assert res.value == res.value
