@@ -29,8 +29,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 import torch
+from typing_extensions import Unpack
 
 from quotient_manifolds._validation import integer_at_least
+
+from . import validation as check
+from .ball import geometry_of
+from .options import GeometryName, PerGeometryKwargs, SharpnessOptions, document_options
+from .worst_case import run_sharpness
 
 __all__ = ["RhoCalibration", "calibrate_rho", "find_rho", "root_estimate", "interpolate_at"]
 
@@ -145,10 +151,11 @@ class RhoCalibration:
     evals: List[Tuple[float, float]] = field(default_factory=list)
 
 
-def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: str,
+@document_options
+def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: GeometryName,
                   target_loss_rise: float, rho_start: Optional[float] = None,
                   tolerance: float = 1.25, max_evals: int = 7,
-                  **sharpness_options: Any) -> RhoCalibration:
+                  **sharpness_options: Unpack[PerGeometryKwargs]) -> RhoCalibration:
     r"""The radius ρ at which the worst-case loss rise of ``model`` on ``batches`` in ``geometry``
     equals ``target_loss_rise``.
 
@@ -160,8 +167,15 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
 
     Each evaluation is one worst-case :func:`~quotient_manifolds.adapters.sharpness` run (Auto-PGD over all
     ``batches``); the search (:func:`find_rho`) needs 2–5 on a smooth loss. Pass the options you
-    will measure with (``n_iters``, ``gram_eps``, ``retraction``, ``loss_fn``, …) in
-    ``sharpness_options``: the calibrated ρ is for those.
+    will measure with (``n_iters``, ``gram_eps``, ``retraction``, ``loss_fn``, …) as keywords: the
+    calibrated ρ is for those.
+
+    The search stops at the first ρ whose loss rise is within a *factor* ``tolerance`` of the
+    target, so the rise at the returned ρ is not the target itself: with the default
+    ``tolerance=1.25``, ``target_loss_rise=0.1`` returns a ρ whose rise lies anywhere in
+    [0.08, 0.125] (``result.loss_rise`` says where). To come closer, pass a smaller factor, e.g.
+    ``tolerance=1.05`` for [0.095, 0.105], and allow more runs (``max_evals=10``): each step
+    of the search is one more sharpness run.
 
     Parameters
     ----------
@@ -171,8 +185,13 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
     rho_start: first radius tried (default: the geometry's ``rho_start``,
         :data:`~quotient_manifolds.adapters.ball.GEOMETRY_TABLE`, 0.05 for mix and 0.1 otherwise: a
         few evaluations from most models' answer).
-    tolerance: accept ρ when S(ρ)/target lies in [1/tolerance, tolerance] (default 1.25).
-    max_evals: at most this many sharpness runs (default 7).
+    tolerance: accept ρ when S(ρ)/target lies in [1/tolerance, tolerance] (a factor > 1; default
+        1.25, i.e. within −20 % / +25 % of the target).
+    max_evals: at most this many sharpness runs (default 7); when none was within the tolerance,
+        ``converged`` is False and ``rho`` is the log–log estimate of the root.
+    sharpness_options: the options of :func:`~quotient_manifolds.adapters.sharpness` but
+        ``geometry``, ``measure`` and ``rho``
+        (:class:`~quotient_manifolds.adapters.options.PerGeometryKwargs`), used in every run.
 
     Returns a :class:`RhoCalibration` (``rho``, ``loss_rise`` at it, every evaluation).
 
@@ -182,11 +201,6 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: s
                                      target_loss_rise=0.1, n_iters=10)
         res = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=cal.rho, n_iters=10)
     """
-    from . import validation as check
-    from .ball import geometry_of
-    from .options import SharpnessOptions
-    from .worst_case import run_sharpness
-
     check.module("model", model)
     check.batches("batches", batches)
     spec = geometry_of(geometry)

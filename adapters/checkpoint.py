@@ -26,8 +26,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from typing_extensions import Unpack
 
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor, metric_name
+from .options import PerGeometryKwargs, document_options
 
 __all__ = ["CheckpointError", "CheckpointSharpness", "checkpoint_sharpness", "load_checkpoint",
            "read_rows", "TASKS", "DTYPES"]
@@ -255,6 +257,7 @@ def _batches(texts: List[Any], labels: Optional[torch.Tensor], tokenizer: Any, *
     return batches
 
 
+@document_options
 def checkpoint_sharpness(checkpoint: str, data: str, *, geometries: Sequence[str] = DEFAULT_GEOMETRIES,
                          rho: Optional[float] = None, target_loss_rise: Optional[float] = None,
                          text_column: str = "text", label_column: Optional[str] = "label",
@@ -262,7 +265,7 @@ def checkpoint_sharpness(checkpoint: str, data: str, *, geometries: Sequence[str
                          task: Optional[str] = None, tokenizer: Optional[str] = None,
                          split: Optional[str] = None, device: str = "cpu", dtype: Optional[str] = None,
                          log: Optional[Callable[[str], None]] = None,
-                         **sharpness_options: Any) -> CheckpointSharpness:
+                         **sharpness_options: Unpack[PerGeometryKwargs]) -> CheckpointSharpness:
     r"""Worst-case sharpness of the saved Hugging Face model in ``checkpoint`` on the first
     ``batches × batch_size`` rows of ``data`` (module docstring).
 

@@ -18,40 +18,40 @@ import itertools
 from typing import Any, Iterable, Optional
 
 import torch
-
-from quotient_manifolds._validation import integer_at_least
+from typing_extensions import Unpack
 
 from . import validation as check
 from .gate import Gate
 from .ball import GEOMETRY_TABLE
-from .options import sharpness_options
+from .options import SharpnessKwargs, document_options, renamed_options, sharpness_options
 from .sharded import is_sharded
 from .worst_case import SharpnessResult, sharpness
 
 __all__ = ["distributed_sharpness"]
 
 
-def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
-                          process_group: Optional[Any] = None, seed: int = 0,
-                          **options) -> SharpnessResult:
+@document_options
+def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *, rho: float,
+                          process_group: Optional[Any] = None,
+                          **options: Unpack[SharpnessKwargs]) -> SharpnessResult:
     """:func:`~quotient_manifolds.adapters.sharpness` with the batches spread over the ranks of
     ``process_group`` (default: the world). Call it on every rank; every rank returns the same
     :class:`~quotient_manifolds.adapters.SharpnessResult` (``value`` = mean over all batches, ``per_batch``
     in batch order, ``n_forward``/``n_backward``/``time_s`` summed over ranks).
 
-    ``options`` are those of :func:`~quotient_manifolds.adapters.sharpness` (``geometry``, ``rho``,
-    ``n_iters``, ``loss_fn``, ``layout`` …); ``progress`` shows this rank's share.
+    ``rho`` and the options are those of :func:`~quotient_manifolds.adapters.sharpness` (``geometry``,
+    ``n_iters``, ``loss_fn``, ``layout`` …,
+    :class:`~quotient_manifolds.adapters.options.SharpnessKwargs`); ``progress`` shows this rank's
+    share, and batch ``i`` is measured with seed ``seed + i``.
     """
     import torch.distributed as dist
 
     # every rank refuses the same bad argument before any collective (a rank that raised alone
     # would leave the others waiting in all_gather_object)
     check.module("model", model)
-    integer_at_least("seed", seed, -2 ** 63)
-    if "rho" not in options:
-        raise TypeError("distributed_sharpness needs rho= (the radius of the ball), as "
-                        "quotient_manifolds.adapters.sharpness does")
-    resolved = sharpness_options({k: v for k, v in options.items() if k != "rho"}, rho=options["rho"])
+    chosen = renamed_options(options)   # a former spelling warned about once, here
+    resolved = sharpness_options(chosen, rho=rho)
+    seed = chosen.pop("seed", 0)
     if is_sharded(model):
         raise ValueError(
             "distributed_sharpness measures a whole model on every rank, each rank its share of the "
@@ -68,14 +68,14 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
         # resolved (detected, or checked to belong to the model) once, on every rank alike, before
         # any rank measures or waits for the others
         # (the gate of adapters.gate: every rank's sharpness call then accepts it on its first batch)
-        options["layout"] = Gate(model, options.get("layout"), geometry=geometry,
+        chosen["layout"] = Gate(model, chosen.get("layout"), geometry=geometry,
                                  what=f"distributed {geometry} sharpness", consequence="the value would be meaningless",
                                  allow_unsupported=resolved["allow_unsupported"],
                                  include_frozen=resolved["include_frozen"]).layout
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     rows = []
     for index, batch in itertools.islice(enumerate(batches), rank, None, world):
-        res = sharpness(model, [batch], seed=seed + index, **options)
+        res = sharpness(model, [batch], rho=rho, seed=seed + index, **chosen)
         rows.append((index, res.per_batch[0], res.init_losses[0], res.worst_losses[0],
                      res.norms[0], res.n_forward, res.n_backward, res.time_s))
     gathered = [None] * world
@@ -86,9 +86,9 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
         raise ValueError("`batches` is empty: pass at least one batch")
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch), per_batch=list(per_batch), init_losses=list(init),
-        worst_losses=list(worst), norms=list(norms), rho=float(options["rho"]),
+        worst_losses=list(worst), norms=list(norms), rho=float(rho),
         geometry=geometry, measure=resolved["measure"],
         n_iters=resolved["n_iters"], n_forward=sum(n_fwd), n_backward=sum(n_bwd),
         time_s=sum(seconds),
-        options={**{k: v for k, v in options.items() if k != "layout"}, "seed": seed,
+        options={"rho": rho, **{k: v for k, v in chosen.items() if k != "layout"}, "seed": seed,
                  "world_size": world})

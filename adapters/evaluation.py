@@ -30,7 +30,7 @@ from .validation import TokenInputs, scalar_loss
 
 __all__ = ["map_tensors", "device_of", "split_inputs", "split_batch", "ModelClosure",
            "as_compute", "to_device", "class_targets_check", "all_finite", "loss_of", "detach_inputs",
-           "capture_module_inputs", "weighted_batches", "batch_size_of"]
+           "capture_module_inputs", "weighted_batches", "batch_size_of", "inputs_explained"]
 
 
 def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
@@ -169,6 +169,73 @@ def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise:
                          f"batch)")
     inputs, targets = batch
     return inputs, targets, False
+
+
+@contextlib.contextmanager
+def inputs_explained(model: nn.Module, index: Optional[int]):
+    """Runs its block (forward passes of ``model`` on batch ``index``, or on a batch when
+    ``None``) and turns an error raised inside the model's first layer because the batch's input
+    does not fit it (:func:`input_mismatch`: integer or float16 inputs to a float32 layer, a wrong
+    feature dimension: torch's ``mat1 and mat2 ...``) into a ``TypeError`` / ``ValueError`` naming
+    the batch, the input's dtype and shape and what the layer expects, chained to the original;
+    any other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as err:
+        explained = input_mismatch(err, model, index)
+        if explained is None:
+            raise
+        raise explained from err
+
+
+def input_mismatch(err: BaseException, model: nn.Module, index: Optional[int]) -> Optional[Exception]:
+    """The error to raise for ``err`` when it was raised inside the first layer of ``model`` (the
+    first module with parameters of its own, when it is the innermost module in the traceback)
+    because its input tensor does not fit it: a dtype other than its weight's (or not integer
+    indices, for an embedding), or a last dimension (channel dimension, for a convolution) other
+    than its input size. ``None`` when ``err`` is not that."""
+    names = {id(m): name for name, m in model.named_modules()}
+    layer, received, tb = None, None, err.__traceback__
+    while tb is not None:          # the innermost frame of a module of the model, and its input
+        owner = tb.tb_frame.f_locals.get("self")
+        if id(owner) in names and isinstance(owner, nn.Module):
+            inputs = [v for k, v in tb.tb_frame.f_locals.items() if k != "self" and isinstance(v, Tensor)]
+            if inputs:
+                layer, received = owner, inputs[0]
+        tb = tb.tb_next
+    first = next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    weight = getattr(layer, "weight", None)
+    if layer is None or layer is not first or received is None or not isinstance(weight, Tensor):
+        return None   # a layer inside the model: its input is the model's own, not the batch's
+    where = f"batch {index}" if index is not None else "a batch"
+    about = f"{where}: the model's first layer {names[id(layer)] or 'model'!r} ({layer}) cannot take its input"
+    if isinstance(layer, nn.Embedding):
+        if received.is_floating_point() or received.is_complex():
+            return TypeError(f"{about}: it takes integer token ids, and its input is a {received.dtype} "
+                             f"tensor of shape {tuple(received.shape)}. Pass the ids as integers "
+                             f"(e.g. inputs.long())")
+        return None
+    # a half-precision model runs in float32 (module docstring): its layers get float32 inputs
+    upcast = weight.dtype in HALF_DTYPES and received.dtype == torch.float32
+    if received.dtype != weight.dtype and not upcast:
+        integer = not (received.is_floating_point() or received.is_complex())
+        cast = "inputs.float()" if integer and weight.dtype == torch.float32 else f"inputs.to({weight.dtype})"
+        other = "" if integer else ", or the model the inputs' (model.to(...))"
+        return TypeError(f"{about}: its weights are {weight.dtype} and its input is {'an integer' if integer else 'a'} "
+                         f"{received.dtype} tensor of shape {tuple(received.shape)}. Give the batch's "
+                         f"inputs the model's dtype ({cast}){other}")
+    if isinstance(layer, nn.modules.conv._ConvNd):
+        size_dim, expected, axis = -(len(layer.kernel_size) + 1), layer.in_channels, "channel"
+    elif isinstance(layer, nn.Linear):
+        size_dim, expected, axis = -1, layer.in_features, "last"
+    else:
+        return None
+    if received.ndim >= -size_dim and received.shape[size_dim] != expected:
+        return ValueError(f"{about}: it takes inputs whose {axis} dimension is {expected}, and its input "
+                          f"is a {received.dtype} tensor of shape {tuple(received.shape)}. Check the "
+                          f"batch's inputs (their feature size, and the order (inputs, targets) of "
+                          f"each batch)")
+    return None
 
 
 def class_targets_check(targets: Any, index: int = 0) -> Optional[Callable[[Any], None]]:

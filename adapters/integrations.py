@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
+from typing_extensions import Unpack
 import transformers
 from torch import nn
 
@@ -30,7 +31,7 @@ from quotient_manifolds._validation import flag, integer_at_least
 
 from .ball import geometry_of
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor
-from .options import as_rho
+from .options import PerGeometryKwargs, as_rho
 from .sam import SAM_GEOMETRIES, GeodesicSAM
 
 __all__ = ["SharpnessCallback", "GeodesicSAMTrainer"]
@@ -82,7 +83,8 @@ class SharpnessCallback(transformers.TrainerCallback):
                  geometries: Sequence[str] = DEFAULT_GEOMETRIES, every_n_steps: Optional[int] = None,
                  at_evaluation: bool = False, at_train_begin: bool = False,
                  rho: Union[None, float, Mapping[str, float]] = None,
-                 target_loss_rise: Optional[float] = None, **sharpness_options: Any) -> None:
+                 target_loss_rise: Optional[float] = None,
+                 **sharpness_options: Unpack[PerGeometryKwargs]) -> None:
         if not isinstance(trainer, transformers.Trainer):
             raise TypeError(f"SharpnessCallback needs the transformers.Trainer it logs through, got "
                             f"{type(trainer).__name__}: SharpnessCallback(trainer, held_batches, ...), "

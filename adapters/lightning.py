@@ -20,10 +20,12 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import lightning.pytorch as pl
+from typing_extensions import Unpack
 
 from quotient_manifolds._validation import flag, integer_at_least
 
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor
+from .options import PerGeometryKwargs
 
 __all__ = ["LightningSharpnessCallback"]
 
@@ -52,7 +54,8 @@ class LightningSharpnessCallback(pl.Callback):
     def __init__(self, batches: Iterable[Any], *, geometries: Sequence[str] = DEFAULT_GEOMETRIES,
                  every_n_steps: Optional[int] = None, at_validation: bool = False,
                  rho: Union[None, float, Mapping[str, float]] = None,
-                 target_loss_rise: Optional[float] = None, **sharpness_options: Any) -> None:
+                 target_loss_rise: Optional[float] = None,
+                 **sharpness_options: Unpack[PerGeometryKwargs]) -> None:
         super().__init__()
         if every_n_steps is not None:
             integer_at_least("every_n_steps", every_n_steps, 1)

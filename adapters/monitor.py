@@ -40,6 +40,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 import torch
+from typing_extensions import Unpack
 from torch import nn
 
 from . import validation as check
@@ -47,7 +48,7 @@ from .ball import geometry_of
 from .calibration import RhoCalibration, calibrate_rho
 from .distributed import distributed_sharpness
 from .modes import eval_mode
-from .options import SharpnessOptions, as_rho
+from .options import PerGeometryKwargs, SharpnessOptions, as_rho, renamed_options
 from .sharded import is_sharded
 from .worst_case import SharpnessResult, sharpness
 
@@ -103,7 +104,8 @@ class SharpnessMonitor:
     target_loss_rise: calibrate ρ per geometry at the first measurement so that the worst-case loss
         rise equals this many nats (:func:`~quotient_manifolds.adapters.calibrate_rho`), then keep it.
     sharpness_options: the options of :func:`~quotient_manifolds.adapters.sharpness` (``n_iters``,
-        ``loss_fn``, ``retraction``, ``progress`` …; not ``geometry`` or ``measure``), used for the
+        ``loss_fn``, ``retraction``, ``progress`` …; not ``geometry`` or ``measure``:
+        :class:`~quotient_manifolds.adapters.options.PerGeometryKwargs`), used for the
         calibration and every measurement.
 
     Attributes
@@ -130,7 +132,8 @@ class SharpnessMonitor:
 
     def __init__(self, batches: Iterable[Any], *, geometries: Sequence[str] = DEFAULT_GEOMETRIES,
                  rho: Union[None, float, Mapping[str, float]] = None,
-                 target_loss_rise: Optional[float] = None, **sharpness_options: Any) -> None:
+                 target_loss_rise: Optional[float] = None,
+                 **sharpness_options: Unpack[PerGeometryKwargs]) -> None:
         check.batches("batches", batches)
         self.batches = list(batches)
         if not self.batches:
@@ -143,8 +146,9 @@ class SharpnessMonitor:
             if reserved in sharpness_options:
                 raise TypeError(f"{reserved}= is set by the monitor (geometries=, rho= / "
                                 f"target_loss_rise=), not a sharpness option to pass it")
-        SharpnessOptions.from_keywords(sharpness_options)    # refused here, not at step 1000
-        self.options = dict(sharpness_options)
+        # a former spelling warned about here, once; an unknown option refused here, not at step 1000
+        self.options = renamed_options(sharpness_options)
+        SharpnessOptions.from_keywords(self.options)
         if (rho is None) == (target_loss_rise is None):
             raise TypeError("give exactly one of rho= (the radius: a number, or {geometry: radius}) "
                             "and target_loss_rise= (calibrate rho per geometry at the first "

@@ -1,13 +1,21 @@
 r"""The options of :func:`~quotient_manifolds.adapters.sharpness` (:class:`SharpnessOptions`), checked once
-when built, and the radius ``rho`` (:func:`as_rho`)."""
+when built, their types for static tools (:class:`SharpnessKwargs`, :class:`PerGeometryKwargs`) and
+the radius ``rho`` (:func:`as_rho`).
+
+The dataclass is the run-time definition of the options (defaults, checks); the ``TypedDict``\ s
+give their names and types to type checkers and editors through ``**options: Unpack[...]``
+(PEP 692), so that a misspelt option is flagged before the call runs. A test checks that the two
+list the same names with the same types."""
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Literal, Mapping, Optional, Tuple, TypeVar, get_args, get_type_hints
 
 import torch
+from typing_extensions import TypedDict   # the one PEP 692's Unpack takes, on every Python
 
 from quotient_manifolds._validation import flag, integer_at_least
 from quotient_manifolds.core.gl import RETRACTIONS
@@ -15,14 +23,39 @@ from quotient_manifolds.core.gl import RETRACTIONS
 from . import validation as check
 from .ball import GEOMETRY_TABLE, Geometry, geometry_of
 from .elementwise import ADAPTIVE_DIRECTIONS
-from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS
+from .solver import MOMENTUM_FORMS, STEP_NORMALIZATIONS
 
-__all__ = ["MEASURES", "SharpnessOptions", "SHARPNESS_OPTION_NAMES", "OPTION_DOCS", "document_options",
-           "sharpness_options", "as_rho"]
+__all__ = ["MEASURES", "SharpnessOptions", "SharpnessKwargs", "PerGeometryKwargs",
+           "GeometryName", "RetractionName", "MeasureName", "MomentumForm", "StepNormalization",
+           "AdaptiveDirection", "SHARPNESS_OPTION_NAMES", "RENAMED_OPTIONS", "renamed_options", "OPTION_DOCS",
+           "document_options", "sharpness_options", "as_rho"]
 
 Tensor = torch.Tensor
 
-MEASURES = ("worst", "average")
+# The values of the choice-valued options, as types; tests check each against the run-time tuple
+# its option is validated with (``GEOMETRIES``, ``RETRACTIONS``, ``MOMENTUM_FORMS`` …).
+#: ``geometry=`` (:data:`~quotient_manifolds.adapters.GEOMETRIES`)
+GeometryName = Literal["adaptive", "geodesic-inv", "geodesic-mix"]
+#: ``retraction=`` (:data:`~quotient_manifolds.core.gl.RETRACTIONS`)
+RetractionName = Literal["first_order", "second_order", "exact"]
+#: ``measure=`` (:data:`MEASURES`)
+MeasureName = Literal["worst", "average"]
+#: ``momentum=`` (:data:`~quotient_manifolds.adapters.solver.MOMENTUM_FORMS`)
+MomentumForm = Literal["apgd", "andriushchenko", "none"]
+#: ``step_normalization=`` (:data:`~quotient_manifolds.adapters.solver.STEP_NORMALIZATIONS`)
+StepNormalization = Literal["metric", "none"]
+#: ``adaptive_direction=`` (:data:`~quotient_manifolds.adapters.elementwise.ADAPTIVE_DIRECTIONS`)
+AdaptiveDirection = Literal["riemannian", "andriushchenko"]
+
+#: the values of ``measure=``
+MEASURES: Tuple[str, ...] = get_args(MeasureName)
+
+#: a function decorated by :func:`document_options` (returned as it is, so static tools see its type)
+EntryPoint = TypeVar("EntryPoint", bound=Callable[..., Any])
+
+#: former spellings of options → their names now; the former is accepted, with a
+#: ``DeprecationWarning``, until the next release (one spelling: American "-ize", as torch's)
+RENAMED_OPTIONS: Dict[str, str] = {"step_normalisation": "step_normalization"}
 
 
 @dataclass(frozen=True)
@@ -32,17 +65,17 @@ class SharpnessOptions:
     meaning of each is documented at :func:`sharpness`; :func:`sharpness_sweep`,
     :func:`~quotient_manifolds.adapters.calibrate_rho` and :func:`run_sharpness` take them as they are."""
 
-    geometry: str = "geodesic-mix"
+    geometry: GeometryName = "geodesic-mix"
     n_iters: int = 20
-    retraction: str = "second_order"
+    retraction: RetractionName = "second_order"
     loss_fn: Optional[Callable] = None
-    measure: str = "worst"
+    measure: MeasureName = "worst"
     n_samples: int = 10
     gram_eps: float = 0.0
     use_metric_norm: bool = True
-    momentum: str = "apgd"
-    step_normalisation: str = "metric"
-    adaptive_direction: str = "riemannian"
+    momentum: MomentumForm = "apgd"
+    step_normalization: StepNormalization = "metric"
+    adaptive_direction: AdaptiveDirection = "riemannian"
     elementwise_second_order: bool = False
     normalize_logits: bool = False
     step_size_mult: float = 1.0
@@ -61,7 +94,7 @@ class SharpnessOptions:
         check.choice("retraction", self.retraction, RETRACTIONS)
         check.choice("measure", self.measure, MEASURES)
         check.choice("momentum", self.momentum, MOMENTUM_FORMS)
-        check.choice("step_normalisation", self.step_normalisation, STEP_NORMALISATIONS)
+        check.choice("step_normalization", self.step_normalization, STEP_NORMALIZATIONS)
         check.choice("adaptive_direction", self.adaptive_direction, ADAPTIVE_DIRECTIONS)
         check.positive_finite("step_size_mult", self.step_size_mult)
         integer_at_least("n_iters", self.n_iters, 1)
@@ -84,13 +117,11 @@ class SharpnessOptions:
                              "layout(model, include_frozen=True), or pass include_frozen=False")
 
     @classmethod
-    def from_keywords(cls, options: Mapping[str, Any]) -> "SharpnessOptions":
-        """The options given as keywords of :func:`sharpness` (an unknown keyword is refused)."""
-        unknown = [k for k in options if k not in SHARPNESS_OPTION_NAMES]
-        if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
-                            f"those of adapters.sharpness (rho, {', '.join(SHARPNESS_OPTION_NAMES)})")
-        return cls(**options)
+    def from_keywords(cls, options: Mapping[str, Any], *, stacklevel: int = 3) -> "SharpnessOptions":
+        """The options given as keywords of :func:`sharpness`: an unknown keyword is refused, a
+        former spelling (:data:`RENAMED_OPTIONS`) taken with a ``DeprecationWarning`` issued
+        ``stacklevel`` frames up from here (3: the caller of the function that called this)."""
+        return cls(**renamed_options(options, stacklevel=stacklevel))
 
     @property
     def spec(self) -> Geometry:
@@ -104,6 +135,81 @@ class SharpnessOptions:
 
 #: the names of :class:`SharpnessOptions`, in the order of :func:`sharpness`'s keywords
 SHARPNESS_OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(SharpnessOptions))
+
+
+def renamed_options(options: Mapping[str, Any], *, stacklevel: int = 2) -> Dict[str, Any]:
+    """``options`` (keywords of :func:`sharpness`) with each former spelling of :data:`RENAMED_OPTIONS`
+    replaced by the name now, with a ``DeprecationWarning`` issued ``stacklevel`` frames up from the
+    caller (2: the caller's caller); an unknown name is refused (``TypeError`` naming it)."""
+    out = dict(options)
+    for old, new in RENAMED_OPTIONS.items():
+        if old in out:
+            if new in out:
+                raise TypeError(f"{old}= and {new}= are one option ({old} is its former spelling): "
+                                f"pass only {new}=")
+            warnings.warn(f"the option {old}= is now spelt {new}= (one spelling, as torch's); the "
+                          f"former spelling is accepted until the next release", DeprecationWarning,
+                          stacklevel=stacklevel + 1)
+            out[new] = out.pop(old)
+    unknown = [k for k in out if k not in SHARPNESS_OPTION_NAMES]
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
+                        f"those of adapters.sharpness (rho, {', '.join(SHARPNESS_OPTION_NAMES)})")
+    return out
+
+
+class PerGeometryKwargs(TypedDict, total=False):
+    """The options of :func:`~quotient_manifolds.adapters.sharpness` but ``geometry`` and ``measure``,
+    typed for static tools: the ``**options`` of the entry points that choose the geometry
+    themselves (:func:`~quotient_manifolds.adapters.calibrate_rho`,
+    :class:`~quotient_manifolds.adapters.SharpnessMonitor` and the training-loop callbacks). The
+    meaning and default of each is documented at :func:`~quotient_manifolds.adapters.sharpness`.
+
+    Example::
+
+        def measure(model, batches, **options: Unpack[PerGeometryKwargs]) -> float:
+            return adapters.sharpness(model, batches, rho=0.1, **options).value
+    """
+
+    n_iters: int
+    retraction: RetractionName
+    loss_fn: Optional[Callable]
+    n_samples: int
+    gram_eps: float
+    use_metric_norm: bool
+    momentum: MomentumForm
+    step_normalization: StepNormalization
+    adaptive_direction: AdaptiveDirection
+    elementwise_second_order: bool
+    normalize_logits: bool
+    step_size_mult: float
+    layout: Any
+    allow_unsupported: bool
+    unsafe: bool
+    seed: int
+    progress: bool
+    num_threads: Optional[int]
+    include_frozen: bool
+    check_retraction: bool
+    retraction_tolerance: float
+
+
+class SharpnessKwargs(PerGeometryKwargs, total=False):
+    """Every option of :func:`~quotient_manifolds.adapters.sharpness` (its keywords but ``rho``),
+    typed for static tools: ``sharpness(model, batches, *, rho, **options: Unpack[SharpnessKwargs])``
+    (PEP 692), so that mypy, pyright and editors complete the names and flag a misspelt one or a
+    value outside a choice (``geometry="mix"``). At run time the same names and values are checked
+    by :class:`SharpnessOptions`, of which these are the fields (a test keeps the two equal).
+
+    Example::
+
+        options: SharpnessKwargs = {"geometry": "geodesic-inv", "n_iters": 10}
+        adapters.sharpness(model, batches, rho=0.1, **options)
+    """
+
+    geometry: GeometryName
+    measure: MeasureName
+
 
 def sharpness_options(options: Mapping[str, Any], rho: Any = 1.0) -> Dict[str, Any]:
     """The keyword options of :func:`sharpness` (all but ``model``, ``batches``, ``rho``) with the
@@ -146,7 +252,7 @@ OPTION_DOCS: Dict[str, str] = {
         'elementwise adaptive norm (docs/maths.md §7.3).'),
     'momentum': (
         '``"apgd"`` (paper Alg. 1), ``"andriushchenko"`` (their code), ``"none"``.'),
-    'step_normalisation': (
+    'step_normalization': (
         '``"metric"`` (step of metric length η) or ``"none"``.'),
     'adaptive_direction': (
         '``"riemannian"`` (∇⊙w², paper Alg. 1 line 12) or ``"andriushchenko"``\n'
@@ -155,7 +261,7 @@ OPTION_DOCS: Dict[str, str] = {
         'also move the non-attention weights along the second-order geodesic\n'
         'w + ξ + ξ²/(2w) of the elementwise metric (docs/maths.md §12.10; default off: w + ξ).'),
     'normalize_logits': (
-        "apply Andriushchenko et al.'s logit normalisation before the loss."),
+        "apply Andriushchenko et al.'s logit normalization before the loss."),
     'step_size_mult': (
         "multiplies Auto-PGD's initial step size (default 1)."),
     'layout': (
@@ -199,19 +305,29 @@ OPTION_DOCS: Dict[str, str] = {
 }
 
 
-def document_options(fn):
-    """Decorator of an entry point ``fn(model, batches, *, rho, **options)`` whose ``options`` go
-    straight into :class:`SharpnessOptions`: its signature (``inspect.signature``, ``help``, the API
-    docs) lists every option with its default after ``rho``, and the line ``{options}`` of its
-    docstring becomes their entries (:data:`OPTION_DOCS`).  The dataclass is the one definition of
-    the options; nothing is written twice."""
+def document_options(fn: EntryPoint) -> EntryPoint:
+    """Decorator of an entry point whose options go straight into :class:`SharpnessOptions`, typed
+    ``**options: Unpack[SharpnessKwargs]`` (or :class:`PerGeometryKwargs`): its signature
+    (``inspect.signature``, ``help``, the API docs) lists each option of that ``TypedDict`` with its
+    type and default (``geometry`` before ``rho`` where both are there), and a line ``{options}``
+    of its docstring becomes their entries (:data:`OPTION_DOCS`). Nothing is written twice: the
+    defaults and types are the dataclass's."""
     signature = inspect.signature(fn)
     fixed = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f in fields(SharpnessOptions)]
-    # the order of the keywords as they were written: geometry first, then rho, then the others
-    fn.__signature__ = signature.replace(parameters=[p for p in fixed if p.name != "rho"] + options[:1]
-                                         + [p for p in fixed if p.name == "rho"] + options[1:])
-    entries = "\n".join(f"    {name}: " + doc.replace("\n", "\n        ") for name, doc in OPTION_DOCS.items())
-    fn.__doc__ = fn.__doc__.replace("    {options}", entries)
+    named = {p.name for p in fixed}
+    var_keyword = next(p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD)
+    annotation = fn.__annotations__[var_keyword]   # "Unpack[SharpnessKwargs]" (postponed evaluation)
+    unpacked = eval(annotation, fn.__globals__) if isinstance(annotation, str) else annotation  # noqa: S307
+    kwargs_type = get_args(unpacked)[0]
+    shown = [name for name in SHARPNESS_OPTION_NAMES if name in get_type_hints(kwargs_type) and name not in named]
+    hints, defaults = get_type_hints(SharpnessOptions), SharpnessOptions()
+    options = {name: inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, name),
+                                       annotation=hints[name]) for name in shown}
+    if "geometry" in options:   # the order sharpness's keywords were written in: geometry, then rho
+        radius = [p for p in fixed if p.name == "rho"]
+        fixed = [p for p in fixed if p.name != "rho"] + [options.pop("geometry")] + radius
+    fn.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=fixed + list(options.values()))
+    entries = "\n".join(f"    {name}: " + OPTION_DOCS[name].replace("\n", "\n        ") for name in shown)
+    fn.__doc__ = (fn.__doc__ or "").replace("    {options}", entries)
     return fn

@@ -30,7 +30,7 @@ MOMENTUM_FORMS = ("apgd", "andriushchenko", "none")
 #: (:func:`~quotient_manifolds.adapters.memory.room_for_two_more`); ``False`` never (the least
 #: memory: 14 bytes per float32 weight), ``True`` always.
 KEEP_WORST_GRADIENT: Optional[bool] = None
-STEP_NORMALISATIONS = ("metric", "none")
+STEP_NORMALIZATIONS = ("metric", "none")
 #: The default of :func:`auto_pgd`'s ``compact_step`` (and so of every sharpness run): the last
 #: step of the elementwise components is stored in bfloat16 for float32 iterates
 #: (:data:`~quotient_manifolds.adapters.elementwise.COMPACT_STEP_DTYPES`).
@@ -141,7 +141,7 @@ def _step_coefficients(momentum: str, first: bool, alpha: float, c: Tensor, s: T
 
 def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: float, *,
              n_iters: int = 20, step_size_mult: float = 1.0, alpha: float = 0.75,
-             momentum: str = "apgd", step_normalisation: str = "metric",
+             momentum: str = "apgd", step_normalization: str = "metric",
              min_update_ratio: float = 0.75, decay: float = 0.5,
              on_iteration: Optional[Callable[[int, float], None]] = None,
              start: Optional[Tuple[Tangent, float]] = None,
@@ -153,7 +153,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     ℓ(ξ_k) (checked against the worst loss so far) and the gradient for the next step; the final
     iterate gets one extra forward. Per step: g = P_h(grad_g ℓ) (Riemannian gradient of ξ ↦ ℓ(R(ξ))
     in the metric at w⁽⁰⁾, autograd through the retraction, docs/maths.md §12.5), normalised by its norm
-    (``step_normalisation="metric"``, docs/maths.md §12.6), z = P_S(ξ + η g), and the momentum step
+    (``step_normalization="metric"``, docs/maths.md §12.6), z = P_S(ξ + η g), and the momentum step
     ``"apgd"`` ξ⁺ = P_S(ξ + α(z−ξ) + (1−α)(ξ−ξ⁻)) (α = 1 at k = 0; Croce & Hein, paper Alg. 1),
     ``"andriushchenko"`` ξ⁺ = 0.75 z + 0.25 ξ⁻ (their code, docs/maths.md §7.2), or ``"none"`` ξ⁺ = z.
     At the checkpoints of :func:`apgd_checkpoints`, if fewer than 75 % of the steps since the last
@@ -206,7 +206,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     decay = check.in_interval("decay", decay, 0, 1, low_open=True, high_open=True,
                               meaning="the factor of the step size at a decay")
     check_choice(momentum, MOMENTUM_FORMS, "momentum form")
-    check_choice(step_normalisation, STEP_NORMALISATIONS, "step normalisation")
+    check_choice(step_normalization, STEP_NORMALIZATIONS, "step normalization")
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
     for name, value in (("keep_worst_gradient", keep_worst_gradient), ("compact_step", compact_step)):
         if value is not None:
@@ -275,7 +275,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
             n_updates, last_ckpt = 0, k
         # scalars stay 0-d tensors (no host sync): the step s, z = P_S(ξ + s g) = c(ξ + s g)
         s = (torch.where(grad.sq > 0, eta / grad.sq.sqrt(), 0.0)
-             if step_normalisation == "metric" else torch.full_like(grad.sq, eta))
+             if step_normalization == "metric" else torch.full_like(grad.sq, eta))
         z_sq = (xi_sq + 2 * s * grad.dot + s * s * grad.sq).clamp_min(0)
         c = ball_factor(z_sq.sqrt(), rho)
         A, C, B, project = _step_coefficients(momentum, k == 0, alpha, c, s)

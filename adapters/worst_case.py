@@ -20,16 +20,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+from typing_extensions import Unpack
 
 from quotient_manifolds._runtime import bounded_threads
 
 from . import validation as check
 from .components import ProductBall
-from .evaluation import split_batch, to_device
+from .evaluation import inputs_explained, split_batch, to_device
 from .gate import Prepared
 from .losses import default_loss
 from .memory import explained_out_of_memory
-from .options import SharpnessOptions, as_rho, document_options
+from .options import SharpnessKwargs, SharpnessOptions, as_rho, document_options
 from .placement import LocalPlacement, Placement, ShardedPlacement
 from .sharded import is_sharded
 from .solver import APGDResult, auto_pgd, average_case
@@ -114,7 +115,7 @@ class SharpnessResult:
 
 @document_options
 def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], Mapping[str, Any]]], *,
-              rho: float, **options: Any) -> SharpnessResult:
+              rho: float, **options: Unpack[SharpnessKwargs]) -> SharpnessResult:
     r"""Worst-case (Auto-PGD) or average-case sharpness of ``model`` on ``batches``.
 
     Parameters
@@ -141,7 +142,9 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], M
 
     The options (all but ``model``, ``batches`` and ``rho``) are the fields of
     :class:`~quotient_manifolds.adapters.options.SharpnessOptions`, checked before any work: an
-    unknown name or an out-of-range value is refused, naming it.
+    unknown name or an out-of-range value is refused, naming it. Their names and types are also
+    :class:`~quotient_manifolds.adapters.options.SharpnessKwargs`, which type checkers (mypy,
+    pyright) and editors read: a misspelt option is flagged before the call runs.
 
     For sharpness as a function of rho use :func:`sharpness_sweep`: it warm-starts each radius
     from the worst point of the previous one, so a larger ball never returns a smaller maximum.
@@ -150,8 +153,9 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], M
     return run_sharpness(model, batches, [rho], SharpnessOptions.from_keywords(options), stacklevel=3)[0]
 
 
+@document_options
 def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence[float],
-                    **options) -> List[SharpnessResult]:
+                    **options: Unpack[SharpnessKwargs]) -> List[SharpnessResult]:
     """Worst-case sharpness at increasing radii ``rhos`` (options as :func:`sharpness`).
 
     The ball's frames are built once; on every batch the Auto-PGD run at ρ_k starts from the worst
@@ -234,14 +238,15 @@ def _run_batches(ball: ProductBall, closure: Any, prepared: Prepared, tokens: ch
             previous = None
             for runs_at, rho in zip(runs, rhos):
                 started_at = time.perf_counter()
-                if options.measure == "worst":
-                    previous, run = _worst_case_run(ball, closure, rho, options, previous, prepared,
-                                                    check_gap, on_iteration)
-                else:
-                    res = average_case(ball, closure, rho, n_samples=options.n_samples,
-                                       generator=generator, on_iteration=on_iteration)
-                    run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
-                               fwd=1 + options.n_samples, bwd=0, gap=None)
+                with inputs_explained(placement.model, index):   # inputs the model cannot take
+                    if options.measure == "worst":
+                        previous, run = _worst_case_run(ball, closure, rho, options, previous, prepared,
+                                                        check_gap, on_iteration)
+                    else:
+                        res = average_case(ball, closure, rho, n_samples=options.n_samples,
+                                           generator=generator, on_iteration=on_iteration)
+                        run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
+                                   fwd=1 + options.n_samples, bwd=0, gap=None)
                 run["time"] = time.perf_counter() - started_at
                 runs_at.append(run)
         if not runs[0]:
@@ -259,7 +264,7 @@ def _worst_case_run(ball: ProductBall, closure: Any, rho: float, options: Sharpn
     """One Auto-PGD run on the closure's batch, warm-started at ``previous`` (the run at the radius
     before): its result and its record."""
     res = auto_pgd(ball, closure, rho, n_iters=options.n_iters, momentum=options.momentum,
-                   step_normalisation=options.step_normalisation, step_size_mult=options.step_size_mult,
+                   step_normalization=options.step_normalization, step_size_mult=options.step_size_mult,
                    on_iteration=on_iteration,
                    start=None if previous is None else (previous.xi, previous.init_loss))
     check.ascent_found(res, rho, stacklevel=5)  # as if sharpness() warned

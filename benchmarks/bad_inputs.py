@@ -13,7 +13,8 @@ A case where a warning is the right outcome (a worst-case run that found no rise
 when the warning names what to do. Cases are grouped by root cause: the first round's (``round 1
 (...)``, by what that round found), the second round's (the lower-level API, the CLI's records
 and faults) and the third round's, marked ``(round 3)`` (verification on empty batches, checks
-below the top door). The counts are printed per root cause and in total; ``python
+below the top door) and the fourth's, marked ``(round 4)`` (inputs the model's first layer cannot
+take). The counts are printed per root cause and in total; ``python
 benchmarks/bad_inputs.py WORD ...`` runs only the cases whose root cause or name contains one of
 the words.
 
@@ -483,6 +484,19 @@ def case_larger_ball(dtype, rho, smaller):
     return make
 
 
+def case_mlp_inputs(kind):
+    """Inputs a float32 MLP's first layer cannot take: named with the batch, not torch's raw
+    ``mat1 and mat2`` error from inside the model."""
+    def make():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        x = {"integer": torch.randint(0, 3, (5, 4)), "float16": torch.randn(5, 4).half(),
+             "feature dimension": torch.randn(5, 7)}[kind]
+        return m, lambda: adapters.sharpness(m, [(x, torch.tensor([0, 1, 2, 0, 1]))], rho=0.1,
+                                             geometry="adaptive", n_iters=1), ["batch 0", "first layer"]
+    return make
+
+
 def case_layout_vs_requires_grad(freeze_after: bool):
     def make():
         m, x = bert()
@@ -892,6 +906,8 @@ ROUND2: List[Tuple[str, str, Callable]] = [
      case_larger_ball(torch.float32, 1e7, 1e4)),
     ("a larger ball returning 0", "adaptive, float64 tiny BERT, rho=1e6 vs 1e3",
      case_larger_ball(torch.float64, 1e6, 1e3)),
+    *[("raw errors from inside the model (round 4)", f"{k} inputs to a float32 MLP", case_mlp_inputs(k))
+      for k in ("integer", "float16", "feature dimension")],
     ("messages that point the wrong way", "layout built before freezing a weight", case_layout_vs_requires_grad(True)),
     ("messages that point the wrong way", "layout built while a weight was frozen", case_layout_vs_requires_grad(False)),
     ("messages that point the wrong way", "return_dict=False with labels", case_return_dict_false_labels),

@@ -94,7 +94,7 @@ def _value_finite(res):
 
 
 SHARPNESS_ARGS = ["rho", "geometry", "n_iters", "measure", "n_samples", "gram_eps", "step_size_mult", "seed",
-                  "retraction", "momentum", "step_normalisation", "adaptive_direction", "num_threads",
+                  "retraction", "momentum", "step_normalization", "adaptive_direction", "num_threads",
                   "loss_fn", "layout", "retraction_tolerance", "progress", "unsafe", "include_frozen",
                   "model", "batches"]
 

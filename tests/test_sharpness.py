@@ -241,7 +241,7 @@ def test_result_fields_and_ablations_run():
     assert "geodesic-inv" in str(res)
     for kw in (dict(retraction="first_order"), dict(retraction="exact"),
                dict(use_metric_norm=False), dict(momentum="andriushchenko"),
-               dict(momentum="none"), dict(step_normalisation="none"),
+               dict(momentum="none"), dict(step_normalization="none"),
                dict(adaptive_direction="andriushchenko"), dict(normalize_logits=True),
                dict(elementwise_second_order=True),
                dict(gram_eps=1e-6), dict(measure="average", n_samples=2)):

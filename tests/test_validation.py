@@ -224,7 +224,7 @@ def test_geoopt_glquotient_refuses_nonfinite_and_unchecked_method_tangents():
 
 # --------------------------------------------- distributed_sharpness and lora_quotient_parameters
 @pytest.mark.parametrize("kw,error,name", [
-    ({"rho": -0.1}, ValueError, "rho"), ({"rho": "0.1"}, ValueError, "rho"), ({}, TypeError, "rho="),
+    ({"rho": -0.1}, ValueError, "rho"), ({"rho": "0.1"}, ValueError, "rho"), ({}, TypeError, "argument: .rho."),
     ({"rho": 0.1, "seed": 1.5}, TypeError, "seed"), ({"rho": 0.1, "n_iters": 0}, ValueError, "n_iters"),
     ({"rho": 0.1, "geometry": "geodesic"}, ValueError, "geometry"),
     ({"rho": 0.1, "n_itres": 3}, TypeError, "n_itres"), ({"rho": 0.1, "gram_eps": -1.0}, ValueError, "gram_eps"),

@@ -204,7 +204,7 @@ SOLVER_BAD = {
     "decay": [0.0, 1.0, 1.5, -0.5, math.nan, None],
     "min_update_ratio": [-0.1, 1.1, math.nan, math.inf, "x"],
     "momentum": ["nesterov", None],
-    "step_normalisation": ["l2", None],
+    "step_normalization": ["l2", None],
     "on_iteration": [1, "print"],
 }
 
@@ -220,7 +220,7 @@ def test_auto_pgd_refuses_every_bad_argument_before_any_work(data):
     kw = {"n_iters": 2, name: value} if name != "rho" else {"n_iters": 2}
     rho = value if name == "rho" else 0.1
     with pytest.raises((ValueError, TypeError), match=name.replace("_", ".")
-                       if name not in ("momentum", "step_normalisation") else name.split("_")[0]):
+                       if name not in ("momentum", "step_normalization") else name.split("_")[0]):
         adapters.solver.auto_pgd(ball, closure, rho, **kw)
     assert not closure.calls
 
