@@ -27,6 +27,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from quotient_manifolds.errors import CheckpointError
+
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor, metric_name
 
 __all__ = ["CheckpointError", "CheckpointSharpness", "checkpoint_sharpness", "load_checkpoint",
@@ -40,10 +42,6 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 #: the weight files of a saved model (``save_pretrained``), sharded or not
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                 "pytorch_model.bin.index.json")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint, data file or option that cannot be measured; the message says what to do."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from quotient_manifolds._validation import integer_at_least
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UsageError
 
 from . import validation as check
 from .gate import Gate
@@ -49,20 +50,20 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
     check.module("model", model)
     integer_at_least("seed", seed, -2 ** 63)
     if "rho" not in options:
-        raise TypeError("distributed_sharpness needs rho= (the radius of the ball), as "
-                        "quotient_manifolds.adapters.sharpness does")
+        raise InvalidArgumentType("distributed_sharpness needs rho= (the radius of the ball), as "
+                                  "quotient_manifolds.adapters.sharpness does")
     resolved = sharpness_options({k: v for k, v in options.items() if k != "rho"}, rho=options["rho"])
     if is_sharded(model):
-        raise ValueError(
+        raise InvalidArgument(
             "distributed_sharpness measures a whole model on every rank, each rank its share of the "
             "batches; this model is sharded with FSDP2 (its parameters are DTensors). Call "
             "adapters.sharpness(model, batches, ...) on every rank instead: on a sharded model each rank "
             "passes its own batches, and the loss is their mean over the ranks")
     check.batches("batches", batches)
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("distributed_sharpness needs an initialised torch.distributed process "
-                           "group (torch.distributed.init_process_group(...), e.g. under torchrun); "
-                           "for one process call adapters.sharpness instead")
+        raise UsageError("distributed_sharpness needs an initialised torch.distributed process "
+                         "group (torch.distributed.init_process_group(...), e.g. under torchrun); "
+                         "for one process call adapters.sharpness instead")
     geometry = resolved["geometry"]
     if GEOMETRY_TABLE[geometry].geodesic:
         # resolved (detected, or checked to belong to the model) once, on every rank alike, before
@@ -83,7 +84,7 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *,
     index, per_batch, init, worst, norms, n_fwd, n_bwd, seconds = zip(
         *sorted(row for part in gathered for row in part)) if any(gathered) else ((),) * 8
     if not per_batch:
-        raise ValueError("`batches` is empty: pass at least one batch")
+        raise InvalidArgument("`batches` is empty: pass at least one batch")
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch), per_batch=list(per_batch), init_losses=list(init),
         worst_losses=list(worst), norms=list(norms), rho=float(options["rho"]),

@@ -11,6 +11,7 @@ import torch
 
 from quotient_manifolds._validation import flag, integer_at_least
 from quotient_manifolds.core.gl import RETRACTIONS
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 from . import validation as check
 from .ball import GEOMETRY_TABLE, Geometry, geometry_of
@@ -79,17 +80,17 @@ class SharpnessOptions:
         check.plain_numbers(self, ints=("n_iters", "n_samples", "seed", "num_threads"),
                             floats=("step_size_mult", "gram_eps", "retraction_tolerance"))
         if self.include_frozen and self.layout is not None and getattr(self.layout, "frozen", None):
-            raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
-                             "parameters, so they would be in no part of the ball; rebuild it with "
-                             "layout(model, include_frozen=True), or pass include_frozen=False")
+            raise InvalidArgument("include_frozen=True, but the layout= passed was built without frozen "
+                                  "parameters, so they would be in no part of the ball; rebuild it with "
+                                  "layout(model, include_frozen=True), or pass include_frozen=False")
 
     @classmethod
     def from_keywords(cls, options: Mapping[str, Any]) -> "SharpnessOptions":
         """The options given as keywords of :func:`sharpness` (an unknown keyword is refused)."""
         unknown = [k for k in options if k not in SHARPNESS_OPTION_NAMES]
         if unknown:
-            raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
-                            f"those of adapters.sharpness (rho, {', '.join(SHARPNESS_OPTION_NAMES)})")
+            raise InvalidArgumentType(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
+                                      f"those of adapters.sharpness (rho, {', '.join(SHARPNESS_OPTION_NAMES)})")
         return cls(**options)
 
     @property

@@ -568,7 +568,8 @@ def test_diagonal_data_init_and_training_protocol():
 def test_diagonal_geodesics_and_norms_match_the_library():
     import torch
 
-    from quotient_manifolds.core import RescalingGeometry, beta_along_geodesic
+    from quotient_manifolds.core import RescalingGeometry
+    from quotient_manifolds.experiments.closed_forms import beta_along_geodesic
     D, cfg, X, y, _, u, v = _trained_diagonal()
     x0 = torch.from_numpy(np.stack([u, v]))
     b = torch.from_numpy(np.random.default_rng(0).uniform(-0.2, 0.2, u.size))
@@ -625,7 +626,7 @@ def test_diagonal_mix_matches_closed_form():
     import torch
 
     from quotient_manifolds.experiments import diagonal as D
-    from quotient_manifolds.core import sharpness_mix_orthonormal
+    from quotient_manifolds.experiments.closed_forms import sharpness_mix_orthonormal
     rng = np.random.default_rng(0)
     n = 40
     Q, _ = np.linalg.qr(rng.standard_normal((n, 20)))

@@ -17,7 +17,8 @@ from quotient_manifolds.adapters.ball import GEOMETRIES
 from quotient_manifolds.adapters.components import ProductBall, QuotientComponent
 from quotient_manifolds.adapters.solver import auto_pgd
 from quotient_manifolds.adapters.worst_case import sharpness
-from quotient_manifolds.core import RescalingGeometry, sharpness_mix_orthonormal
+from quotient_manifolds.core import RescalingGeometry
+from quotient_manifolds.experiments.closed_forms import sharpness_mix_orthonormal
 from conftest import reparametrised_copy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

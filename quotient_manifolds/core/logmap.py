@@ -33,6 +33,7 @@ from typing import Callable, Tuple
 
 import torch
 
+from ..errors import InvalidArgument, InvalidArgumentType, NotSupported
 from .._validation import finite_real, floating_tensor, size
 from .errors import LogNotFound, StepTooLarge
 from .gl import GLQuotientGeometry
@@ -109,15 +110,15 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
     """
     x, y = floating_tensor("x", x), floating_tensor("y", y)
     if x.shape != y.shape:
-        raise ValueError(f"x and y must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}")
+        raise InvalidArgument(f"x and y must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}")
     tol, max_iter = finite_real("tol", tol), size("max_iter", max_iter)
     if not tol > 0:
-        raise ValueError(f"tol must be a positive finite number, got {tol!r}")
+        raise InvalidArgument(f"tol must be a positive finite number, got {tol!r}")
     geometry.frame(x)   # validates both points (shape, finiteness, rank), naming them
     try:
         geometry.frame(y)
     except ValueError as err:
-        raise ValueError(f"y: {err}") from None
+        raise InvalidArgument(f"y: {err}") from None
     if isinstance(geometry, RescalingGeometry):
         if not geometry.eps:
             return _rescaling_closed_form(geometry, x, y)
@@ -127,14 +128,14 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
                            result.converged, result.method)
     elif isinstance(geometry, GLQuotientGeometry):
         if not geometry.group.is_full:
-            raise NotImplementedError(
+            raise NotSupported(
                 f"log_map is implemented for the quotient by all of GL({geometry.h}); the "
                 f"{geometry.group.describe(geometry.h)} quotient's orbits are not the level sets of "
                 f"G Hᵀ that the shooting method matches")
         result = _shoot(geometry, x, y, _gl_invariant(geometry), tol, max_iter)
     else:
-        raise TypeError(f"geometry must be a GLQuotientGeometry or a RescalingGeometry, got "
-                        f"{type(geometry).__name__}")
+        raise InvalidArgumentType(f"geometry must be a GLQuotientGeometry or a RescalingGeometry, got "
+                                  f"{type(geometry).__name__}")
     if strict and not result.converged:
         raise LogNotFound(
             f"no geodesic from x to y was found: after {result.iterations} Gauss–Newton steps the "

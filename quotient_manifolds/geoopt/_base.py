@@ -21,6 +21,7 @@ from geoopt.manifolds.base import Manifold
 from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
+from ..errors import InvalidArgument
 from .._runtime import FrameCache, finite_step, small_work, step_advice
 from .._validation import floating_dtype, floating_tensor, tangent
 from ..core.logmap import distance, log_map
@@ -250,5 +251,5 @@ class CoreQuotientManifold(Manifold):
     def pack_point(self, *tensors: Tensor) -> Tensor:
         """Stack the two factors into one tensor (inverse of :meth:`unpack_tensor`)."""
         if len(tensors) != 2:
-            raise ValueError(f"2 tensors expected (the two factors), got {len(tensors)}")
+            raise InvalidArgument(f"2 tensors expected (the two factors), got {len(tensors)}")
         return self.pack(*tensors)
