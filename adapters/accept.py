@@ -36,13 +36,12 @@ from typing import Any, Callable, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, OutputNotFound, SymmetryError
 
 from .derive import derive_groups, with_blocks
 from .evaluation import detach_inputs
 from .layouts import Layout, Unsupported
-from .verify import (OutputNotFound, SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs,
-                     verify_once)
+from .verify import VerifyReport, default_tolerance, refuse_empty_inputs, verify_once
 
 __all__ = ["accept_layout", "ensure_verified", "refuse_failed_blocks"]
 

@@ -29,6 +29,7 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from quotient_manifolds._validation import choice
 from quotient_manifolds.core.gl import GLQuotientGeometry
 from quotient_manifolds.errors import InvalidArgument
 
@@ -87,7 +88,7 @@ def geometry_of(name: object, allowed: Tuple[str, ...] = GEOMETRIES, argument: s
         if meant:
             raise InvalidArgument(f"{argument} must be one of {', '.join(map(repr, allowed))}, got {name!r}: "
                                   f"for the {name} metric on the GL blocks pass {argument}={meant[0]!r}")
-    return GEOMETRY_TABLE[check.choice(argument, name, allowed)]
+    return GEOMETRY_TABLE[choice(argument, name, allowed)]
 
 
 def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: str,

@@ -31,7 +31,7 @@ from quotient_manifolds.errors import CheckpointError
 
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor, metric_name
 
-__all__ = ["CheckpointError", "CheckpointSharpness", "checkpoint_sharpness", "load_checkpoint",
+__all__ = ["CheckpointSharpness", "checkpoint_sharpness", "load_checkpoint",
            "read_rows", "TASKS", "DTYPES"]
 
 #: the kinds of model measured: sequence classification and causal language modelling
@@ -225,12 +225,12 @@ def _labels(values: List[Any], config: Any, data: str, column: str) -> torch.Ten
             continue
         try:
             index = int(v)
-            if isinstance(v, float) and v != index:
-                raise ValueError
         except (TypeError, ValueError):
+            index = None
+        if index is None or (isinstance(v, float) and v != index):
             raise CheckpointError(f"{data}, row {i + 1}: label {v!r} in column {column!r} is neither "
                                   f"a class index nor a name of the checkpoint's label2id "
-                                  f"({', '.join(label2id) or 'none'})") from None
+                                  f"({', '.join(label2id) or 'none'})")
         if not 0 <= index < n:
             raise CheckpointError(f"{data}, row {i + 1}: label {index} is outside the checkpoint's "
                                   f"{n} classes (0 … {n - 1})")

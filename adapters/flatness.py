@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Unio
 import torch
 from torch import nn
 
-from quotient_manifolds._validation import integer_at_least
+from quotient_manifolds._validation import choice, integer_at_least
 from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, NonFiniteLoss
 
 from . import validation as check
@@ -166,14 +166,14 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
                                   f"{type(layer).__name__}")
     check.optional_callable("loss_fn", loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
     check.optional_callable("batch_size_fn", batch_size_fn, "batch_size_fn(inputs) -> int")
-    check.choice("method", method, METHODS)
+    choice("method", method, METHODS)
     n_probes = integer_at_least("n_probes", n_probes, 2)
     exact_limit = integer_at_least("exact_limit", exact_limit, 1)
     if seed is not None:
         seed = integer_at_least("seed", seed, 0)
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
-    check.choice("reduction", reduction, REDUCTIONS)
+    choice("reduction", reduction, REDUCTIONS)
     check.materialised(model, "relative_flatness")
 
     proj = _layer(model, layer)

@@ -115,7 +115,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from quotient_manifolds._runtime import bounded_threads
-from quotient_manifolds._validation import flag
+from quotient_manifolds._validation import choice, flag
 from quotient_manifolds.core.groups import sym
 from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, NonFiniteLoss, NotSupported
 
@@ -353,7 +353,7 @@ def riemannian_hessian(model: torch.nn.Module,
     tokens = check.TokenInputs(model)
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
-    check.choice("reduction", reduction, REDUCTIONS)
+    choice("reduction", reduction, REDUCTIONS)
     what, consequence = f"{geometry} Hessian", "its quotient Hessian would be meaningless"
     params0, buffers, upcast, layout, _, gate = pre_run_checks(
         model, layout, geometry=geometry, what=what, consequence=consequence, unsafe=unsafe,
@@ -379,7 +379,7 @@ def trace(op: PyTorchLinearOperator, *, method: str = "hutch++", num_matvecs: in
     without touching the global generator (None: the global one)."""
     import curvlinops
 
-    check.choice("method", method, TRACE_METHODS)
+    choice("method", method, TRACE_METHODS)
     dim = op.shape[0]
     if method != "exact" and num_matvecs >= dim:
         method = "exact"
@@ -407,7 +407,7 @@ def top_eigenvalues(op: PyTorchLinearOperator, k: int = 1, *, which: str = "LA",
     (eigsh needs k < D) the operator is materialised and diagonalised densely."""
     from scipy.sparse.linalg import eigsh
 
-    check.choice("which", which, ("LA", "SA", "LM"))
+    choice("which", which, ("LA", "SA", "LM"))
     dim = op.shape[0]
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= dim:
         raise InvalidArgument(f"k must be an integer in [1, {dim}] (the operator's size), got {k!r}")

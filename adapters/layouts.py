@@ -33,14 +33,14 @@ from torch import Tensor, nn
 
 from quotient_manifolds._validation import floating_dtype, optional_generator
 from quotient_manifolds.core.gl import group_action
-from quotient_manifolds.errors import InvalidArgument, UnknownName
+from quotient_manifolds.errors import InvalidArgument, SymmetryError, UnknownName
 
 from . import validation as check
 from .blocks import GLBlock
 from .families.structure import HEAD_DIM_ATTRS, HEADS_ATTRS
 from .families.structural import KV_HEADS_ATTRS
 from .sharded import is_sharded
-from .verify import SymmetryError, VerifyReport, record, verify_layout
+from .verify import VerifyReport, record, verify_layout
 
 __all__ = ["Layout", "Unsupported", "head_structure"]
 

@@ -96,6 +96,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from quotient_manifolds._validation import choice
 from quotient_manifolds.core.gl import METRICS, RETRACTIONS
 from quotient_manifolds.geoopt import GLQuotient, RiemannianSGD
 from quotient_manifolds.errors import InvalidArgument
@@ -257,8 +258,8 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
     the points because ‖B‖² + ‖A‖² is not invariant (module docstring).
     """
     check.module("model", model)
-    check.choice("metric", metric, METRICS)
-    check.choice("retraction", retraction, RETRACTIONS)
+    choice("metric", metric, METRICS)
+    choice("retraction", retraction, RETRACTIONS)
     gram_eps = check.non_negative_finite("gram_eps", gram_eps)
     wanted = None if adapters is None else set(check.names("adapters", adapters))
     if any(True for _ in _views(model)):

@@ -21,7 +21,7 @@ from torch import nn
 
 from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, SharpnessOutOfMemoryError
 
-__all__ = ["BYTES_PER_PARAMETER", "HEADROOM", "DeviceMemory", "SharpnessOutOfMemoryError",
+__all__ = ["BYTES_PER_PARAMETER", "HEADROOM", "DeviceMemory",
            "device_memory", "explained_out_of_memory", "room_for_two_more"]
 
 #: bytes per perturbed float32 weight held by the solver: ξ, the worst point and the gradient in

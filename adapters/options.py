@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from quotient_manifolds._validation import flag, integer_at_least
+from quotient_manifolds._validation import choice, flag, integer_at_least
 from quotient_manifolds.core.gl import RETRACTIONS
 from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
@@ -59,11 +59,11 @@ class SharpnessOptions:
 
     def __post_init__(self) -> None:
         geometry_of(self.geometry)
-        check.choice("retraction", self.retraction, RETRACTIONS)
-        check.choice("measure", self.measure, MEASURES)
-        check.choice("momentum", self.momentum, MOMENTUM_FORMS)
-        check.choice("step_normalisation", self.step_normalisation, STEP_NORMALISATIONS)
-        check.choice("adaptive_direction", self.adaptive_direction, ADAPTIVE_DIRECTIONS)
+        choice("retraction", self.retraction, RETRACTIONS)
+        choice("measure", self.measure, MEASURES)
+        choice("momentum", self.momentum, MOMENTUM_FORMS)
+        choice("step_normalisation", self.step_normalisation, STEP_NORMALISATIONS)
+        choice("adaptive_direction", self.adaptive_direction, ADAPTIVE_DIRECTIONS)
         check.positive_finite("step_size_mult", self.step_size_mult)
         integer_at_least("n_iters", self.n_iters, 1)
         integer_at_least("n_samples", self.n_samples, 1)

@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Type, Union
 import torch
 from torch import Tensor, nn
 
-from quotient_manifolds._validation import flag
+from quotient_manifolds._validation import choice, flag
 from quotient_manifolds.core.gl import RETRACTIONS
 from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, NonFiniteLoss, NotSupported, UsageError
 
@@ -204,7 +204,7 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         self.rho = as_rho(rho)
         spec = geometry_of(geometry, SAM_GEOMETRIES)
         self.geometry = spec.name
-        self.retraction = check.choice("retraction", retraction, RETRACTIONS)
+        self.retraction = choice("retraction", retraction, RETRACTIONS)
         if spec.adaptive and retraction == "exact":
             raise InvalidArgument("retraction='exact' integrates the geodesic of GL blocks, and "
                                   "geometry='adaptive' has none: use 'first_order' (ASAM) or "

@@ -38,11 +38,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor, nn
 
-from quotient_manifolds.errors import InvalidArgument, NotSupported
+from quotient_manifolds.errors import InvalidArgument, NotSupported, SymmetryError
 
 from .evaluation import capture_module_inputs
 from .sharded import assign_owners, group_of, reshard
-from .verify import SymmetryError, VerifyReport, verify_layout
+from .verify import VerifyReport, verify_layout
 
 __all__ = ["ModuleAlone", "sub_layout", "checked_on_owners", "verify_on_shards"]
 

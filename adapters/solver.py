@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from quotient_manifolds._validation import flag, optional_generator
+from quotient_manifolds._validation import choice, flag, optional_generator
 from quotient_manifolds.errors import InvalidArgument, NonFiniteLoss
 
 from . import validation as check
@@ -205,8 +205,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
                                          "which the step size decays")
     decay = check.in_interval("decay", decay, 0, 1, low_open=True, high_open=True,
                               meaning="the factor of the step size at a decay")
-    check.choice("momentum", momentum, MOMENTUM_FORMS)
-    check.choice("step_normalisation", step_normalisation, STEP_NORMALISATIONS)
+    choice("momentum", momentum, MOMENTUM_FORMS)
+    choice("step_normalisation", step_normalisation, STEP_NORMALISATIONS)
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
     for name, value in (("keep_worst_gradient", keep_worst_gradient), ("compact_step", compact_step)):
         if value is not None:

@@ -13,7 +13,6 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from quotient_manifolds import _validation as base
-from quotient_manifolds._validation import choice  # noqa: F401  (check.choice: one validator)
 from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UnknownName
 
 

@@ -35,7 +35,7 @@ from .evaluation import device_of, split_inputs
 from .modes import eval_mode
 from .validation import positive_finite, positive_finite_sequence
 
-__all__ = ["VerifyReport", "BlockCheck", "SymmetryError", "OutputNotFound", "default_tolerance", "primary_output", "verify_layout",
+__all__ = ["VerifyReport", "BlockCheck", "default_tolerance", "primary_output", "verify_layout",
            "verify_once", "symmetry_report", "record", "is_verified", "record_verification", "signature",
            "DEFAULT_SCALES", "TOLERANCE_FACTOR", "Checkable", "verified_before_sharding"]
 
