@@ -7,38 +7,29 @@ working: a bad argument is a ``ValueError`` (:class:`InvalidArgument`) or a ``Ty
 (:class:`InvalidArgumentType`), a run that ran out of memory a ``MemoryError`` and torch's
 ``OutOfMemoryError`` (:class:`SharpnessOutOfMemoryError`).
 
-=================================  ==========================================================
-class                              raised when
-=================================  ==========================================================
-:class:`InvalidArgument`           an argument has a value the call cannot take (``ValueError``)
-:class:`InvalidArgumentType`       an argument has a type the call cannot take (``TypeError``)
-:class:`UnknownName`               a name (a block, a parameter, a family) is not there
-                                   (``ValueError`` and ``KeyError``)
-:class:`StepTooLarge`              a step left the manifold (``ValueError``);
-                                   :class:`GeodesicLeftManifold`: the exact geodesic did
-:class:`LogNotFound`               no geodesic joins two points (``ValueError``)
-:class:`SymmetryError`             a block of a layout is not a symmetry of the model
-:class:`UnsupportedModel`          no layout of the model's attention can be built
-                                   (``ValueError``); :class:`OutputNotFound`: its output
-                                   holds no tensor to compare (``TypeError``)
-:class:`NotSupported`              a combination the library does not implement (a sharded
-                                   model's Hessian, …) (``NotImplementedError``)
-:class:`SharpnessOutOfMemoryError` a run did not fit in its device's memory
-:class:`NonFiniteLoss`             a loss or gradient became NaN or infinite
-                                   (``FloatingPointError``)
-:class:`UsageError`                an object was used out of order (``RuntimeError``)
-:class:`CheckpointError`           a saved checkpoint or its data cannot be measured
-                                   (``ValueError``)
-=================================  ==========================================================
+* :class:`InvalidArgument`: an argument has a value the call cannot take (``ValueError``);
+  :class:`InvalidArgumentType`: a type it cannot take (``TypeError``);
+  :class:`UnknownName`: a name (a block, a parameter, a family) that is not there (``ValueError``
+  and ``KeyError``).
+* :class:`StepTooLarge`: a step left the manifold (``ValueError``); :class:`GeodesicLeftManifold`:
+  the exact geodesic did. :class:`LogNotFound`: no geodesic joins two points (``ValueError``).
+* :class:`SymmetryError`: a block of a layout is not a symmetry of the model.
+* :class:`UnsupportedModel`: no layout of the model's attention can be built (``ValueError``);
+  :class:`OutputNotFound`: its output holds no tensor to compare (also a ``TypeError``).
+* :class:`NotSupported`: a combination the library does not implement, such as a sharded model's
+  Hessian (``NotImplementedError``).
+* :class:`SharpnessOutOfMemoryError`: a run did not fit in its device's memory.
+* :class:`NonFiniteLoss`: a loss or gradient became NaN or infinite (``FloatingPointError``).
+* :class:`UsageError`: an object was used out of order (``RuntimeError``).
+* :class:`CheckpointError`: a saved checkpoint or its data cannot be measured (``ValueError``).
 
 This module imports only torch: every module of the library may use it.
 
 Example
 -------
->>> import torch
 >>> from quotient_manifolds import GLQuotient, InvalidArgument, QuotientManifoldsError
 >>> try:
-...     GLQuotient(0, 2)
+...     GLQuotient(6, 4, 0)
 ... except InvalidArgument as err:
 ...     print(isinstance(err, ValueError), isinstance(err, QuotientManifoldsError))
 True True

@@ -14,23 +14,10 @@ import torch
 
 import quotient_manifolds
 from quotient_manifolds import adapters, errors
-from quotient_manifolds.errors import (
-    CheckpointError,
-    GeodesicLeftManifold,
-    InvalidArgument,
-    InvalidArgumentType,
-    LogNotFound,
-    NonFiniteLoss,
-    NotSupported,
-    OutputNotFound,
-    QuotientManifoldsError,
-    SharpnessOutOfMemoryError,
-    StepTooLarge,
-    SymmetryError,
-    UnknownName,
-    UnsupportedModel,
-    UsageError,
-)
+from quotient_manifolds.errors import (CheckpointError, GeodesicLeftManifold, InvalidArgument, InvalidArgumentType,
+                                       LogNotFound, NonFiniteLoss, NotSupported, OutputNotFound,
+                                       QuotientManifoldsError, SharpnessOutOfMemoryError, StepTooLarge,
+                                       SymmetryError, UnknownName, UnsupportedModel, UsageError)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = [p for d in ("quotient_manifolds", "adapters") for p in sorted((ROOT / d).rglob("*.py"))]

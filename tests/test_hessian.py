@@ -383,7 +383,7 @@ def test_errors_are_actionable():
     with pytest.raises(InvalidArgument, match="method must be one of"):
         trace(op, method="lanczos")
     frozen = tiny_attention().requires_grad_(False)
-    with pytest.raises(ValueError, match="requires_grad"):
+    with pytest.raises(InvalidArgument, match="requires_grad"):
         riemannian_hessian(frozen, tiny_batches())
     assert isinstance(op, RiemannianHessian) and "adaptive" in repr(op)
 

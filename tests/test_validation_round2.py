@@ -94,7 +94,7 @@ def test_each_check_lives_in_one_module():
     assert not (base & set(vars(validation))), "adapters.validation serves a check of the base package"
     assert not (own & set(vars(_validation))), "the base package holds a check of the adapters"
     assert as_rho(np.float32(0.5)) == validation.radius(np.float32(0.5)) == 0.5
-    with pytest.raises(ValueError, match="rho must be a finite number > 0"):
+    with pytest.raises(InvalidArgument, match="rho must be a finite number > 0"):
         as_rho(math.nan)
 
 

@@ -23,7 +23,7 @@ dist(x, y) = ‖ξ‖_x, the length of that geodesic.
   found is the one Gauss–Newton reaches from ξ = 0 (the first step is the first-order solution
   ξ_G Hᵀ + G ξ_Hᵀ = Y − G Hᵀ): for nearby points the minimising one, for far points perhaps a
   longer one, and beyond where the geodesics from x stay on the manifold (the mix metric is
-  incomplete) none is found: :class:`~quotient_manifolds.core.errors.LogNotFound`.
+  incomplete) none is found: :class:`~quotient_manifolds.core.LogNotFound`.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
     tol : relative residual of the invariant at which shooting stops (it also stops, converged,
         when no step lowers a residual below 1e-10, where float64 rounding dominates).
     max_iter : Gauss–Newton steps at most.
-    strict : raise :class:`~quotient_manifolds.core.errors.LogNotFound` when no geodesic was found
+    strict : raise :class:`~quotient_manifolds.core.LogNotFound` when no geodesic was found
         (default); with ``False`` return the report with ``converged=False`` instead.
 
     Returns
@@ -151,7 +151,7 @@ def distance(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: T
     r"""dist(x, y) = ‖log_x(y)‖_x (:func:`log_map`), per batch element; ∞ where x and y lie in
     different components of the rescaling quotient (β of different signs).
 
-    Raises :class:`~quotient_manifolds.core.errors.LogNotFound` where shooting finds no geodesic.
+    Raises :class:`~quotient_manifolds.core.LogNotFound` where shooting finds no geodesic.
 
     Example
     -------

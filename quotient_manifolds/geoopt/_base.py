@@ -208,7 +208,7 @@ class CoreQuotientManifold(Manifold):
         """log_x(y): the horizontal vector at x whose geodesic (:meth:`expmap`) reaches the orbit of
         y (core :func:`~quotient_manifolds.core.logmap.log_map`: closed form on the rescaling
         quotient with ε = 0, shooting along the integrated geodesic otherwise). Raises
-        :class:`~quotient_manifolds.core.errors.LogNotFound` when no geodesic is found (points too
+        :class:`~quotient_manifolds.core.LogNotFound` when no geodesic is found (points too
         far apart, or in different components)."""
         return log_map(self.geometry, x, self._tangent(x, y, "y", "x")).vector
 
