@@ -134,7 +134,8 @@ class explained_out_of_memory:  # noqa: N801 - a context manager named like torc
         return None
 
     def __exit__(self, kind, err, trace) -> bool:
-        if err is None or not isinstance(err, Exception) or not _is_out_of_memory(err):
+        if (err is None or not isinstance(err, Exception) or not _is_out_of_memory(err)
+                or isinstance(err, SharpnessOutOfMemoryError)):   # explained already (a nested run)
             return False
         params = list(self.model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)

@@ -147,6 +147,18 @@ def test_a_norm_probe_passes_on_what_is_not_a_call_mismatch():
         probe_weightless_norm(Broken(AttributeError("no config")), 4)
 
 
+def test_an_out_of_memory_error_is_explained_once():
+    """A run inside a run (a sweep's radii, a calibration's probes) reports the innermost run's
+    needs, not a message wrapped in another."""
+    from quotient_manifolds.adapters.memory import explained_out_of_memory
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(SharpnessOutOfMemoryError, match="^inner ran out of memory") as info:
+        with explained_out_of_memory(model, "outer"), explained_out_of_memory(model, "inner"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert "outer" not in str(info.value) and isinstance(info.value, torch.OutOfMemoryError)
+
+
 def test_a_damaged_checkpoint_is_trained_again_and_says_which_file(tmp_path):
     from quotient_manifolds.experiments.runner import load_checkpoint, save_checkpoint
 

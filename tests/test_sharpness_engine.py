@@ -1054,6 +1054,8 @@ def test_out_of_memory_says_what_the_run_needs_and_leaves_the_model_as_it_was(mo
                        ) as info:
         sharpness(model, _labelled(inputs), geometry="adaptive", rho=0.05, n_iters=3)
     assert info.value.__cause__ is None and info.value.__suppress_context__
+    # what a loop that catches torch's (or Python's) out-of-memory error to retry still catches
+    assert isinstance(info.value, torch.OutOfMemoryError) and isinstance(info.value, MemoryError)
     assert {n: type(m) for n, m in model.named_modules()} == classes
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]) and p.grad is None, name
