@@ -19,8 +19,10 @@ the module."""
 
 from importlib.util import find_spec as _find_spec
 
+from quotient_manifolds.errors import CheckpointError, SharpnessOutOfMemoryError, SymmetryError, UnsupportedModel
+
 from .layouts import Layout
-from .verify import SymmetryError, VerifyReport
+from .verify import VerifyReport
 from .declare import declare_block
 from .detection import detect, layout
 from .accept import accept_layout
@@ -38,11 +40,13 @@ from .checkpoint import CheckpointSharpness, checkpoint_sharpness
 from . import blocks, families, solver  # noqa: F401  (the extension API's modules, as attributes)
 
 __all__ = [
-    "layout", "Layout", "detect", "declare_block", "accept_layout", "VerifyReport", "SymmetryError",
+    "layout", "Layout", "detect", "declare_block", "accept_layout", "VerifyReport",
     "sharpness", "sharpness_sweep", "SharpnessResult", "GEOMETRIES", "MEASURES", "next_token_loss",
     "calibrate_rho", "RhoCalibration", "distributed_sharpness", "GeodesicSAM", "SAM_GEOMETRIES",
     "InvariantRiemannianSGD", "lora_quotient_parameters", "merge_back", "SharpnessMonitor",
     "checkpoint_sharpness", "CheckpointSharpness", "relative_flatness", "RelativeFlatness",
+    # the errors its calls raise that users catch (the whole family: quotient_manifolds.errors)
+    "SymmetryError", "UnsupportedModel", "SharpnessOutOfMemoryError", "CheckpointError",
 ]
 
 #: Names served by a module with an optional dependency, imported on first use (PEP 562) so that

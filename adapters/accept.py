@@ -36,11 +36,12 @@ from typing import Any, Callable, Optional, Set, Tuple
 import torch
 from torch import nn
 
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, OutputNotFound, SymmetryError
+
 from .derive import derive_groups, with_blocks
 from .evaluation import detach_inputs
 from .layouts import Layout, Unsupported
-from .verify import (OutputNotFound, SymmetryError, VerifyReport, default_tolerance, refuse_empty_inputs,
-                     verify_once)
+from .verify import VerifyReport, default_tolerance, refuse_empty_inputs, verify_once
 
 __all__ = ["accept_layout", "ensure_verified", "refuse_failed_blocks"]
 
@@ -76,7 +77,7 @@ def ensure_verified(model: nn.Module, layout: Optional[Layout], example_inputs: 
     try:
         return verify_once(layout, model, example_inputs, rtol=rtol, on_reference=on_reference)
     except OutputNotFound as err:
-        raise ValueError(
+        raise InvalidArgument(
             f"{what}: the layout's blocks must be verified before a geodesic value is computed, and "
             f"automatic verification cannot find the output tensor of {type(model).__name__} ({err}). "
             f"Verify it yourself once, e.g. lay = adapters.layout(model); "
@@ -106,8 +107,8 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
 
         check.module("model", model)
     if not isinstance(layout, Layout):
-        raise TypeError(f"{what}: layout must be a Layout (e.g. adapters.layout(model)), got "
-                        f"{type(layout).__name__}")
+        raise InvalidArgumentType(f"{what}: layout must be a Layout (e.g. adapters.layout(model)), got "
+                                  f"{type(layout).__name__}")
     refuse_empty_inputs(example_inputs, what)
     report = ensure_verified(model, layout, example_inputs, what=what, on_reference=on_reference)
     if layout is None or not derive or not layout.verify_failed:
@@ -165,9 +166,9 @@ def refuse_failed_blocks(layout: Optional[Layout], *, unsafe: bool, what: str, c
         f"geometry='adaptive', or pass unsafe=True to run anyway{detail}", report)
 
 
-class _Refused(SymmetryError, ValueError):
+class _Refused(SymmetryError, InvalidArgument):
     """A layout refused because some block failed verification (both a ``SymmetryError`` and, as
-    before automatic verification, a ``ValueError``)."""
+    before automatic verification, a ``ValueError``: :class:`InvalidArgument`)."""
 
 
 def capture_first_call(model: nn.Module, store: dict) -> Any:

@@ -29,7 +29,9 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from quotient_manifolds._validation import choice
 from quotient_manifolds.core.gl import GLQuotientGeometry
+from quotient_manifolds.errors import InvalidArgument
 
 from . import validation as check
 from .components import ProductBall, QuotientComponent
@@ -84,9 +86,9 @@ def geometry_of(name: object, allowed: Tuple[str, ...] = GEOMETRIES, argument: s
     if isinstance(name, str) and name not in allowed:
         meant = [g for g in allowed if GEOMETRY_TABLE[g].metric == name]
         if meant:
-            raise ValueError(f"{argument} must be one of {', '.join(map(repr, allowed))}, got {name!r}: "
-                             f"for the {name} metric on the GL blocks pass {argument}={meant[0]!r}")
-    return GEOMETRY_TABLE[check.choice(argument, name, allowed)]
+            raise InvalidArgument(f"{argument} must be one of {', '.join(map(repr, allowed))}, got {name!r}: "
+                                  f"for the {name} metric on the GL blocks pass {argument}={meant[0]!r}")
+    return GEOMETRY_TABLE[choice(argument, name, allowed)]
 
 
 def build_ball(model: torch.nn.Module, params0: Dict[str, Tensor], *, geometry: str,
@@ -181,9 +183,9 @@ def quotient_components(blocks: Sequence, params0: Mapping[str, Tensor], *, metr
             geom = GLQuotientGeometry(n, m, h, metric, retraction=retraction, eps=gram_eps,
                                       **({"group": group} if group is not None else {}))
         except ValueError as err:   # e.g. a head dimension h larger than n or m
-            raise ValueError(f"block(s) {', '.join(b.name for b in run)}: {err}; measure this "
-                             f"model with geometry='adaptive', or pass a layout= without these "
-                             f"blocks") from None
+            raise InvalidArgument(f"block(s) {', '.join(b.name for b in run)}: {err}; measure this "
+                                  f"model with geometry='adaptive', or pass a layout= without these "
+                                  f"blocks") from None
         counts = [block.num_heads for block in run]
         like = params0[run[0].g_pieces[0].param]
         dtype = compute_dtype or like.dtype
@@ -342,6 +344,6 @@ def _frame_or_explain(geom: GLQuotientGeometry, x0: Tensor, blocks, counts, keep
             try:
                 geom.frame(x, keep_dtype=keep_dtype)
             except ValueError as err:
-                raise ValueError(f"GL block {block.name!r} ({block.num_heads} heads, G {block.n}×"
-                                 f"{block.head_dim}, H {block.m}×{block.head_dim}): {err}") from None
+                raise InvalidArgument(f"GL block {block.name!r} ({block.num_heads} heads, G {block.n}×"
+                                      f"{block.head_dim}, H {block.m}×{block.head_dim}): {err}") from None
         raise

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from quotient_manifolds.core.groups import FULL_GL, Group, as_group
+from quotient_manifolds.errors import InvalidArgument
 
 __all__ = ["FactorPiece", "GLBlock", "PIECE_KINDS", "canonical_names"]
 
@@ -65,22 +66,22 @@ class FactorPiece:
 
     def __post_init__(self):
         if self.kind not in PIECE_KINDS:
-            raise ValueError(f"FactorPiece.kind must be one of {PIECE_KINDS}, got {self.kind!r}")
+            raise InvalidArgument(f"FactorPiece.kind must be one of {PIECE_KINDS}, got {self.kind!r}")
         if self.offset < 0 or self.num_heads < 1 or self.head_dim < 1:
-            raise ValueError(f"invalid FactorPiece {self}: need offset >= 0, num_heads >= 1, head_dim >= 1")
+            raise InvalidArgument(f"invalid FactorPiece {self}: need offset >= 0, num_heads >= 1, head_dim >= 1")
         if self.group_size < 1 or self.num_heads % self.group_size:
-            raise ValueError(f"invalid FactorPiece {self}: group_size must divide num_heads "
-                             f"({self.num_heads} heads in groups of {self.group_size})")
+            raise InvalidArgument(f"invalid FactorPiece {self}: group_size must divide num_heads "
+                                  f"({self.num_heads} heads in groups of {self.group_size})")
         if self.parts > 1 and (self.head_dim % self.parts or self.part_stride is None
                                or self.part_stride < self.head_dim // self.parts):
-            raise ValueError(f"invalid FactorPiece {self}: parts must divide head_dim, with part_stride >= "
-                             "head_dim // parts so the runs of a head do not overlap")
+            raise InvalidArgument(f"invalid FactorPiece {self}: parts must divide head_dim, with part_stride >= "
+                                  "head_dim // parts so the runs of a head do not overlap")
         if self.parts > 1 and self._index(None).unique().numel() != self.num_heads * self.head_dim:
-            raise ValueError(f"invalid FactorPiece {self}: the runs of its heads overlap (stride "
-                             f"{self.head_stride}, part_stride {self.part_stride})")
+            raise InvalidArgument(f"invalid FactorPiece {self}: the runs of its heads overlap (stride "
+                                  f"{self.head_stride}, part_stride {self.part_stride})")
         if self.parts == 1 and self.stride is not None and self.stride < self.head_dim:
-            raise ValueError(f"invalid FactorPiece {self}: stride {self.stride} < head_dim "
-                             f"{self.head_dim} would make heads overlap")
+            raise InvalidArgument(f"invalid FactorPiece {self}: stride {self.stride} < head_dim "
+                                  f"{self.head_dim} would make heads overlap")
 
     @property
     def head_stride(self) -> int:
@@ -126,12 +127,12 @@ class FactorPiece:
         shape = tuple(int(s) for s in shape)
         if self.kind in ("rows", "cols"):
             if len(shape) != 2:
-                raise ValueError(f"{self}: kind {self.kind!r} needs a 2-D parameter, {self.param!r} has shape {shape}")
+                raise InvalidArgument(f"{self}: kind {self.kind!r} needs a 2-D parameter, {self.param!r} has shape {shape}")
             dim = shape[0] if self.kind == "rows" else shape[1]
         else:
             dim = math.prod(shape)
         if self.offset + self.width > dim:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{self}: {self.num_heads} heads of {self.head_dim} from offset {self.offset} (stride "
                 f"{self.head_stride}) need [{self.offset}:{self.offset + self.width}], out of range for "
                 f"parameter {self.param!r} of shape {shape} (kind {self.kind!r} slices a dimension of size "
@@ -171,7 +172,7 @@ class FactorPiece:
         nh, h = self.num_heads, self.head_dim
         k = self.rows_per_head(W.shape)
         if tuple(value.shape) != (self.block_heads, k, h):
-            raise ValueError(f"{self}: value has shape {tuple(value.shape)}, expected {(self.block_heads, k, h)}")
+            raise InvalidArgument(f"{self}: value has shape {tuple(value.shape)}, expected {(self.block_heads, k, h)}")
         value = value.to(dtype=W.dtype, device=W.device).reshape(nh, k // self.group_size, h)
         # the heads in the weight's layout (views): rows (nh, h, in), cols (out, nh, h), flat (nh, 1, h)
         heads = (value.transpose(1, 2) if self.kind == "rows"
@@ -261,17 +262,17 @@ class GLBlock:
         object.__setattr__(self, "h_pieces", tuple(self.h_pieces))
         object.__setattr__(self, "group", as_group(self.group))
         if not self.g_pieces or not self.h_pieces:
-            raise ValueError(f"block {self.name!r}: needs at least one G piece and one H piece")
+            raise InvalidArgument(f"block {self.name!r}: needs at least one G piece and one H piece")
         for p in self.pieces:
             if p.block_heads != self.num_heads or p.head_dim != self.head_dim:
-                raise ValueError(
+                raise InvalidArgument(
                     f"block {self.name!r}: piece {p} gives {p.block_heads} block heads x {p.head_dim} "
                     f"({p.num_heads} heads in groups of {p.group_size}), block has "
                     f"{self.num_heads} x {self.head_dim}; with grouped-query attention give the "
                     f"query (QK) or output (VO) piece group_size = query heads per key/value head"
                 )
         if self.head_dim > min(self.n, self.m):
-            raise ValueError(
+            raise InvalidArgument(
                 f"block {self.name!r}: head_dim {self.head_dim} exceeds the rows of G ({self.n}, "
                 f"{self.head_dim}) or H ({self.m}, {self.head_dim}) per head: such factors cannot have "
                 f"full column rank, so GL({self.head_dim}) does not act freely and the block has no "
@@ -306,7 +307,7 @@ class GLBlock:
         parameter (packed ``in_proj_weight``) compose, because each write starts from the current value."""
         expected = (self.num_heads, self.n + self.m, self.head_dim)
         if tuple(x.shape) != expected:
-            raise ValueError(f"block {self.name!r}: x has shape {tuple(x.shape)}, expected {expected}")
+            raise InvalidArgument(f"block {self.name!r}: x has shape {tuple(x.shape)}, expected {expected}")
         out = dict(params)
         for p, rows in zip(self.pieces, self.split_rows(x, out)):
             out[p.param] = p.write(out[p.param], rows)
@@ -322,15 +323,15 @@ class GLBlock:
         """Check parameter names, slice ranges and ``n``/``m`` against parameter shapes."""
         for p in self.pieces:
             if p.param not in shapes:
-                raise ValueError(f"block {self.name!r}: unknown parameter {p.param!r}")
+                raise InvalidArgument(f"block {self.name!r}: unknown parameter {p.param!r}")
             try:
                 p.check_shape(shapes[p.param])
             except ValueError as err:
-                raise ValueError(f"block {self.name!r}: {err}") from None
+                raise InvalidArgument(f"block {self.name!r}: {err}") from None
         n = sum(p.rows_per_head(shapes[p.param]) for p in self.g_pieces)
         m = sum(p.rows_per_head(shapes[p.param]) for p in self.h_pieces)
         if (n, m) != (self.n, self.m):
-            raise ValueError(f"block {self.name!r}: declared n={self.n}, m={self.m} but the pieces give n={n}, m={m}")
+            raise InvalidArgument(f"block {self.name!r}: declared n={self.n}, m={self.m} but the pieces give n={n}, m={m}")
 
     def describe(self, width: int = 96) -> str:
         """The block in a few lines of at most ``width`` characters (a longer slice name stays

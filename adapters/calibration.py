@@ -32,6 +32,7 @@ import torch
 from typing_extensions import Unpack
 
 from quotient_manifolds._validation import integer_at_least
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 from . import validation as check
 from .ball import geometry_of
@@ -91,8 +92,8 @@ def find_rho(f: Callable[[float], float], start: float, target: float, *,
     the order evaluated) and ``converged`` (some evaluation within the tolerance factor).
     """
     if not (start > 0 and target > 0 and tolerance > 1 and max_evals >= 1):
-        raise ValueError(f"find_rho needs start > 0, target > 0, tolerance > 1, max_evals ≥ 1; "
-                         f"got {start}, {target}, {tolerance}, {max_evals}")
+        raise InvalidArgument(f"find_rho needs start > 0, target > 0, tolerance > 1, max_evals ≥ 1; "
+                              f"got {start}, {target}, {tolerance}, {max_evals}")
     evals: List[Tuple[float, float]] = []
     rho = float(start)
     converged = False
@@ -208,14 +209,14 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: G
     if rho_start is not None:
         rho_start = check.positive_finite("rho_start", rho_start)
     if check.positive_finite("tolerance", tolerance) <= 1:
-        raise ValueError(f"tolerance must be a factor > 1 (stop when the loss rise is within it of "
-                         f"the target), got {tolerance!r}; e.g. tolerance=1.25")
+        raise InvalidArgument(f"tolerance must be a factor > 1 (stop when the loss rise is within it of "
+                              f"the target), got {tolerance!r}; e.g. tolerance=1.25")
     integer_at_least("max_evals", max_evals, 1)
     if sharpness_options.get("measure", "worst") != "worst":
-        raise ValueError("calibrate_rho calibrates the worst-case loss rise; drop measure=")
+        raise InvalidArgument("calibrate_rho calibrates the worst-case loss rise; drop measure=")
     if "rho" in sharpness_options:
-        raise TypeError("calibrate_rho finds rho itself: drop rho= (pass rho_start= to choose the "
-                        "first radius tried)")
+        raise InvalidArgumentType("calibrate_rho finds rho itself: drop rho= (pass rho_start= to choose the "
+                                  "first radius tried)")
     options = SharpnessOptions.from_keywords({**sharpness_options, "geometry": geometry})
     batches = list(batches)
     start = rho_start if rho_start is not None else spec.rho_start

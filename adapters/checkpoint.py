@@ -28,10 +28,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from typing_extensions import Unpack
 
+from quotient_manifolds.errors import CheckpointError
+
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor, metric_name
 from .options import PerGeometryKwargs, document_options
 
-__all__ = ["CheckpointError", "CheckpointSharpness", "checkpoint_sharpness", "load_checkpoint",
+__all__ = ["CheckpointSharpness", "checkpoint_sharpness", "load_checkpoint",
            "read_rows", "TASKS", "DTYPES"]
 
 #: the kinds of model measured: sequence classification and causal language modelling
@@ -42,10 +44,6 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 #: the weight files of a saved model (``save_pretrained``), sharded or not
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                 "pytorch_model.bin.index.json")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint, data file or option that cannot be measured; the message says what to do."""
 
 
 @dataclass
@@ -229,12 +227,12 @@ def _labels(values: List[Any], config: Any, data: str, column: str) -> torch.Ten
             continue
         try:
             index = int(v)
-            if isinstance(v, float) and v != index:
-                raise ValueError
         except (TypeError, ValueError):
+            index = None
+        if index is None or (isinstance(v, float) and v != index):
             raise CheckpointError(f"{data}, row {i + 1}: label {v!r} in column {column!r} is neither "
                                   f"a class index nor a name of the checkpoint's label2id "
-                                  f"({', '.join(label2id) or 'none'})") from None
+                                  f"({', '.join(label2id) or 'none'})")
         if not 0 <= index < n:
             raise CheckpointError(f"{data}, row {i + 1}: label {index} is outside the checkpoint's "
                                   f"{n} classes (0 … {n - 1})")

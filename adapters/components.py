@@ -23,6 +23,7 @@ import torch
 from quotient_manifolds import _validation as check
 from quotient_manifolds._runtime import bounded_threads, threads_for
 from quotient_manifolds.core.gl import GLFrame, second_order_gradient_and_inners, second_order_step
+from quotient_manifolds.errors import InvalidArgument
 
 from .elementwise import ElementwiseComponent, _inverse_square
 
@@ -285,7 +286,7 @@ class ProductBall:
 
     def __init__(self, components: Sequence):
         if not components:
-            raise ValueError("a ball needs at least one component")
+            raise InvalidArgument("a ball needs at least one component")
         self.components = list(components)
 
     def zeros(self) -> Tangent:

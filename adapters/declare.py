@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from quotient_manifolds._validation import integer_at_least
 from quotient_manifolds.core.groups import Group, as_group
+from quotient_manifolds.errors import InvalidArgument
 
 from .blocks import FactorPiece, GLBlock, canonical_names
 from .families.positions import position_terms
@@ -28,7 +29,7 @@ def _get(model: nn.Module, path: str):
     try:
         return model.get_parameter(path)
     except AttributeError:
-        raise ValueError(f"{path!r} is neither a submodule nor a parameter of {type(model).__name__}") from None
+        raise InvalidArgument(f"{path!r} is neither a submodule nor a parameter of {type(model).__name__}") from None
 
 
 def _common_prefix(paths: Iterable[str]) -> str:
@@ -56,16 +57,16 @@ def _proj_pieces(model: nn.Module, path: str, role: str, num_heads: int, head_di
     obj = _get(model, path)
     if isinstance(obj, nn.Parameter) or isinstance(obj, Tensor):
         if id(obj) not in by_id:
-            raise ValueError(f"{path!r} is not a parameter of the model")
+            raise InvalidArgument(f"{path!r} is not a parameter of the model")
         if obj.dim() != 2:
-            raise ValueError(f"{path!r} must be a 2-D (out, in) weight, has shape {tuple(obj.shape)}")
+            raise InvalidArgument(f"{path!r} must be a 2-D (out, in) weight, has shape {tuple(obj.shape)}")
         kind = "rows" if role == "in" else "cols"
         return [piece(by_id[id(obj)], kind)], path.rsplit(".", 1)[0] if "." in path else ""
     if not isinstance(obj, nn.Module):
-        raise ValueError(f"{path!r} is neither a module nor a parameter")
+        raise InvalidArgument(f"{path!r} is neither a module nor a parameter")
     W = getattr(obj, "weight", None)
     if not isinstance(W, Tensor) or W.dim() != 2 or id(W) not in by_id:
-        raise ValueError(f"{path!r} ({type(obj).__name__}) has no 2-D weight parameter")
+        raise InvalidArgument(f"{path!r} ({type(obj).__name__}) has no 2-D weight parameter")
     transposed = type(obj).__name__ == "Conv1D" and not isinstance(obj, nn.Linear)  # HF Conv1D: (in, out)
     if role == "in":
         kind = "cols" if transposed else "rows"
@@ -102,7 +103,7 @@ def _refuse_full_gl_on_rotary(model: nn.Module, module_path: str, num_heads: int
     outside = [lin.path[len(prefix):] for lin in terms.q_pairs + terms.k_pairs
                if not {n for n, p in model.named_parameters() if id(p) in lin.param_ids()} <= set(params)]
     if outside:
-        raise ValueError(
+        raise InvalidArgument(
             f"declare_block: the Q/K block of {module_path or '<root>'} ({type(mod).__name__}) leaves out the "
             f"positional projection(s) {', '.join(outside)}, whose scores pair them with q or k ({terms.source}): "
             "without them Q/K has no GL symmetry.  Use the detected layout (adapters.layout(model)), or declare the "
@@ -110,7 +111,7 @@ def _refuse_full_gl_on_rotary(model: nn.Module, module_path: str, num_heads: int
             "key-side one under k, then check it with layout.verify(model, inputs).")
     reasons = screen_module(mod, {id(p) for p in mod.parameters()}, source_scan=True, modelled=terms.modelled).qk
     if reasons:
-        raise ValueError(
+        raise InvalidArgument(
             f"declare_block: the Q/K block of {module_path or '<root>'} ({type(mod).__name__}) would use the "
             f"full GL(head_dim), but {'; '.join(reasons)}. Rotary attention keeps only the rotations' "
             "commutant: pass group='rope' (Hugging Face rotate_half pairing, all coordinates rotated) or "
@@ -152,10 +153,10 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
     offsets = dict(offsets or {})
     bad = set(offsets) - {"q", "k", "v", "o"}
     if bad:
-        raise ValueError(f"offsets keys must be among q, k, v, o; got {sorted(bad)}")
+        raise InvalidArgument(f"offsets keys must be among q, k, v, o; got {sorted(bad)}")
     if g is not None or h is not None:
         if g is None or h is None or any(x is not None for x in (q, k, v, o)):
-            raise ValueError("give either both g= and h= (raw FactorPieces) or q/k or v/o paths")
+            raise InvalidArgument("give either both g= and h= (raw FactorPieces) or q/k or v/o paths")
         g = tuple(replace(p, param=alias.get(p.param, p.param)) for p in g)
         h = tuple(replace(p, param=alias.get(p.param, p.param)) for p in h)
         nh, hd = g[0].block_heads, g[0].head_dim
@@ -202,7 +203,7 @@ class _Sides:
             return cls(kind or "qk", _Side(q, "in", offsets.get("q", 0)), _Side(k, "in", offsets.get("k", 0)))
         if v is not None and o is not None and q is None and k is None:
             return cls(kind or "vo", _Side(v, "in", offsets.get("v", 0)), _Side(o, "out", offsets.get("o", 0)))
-        raise ValueError("declare either q= and k= (QK block) or v= and o= (VO block)")
+        raise InvalidArgument("declare either q= and k= (QK block) or v= and o= (VO block)")
 
     @property
     def heads(self) -> _Side:
@@ -223,7 +224,7 @@ def _from_paths(model: nn.Module, paths: Mapping[str, Optional[str]], offsets: M
     declared by projection ``paths`` (``q``, ``k``, ``v``, ``o`` of :func:`declare_block`), head
     counts checked against the projections' features."""
     if num_heads is None:
-        raise ValueError("num_heads is required")
+        raise InvalidArgument("num_heads is required")
     integer_at_least("num_heads", num_heads, 1)
     for arg, value in (("head_dim", head_dim), ("num_kv_heads", num_kv_heads)):
         if value is not None:
@@ -234,12 +235,12 @@ def _from_paths(model: nn.Module, paths: Mapping[str, Optional[str]], offsets: M
     label = f"block {name or (module if module is not None else _common_prefix([g.path, h.path])) + '/' + kind!r}"
     if head_dim is None:
         if g.path == h.path:
-            raise ValueError(f"declare_block: {label}: head_dim is required when G and H come from the "
-                             f"same (packed) projection {g.path!r}")
+            raise InvalidArgument(f"declare_block: {label}: head_dim is required when G and H come from the "
+                                  f"same (packed) projection {g.path!r}")
         heads = sides.heads
         width = _out_features(model, heads.path, heads.role) - heads.offset
         if width < 1 or width % num_heads:
-            raise ValueError(
+            raise InvalidArgument(
                 f"declare_block: {label}: cannot infer head_dim: {heads.path!r} gives {width} features "
                 f"(from offset {heads.offset}), not a multiple of num_heads={num_heads}; pass head_dim= "
                 f"(and offsets= for a packed projection) so that num_heads * head_dim features are used")
@@ -247,14 +248,14 @@ def _from_paths(model: nn.Module, paths: Mapping[str, Optional[str]], offsets: M
     nq, hd = int(num_heads), int(head_dim)
     nkv = nq if num_kv_heads is None else int(num_kv_heads)
     if nkv < 1 or nq % nkv:
-        raise ValueError(f"declare_block: {label}: num_kv_heads={num_kv_heads} must divide "
-                         f"num_heads={num_heads}")
+        raise InvalidArgument(f"declare_block: {label}: num_kv_heads={num_kv_heads} must divide "
+                              f"num_heads={num_heads}")
     kv = sides.kv
     kv_width = _out_features(model, kv.path, kv.role) - kv.offset
     if num_kv_heads is None and kv_width < nq * hd:
         advice = (f"for grouped-query / multi-query attention pass num_kv_heads={kv_width // hd}"
                   if kv_width >= hd else f"a head of {hd} does not fit: check num_heads / head_dim")
-        raise ValueError(
+        raise InvalidArgument(
             f"declare_block: {label}: {kv.path!r} gives {kv_width} features but {nq} heads x {hd} "
             f"need {nq * hd}: {advice}")
     rep = nq // nkv

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from quotient_manifolds.core.algebra import GroupDerivation, derive_group
+from quotient_manifolds.errors import InvalidArgumentType
 
 from .blocks import GLBlock
 from .evaluation import capture_module_inputs
@@ -125,7 +126,7 @@ def _first_tensor(out) -> Tensor:
         for v in out.values():
             if isinstance(v, Tensor):
                 return v
-    raise TypeError(f"the attention module returned a {type(out).__name__} without a tensor")
+    raise InvalidArgumentType(f"the attention module returned a {type(out).__name__} without a tensor")
 
 
 def _module_output_fn(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dict], gauge: int):
@@ -227,7 +228,7 @@ def _derive_one(model: nn.Module, block: GLBlock, inputs: Tuple[tuple, dict], ga
         why = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
     try:
         d = derive_group(output_of, G, H, jvp=finite_difference_jvp, **options)
-    except Exception as err:           # the module cannot be evaluated off its weights at all
+    except Exception as err:           # cannot be evaluated off its weights at all: recorded as the reason
         name = type(model.get_submodule(block.module)).__name__
         return GroupDerivation(None, 0, 0.0, False, "not derived", 0,
                                f"{name} at {block.module or 'the model'} cannot be differentiated (functorch: "

@@ -118,6 +118,7 @@ import torch
 from torch import nn
 
 from quotient_manifolds._validation import flag
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UnsupportedModel
 
 from . import validation as check
 from .families import FAMILIES, Context, Family
@@ -211,8 +212,8 @@ def _flatten(blocks) -> List[GLBlock]:
     if isinstance(blocks, GLBlock):
         return [blocks]
     if isinstance(blocks, (str, bytes, torch.Tensor)) or not isinstance(blocks, Iterable):
-        raise TypeError(f"blocks= must be a GLBlock (see declare_block), a list of them, or None, got "
-                        f"{blocks!r} ({type(blocks).__name__})")
+        raise InvalidArgumentType(f"blocks= must be a GLBlock (see declare_block), a list of them, or None, got "
+                                  f"{blocks!r} ({type(blocks).__name__})")
     out = []
     for b in blocks:
         out.extend(_flatten(b))
@@ -255,8 +256,8 @@ def resolve_layout(model: nn.Module, layout: Optional[Layout], *, what: str, all
     if layout is None:
         return _layout(model, None, allow_unsupported, True, include_frozen)
     if not isinstance(layout, Layout):
-        raise TypeError(f"{what}: layout= must be a Layout (e.g. adapters.layout(model)), got "
-                        f"{type(layout).__name__}")
+        raise InvalidArgumentType(f"{what}: layout= must be a Layout (e.g. adapters.layout(model)), got "
+                                  f"{type(layout).__name__}")
     layout.check_model(model, what=f"{what} (layout=)")
     return layout
 
@@ -279,7 +280,7 @@ def _layout(model: nn.Module, blocks: Union[None, GLBlock, Sequence], allow_unsu
     names = [b.name for b in all_blocks]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise ValueError(f"duplicate block names {dup}: pass name= to declare_block")
+        raise InvalidArgument(f"duplicate block names {dup}: pass name= to declare_block")
     frozen_set = set() if include_frozen else set(frozen)
     final = _without_frozen(all_blocks, {id(b) for b in user}, frozen_set, notes)
     gl_masks = _gl_masks(final, params)
@@ -300,7 +301,7 @@ def _declared(alias: Dict[str, str], blocks: Union[None, GLBlock, Sequence], sha
     user: List[GLBlock] = []
     for b in _flatten(blocks):
         if not isinstance(b, GLBlock):
-            raise TypeError(f"blocks= must contain GLBlock objects (see declare_block), got {type(b).__name__}")
+            raise InvalidArgumentType(f"blocks= must contain GLBlock objects (see declare_block), got {type(b).__name__}")
         canon_b = replace(b, g_pieces=tuple(replace(p, param=alias.get(p.param, p.param)) for p in b.g_pieces),
                           h_pieces=tuple(replace(p, param=alias.get(p.param, p.param)) for p in b.h_pieces))
         canon_b.validate(shapes)
@@ -349,7 +350,7 @@ def _without_frozen(blocks: List[GLBlock], declared: Container[int], frozen: Con
     for b in blocks:
         fz = [p for p in b.params if p in frozen]
         if fz and id(b) in declared:
-            raise ValueError(
+            raise InvalidArgument(
                 f"declared block {b.name} touches frozen parameter(s) {', '.join(fz)} "
                 "(requires_grad=False), which sharpness never perturbs: unfreeze them, or pass "
                 "include_frozen=True to layout() and sharpness() to put frozen weights in the ball")
@@ -369,7 +370,7 @@ def _gl_masks(blocks: List[GLBlock], params: Dict[str, torch.Tensor]) -> Dict[st
             mk = p.mask(params[p.param])
             if p.param in gl_masks:
                 if bool((gl_masks[p.param] & mk).any()):
-                    raise ValueError(f"blocks {owner[p.param]} and {b.name} overlap on parameter {p.param!r}")
+                    raise InvalidArgument(f"blocks {owner[p.param]} and {b.name} overlap on parameter {p.param!r}")
                 gl_masks[p.param] = gl_masks[p.param] | mk
             else:
                 gl_masks[p.param] = mk
@@ -395,7 +396,7 @@ def _refuse_unmapped(model_name: str, unsupported: List[Unsupported], final: Lis
             "(rotary Q/K: group=RotaryGroup(pairing, rotary_dim); grouped-query attention: num_kv_heads=...),\n"
             "or pass allow_unsupported=True to treat their parameters adaptively (elementwise)."
         )
-        raise ValueError("\n".join(lines))
+        raise UnsupportedModel("\n".join(lines))
     if not final:
         seen = [f"  - {p} [{c}]: {f}" for p, c, f in det.seen]
         dropped = [n for n in notes if "dropped" in n]
@@ -404,4 +405,4 @@ def _refuse_unmapped(model_name: str, unsupported: List[Unsupported], final: Lis
         msg += dropped
         msg.append("Declare blocks with blocks=[adapters.declare_block(model, ...)], or pass "
                    "allow_unsupported=True for a purely adaptive layout.")
-        raise ValueError("\n".join(msg))
+        raise UnsupportedModel("\n".join(msg))

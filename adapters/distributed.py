@@ -20,6 +20,8 @@ from typing import Any, Iterable, Optional
 import torch
 from typing_extensions import Unpack
 
+from quotient_manifolds.errors import InvalidArgument, UsageError
+
 from . import validation as check
 from .gate import Gate
 from .ball import GEOMETRY_TABLE
@@ -53,16 +55,16 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *, rho
     resolved = sharpness_options(chosen, rho=rho)
     seed = chosen.pop("seed", 0)
     if is_sharded(model):
-        raise ValueError(
+        raise InvalidArgument(
             "distributed_sharpness measures a whole model on every rank, each rank its share of the "
             "batches; this model is sharded with FSDP2 (its parameters are DTensors). Call "
             "adapters.sharpness(model, batches, ...) on every rank instead: on a sharded model each rank "
             "passes its own batches, and the loss is their mean over the ranks")
     check.batches("batches", batches)
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("distributed_sharpness needs an initialised torch.distributed process "
-                           "group (torch.distributed.init_process_group(...), e.g. under torchrun); "
-                           "for one process call adapters.sharpness instead")
+        raise UsageError("distributed_sharpness needs an initialised torch.distributed process "
+                         "group (torch.distributed.init_process_group(...), e.g. under torchrun); "
+                         "for one process call adapters.sharpness instead")
     geometry = resolved["geometry"]
     if GEOMETRY_TABLE[geometry].geodesic:
         # resolved (detected, or checked to belong to the model) once, on every rank alike, before
@@ -83,7 +85,7 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *, rho
     index, per_batch, init, worst, norms, n_fwd, n_bwd, seconds = zip(
         *sorted(row for part in gathered for row in part)) if any(gathered) else ((),) * 8
     if not per_batch:
-        raise ValueError("`batches` is empty: pass at least one batch")
+        raise InvalidArgument("`batches` is empty: pass at least one batch")
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch), per_batch=list(per_batch), init_losses=list(init),
         worst_losses=list(worst), norms=list(norms), rho=float(rho),

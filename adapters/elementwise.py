@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from quotient_manifolds.core.gl import check_choice
+from quotient_manifolds._validation import choice
+from quotient_manifolds.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from .streaming import LazyWeight
@@ -141,8 +142,8 @@ class StreamedPoint:
                  into: Optional[Tensor] = None):
         self.comp, self.leaves = comp, leaves
         if into is not None and (into.shape != (comp.numel,) or into.dtype != comp.dtype):
-            raise ValueError(f"the gradient buffer must be a flat {comp.dtype} vector of "
-                             f"{comp.numel} elements, got {tuple(into.shape)} {into.dtype}")
+            raise InvalidArgument(f"the gradient buffer must be a flat {comp.dtype} vector of "
+                                  f"{comp.numel} elements, got {tuple(into.shape)} {into.dtype}")
         self.gradient = None if not need_grad else (
             into if into is not None else torch.empty(comp.numel, dtype=comp.dtype, device=comp.device))
         self.written = [False] * len(leaves)
@@ -221,7 +222,7 @@ class ElementwiseComponent:
                  name: str = "elementwise", flat: Optional[bool] = None,
                  streaming: bool = False, dtype: Optional[torch.dtype] = None):
         if not tensors:
-            raise ValueError("an elementwise component needs at least one tensor")
+            raise InvalidArgument("an elementwise component needs at least one tensor")
         self.name = name
         self.names = list(tensors)
         self.tensors = [tensors[n].detach() for n in self.names]
@@ -231,8 +232,7 @@ class ElementwiseComponent:
         self.dtype = dtype or self.weights[0].dtype
         self.device = self.weights[0].device
         self.numel = sum(self.sizes)
-        self.direction = check_choice(direction, ADAPTIVE_DIRECTIONS,
-                                      "adaptive direction")
+        self.direction = choice("direction", direction, ADAPTIVE_DIRECTIONS)
         self.second_order = second_order
         self.streaming = bool(streaming)
         tiny = torch.finfo(self.dtype).tiny
@@ -249,8 +249,8 @@ class ElementwiseComponent:
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self.flat = (self.device.type != "cpu" and not self.streaming) if flat is None else bool(flat)
         if self.flat and self.streaming:
-            raise ValueError("an elementwise component is either flat (one copy of the weights) or "
-                             "streaming (none): pass one of flat=True, streaming=True")
+            raise InvalidArgument("an elementwise component is either flat (one copy of the weights) or "
+                                  "streaming (none): pass one of flat=True, streaming=True")
         if self.flat:  # one vector over a contiguous copy (see the class docstring)
             self._piece_weights = [self._flat_from(self.weights)]
             self._piece_fixed = [None if all(f is None for f in self.fixed) else self._flat_from(

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from quotient_manifolds._validation import integer_at_least
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 from . import validation as check
 from .elementwise import KERNEL_LIMIT
@@ -129,7 +130,7 @@ def loss_of(outputs: Any, inputs: Any, targets: Any, loss_fn: Optional[Callable]
         loss = loss_fn(outputs, targets)
     if isinstance(loss, Tensor) and loss.dtype in HALF_DTYPES:
         # the half resolution of the loss (~1e-3 relative) is the size of typical sharpness
-        raise TypeError(
+        raise InvalidArgumentType(
             f"the loss is computed in {loss.dtype}: sharpness differences of the order of its "
             f"resolution ({torch.finfo(loss.dtype).eps:.1e} relative) would be rounded away. "
             f"The model or loss_fn casts to half precision although its weights are given in "
@@ -153,20 +154,20 @@ def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise:
     if isinstance(batch, Mapping):
         if loss_fn is None:
             if normalise:
-                raise ValueError("normalize_logits=True needs a loss_fn for dict batches (the "
-                                 "model's own loss does not see normalised logits): pass e.g. "
-                                 "loss_fn=adapters.next_token_loss")
+                raise InvalidArgument("normalize_logits=True needs a loss_fn for dict batches (the "
+                                      "model's own loss does not see normalised logits): pass e.g. "
+                                      "loss_fn=adapters.next_token_loss")
             return batch, None, True
         if "labels" not in batch:
-            raise ValueError(f"dict batch {index} has no 'labels' (keys {sorted(batch)}): with "
-                             f"loss_fn the loss is loss_fn(outputs, batch['labels']); add the "
-                             f"labels, or yield (inputs, targets) pairs")
+            raise InvalidArgument(f"dict batch {index} has no 'labels' (keys {sorted(batch)}): with "
+                                  f"loss_fn the loss is loss_fn(outputs, batch['labels']); add the "
+                                  f"labels, or yield (inputs, targets) pairs")
         return batch, batch["labels"], False
     if not isinstance(batch, Sequence) or isinstance(batch, str) or len(batch) != 2:
         what = f" of length {len(batch)}" if isinstance(batch, Sequence) else ""
-        raise ValueError(f"batch {index} is a {type(batch).__name__}{what}; expected an (inputs, "
-                         f"targets) pair or a dict of model keyword arguments (a Hugging Face "
-                         f"batch)")
+        raise InvalidArgument(f"batch {index} is a {type(batch).__name__}{what}; expected an (inputs, "
+                              f"targets) pair or a dict of model keyword arguments (a Hugging Face "
+                              f"batch)")
     inputs, targets = batch
     return inputs, targets, False
 
@@ -260,9 +261,9 @@ def class_targets_check(targets: Any, index: int = 0) -> Optional[Callable[[Any]
             return
         hint = (" Labels of -1/+1? Map them to 0/1 with (y + 1) // 2." if (low, high) in ((-1, 1), (-1, 0))
                 else "")
-        raise ValueError(f"batch {index}: the default loss is cross-entropy, whose targets are class indices "
-                         f"0..{classes - 1} of the model's {classes} outputs, but these range over "
-                         f"{low}..{high}.{hint} For another loss pass loss_fn=callable(outputs, targets).")
+        raise InvalidArgument(f"batch {index}: the default loss is cross-entropy, whose targets are class indices "
+                              f"0..{classes - 1} of the model's {classes} outputs, but these range over "
+                              f"{low}..{high}.{hint} For another loss pass loss_fn=callable(outputs, targets).")
 
     return check_outputs
 
@@ -360,7 +361,7 @@ def weighted_batches(tokens: check.TokenInputs, batches: Iterable[Any], loss_fn:
                      None if own_loss else (loss_fn or default_loss)))
         sizes.append(batch_size_of(inputs, targets, index, batch_size_fn))
     if not data:
-        raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
+        raise InvalidArgument("`batches` is empty: pass at least one (inputs, targets) pair or dict batch")
     num_data = sum(sizes)
     weights = [n / num_data if reduction == "mean" else 1.0 for n in sizes]
     return [(*d, w) for d, w in zip(data, weights)], num_data
@@ -382,12 +383,12 @@ def batch_size_of(inputs: Any, targets: Any, index: int,
     if isinstance(targets, Tensor) and targets.ndim:
         candidates.append(targets)
     if not candidates:
-        raise ValueError("cannot infer the batch size of a batch without tensors (needed for "
-                         "reduction='mean'); pass batch_size_fn=callable(inputs) -> int, or "
-                         "reduction='sum'")
+        raise InvalidArgument("cannot infer the batch size of a batch without tensors (needed for "
+                              "reduction='mean'); pass batch_size_fn=callable(inputs) -> int, or "
+                              "reduction='sum'")
     size = int(candidates[0].shape[0])
     if size < 1:
-        raise ValueError(f"batch {index} is empty (leading dimension 0 of a tensor of shape "
-                         f"{tuple(candidates[0].shape)}): drop empty batches, or pass "
-                         f"batch_size_fn=callable(inputs) -> int if the batch dimension is not the first")
+        raise InvalidArgument(f"batch {index} is empty (leading dimension 0 of a tensor of shape "
+                              f"{tuple(candidates[0].shape)}): drop empty batches, or pass "
+                              f"batch_size_fn=callable(inputs) -> int if the batch dimension is not the first")
     return size

@@ -52,7 +52,8 @@ from typing import Any, Callable, Iterable, List, Mapping, Optional, Tuple, Unio
 import torch
 from torch import nn
 
-from quotient_manifolds._validation import integer_at_least
+from quotient_manifolds._validation import choice, integer_at_least
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, NonFiniteLoss
 
 from . import validation as check
 from .evaluation import ModelClosure, weighted_batches
@@ -160,27 +161,27 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
     check.module("model", model)
     check.batches("batches", batches)
     if layer is not None and not isinstance(layer, str):
-        raise TypeError(f"layer must be the module path of a linear layer (a string such as "
-                        f"'classifier'), or None for the model's output layer; got "
-                        f"{type(layer).__name__}")
+        raise InvalidArgumentType(f"layer must be the module path of a linear layer (a string such as "
+                                  f"'classifier'), or None for the model's output layer; got "
+                                  f"{type(layer).__name__}")
     check.optional_callable("loss_fn", loss_fn, "loss_fn(outputs, targets) -> scalar tensor")
     check.optional_callable("batch_size_fn", batch_size_fn, "batch_size_fn(inputs) -> int")
-    check.choice("method", method, METHODS)
+    choice("method", method, METHODS)
     n_probes = integer_at_least("n_probes", n_probes, 2)
     exact_limit = integer_at_least("exact_limit", exact_limit, 1)
     if seed is not None:
         seed = integer_at_least("seed", seed, 0)
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
-    check.choice("reduction", reduction, REDUCTIONS)
+    choice("reduction", reduction, REDUCTIONS)
     check.materialised(model, "relative_flatness")
 
     proj = _layer(model, layer)
     weight = proj.weight.detach()
     if weight.dtype in HALF_DTYPES or not weight.is_floating_point():
-        raise TypeError(f"relative_flatness: the weight of {proj.path!r} is {weight.dtype}; second "
-                        f"derivatives in half precision lose the measure to rounding. Measure a "
-                        f"float32 copy of the model (copy.deepcopy(model).float())")
+        raise InvalidArgumentType(f"relative_flatness: the weight of {proj.path!r} is {weight.dtype}; second "
+                                  f"derivatives in half precision lose the measure to rounding. Measure a "
+                                  f"float32 copy of the model (copy.deepcopy(model).float())")
     m, n = proj.out_features, proj.in_features
     if method == "auto":
         method = "exact" if (m * n) ** 2 <= exact_limit else "stochastic"
@@ -208,9 +209,9 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
             leaf = weight.clone().requires_grad_(True)
             loss = closure([leaf])
             if not torch.isfinite(loss.detach()):
-                raise FloatingPointError(f"relative_flatness: the loss of batch {b} is not finite "
-                                         f"({float(loss.detach())}) at the trained weights: check the "
-                                         f"model, its inputs and targets")
+                raise NonFiniteLoss(f"relative_flatness: the loss of batch {b} is not finite "
+                                    f"({float(loss.detach())}) at the trained weights: check the "
+                                    f"model, its inputs and targets")
             loss_total += c_b * float(loss.detach())
             (grad,) = torch.autograd.grad(loss, leaf, create_graph=True)
             if not grad.requires_grad:        # the loss is linear in W: H = 0
@@ -252,9 +253,9 @@ def default_layer(model: nn.Module) -> str:
             return found[-1].path
     linear = [p.path for path, mod in model.named_modules() if (p := projection(path, mod)) is not None]
     shown = ", ".join(repr(p) for p in linear[-5:]) or "none"
-    raise ValueError(f"relative_flatness: {type(model).__name__} has no output layer under the usual "
-                     f"names ({', '.join(HEAD_NAMES)}); pass layer='path.of.a.linear.layer' (its "
-                     f"last linear layers: {shown})")
+    raise InvalidArgument(f"relative_flatness: {type(model).__name__} has no output layer under the usual "
+                          f"names ({', '.join(HEAD_NAMES)}); pass layer='path.of.a.linear.layer' (its "
+                          f"last linear layers: {shown})")
 
 
 def _layer(model: nn.Module, layer: Optional[str]) -> Projection:
@@ -265,17 +266,17 @@ def _layer(model: nn.Module, layer: Optional[str]) -> Projection:
         mod = model.get_submodule(path)
     except AttributeError:
         linear = [p for p, mod in model.named_modules() if projection(p, mod) is not None]
-        raise ValueError(f"relative_flatness: {type(model).__name__} has no module {path!r}; pass the "
-                         f"path of one of its linear layers, e.g. {', '.join(map(repr, linear[-3:]))}"
-                         ) from None
+        raise InvalidArgument(f"relative_flatness: {type(model).__name__} has no module {path!r}; pass the "
+                              f"path of one of its linear layers, e.g. {', '.join(map(repr, linear[-3:]))}"
+                              ) from None
     proj = projection(path, mod)
     if proj is None:
-        raise TypeError(f"relative_flatness: {path!r} is a {type(mod).__name__}, not a linear layer "
-                        f"(nn.Linear or Hugging Face Conv1D): κ is defined for a weight matrix with "
-                        f"one row per output unit; name a linear layer inside it")
+        raise InvalidArgumentType(f"relative_flatness: {path!r} is a {type(mod).__name__}, not a linear layer "
+                                  f"(nn.Linear or Hugging Face Conv1D): κ is defined for a weight matrix with "
+                                  f"one row per output unit; name a linear layer inside it")
     if proj.adapted:
-        raise ValueError(f"relative_flatness: {path!r} carries LoRA adapters, so its weight is not "
-                         f"one matrix of the model; merge them first (peft's merge_and_unload())")
+        raise InvalidArgument(f"relative_flatness: {path!r} carries LoRA adapters, so its weight is not "
+                              f"one matrix of the model; merge them first (peft's merge_and_unload())")
     return proj
 
 

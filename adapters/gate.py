@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional
 import torch
 from torch import nn
 
+from quotient_manifolds.errors import InvalidArgument
+
 from .accept import accept_layout, refuse_failed_blocks
 from .ball import geometry_of
 from .detection import resolve_layout
@@ -157,8 +159,8 @@ def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: 
     params0 = {n: p.detach() for n, p in all_params.items()
                if p.requires_grad or (include_frozen and p.is_floating_point())}
     if not params0:
-        raise ValueError(f"the model has no trainable parameter (all {len(all_params)} have "
-                         f"requires_grad=False): {no_params}")
+        raise InvalidArgument(f"the model has no trainable parameter (all {len(all_params)} have "
+                              f"requires_grad=False): {no_params}")
     gate = Gate(model, layout, geometry=geometry, what=what, consequence=consequence, unsafe=unsafe,
                 allow_unsupported=allow_unsupported, include_frozen=include_frozen)
     layout, detected = gate.layout, gate.detected
@@ -168,8 +170,8 @@ def pre_run_checks(model: torch.nn.Module, layout: Any, *, geometry: str, what: 
         params0 = {n: as_compute(p, upcast) for n, p in params0.items()}
     for name, p in params0.items():
         if not all_finite(p):
-            raise ValueError(f"parameter {name!r} contains non-finite values; {undefined} is "
-                             f"undefined at such weights")
+            raise InvalidArgument(f"parameter {name!r} contains non-finite values; {undefined} is "
+                                  f"undefined at such weights")
     frozen = {n: as_compute(p.detach(), upcast) if copy_half or not (upcast and p.dtype in HALF_DTYPES)
               else LazyWeight(p.detach().float) for n, p in all_params.items() if n not in params0}
     buffers = {**{n: as_compute(b, upcast) for n, b in model.named_buffers()}, **frozen}

@@ -115,9 +115,9 @@ except ImportError as err:  # pragma: no cover - depends on the environment
     ) from err
 
 from quotient_manifolds._runtime import bounded_threads
-from quotient_manifolds._validation import flag
-from quotient_manifolds.core.gl import check_choice
+from quotient_manifolds._validation import choice, flag
 from quotient_manifolds.core.groups import sym
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, NonFiniteLoss, NotSupported
 
 from . import validation as check
 from .ball import ball_of, geometry_of
@@ -195,7 +195,7 @@ class RiemannianHessian(PyTorchLinearOperator):
                 self._roots.append(c.inv_w2.sqrt())    # 1/|w|, 0 on fixed entries
                 dim += int((c.inv_w2 > 0).sum())
             else:  # pragma: no cover - build_ball makes only these two kinds
-                raise TypeError(f"unsupported ball component {type(c).__name__}")
+                raise InvalidArgumentType(f"unsupported ball component {type(c).__name__}")
         self.quotient_dim = dim
         self.loss, self.gradient = self._loss_and_gradient()
 
@@ -218,8 +218,8 @@ class RiemannianHessian(PyTorchLinearOperator):
         self._closure.inputs, self._closure.targets, self._closure.loss_fn = inputs, targets, loss_fn
         loss = self._closure(leaves) * weight
         if not torch.isfinite(loss.detach()):
-            raise FloatingPointError(f"the loss is not finite ({float(loss.detach())}) at the "
-                                     f"trained weights: check the model, its inputs and targets")
+            raise NonFiniteLoss(f"the loss is not finite ({float(loss.detach())}) at the "
+                                f"trained weights: check the model, its inputs and targets")
         return loss
 
     def _leaves(self) -> List[Tensor]:
@@ -345,7 +345,7 @@ def riemannian_hessian(model: torch.nn.Module,
     geodesic = geometry_of(geometry).geodesic
     materialised(model, f"{geometry} Hessian")
     if is_sharded(model):
-        raise NotImplementedError(
+        raise NotSupported(
             "riemannian_hessian on a model sharded with FSDP2 (its parameters are DTensors): the "
             "Hessian operator (curvlinops) multiplies vectors of the whole model in one process. "
             "Compute it on the unsharded model (e.g. on one rank, or a smaller model), or measure "
@@ -353,7 +353,7 @@ def riemannian_hessian(model: torch.nn.Module,
     tokens = check.TokenInputs(model)
     if reduction is None:
         reduction = getattr(loss_fn, "reduction", "mean")
-    check_choice(reduction, REDUCTIONS, "reduction")
+    choice("reduction", reduction, REDUCTIONS)
     what, consequence = f"{geometry} Hessian", "its quotient Hessian would be meaningless"
     params0, buffers, upcast, layout, _, gate = pre_run_checks(
         model, layout, geometry=geometry, what=what, consequence=consequence, unsafe=unsafe,
@@ -379,7 +379,7 @@ def trace(op: PyTorchLinearOperator, *, method: str = "hutch++", num_matvecs: in
     without touching the global generator (None: the global one)."""
     import curvlinops
 
-    check_choice(method, TRACE_METHODS, "trace method")
+    choice("method", method, TRACE_METHODS)
     dim = op.shape[0]
     if method != "exact" and num_matvecs >= dim:
         method = "exact"
@@ -392,7 +392,7 @@ def trace(op: PyTorchLinearOperator, *, method: str = "hutch++", num_matvecs: in
             total += float((op @ E)[cols, torch.arange(len(cols))].sum())
         return total
     if num_matvecs < 1 or (method == "hutch++" and num_matvecs < 3):
-        raise ValueError(f"num_matvecs must be ≥ 1 (≥ 3 for hutch++), got {num_matvecs}")
+        raise InvalidArgument(f"num_matvecs must be ≥ 1 (≥ 3 for hutch++), got {num_matvecs}")
     with _seeded(seed, op.device):
         if method == "hutch++":
             return float(curvlinops.hutchpp_trace(op, num_matvecs - num_matvecs % 3, distribution))
@@ -407,10 +407,10 @@ def top_eigenvalues(op: PyTorchLinearOperator, k: int = 1, *, which: str = "LA",
     (eigsh needs k < D) the operator is materialised and diagonalised densely."""
     from scipy.sparse.linalg import eigsh
 
-    check_choice(which, ("LA", "SA", "LM"), "which")
+    choice("which", which, ("LA", "SA", "LM"))
     dim = op.shape[0]
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= dim:
-        raise ValueError(f"k must be an integer in [1, {dim}] (the operator's size), got {k!r}")
+        raise InvalidArgument(f"k must be an integer in [1, {dim}] (the operator's size), got {k!r}")
     k = int(k)       # a NumPy integer too
     if k >= dim - 1:
         eye = torch.eye(dim, dtype=op.dtype, device=op.device)

@@ -28,6 +28,7 @@ import transformers
 from torch import nn
 
 from quotient_manifolds._validation import flag, integer_at_least
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UsageError
 
 from .ball import geometry_of
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor
@@ -86,9 +87,9 @@ class SharpnessCallback(transformers.TrainerCallback):
                  target_loss_rise: Optional[float] = None,
                  **sharpness_options: Unpack[PerGeometryKwargs]) -> None:
         if not isinstance(trainer, transformers.Trainer):
-            raise TypeError(f"SharpnessCallback needs the transformers.Trainer it logs through, got "
-                            f"{type(trainer).__name__}: SharpnessCallback(trainer, held_batches, ...), "
-                            f"then trainer.add_callback(callback)")
+            raise InvalidArgumentType(f"SharpnessCallback needs the transformers.Trainer it logs through, got "
+                                      f"{type(trainer).__name__}: SharpnessCallback(trainer, held_batches, ...), "
+                                      f"then trainer.add_callback(callback)")
         self.trainer = trainer
         if every_n_steps is not None:
             integer_at_least("every_n_steps", every_n_steps, 1)
@@ -96,8 +97,8 @@ class SharpnessCallback(transformers.TrainerCallback):
         self.at_evaluation = flag("at_evaluation", at_evaluation)
         self.at_train_begin = flag("at_train_begin", at_train_begin)
         if every_n_steps is None and not at_evaluation and not at_train_begin:
-            raise ValueError("the callback would never measure: pass every_n_steps=N, "
-                             "at_evaluation=True or at_train_begin=True")
+            raise InvalidArgument("the callback would never measure: pass every_n_steps=N, "
+                                  "at_evaluation=True or at_train_begin=True")
         self.monitor = SharpnessMonitor(batches, geometries=geometries, rho=rho,
                                         target_loss_rise=target_loss_rise, **sharpness_options)
         self._last_step: Optional[int] = None
@@ -112,8 +113,8 @@ class SharpnessCallback(transformers.TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self not in self.trainer.callback_handler.callbacks:
-            raise RuntimeError("this SharpnessCallback was built with another Trainer than the one "
-                               "running it: build it with the trainer it is added to")
+            raise UsageError("this SharpnessCallback was built with another Trainer than the one "
+                             "running it: build it with the trainer it is added to")
         if self.at_train_begin:
             self._measure(state, model)
 
@@ -179,15 +180,15 @@ class GeodesicSAMTrainer(transformers.Trainer):
                  sam_options: Optional[Dict[str, Any]] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.args.gradient_accumulation_steps != 1:
-            raise ValueError(f"GeodesicSAMTrainer needs gradient_accumulation_steps=1 (got "
-                             f"{self.args.gradient_accumulation_steps}): the ascent step needs the "
-                             f"whole batch's gradient before the second pass; raise "
-                             f"per_device_train_batch_size instead")
+            raise InvalidArgument(f"GeodesicSAMTrainer needs gradient_accumulation_steps=1 (got "
+                                  f"{self.args.gradient_accumulation_steps}): the ascent step needs the "
+                                  f"whole batch's gradient before the second pass; raise "
+                                  f"per_device_train_batch_size instead")
         if self.args.fp16:
-            raise ValueError("GeodesicSAMTrainer does not support fp16=True (the loss scaler would "
-                             "unscale the gradients twice per step): use bf16=True")
+            raise InvalidArgument("GeodesicSAMTrainer does not support fp16=True (the loss scaler would "
+                                  "unscale the gradients twice per step): use bf16=True")
         if sam_options is not None and not isinstance(sam_options, Mapping):
-            raise TypeError(f"sam_options must be a dict of GeodesicSAM keywords, got {sam_options!r}")
+            raise InvalidArgumentType(f"sam_options must be a dict of GeodesicSAM keywords, got {sam_options!r}")
         # checked now, not when the Trainer builds the optimizer at train()
         self.sam_rho = as_rho(sam_rho, "sam_rho")
         self.sam_geometry = geometry_of(sam_geometry, SAM_GEOMETRIES, "sam_geometry").name
@@ -209,9 +210,9 @@ class GeodesicSAMTrainer(transformers.Trainer):
         # accelerate wraps the optimizer (AcceleratedOptimizer.optimizer is the one built here)
         sam = getattr(self.optimizer, "optimizer", self.optimizer)
         if not isinstance(sam, GeodesicSAM):
-            raise RuntimeError("GeodesicSAMTrainer's optimizer is not a GeodesicSAM: "
-                               "create_optimizer wraps the Trainer's (or the one given with "
-                               "optimizers=); do not replace trainer.optimizer after it is built")
+            raise UsageError("GeodesicSAMTrainer's optimizer is not a GeodesicSAM: "
+                             "create_optimizer wraps the Trainer's (or the one given with "
+                             "optimizers=); do not replace trainer.optimizer after it is built")
         # transformers < 4.46 has no num_items_in_batch (and never passes it)
         extra = () if num_items_in_batch is None else (num_items_in_batch,)
         loss = super().training_step(model, inputs, *extra)

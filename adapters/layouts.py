@@ -33,13 +33,14 @@ from torch import Tensor, nn
 
 from quotient_manifolds._validation import floating_dtype, optional_generator
 from quotient_manifolds.core.gl import group_action
+from quotient_manifolds.errors import InvalidArgument, SymmetryError, UnknownName
 
 from . import validation as check
 from .blocks import GLBlock
 from .families.structure import HEAD_DIM_ATTRS, HEADS_ATTRS
 from .families.structural import KV_HEADS_ATTRS
 from .sharded import is_sharded
-from .verify import SymmetryError, VerifyReport, record, verify_layout
+from .verify import VerifyReport, record, verify_layout
 
 __all__ = ["Layout", "Unsupported", "head_structure"]
 
@@ -53,7 +54,7 @@ def _apply_action(block: GLBlock, params: Mapping[str, Tensor], A: Tensor) -> Di
     x = x.to(ct)
     A = A.to(dtype=ct, device=x.device)
     if tuple(A.shape) != (block.num_heads, block.head_dim, block.head_dim):
-        raise ValueError(
+        raise InvalidArgument(
             f"action for block {block.name!r} has shape {tuple(A.shape)}, expected "
             f"{(block.num_heads, block.head_dim, block.head_dim)}"
         )
@@ -189,7 +190,7 @@ class Layout:
         if problems:
             shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
             built_for = f" of {self.model_name}" if self.model_name else ""
-            raise ValueError(
+            raise InvalidArgument(
                 f"{what}: the layout{built_for} was built for another model than this "
                 f"{type(model).__name__}:\n" + "\n".join(f"  - {p}" for p in shown) + "\n"
                 "Build the layout from this model (adapters.layout(model), declaring blocks with "
@@ -201,7 +202,7 @@ class Layout:
         for b in self.blocks:
             if b.name == name:
                 return b
-        raise KeyError(name)
+        raise UnknownName(f"the layout has no block named {name!r}; its blocks are {self.block_names}")
 
     @property
     def block_names(self) -> List[str]:
@@ -313,8 +314,8 @@ class Layout:
         missing = [b.g_pieces[0].param for b in self.blocks
                    if params is not None and b.g_pieces[0].param not in params]
         if missing:
-            raise ValueError(f"params has no entry for {', '.join(missing[:3])}: pass the model's "
-                             f"parameters ({{n: p for n, p in model.named_parameters()}}) or None")
+            raise InvalidArgument(f"params has no entry for {', '.join(missing[:3])}: pass the model's "
+                                  f"parameters ({{n: p for n, p in model.named_parameters()}}) or None")
         out: Dict[str, Tensor] = {}
         for b in self.blocks:
             device = params[b.g_pieces[0].param].device if params is not None else torch.device("cpu")

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 from typing_extensions import Unpack
 
 from quotient_manifolds._validation import flag, integer_at_least
+from quotient_manifolds.errors import InvalidArgument
 
 from .monitor import DEFAULT_GEOMETRIES, SharpnessMonitor
 from .options import PerGeometryKwargs
@@ -62,7 +63,7 @@ class LightningSharpnessCallback(pl.Callback):
         self.every_n_steps = every_n_steps
         self.at_validation = flag("at_validation", at_validation)
         if every_n_steps is None and not at_validation:
-            raise ValueError("the callback would never measure: pass every_n_steps=N or at_validation=True")
+            raise InvalidArgument("the callback would never measure: pass every_n_steps=N or at_validation=True")
         self.monitor = SharpnessMonitor(batches, geometries=geometries, rho=rho,
                                         target_loss_rise=target_loss_rise, **sharpness_options)
         self._last_step: Optional[int] = None

@@ -96,8 +96,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from quotient_manifolds._validation import choice
 from quotient_manifolds.core.gl import METRICS, RETRACTIONS
 from quotient_manifolds.geoopt import GLQuotient, RiemannianSGD
+from quotient_manifolds.errors import InvalidArgument
 
 from . import validation as check
 from .detection import detect
@@ -169,8 +171,8 @@ class _FactorView(nn.Module):
     def right_inverse(self, value: Tensor):
         target = self.forward()
         if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{self.point.name}: lora_{self.factor}.weight must have shape "
-                             f"{tuple(target.shape)}, got {tuple(value.shape)}")
+            raise InvalidArgument(f"{self.point.name}: lora_{self.factor}.weight must have shape "
+                                  f"{tuple(target.shape)}, got {tuple(value.shape)}")
         target.copy_(value)
         return ()
 
@@ -256,14 +258,14 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
     the points because ‖B‖² + ‖A‖² is not invariant (module docstring).
     """
     check.module("model", model)
-    check.choice("metric", metric, METRICS)
-    check.choice("retraction", retraction, RETRACTIONS)
+    choice("metric", metric, METRICS)
+    choice("retraction", retraction, RETRACTIONS)
     gram_eps = check.non_negative_finite("gram_eps", gram_eps)
     wanted = None if adapters is None else set(check.names("adapters", adapters))
     if any(True for _ in _views(model)):
-        raise ValueError("the LoRA pairs of this model are already re-pointed at quotient points: use the "
-                         "parameter groups of the first call (or lora_quotient_points(model)), or call "
-                         "merge_back(model) first")
+        raise InvalidArgument("the LoRA pairs of this model are already re-pointed at quotient points: use the "
+                              "parameter groups of the first call (or lora_quotient_points(model)), or call "
+                              "merge_back(model) first")
     params = dict(model.named_parameters())
     # build and check every point before touching the model
     built = [(b_name, a_name, _quotient_point(block, b_name, a_name, params, metric, retraction, gram_eps))
@@ -302,14 +304,14 @@ def _trainable_pairs(model: nn.Module, params: Dict[str, Tensor], wanted: Option
         pairs.append((block, b_name, a_name))
     found_adapters = {_adapter_of(block) for block in found.blocks}
     if wanted is not None and wanted - found_adapters:
-        raise ValueError(f"no trainable peft LoRA pair for adapters {sorted(wanted - found_adapters)}: "
-                         f"the model has no such adapter (its LoRA adapters: {sorted(found_adapters)}); "
-                         f"pass adapters= names from that list, or None for all")
+        raise InvalidArgument(f"no trainable peft LoRA pair for adapters {sorted(wanted - found_adapters)}: "
+                              f"the model has no such adapter (its LoRA adapters: {sorted(found_adapters)}); "
+                              f"pass adapters= names from that list, or None for all")
     if not pairs:
-        raise ValueError("no trainable peft LoRA pair (lora_A/lora_B nn.Linear of matching rank) was found"
-                         + (f" for adapters {sorted(wanted)}" if wanted is not None else "")
-                         + ": build the model with peft.get_peft_model(base, LoraConfig(...)) and make "
-                         "sure the adapter is active and trainable")
+        raise InvalidArgument("no trainable peft LoRA pair (lora_A/lora_B nn.Linear of matching rank) was found"
+                              + (f" for adapters {sorted(wanted)}" if wanted is not None else "")
+                              + ": build the model with peft.get_peft_model(base, LoraConfig(...)) and make "
+                              "sure the adapter is active and trainable")
     return pairs
 
 
@@ -323,13 +325,13 @@ def _quotient_point(block, b_name: str, a_name: str, params: Dict[str, Tensor], 
         manifold = GLQuotient(block.n, block.m, block.head_dim, metric=metric, retraction=retraction,
                               eps=gram_eps)
     except ValueError as err:
-        raise ValueError(f"{block.name}: cannot be a GL(r) quotient point: {err}") from None
+        raise InvalidArgument(f"{block.name}: cannot be a GL(r) quotient point: {err}") from None
     ok, reason = manifold.check_point_on_manifold(x, explain=True)
     if not ok:
         zero = [f for f, t in (("lora_B", params[b_name]), ("lora_A", params[a_name]))
                 if not bool(t.detach().any())]
         hint = (f" ({' and '.join(zero)} is all zeros: peft initialises lora_B at zero)" if zero else "")
-        raise ValueError(
+        raise InvalidArgument(
             f"{block.name}: the LoRA factors must have full rank r = {block.head_dim} for the exact "
             f"quotient{hint}. Either pass gram_eps > 0 (relaxed metric BᵀB + εI, AAᵀ + εI: the damping of "
             f"Riemannian-preconditioned LoRA, invariant up to O(ε); e.g. gram_eps=1e-6), or give B and A "

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
+
 from . import validation as check
 
 __all__ = ["HALF_DTYPES", "default_loss", "next_token_loss", "logits_of", "normalize_logits"]
@@ -42,9 +44,9 @@ def next_token_loss(outputs: Any, labels: Tensor) -> Tensor:
     """
     logits = logits_of(outputs)
     if logits.ndim != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"next_token_loss needs logits of shape (batch, tokens, vocab) and labels "
-                         f"of shape (batch, tokens); got logits {tuple(logits.shape)} and labels "
-                         f"{tuple(labels.shape)}")
+        raise InvalidArgument(f"next_token_loss needs logits of shape (batch, tokens, vocab) and labels "
+                              f"of shape (batch, tokens); got logits {tuple(logits.shape)} and labels "
+                              f"{tuple(labels.shape)}")
     check.class_targets(logits[:, :-1], labels[:, 1:], "next_token_loss")
     if logits.dtype in HALF_DTYPES:
         logits = logits.float()
@@ -68,14 +70,14 @@ def logits_of(outputs: Any) -> Tensor:
             return outputs[tensors[0]]
         if len(tensors) > 1:
             shapes = ", ".join(f"[{i}] {tuple(outputs[i].shape)}" for i in tensors)
-            raise TypeError(
+            raise InvalidArgumentType(
                 f"the model returns a {type(outputs).__name__} of {len(tensors)} tensors ({shapes}): "
                 f"which one holds the logits is ambiguous, so the default cross-entropy is not "
                 f"applied to any of them. Pass loss_fn=lambda outputs, targets: "
                 f"torch.nn.functional.cross_entropy(outputs[i], targets) with the index i of the "
                 f"logits (or return a tensor or an object with .logits)")
-    raise TypeError(f"cannot find logits in a model output of type {type(outputs).__name__}; pass "
-                    f"loss_fn=callable(outputs, targets) -> scalar loss")
+    raise InvalidArgumentType(f"cannot find logits in a model output of type {type(outputs).__name__}; pass "
+                              f"loss_fn=callable(outputs, targets) -> scalar loss")
 
 
 def normalize_logits(logits: Tensor) -> Tensor:

@@ -19,7 +19,9 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
-__all__ = ["BYTES_PER_PARAMETER", "HEADROOM", "DeviceMemory", "SharpnessOutOfMemoryError",
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, SharpnessOutOfMemoryError
+
+__all__ = ["BYTES_PER_PARAMETER", "HEADROOM", "DeviceMemory",
            "device_memory", "explained_out_of_memory", "room_for_two_more"]
 
 #: bytes per perturbed float32 weight held by the solver: ξ, the worst point and the gradient in
@@ -50,8 +52,8 @@ class DeviceMemory:
         for name in ("available", "total", "in_use", "peak"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"DeviceMemory.{name} must be a number of bytes (an int >= 0), "
-                                 f"got {value!r}")
+                raise InvalidArgument(f"DeviceMemory.{name} must be a number of bytes (an int >= 0), "
+                                      f"got {value!r}")
 
 
 def _kib_fields(path: str) -> Dict[str, int]:
@@ -97,19 +99,14 @@ def room_for_two_more(vector_bytes: int, now: Optional[DeviceMemory]) -> bool:
     the buffers that stay (an upper bound where the process once held more). True where the
     memory cannot be read (``now`` None)."""
     if isinstance(vector_bytes, bool) or not isinstance(vector_bytes, int) or vector_bytes < 0:
-        raise ValueError(f"vector_bytes must be a number of bytes (an int >= 0), got {vector_bytes!r}")
+        raise InvalidArgument(f"vector_bytes must be a number of bytes (an int >= 0), got {vector_bytes!r}")
     if now is not None and not isinstance(now, DeviceMemory):
-        raise TypeError(f"now must be a DeviceMemory reading (device_memory(device)) or None, got "
-                        f"{type(now).__name__}")
+        raise InvalidArgumentType(f"now must be a DeviceMemory reading (device_memory(device)) or None, got "
+                                  f"{type(now).__name__}")
     if now is None:
         return True
     transient = max(now.peak - now.in_use, 0)
     return now.available >= 2 * vector_bytes + transient + HEADROOM * now.total
-
-
-class SharpnessOutOfMemoryError(MemoryError):
-    """A sharpness run did not fit in the memory of its device; the message says how much the run
-    needs and what to do. The model is left as it was."""
 
 
 def _is_out_of_memory(err: BaseException) -> bool:
@@ -137,7 +134,8 @@ class explained_out_of_memory:  # noqa: N801 - a context manager named like torc
         return None
 
     def __exit__(self, kind, err, trace) -> bool:
-        if err is None or not isinstance(err, Exception) or not _is_out_of_memory(err):
+        if (err is None or not isinstance(err, Exception) or not _is_out_of_memory(err)
+                or isinstance(err, SharpnessOutOfMemoryError)):   # explained already (a nested run)
             return False
         params = list(self.model.parameters())
         trainable = sum(p.numel() for p in params if p.requires_grad)

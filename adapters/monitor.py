@@ -43,6 +43,8 @@ import torch
 from typing_extensions import Unpack
 from torch import nn
 
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
+
 from . import validation as check
 from .ball import geometry_of
 from .calibration import RhoCalibration, calibrate_rho
@@ -137,22 +139,22 @@ class SharpnessMonitor:
         check.batches("batches", batches)
         self.batches = list(batches)
         if not self.batches:
-            raise ValueError("batches is empty: pass the held batches to measure on (e.g. a few "
-                             "batches of the validation set)")
+            raise InvalidArgument("batches is empty: pass the held batches to measure on (e.g. a few "
+                                  "batches of the validation set)")
         self.geometries = tuple(geometry_of(g).name for g in check.names("geometries", geometries))
         if len(set(self.geometries)) != len(self.geometries):
-            raise ValueError(f"geometries names one geometry twice: {list(self.geometries)}")
+            raise InvalidArgument(f"geometries names one geometry twice: {list(self.geometries)}")
         for reserved in ("geometry", "measure", "rho"):
             if reserved in sharpness_options:
-                raise TypeError(f"{reserved}= is set by the monitor (geometries=, rho= / "
-                                f"target_loss_rise=), not a sharpness option to pass it")
+                raise InvalidArgumentType(f"{reserved}= is set by the monitor (geometries=, rho= / "
+                                          f"target_loss_rise=), not a sharpness option to pass it")
         # a former spelling warned about here, once; an unknown option refused here, not at step 1000
         self.options = renamed_options(sharpness_options)
         SharpnessOptions.from_keywords(self.options)
         if (rho is None) == (target_loss_rise is None):
-            raise TypeError("give exactly one of rho= (the radius: a number, or {geometry: radius}) "
-                            "and target_loss_rise= (calibrate rho per geometry at the first "
-                            "measurement, e.g. target_loss_rise=0.1)")
+            raise InvalidArgumentType("give exactly one of rho= (the radius: a number, or {geometry: radius}) "
+                                      "and target_loss_rise= (calibrate rho per geometry at the first "
+                                      "measurement, e.g. target_loss_rise=0.1)")
         self.target_loss_rise = (None if target_loss_rise is None
                                  else check.positive_finite("target_loss_rise", target_loss_rise))
         self.rhos: Dict[str, float] = {}
@@ -160,8 +162,8 @@ class SharpnessMonitor:
             missing = [g for g in self.geometries if g not in rho]
             extra = [g for g in rho if g not in self.geometries]
             if missing or extra:
-                raise ValueError(f"rho= as a dict needs one radius per geometry of {list(self.geometries)}; "
-                                 f"missing {missing}, not measured {extra}")
+                raise InvalidArgument(f"rho= as a dict needs one radius per geometry of {list(self.geometries)}; "
+                                      f"missing {missing}, not measured {extra}")
             self.rhos = {g: as_rho(rho[g], f"rho[{g!r}]") for g in self.geometries}
         elif rho is not None:
             self.rhos = {g: as_rho(rho) for g in self.geometries}

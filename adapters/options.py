@@ -17,8 +17,9 @@ from typing import Any, Callable, Dict, Literal, Mapping, Optional, Tuple, TypeV
 import torch
 from typing_extensions import TypedDict   # the one PEP 692's Unpack takes, on every Python
 
-from quotient_manifolds._validation import flag, integer_at_least
+from quotient_manifolds._validation import choice, flag, integer_at_least
 from quotient_manifolds.core.gl import RETRACTIONS
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 from . import validation as check
 from .ball import GEOMETRY_TABLE, Geometry, geometry_of
@@ -91,11 +92,11 @@ class SharpnessOptions:
 
     def __post_init__(self) -> None:
         geometry_of(self.geometry)
-        check.choice("retraction", self.retraction, RETRACTIONS)
-        check.choice("measure", self.measure, MEASURES)
-        check.choice("momentum", self.momentum, MOMENTUM_FORMS)
-        check.choice("step_normalization", self.step_normalization, STEP_NORMALIZATIONS)
-        check.choice("adaptive_direction", self.adaptive_direction, ADAPTIVE_DIRECTIONS)
+        choice("retraction", self.retraction, RETRACTIONS)
+        choice("measure", self.measure, MEASURES)
+        choice("momentum", self.momentum, MOMENTUM_FORMS)
+        choice("step_normalization", self.step_normalization, STEP_NORMALIZATIONS)
+        choice("adaptive_direction", self.adaptive_direction, ADAPTIVE_DIRECTIONS)
         check.positive_finite("step_size_mult", self.step_size_mult)
         integer_at_least("n_iters", self.n_iters, 1)
         integer_at_least("n_samples", self.n_samples, 1)
@@ -112,9 +113,9 @@ class SharpnessOptions:
         check.plain_numbers(self, ints=("n_iters", "n_samples", "seed", "num_threads"),
                             floats=("step_size_mult", "gram_eps", "retraction_tolerance"))
         if self.include_frozen and self.layout is not None and getattr(self.layout, "frozen", None):
-            raise ValueError("include_frozen=True, but the layout= passed was built without frozen "
-                             "parameters, so they would be in no part of the ball; rebuild it with "
-                             "layout(model, include_frozen=True), or pass include_frozen=False")
+            raise InvalidArgument("include_frozen=True, but the layout= passed was built without frozen "
+                                  "parameters, so they would be in no part of the ball; rebuild it with "
+                                  "layout(model, include_frozen=True), or pass include_frozen=False")
 
     @classmethod
     def from_keywords(cls, options: Mapping[str, Any], *, stacklevel: int = 3) -> "SharpnessOptions":
@@ -145,7 +146,7 @@ def renamed_options(options: Mapping[str, Any], *, stacklevel: int = 2) -> Dict[
     for old, new in RENAMED_OPTIONS.items():
         if old in out:
             if new in out:
-                raise TypeError(f"{old}= and {new}= are one option ({old} is its former spelling): "
+                raise InvalidArgumentType(f"{old}= and {new}= are one option ({old} is its former spelling): "
                                 f"pass only {new}=")
             warnings.warn(f"the option {old}= is now spelt {new}= (one spelling, as torch's); the "
                           f"former spelling is accepted until the next release", DeprecationWarning,
@@ -153,7 +154,7 @@ def renamed_options(options: Mapping[str, Any], *, stacklevel: int = 2) -> Dict[
             out[new] = out.pop(old)
     unknown = [k for k in out if k not in SHARPNESS_OPTION_NAMES]
     if unknown:
-        raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
+        raise InvalidArgumentType(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
                         f"those of adapters.sharpness (rho, {', '.join(SHARPNESS_OPTION_NAMES)})")
     return out
 

@@ -25,6 +25,8 @@ from typing import Any, ContextManager, Dict, Iterable, Iterator, Protocol, Tupl
 import torch
 from torch import Tensor, nn
 
+from quotient_manifolds.errors import InvalidArgument
+
 from .ball import ball_of, quotient_components
 from .components import ProductBall
 from .evaluation import ModelClosure
@@ -137,7 +139,7 @@ class ShardedPlacement:
 
     def prepare(self, batches: Any, options: Any, tokens: Any, stacklevel: int) -> Any:
         if options.include_frozen:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{self.what}: include_frozen=True on a model sharded with FSDP2: FSDP2 computes no "
                 f"gradient for frozen weights, which the run needs. Set requires_grad=True on the "
                 f"weights to perturb (the run leaves .grad as it was), or measure unsharded")

@@ -46,8 +46,9 @@ from typing import Any, Callable, Dict, Iterator, Optional, Type, Union
 import torch
 from torch import Tensor, nn
 
-from quotient_manifolds._validation import flag
-from quotient_manifolds.core.gl import RETRACTIONS, check_choice
+from quotient_manifolds._validation import choice, flag
+from quotient_manifolds.core.gl import RETRACTIONS
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, NonFiniteLoss, NotSupported, UsageError
 
 from . import validation as check
 from .ball import GEOMETRY_TABLE, build_ball, geometry_of
@@ -97,7 +98,7 @@ def _check_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
                     need = "a number >= 0"
                 else:
                     continue
-                raise ValueError(
+                raise InvalidArgument(
                     f"the base optimizer's param group {index} has {key}={value!r}: {need} is "
                     f"needed (the base step would write NaN into the model, or ascend); set it when "
                     f"constructing the optimizer, e.g. GeodesicSAM(model, torch.optim.SGD, lr=0.1), "
@@ -192,9 +193,9 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
                  elementwise_second_order: Optional[bool] = None, allow_unsupported: bool = False,
                  unsafe: bool = False, **base_kwargs):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"GeodesicSAM needs the model (an nn.Module) to find its attention "
-                            f"blocks, got {type(model).__name__}; pass GeodesicSAM(model, "
-                            f"torch.optim.SGD, lr=...)")
+            raise InvalidArgumentType(f"GeodesicSAM needs the model (an nn.Module) to find its attention "
+                                      f"blocks, got {type(model).__name__}; pass GeodesicSAM(model, "
+                                      f"torch.optim.SGD, lr=...)")
         #: the DistributedDataParallel wrapper when ``model`` is one (its module is the model)
         self._ddp = model if _is_ddp(model) else None
         model = model.module if self._ddp is not None else model
@@ -203,11 +204,11 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         self.rho = as_rho(rho)
         spec = geometry_of(geometry, SAM_GEOMETRIES)
         self.geometry = spec.name
-        self.retraction = check_choice(retraction, RETRACTIONS, "retraction")
+        self.retraction = choice("retraction", retraction, RETRACTIONS)
         if spec.adaptive and retraction == "exact":
-            raise ValueError("retraction='exact' integrates the geodesic of GL blocks, and "
-                             "geometry='adaptive' has none: use 'first_order' (ASAM) or "
-                             "'second_order' (w + ξ + ξ²/(2w))")
+            raise InvalidArgument("retraction='exact' integrates the geodesic of GL blocks, and "
+                                  "geometry='adaptive' has none: use 'first_order' (ASAM) or "
+                                  "'second_order' (w + ξ + ξ²/(2w))")
         if elementwise_second_order is None:
             # the adaptive geometry is the elementwise metric itself: its geodesic by default
             elementwise_second_order = spec.adaptive and retraction != "first_order"
@@ -220,31 +221,31 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         trainable = [p for p in model.parameters() if p.requires_grad]
         if isinstance(base_optimizer, torch.optim.Optimizer):
             if base_kwargs:
-                raise TypeError(f"base optimizer hyperparameters {sorted(base_kwargs)} were given "
-                                f"with an optimizer instance: set them when constructing it, or "
-                                f"pass its class, e.g. GeodesicSAM(model, torch.optim.AdamW, "
-                                f"lr=1e-3)")
+                raise InvalidArgumentType(f"base optimizer hyperparameters {sorted(base_kwargs)} were given "
+                                          f"with an optimizer instance: set them when constructing it, or "
+                                          f"pass its class, e.g. GeodesicSAM(model, torch.optim.AdamW, "
+                                          f"lr=1e-3)")
             self.base_optimizer = base_optimizer
         elif isinstance(base_optimizer, type) and issubclass(base_optimizer, torch.optim.Optimizer):
             if not trainable:
-                raise ValueError("the model has no trainable parameter (requires_grad=True)")
+                raise InvalidArgument("the model has no trainable parameter (requires_grad=True)")
             self.base_optimizer = base_optimizer(trainable, **base_kwargs)
         else:
-            raise TypeError(f"base_optimizer must be a torch.optim.Optimizer class or instance, "
-                            f"got {base_optimizer!r}")
+            raise InvalidArgumentType(f"base_optimizer must be a torch.optim.Optimizer class or instance, "
+                                      f"got {base_optimizer!r}")
 
         names = {id(p): n for n, p in model.named_parameters()}
         opt_params = [p for g in self.base_optimizer.param_groups for p in g["params"]]
         foreign = [i for i, p in enumerate(opt_params) if id(p) not in names]
         if foreign:
-            raise ValueError(f"{len(foreign)} parameter(s) of the base optimizer (positions "
-                             f"{foreign[:5]}) are not parameters of the model: build the base "
-                             f"optimizer on model.parameters()")
+            raise InvalidArgument(f"{len(foreign)} parameter(s) of the base optimizer (positions "
+                                  f"{foreign[:5]}) are not parameters of the model: build the base "
+                                  f"optimizer on model.parameters()")
         #: name → parameter, for the perturbed parameters (updated by the base optimizer, trainable)
         self._perturbed: Dict[str, nn.Parameter] = {names[id(p)]: p for p in opt_params
                                                      if p.requires_grad}
         if not self._perturbed:
-            raise ValueError("the base optimizer updates no parameter with requires_grad=True")
+            raise InvalidArgument("the base optimizer updates no parameter with requires_grad=True")
         _check_hyperparameters(self.base_optimizer)
         #: the process group of FSDP2-sharded parameters (DTensors), ``None`` when not sharded
         self._shard_group = group_of(self._perturbed, "GeodesicSAM")
@@ -299,10 +300,10 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
             layout = self._gate.accept(None, stacklevel=3)
         outside = sorted({p for b in layout.blocks for p in b.params} - set(self._perturbed))
         if outside:
-            raise ValueError(f"GL blocks of the layout touch parameter(s) {outside[:4]} that the "
-                             f"base optimizer does not update (or that do not require grad): a "
-                             f"block is perturbed as a whole. Include them in the base optimizer "
-                             f"or pass a layout without those blocks")
+            raise InvalidArgument(f"GL blocks of the layout touch parameter(s) {outside[:4]} that the "
+                                  f"base optimizer does not update (or that do not require grad): a "
+                                  f"block is perturbed as a whole. Include them in the base optimizer "
+                                  f"or pass a layout without those blocks")
         if not layout.blocks:
             warnings.warn(f"the layout has no GL block: geometry={self.geometry!r} is then "
                           f"adaptive SAM", UserWarning, stacklevel=3)
@@ -325,28 +326,28 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         overflow signal, not an error: the update is skipped (the weights stay at w,
         :attr:`skipped` is True) and :meth:`second_step` lowers the scale."""
         if self._saved is not None or self.skipped is None:
-            raise RuntimeError("first_step() was called twice without second_step(): the weights "
-                               "are at w_adv; call second_step() to restore them first")
+            raise UsageError("first_step() was called twice without second_step(): the weights "
+                             "are at w_adv; call second_step() to restore them first")
         _check_hyperparameters(self.base_optimizer)
         current = dict(self.model.named_parameters())
         replaced = [n for n, p in self._perturbed.items() if current.get(n) is not p]
         if replaced:
-            raise RuntimeError(f"the model's parameter(s) {', '.join(replaced[:3])} were replaced "
-                               f"after GeodesicSAM was built (e.g. by fully_shard, or by assigning "
-                               f"a new nn.Parameter): the base optimizer would update the old ones; "
-                               f"build the optimizer and GeodesicSAM after sharding the model")
+            raise UsageError(f"the model's parameter(s) {', '.join(replaced[:3])} were replaced "
+                             f"after GeodesicSAM was built (e.g. by fully_shard, or by assigning "
+                             f"a new nn.Parameter): the base optimizer would update the old ones; "
+                             f"build the optimizer and GeodesicSAM after sharding the model")
         self._scaler = self._checked_scaler(scaler)
         if self._scaler is not None:
             self._scaler.unscale_(self)
         grads = self._synchronised_gradients()
         if all(g is None for g in grads.values()):
-            raise RuntimeError("no gradient in .grad: compute the loss at the current weights and "
-                               "call loss.backward() before first_step()"
-                               + (" (under FSDP2, with gradient synchronisation on: "
+            raise UsageError("no gradient in .grad: compute the loss at the current weights and "
+                             "call loss.backward() before first_step()"
+                             + (" (under FSDP2, with gradient synchronisation on: "
                                   "model.set_requires_gradient_sync(True))"
                                   if self._shard_group is not None else ""))
         if any(g is not None and g.is_sparse for g in grads.values()):
-            raise RuntimeError("sparse gradients are not supported by GeodesicSAM; use dense "
+            raise NotSupported("sparse gradients are not supported by GeodesicSAM; use dense "
                                "embeddings (sparse=False)")
         bad = self._non_finite(grads)
         if bad is not None and self._scaler is not None:   # the scale overflowed: skip the update
@@ -355,9 +356,9 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
                 self.zero_grad()
             return
         if bad is not None:  # refused before any write: the elementwise norm would hide them (nan_to_num)
-            raise ValueError(f"non-finite values (NaN/inf) in .grad{bad} at the current weights: the "
-                             "weights were left unchanged; check the loss for NaN/inf (lower the "
-                             "learning rate, or clip gradients before first_step())")
+            raise InvalidArgument(f"non-finite values (NaN/inf) in .grad{bad} at the current weights: the "
+                                  "weights were left unchanged; check the loss for NaN/inf (lower the "
+                                  "learning rate, or clip gradients before first_step())")
         if self._capture is not None:
             self._verify_layout_on_every_rank()
         self._saved = {n: p.detach().clone() for n, p in self._perturbed.items()}
@@ -377,11 +378,11 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         if scaler is None or not scaler.is_enabled():
             return None
         if not callable(getattr(scaler, "unscale_", None)):
-            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+            raise InvalidArgumentType(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         if self._shard_group is not None:
-            raise ValueError("GeodesicSAM with a GradScaler on an FSDP2-sharded model is not supported "
-                             "(the scaler's overflow record is per rank): train in bfloat16 autocast, "
-                             "which needs no scaler")
+            raise InvalidArgument("GeodesicSAM with a GradScaler on an FSDP2-sharded model is not supported "
+                                  "(the scaler's overflow record is per rank): train in bfloat16 autocast, "
+                                  "which needs no scaler")
         return scaler
 
 
@@ -390,13 +391,13 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         captured = self._first_inputs
         what = f"GeodesicSAM({self.geometry})"
         if not captured:
-            raise RuntimeError(
+            raise UsageError(
                 f"{what} verifies the layout's blocks on the model's first forward pass after the "
                 f"optimizer was built, and none was seen: build GeodesicSAM before the first forward "
                 f"pass, or verify the layout yourself (lay.verify(model, inputs)) and pass layout=lay")
         self._capture.remove()
         if captured.get("mixed"):
-            raise ValueError(
+            raise InvalidArgument(
                 f"{what} verifies the layout's blocks on the model's first forward pass, but the model "
                 f"was called with both positional and keyword arguments, which Layout.verify cannot "
                 f"replay. Verify the layout yourself once (lay = adapters.layout(model); "
@@ -419,8 +420,8 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         unscaled before the step; an overflow skips the base step (the weights stay at w,
         :attr:`skipped` is True); ``scaler.update()`` is called in every case."""
         if scaler is not None and self._scaler is not None and scaler is not self._scaler:
-            raise ValueError("second_step(scaler=...) got another GradScaler than first_step: pass "
-                             "the same one (or none: first_step's is used)")
+            raise InvalidArgument("second_step(scaler=...) got another GradScaler than first_step: pass "
+                                  "the same one (or none: first_step's is used)")
         scaler = self._scaler
         if self.skipped is None:   # first_step skipped the update: the scaler lowers its scale
             self.skipped, self._scaler = True, None
@@ -429,8 +430,8 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
             scaler.update()
             return
         if self._saved is None:
-            raise RuntimeError("second_step() without first_step(): call first_step() after the "
-                               "backward pass at w, then backward at w_adv, then second_step()")
+            raise UsageError("second_step() without first_step(): call first_step() after the "
+                             "backward pass at w, then backward at w_adv, then second_step()")
         self._restore()
         self._scaler = None
         if scaler is not None:
@@ -444,11 +445,11 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
             scaler.update()
             return
         if bad is not None:  # the weights are back at w: the base step must not write NaN into them
-            raise ValueError(f"non-finite values (NaN/inf) in .grad{bad} at the perturbed weights "
-                             f"w_adv: the weights were restored to w and the base step was not "
-                             f"taken; the loss overflows within the ball: lower rho (now "
-                             f"{self.rho:g}) or the learning rate, or clip gradients before "
-                             f"second_step()")
+            raise InvalidArgument(f"non-finite values (NaN/inf) in .grad{bad} at the perturbed weights "
+                                  f"w_adv: the weights were restored to w and the base step was not "
+                                  f"taken; the loss overflows within the ball: lower rho (now "
+                                  f"{self.rho:g}) or the learning rate, or clip gradients before "
+                                  f"second_step()")
         if scaler is not None:
             scaler.step(self.base_optimizer)
             scaler.update()
@@ -462,9 +463,9 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         before each call): the pass at w, :meth:`first_step`, the pass at w_adv,
         :meth:`second_step`. Returns the loss at w."""
         if closure is None:
-            raise RuntimeError("GeodesicSAM.step needs a closure that computes the loss and calls "
-                               "backward() (it is evaluated at w and at w_adv); or call "
-                               "first_step() and second_step() around your own backward passes")
+            raise UsageError("GeodesicSAM.step needs a closure that computes the loss and calls "
+                             "backward() (it is evaluated at w and at w_adv); or call "
+                             "first_step() and second_step() around your own backward passes")
         with torch.enable_grad():
             self.zero_grad()
             loss = closure()
@@ -570,9 +571,9 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
     @staticmethod
     def _checked_norm(norm: float) -> float:
         if not math.isfinite(norm):
-            raise FloatingPointError(f"the gradient norm is not finite ({norm}): the loss or its "
-                                     f"gradient overflowed at the current weights (lower the "
-                                     f"learning rate, or clip gradients before first_step)")
+            raise NonFiniteLoss(f"the gradient norm is not finite ({norm}): the loss or its "
+                                f"gradient overflowed at the current weights (lower the "
+                                f"learning rate, or clip gradients before first_step)")
         return norm
 
     # ------------------------------------------------------------------ state

@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 import torch
 from torch import Tensor, nn
 
+from quotient_manifolds.errors import SymmetryError, UsageError
+
 from .evaluation import as_compute
 from .sharded import _dtensor_type
 
@@ -93,15 +95,15 @@ class ParallelAscent:
             raise error
         failed = [rank for rank, (err, _) in enumerate(outcomes) if err is not None]
         if failed:
-            raise RuntimeError(f"GeodesicSAM({self.geometry}): the layout failed verification on "
-                               f"rank(s) {failed} ({outcomes[failed[0]][0]}); every rank stops")
+            raise SymmetryError(f"GeodesicSAM({self.geometry}): the layout failed verification on "
+                                f"rank(s) {failed} ({outcomes[failed[0]][0]}); every rank stops")
         if any(blocks != mine[1] for _, blocks in outcomes):
-            raise RuntimeError(f"GeodesicSAM({self.geometry}): the ranks accepted different layouts "
-                               f"when verifying on their own first batches (a block's group derived "
-                               f"or dropped on some ranks only), so they would perturb differently: "
-                               f"verify the layout once (lay = adapters.layout(model); "
-                               f"lay.verify(model, inputs) with the same inputs on every rank) and "
-                               f"pass layout=lay")
+            raise UsageError(f"GeodesicSAM({self.geometry}): the ranks accepted different layouts "
+                             f"when verifying on their own first batches (a block's group derived "
+                             f"or dropped on some ranks only), so they would perturb differently: "
+                             f"verify the layout once (lay = adapters.layout(model); "
+                             f"lay.verify(model, inputs) with the same inputs on every rank) and "
+                             f"pass layout=lay")
 
     def _sharded_pieces(self, grads: Dict[str, Optional[Tensor]], upcast: bool,
                         rebuilt_only: bool = False) -> Iterator["AscentPiece"]:

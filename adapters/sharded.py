@@ -42,6 +42,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, NotSupported, UsageError
+
 from .ball import _gather_heads, _written, head_writes
 from .components import QuotientComponent
 from .elementwise import ElementwiseComponent, StreamedPoint
@@ -91,7 +93,7 @@ def local_rows(p) -> Tuple[Tensor, int, int]:
     if all(isinstance(pl, Replicate) for pl in placements):
         return local, 0, p.shape[0] if p.dim() else 1
     if len(placements) != 1 or not (isinstance(placements[0], Shard) and placements[0].dim == 0):
-        raise NotImplementedError(
+        raise NotSupported(
             f"a parameter placed as {placements} on its device mesh: sharded sharpness supports "
             f"FSDP2's Shard(0) on a one-dimensional mesh (or replicated parameters); apply "
             f"fully_shard without tensor parallelism")
@@ -101,7 +103,7 @@ def local_rows(p) -> Tuple[Tensor, int, int]:
     chunk = math.ceil(rows / world)
     start = min(rank * chunk, rows)
     if start + local.shape[0] > rows:
-        raise RuntimeError(f"unexpected FSDP2 shard: rank {rank} holds {local.shape[0]} of {rows} rows "
+        raise NotSupported(f"unexpected FSDP2 shard: rank {rank} holds {local.shape[0]} of {rows} rows "
                            f"from {start}")
     return local, start, start + local.shape[0]
 
@@ -476,7 +478,7 @@ def computed_in_float32(model: nn.Module, what: str) -> Iterator[bool]:
         return
     if not pairs or not _float32_supported(pairs):
         cause = f"its shards are {params[0].dtype}" if params else f"MixedPrecisionPolicy(param_dtype={policy})"
-        raise TypeError(
+        raise InvalidArgumentType(
             f"{what}: the sharded model computes in half precision ({cause}), "
             f"which rounds the perturbations away, and this torch's FSDP2 does not let the run "
             f"evaluate it in float32. Shard a float32 copy with fully_shard's default policy, or "
@@ -518,15 +520,15 @@ def group_of(params: Mapping[str, Tensor], what: str) -> Any:
     from torch.distributed.tensor import Shard
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{what}: the model's parameters are DTensors but no torch.distributed process "
-                           f"group is initialised: call it on every rank of the group the model is "
-                           f"sharded over (e.g. under torchrun)")
+        raise UsageError(f"{what}: the model's parameters are DTensors but no torch.distributed process "
+                         f"group is initialised: call it on every rank of the group the model is "
+                         f"sharded over (e.g. under torchrun)")
     plain = [n for n in params if n not in set(sharded)]
     if plain:
-        raise ValueError(f"{what}: {len(sharded)} parameter(s) are sharded (DTensors) and "
-                         f"{len(plain)} are not ({', '.join(plain[:3])}): apply fully_shard to the "
-                         f"root module too (fully_shard(model) after its blocks), so that every "
-                         f"trained parameter is sharded and its gradient reduced")
+        raise InvalidArgument(f"{what}: {len(sharded)} parameter(s) are sharded (DTensors) and "
+                              f"{len(plain)} are not ({', '.join(plain[:3])}): apply fully_shard to the "
+                              f"root module too (fully_shard(model) after its blocks), so that every "
+                              f"trained parameter is sharded and its gradient reduced")
     mesh = params[sharded[0]].device_mesh   # fully_shard builds one mesh object per call: compare ranks
     meshes = {tuple(params[n].device_mesh.mesh.flatten().tolist()) for n in sharded}
     odd = [n for n in sharded if params[n].device_mesh.ndim != 1 or len(params[n].placements) != 1
@@ -535,8 +537,8 @@ def group_of(params: Mapping[str, Tensor], what: str) -> Any:
         name = (odd or sharded)[0]
         p = params[name]
         several = "" if len(meshes) == 1 else " (and the parameters use several meshes)"
-        raise ValueError(f"{what} supports parameters sharded by FSDP2 (fully_shard) on one 1-D "
-                         f"device mesh; {name} has placements {tuple(p.placements)} on a "
-                         f"{p.device_mesh.ndim}-D mesh{several}: shard the model with "
-                         f"fully_shard(module) over one mesh")
+        raise InvalidArgument(f"{what} supports parameters sharded by FSDP2 (fully_shard) on one 1-D "
+                              f"device mesh; {name} has placements {tuple(p.placements)} on a "
+                              f"{p.device_mesh.ndim}-D mesh{several}: shard the model with "
+                              f"fully_shard(module) over one mesh")
     return mesh.get_group()

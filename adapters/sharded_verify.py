@@ -38,9 +38,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor, nn
 
+from quotient_manifolds.errors import InvalidArgument, NotSupported, SymmetryError
+
 from .evaluation import capture_module_inputs
 from .sharded import assign_owners, group_of, reshard
-from .verify import SymmetryError, VerifyReport, verify_layout
+from .verify import VerifyReport, verify_layout
 
 __all__ = ["ModuleAlone", "sub_layout", "checked_on_owners", "verify_on_shards"]
 
@@ -54,7 +56,7 @@ class ModuleAlone(nn.Module):
     def __init__(self, path: str, module: nn.Module):
         super().__init__()
         if not path:
-            raise ValueError("ModuleAlone needs the path of a submodule, not the model itself")
+            raise InvalidArgument("ModuleAlone needs the path of a submodule, not the model itself")
         parent: nn.Module = self
         *containers, leaf = path.split(".")
         for part in containers:
@@ -78,7 +80,7 @@ def _plain_copy(module: nn.Module, path: str, full: Dict[str, Tensor]) -> nn.Mod
         from torch.distributed._composable.fsdp import FSDPModule
     nested = [f"{path}.{n}" if n else path for n, m in module.named_modules() if isinstance(m, FSDPModule)]
     if nested:
-        raise NotImplementedError(
+        raise NotSupported(
             f"the attention module {path!r} (or its submodule {nested[0]!r}) is itself an FSDP2 unit: "
             f"its blocks are checked on a copy of the module alone, which an FSDP2 unit's hooks do not "
             f"allow. Apply fully_shard to the layers that hold the attention modules (and to the "
@@ -95,7 +97,7 @@ def sub_layout(layout: Any, path: str, names: List[str]) -> Any:
     blocks = [b for b in layout.blocks if b.module == path]
     outside = sorted({p for b in blocks for p in b.params} - own)
     if outside:
-        raise NotImplementedError(
+        raise NotSupported(
             f"block(s) of {path!r} read the weights {outside[:3]} of another module: a block of a sharded "
             f"model is checked on its module alone. Measure this model unsharded, or with "
             f"geometry='adaptive'")
@@ -215,7 +217,7 @@ def _run_check(check: Callable, module: nn.Module, path: str, full: Dict[str, Te
         warnings.simplefilter("always")
         try:
             if tied:
-                raise NotImplementedError(_tied_message(path, tied))
+                raise NotSupported(_tied_message(path, tied))
             alone = ModuleAlone(path, _plain_copy(module, path, full))
             args, kwargs = inputs
             outcome["value"] = check(alone, sub_layout(layout, path, list(full)), {"args": args, "kwargs": kwargs})

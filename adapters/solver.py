@@ -14,8 +14,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from quotient_manifolds._validation import flag, optional_generator
-from quotient_manifolds.core.gl import check_choice
+from quotient_manifolds._validation import choice, flag, optional_generator
+from quotient_manifolds.errors import InvalidArgument, NonFiniteLoss
 
 from . import validation as check
 from .components import ProductBall, Tangent, ball_factor
@@ -121,7 +121,7 @@ def _evaluate(comps: Sequence, closure: Callable[[List[Tensor]], Tensor], xi: Ta
     if not math.isfinite(sq_value):
         # a finite loss with a non-finite gradient is a kink of the model or loss (sqrt or log at
         # 0, a norm of a zero vector), not a step that went too far
-        raise FloatingPointError(
+        raise NonFiniteLoss(
             f"the loss is finite ({value}) but its gradient is not (nan or inf) at a perturbation "
             f"of norm {math.sqrt(float(xi_sq)):.3g}: the model or loss_fn is not differentiable "
             f"there (e.g. sqrt or log at 0, the norm of a zero vector); make it differentiable, "
@@ -205,8 +205,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
                                          "which the step size decays")
     decay = check.in_interval("decay", decay, 0, 1, low_open=True, high_open=True,
                               meaning="the factor of the step size at a decay")
-    check_choice(momentum, MOMENTUM_FORMS, "momentum form")
-    check_choice(step_normalization, STEP_NORMALIZATIONS, "step normalization")
+    choice("momentum", momentum, MOMENTUM_FORMS)
+    choice("step_normalization", step_normalization, STEP_NORMALIZATIONS)
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
     for name, value in (("keep_worst_gradient", keep_worst_gradient), ("compact_step", compact_step)):
         if value is not None:
@@ -244,8 +244,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         given, loss0 = start
         xi_sq = ball.inner(given, given)
         if math.sqrt(max(float(xi_sq), 0.0)) > rho * (1 + 1e-6):
-            raise ValueError(f"the warm start has norm {math.sqrt(float(xi_sq)):.4g} > rho = "
-                             f"{rho:.4g}: start from a point of a smaller ball")
+            raise InvalidArgument(f"the warm start has norm {math.sqrt(float(xi_sq)):.4g} > rho = "
+                                  f"{rho:.4g}: start from a point of a smaller ball")
         for comp, buf, t in zip(comps, xi, given):
             comp.to_coords(t, buf)
         worst, grad = _evaluate(comps, closure, xi, True, xi_sq, free(xi))
@@ -334,7 +334,7 @@ def _refuse_non_finite_loss(value: float, perturbation_sq: Union[float, Tensor])
         norm = math.sqrt(max(float(perturbation_sq), 0.0))
         where = ("at the unperturbed weights: check the model, its inputs and targets"
                  if norm == 0 else f"at a perturbation of norm {norm:.3g}: reduce rho")
-        raise FloatingPointError(f"the loss is not finite ({value}) {where}")
+        raise NonFiniteLoss(f"the loss is not finite ({value}) {where}")
 
 
 @dataclass

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, 
 
 import torch
 from torch import Tensor, nn
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UnknownName
 
 __all__ = ["LazyWeight", "Slots", "parameter_slots", "substituted"]
 
@@ -46,10 +47,10 @@ class LazyWeight:
     def __init__(self, compute: Callable[[], Tensor],
                  rows: Optional[Callable[[Tensor, Optional[int]], Tensor]] = None):
         if not callable(compute):
-            raise TypeError(f"LazyWeight needs a callable returning the tensor, got {compute!r}")
+            raise InvalidArgumentType(f"LazyWeight needs a callable returning the tensor, got {compute!r}")
         if rows is not None and not callable(rows):
-            raise TypeError(f"LazyWeight's rows must be callable (indices, padding_idx) -> rows of "
-                            f"the value, or None, got {rows!r}")
+            raise InvalidArgumentType(f"LazyWeight's rows must be callable (indices, padding_idx) -> rows of "
+                                      f"the value, or None, got {rows!r}")
         self.compute, self.rows = compute, rows
 
 
@@ -156,7 +157,7 @@ def parameter_slots(model: nn.Module, names: Iterable[str]) -> Slots:
                 found.setdefault(id(module), []).append((module, attr, canonical[id(p)]))
     missing = wanted - set(canonical.values())
     if missing:
-        raise KeyError(f"substituted: no parameter named {sorted(missing)[:3]} in the model")
+        raise UnknownName(f"substituted: no parameter named {sorted(missing)[:3]} in the model")
     return found
 
 
@@ -169,19 +170,19 @@ def substituted(model: nn.Module, weights: Mapping[str, LazyWeight], *,
     (module docstring). The model's classes are restored on exit, also after an exception.
     ``slots``: :func:`parameter_slots` of these names, computed earlier (default: now)."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"substituted: model must be a torch.nn.Module, got {type(model).__name__}")
+        raise InvalidArgumentType(f"substituted: model must be a torch.nn.Module, got {type(model).__name__}")
     bad = [name for name, recipe in weights.items() if not isinstance(recipe, LazyWeight)]
     if bad:
-        raise TypeError(f"substituted: the values must be LazyWeight recipes; {bad[:3]} are not "
-                        f"(wrap a tensor t as LazyWeight(lambda: t))")
+        raise InvalidArgumentType(f"substituted: the values must be LazyWeight recipes; {bad[:3]} are not "
+                                  f"(wrap a tensor t as LazyWeight(lambda: t))")
     saved = _SavedWeights()
     changed: List[Tuple[nn.Module, type]] = []
     try:
         if slots is None:
             slots = parameter_slots(model, weights)
         elif {name for places in slots.values() for _, _, name in places} != set(weights):
-            raise ValueError("substituted: slots= are those of other parameters than the weights "
-                             "given; pass parameter_slots(model, weights)")
+            raise InvalidArgument("substituted: slots= are those of other parameters than the weights "
+                                  "given; pass parameter_slots(model, weights)")
         for places in slots.values():
             module = places[0][0]
             cls = type(module)

@@ -13,6 +13,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from quotient_manifolds import _validation as base
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UnknownName
 
 
 # ----------------------------------------------------------------- numbers, names, models
@@ -31,19 +32,19 @@ def _finite_number(name: str, value: Any, *, zero_allowed: bool) -> float:
     what, example = ("a finite number >= 0", 0.0) if zero_allowed else ("a positive finite number", 1.0)
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
             isinstance(value, torch.Tensor) and value.numel() != 1):
-        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__}); pass e.g. "
-                        f"{name}={example}")
+        raise InvalidArgumentType(f"{name} must be {what}, got {value!r} ({type(value).__name__}); pass e.g. "
+                                  f"{name}={example}")
     v = float(value)
     if not math.isfinite(v) or v < 0 or (v == 0 and not zero_allowed):
-        raise ValueError(f"{name} must be {what}, got {v!r}; pass e.g. {name}={example}")
+        raise InvalidArgument(f"{name} must be {what}, got {v!r}; pass e.g. {name}={example}")
     return v
 
 
 def module(name: str, value: Any) -> torch.nn.Module:
     """``value``, refused unless it is a ``torch.nn.Module``."""
     if not isinstance(value, torch.nn.Module):
-        raise TypeError(f"{name} must be a torch.nn.Module (the model itself), got "
-                        f"{type(value).__name__}")
+        raise InvalidArgumentType(f"{name} must be a torch.nn.Module (the model itself), got "
+                                  f"{type(value).__name__}")
     return value
 
 
@@ -53,10 +54,10 @@ def names(name: str, value: Any) -> Tuple[str, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, set, frozenset)) or not all(
             isinstance(v, str) for v in value):
         hint = f"; for one name pass {name}=[{value!r}]" if isinstance(value, str) else ""
-        raise TypeError(f"{name} must be a list of names (strings), got {value!r}{hint}")
+        raise InvalidArgumentType(f"{name} must be a list of names (strings), got {value!r}{hint}")
     if not value:
-        raise ValueError(f"{name} must name at least one, got an empty {type(value).__name__}; pass "
-                         f"None for all")
+        raise InvalidArgument(f"{name} must name at least one, got an empty {type(value).__name__}; pass "
+                              f"None for all")
     return tuple(value)
 
 
@@ -64,17 +65,17 @@ def batches(name: str, value: Any) -> Any:
     """``value``, refused unless it is an iterable of batches (a lone tensor, dict or string is one
     batch, or none: iterating it would yield its rows, keys or characters)."""
     if isinstance(value, (str, bytes, torch.Tensor, Mapping)) or not isinstance(value, Iterable):
-        raise TypeError(f"{name} must be an iterable of batches (e.g. a list of (inputs, targets) "
-                        f"pairs or a DataLoader), got {type(value).__name__}; for one batch pass "
-                        f"[batch]")
+        raise InvalidArgumentType(f"{name} must be an iterable of batches (e.g. a list of (inputs, targets) "
+                                  f"pairs or a DataLoader), got {type(value).__name__}; for one batch pass "
+                                  f"[batch]")
     return value
 
 
 def optional_callable(name: str, value: Any, what: str) -> Any:
     """``value``, refused unless it is ``None`` or callable (``what`` says how it is called)."""
     if value is not None and not callable(value):
-        raise TypeError(f"{name} must be a function {what}, or None for the default, got "
-                        f"{type(value).__name__}")
+        raise InvalidArgumentType(f"{name} must be a function {what}, or None for the default, got "
+                                  f"{type(value).__name__}")
     return value
 
 
@@ -88,26 +89,19 @@ def optional_layout(name: str, value: Any) -> Any:
     # every module imports this one (the adapters' layouts too, through verify): it names the
     # class rather than importing it
     if value is not None and not any(f"{c.__module__}.{c.__qualname__}" == LAYOUT_CLASS for c in type(value).__mro__):
-        raise TypeError(f"{name} must be an adapters.Layout (from adapters.layout(model)) or None to "
-                        f"detect it, got {type(value).__name__}")
-    return value
-
-
-def choice(name: str, value: Any, allowed: Sequence[str]) -> str:
-    """``value``, refused unless it is one of ``allowed``."""
-    if value not in tuple(allowed):
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        raise InvalidArgumentType(f"{name} must be an adapters.Layout (from adapters.layout(model)) or None to "
+                                  f"detect it, got {type(value).__name__}")
     return value
 
 
 def positive_finite_sequence(name: str, values: Any) -> Tuple[float, ...]:
     """A non-empty sequence of positive finite numbers, as a tuple of floats."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise TypeError(f"{name} must be a non-empty sequence of positive finite numbers, got "
-                        f"{values!r} ({type(values).__name__})")
+        raise InvalidArgumentType(f"{name} must be a non-empty sequence of positive finite numbers, got "
+                                  f"{values!r} ({type(values).__name__})")
     if len(values) == 0:
-        raise ValueError(f"{name} must be a non-empty sequence of positive finite numbers, got an "
-                         f"empty one; pass at least one value (e.g. {name}=(1e-2, 1.0, 1e2))")
+        raise InvalidArgument(f"{name} must be a non-empty sequence of positive finite numbers, got an "
+                              f"empty one; pass at least one value (e.g. {name}=(1e-2, 1.0, 1e2))")
     return tuple(positive_finite(f"{name}[{i}]", v) for i, v in enumerate(values))
 
 
@@ -124,20 +118,20 @@ def scalar_loss(loss: Any, *, needs_grad: bool, closure: bool = False) -> torch.
         maker, inputs = "loss_fn", "outputs"
         example = "torch.nn.functional.cross_entropy(outputs.logits, targets)"
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"{source} must be a tensor, got {type(loss).__name__} {loss!r}: make {maker} "
-                        f"return a tensor computed from the {inputs} with torch operations (no .item(), "
-                        f"float() or numpy), e.g. {example}")
+        raise InvalidArgumentType(f"{source} must be a tensor, got {type(loss).__name__} {loss!r}: make {maker} "
+                                  f"return a tensor computed from the {inputs} with torch operations (no .item(), "
+                                  f"float() or numpy), e.g. {example}")
     if loss.numel() != 1:
-        raise ValueError(f"{source} must be one number, got a tensor of shape {tuple(loss.shape)}: make "
-                         f"{maker} reduce it, e.g. .mean() over the batch (cross_entropy's default "
-                         f"reduction='mean')")
+        raise InvalidArgument(f"{source} must be one number, got a tensor of shape {tuple(loss.shape)}: make "
+                              f"{maker} reduce it, e.g. .mean() over the batch (cross_entropy's default "
+                              f"reduction='mean')")
     if not loss.dtype.is_floating_point:
-        raise TypeError(f"{source} must be a floating-point tensor, got dtype {loss.dtype}")
+        raise InvalidArgumentType(f"{source} must be a floating-point tensor, got dtype {loss.dtype}")
     if needs_grad and not loss.requires_grad:
         gradients_available("this call (a Riemannian Hessian, a worst-case ascent)")  # the cause there
-        raise ValueError(f"{source} does not depend on the weights (it has no gradient): {maker} must "
-                         f"compute it from the {inputs} it is given, with torch operations, not return a "
-                         f"constant or a detached value")
+        raise InvalidArgument(f"{source} does not depend on the weights (it has no gradient): {maker} must "
+                              f"compute it from the {inputs} it is given, with torch operations, not return a "
+                              f"constant or a detached value")
     return loss.reshape(())
 
 
@@ -192,14 +186,14 @@ class TokenInputs:
                     hint = "it has no batch dimension: for one example add it with .unsqueeze(0)"
                 else:
                     hint = f"give {key} as a {ndim}-D tensor"
-                raise ValueError(f"batch {index}: {key} has shape {shape}, but {self.model_name} "
-                                 f"expects {ndim} dimensions {layout}; {hint}")
+                raise InvalidArgument(f"batch {index}: {key} has shape {shape}, but {self.model_name} "
+                                      f"expects {ndim} dimensions {layout}; {hint}")
             if key != "input_ids" and isinstance(ids, torch.Tensor) and ids.dim() == ndim and shape != tuple(ids.shape):
-                raise ValueError(f"batch {index}: {key} has shape {shape}, but input_ids has shape "
-                                 f"{tuple(ids.shape)}; they must match (one entry per token)")
+                raise InvalidArgument(f"batch {index}: {key} has shape {shape}, but input_ids has shape "
+                                      f"{tuple(ids.shape)}; they must match (one entry per token)")
         if isinstance(ids, torch.Tensor) and (ids.is_floating_point() or ids.is_complex()):
-            raise TypeError(f"batch {index}: input_ids has dtype {ids.dtype}; token ids are integers "
-                            f"(torch.long), e.g. the tokenizer's output or ids.long()")
+            raise InvalidArgumentType(f"batch {index}: input_ids has dtype {ids.dtype}; token ids are integers "
+                                      f"(torch.long), e.g. the tokenizer's output or ids.long()")
 
     def _in_vocabulary(self, inputs: Any, index: int) -> None:
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else (
@@ -211,10 +205,10 @@ class TokenInputs:
         if low < 0 or high >= vocab:
             bad = low if low < 0 else high
             where = tuple(int(i) for i in torch.nonzero(ids == bad)[0])
-            raise ValueError(f"batch {index}: input_ids holds the token id {bad} (at {where}), outside "
-                             f"the vocabulary of {self.model_name} (ids 0 .. {vocab - 1}): the "
-                             f"batch was tokenised with another tokenizer, or padding / ignore values "
-                             f"(-100) were put in input_ids rather than in labels")
+            raise InvalidArgument(f"batch {index}: input_ids holds the token id {bad} (at {where}), outside "
+                                  f"the vocabulary of {self.model_name} (ids 0 .. {vocab - 1}): the "
+                                  f"batch was tokenised with another tokenizer, or padding / ignore values "
+                                  f"(-100) were put in input_ids rather than in labels")
 
 
 def _vocabulary(model: torch.nn.Module) -> Optional[int]:
@@ -238,7 +232,7 @@ def materialised(model: torch.nn.Module, what: str) -> None:
     meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if meta:
         shown = ", ".join(meta[:3]) + (", ..." if len(meta) > 3 else "")
-        raise ValueError(
+        raise InvalidArgument(
             f"{what}: {len(meta)} weight(s) of the model are on the meta device ({shown}): they have "
             f"shapes but no values, so nothing can be measured. Materialise the model first, e.g. "
             f"model.to_empty(device='cpu') and then model.load_state_dict(state_dict) with the trained "
@@ -261,12 +255,12 @@ def in_interval(name: str, value: Any, low: float, high: float, *, low_open: boo
     what = f"a number in {interval}" + (f" ({meaning})" if meaning else "")
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)) or (
             isinstance(value, torch.Tensor) and value.numel() != 1):
-        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+        raise InvalidArgumentType(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
     v = float(value)
     inside = (math.isfinite(v) and (v > low if low_open else v >= low)
               and (v < high if high_open else v <= high))
     if not inside:
-        raise ValueError(f"{name} must be {what}, got {v!r}")
+        raise InvalidArgument(f"{name} must be {what}, got {v!r}")
     return v
 
 
@@ -276,14 +270,14 @@ def radius(rho: Any, name: str = "rho") -> float:
     value = rho
     if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
         if getattr(value, "ndim", 0) != 0:
-            raise ValueError(f"{name} must be a scalar, got an array of shape {tuple(value.shape)}")
+            raise InvalidArgument(f"{name} must be a scalar, got an array of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number > 0 (float, int, numpy scalar or 0-d "
-                         f"array/tensor), got {rho!r} of type {type(rho).__name__}")
+        raise InvalidArgument(f"{name} must be a number > 0 (float, int, numpy scalar or 0-d "
+                              f"array/tensor), got {rho!r} of type {type(rho).__name__}")
     value = float(value)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 (the radius of the ball), got {rho!r}")
+        raise InvalidArgument(f"{name} must be a finite number > 0 (the radius of the ball), got {rho!r}")
     return value
 
 
@@ -293,7 +287,7 @@ def gradients_available(what: str) -> None:
     take part in autograd, so no gradient of the loss could be taken (and ``enable_grad`` does
     not lift it), whatever the loss function."""
     if torch.is_inference_mode_enabled():
-        raise ValueError(
+        raise InvalidArgument(
             f"{what} needs the gradient of the loss with respect to the weights, which "
             f"torch.inference_mode() forbids, and it is active here. Call it outside the "
             f"inference_mode block (torch.no_grad() around it is fine)")
@@ -308,7 +302,7 @@ def class_logits(logits: torch.Tensor, targets: Any) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() < 3:
         return
     shown = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
-    raise ValueError(
+    raise InvalidArgument(
         f"the default loss is cross_entropy(logits, targets), which reads dim 1 of the logits as "
         f"the classes, but these logits have shape {tuple(logits.shape)} ({logits.dim()} "
         f"dimensions; targets {shown}): for per-token logits (batch, tokens, classes) dim 1 is the "
@@ -326,17 +320,17 @@ def own_loss(outputs: Any, inputs: Any) -> torch.Tensor:
         return loss
     keys = sorted(inputs) if isinstance(inputs, Mapping) else []
     if isinstance(outputs, (tuple, list)) and "labels" in keys:
-        raise ValueError(
+        raise InvalidArgument(
             f"the model returned a {type(outputs).__name__} (config.return_dict=False), not an "
             f"output object with .loss, although the batch has 'labels': without loss_fn the "
             f"model's own outputs.loss is used. Set model.config.return_dict = True, or pass "
             f"loss_fn=callable(outputs, labels) that reads the logits from the tuple")
     if "labels" in keys:
-        raise ValueError(
+        raise InvalidArgument(
             f"the model's output ({type(outputs).__name__}) has no loss although the batch has "
             f"'labels' (keys {keys}): pass loss_fn=callable(outputs, labels), e.g. "
             f"adapters.next_token_loss for a causal language model")
-    raise ValueError(
+    raise InvalidArgument(
         f"the model returned no loss for a dict batch (keys {keys}): without loss_fn the model's "
         f"own `outputs.loss` is used, which Hugging Face models compute only when the batch has "
         f"'labels'. Add 'labels' to the batch or pass loss_fn=callable(outputs, labels), e.g. "
@@ -352,10 +346,10 @@ def non_empty_batch(inputs: Any, index: int) -> None:
                if isinstance(inputs, (tuple, list)) else [])
     empty = [t for t in tensors if t.dim() >= 1 and t.shape[0] == 0]
     if tensors and len(empty) == len([t for t in tensors if t.dim() >= 1]) and empty:
-        raise ValueError(f"batch {index} is empty (batch dimension 0, inputs of shape "
-                         f"{tuple(empty[0].shape)}): a loss over no example is undefined; drop "
-                         f"empty batches (e.g. DataLoader(..., drop_last=True) when the last one "
-                         f"can be empty)")
+        raise InvalidArgument(f"batch {index} is empty (batch dimension 0, inputs of shape "
+                              f"{tuple(empty[0].shape)}): a loss over no example is undefined; drop "
+                              f"empty batches (e.g. DataLoader(..., drop_last=True) when the last one "
+                              f"can be empty)")
 
 
 # ----------------------------------------------------------------- results
@@ -412,10 +406,10 @@ def layout_for_ball(layout: Any, params0: Mapping[str, torch.Tensor], geometry: 
     is frozen now would fail on it; a trainable weight the layout left out (it was frozen when the
     layout was built) would silently stay out of the ball."""
     if layout is None:
-        raise ValueError(f"geometry={geometry!r} needs layout=: the GL blocks of the model, e.g. "
-                         f"layout = adapters.layout(model), verified on a batch with "
-                         f"adapters.accept_layout(model, layout, inputs)[0]; for the elementwise "
-                         f"ball of every weight pass geometry='adaptive'")
+        raise InvalidArgument(f"geometry={geometry!r} needs layout=: the GL blocks of the model, e.g. "
+                              f"layout = adapters.layout(model), verified on a batch with "
+                              f"adapters.accept_layout(model, layout, inputs)[0]; for the elementwise "
+                              f"ball of every weight pass geometry='adaptive'")
     optional_layout("layout", layout)
     in_blocks = {n: b.name for b in layout.blocks for n in b.params}
     missing = [n for n in in_blocks if n not in params0]
@@ -431,9 +425,9 @@ def layout_for_ball(layout: Any, params0: Mapping[str, torch.Tensor], geometry: 
         what = (f"weight(s) perturbed now (requires_grad=True) are in none of its parts: "
                 f"{', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''} (frozen when the "
                 f"layout was built?)")
-    raise ValueError(f"the layout does not match the model's current requires_grad flags: {what}. "
-                     f"Build the layout after setting requires_grad (adapters.layout(model)), or "
-                     f"pass include_frozen=True to perturb frozen weights too")
+    raise InvalidArgument(f"the layout does not match the model's current requires_grad flags: {what}. "
+                          f"Build the layout after setting requires_grad (adapters.layout(model)), or "
+                          f"pass include_frozen=True to perturb frozen weights too")
 
 
 def condition_number(name: str, value: Any) -> Optional[float]:
@@ -442,8 +436,8 @@ def condition_number(name: str, value: Any) -> Optional[float]:
     if value is None:
         return None
     if positive_finite(name, value) < 1:
-        raise ValueError(f"{name} must be a condition number >= 1 (or None for Gaussian actions), "
-                         f"got {value!r}")
+        raise InvalidArgument(f"{name} must be a condition number >= 1 (or None for Gaussian actions), "
+                              f"got {value!r}")
     return float(value)
 
 
@@ -451,11 +445,11 @@ def ball_and_closure(ball: Any, closure: Any) -> None:
     """Refuse a ``ball`` that is not a product ball (``build_ball``'s first result) and a
     ``closure`` that is not callable."""
     if not hasattr(ball, "components") or not hasattr(ball, "zeros"):
-        raise TypeError(f"ball must be a ProductBall (the first result of adapters.ball.build_ball), got "
-                        f"{type(ball).__name__}")
+        raise InvalidArgumentType(f"ball must be a ProductBall (the first result of adapters.ball.build_ball), got "
+                                  f"{type(ball).__name__}")
     if not callable(closure):
-        raise TypeError(f"closure must be a function closure(points) -> scalar loss tensor, got "
-                        f"{type(closure).__name__}")
+        raise InvalidArgumentType(f"closure must be a function closure(points) -> scalar loss tensor, got "
+                                  f"{type(closure).__name__}")
 
 
 def scalar_closure(closure: Callable) -> Callable:
@@ -474,28 +468,21 @@ def warm_start(start: Any, zeros: Sequence[torch.Tensor]) -> None:
     if start is None:
         return
     if not isinstance(start, (tuple, list)) or len(start) != 2:
-        raise TypeError(f"start must be a pair (xi, loss0) (e.g. the .xi and .init_loss of an earlier "
-                        f"APGDResult), got {type(start).__name__}")
+        raise InvalidArgumentType(f"start must be a pair (xi, loss0) (e.g. the .xi and .init_loss of an earlier "
+                                  f"APGDResult), got {type(start).__name__}")
     xi, loss0 = start
     shapes = [tuple(z.shape) for z in zeros]
     if (isinstance(xi, torch.Tensor) or not isinstance(xi, (tuple, list)) or len(xi) != len(shapes)
             or not all(isinstance(t, torch.Tensor) for t in xi)):
-        raise TypeError(f"start[0] must be a list of {len(shapes)} tensors shaped like the ball's points "
-                        f"{shapes}, got {type(xi).__name__}")
+        raise InvalidArgumentType(f"start[0] must be a list of {len(shapes)} tensors shaped like the ball's points "
+                                  f"{shapes}, got {type(xi).__name__}")
     bad = [i for i, (t, s) in enumerate(zip(xi, shapes)) if tuple(t.shape) != s or not t.is_floating_point()]
     if bad:
         i = bad[0]
-        raise ValueError(f"start[0][{i}] has shape {tuple(xi[i].shape)} and dtype {xi[i].dtype}, expected "
-                         f"a floating tensor of shape {shapes[i]} (the ball's component {i})")
+        raise InvalidArgument(f"start[0][{i}] has shape {tuple(xi[i].shape)} and dtype {xi[i].dtype}, expected "
+                              f"a floating tensor of shape {shapes[i]} (the ball's component {i})")
     if isinstance(loss0, bool) or not isinstance(loss0, numbers.Real) or not math.isfinite(float(loss0)):
-        raise ValueError(f"start[1] must be the finite loss at the centre, got {loss0!r}")
-
-
-class UnknownName(ValueError, KeyError):
-    """A name that is not there: a ``ValueError`` with its message, and still the ``KeyError`` it
-    was raised as before (for ``except KeyError``)."""
-
-    __str__ = ValueError.__str__
+        raise InvalidArgument(f"start[1] must be the finite loss at the centre, got {loss0!r}")
 
 
 def group_actions(blocks: Sequence[Any], actions: Any) -> None:
@@ -503,8 +490,8 @@ def group_actions(blocks: Sequence[Any], actions: Any) -> None:
     the blocks: an unknown block, a tensor of another shape, integer or complex entries, a
     non-finite or a (numerically) singular matrix, whose inverse in ``H A⁻ᵀ`` would be garbage."""
     if not isinstance(actions, Mapping):
-        raise TypeError(f"actions must be a dict block name -> (heads, h, h) tensor (e.g. "
-                        f"layout.random_actions(scale=1.0)), got {type(actions).__name__}")
+        raise InvalidArgumentType(f"actions must be a dict block name -> (heads, h, h) tensor (e.g. "
+                                  f"layout.random_actions(scale=1.0)), got {type(actions).__name__}")
     by_name = {b.name: b for b in blocks}
     unknown = [k for k in actions if k not in by_name]
     if unknown:
@@ -516,39 +503,39 @@ def group_actions(blocks: Sequence[Any], actions: Any) -> None:
         if not isinstance(A, torch.Tensor) or not A.is_floating_point() or tuple(A.shape) != want:
             what = (f"a {A.dtype} tensor of shape {tuple(A.shape)}" if isinstance(A, torch.Tensor)
                     else type(A).__name__)
-            raise TypeError(f"actions[{name!r}] must be a real floating tensor of shape {want} "
-                            f"(heads, h, h), got {what}")
+            raise InvalidArgumentType(f"actions[{name!r}] must be a real floating tensor of shape {want} "
+                                      f"(heads, h, h), got {what}")
         if not bool(torch.isfinite(A).all()):
-            raise ValueError(f"actions[{name!r}] contains non-finite values (nan or inf): not a group "
-                             f"element")
+            raise InvalidArgument(f"actions[{name!r}] contains non-finite values (nan or inf): not a group "
+                                  f"element")
         sv = torch.linalg.svdvals(A.double())
         if bool((sv[..., -1] <= sv[..., 0] * 1e3 * torch.finfo(A.dtype).eps).any()):
-            raise ValueError(f"actions[{name!r}] holds a singular (or numerically singular) matrix: not "
-                             f"an element of GL(h); its smallest/largest singular value is "
-                             f"{float((sv[..., -1] / sv[..., 0].clamp_min(1e-300)).min()):.1e}")
+            raise InvalidArgument(f"actions[{name!r}] holds a singular (or numerically singular) matrix: not "
+                                  f"an element of GL(h); its smallest/largest singular value is "
+                                  f"{float((sv[..., -1] / sv[..., 0].clamp_min(1e-300)).min()):.1e}")
 
 
 def parameter_tensors(name: str, params: Any, model: torch.nn.Module) -> None:
     """Refuse ``params`` (parameter name → tensor) unless it is a non-empty mapping of real
     floating tensors named and shaped like parameters of ``model``."""
     if not isinstance(params, Mapping):
-        raise TypeError(f"{name} must be a dict parameter name -> tensor (e.g. {{n: p.detach() for n, p "
-                        f"in model.named_parameters()}}), got {type(params).__name__}")
+        raise InvalidArgumentType(f"{name} must be a dict parameter name -> tensor (e.g. {{n: p.detach() for n, p "
+                                  f"in model.named_parameters()}}), got {type(params).__name__}")
     if not params:
-        raise ValueError(f"{name} is empty: pass the parameters to perturb, e.g. {{n: p.detach() for n, "
-                         f"p in model.named_parameters() if p.requires_grad}}")
+        raise InvalidArgument(f"{name} is empty: pass the parameters to perturb, e.g. {{n: p.detach() for n, "
+                              f"p in model.named_parameters() if p.requires_grad}}")
     # a sharded (DTensor) parameter may be given as this rank's shard or as the whole tensor
     shapes = {n: tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
               for n, p in model.named_parameters()}
     whole = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for n, t in params.items():
         if n not in shapes:
-            raise ValueError(f"{name}[{n!r}]: the model has no parameter of that name")
+            raise InvalidArgument(f"{name}[{n!r}]: the model has no parameter of that name")
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name}[{n!r}] must be a real floating tensor, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")
+            raise InvalidArgumentType(f"{name}[{n!r}] must be a real floating tensor, got "
+                                      f"{getattr(t, 'dtype', type(t).__name__)}")
         if tuple(t.shape) not in (shapes[n], whole[n]):
-            raise ValueError(f"{name}[{n!r}] has shape {tuple(t.shape)}, the parameter {shapes[n]}")
+            raise InvalidArgument(f"{name}[{n!r}] has shape {tuple(t.shape)}, the parameter {shapes[n]}")
 
 
 #: integer targets found in range, by tensor (a view by its base): the view's place, the
@@ -566,24 +553,24 @@ def class_targets(logits: torch.Tensor, targets: Any, what: str = "the default l
     torch modifies the tensor in place (its version counter; a write through a numpy view of it
     is not seen)."""
     if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"{what}: the targets must be a tensor of class indices, got "
-                        f"{type(targets).__name__}")
+        raise InvalidArgumentType(f"{what}: the targets must be a tensor of class indices, got "
+                                  f"{type(targets).__name__}")
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise TypeError(f"{what}: the logits must be a real floating tensor, got "
-                        f"{getattr(logits, 'dtype', type(logits).__name__)}")
+        raise InvalidArgumentType(f"{what}: the logits must be a real floating tensor, got "
+                                  f"{getattr(logits, 'dtype', type(logits).__name__)}")
     classes = logits.shape[-1]
     if targets.is_floating_point():
         if tuple(targets.shape) != tuple(logits.shape):
-            raise ValueError(f"{what}: floating targets are read as class probabilities and must have "
-                             f"the logits' shape {tuple(logits.shape)}, got {tuple(targets.shape)}; "
-                             f"class indices are integers (targets.long())")
+            raise InvalidArgument(f"{what}: floating targets are read as class probabilities and must have "
+                                  f"the logits' shape {tuple(logits.shape)}, got {tuple(targets.shape)}; "
+                                  f"class indices are integers (targets.long())")
         return
     if targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError(f"{what}: the targets must be integer class indices, got dtype {targets.dtype}")
+        raise InvalidArgumentType(f"{what}: the targets must be integer class indices, got dtype {targets.dtype}")
     if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"{what}: the targets have shape {tuple(targets.shape)}, but the logits "
-                         f"{tuple(logits.shape)} need {tuple(logits.shape[:-1])} (one class index per "
-                         f"row of logits)")
+        raise InvalidArgument(f"{what}: the targets have shape {tuple(targets.shape)}, but the logits "
+                              f"{tuple(logits.shape)} need {tuple(logits.shape[:-1])} (one class index per "
+                              f"row of logits)")
     base = targets if targets._base is None else targets._base
     # an inference tensor has no version counter: it is read every time
     seen = None if targets.is_inference() else (
@@ -594,7 +581,7 @@ def class_targets(logits: torch.Tensor, targets: Any, what: str = "the default l
     low, high = torch.stack(torch.aminmax(kept)).tolist() if kept.numel() else (0, 0)  # one read
     if low < 0 or high >= classes:
         bad = low if low < 0 else high
-        raise ValueError(f"{what}: the targets hold the class {bad}, but the logits have {classes} "
-                         f"classes (0 .. {classes - 1}; -100 marks an ignored position)")
+        raise InvalidArgument(f"{what}: the targets hold the class {bad}, but the logits have {classes} "
+                              f"classes (0 .. {classes - 1}; -100 marks an ignored position)")
     if seen is not None:
         _TARGETS_IN_RANGE[base] = seen

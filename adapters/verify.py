@@ -26,6 +26,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from quotient_manifolds._validation import flag, integer_at_least
+from quotient_manifolds.errors import OutputNotFound, SymmetryError
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 from . import validation as check
 from .blocks import GLBlock
@@ -33,7 +35,7 @@ from .evaluation import device_of, split_inputs
 from .modes import eval_mode
 from .validation import positive_finite, positive_finite_sequence
 
-__all__ = ["VerifyReport", "BlockCheck", "SymmetryError", "OutputNotFound", "default_tolerance", "primary_output", "verify_layout",
+__all__ = ["VerifyReport", "BlockCheck", "default_tolerance", "primary_output", "verify_layout",
            "verify_once", "symmetry_report", "record", "is_verified", "record_verification", "signature",
            "DEFAULT_SCALES", "TOLERANCE_FACTOR", "Checkable", "verified_before_sharding"]
 
@@ -52,19 +54,6 @@ class Checkable(Protocol):
                        dtype: torch.dtype = torch.float64) -> Dict[str, Tensor]: ...
 
     def act(self, params: Mapping[str, Tensor], actions: Mapping[str, Tensor]) -> Dict[str, Tensor]: ...
-
-
-class OutputNotFound(TypeError):
-    """No output tensor to compare was found in the model's output (:func:`primary_output`): pass
-    ``output_fn=`` to ``Layout.verify``."""
-
-
-class SymmetryError(AssertionError):
-    """A declared or detected GL block is not a symmetry of the model; ``.report`` has the details."""
-
-    def __init__(self, message: str, report: "VerifyReport"):
-        super().__init__(message)
-        self.report = report
 
 
 @dataclass
@@ -269,18 +258,18 @@ def symmetry_report(layout: Checkable, model: nn.Module, args: tuple, kwargs: di
                 reference(out)
             y = fn(out)
             if not isinstance(y, Tensor):
-                raise TypeError(f"verify(): output_fn returned a {type(y).__name__}, not a tensor: it must "
-                                f"pick the tensor to compare from the model's output, e.g. "
-                                f"output_fn=lambda out: out.logits")
+                raise InvalidArgumentType(f"verify(): output_fn returned a {type(y).__name__}, not a tensor: it must "
+                                          f"pick the tensor to compare from the model's output, e.g. "
+                                          f"output_fn=lambda out: out.logits")
             return y.detach()
 
         y0 = run(params, on_reference)
         if not y0.numel():
-            raise ValueError("verify(): the model's output on example_inputs is empty (an empty batch?): a "
-                             "check on no output proves nothing; pass inputs with at least one example")
+            raise InvalidArgument("verify(): the model's output on example_inputs is empty (an empty batch?): a "
+                                  "check on no output proves nothing; pass inputs with at least one example")
         if not bool(torch.isfinite(y0).all()):
-            raise ValueError("verify(): the model's output at its own weights is not finite (nan or inf); "
-                             "check example_inputs (and attention masks) before checking the symmetry")
+            raise InvalidArgument("verify(): the model's output at its own weights is not finite (nan or inf); "
+                                  "check example_inputs (and attention masks) before checking the symmetry")
         ymax = float(y0.abs().max()) if y0.numel() else 0.0
         tol_a = 0.0 if atol is None else float(atol)
         denom = ymax if ymax > 0 else 1.0
@@ -361,21 +350,21 @@ def _checked_arguments(layout: Checkable, model: nn.Module, example_inputs, *, s
             check.non_negative_finite(name, tol)
     integer_at_least("seed", seed, -2 ** 63)
     if not isinstance(per_block, (bool, str)) or per_block not in (True, False, "auto"):
-        raise ValueError(f"per_block must be True, False or 'auto', got {per_block!r}")
+        raise InvalidArgument(f"per_block must be True, False or 'auto', got {per_block!r}")
     flag("raise_on_failure", raise_on_failure)
     check.optional_callable("output_fn", output_fn, "output_fn(model output) -> tensor")
     if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
                                           and compute_dtype.is_floating_point):
-        raise TypeError(f"compute_dtype must be a floating torch.dtype (e.g. torch.float64) or None "
-                        f"for the model's, got {compute_dtype!r}")
+        raise InvalidArgumentType(f"compute_dtype must be a floating torch.dtype (e.g. torch.float64) or None "
+                                  f"for the model's, got {compute_dtype!r}")
     check.materialised(model, "verify()")
     layout.check_model(model, what="verify()")
     refuse_empty_inputs(example_inputs, "verify()")
     args, kwargs = split_inputs(example_inputs, model_device(model))
     scales = positive_finite_sequence("scales", scales)
     if cond is not None and positive_finite("cond", cond) < 1:
-        raise ValueError(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
-                         f"got {cond!r}")
+        raise InvalidArgument(f"cond must be a condition number >= 1 (or None for Gaussian actions), "
+                              f"got {cond!r}")
     return args, kwargs, scales
 
 
@@ -396,9 +385,9 @@ def refuse_empty_inputs(example_inputs: Any, what: str) -> None:
 
     collect(example_inputs)
     if tensors and all(t.numel() == 0 for t in tensors):
-        raise ValueError(f"{what}: example_inputs hold no data (empty tensors of shapes "
-                         f"{[tuple(t.shape) for t in tensors][:3]}): a verification on an empty batch proves "
-                         f"nothing; pass inputs with at least one example, e.g. the first batch")
+        raise InvalidArgument(f"{what}: example_inputs hold no data (empty tensors of shapes "
+                              f"{[tuple(t.shape) for t in tensors][:3]}): a verification on an empty batch proves "
+                              f"nothing; pass inputs with at least one example, e.g. the first batch")
 
 
 def model_device(model: nn.Module) -> Optional[torch.device]:
@@ -412,8 +401,8 @@ def _finite_parameters(model: nn.Module) -> Dict[str, Tensor]:
     bad = [n for n, p in params.items() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
     if bad:
         shown = ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "")
-        raise ValueError(f"verify(): the model's weights are not finite (nan or inf in {shown}); "
-                         "the symmetry cannot be checked at such weights: load or train finite weights")
+        raise InvalidArgument(f"verify(): the model's weights are not finite (nan or inf in {shown}); "
+                              "the symmetry cannot be checked at such weights: load or train finite weights")
     return params
 
 

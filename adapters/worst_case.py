@@ -23,6 +23,7 @@ import torch
 from typing_extensions import Unpack
 
 from quotient_manifolds._runtime import bounded_threads
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 from . import validation as check
 from .components import ProductBall
@@ -164,14 +165,14 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
     radius and batch, like separate calls, minus the repeated set-up."""
     args = SharpnessOptions.from_keywords(options)
     if isinstance(rhos, (str, bytes)) or not isinstance(rhos, Iterable) or getattr(rhos, "ndim", 1) != 1:
-        raise TypeError(f"rhos must be a sequence of radii, got {rhos!r} ({type(rhos).__name__})")
+        raise InvalidArgumentType(f"rhos must be a sequence of radii, got {rhos!r} ({type(rhos).__name__})")
     radii = [as_rho(r, f"rhos[{i}]") for i, r in enumerate(rhos)]
     if not radii or any(b <= a for a, b in zip(radii, radii[1:])):
-        raise ValueError(f"rhos must be a non-empty, strictly increasing sequence of radii, got "
-                         f"{list(rhos)!r}")
+        raise InvalidArgument(f"rhos must be a non-empty, strictly increasing sequence of radii, got "
+                              f"{list(rhos)!r}")
     if args.measure != "worst":
-        raise ValueError("sharpness_sweep chains worst-case runs; for average-case sharpness call "
-                         "sharpness(..., measure='average') per radius")
+        raise InvalidArgument("sharpness_sweep chains worst-case runs; for average-case sharpness call "
+                              "sharpness(..., measure='average') per radius")
     return run_sharpness(model, batches, radii, args, stacklevel=3)
 
 
@@ -250,8 +251,8 @@ def _run_batches(ball: ProductBall, closure: Any, prepared: Prepared, tokens: ch
                 run["time"] = time.perf_counter() - started_at
                 runs_at.append(run)
         if not runs[0]:
-            raise ValueError("`batches` is empty: pass at least one (inputs, targets) pair or "
-                             "dict batch")
+            raise InvalidArgument("`batches` is empty: pass at least one (inputs, targets) pair or "
+                                  "dict batch")
     finally:
         if bar is not None:
             bar.close()
@@ -328,7 +329,7 @@ def _exact_points(ball: ProductBall, xi) -> list:
             current = None
         if not ball.on_every_rank(current is not None, xi[0].device):  # left the manifold on a rank
             if steps >= CHECK_EXACT_STEPS:
-                raise ValueError("the exact geodesic leaves the manifold")
+                raise InvalidArgument("the exact geodesic leaves the manifold")
             current = None
         if steps >= CHECK_EXACT_STEPS or (
                 previous is not None and current is not None

@@ -382,7 +382,8 @@ def cmd_demo(args) -> int:
 def cmd_sharpness(args) -> int:
     import json
 
-    from quotient_manifolds.adapters.checkpoint import CheckpointError, checkpoint_sharpness
+    from quotient_manifolds.adapters.checkpoint import checkpoint_sharpness
+    from quotient_manifolds.errors import CheckpointError
     from quotient_manifolds.adapters.monitor import DEFAULT_GEOMETRIES
     try:
         result = checkpoint_sharpness(

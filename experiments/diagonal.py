@@ -30,7 +30,7 @@ leaves n, X, the varied hyperparameters, the optimiser and ρ unstated, docs/mat
 
 Sharpness, maximised by normalised projected gradient ascent with restarts (docs/maths.md §8.6),
 batched over restarts and the ρ grid (``solver="pga"``), all through the closed-form geodesics of
-the rescaling quotient (:func:`quotient_manifolds.core.beta_along_geodesic`); ``solver="apgd"``
+the rescaling quotient (:func:`quotient_manifolds.experiments.closed_forms.beta_along_geodesic`); ``solver="apgd"``
 runs the library's :func:`quotient_manifolds.adapters.solver.auto_pgd` on a
 :class:`~quotient_manifolds.core.RescalingGeometry` instead (exact retraction, see
 :func:`sharpness_apgd`). ρ default 0.1 for every family, swept over 0.01, 0.1 and 1:
@@ -332,7 +332,7 @@ def objective(measure: str, u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.n
 
     Coordinates: inv b, mix δ = β₀⊙b (mix-manifold: s = sign(β₀)δ), adaptive (δ_u/|u|, δ_v/|v|);
     the ball in these coordinates has Euclidean radius ρ·factor."""
-    from quotient_manifolds.core import beta_along_geodesic
+    from .closed_forms import beta_along_geodesic
     import torch
 
     n, d = X.shape
@@ -441,10 +441,10 @@ def mix_literal_exact(u: np.ndarray, v: np.ndarray, X: np.ndarray, y: np.ndarray
     """The literal ``geodesic-mix`` exactly: L(β₀ + 2δ) − L(β₀) = gᵀδ + δᵀAδ with g = (2/n)Xᵀr,
     A = (2/n)XᵀX is a convex quadratic, so its maximum over ‖δ‖ ≤ ρ/√2 is a trust-region problem,
     diagonal in the basis of X = U S Vᵀ: δ = Σᵢ cᵢvᵢ with c the maximiser of gᵀc + cᵀdiag(a)c
-    (:func:`~quotient_manifolds.core.diagonal_trust_region`, through its secular equation). Exact to
+    (:func:`~quotient_manifolds.experiments.closed_forms.diagonal_trust_region`, through its secular equation). Exact to
     round-off, where the PGA's ~1e-7 relative error would swamp the O(ρ√L) differences that rank
     models of one draw."""
-    from quotient_manifolds.core import diagonal_trust_region
+    from .closed_forms import diagonal_trust_region
 
     n = X.shape[0]
     r = X @ (u * v) - y

@@ -41,7 +41,10 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from quotient_manifolds.errors import QuotientManifoldsError
 
 from .provenance import provenance, reproducible_training, weights_hash
 
@@ -55,8 +58,9 @@ FORMAT_VERSION = 1
 _DELAY_ENV = "QM_EXPERIMENTS_TEST_DELAY"
 
 
-class ExperimentError(RuntimeError):
-    """An error the CLI reports as one clear message (exit status 2), without a traceback."""
+class ExperimentError(QuotientManifoldsError, RuntimeError):
+    """An error the CLI reports as one clear message (exit status 2), without a traceback (one of
+    the library's errors, :class:`~quotient_manifolds.QuotientManifoldsError`)."""
 
 
 # ------------------------------------------------------------------------------------ hashing
@@ -371,7 +375,7 @@ def load_checkpoint(path: str, expect_hash: Optional[str] = None):
     """``(state_dict, metadata)`` or ``None`` if missing, unreadable or for another training hash."""
     if not os.path.exists(path):
         return None
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, framework="pt") as fh:
@@ -379,7 +383,11 @@ def load_checkpoint(path: str, expect_hash: Optional[str] = None):
             if expect_hash is not None and meta.get("train_hash") != expect_hash:
                 return None
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception:  # noqa: BLE001 - a damaged checkpoint is simply retrained
+    # a damaged checkpoint (truncated or overwritten: safetensors' header or data, the JSON of its
+    # metadata, the file itself) is trained again, and says so
+    except (SafetensorError, ValueError, OSError) as err:
+        warnings.warn(f"{display_path(path)}: the checkpoint cannot be read ({type(err).__name__}: "
+                      f"{err}); the model is trained again", RuntimeWarning, stacklevel=2)
         return None
     return tensors, meta
 
@@ -482,7 +490,8 @@ def _exit_with_parent() -> None:
     import threading
 
     if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):   # a missing libc symbol only removes this layer
+        # no libc (OSError) or no prctl in it (AttributeError) only removes this layer
+        with contextlib.suppress(OSError, AttributeError):
             PR_SET_PDEATHSIG = 1
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
 
@@ -502,8 +511,8 @@ def _call(job: Callable, args: tuple) -> Tuple[bool, Any]:
         if err.errno in _WRITE_FIXES:    # a full disk, a read-only directory: every next model
             raise                        # would fail the same way; the run stops (cli: one line)
         return False, traceback.format_exc()
-    except Exception:  # noqa: BLE001 - reported per model by the parent
-        return False, traceback.format_exc()
+    except Exception:  # noqa: BLE001 - recorded: the parent writes the traceback to errors.jsonl and
+        return False, traceback.format_exc()  # logs the model as FAILED (run_population's finish)
 
 
 def run_population(outdir: OutputDir, job: Callable, model_ids: Iterable[int], job_args: tuple, *,

@@ -8,6 +8,8 @@ networks.
 * :mod:`quotient_manifolds.pymanopt`: pymanopt manifolds; imported lazily (``import
   quotient_manifolds.pymanopt`` or attribute access), so importing this package does not import
   pymanopt.
+* :mod:`quotient_manifolds.errors`: the errors the library raises, one family under
+  :class:`QuotientManifoldsError`, re-exported here.
 """
 
 import importlib
@@ -28,11 +30,24 @@ from .core import (
     TrivialGroup,
     derive_algebra,
     recognise_algebra,
-    beta_along_geodesic,
-    sharpness_inv_orthonormal_second_order,
-    sharpness_mix_orthonormal,
 )
-from ._runtime import StepTooLarge
+from .errors import (
+    CheckpointError,
+    GeodesicLeftManifold,
+    InvalidArgument,
+    InvalidArgumentType,
+    LogNotFound,
+    NonFiniteLoss,
+    NotSupported,
+    OutputNotFound,
+    QuotientManifoldsError,
+    SharpnessOutOfMemoryError,
+    StepTooLarge,
+    SymmetryError,
+    UnknownName,
+    UnsupportedModel,
+    UsageError,
+)
 from .geoopt import GLQuotient, RescalingQuotient
 
 __version__ = "0.1.0"
@@ -41,8 +56,11 @@ __all__ = [
     "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "GLGroup", "RotaryGroup", "SubalgebraGroup",
     "TrivialGroup", "ScalarGroup", "OrthogonalGroup", "ScaledOrthogonalGroup", "derive_algebra",
     "recognise_algebra", "RescalingFrame",
-    "RescalingGeometry", "beta_along_geodesic", "sharpness_inv_orthonormal_second_order",
-    "sharpness_mix_orthonormal", "GLQuotient", "RescalingQuotient", "StepTooLarge", "__version__",
+    "RescalingGeometry", "GLQuotient", "RescalingQuotient", "__version__",
+    # the errors (quotient_manifolds.errors)
+    "QuotientManifoldsError", "InvalidArgument", "InvalidArgumentType", "UnknownName", "StepTooLarge",
+    "GeodesicLeftManifold", "LogNotFound", "SymmetryError", "UnsupportedModel", "OutputNotFound",
+    "NotSupported", "SharpnessOutOfMemoryError", "NonFiniteLoss", "UsageError", "CheckpointError",
 ]
 
 

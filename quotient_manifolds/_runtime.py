@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 
+from .errors import InvalidArgument
 from ._validation import all_finite
 from .core.errors import GeodesicLeftManifold, StepTooLarge
 from .core.metrics import GLMetric
@@ -97,7 +98,7 @@ class FrameCache:
         except ValueError as err:
             if re.search(rf"\b{re.escape(name)}\b", str(err)):
                 raise
-            raise ValueError(f"{name}: {err}") from None
+            raise InvalidArgument(f"{name}: {err}") from None
 
     def _frame(self, geometry, x: Tensor, *, new: bool = False):
         if self.size < 1 or (x.requires_grad and torch.is_grad_enabled()):

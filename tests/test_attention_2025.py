@@ -21,6 +21,7 @@ import torch
 
 from quotient_manifolds import adapters
 from quotient_manifolds.core import FULL_GL, RotaryGroup
+from quotient_manifolds.errors import InvalidArgument
 
 transformers = pytest.importorskip("transformers")
 
@@ -463,7 +464,7 @@ def test_factor_piece_with_runs_reads_and_writes_the_rows_written_out_by_hand():
     assert bool(piece.mask(W).all())                    # the two pairs cover every row
     bias = FactorPiece("b", "bias", 0, pairs, 2 * h, stride=h, parts=2, part_stride=pairs * h)
     assert torch.equal(bias.read_from(torch.arange(12.0))[1, 0], torch.tensor([3.0, 4, 5, 9, 10, 11]))
-    with pytest.raises(ValueError, match="overlap"):
+    with pytest.raises(InvalidArgument, match="overlap"):
         FactorPiece("w", "rows", 0, pairs, 2 * h, stride=h, parts=2, part_stride=h)
 
 

@@ -10,6 +10,7 @@ from quotient_manifolds import adapters
 from quotient_manifolds.adapters.ball import GEOMETRY_TABLE, geometry_of
 from quotient_manifolds.adapters.solver import AverageCaseResult
 from quotient_manifolds.adapters.options import SHARPNESS_OPTION_NAMES, SharpnessOptions
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 
 def _mlp():
@@ -33,13 +34,13 @@ def test_the_table_serves_every_list_of_geometries():
     assert [GEOMETRY_TABLE[g].metric for g in adapters.GEOMETRIES] == [None, "inv", "mix"]
     assert GEOMETRY_TABLE["adaptive"].adaptive and not GEOMETRY_TABLE["sam"].adaptive
     assert geometry_of("geodesic-inv").geodesic
-    with pytest.raises(ValueError, match="geometry must be one of .* got 'mix'.*geometry='geodesic-mix'"):
+    with pytest.raises(InvalidArgument, match="geometry must be one of .* got 'mix'.*geometry='geodesic-mix'"):
         geometry_of("mix")
-    with pytest.raises(ValueError, match="geometry must be one of"):
+    with pytest.raises(InvalidArgument, match="geometry must be one of"):
         geometry_of("sam")                      # not a ball geometry
     for entry in (lambda g: adapters.sharpness(*_mlp(), geometry=g, rho=0.1),
                   lambda g: adapters.GeodesicSAM(_mlp()[0], torch.optim.SGD, geometry=g, lr=0.1)):
-        with pytest.raises(ValueError, match="geometry must be one of"):
+        with pytest.raises(InvalidArgument, match="geometry must be one of"):
             entry("euclidean")
 
 
@@ -48,11 +49,11 @@ def test_eps_the_former_name_of_gram_eps_is_an_unknown_keyword():
     like any unknown keyword, by every entry point that took it, before any work."""
     model, batches = _mlp()
     params = {n: p.detach() for n, p in model.named_parameters()}
-    with pytest.raises(TypeError, match="unexpected keyword argument.*'eps'.*the options are those of adapters.sharpness"):
+    with pytest.raises(InvalidArgumentType, match="unexpected keyword argument.*'eps'.*the options are those of adapters.sharpness"):
         adapters.sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=2, eps=1e-3)
-    with pytest.raises(TypeError, match="unexpected keyword argument.*'eps'"):
+    with pytest.raises(InvalidArgumentType, match="unexpected keyword argument.*'eps'"):
         adapters.sharpness_sweep(model, batches, [0.1], geometry="adaptive", n_iters=2, eps=1e-3)
-    with pytest.raises(TypeError, match="unexpected keyword argument.*'eps'"):
+    with pytest.raises(InvalidArgumentType, match="unexpected keyword argument.*'eps'"):
         adapters.calibrate_rho(model, batches, geometry="adaptive", target_loss_rise=0.1, eps=1e-3)
     with pytest.raises(TypeError, match="unexpected keyword argument 'eps'"):
         adapters.ball.build_ball(model, params, geometry="adaptive", eps=1e-3)
@@ -61,7 +62,7 @@ def test_eps_the_former_name_of_gram_eps_is_an_unknown_keyword():
     for entry in (adapters.ball.build_ball, adapters.lora_quotient_parameters, adapters.sharpness):
         assert "eps" not in inspect.signature(entry).parameters
     assert not hasattr(adapters.ball, "gram_eps_of")
-    with pytest.raises(TypeError, match="the options are those of adapters.sharpness"):
+    with pytest.raises(InvalidArgumentType, match="the options are those of adapters.sharpness"):
         adapters.sharpness_sweep(model, batches, [0.1], n_itres=2)
 
 

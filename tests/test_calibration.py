@@ -12,6 +12,7 @@ import torch.nn as nn
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.calibration import find_rho
 from quotient_manifolds.adapters.ball import GEOMETRIES
+from quotient_manifolds.errors import InvalidArgument
 
 
 class _TinyEncoder(nn.Module):
@@ -76,10 +77,10 @@ def test_find_rho_is_monotone_in_the_target():
 
 def test_calibrate_rho_rejects_what_it_cannot_calibrate():
     model, batches = _model_and_batches()
-    with pytest.raises(ValueError, match="geometry must be one of"):
+    with pytest.raises(InvalidArgument, match="geometry must be one of"):
         adapters.calibrate_rho(model, batches, geometry="mix", target_loss_rise=0.1)
-    with pytest.raises(ValueError, match="worst-case"):
+    with pytest.raises(InvalidArgument, match="worst-case"):
         adapters.calibrate_rho(model, batches, geometry="adaptive", target_loss_rise=0.1,
                                measure="average")
-    with pytest.raises(ValueError, match="target_loss_rise must be a positive"):
+    with pytest.raises(InvalidArgument, match="target_loss_rise must be a positive"):
         adapters.calibrate_rho(model, batches, geometry="adaptive", target_loss_rise=0.0)

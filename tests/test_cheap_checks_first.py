@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from quotient_manifolds import adapters
+from quotient_manifolds.errors import InvalidArgument
 from tests.conftest import PlainViT
 
 
@@ -23,7 +24,7 @@ def test_plus_minus_one_labels_are_refused_before_verification(geometry):
     model = PlainViT(num_classes=2).eval()
     calls = _counted(model)
     x, y = torch.randn(4, 1, 8, 8), torch.tensor([-1, 1, 1, -1])
-    with pytest.raises(ValueError, match=r"0\.\.1 of the model's 2 outputs.*-1\.\.1.*\(y \+ 1\) // 2"):
+    with pytest.raises(InvalidArgument, match=r"0\.\.1 of the model's 2 outputs.*-1\.\.1.*\(y \+ 1\) // 2"):
         adapters.sharpness(model, [(x, y)], geometry=geometry, rho=0.05, n_iters=1)
     assert len(calls) == 1, f"{len(calls)} forward passes before the refusal (verification ran)"
 
@@ -32,7 +33,7 @@ def test_a_class_index_past_the_outputs_is_refused_and_valid_targets_run():
     torch.manual_seed(0)
     model = PlainViT(num_classes=3).eval()
     x = torch.randn(4, 1, 8, 8)
-    with pytest.raises(ValueError, match=r"0\.\.2 of the model's 3 outputs, but these range over 0\.\.3\. For"):
+    with pytest.raises(InvalidArgument, match=r"0\.\.2 of the model's 3 outputs, but these range over 0\.\.3\. For"):
         adapters.sharpness(model, [(x, torch.tensor([0, 1, 2, 3]))], geometry="geodesic-mix", rho=0.05,
                            n_iters=1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

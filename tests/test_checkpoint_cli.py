@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from quotient_manifolds import adapters  # noqa: E402
-from quotient_manifolds.adapters.checkpoint import CheckpointError, checkpoint_sharpness  # noqa: E402
+from quotient_manifolds.adapters.checkpoint import checkpoint_sharpness  # noqa: E402
+from quotient_manifolds.errors import CheckpointError, InvalidArgumentType  # noqa: E402
 from quotient_manifolds.experiments.cli import main  # noqa: E402
 
 WORDS = "good bad fine awful great poor nice dull film plot actors the a was and very".split()
@@ -132,7 +133,7 @@ def test_bad_inputs_give_one_line_errors(saved, capsys, tmp_path):
     bad_label.write_text(json.dumps({"text": "good film", "label": 7}) + "\n")
     with pytest.raises(CheckpointError, match="outside the checkpoint's 2 classes"):
         checkpoint_sharpness(saved["classifier"], str(bad_label), rho=0.1)
-    with pytest.raises(TypeError, match="unexpected keyword"):       # before the model is loaded
+    with pytest.raises(InvalidArgumentType, match="unexpected keyword"):       # before the model is loaded
         checkpoint_sharpness(str(tmp_path), saved["jsonl"], rho=0.1, n_iter=3)
     with pytest.raises(SystemExit):     # --rho or --target-loss-rise is required (argparse)
         main(["sharpness", saved["classifier"], "--data", saved["jsonl"]])

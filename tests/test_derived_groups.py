@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.derive import derive_groups
-from quotient_manifolds.adapters.verify import SymmetryError
+from quotient_manifolds.errors import SymmetryError
 from quotient_manifolds.core.subalgebra import OrthogonalGroup, ScaledOrthogonalGroup
 
 transformers = pytest.importorskip("transformers")

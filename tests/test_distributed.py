@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from quotient_manifolds.errors import UsageError
 
 WORKER = textwrap.dedent("""
     import json, os, sys
@@ -119,5 +120,5 @@ def test_two_ranks_equal_one_rank_and_plain_sharpness(tmp_path):
 def test_needs_an_initialised_process_group():
     from quotient_manifolds import adapters
 
-    with pytest.raises(RuntimeError, match="init_process_group"):
+    with pytest.raises(UsageError, match="init_process_group"):
         adapters.distributed_sharpness(build(), batches(), rho=0.05)

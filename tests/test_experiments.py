@@ -24,6 +24,7 @@ import scipy.stats
 from quotient_manifolds.experiments import stats
 from quotient_manifolds.experiments.cli import main
 from quotient_manifolds.experiments.runner import ExperimentError, OutputDir, ResultStore
+from quotient_manifolds.errors import GeodesicLeftManifold, InvalidArgument
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -568,7 +569,8 @@ def test_diagonal_data_init_and_training_protocol():
 def test_diagonal_geodesics_and_norms_match_the_library():
     import torch
 
-    from quotient_manifolds.core import RescalingGeometry, beta_along_geodesic
+    from quotient_manifolds.core import RescalingGeometry
+    from quotient_manifolds.experiments.closed_forms import beta_along_geodesic
     D, cfg, X, y, _, u, v = _trained_diagonal()
     x0 = torch.from_numpy(np.stack([u, v]))
     b = torch.from_numpy(np.random.default_rng(0).uniform(-0.2, 0.2, u.size))
@@ -609,7 +611,7 @@ def test_diagonal_apgd_and_pga_agree_for_every_measure():
     from quotient_manifolds.core import RescalingGeometry
     geom = RescalingGeometry(u.size, "mix", retraction="exact")
     frame = geom.frame(torch.from_numpy(np.stack([u, v])))
-    with pytest.raises(ValueError, match="leaves the manifold"):
+    with pytest.raises(GeodesicLeftManifold, match="leaves the manifold"):
         frame.retract(frame.horizontal_lift(torch.full((u.size,), -0.6, dtype=torch.float64)),
                       "exact")
     # ... and the apgd solver of the study is finite on a whole (quick) model population
@@ -625,7 +627,7 @@ def test_diagonal_mix_matches_closed_form():
     import torch
 
     from quotient_manifolds.experiments import diagonal as D
-    from quotient_manifolds.core import sharpness_mix_orthonormal
+    from quotient_manifolds.experiments.closed_forms import sharpness_mix_orthonormal
     rng = np.random.default_rng(0)
     n = 40
     Q, _ = np.linalg.qr(rng.standard_normal((n, 20)))
@@ -1005,7 +1007,7 @@ def test_find_rho_and_the_median_property_of_the_calibration():
     res = find_rho(f, 400.0, 3.0, tolerance=1.05, max_evals=12)  # starts in the nan region
     assert res["converged"] and res["root"] == pytest.approx((3.0 / 0.7) ** (1 / 1.6), rel=0.04)
     assert not find_rho(lambda r: r, 1.0, 3.0, max_evals=1)["converged"]
-    with pytest.raises(ValueError, match="tolerance"):
+    with pytest.raises(InvalidArgument, match="tolerance"):
         find_rho(f, 1.0, 3.0, tolerance=1.0)
     # per-model S_i(ρ) = c_i ρ²: the median of S_i(ρ*) is the target
     cs = [0.5, 2.0, 3.0, 10.0, 40.0]

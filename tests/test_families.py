@@ -18,6 +18,7 @@ from quotient_manifolds.adapters.blocks import FactorPiece
 from quotient_manifolds.adapters.families import FAMILIES, Context, Family, Match, register_family, unregister_family
 from quotient_manifolds.adapters.families.structure import LORA_NOTE, projection, attention_blocks
 from quotient_manifolds.core import FULL_GL, RotaryGroup
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UnknownName, UnsupportedModel
 
 T = pytest.importorskip("transformers")
 
@@ -295,13 +296,13 @@ def test_unknown_rotary_module_keeps_vo_and_reports_qk_part():
     torch.manual_seed(0)
     model = nn.Sequential(RotaryAttention(), nn.LayerNorm(16)).eval()
     x = torch.randn(2, 5, 16)
-    with pytest.raises(ValueError, match=r"(?s)0/qk \[RotaryAttention\]: forward\(\) source mentions apply_rotary"):
+    with pytest.raises(UnsupportedModel, match=r"(?s)0/qk \[RotaryAttention\]: forward\(\) source mentions apply_rotary"):
         adapters.layout(model)
     lay = adapters.layout(model, allow_unsupported=True)
     assert lay.block_names == ["0/vo"] and [u.module for u in lay.unsupported] == ["0/qk"]
     assert "0.q.weight" in lay.adaptive and lay.verify(model, x).passed
     # a declared V/O block does not cover the Q/K part ...
-    with pytest.raises(ValueError, match=r"0/qk"):
+    with pytest.raises(UnsupportedModel, match=r"0/qk"):
         adapters.layout(model, blocks=[declare_block(model, v="0.v", o="0.o", num_heads=2)])
     # ... a declared rotary Q/K block does, and verifies
     qk = declare_block(model, q="0.q", k="0.k", num_heads=2, group=RotaryGroup("half"))
@@ -361,16 +362,16 @@ def test_user_family_extends_the_registry(odd_family):
     assert lay.notes == ["0: matched by the odd family"]
     assert lay.verify(model, torch.randn(2, 5, 16)).passed
     unregister_family("odd")
-    with pytest.raises(ValueError, match=r"0 \[OddAttention\]"):      # back to unsupported
+    with pytest.raises(UnsupportedModel, match=r"0 \[OddAttention\]"):      # back to unsupported
         adapters.layout(model)
 
 
 def test_register_family_order_and_errors(odd_family):
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(InvalidArgument, match="already registered"):
         register_family(OddFamily())
-    with pytest.raises(TypeError, match="Family instance"):
+    with pytest.raises(InvalidArgumentType, match="Family instance"):
         register_family(object())
-    with pytest.raises(KeyError, match="no family named 'nope'"):
+    with pytest.raises(UnknownName, match="no family named 'nope'"):
         register_family(type("Later", (OddFamily,), {"name": "later"})(), before="nope")
     later = register_family(type("Later", (OddFamily,), {"name": "later"})(), before="unknown")
     try:

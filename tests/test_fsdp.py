@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gloo_ranks import collect, launch
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, NotSupported
 
 GEOMETRIES = ("adaptive", "geodesic-inv", "geodesic-mix")
 RHO = {"adaptive": 0.05, "geodesic-inv": 0.05, "geodesic-mix": 0.01}
@@ -135,11 +136,11 @@ def test_sharded_refusals_name_the_option_before_any_work():
         before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
         calls = []
         model.register_forward_pre_hook(lambda module, args: calls.append(1))
-        with pytest.raises(ValueError, match="include_frozen=True on a model sharded with FSDP2"):
+        with pytest.raises(InvalidArgument, match="include_frozen=True on a model sharded with FSDP2"):
             adapters.sharpness(model, [batch()], geometry="geodesic-inv", rho=0.05, include_frozen=True)
-        with pytest.raises(ValueError, match="Call adapters.sharpness.*on every rank"):
+        with pytest.raises(InvalidArgument, match="Call adapters.sharpness.*on every rank"):
             adapters.distributed_sharpness(model, [batch()], geometry="adaptive", rho=0.05)
-        with pytest.raises(NotImplementedError, match="riemannian_hessian on a model sharded with FSDP2"):
+        with pytest.raises(NotSupported, match="riemannian_hessian on a model sharded with FSDP2"):
             adapters.riemannian_hessian(model, [batch()], geometry="geodesic-inv")
         assert not calls
         assert all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
@@ -166,7 +167,7 @@ def test_half_precision_shards_are_refused_where_fsdp2_cannot_compute_them_in_fl
         before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
         calls = []
         model.register_forward_pre_hook(lambda module, args: calls.append(1))
-        with pytest.raises(TypeError, match="computes in half precision .*shards are torch.bfloat16"):
+        with pytest.raises(InvalidArgumentType, match="computes in half precision .*shards are torch.bfloat16"):
             adapters.sharpness(model, [batch()], geometry="adaptive", rho=0.05, n_iters=2)
         assert not calls
         assert all(torch.equal(p.full_tensor(), before[n]) and p.dtype == torch.bfloat16
@@ -258,7 +259,7 @@ def test_an_attention_module_that_is_an_fsdp_unit_is_refused_with_what_to_shard_
         mesh = init_device_mesh("cpu", (1,))
         fully_shard(model.bert.encoder.layer[0].attention, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        with pytest.raises(NotImplementedError, match="bert.encoder.layer.0.attention.*itself an FSDP2 unit"):
+        with pytest.raises(NotSupported, match="bert.encoder.layer.0.attention.*itself an FSDP2 unit"):
             adapters.sharpness(model, [batch()], geometry="geodesic-inv", rho=0.05, n_iters=2)
         res = adapters.sharpness(model, [batch()], geometry="adaptive", rho=0.05, n_iters=2)
         assert res.value > 0

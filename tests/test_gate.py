@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters import SymmetryError
 from quotient_manifolds.adapters.families.rotary_probe import probe_rotary, read_pairing
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaAttention  # noqa: E402
@@ -178,15 +179,15 @@ def test_empty_batch_and_wrong_arguments_are_refused_clearly():
     model = _interleaved_decoder()
     ids, _ = _batches()
     lay = adapters.layout(model)
-    with pytest.raises(ValueError, match="empty batch proves nothing"):
+    with pytest.raises(InvalidArgument, match="empty batch proves nothing"):
         lay.verify(model, ids[:0])
-    with pytest.raises(ValueError, match="empty batch proves nothing"):
+    with pytest.raises(InvalidArgument, match="empty batch proves nothing"):
         adapters.accept_layout(model, lay, ids[:0])
-    with pytest.raises(TypeError, match="layout must be a Layout"):
+    with pytest.raises(InvalidArgumentType, match="layout must be a Layout"):
         adapters.accept_layout(model, "x", ids)
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+    with pytest.raises(InvalidArgumentType, match="model must be a torch.nn.Module"):
         adapters.detect("x")
-    with pytest.raises(TypeError, match="output_fn returned a tuple, not a tensor"):
+    with pytest.raises(InvalidArgumentType, match="output_fn returned a tuple, not a tensor"):
         lay.verify(model, ids, output_fn=lambda out: (out.logits,))
 
 

@@ -15,6 +15,7 @@ import torch
 from quotient_manifolds import adapters
 from quotient_manifolds.geoopt import (GLQuotient, RescalingQuotient, RiemannianSGD,
                                        init_momentum_buffers)
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 F64 = torch.float64
 
@@ -107,7 +108,7 @@ def test_closure_runs_with_autograd_under_no_grad():
     with torch.no_grad():
         second = float(opt.step(closure))
     assert second < first
-    with pytest.raises(TypeError, match="closure must be a callable"):
+    with pytest.raises(InvalidArgumentType, match="closure must be a callable"):
         opt.step(1.0)
 
 
@@ -204,7 +205,7 @@ def test_init_momentum_buffers_on_geoopt_sgd_gives_torch_start(dampening):
     x = _start(M)
     opt = make_geoopt(x)
     if dampening:
-        with pytest.raises(ValueError, match="after the first backward"):
+        with pytest.raises(InvalidArgument, match="after the first backward"):
             init_momentum_buffers(opt)
     _loss(M, x).backward()
     init_momentum_buffers(opt)
@@ -213,7 +214,7 @@ def test_init_momentum_buffers_on_geoopt_sgd_gives_torch_start(dampening):
     ours, _, _ = _run(M, lambda p: RiemannianSGD([p], lr=0.01, momentum=0.9, dampening=dampening),
                       4, closure=False)
     torch.testing.assert_close(x.detach(), ours.detach(), rtol=1e-12, atol=1e-14)
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(InvalidArgumentType, match="torch.optim.Optimizer"):
         init_momentum_buffers([x])
 
 

@@ -32,6 +32,7 @@ from quotient_manifolds.core import (
     MixMetric,
     as_metric,
 )
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 F64 = torch.float64
 DTYPES = [torch.float64, torch.float32]
@@ -644,27 +645,27 @@ def test_balance(dtype):
 def test_errors_shapes_and_dimensions():
     geom = geometry("mix")
     expected = re.escape("(..., n+m, h) = (..., 12, 3)")
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(InvalidArgument, match=expected):
         geom.frame(torch.randn(11, 3, dtype=F64))
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(InvalidArgument, match=expected):
         geom.frame(torch.randn(12, 4, dtype=F64))
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(InvalidArgument, match=expected):
         geom.frame(torch.randn(12, dtype=F64))
     x = geom.random_point(dtype=F64)
     f = geom.frame(x)
     for bad in (torch.randn(13, 3, dtype=F64), torch.randn(12, 2, dtype=F64)):
         for call in (f.project, f.inner, f.christoffel, f.retract, f.egrad2rgrad, f.horizontal_residual):
-            with pytest.raises(ValueError, match=expected):
+            with pytest.raises(InvalidArgument, match=expected):
                 call(bad)
-    with pytest.raises(ValueError, match="h = 4 exceeds n = 3"):
+    with pytest.raises(InvalidArgument, match="h = 4 exceeds n = 3"):
         GLQuotientGeometry(3, 5, 4)
-    with pytest.raises(ValueError, match="h = 4 exceeds n = 5 or m = 3"):
+    with pytest.raises(InvalidArgument, match="h = 4 exceeds n = 5 or m = 3"):
         GLQuotientGeometry(5, 3, 4)
     for bad_int in (0, -1, 2.0):
-        with pytest.raises(ValueError, match="positive integer"):
+        with pytest.raises(InvalidArgument, match="positive integer"):
             GLQuotientGeometry(5, 5, bad_int)
     for bad_eps in (-1e-3, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="eps must be a finite number"):
+        with pytest.raises(InvalidArgument, match="eps must be a finite number"):
             GLQuotientGeometry(5, 5, 2, eps=bad_eps)
 
 
@@ -681,7 +682,7 @@ def test_errors_rank_deficient_needs_eps(which, dtype):
         else:  # exactly rank h−1 in float64, then rounded to dtype
             target.copy_(randn((target.shape[0], H - 1), 212) @ randn((H - 1, H), 213))
         bad = geom.pack(G, Hm).to(dtype)
-        with pytest.raises(ValueError, match=f"{which} is rank-deficient.*pass a relaxation eps > 0"):
+        with pytest.raises(InvalidArgument, match=f"{which} is rank-deficient.*pass a relaxation eps > 0"):
             geom.frame(bad)
         # the advice works: with eps > 0 the frame is built and projection is finite
         ok = geometry("inv", eps=1e-6).frame(bad)
@@ -689,7 +690,7 @@ def test_errors_rank_deficient_needs_eps(which, dtype):
     # batch index reported
     xb = geom.random_point(3, generator=gen(214), dtype=F64)
     xb[2, :, 1] = xb[2, :, 0]
-    with pytest.raises(ValueError, match=re.escape("at batch index (2,)")):
+    with pytest.raises(InvalidArgument, match=re.escape("at batch index (2,)")):
         geom.frame(xb.to(dtype))
 
 
@@ -711,16 +712,16 @@ def test_errors_nonfinite_and_unknown_names():
     for val in (float("nan"), float("inf")):
         y = x.clone()
         y[0, 0] = val
-        with pytest.raises(ValueError, match="non-finite"):
+        with pytest.raises(InvalidArgument, match="non-finite"):
             geom.frame(y)
-    with pytest.raises(ValueError, match="unknown metric 'euclid'; valid choices are: 'inv', 'mix'"):
+    with pytest.raises(InvalidArgument, match="metric must be one of 'inv', 'mix', got 'euclid'"):
         GLQuotientGeometry(5, 5, 2, "euclid")
-    msg = "unknown retraction 'cayley'; valid choices are: 'first_order', 'second_order', 'exact'"
-    with pytest.raises(ValueError, match=msg):
+    msg = "retraction must be one of 'first_order', 'second_order', 'exact', got 'cayley'"
+    with pytest.raises(InvalidArgument, match=msg):
         GLQuotientGeometry(5, 5, 2, retraction="cayley")
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(InvalidArgument, match=msg):
         geom.retract(x, torch.zeros_like(x), "cayley")
-    with pytest.raises(ValueError, match="floating point"):
+    with pytest.raises(InvalidArgument, match="floating point"):
         geom.frame(torch.ones(12, 3, dtype=torch.int64))
 
 
@@ -806,5 +807,5 @@ def test_a_frame_keeping_the_point_in_its_dtype_gives_the_same_numbers(metric, d
     (g,) = torch.autograd.grad(y.double().square().sum(), u32)
     (want,) = torch.autograd.grad(full.retract(u32).double().square().sum(), u32)
     torch.testing.assert_close(g, want.to(g.dtype), rtol=1e-5, atol=1e-7)  # y rounded to float32
-    with pytest.raises(TypeError, match="keep_dtype must be True or False"):
+    with pytest.raises(InvalidArgumentType, match="keep_dtype must be True or False"):
         geom.frame(x, keep_dtype="yes")

@@ -19,6 +19,7 @@ from _projection_checks import check_projection
 
 from quotient_manifolds import GLQuotient
 from quotient_manifolds.core import FULL_GL, METRICS, GLQuotientGeometry, RotaryGroup, as_group
+from quotient_manifolds.errors import InvalidArgument
 
 F64 = torch.float64
 GROUPS = [FULL_GL, RotaryGroup(), RotaryGroup("interleaved"), RotaryGroup("half", 4),
@@ -169,16 +170,16 @@ def test_property_projection_idempotent_and_orthogonal(problem):
 
 
 def test_group_validation_errors():
-    with pytest.raises(ValueError, match="positive even integer"):
+    with pytest.raises(InvalidArgument, match="positive even integer"):
         RotaryGroup(rotary_dim=3)
-    with pytest.raises(ValueError, match="unknown rotary pairing"):
+    with pytest.raises(InvalidArgument, match="unknown rotary pairing"):
         RotaryGroup("adjacent")
-    with pytest.raises(ValueError, match="does not fit a head"):
+    with pytest.raises(InvalidArgument, match="does not fit a head"):
         GLQuotientGeometry(8, 8, 4, group=RotaryGroup(rotary_dim=6))
-    with pytest.raises(ValueError, match="unknown group"):
+    with pytest.raises(InvalidArgument, match="unknown group"):
         as_group("so")
     geom = GLQuotientGeometry(5, 5, 4, group="rope")
-    with pytest.raises(ValueError, match="full GL"):
+    with pytest.raises(InvalidArgument, match="full GL"):
         geom.balance(geom.random_point(dtype=F64))
     assert as_group("rope") == RotaryGroup() and as_group(None) is FULL_GL
 

@@ -20,6 +20,7 @@ from quotient_manifolds import adapters
 from quotient_manifolds.adapters.hessian import RiemannianHessian, riemannian_hessian, top_eigenvalues, trace
 from quotient_manifolds.adapters.components import QuotientComponent
 from quotient_manifolds.core.groups import RotaryGroup
+from quotient_manifolds.errors import InvalidArgument
 from conftest import reparametrised_copy
 
 DT = torch.float64
@@ -370,19 +371,19 @@ def test_model_never_modified_and_train_flags_restored():
 
 def test_errors_are_actionable():
     model = tiny_attention()
-    with pytest.raises(ValueError, match="geometry"):
+    with pytest.raises(InvalidArgument, match="geometry"):
         riemannian_hessian(model, tiny_batches(), geometry="euclid")
-    with pytest.raises(ValueError, match="reduction"):
+    with pytest.raises(InvalidArgument, match="reduction"):
         riemannian_hessian(model, tiny_batches(), reduction="max")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidArgument, match="empty"):
         riemannian_hessian(model, [])
     op = riemannian_hessian(model, tiny_batches(), geometry="adaptive")
-    with pytest.raises(ValueError, match="k must be"):
+    with pytest.raises(InvalidArgument, match="k must be"):
         top_eigenvalues(op, 0)
-    with pytest.raises(ValueError, match="trace method"):
+    with pytest.raises(InvalidArgument, match="method must be one of"):
         trace(op, method="lanczos")
     frozen = tiny_attention().requires_grad_(False)
-    with pytest.raises(ValueError, match="requires_grad"):
+    with pytest.raises(InvalidArgument, match="requires_grad"):
         riemannian_hessian(frozen, tiny_batches())
     assert isinstance(op, RiemannianHessian) and "adaptive" in repr(op)
 

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from quotient_manifolds import adapters  # noqa: E402
 from quotient_manifolds.adapters.integrations import GeodesicSAMTrainer, SharpnessCallback  # noqa: E402
 from quotient_manifolds.adapters.monitor import SharpnessMonitor  # noqa: E402
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UsageError
 
 VOCAB, LENGTH = 40, 6
 
@@ -158,27 +159,27 @@ def test_the_tensorboard_event_file_holds_the_scalars(tmp_path):
 
 def test_errors_say_what_to_do(tmp_path):
     trainer = transformers.Trainer(model=tiny_model(), args=training_args(tmp_path), train_dataset=examples(8, 0))
-    with pytest.raises(TypeError, match="needs the transformers.Trainer"):
+    with pytest.raises(InvalidArgumentType, match="needs the transformers.Trainer"):
         SharpnessCallback(held_batches(), held_batches(), every_n_steps=1, rho=0.1)
-    with pytest.raises(ValueError, match="never measure"):
+    with pytest.raises(InvalidArgument, match="never measure"):
         SharpnessCallback(trainer, held_batches(), rho=0.1)
-    with pytest.raises(TypeError, match="exactly one of rho"):
+    with pytest.raises(InvalidArgumentType, match="exactly one of rho"):
         SharpnessCallback(trainer, held_batches(), every_n_steps=1)
-    with pytest.raises(TypeError, match="exactly one of rho"):
+    with pytest.raises(InvalidArgumentType, match="exactly one of rho"):
         SharpnessCallback(trainer, held_batches(), every_n_steps=1, rho=0.1, target_loss_rise=0.1)
-    with pytest.raises(ValueError, match="geometry"):
+    with pytest.raises(InvalidArgument, match="geometry"):
         SharpnessCallback(trainer, held_batches(), every_n_steps=1, rho=0.1, geometries=["geodesic"])
-    with pytest.raises(TypeError, match="unexpected keyword"):
+    with pytest.raises(InvalidArgumentType, match="unexpected keyword"):
         SharpnessCallback(trainer, held_batches(), every_n_steps=1, rho=0.1, n_iter=3)
-    with pytest.raises(TypeError, match="set by the monitor"):
+    with pytest.raises(InvalidArgumentType, match="set by the monitor"):
         SharpnessCallback(trainer, held_batches(), every_n_steps=1, rho=0.1, geometry="adaptive")
-    with pytest.raises(ValueError, match="one radius per geometry"):
+    with pytest.raises(InvalidArgument, match="one radius per geometry"):
         SharpnessCallback(trainer, held_batches(), every_n_steps=1, rho={"adaptive": 0.1})
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidArgument, match="empty"):
         SharpnessCallback(trainer, [], every_n_steps=1, rho=0.1)
     other = transformers.Trainer(model=tiny_model(), args=training_args(tmp_path), train_dataset=examples(8, 0))
     other.add_callback(SharpnessCallback(trainer, held_batches(), every_n_steps=1, rho=0.1))
-    with pytest.raises(RuntimeError, match="another Trainer"):
+    with pytest.raises(UsageError, match="another Trainer"):
         other.train()
 
 
@@ -223,9 +224,9 @@ def test_geodesic_sam_trainer_perturbs_the_same_function_from_every_representati
 
 
 def test_geodesic_sam_trainer_refuses_what_it_cannot_do(tmp_path):
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
+    with pytest.raises(InvalidArgument, match="gradient_accumulation_steps=1"):
         _sam_trainer(tmp_path, tiny_model(), "geodesic-mix", gradient_accumulation_steps=2)
-    with pytest.raises(ValueError, match="sam_geometry"):
+    with pytest.raises(InvalidArgument, match="sam_geometry"):
         _sam_trainer(tmp_path, tiny_model(), "geodesic")
-    with pytest.raises(ValueError, match="sam_rho"):
+    with pytest.raises(InvalidArgument, match="sam_rho"):
         GeodesicSAMTrainer(model=tiny_model(), args=training_args(tmp_path), sam_rho=-1.0)

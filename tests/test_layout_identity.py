@@ -12,6 +12,7 @@ import torch
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.derive import derive_groups
 from quotient_manifolds.adapters.worst_case import sharpness, sharpness_sweep
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UnsupportedModel
 
 T = pytest.importorskip("transformers")
 
@@ -78,7 +79,7 @@ def test_a_layout_of_another_head_count_is_refused_naming_the_block(entry, monke
     sharpness is not invariant under the 2-head model's symmetry. It must not run."""
     lay4, model = adapters.layout(tiny_bert(4)), tiny_bert(2)
     snap = snapshot(model)
-    with pytest.raises(ValueError, match=r"block bert\.encoder\.layer\.0\.attention: built for 4 heads, "
+    with pytest.raises(InvalidArgument, match=r"block bert\.encoder\.layer\.0\.attention: built for 4 heads, "
                                          r"this model has 2 heads \(self\.num_attention_heads"):
         ENTRY_POINTS[entry](model, lay4, monkeypatch)
     assert unchanged(model, snap)
@@ -92,7 +93,7 @@ def test_a_layout_of_another_architecture_names_the_missing_parameter(entry, mon
                                                   intermediate_size=16))
     model = tiny_bert(2)
     snap = snapshot(model)
-    with pytest.raises(ValueError, match=r"parameter 'vit\.layers\.0\.attention\.q_proj\.weight' \(used by "
+    with pytest.raises(InvalidArgument, match=r"parameter 'vit\.layers\.0\.attention\.q_proj\.weight' \(used by "
                                          r"block vit\.layers\.0\.attention/qk\) is missing from this model"):
         ENTRY_POINTS[entry](model, adapters.layout(vit), monkeypatch)
     assert unchanged(model, snap)
@@ -100,7 +101,7 @@ def test_a_layout_of_another_architecture_names_the_missing_parameter(entry, mon
 
 def test_a_layout_of_another_width_names_the_shapes():
     model = tiny_bert(2, hidden=16)
-    with pytest.raises(ValueError, match=r"built for shape \(50, 8\), this model has \(50, 16\)"):
+    with pytest.raises(InvalidArgument, match=r"built for shape \(50, 8\), this model has \(50, 16\)"):
         sharpness(model, BATCHES, rho=0.1, n_iters=2, layout=adapters.layout(tiny_bert(2)))
 
 
@@ -128,7 +129,7 @@ def test_a_declared_layout_and_a_hand_built_one_keep_working():
                               frozen=[], unsupported=[])          # no identity recorded: names only
     for lay in (declared, by_hand):
         assert lay.verify(model, {"input_ids": IDS}).passed
-    with pytest.raises(ValueError, match="built for 2 heads, this model has 4 heads"):
+    with pytest.raises(InvalidArgument, match="built for 2 heads, this model has 4 heads"):
         declared.verify(tiny_bert(4), {"input_ids": IDS})
 
 
@@ -139,21 +140,21 @@ def test_declare_block_refuses_a_head_larger_than_its_factors_naming_the_block()
             super().__init__()
             self.q, self.k = torch.nn.Linear(2, 8), torch.nn.Linear(2, 8)
 
-    with pytest.raises(ValueError, match=r"block '/qk': head_dim 8 exceeds the rows of G \(3, 8\) or H \(3, 8\)"):
+    with pytest.raises(InvalidArgument, match=r"block '/qk': head_dim 8 exceeds the rows of G \(3, 8\) or H \(3, 8\)"):
         adapters.declare_block(Scores(), q="q", k="k", num_heads=1)
 
 
 def test_declare_block_names_the_block_when_heads_do_not_divide_the_projection():
     model = tiny_bert(2)
     path = "bert.encoder.layer.0.attention"
-    with pytest.raises(ValueError, match=rf"block '{path}\.self/qk': cannot infer head_dim: "
+    with pytest.raises(InvalidArgument, match=rf"block '{path}\.self/qk': cannot infer head_dim: "
                                          rf"'{path}\.self\.query' gives 8 features"):
         adapters.declare_block(model, q=f"{path}.self.query", k=f"{path}.self.key", num_heads=3)
-    with pytest.raises(ValueError, match=rf"block '{path}/vo': '{path}\.self\.value' gives 8 features but "
+    with pytest.raises(InvalidArgument, match=rf"block '{path}/vo': '{path}\.self\.value' gives 8 features but "
                                          rf"1 heads x 16 need 16"):
         adapters.declare_block(model, v=f"{path}.self.value", o=f"{path}.output.dense", num_heads=1,
                                head_dim=16)
-    with pytest.raises(ValueError, match="num_heads must be an integer >= 1, got 0"):
+    with pytest.raises(InvalidArgument, match="num_heads must be an integer >= 1, got 0"):
         adapters.declare_block(model, q=f"{path}.self.query", k=f"{path}.self.key", num_heads=0)
 
 
@@ -162,7 +163,7 @@ def test_detection_reports_heads_larger_than_the_hidden_size_as_unsupported():
     cfg = T.LlamaConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=2, head_dim=16, intermediate_size=16)
     model = T.LlamaForCausalLM(cfg).eval()
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn/vo \[LlamaAttention\]: head_dim 16 "
+    with pytest.raises(UnsupportedModel, match=r"model\.layers\.0\.self_attn/vo \[LlamaAttention\]: head_dim 16 "
                                          r"exceeds the rows of the VO factors per head \(G 8, H 8\)"):
         adapters.layout(model)
     lay = adapters.layout(model, allow_unsupported=True)
@@ -183,7 +184,7 @@ def test_a_meta_model_is_refused_with_how_to_materialise_it(entry, monkeypatch):
     model = tiny_bert(2, device="meta")
     lay = adapters.layout(model)                  # shapes are enough for a layout
     assert len(lay.blocks) == 2
-    with pytest.raises(ValueError, match=r"meta device .*model\.to_empty\(device='cpu'\).*load_state_dict"):
+    with pytest.raises(InvalidArgument, match=r"meta device .*model\.to_empty\(device='cpu'\).*load_state_dict"):
         ENTRY_POINTS[entry](model, lay, monkeypatch)
 
 
@@ -202,7 +203,7 @@ def test_wrong_shaped_token_ids_name_the_batch_and_the_shape(entry, ids, words):
     model = tiny_bert(2)
     snap = snapshot(model)
     batches = [BATCHES[0], ({"input_ids": ids}, LABELS)]
-    with pytest.raises(ValueError, match=words):
+    with pytest.raises(InvalidArgument, match=words):
         if entry == "sharpness":
             sharpness(model, batches, rho=0.1, n_iters=2, geometry="adaptive")
         else:
@@ -212,11 +213,11 @@ def test_wrong_shaped_token_ids_name_the_batch_and_the_shape(entry, ids, words):
 
 def test_an_attention_mask_of_another_shape_than_the_ids_is_refused():
     mask = torch.ones(2, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"batch 0: attention_mask has shape \(2, 4\), but input_ids has shape \(2, 5\)"):
+    with pytest.raises(InvalidArgument, match=r"batch 0: attention_mask has shape \(2, 4\), but input_ids has shape \(2, 5\)"):
         sharpness(tiny_bert(2), [({"input_ids": IDS, "attention_mask": mask}, LABELS)], rho=0.1, n_iters=2)
 
 
-@pytest.mark.parametrize("size,error", [(0, ValueError), (-2, ValueError), (1.5, TypeError)])
+@pytest.mark.parametrize("size,error", [(0, InvalidArgument), (-2, InvalidArgument), (1.5, InvalidArgumentType)])
 def test_batch_size_fn_must_give_a_positive_integer(size, error):
     pytest.importorskip("curvlinops")
     from quotient_manifolds.adapters.hessian import riemannian_hessian

@@ -16,6 +16,7 @@ from quotient_manifolds.core import FULL_GL
 from quotient_manifolds.adapters import Layout, SymmetryError, declare_block
 from quotient_manifolds.adapters.blocks import FactorPiece, GLBlock
 from quotient_manifolds.adapters.verify import default_tolerance
+from quotient_manifolds.errors import InvalidArgument, UnknownName, UnsupportedModel
 from conftest import PlainAttention, PlainViT
 
 
@@ -86,9 +87,9 @@ def test_factor_piece_read_write_mask(kind, offset, heads):
     (p.write(Wr, vr) * weights).sum().backward()
     assert torch.equal(vr.grad, p.read({"w": weights}))
     assert torch.equal(torch.zeros_like(W) if Wr.grad is None else Wr.grad, weights * (~mask))
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument):
         FactorPiece("w", "diag", 0, 1, 1)
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(InvalidArgument, match="out of range"):
         FactorPiece("w", kind, offset=8, num_heads=2, head_dim=3).check_shape(W.shape)
 
 
@@ -181,7 +182,7 @@ def test_act_preserves_every_head_product_and_random_actions_condition():
         assert not torch.allclose(G2, G)
     gauss = lay.random_actions(params, scale=0.5, cond=None, generator=g)
     assert set(gauss) == set(lay.block_names)
-    with pytest.raises(KeyError):
+    with pytest.raises(UnknownName):
         lay.act(params, {"nope": acts[lay.blocks[0].name]})
 
 
@@ -314,7 +315,7 @@ def test_mha_separate_qkv_weights_kdim():
     # vdim 6 < head_dim 8: G = [W_vᵀ; b_v] is 7 x 8 per head, of rank < 8, so GL(8) has no
     # quotient there: the V/O part is reported (it was accepted, then refused by the measures)
     narrow = nn.MultiheadAttention(16, 2, kdim=10, vdim=6, batch_first=True)
-    with pytest.raises(ValueError, match=r"- /vo \[MultiheadAttention\]: head_dim 8 exceeds the rows"):
+    with pytest.raises(UnsupportedModel, match=r"- /vo \[MultiheadAttention\]: head_dim 8 exceeds the rows"):
         adapters.layout(narrow)
     assert [b.kind for b in adapters.layout(narrow, allow_unsupported=True).blocks] == ["qk"]
 
@@ -473,7 +474,7 @@ class MyAttention(nn.Module):
 def test_user_declared_blocks_on_custom_module():
     torch.manual_seed(0)
     model = nn.Sequential(MyAttention(), nn.LayerNorm(16)).eval()
-    with pytest.raises(ValueError, match=r"0 \[MyAttention\]"):
+    with pytest.raises(UnsupportedModel, match=r"0 \[MyAttention\]"):
         adapters.layout(model)
     blocks = [declare_block(model, q="0.wa", k="0.wb", num_heads=2),
               declare_block(model, v="0.wc", o="0.wd", num_heads=2)]
@@ -485,7 +486,7 @@ def test_user_declared_blocks_on_custom_module():
     # declared without the q bias: a sub-block; the q bias becomes adaptive
     lay2 = adapters.layout(model, blocks=[declare_block(model, q="0.wa", k="0.wb", num_heads=2, bias=False)])
     assert "0.wa.bias" in lay2.adaptive and "0.wa.bias" not in lay2.gl_masks
-    with pytest.raises(ValueError, match="declare either"):
+    with pytest.raises(InvalidArgument, match="declare either"):
         declare_block(model, q="0.wa", v="0.wc", num_heads=2)
 
 
@@ -494,7 +495,7 @@ def test_declared_packed_offsets_give_partial_masks():
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 1,
                                 enable_nested_tensor=False).eval()
     path = "layers.0.self_attn.in_proj_weight"
-    with pytest.raises(ValueError, match="head_dim is required"):
+    with pytest.raises(InvalidArgument, match="head_dim is required"):
         declare_block(enc, q=path, k=path, num_heads=4, offsets={"k": 16})
     blk = declare_block(enc, q=path, k=path, num_heads=4, head_dim=4, offsets={"k": 16})
     assert (blk.n, blk.m) == (16, 16)
@@ -532,7 +533,7 @@ class RotaryAttention(PlainAttention):
 def test_rotary_attention_is_unsupported_and_declared_block_is_caught():
     torch.manual_seed(0)
     model = PlainViT(attn_cls=RotaryAttention).eval()
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(UnsupportedModel) as err:
         adapters.layout(model)
     msg = str(err.value)
     # only the Q/K half is unsupported (the rotation acts between q and k); V/O is still detected
@@ -541,7 +542,7 @@ def test_rotary_attention_is_unsupported_and_declared_block_is_caught():
                                                                                        "blocks.1.attn/vo"]
     assert "allow_unsupported=True" in msg and "declare_block" in msg
     # a full-GL Q/K block on rotary attention is refused when declared (it is not a symmetry) ...
-    with pytest.raises(ValueError, match="group='rope'"):
+    with pytest.raises(InvalidArgument, match="group='rope'"):
         declare_block(model, q="blocks.0.attn.q", k="blocks.0.attn.k", num_heads=2)
     # ... and caught by verify when forced with an explicit group
     blocks = [declare_block(model, q=f"blocks.{i}.attn.q", k=f"blocks.{i}.attn.k", num_heads=2,
@@ -553,7 +554,7 @@ def test_rotary_attention_is_unsupported_and_declared_block_is_caught():
         lay.verify(model, torch.randn(2, 1, 8, 8))
     report = err.value.report
     assert sorted(report.failing) == ["blocks.0.attn/qk", "blocks.1.attn/qk"]      # VO is still a symmetry
-    assert "blocks.0.attn/qk" in str(err.value) and isinstance(err.value, AssertionError)
+    assert "blocks.0.attn/qk" in str(err.value) and not isinstance(err.value, AssertionError)
     assert min(b.max_rel_dev for b in report.blocks if not b.passed) > 100 * report.rtol
     assert_unchanged(model, snap)
     soft = lay.verify(model, torch.randn(2, 1, 8, 8), raise_on_failure=False)
@@ -599,7 +600,7 @@ def test_relative_position_bert_4x_structure_is_unsupported():
             self.output = ViTSelfOutput(16)
 
     model = nn.ModuleDict({"attention": BertAttention()})
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(UnsupportedModel) as err:
         adapters.layout(model)
     msg = str(err.value)
     assert "attention [BertSelfAttention]" in msg and "relative_key" in msg and "distance_embedding" in msg
@@ -633,7 +634,7 @@ def test_llama_subclass_with_own_forward_gets_structural_blocks():
 
 def test_model_without_attention_raises():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    with pytest.raises(ValueError, match="(?s)no GL block found in Sequential.*No attention-like module"):
+    with pytest.raises(UnsupportedModel, match="(?s)no GL block found in Sequential.*No attention-like module"):
         adapters.layout(model)
     lay = adapters.layout(model, allow_unsupported=True)
     assert lay.blocks == [] and lay.adaptive == ["0.weight", "0.bias", "2.weight", "2.bias"]
@@ -665,7 +666,7 @@ def test_packed_qkv_linear_is_unsupported_not_adaptive():
             self.num_heads = 2
             self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
 
-    with pytest.raises(ValueError, match=r"packed projection qkv.*offsets"):
+    with pytest.raises(UnsupportedModel, match=r"packed projection qkv.*offsets"):
         adapters.layout(nn.Sequential(Attention()))
 
 

@@ -20,6 +20,7 @@ from quotient_manifolds.adapters import InvariantRiemannianSGD, lora_quotient_pa
 from quotient_manifolds.adapters.lora_training import lora_quotient_points  # noqa: E402
 from quotient_manifolds.geoopt import init_momentum_buffers  # noqa: E402
 from quotient_manifolds.geoopt import GLQuotient  # noqa: E402
+from quotient_manifolds.errors import InvalidArgument
 
 DT = torch.float64
 R = 4
@@ -176,22 +177,22 @@ def test_actionable_errors():
     cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                   intermediate_size=64, num_labels=3)
     base = transformers.BertForSequenceClassification(cfg).to(DT)
-    with pytest.raises(ValueError, match="no trainable peft LoRA pair"):
+    with pytest.raises(InvalidArgument, match="no trainable peft LoRA pair"):
         lora_quotient_parameters(base)
     model = peft.get_peft_model(base, peft.LoraConfig(r=R, target_modules=["query"], task_type="SEQ_CLS"))
-    with pytest.raises(ValueError, match=r"lora_B is all zeros.*eps > 0"):
+    with pytest.raises(InvalidArgument, match=r"lora_B is all zeros.*eps > 0"):
         lora_quotient_parameters(model)                       # peft's initialisation B = 0
     assert lora_quotient_points(model) == {}                  # nothing was modified
-    with pytest.raises(ValueError, match=r"no trainable peft LoRA pair.*for adapters \['other'\]"):
+    with pytest.raises(InvalidArgument, match=r"no trainable peft LoRA pair.*for adapters \['other'\]"):
         lora_quotient_parameters(model, gram_eps=1e-6, adapters=["other"])
     groups = lora_quotient_parameters(model, gram_eps=1e-6)
     assert groups[0]["params"][0].manifold.eps == 1e-6
-    with pytest.raises(ValueError, match="already re-pointed"):
+    with pytest.raises(InvalidArgument, match="already re-pointed"):
         lora_quotient_parameters(model, gram_eps=1e-6)
     dora = peft.get_peft_model(transformers.BertForSequenceClassification(cfg).to(DT), peft.LoraConfig(
         r=R, target_modules=["query"], use_dora=True, task_type="SEQ_CLS"))
     with pytest.warns(UserWarning, match="LoRA variant.*trained as plain parameters"), \
-            pytest.raises(ValueError, match="no trainable peft LoRA pair"):
+            pytest.raises(InvalidArgument, match="no trainable peft LoRA pair"):
         lora_quotient_parameters(dora)
 
 

@@ -23,6 +23,7 @@ import torch
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.derive import derive_groups
 from quotient_manifolds.core import FULL_GL
+from quotient_manifolds.errors import InvalidArgument
 
 transformers = pytest.importorskip("transformers")
 
@@ -239,6 +240,6 @@ def test_declare_block_accepts_t5_qk_and_refuses_deberta_qk_without_its_position
     assert adapters.declare_block(t5, q=f"{a}.q", k=f"{a}.k", num_heads=HEADS).group == FULL_GL
     deberta = _deberta(pos_att_type=["c2p", "p2c"])
     a = "deberta.encoder.layer.0.attention.self"
-    with pytest.raises(ValueError, match=r"(?s)leaves out the positional projection\(s\) pos_query_proj, "
+    with pytest.raises(InvalidArgument, match=r"(?s)leaves out the positional projection\(s\) pos_query_proj, "
                                          r"pos_key_proj.*g=/h= FactorPieces"):
         adapters.declare_block(deberta, q=f"{a}.query_proj", k=f"{a}.key_proj", num_heads=HEADS)

@@ -16,6 +16,7 @@ import pytest
 from pymanopt.tools import diagnostics
 
 from quotient_manifolds.pymanopt import GLQuotient, RescalingQuotient, patched_diagnostics
+from quotient_manifolds.errors import InvalidArgument
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -158,5 +159,5 @@ def test_derivative_free_optimizers_in_one_component(metric):
         result = optimizer.run(problem)
         assert result.cost < factor * start
         assert np.all(np.sign(result.point[0] * result.point[1]) == np.sign(b))
-    with pytest.raises(ValueError, match="signs must hold d = 2 entries"):
+    with pytest.raises(InvalidArgument, match="signs must hold d = 2 entries"):
         RescalingQuotient(2, signs=[1, 0])

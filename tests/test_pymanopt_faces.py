@@ -25,6 +25,7 @@ from quotient_manifolds.pymanopt import (
     RescalingQuotient,
     RescalingTangentVector,
 )
+from quotient_manifolds.errors import InvalidArgument
 
 N, M_, H_ = 8, 6, 2
 D_ = 5
@@ -183,17 +184,17 @@ def test_dist_and_log_invert_exp(kind):
 
 
 def test_invalid_inputs():
-    with pytest.raises(ValueError, match="'inv', 'mix'"):
+    with pytest.raises(InvalidArgument, match="'inv', 'mix'"):
         GLQuotient(N, M_, H_, metric="euclidean")
-    with pytest.raises(ValueError, match="'first_order', 'second_order', 'exact'"):
+    with pytest.raises(InvalidArgument, match="'first_order', 'second_order', 'exact'"):
         RescalingQuotient(D_, retraction="polar")
     M, x = _manifold_and_point("gl")
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(InvalidArgument, match="shape"):
         M.projection(x, (np.ones((N, H_ + 1)), np.ones((M_, H_ + 1))))
     G, H = x
     G = G.copy()
     G[:, 1] = G[:, 0]
-    with pytest.raises(ValueError, match="eps"):
+    with pytest.raises(InvalidArgument, match="eps"):
         M.norm((G, H), M.zero_vector(x))
 
 

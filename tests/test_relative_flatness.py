@@ -16,6 +16,7 @@ from torch.func import functional_call
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters.flatness import default_layer
 from quotient_manifolds.adapters.modes import second_order_mode
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 F = nn.functional
 
@@ -214,7 +215,7 @@ def test_default_layer_finds_the_last_linear_layer_of_a_head_module():
             return self.classifier(self.body(x))
 
     assert default_layer(Net()) == "classifier.2"
-    with pytest.raises(ValueError, match="no output layer"):
+    with pytest.raises(InvalidArgument, match="no output layer"):
         adapters.relative_flatness(nn.Sequential(nn.Linear(4, 3)), data())
 
 
@@ -230,13 +231,13 @@ def test_the_model_is_left_as_it_was():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(layer="9"), ValueError, "no module '9'"),
-    (dict(layer="1"), TypeError, "ReLU, not a linear layer"),
-    (dict(layer=2), TypeError, "module path"),
-    (dict(layer="2", n_probes=1), ValueError, "n_probes"),
-    (dict(layer="2", method="dense"), ValueError, "method"),
-    (dict(layer="2", reduction="max"), ValueError, "reduction"),
-    (dict(layer="2", seed=-1), ValueError, "seed"),
+    (dict(layer="9"), InvalidArgument, "no module '9'"),
+    (dict(layer="1"), InvalidArgumentType, "ReLU, not a linear layer"),
+    (dict(layer=2), InvalidArgumentType, "module path"),
+    (dict(layer="2", n_probes=1), InvalidArgument, "n_probes"),
+    (dict(layer="2", method="dense"), InvalidArgument, "method"),
+    (dict(layer="2", reduction="max"), InvalidArgument, "reduction"),
+    (dict(layer="2", seed=-1), InvalidArgument, "seed"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -244,9 +245,9 @@ def test_bad_arguments_are_refused(kwargs, error, match):
 
 
 def test_half_precision_and_empty_batches_are_refused():
-    with pytest.raises(TypeError, match="float32 copy"):
+    with pytest.raises(InvalidArgumentType, match="float32 copy"):
         adapters.relative_flatness(mlp().half(), data(), layer="2")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidArgument, match="empty"):
         adapters.relative_flatness(mlp(), [], layer="2")
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from quotient_manifolds import adapters
 from quotient_manifolds.adapters import GeodesicSAM
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UsageError
 from tests.conftest import PlainViT
 from conftest import reparametrised_copy
 
@@ -317,31 +318,31 @@ def test_errors_say_what_to_do():
     model = PlainViT()
     batch = (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
     opt = GeodesicSAM(model, torch.optim.SGD, lr=0.1)
-    with pytest.raises(RuntimeError, match="loss.backward"):
+    with pytest.raises(UsageError, match="loss.backward"):
         opt.first_step()
-    with pytest.raises(RuntimeError, match="closure"):
+    with pytest.raises(UsageError, match="closure"):
         opt.step()
-    with pytest.raises(RuntimeError, match="first_step"):
+    with pytest.raises(UsageError, match="first_step"):
         opt.second_step()
     backward(model, batch)
     opt.first_step()
-    with pytest.raises(RuntimeError, match="twice"):
+    with pytest.raises(UsageError, match="twice"):
         opt.first_step()
     opt.second_step()
-    with pytest.raises(ValueError, match="geometry"):
+    with pytest.raises(InvalidArgument, match="geometry"):
         GeodesicSAM(model, torch.optim.SGD, geometry="asam", lr=0.1)
-    with pytest.raises(ValueError, match="first_order"):
+    with pytest.raises(InvalidArgument, match="first_order"):
         GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", retraction="exact", lr=0.1)
-    with pytest.raises(ValueError, match="rho"):
+    with pytest.raises(InvalidArgument, match="rho"):
         GeodesicSAM(model, torch.optim.SGD, rho=0.0, lr=0.1)
-    with pytest.raises(TypeError, match="instance"):
+    with pytest.raises(InvalidArgumentType, match="instance"):
         GeodesicSAM(model, torch.optim.SGD(model.parameters(), lr=0.1), lr=0.1)
-    with pytest.raises(TypeError, match="Optimizer"):
+    with pytest.raises(InvalidArgumentType, match="Optimizer"):
         GeodesicSAM(model, "sgd", lr=0.1)
-    with pytest.raises(ValueError, match="not parameters of the model"):
+    with pytest.raises(InvalidArgument, match="not parameters of the model"):
         GeodesicSAM(model, torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1))
     no_attention = [p for n, p in model.named_parameters() if ".attn." not in n]
-    with pytest.raises(ValueError, match="does not update"):
+    with pytest.raises(InvalidArgument, match="does not update"):
         GeodesicSAM(model, torch.optim.SGD(no_attention, lr=0.1))
     # an exception at w_adv leaves the weights at w
     w = params_of(model)
@@ -384,7 +385,7 @@ def test_second_step_refuses_a_non_finite_gradient_at_w_adv_and_restores_w(geome
         opt.first_step(zero_grad=True)
         backward(model, batch)
         name = _poison(model, seed, value)
-        with pytest.raises(ValueError, match="non-finite.*restored to w") as err:
+        with pytest.raises(InvalidArgument, match="non-finite.*restored to w") as err:
             opt.second_step(zero_grad=True)
         assert name in str(err.value)
         assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters()), (seed, name)
@@ -409,21 +410,21 @@ def test_base_optimizer_hyperparameters_are_validated(key, value):
         GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", **kwargs)
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     base.param_groups[0][key] = value           # torch lets NaN through (nan < 0 is False)
-    with pytest.raises(ValueError, match=f"param group 0 has {key}="):
+    with pytest.raises(InvalidArgument, match=f"param group 0 has {key}="):
         GeodesicSAM(model, base, geometry="adaptive")
     opt = GeodesicSAM(model, torch.optim.SGD, geometry="adaptive", lr=0.1, momentum=0.9)
     opt.param_groups[0][key] = value
     w = params_of(model)
     backward(model, batch)
-    with pytest.raises(ValueError, match=key):
+    with pytest.raises(InvalidArgument, match=key):
         opt.first_step()
     assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())
     adam = torch.optim.AdamW(model.parameters(), lr=1e-3)
     adam.param_groups[0]["lr"] = -1e-3         # a negative rate would ascend: refused too
-    with pytest.raises(ValueError, match="lr=-0.001: a number >= 0"):
+    with pytest.raises(InvalidArgument, match="lr=-0.001: a number >= 0"):
         GeodesicSAM(model, adam, geometry="adaptive")
     adam.param_groups[0].update(lr=1e-3, betas=(0.9, float("nan")))
-    with pytest.raises(ValueError, match="betas=.*nan"):
+    with pytest.raises(InvalidArgument, match="betas=.*nan"):
         GeodesicSAM(model, adam, geometry="adaptive")
     adam.param_groups[0].update(betas=(0.9, 0.999), custom_threshold=float("inf"))
     GeodesicSAM(model, adam, geometry="adaptive")   # an infinite setting torch does not define: kept
@@ -456,7 +457,7 @@ def test_bf16_autocast_step_is_finite_and_a_non_finite_gradient_leaves_the_model
             opt.first_step(zero_grad=True)
             closure()
             _poison(model, 1, float("inf"))
-        with pytest.raises(ValueError, match="non-finite"):
+        with pytest.raises(InvalidArgument, match="non-finite"):
             opt.first_step() if where == "w" else opt.second_step()
         assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters()), where
 
@@ -513,6 +514,6 @@ def test_parameters_replaced_after_construction_are_refused():
     model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
     w = params_of(model)
     backward(model, (torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,))))
-    with pytest.raises(RuntimeError, match="head.weight were replaced.*after sharding"):
+    with pytest.raises(UsageError, match="head.weight were replaced.*after sharding"):
         opt.first_step()
     assert all(torch.equal(p.detach(), w[n]) for n, p in model.named_parameters())

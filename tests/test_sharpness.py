@@ -17,7 +17,9 @@ from quotient_manifolds.adapters.ball import GEOMETRIES
 from quotient_manifolds.adapters.components import ProductBall, QuotientComponent
 from quotient_manifolds.adapters.solver import auto_pgd
 from quotient_manifolds.adapters.worst_case import sharpness
-from quotient_manifolds.core import RescalingGeometry, sharpness_mix_orthonormal
+from quotient_manifolds.core import RescalingGeometry
+from quotient_manifolds.experiments.closed_forms import sharpness_mix_orthonormal
+from quotient_manifolds.errors import InvalidArgument, NonFiniteLoss, UnsupportedModel
 from conftest import reparametrised_copy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -294,15 +296,15 @@ def test_model_bit_identical_after_exception_or_interrupt(exc):
 def test_errors_are_actionable():
     model = tiny_bert()
     batches = batches_for("bert", model)
-    with pytest.raises(ValueError, match="rho"):
+    with pytest.raises(InvalidArgument, match="rho"):
         sharpness(model, batches, rho=0.0)
-    with pytest.raises(ValueError, match="rho"):
+    with pytest.raises(InvalidArgument, match="rho"):
         sharpness(model, batches, rho=-1.0)
-    with pytest.raises(ValueError, match="geodesic-mix"):
+    with pytest.raises(InvalidArgument, match="geodesic-mix"):
         sharpness(model, batches, geometry="geodesic", rho=0.1)
-    with pytest.raises(ValueError, match="second_order"):
+    with pytest.raises(InvalidArgument, match="second_order"):
         sharpness(model, batches, rho=0.1, retraction="secondorder")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidArgument, match="empty"):
         sharpness(model, [], rho=0.1)
 
 
@@ -312,16 +314,16 @@ def test_non_finite_weights_and_loss():
     bad = copy.deepcopy(model)
     with torch.no_grad():
         bad.classifier.weight[0, 0] = float("nan")
-    with pytest.raises(ValueError, match="classifier.weight"):
+    with pytest.raises(InvalidArgument, match="classifier.weight"):
         sharpness(bad, batches, rho=0.1)
-    with pytest.raises(FloatingPointError, match="not finite"):
+    with pytest.raises(NonFiniteLoss, match="not finite"):
         sharpness(model, batches, rho=0.1, loss_fn=lambda o, t: o.logits.sum() * float("inf"))
 
 
 def test_model_without_attention():
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
     batches = [(torch.randn(4, 5), torch.randint(0, 3, (4,)))]
-    with pytest.raises(ValueError):
+    with pytest.raises(UnsupportedModel):
         sharpness(model, batches, geometry="geodesic-mix", rho=0.1)
     # adaptive needs no attention at all
     assert math.isfinite(sharpness(model, batches, geometry="adaptive", rho=0.1, n_iters=3).value)
@@ -340,7 +342,7 @@ def test_near_singular_gram_names_block_and_suggests_eps():
         layer.query.weight[:8].zero_()   # heads 0 and 1 of layer 1: G = [W_q rows; b_q] rank-deficient
         layer.query.bias[:8].zero_()
     batches = batches_for("bert", model)
-    with pytest.raises(ValueError, match=r"(?s)layer\.1.*eps"):
+    with pytest.raises(InvalidArgument, match=r"(?s)layer\.1.*eps"):
         sharpness(model, batches, geometry="geodesic-mix", rho=0.1, n_iters=2)
     res = sharpness(model, batches, geometry="geodesic-mix", rho=0.1, n_iters=2, gram_eps=1e-6)
     assert math.isfinite(res.value)

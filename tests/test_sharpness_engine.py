@@ -22,6 +22,7 @@ from quotient_manifolds.adapters.losses import next_token_loss
 from quotient_manifolds.adapters.solver import auto_pgd
 from quotient_manifolds.adapters.worst_case import sharpness
 from quotient_manifolds._runtime import FrameCache, bounded_threads
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,7 +77,7 @@ def test_half_precision_floating_inputs_are_cast(plain_vit):
 
 def test_half_precision_loss_is_refused(tiny_bert):
     model, inputs = tiny_bert
-    with pytest.raises(TypeError, match="bfloat16.*float32"):
+    with pytest.raises(InvalidArgumentType, match="bfloat16.*float32"):
         sharpness(model, _labelled(inputs), geometry="adaptive", rho=0.01, n_iters=2,
                   loss_fn=lambda o, t: nn.functional.cross_entropy(o.logits, t).bfloat16())
 
@@ -96,21 +97,21 @@ def test_rho_accepts_numpy_and_torch_scalars(tiny_bert, rho):
                                  torch.tensor([0.1, 0.2]), "0.1", None])
 def test_rho_rejects_bad_values_clearly(tiny_bert, rho):
     model, inputs = tiny_bert
-    with pytest.raises(ValueError, match="rho"):
+    with pytest.raises(InvalidArgument, match="rho"):
         sharpness(model, _labelled(inputs), geometry="adaptive", rho=rho, n_iters=2)
 
 
 def test_all_frozen_model_is_refused_clearly(tiny_bert):
     model, inputs = tiny_bert
     model.requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable parameter.*requires_grad"):
+    with pytest.raises(InvalidArgument, match="no trainable parameter.*requires_grad"):
         sharpness(model, _labelled(inputs), rho=0.1)
     assert not any(p.requires_grad for p in model.parameters())
 
 
 def test_malformed_batch_is_reported(tiny_bert):
     model, inputs = tiny_bert
-    with pytest.raises(ValueError, match="batch 0.*pair or a dict"):
+    with pytest.raises(InvalidArgument, match="batch 0.*pair or a dict"):
         sharpness(model, [inputs["input_ids"]], geometry="adaptive", rho=0.1, n_iters=2)
 
 
@@ -173,7 +174,7 @@ def test_next_token_loss_is_the_hf_causal_lm_loss():
         out = model(**batch)
     assert float(next_token_loss(out, batch["labels"])) == pytest.approx(float(out.loss), rel=1e-6)
     assert adapters.next_token_loss is next_token_loss
-    with pytest.raises(ValueError, match="labels of shape"):
+    with pytest.raises(InvalidArgument, match="labels of shape"):
         next_token_loss(out, batch["labels"][:, :-1])
 
 
@@ -194,12 +195,12 @@ def test_dict_batches_equal_tuple_batches_for_causal_lm():
 def test_dict_batch_without_labels_is_explained():
     model, batch = _tiny_llama()
     unlabelled = {k: batch[k] for k in ("input_ids", "attention_mask")}
-    with pytest.raises(ValueError, match="no loss.*'labels'"):
+    with pytest.raises(InvalidArgument, match="no loss.*'labels'"):
         sharpness(model, [unlabelled], geometry="adaptive", rho=0.05, n_iters=2)
-    with pytest.raises(ValueError, match="no 'labels'"):
+    with pytest.raises(InvalidArgument, match="no 'labels'"):
         sharpness(model, [unlabelled], geometry="adaptive", rho=0.05, n_iters=2,
                   loss_fn=next_token_loss)
-    with pytest.raises(ValueError, match="normalize_logits"):
+    with pytest.raises(InvalidArgument, match="normalize_logits"):
         sharpness(model, [batch], geometry="adaptive", rho=0.05, n_iters=2,
                   normalize_logits=True)
 
@@ -371,16 +372,16 @@ def test_sweep_never_returns_a_smaller_maximum_for_a_larger_ball():
 
 def test_sweep_rejects_bad_radii_and_warm_start_outside_the_ball():
     model, batches = _fitted_vit()
-    with pytest.raises(ValueError, match="strictly increasing"):
+    with pytest.raises(InvalidArgument, match="strictly increasing"):
         adapters.sharpness_sweep(model, batches, [0.1, 0.05])
-    with pytest.raises(ValueError, match="average"):
+    with pytest.raises(InvalidArgument, match="average"):
         adapters.sharpness_sweep(model, batches, [0.1], measure="average")
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidArgumentType):
         adapters.sharpness_sweep(model, batches, [0.1], no_such_option=1)
     params = {n: p.detach() for n, p in model.named_parameters()}
     ball, _ = adapters.ball.build_ball(model, params, geometry="adaptive")
     big = ball.random(torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="warm start"):
+    with pytest.raises(InvalidArgument, match="warm start"):
         adapters.solver.auto_pgd(ball, lambda pts: sum(p.sum() for p in pts), 1e-3, n_iters=2,
                           start=(big, 0.0))
 
@@ -1032,7 +1033,7 @@ def test_out_of_memory_says_what_the_run_needs_and_leaves_the_model_as_it_was(mo
     """An allocator failure in the middle of a forward (the weights substituted, the classes of
     the modules swapped) ends in one error with the run's needs and what to do, not an allocator
     trace; the model's classes, weights and gradients are as before."""
-    from quotient_manifolds.adapters.memory import SharpnessOutOfMemoryError
+    from quotient_manifolds.errors import SharpnessOutOfMemoryError
 
     model, inputs = tiny_bert
     classes = {n: type(m) for n, m in model.named_modules()}
@@ -1053,6 +1054,8 @@ def test_out_of_memory_says_what_the_run_needs_and_leaves_the_model_as_it_was(mo
                        ) as info:
         sharpness(model, _labelled(inputs), geometry="adaptive", rho=0.05, n_iters=3)
     assert info.value.__cause__ is None and info.value.__suppress_context__
+    # what a loop that catches torch's (or Python's) out-of-memory error to retry still catches
+    assert isinstance(info.value, torch.OutOfMemoryError) and isinstance(info.value, MemoryError)
     assert {n: type(m) for n, m in model.named_modules()} == classes
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]) and p.grad is None, name
@@ -1172,11 +1175,11 @@ def test_device_memory_reads_this_process_and_the_decision_counts_the_pass_and_h
     # needs 2 × 20 + (45 − 40) + 5 = 50 GiB
     assert room_for_two_more(20 * gib, DeviceMemory(available=50 * gib, **at))
     assert not room_for_two_more(20 * gib, DeviceMemory(available=50 * gib - 1, **at))
-    with pytest.raises(ValueError, match="in_use must be a number of bytes"):
+    with pytest.raises(InvalidArgument, match="in_use must be a number of bytes"):
         DeviceMemory(available=1, total=2, in_use=-1, peak=0)
-    with pytest.raises(ValueError, match="vector_bytes"):
+    with pytest.raises(InvalidArgument, match="vector_bytes"):
         room_for_two_more(1.5, None)
-    with pytest.raises(TypeError, match="DeviceMemory reading"):
+    with pytest.raises(InvalidArgumentType, match="DeviceMemory reading"):
         room_for_two_more(1, {"available": 1})
 
 
@@ -1219,7 +1222,7 @@ def test_substituted_weights_reach_every_reader_and_match_functional_call():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
-    with pytest.raises(TypeError, match="LazyWeight"):
+    with pytest.raises(InvalidArgumentType, match="LazyWeight"):
         with substituted(model, {"emb.weight": weights["emb.weight"]}):
             pass
     # the places found once serve again (the tied alias included); those of other names are refused
@@ -1228,7 +1231,7 @@ def test_substituted_weights_reach_every_reader_and_match_functional_call():
     with substituted(model, recipes, slots=slots):
         again = model(ids)
     torch.testing.assert_close(again, got, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="parameter_slots"):
+    with pytest.raises(InvalidArgument, match="parameter_slots"):
         with substituted(model, recipes, slots=parameter_slots(model, ["emb.weight"])):
             pass
 
@@ -1315,9 +1318,9 @@ def test_the_default_loss_reads_its_targets_range_once_per_tensor(host_reads):
     default_loss(logits, targets)
     assert len(host_reads) == first
     targets[0] = 3  # in place: read again, and refused
-    with pytest.raises(ValueError, match="class 3.*3 classes"):
+    with pytest.raises(InvalidArgument, match="class 3.*3 classes"):
         default_loss(logits, targets)
-    with pytest.raises(ValueError, match="class 3"):  # a refused tensor is not remembered
+    with pytest.raises(InvalidArgument, match="class 3"):  # a refused tensor is not remembered
         default_loss(logits, targets)
     assert default_loss(torch.randn(4, 4), targets) is not None  # more classes: in range
     ids = torch.randint(0, 7, (2, 5))

@@ -36,6 +36,7 @@ from quotient_manifolds.core.subalgebra import (
     NormalEquationsSolver,
     closure_residual,
 )
+from quotient_manifolds.errors import InvalidArgument
 
 F64 = torch.float64
 H6 = 6
@@ -197,11 +198,11 @@ def test_as_group_and_equality_by_span():
     assert len({a, b}) == 1
     with pytest.raises(AttributeError):
         a.label = "x"
-    with pytest.raises(ValueError, match="does not act on heads"):
+    with pytest.raises(InvalidArgument, match="does not act on heads"):
         GLQuotientGeometry(8, 8, 5, group=a)
     E = torch.zeros(2, 4, 4, dtype=F64)
     E[0, 0, 1] = E[1, 1, 2] = 1.0           # [E01, E12] = E02 is not in the span
-    with pytest.raises(ValueError, match="not closed under the commutator"):
+    with pytest.raises(InvalidArgument, match="not closed under the commutator"):
         SubalgebraGroup(E)
 
 
@@ -216,7 +217,7 @@ def test_random_elements_lie_in_the_group_and_generic_matrices_do_not(group):
     if group.has_scalars:
         assert group.contains(group.random_element(H6, (2,), scale=10.0, generator=gen))
     else:
-        with pytest.raises(ValueError, match="scale=1.0"):
+        with pytest.raises(InvalidArgument, match="scale=1.0"):
             group.random_element(H6, scale=2.0)
 
 
@@ -382,7 +383,7 @@ def test_derive_a_term_on_one_projection_shrinks_the_algebra():
 
 def test_derivation_needs_enough_outputs():
     _, X, Y, G, Hf = _data()
-    with pytest.raises(ValueError, match="cannot decide"):
+    with pytest.raises(InvalidArgument, match="cannot decide"):
         derive_algebra(lambda g, hh: (X[:3] @ g) @ (Y[:3] @ hh).T, G, Hf)
 
 

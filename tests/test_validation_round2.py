@@ -32,6 +32,7 @@ from quotient_manifolds.adapters.losses import default_loss
 from quotient_manifolds.adapters.validation import ascent_found
 from quotient_manifolds.core.gl import GLQuotientGeometry
 from quotient_manifolds.core.rescaling import RescalingGeometry
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UnknownName
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,14 +87,14 @@ def test_each_check_lives_in_one_module():
 
     base, own = defined(_validation), defined(validation)
     assert {"floating_tensor", "same_shape", "tangent", "flag", "integer_at_least", "size", "relaxation",
-            "group_element", "optional_generator"} <= base
-    assert {"positive_finite", "non_negative_finite", "choice", "module", "batches", "names",
+            "group_element", "optional_generator", "choice"} <= base
+    assert {"positive_finite", "non_negative_finite", "module", "batches", "names",
             "optional_callable", "optional_layout", "scalar_loss", "TokenInputs",
             "materialised", "radius", "ascent_found", "class_targets", "layout_for_ball"} <= own
     assert not (base & set(vars(validation))), "adapters.validation serves a check of the base package"
     assert not (own & set(vars(_validation))), "the base package holds a check of the adapters"
     assert as_rho(np.float32(0.5)) == validation.radius(np.float32(0.5)) == 0.5
-    with pytest.raises(ValueError, match="rho must be a finite number > 0"):
+    with pytest.raises(InvalidArgument, match="rho must be a finite number > 0"):
         as_rho(math.nan)
 
 
@@ -120,7 +121,7 @@ def test_the_core_refuses_integer_and_complex_tangents(dtype, method, rescaling,
     if method == "transport" and rescaling:
         return                                       # the rescaling geometry has no transport
     x_before, u_before = x.clone(), u.clone()
-    with pytest.raises(TypeError, match="floating-point"):
+    with pytest.raises(InvalidArgumentType, match="floating-point"):
         getattr(geom, method)(x, u)
     assert torch.equal(x, x_before) and torch.equal(u, u_before)
     # the same vector as floats is taken, and answered in its dtype
@@ -136,7 +137,7 @@ def test_random_points_and_origins_refuse_a_non_real_dtype(dtype):
                  lambda: GLQuotient(5, 4, 2).origin(dtype=dtype),
                  lambda: RescalingQuotient(3).random(dtype=dtype),
                  lambda: GLQuotientGeometry(5, 4, 2).random_point(dtype=dtype)):
-        with pytest.raises(TypeError, match="real floating torch.dtype"):
+        with pytest.raises(InvalidArgumentType, match="real floating torch.dtype"):
             call()
     assert GLQuotient(5, 4, 2).random(dtype=torch.float32).dtype == torch.float32
 
@@ -167,7 +168,7 @@ def test_numpy_integers_are_sizes_like_python_ones(kind, n, h, face):
 def test_sizes_that_are_not_positive_integers_are_refused(bad):
     for call in (lambda: GLQuotientGeometry(5, 5, bad), lambda: RescalingGeometry(bad),
                  lambda: GLQuotientGeometry(5, 5, 2, exact_steps=bad)):
-        with pytest.raises(ValueError, match="must be a positive integer") as err:
+        with pytest.raises(InvalidArgument, match="must be a positive integer") as err:
             call()
         assert repr(bad) in str(err.value)
 
@@ -219,7 +220,7 @@ def test_auto_pgd_refuses_every_bad_argument_before_any_work(data):
     ball, closure = _small_ball()
     kw = {"n_iters": 2, name: value} if name != "rho" else {"n_iters": 2}
     rho = value if name == "rho" else 0.1
-    with pytest.raises((ValueError, TypeError), match=name.replace("_", ".")
+    with pytest.raises((InvalidArgument, InvalidArgumentType), match=name.replace("_", ".")
                        if name not in ("momentum", "step_normalization") else name.split("_")[0]):
         adapters.solver.auto_pgd(ball, closure, rho, **kw)
     assert not closure.calls
@@ -233,7 +234,7 @@ def test_average_case_refuses_every_bad_argument_before_any_work(name, data):
     value = data.draw(st.sampled_from(bad))
     ball, closure = _small_ball()
     kw = {"n_samples": 2, **({name: value} if name != "rho" else {})}
-    with pytest.raises((ValueError, TypeError), match=name):
+    with pytest.raises((InvalidArgument, InvalidArgumentType), match=name):
         adapters.solver.average_case(ball, closure, value if name == "rho" else 0.1, **kw)
     assert not closure.calls
 
@@ -248,11 +249,11 @@ def test_average_case_with_valid_numpy_arguments():
 def test_auto_pgd_inside_inference_mode_names_it():
     ball, closure = _small_ball()
     with torch.inference_mode():
-        with pytest.raises(ValueError, match="inference_mode"):
+        with pytest.raises(InvalidArgument, match="inference_mode"):
             adapters.solver.auto_pgd(ball, closure, 0.1, n_iters=2)
     before = _state(MODEL)
     with torch.inference_mode():
-        with pytest.raises(ValueError, match="inference_mode.*outside"):
+        with pytest.raises(InvalidArgument, match="inference_mode.*outside"):
             adapters.sharpness(MODEL, BATCHES, rho=0.1, n_iters=1, geometry="adaptive")
     _same(MODEL, before)
 
@@ -262,7 +263,7 @@ def test_the_hessian_inside_inference_mode_names_it():
     from quotient_manifolds.adapters.hessian import riemannian_hessian
 
     with torch.inference_mode():
-        with pytest.raises(ValueError, match="inference_mode"):
+        with pytest.raises(InvalidArgument, match="inference_mode"):
             op = riemannian_hessian(MODEL, BATCHES, geometry="adaptive")
             op @ torch.ones(op.shape[1], dtype=torch.float64)
 
@@ -271,9 +272,9 @@ def test_the_hessian_inside_inference_mode_names_it():
 @pytest.mark.parametrize("geometry", ["geodesic-inv", "geodesic-mix"])
 def test_build_ball_of_a_geodesic_geometry_needs_a_layout(geometry):
     params0 = {n: p.detach() for n, p in MODEL.named_parameters()}
-    with pytest.raises(ValueError, match="needs layout="):
+    with pytest.raises(InvalidArgument, match="needs layout="):
         adapters.ball.build_ball(MODEL, params0, geometry=geometry)
-    with pytest.raises(TypeError, match="layout"):
+    with pytest.raises(InvalidArgumentType, match="layout"):
         adapters.ball.build_ball(MODEL, params0, geometry=geometry, layout="x")
 
 
@@ -309,10 +310,10 @@ def test_a_layout_that_disagrees_with_requires_grad_is_refused_by_name(data, bef
 @given(scale=st.sampled_from([0.0, -1.0, -1e-3, math.nan, math.inf, "1", None, True]))
 def test_random_actions_refuse_a_scale_that_gives_no_group_element(scale):
     lay = detect_layout(MODEL)
-    with pytest.raises((ValueError, TypeError), match="scale"):
+    with pytest.raises((InvalidArgument, InvalidArgumentType), match="scale"):
         lay.random_actions(scale=scale)
     for cond in (0.5, math.nan, -1.0):
-        with pytest.raises(ValueError, match="cond"):
+        with pytest.raises(InvalidArgument, match="cond"):
             lay.random_actions(scale=1.0, cond=cond)
     acts = lay.random_actions(scale=np.float64(2.0), generator=torch.Generator().manual_seed(0))
     assert all(bool(torch.isfinite(a).all()) and float(torch.linalg.det(a).abs().min()) > 0
@@ -331,7 +332,7 @@ def test_the_default_loss_refuses_logits_with_a_token_axis(batch, tokens, classe
     shape = (batch, tokens, classes) + ((2,) if extra else ())
     logits = torch.randn(shape, generator=gen, dtype=torch.float64)
     targets = torch.randint(0, classes, (batch, tokens), generator=gen)
-    with pytest.raises(ValueError, match="loss_fn=.*next_token_loss"):
+    with pytest.raises(InvalidArgument, match="loss_fn=.*next_token_loss"):
         default_loss(logits, targets)
     flat = logits.reshape(batch, -1)[:, :classes]
     y = torch.randint(0, classes, (batch,), generator=gen)
@@ -346,7 +347,7 @@ def test_a_token_classifier_without_loss_fn_is_refused(num_labels):
     model = transformers.BertForTokenClassification(cfg).double().eval()
     ids = torch.randint(0, 20, (2, 6))
     before = _state(model)
-    with pytest.raises(ValueError, match="loss_fn="):
+    with pytest.raises(InvalidArgument, match="loss_fn="):
         adapters.sharpness(model, [({"input_ids": ids}, torch.randint(0, num_labels, (2, 6)))], rho=0.1,
                            n_iters=1, geometry="adaptive")
     _same(model, before)
@@ -437,7 +438,7 @@ def test_a_larger_ball_on_a_float32_bert_reports_more_or_warns():
 # ------------------------------------------------------------------ messages that point the right way
 def test_return_dict_false_with_labels_is_told_about_return_dict():
     model, inputs = _bert(return_dict=False)
-    with pytest.raises(ValueError, match="return_dict") as err:
+    with pytest.raises(InvalidArgument, match="return_dict") as err:
         adapters.sharpness(model, [{**inputs, "labels": torch.tensor([0, 1])}], rho=0.1, n_iters=1,
                            geometry="adaptive")
     assert "Add 'labels'" not in str(err.value)
@@ -456,7 +457,7 @@ def test_token_ids_outside_the_vocabulary_name_the_batch_and_the_id(index, bad, 
                        {"input_ids": ids, "labels": torch.tensor([0, 1])})
     kept = [b[0]["input_ids"].clone() if as_pair else b["input_ids"].clone() for b in batches]
     before = _state(MODEL)
-    with pytest.raises(ValueError, match=rf"batch {index}: input_ids holds the token id {bad} "
+    with pytest.raises(InvalidArgument, match=rf"batch {index}: input_ids holds the token id {bad} "
                                          rf"\(at \({row}, {col}\)\), outside the vocabulary"):
         adapters.sharpness(MODEL, batches, rho=0.1, n_iters=1, geometry="adaptive")
     _same(MODEL, before)
@@ -480,7 +481,7 @@ def test_an_empty_batch_is_refused_naming_it(index, kind):
         empty = {k: v[:0] for k, v in full.items()}
     batches = [empty if i == index else full for i in range(3)]
     before = _state(model)
-    with pytest.raises(ValueError, match=rf"batch {index} is empty"):
+    with pytest.raises(InvalidArgument, match=rf"batch {index} is empty"):
         adapters.sharpness(model, batches, rho=0.1, n_iters=1, geometry="adaptive")
     _same(model, before)
 
@@ -616,10 +617,10 @@ def test_the_cli_reports_a_write_fault_in_one_line(tmp_path, capsys, monkeypatch
 
 # ------------------------------------------------------------------ the solver's closure, ball and start
 CLOSURE_OUTPUTS = {
-    "a float": (lambda p: float((p[0] ** 2).sum()), TypeError, "must be a tensor"),
-    "a vector": (lambda p: p[0] ** 2, ValueError, "one number"),
-    "an integer tensor": (lambda p: (p[0] ** 2).sum().round().long(), TypeError, "floating-point"),
-    "a constant": (lambda p: torch.tensor(1.0, dtype=torch.float64), ValueError, "does not depend"),
+    "a float": (lambda p: float((p[0] ** 2).sum()), InvalidArgumentType, "must be a tensor"),
+    "a vector": (lambda p: p[0] ** 2, InvalidArgument, "one number"),
+    "an integer tensor": (lambda p: (p[0] ** 2).sum().round().long(), InvalidArgumentType, "floating-point"),
+    "a constant": (lambda p: torch.tensor(1.0, dtype=torch.float64), InvalidArgument, "does not depend"),
 }
 
 
@@ -654,7 +655,7 @@ def test_a_closure_that_returns_no_usable_loss_is_named(kind, average):
 ])
 def test_the_solver_names_a_bad_ball_closure_generator_or_start(call, words):
     ball, closure = _small_ball()
-    with pytest.raises((TypeError, ValueError), match=words):
+    with pytest.raises((InvalidArgument, InvalidArgumentType), match=words):
         call(ball, closure)
     assert not closure.calls
 
@@ -668,7 +669,7 @@ def test_build_ball_names_bad_params0(kind):
            "integer": {**params0, first: params0[first].long()},
            "unknown name": {**params0, "nope": params0[first]},
            "wrong shape": {**params0, first: params0[first][:1]}}[kind]
-    with pytest.raises((TypeError, ValueError), match="params0"):
+    with pytest.raises((InvalidArgument, InvalidArgumentType), match="params0"):
         adapters.ball.build_ball(MODEL, bad, geometry="adaptive")
 
 
@@ -679,7 +680,7 @@ def test_build_ball_refuses_a_layout_of_another_model():
                                   intermediate_size=16, max_position_embeddings=8, num_labels=2)
     four_heads = transformers.BertForSequenceClassification(cfg).double()
     params0 = {n: p.detach() for n, p in other.named_parameters()}
-    with pytest.raises(ValueError, match="build_ball: the layout .* was built for another model"):
+    with pytest.raises(InvalidArgument, match="build_ball: the layout .* was built for another model"):
         adapters.ball.build_ball(other, params0, geometry="geodesic-inv", layout=detect_layout(four_heads))
 
 
@@ -703,14 +704,14 @@ def test_actions_that_are_not_group_elements_are_refused(kind, which, reparametr
            "unknown block": {**acts, "nope": A}, "not a dict": [A]}[kind]
     params = {n: p.detach() for n, p in MODEL.named_parameters()}
     before = _state(MODEL)
-    with pytest.raises((TypeError, ValueError), match="actions"):
+    with pytest.raises((InvalidArgument, InvalidArgumentType), match="actions"):
         if reparametrise:
             lay.reparametrised(MODEL, bad)
         else:
             lay.act(params, bad)
     _same(MODEL, before)
     if kind == "unknown block":                      # still the KeyError it was
-        with pytest.raises(KeyError):
+        with pytest.raises(UnknownName):
             lay.act(params, bad)
     assert all(bool(torch.isfinite(t).all()) for t in lay.act(params, acts).values())
 
@@ -730,12 +731,12 @@ def test_targets_the_default_loss_cannot_read_are_named(batch, classes, data):
     bad = {"too large": y.index_fill(0, torch.tensor([at]), classes + at),
            "negative": y.index_fill(0, torch.tensor([at]), -1 - at),
            "batch": torch.cat([y, y[:1]]), "float": y.double(), "bool": y > 0, "list": y.tolist()}[kind]
-    with pytest.raises((TypeError, ValueError), match="targets"):
+    with pytest.raises((InvalidArgument, InvalidArgumentType), match="targets"):
         default_loss(logits, bad)
     ignored = y.index_fill(0, torch.tensor([at]), -100)
     if batch > 1:
         assert default_loss(logits, ignored) == torch.nn.functional.cross_entropy(logits, ignored)
-    with pytest.raises(ValueError, match=f"class {classes + 3}"):
+    with pytest.raises(InvalidArgument, match=f"class {classes + 3}"):
         adapters.next_token_loss(torch.randn(2, 3, classes, generator=gen),
                                  torch.full((2, 3), classes + 3))
 
@@ -752,7 +753,7 @@ def test_the_core_refuses_what_is_not_a_group_element(kind, batch):
     A = torch.eye(2, dtype=torch.float64).expand(*dims, 2, 2).clone()
     bad = {"integer": A.long(), "complex": A.to(torch.complex128), "nan": A * math.nan, "inf": A * math.inf,
            "singular": A * 0, "shape": torch.eye(3, dtype=torch.float64)}[kind]
-    with pytest.raises((TypeError, ValueError), match="A "):
+    with pytest.raises((InvalidArgument, InvalidArgumentType), match="A "):
         geom.act(x, bad)
     torch.testing.assert_close(geom.act(x, A), x, rtol=0, atol=0)
     resc = RescalingGeometry(3, "inv")
@@ -760,7 +761,7 @@ def test_the_core_refuses_what_is_not_a_group_element(kind, batch):
     a = {"integer": torch.tensor([1, 0, 2]), "complex": torch.tensor([1.0, 0.0, 2.0]),
          "nan": torch.tensor([1.0, math.nan, 2.0]), "inf": torch.tensor([1.0, math.inf, 2.0]),
          "singular": torch.zeros(3), "shape": torch.tensor([0.0, 1.0, 1.0])}[kind]
-    with pytest.raises(ValueError, match="non-zero"):
+    with pytest.raises(InvalidArgument, match="non-zero"):
         resc.act(xr, a)
 
 
@@ -779,6 +780,6 @@ def test_the_core_names_other_bad_arguments(call, words):
     geom = GLQuotientGeometry(5, 4, 2, "inv")
     x = geom.random_point(dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     u = geom.project(x, torch.full_like(x, 0.01))
-    with pytest.raises((TypeError, ValueError), match=words):
+    with pytest.raises((InvalidArgument, InvalidArgumentType), match=words):
         call(geom, x, u)
     assert geom.random_point(np.int64(2), dtype=torch.float64).shape == (2, 9, 2)

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, UnknownName
+
 from ._base import Context, Family, Match
 from .attention_like import UnknownAttention
 from .hf_bert import HFBertSelfAttention
@@ -88,7 +90,7 @@ def family(name: str) -> Family:
     for fam in FAMILIES:
         if fam.name == name:
             return fam
-    raise KeyError(f"no family named {name!r}; registered: {', '.join(f.name for f in FAMILIES)}")
+    raise UnknownName(f"no family named {name!r}; registered: {', '.join(f.name for f in FAMILIES)}")
 
 
 def register_family(fam: Family, before: Optional[str] = None) -> Family:
@@ -96,13 +98,13 @@ def register_family(fam: Family, before: Optional[str] = None) -> Family:
     before every family registered so far (so a user family wins over the built-in ones).
     Returns ``fam``; undo with :func:`unregister_family`."""
     if not isinstance(fam, Family):
-        raise TypeError(f"register_family() needs a Family instance (subclass adapters.families.Family and "
-                        f"implement match()), got {type(fam).__name__}")
+        raise InvalidArgumentType(f"register_family() needs a Family instance (subclass adapters.families.Family and "
+                                  f"implement match()), got {type(fam).__name__}")
     if not fam.name:
-        raise ValueError(f"{type(fam).__name__} has no name: set the class attribute `name` to a unique string")
+        raise InvalidArgument(f"{type(fam).__name__} has no name: set the class attribute `name` to a unique string")
     if any(f.name == fam.name for f in FAMILIES):
-        raise ValueError(f"a family named {fam.name!r} is already registered: choose another name or call "
-                         f"unregister_family({fam.name!r}) first")
+        raise InvalidArgument(f"a family named {fam.name!r} is already registered: choose another name or call "
+                              f"unregister_family({fam.name!r}) first")
     index = 0 if before is None else FAMILIES.index(family(before))
     FAMILIES.insert(index, fam)
     return fam

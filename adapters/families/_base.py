@@ -9,6 +9,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from quotient_manifolds.errors import InvalidArgument
+
 from ..blocks import GLBlock, canonical_names
 
 __all__ = ["Match", "Family", "Context"]
@@ -71,8 +73,8 @@ class Context:
         try:
             return self.canonical[id(tensor)]
         except KeyError:
-            raise ValueError("a projection tensor is not a parameter of the model (a buffer or a "
-                             "computed weight?): declare the block by hand") from None
+            raise InvalidArgument("a projection tensor is not a parameter of the model (a buffer or a "
+                                  "computed weight?): declare the block by hand") from None
 
 
 class Family:

@@ -18,6 +18,7 @@ group that depends on the gain (see ``adapters.derive``); it is not handled here
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -25,6 +26,8 @@ from torch import nn
 
 from quotient_manifolds.core.groups import Group, GLGroup, RotaryGroup
 from quotient_manifolds.core.subalgebra import OrthogonalGroup, ScaledOrthogonalGroup, SubalgebraGroup
+
+from .rotary_probe import CALL_MISMATCH
 
 __all__ = ["probe_weightless_norm", "normalised_rotary_group"]
 
@@ -46,7 +49,9 @@ def probe_weightless_norm(norm: nn.Module, head_dim: int) -> Optional[bool]:
     try:
         with torch.no_grad():
             base, turned, small = norm(u), norm(u @ Q), norm(SMALL * u)
-    except Exception:      # noqa: BLE001            # not a norm of the last dimension
+    except CALL_MISMATCH as err:                   # not a norm of the last dimension
+        logging.getLogger(__name__).debug("%s is not a norm of a head's coordinates: %s: %s",
+                                          type(norm).__name__, type(err).__name__, err)
         return None
     if not all(isinstance(t, torch.Tensor) and t.shape == u.shape for t in (base, turned, small)):
         return None

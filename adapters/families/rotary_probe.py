@@ -21,6 +21,7 @@ then checks).
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -30,6 +31,13 @@ from torch import nn
 from .structure import forward_owner
 
 __all__ = ["probe_rotary", "rotary_function", "read_pairing"]
+
+#: where the probe records the calls it tried that failed (at DEBUG level)
+LOG = logging.getLogger(__name__)
+#: what a call with arguments of another signature or layout raises (too many or too few arguments,
+#: shapes that do not broadcast, an index past a dimension): the probe tries the next way. Any other
+#: error (an AttributeError, a KeyboardInterrupt) is not a mismatch and propagates.
+CALL_MISMATCH = (TypeError, ValueError, RuntimeError, IndexError)
 
 #: the angle of the constant (cos, sin) used when the model has no rotary embedding module
 PROBE_ANGLE = 0.7
@@ -87,7 +95,9 @@ def _position_embeddings(model: Optional[nn.Module], head_dim: int) -> Tuple[tor
         try:
             with torch.no_grad():
                 out = sub(x, positions)
-        except Exception:       # noqa: BLE001                     # another signature: try the next, else constant angles
+        except CALL_MISMATCH as err:            # another signature: try the next, else constant angles
+            LOG.debug("rotary probe: %s at %r does not take (x, position_ids): %s: %s",
+                      type(sub).__name__, name, type(err).__name__, err)
             continue
         emb = (out,) if isinstance(out, torch.Tensor) and out.is_complex() else tuple(out) if isinstance(
             out, (tuple, list)) and len(out) == 2 else ()
@@ -151,7 +161,9 @@ def _probe_one(fn: Callable, model: Optional[nn.Module], head_dim: int) -> Optio
         try:
             with torch.no_grad():
                 out = call()
-        except Exception:                     # another signature: try the next
+        except CALL_MISMATCH as err:          # another signature: try the next
+            LOG.debug("rotary probe: %s does not take the probe's arguments this way: %s: %s",
+                      getattr(fn, "__name__", fn), type(err).__name__, err)
             continue
         out = out[0] if isinstance(out, (tuple, list)) else out
         if isinstance(out, torch.Tensor) and seq_major:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from quotient_manifolds.core.groups import FULL_GL, Group
+from quotient_manifolds.errors import InvalidArgument
 
 from ..blocks import FactorPiece, GLBlock
 from ._base import Context, Match
@@ -336,8 +337,8 @@ def attention_blocks(ctx: Context, match: Match, *, q: ProjectionLike, k: Projec
     """
     n_kv = num_kv_heads or num_heads
     if num_heads % n_kv:
-        raise ValueError(f"{match.module}: {num_heads} query heads cannot share {n_kv} key/value heads evenly; "
-                         "num_kv_heads must divide num_heads")
+        raise InvalidArgument(f"{match.module}: {num_heads} query heads cannot share {n_kv} key/value heads evenly; "
+                              "num_kv_heads must divide num_heads")
     rep = num_heads // n_kv
     q, k, v, o = (_as_heads(p) for p in (q, k, v, o))
     adapted: List[str] = []

@@ -14,14 +14,7 @@ from .subalgebra import (
 )
 from .errors import GeodesicLeftManifold, LogNotFound
 from .logmap import LogResult, distance, log_map
-from .rescaling import (
-    RescalingFrame,
-    RescalingGeometry,
-    beta_along_geodesic,
-    diagonal_trust_region,
-    sharpness_inv_orthonormal_second_order,
-    sharpness_mix_orthonormal,
-)
+from .rescaling import RescalingFrame, RescalingGeometry
 
 __all__ = [
     "METRICS", "RETRACTIONS", "GLFrame", "GLQuotientGeometry", "GLMetric", "InvMetric", "MixMetric",
@@ -29,7 +22,6 @@ __all__ = [
     "GLGroup", "RotaryGroup", "SymmetryGroup", "as_group", "SubalgebraGroup", "TrivialGroup",
     "ScalarGroup", "OrthogonalGroup", "ScaledOrthogonalGroup", "AlgebraDerivation",
     "GroupDerivation", "derive_algebra", "derive_group", "recognise_algebra", "RescalingFrame",
-    "RescalingGeometry", "beta_along_geodesic", "diagonal_trust_region", "mix_geodesic_scale",
-    "sharpness_inv_orthonormal_second_order", "sharpness_mix_orthonormal",
+    "RescalingGeometry", "mix_geodesic_scale",
     "GeodesicLeftManifold", "LogNotFound", "LogResult", "log_map", "distance",
 ]

@@ -36,6 +36,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ..errors import InvalidArgument
 from .groups import GLGroup, PAIRINGS, RotaryGroup, SymmetryGroup
 from .subalgebra import (
     OrthogonalGroup,
@@ -179,13 +180,13 @@ def derive_algebra(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: 
     G = G.detach()
     H = H.detach()
     if G.ndim != 2 or H.ndim != 2 or G.shape[-1] != H.shape[-1]:
-        raise ValueError(f"derive_algebra needs one head's factors G (n, h) and H (m, h), got "
-                         f"{tuple(G.shape)} and {tuple(H.shape)}")
+        raise InvalidArgument(f"derive_algebra needs one head's factors G (n, h) and H (m, h), got "
+                              f"{tuple(G.shape)} and {tuple(H.shape)}")
     h = G.shape[-1]
     J = linearised_invariance(output_of, G, H, chunk=chunk, vectorize=vectorize, jvp=jvp).to(torch.float64)
     N = J.shape[0]
     if N < h * h:
-        raise ValueError(
+        raise InvalidArgument(
             f"output_of returns {N} numbers but the algebra lives in gl({h}) of dimension {h * h}: "
             f"the null space of a map into R^{N} has dimension ≥ {h * h - N}, so it cannot decide "
             f"the symmetry; evaluate on more inputs (tokens, batch, positions) to get ≥ {h * h} "
@@ -271,7 +272,7 @@ def recognise_algebra(basis, h: int, *, atol: float = 1e-6) -> SymmetryGroup:
         basis = basis.basis
     B = torch.as_tensor(basis).detach().to(device="cpu", dtype=torch.float64)
     if B.ndim != 3 or B.shape[1:] != (h, h):
-        raise ValueError(f"recognise_algebra needs a (d, {h}, {h}) basis, got shape {tuple(B.shape)}")
+        raise InvalidArgument(f"recognise_algebra needs a (d, {h}, {h}) basis, got shape {tuple(B.shape)}")
     d0 = B.shape[0]
     if d0:
         _, S, Vh = torch.linalg.svd(B.reshape(d0, h * h), full_matrices=False)

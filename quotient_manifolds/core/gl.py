@@ -29,7 +29,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._validation import (batch_shape, finite_real, flag, floating_dtype, floating_tensor,
+from ..errors import InvalidArgument
+from .._validation import (batch_shape, choice, finite_real, flag, floating_dtype, floating_tensor,
                            group_element, optional_generator, relaxation, size)
 from .groups import FULL_GL, Group, as_group, pencil_basis, sym
 from .metrics import GeodesicLeftManifold, GLMetric, InvMetric, MixMetric
@@ -43,19 +44,12 @@ RETRACTIONS = ("first_order", "second_order", "exact")
 Tensor = torch.Tensor
 
 
-def check_choice(value: str, valid: Tuple[str, ...], what: str) -> str:
-    """Return ``value`` if it is one of ``valid``; otherwise raise a ValueError listing them."""
-    if value not in valid:
-        raise ValueError(f"unknown {what} {value!r}; valid choices are: {', '.join(map(repr, valid))}")
-    return value
-
-
 def as_metric(metric: "str | GLMetric") -> GLMetric:
     """The metric object of ``metric``: a :class:`~quotient_manifolds.core.metrics.GLMetric` as
     given, or the one named by a string of :data:`METRICS` (any other raises a ValueError)."""
     if isinstance(metric, GLMetric):
         return metric
-    return METRIC_BY_NAME[check_choice(metric, METRICS, "metric")]
+    return METRIC_BY_NAME[choice("metric", metric, METRICS)]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,7 +59,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
         return torch.float64
     if dtype in (torch.float32, torch.float16, torch.bfloat16):
         return torch.float64
-    raise ValueError(f"points and tangent vectors must be floating point tensors, got dtype {dtype}")
+    raise InvalidArgument(f"points and tangent vectors must be floating point tensors, got dtype {dtype}")
 
 
 def _right_solve(x: Tensor, chol: Tensor) -> Tensor:
@@ -180,11 +174,11 @@ class GLFrame:
                 bad = full_rank.logical_not_()
                 ratio = (smallest / largest.clamp_min(1e-300)).square_()
                 if not bool(torch.isfinite(x).all()):
-                    raise ValueError("the point x = [G; H] contains non-finite values (nan or inf)")
+                    raise InvalidArgument("the point x = [G; H] contains non-finite values (nan or inf)")
                 *idx, block = (int(i) for i in torch.nonzero(bad)[0])
                 factor = "GH"[block]
                 where = f" at batch index {tuple(idx)}" if idx else ""
-                raise ValueError(
+                raise InvalidArgument(
                     f"{factor} is rank-deficient or numerically singular{where}: its Gram matrix "
                     f"{factor}ᵀ{factor}{' + εI' if self.eps else ''} has relative smallest pivot "
                     f"{float(ratio[..., block].reshape(-1).min()):.2e} (tolerance {tol:.1e} for "
@@ -524,7 +518,7 @@ class GLFrame:
         differentiable again when a double backward asks for it); otherwise autograd records the
         forward.
         """
-        method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
+        method = choice("retraction", method or self.geometry.retraction, RETRACTIONS)
         out_dtype = u.dtype if u.dtype == self.dtype else torch.promote_types(self.dtype, u.dtype)
         if method == "second_order":
             if torch.is_grad_enabled() and u.requires_grad and not self._x.requires_grad:
@@ -546,7 +540,7 @@ class GLFrame:
         differential of the exponential is a Jacobi field, not computed: the projection of v
         (exact only to first order in u).
         """
-        method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
+        method = choice("retraction", method or self.geometry.retraction, RETRACTIONS)
         if method == "second_order":
             v = v - self.christoffel(u, v)
         return self.geometry.frame(self.retract(u, method)).project(v)
@@ -752,13 +746,13 @@ class GLQuotientGeometry:
                  group: "str | Group | None" = None):
         n, m, h = size("n", n), size("m", m), size("h", h)
         if h > n or h > m:
-            raise ValueError(
+            raise InvalidArgument(
                 f"h = {h} exceeds n = {n} or m = {m}: G (n×h) and H (m×h) cannot have full column "
                 f"rank h unless h ≤ min(n, m)")
         self.n, self.m, self.h = n, m, h
         self.gl_metric = as_metric(metric)
         self.metric = self.gl_metric.name
-        self.retraction = check_choice(retraction, RETRACTIONS, "retraction")
+        self.retraction = choice("retraction", retraction, RETRACTIONS)
         self.eps = relaxation("eps", eps)
         self.exact_steps = size("exact_steps", exact_steps)
         self.exact_method = exact_method
@@ -780,8 +774,8 @@ class GLQuotientGeometry:
     def check_shape(self, shape, name: str = "x") -> None:
         expected = f"(..., n+m, h) = (..., {self.n + self.m}, {self.h})"
         if len(shape) < 2 or shape[-2] != self.n + self.m or shape[-1] != self.h:
-            raise ValueError(f"`{name}` has shape {tuple(shape)}; expected {expected} "
-                             f"(G stacked over H, leading dimensions are batch dimensions)")
+            raise InvalidArgument(f"`{name}` has shape {tuple(shape)}; expected {expected} "
+                                  f"(G stacked over H, leading dimensions are batch dimensions)")
 
     def split(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         """Views (G, H) of x = [G; H]."""
@@ -812,7 +806,7 @@ class GLQuotientGeometry:
         try:
             return self.pack(*group_action(*self.split(x), A))
         except torch.linalg.LinAlgError as err:
-            raise ValueError(f"A is singular: not an element of GL({self.h}) ({err})") from None
+            raise InvalidArgument(f"A is singular: not an element of GL({self.h}) ({err})") from None
 
     def balance(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         r"""Balanced representative x·A with GᵀG = HᵀH (docs/maths.md §A.4), and A itself.
@@ -825,8 +819,8 @@ class GLQuotientGeometry:
         """
         floating_tensor("x", x)
         if not self.group.is_full:
-            raise ValueError(f"balance() moves x along its full GL({self.h}) orbit, which leaves the "
-                             f"{self.group.describe(self.h)} quotient; it is defined for group='gl' only")
+            raise InvalidArgument(f"balance() moves x along its full GL({self.h}) orbit, which leaves the "
+                                  f"{self.group.describe(self.h)} quotient; it is defined for group='gl' only")
         G, H = self.split(x)
         _, R_G = torch.linalg.qr(G)
         _, R_H = torch.linalg.qr(H)

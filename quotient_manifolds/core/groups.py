@@ -54,6 +54,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ..errors import InvalidArgument
 from .products import matmul
 
 Tensor = torch.Tensor
@@ -321,12 +322,12 @@ class RotaryGroup(_BlockDiagonalGroup):
 
     def __post_init__(self):
         if self.pairing not in PAIRINGS:
-            raise ValueError(f"unknown rotary pairing {self.pairing!r}; valid choices are "
-                             f"{', '.join(map(repr, PAIRINGS))}")
+            raise InvalidArgument(f"unknown rotary pairing {self.pairing!r}; valid choices are "
+                                  f"{', '.join(map(repr, PAIRINGS))}")
         r = self.rotary_dim
         if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 2 or r % 2):
-            raise ValueError(f"rotary_dim must be a positive even integer (or None for all "
-                             f"coordinates), got {r!r}")
+            raise InvalidArgument(f"rotary_dim must be a positive even integer (or None for all "
+                                  f"coordinates), got {r!r}")
 
     def rotated(self, h: int) -> int:
         return h if self.rotary_dim is None else self.rotary_dim
@@ -334,8 +335,8 @@ class RotaryGroup(_BlockDiagonalGroup):
     def check(self, h: int) -> None:
         r = self.rotated(h)
         if r > h or r % 2:
-            raise ValueError(f"rotary group with rotary_dim={r} does not fit a head of dimension "
-                             f"h = {h}: need an even rotary_dim ≤ h")
+            raise InvalidArgument(f"rotary group with rotary_dim={r} does not fit a head of dimension "
+                                  f"h = {h}: need an even rotary_dim ≤ h")
 
     def dim(self, h: int) -> int:
         r = self.rotated(h)
@@ -381,8 +382,8 @@ def as_group(group: Union[None, str, Group]) -> Group:
         return FULL_GL
     if group in ("rope", "rotary"):
         return RotaryGroup()
-    raise ValueError(f"unknown group {group!r}; use 'gl', 'rope', or a group object such as "
-                     f"RotaryGroup(pairing='interleaved', rotary_dim=32)")
+    raise InvalidArgument(f"unknown group {group!r}; use 'gl', 'rope', or a group object such as "
+                          f"RotaryGroup(pairing='interleaved', rotary_dim=32)")
 
 
 class VerticalSolver:

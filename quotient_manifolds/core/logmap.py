@@ -23,7 +23,7 @@ dist(x, y) = ‖ξ‖_x, the length of that geodesic.
   found is the one Gauss–Newton reaches from ξ = 0 (the first step is the first-order solution
   ξ_G Hᵀ + G ξ_Hᵀ = Y − G Hᵀ): for nearby points the minimising one, for far points perhaps a
   longer one, and beyond where the geodesics from x stay on the manifold (the mix metric is
-  incomplete) none is found: :class:`~quotient_manifolds.core.errors.LogNotFound`.
+  incomplete) none is found: :class:`~quotient_manifolds.core.LogNotFound`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Callable, Tuple
 
 import torch
 
+from ..errors import InvalidArgument, InvalidArgumentType, NotSupported
 from .._validation import finite_real, floating_tensor, size
 from .errors import LogNotFound, StepTooLarge
 from .gl import GLQuotientGeometry
@@ -80,7 +81,7 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
     tol : relative residual of the invariant at which shooting stops (it also stops, converged,
         when no step lowers a residual below 1e-10, where float64 rounding dominates).
     max_iter : Gauss–Newton steps at most.
-    strict : raise :class:`~quotient_manifolds.core.errors.LogNotFound` when no geodesic was found
+    strict : raise :class:`~quotient_manifolds.core.LogNotFound` when no geodesic was found
         (default); with ``False`` return the report with ``converged=False`` instead.
 
     Returns
@@ -109,15 +110,15 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
     """
     x, y = floating_tensor("x", x), floating_tensor("y", y)
     if x.shape != y.shape:
-        raise ValueError(f"x and y must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}")
+        raise InvalidArgument(f"x and y must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}")
     tol, max_iter = finite_real("tol", tol), size("max_iter", max_iter)
     if not tol > 0:
-        raise ValueError(f"tol must be a positive finite number, got {tol!r}")
+        raise InvalidArgument(f"tol must be a positive finite number, got {tol!r}")
     geometry.frame(x)   # validates both points (shape, finiteness, rank), naming them
     try:
         geometry.frame(y)
     except ValueError as err:
-        raise ValueError(f"y: {err}") from None
+        raise InvalidArgument(f"y: {err}") from None
     if isinstance(geometry, RescalingGeometry):
         if not geometry.eps:
             return _rescaling_closed_form(geometry, x, y)
@@ -127,14 +128,14 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
                            result.converged, result.method)
     elif isinstance(geometry, GLQuotientGeometry):
         if not geometry.group.is_full:
-            raise NotImplementedError(
+            raise NotSupported(
                 f"log_map is implemented for the quotient by all of GL({geometry.h}); the "
                 f"{geometry.group.describe(geometry.h)} quotient's orbits are not the level sets of "
                 f"G Hᵀ that the shooting method matches")
         result = _shoot(geometry, x, y, _gl_invariant(geometry), tol, max_iter)
     else:
-        raise TypeError(f"geometry must be a GLQuotientGeometry or a RescalingGeometry, got "
-                        f"{type(geometry).__name__}")
+        raise InvalidArgumentType(f"geometry must be a GLQuotientGeometry or a RescalingGeometry, got "
+                                  f"{type(geometry).__name__}")
     if strict and not result.converged:
         raise LogNotFound(
             f"no geodesic from x to y was found: after {result.iterations} Gauss–Newton steps the "
@@ -150,7 +151,7 @@ def distance(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: T
     r"""dist(x, y) = ‖log_x(y)‖_x (:func:`log_map`), per batch element; ∞ where x and y lie in
     different components of the rescaling quotient (β of different signs).
 
-    Raises :class:`~quotient_manifolds.core.errors.LogNotFound` where shooting finds no geodesic.
+    Raises :class:`~quotient_manifolds.core.LogNotFound` where shooting finds no geodesic.
 
     Example
     -------

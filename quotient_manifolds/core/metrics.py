@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
+from ..errors import InvalidArgument
 from .errors import GeodesicLeftManifold
 from .groups import sym
 from .products import matmul
@@ -313,8 +314,8 @@ class MixMetric(GLMetric):
         ValueError."""
         scale = (bu.abs() + bv.abs()).clamp_min(torch.finfo(x.dtype).tiny)
         if bool(((bu - bv).abs() > 1e-6 * scale + 1e-12).any()):
-            raise ValueError("the closed-form mix geodesic needs a horizontal tangent vector "
-                             "(ξ_u/u = ξ_v/v per coordinate); project it first with `project`")
+            raise InvalidArgument("the closed-form mix geodesic needs a horizontal tangent vector "
+                                  "(ξ_u/u = ξ_v/v per coordinate); project it first with `project`")
         s = self.gl1_beta_scale(bu, t)
         if bool((s <= 0).any()):
             raise GeodesicLeftManifold("the mix geodesic leaves the manifold (1 + 2b ≤ 0 for some coordinate, "

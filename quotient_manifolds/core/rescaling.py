@@ -23,14 +23,13 @@ by the ``exact`` retraction when ε = 0 (written with the other formulas of each
 
 from __future__ import annotations
 
-import math
-from typing import Optional, Union
+from typing import Optional
 
-import numpy as np
 import torch
 
-from .._validation import batch_shape, floating_dtype, floating_tensor, optional_generator, size
-from .gl import RETRACTIONS, GLFrame, GLQuotientGeometry, as_metric, check_choice
+from ..errors import InvalidArgument
+from .._validation import batch_shape, choice, floating_dtype, floating_tensor, optional_generator, size
+from .gl import RETRACTIONS, GLFrame, GLQuotientGeometry
 from .metrics import GLMetric
 
 Tensor = torch.Tensor
@@ -47,7 +46,7 @@ def _check_representable(x: Tensor) -> None:
     if bool(small.any()):
         index = torch.nonzero(small)[0].tolist()
         u, v = (float(x64[(*index[:-1], row, index[-1])]) for row in (0, 1))
-        raise ValueError(
+        raise InvalidArgument(
             f"x = [u; v] has β = u⊙v = {u * v:.3g} at index {index} (u = {u:.3g}, v = {v:.3g}): "
             f"the metric's products of these underflow in float64 and would give NaN. The "
             f"coordinate's β has collapsed towards 0: under metric='inv' β = 0 is infinitely far "
@@ -63,10 +62,10 @@ class RescalingFrame:
         if check:
             geometry.check_shape(x.shape, "x")
             if not bool(torch.isfinite(x).all()):
-                raise ValueError("the point x = [u; v] contains non-finite values (nan or inf)")
+                raise InvalidArgument("the point x = [u; v] contains non-finite values (nan or inf)")
             if not geometry.eps and bool((x == 0).any()):
                 idx = torch.nonzero(x == 0)[0].tolist()
-                raise ValueError(
+                raise InvalidArgument(
                     f"x = [u; v] has a zero entry at index {idx}: the rescaling quotient needs every "
                     f"uⁱ ≠ 0 and vⁱ ≠ 0 (the metrics are singular there); pass eps > 0 to use the "
                     f"relaxed metric (u² + ε in place of u²).")
@@ -118,7 +117,7 @@ class RescalingFrame:
     def retract(self, u: Tensor, method: Optional[str] = None, *,
                 exact_steps: Optional[int] = None) -> Tensor:
         """As :meth:`GLFrame.retract`; the exact geodesic is in closed form when ε = 0."""
-        method = check_choice(method or self.geometry.retraction, RETRACTIONS, "retraction")
+        method = choice("retraction", method or self.geometry.retraction, RETRACTIONS)
         if method != "exact" or self.geometry.eps:
             return self._drop(self.gl.retract(self._lift(u), method, exact_steps=exact_steps))
         return self.geometry.exact_geodesic(self.x, u)
@@ -152,8 +151,8 @@ class RescalingGeometry:
 
     def check_shape(self, shape, name: str = "x") -> None:
         if len(shape) < 2 or shape[-2] != 2 or shape[-1] != self.d:
-            raise ValueError(f"`{name}` has shape {tuple(shape)}; expected (..., 2, d) = "
-                             f"(..., 2, {self.d}) with u in row 0 and v in row 1")
+            raise InvalidArgument(f"`{name}` has shape {tuple(shape)}; expected (..., 2, d) = "
+                                  f"(..., 2, {self.d}) with u in row 0 and v in row 1")
 
     @staticmethod
     def to_gl(x: Tensor) -> Tensor:
@@ -171,8 +170,8 @@ class RescalingGeometry:
         """(u, v) ↦ (a⊙u, v/a); also maps tangent vectors. ``a`` must be finite with no zero entry
         (an element of (R∖{0})^d)."""
         if not isinstance(a, torch.Tensor) or not bool(torch.isfinite(a).all()) or bool((a == 0).any()):
-            raise ValueError(f"a must be a tensor of finite non-zero numbers (an element of (R∖{{0}})^d): "
-                             f"its zeros or non-finite entries would give inf or nan points")
+            raise InvalidArgument(f"a must be a tensor of finite non-zero numbers (an element of (R∖{{0}})^d): "
+                                  f"its zeros or non-finite entries would give inf or nan points")
         return torch.stack((x[..., 0, :] * a, x[..., 1, :] / a), dim=-2)
 
     def beta(self, x: Tensor) -> Tensor:
@@ -201,8 +200,8 @@ class RescalingGeometry:
             return x
         signs = torch.as_tensor(signs, dtype=x.dtype, device=x.device)
         if signs.shape != (self.d,) or not bool((signs.abs() == 1).all()):
-            raise ValueError(f"signs must hold d = {self.d} entries, each +1 or -1 (the signs of "
-                             f"β = u⊙v), got {signs.tolist()}")
+            raise InvalidArgument(f"signs must hold d = {self.d} entries, each +1 or -1 (the signs of "
+                                  f"β = u⊙v), got {signs.tolist()}")
         return torch.stack((x[..., 0, :], x[..., 1, :].abs() * torch.sign(x[..., 0, :]) * signs), -2)
 
     def random_horizontal(self, x: Tensor, *, unit: bool = True, generator=None) -> Tensor:
@@ -236,79 +235,3 @@ class RescalingGeometry:
 
     def transport(self, y, v):
         return self.frame(y).project(v)
-
-
-# ---------------------------------------------------------------------- diagonal-net sharpness
-def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: "str | GLMetric", t: float = 1.0) -> Tensor:
-    """β(t) = u(t)⊙v(t) along the horizontal geodesic with coefficient b (docs/maths.md §8.3).
-
-    inv: β₀ ⊙ e^{2bt};  mix: β₀ ⊙ (1 + 2bt) (polynomial, so it extends past 1 + 2bt ≤ 0).
-    """
-    return beta0 * as_metric(metric).gl1_beta_scale(b, t)
-
-
-def sharpness_mix_orthonormal(beta0: Tensor, beta_star: Tensor, rho: float) -> Tensor:
-    """Exact geodesic mix sharpness of L(β) = ‖Xβ − y‖² with XᵀX = I (docs/maths.md §8.5):
-
-        S_mix(ρ) = max_{‖δ‖ ≤ ρ/√2} 4δᵀ(β₀ − β*) + 4‖δ‖² = 2√2 ρ ‖β₀ − β*‖₂ + 2ρ²,
-
-    with β* = Xᵀy, δ = β₀⊙b and ‖ξ‖² = 2‖β₀⊙b‖² (the paper drops the √2; docs/maths.md §12.4).
-    """
-    return 2 * math.sqrt(2) * rho * torch.linalg.vector_norm(beta0 - beta_star, dim=-1) + 2 * rho ** 2
-
-
-def sharpness_inv_orthonormal_second_order(beta0: Tensor, beta_star: Tensor, rho: float) -> Tensor:
-    """Second-order inv sharpness with XᵀX = I (docs/maths.md §8.5, paper Eqs. 26–29, corrected √2):
-
-        max_{‖b‖ ≤ ρ/√2} 4bᵀr + 4bᵀDb,   r = β₀⊙(β₀ − β*),  D = diag(β₀⊙(2β₀ − β*)),
-
-    a trust-region subproblem with a diagonal quadratic (:func:`diagonal_trust_region`). Works on
-    1-D inputs.
-    """
-    r = beta0 * (beta0 - beta_star)
-    D = beta0 * (2 * beta0 - beta_star)
-    b = diagonal_trust_region(r, D, rho / math.sqrt(2))
-    return 4 * (b @ r) + 4 * (b * D) @ b
-
-
-def diagonal_trust_region(g: Union[Tensor, np.ndarray], a: Union[Tensor, np.ndarray],
-                          radius: float) -> Union[Tensor, np.ndarray]:
-    r"""The maximiser x of q(x) = gᵀx + xᵀ diag(a) x over the ball ‖x‖ ≤ R (1-D g and a), through
-    the secular equation of this trust-region subproblem.
-
-    Stationarity g + 2a⊙x = 2λx gives x(λ) = g ⊘ (2(λ − a)), with λ ≥ max(a, 0) (KKT), and:
-
-    * the interior point x(0) = −g ⊘ (2a) when a < 0 (q concave) and it lies in the ball;
-    * otherwise ‖x(λ)‖ = R, which decreases in λ > max a: λ by bisection, x rescaled to norm R;
-    * the hard case, g (nearly) 0 where a is largest so that ‖x(λ)‖ ≤ R as λ → max a: x(max a) on the
-      other coordinates, the rest of the norm along the top one.
-
-    numpy arrays are computed as float64 tensors and given back as numpy arrays.
-    """
-    if isinstance(g, np.ndarray):
-        return diagonal_trust_region(torch.from_numpy(g), torch.from_numpy(np.asarray(a)), radius).numpy()
-    R = float(radius)
-    amax = float(a.max())
-
-    def xnorm(lam: float) -> float:
-        return float(torch.linalg.vector_norm(g / (2 * (lam - a))))
-
-    if amax < 0 and xnorm(0.0) <= R:
-        return g / (-2 * a)
-    if xnorm(amax + 1e-12 * max(1.0, abs(amax))) <= R:
-        x = torch.zeros_like(g)
-        mask = a < amax
-        x[mask] = g[mask] / (2 * (amax - a[mask]))
-        x[int(torch.argmax(a))] += math.sqrt(max(R * R - float(x @ x), 0.0))
-        return x
-    lo, hi = amax, amax + float(torch.linalg.vector_norm(g)) / (2 * R) + 1e-300
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if xnorm(mid) > R:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-15 * abs(hi):
-            break
-    x = g / (2 * (hi - a))
-    return x * (R / float(torch.linalg.vector_norm(x)))

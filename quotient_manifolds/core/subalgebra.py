@@ -42,6 +42,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ..errors import InvalidArgument
 from .groups import SymmetryGroup, apply_pencil, batched_eigh, sym
 
 Tensor = torch.Tensor
@@ -285,7 +286,7 @@ def _random_scalar(batch: Tuple[int, ...], cond: Optional[float], generator, dty
 
 def _check_scale(group: SymmetryGroup, scale: float) -> None:
     if scale != 1.0 and not group.has_scalars:
-        raise ValueError(
+        raise InvalidArgument(
             f"scale={scale} would take a random element out of {group!r}, which does not contain "
             f"the positive scalars; use scale=1.0 for this group (check group.has_scalars)")
 
@@ -295,7 +296,7 @@ class _ClosedForm(SymmetryGroup):
 
     def check(self, h: int) -> None:
         if isinstance(h, bool) or not isinstance(h, numbers.Integral) or h < 1:
-            raise ValueError(f"{self.describe(1)}-type group needs a head dimension h ≥ 1, got {h!r}")
+            raise InvalidArgument(f"{self.describe(1)}-type group needs a head dimension h ≥ 1, got {h!r}")
 
     def contains(self, A: Tensor, *, rtol: float = 1e-10) -> bool:
         return bool(self._deviation(A.to(torch.float64)) <= rtol)
@@ -531,8 +532,8 @@ class SubalgebraGroup(SymmetryGroup):
                  closure_rtol: float = CLOSURE_RTOL, dense_max_dim: Optional[int] = None):
         B = torch.as_tensor(basis).detach().to(device="cpu", dtype=torch.float64)
         if B.ndim != 3 or B.shape[-1] != B.shape[-2] or B.shape[-1] < 1:
-            raise ValueError(f"SubalgebraGroup needs a (d, h, h) basis of h×h matrices, got shape "
-                             f"{tuple(B.shape)}")
+            raise InvalidArgument(f"SubalgebraGroup needs a (d, h, h) basis of h×h matrices, got shape "
+                                  f"{tuple(B.shape)}")
         d0, h = B.shape[0], B.shape[-1]
         if d0:
             _, S, Vh = torch.linalg.svd(B.reshape(d0, h * h), full_matrices=False)
@@ -542,7 +543,7 @@ class SubalgebraGroup(SymmetryGroup):
         Q = Q.reshape(-1, h, h).contiguous()
         residual = closure_residual(Q)
         if residual > closure_rtol:
-            raise ValueError(
+            raise InvalidArgument(
                 f"the span of the basis ({Q.shape[0]} dimensions in gl({h})) is not closed under the "
                 f"commutator [X, Y] = XY − YX (residual {residual:.2e} > {closure_rtol:g}), so it is "
                 f"not the Lie algebra of a group; pass a basis of a Lie subalgebra (e.g. from "
@@ -578,8 +579,8 @@ class SubalgebraGroup(SymmetryGroup):
 
     def check(self, h: int) -> None:
         if h != self._h:
-            raise ValueError(f"{self!r} is a subgroup of GL({self._h}); it does not act on heads of "
-                             f"dimension h = {h}")
+            raise InvalidArgument(f"{self!r} is a subgroup of GL({self._h}); it does not act on heads of "
+                                  f"dimension h = {h}")
 
     def dim(self, h: int) -> int:
         self.check(h)

@@ -21,6 +21,7 @@ from geoopt.manifolds.base import Manifold
 from geoopt.tensor import ManifoldTensor
 from geoopt.utils import size2shape
 
+from ..errors import InvalidArgument
 from .._runtime import FrameCache, finite_step, small_work, step_advice
 from .._validation import floating_dtype, floating_tensor, tangent
 from ..core.logmap import distance, log_map
@@ -207,7 +208,7 @@ class CoreQuotientManifold(Manifold):
         """log_x(y): the horizontal vector at x whose geodesic (:meth:`expmap`) reaches the orbit of
         y (core :func:`~quotient_manifolds.core.logmap.log_map`: closed form on the rescaling
         quotient with ε = 0, shooting along the integrated geodesic otherwise). Raises
-        :class:`~quotient_manifolds.core.errors.LogNotFound` when no geodesic is found (points too
+        :class:`~quotient_manifolds.core.LogNotFound` when no geodesic is found (points too
         far apart, or in different components)."""
         return log_map(self.geometry, x, self._tangent(x, y, "y", "x")).vector
 
@@ -250,5 +251,5 @@ class CoreQuotientManifold(Manifold):
     def pack_point(self, *tensors: Tensor) -> Tensor:
         """Stack the two factors into one tensor (inverse of :meth:`unpack_tensor`)."""
         if len(tensors) != 2:
-            raise ValueError(f"2 tensors expected (the two factors), got {len(tensors)}")
+            raise InvalidArgument(f"2 tensors expected (the two factors), got {len(tensors)}")
         return self.pack(*tensors)

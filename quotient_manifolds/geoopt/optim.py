@@ -26,6 +26,7 @@ from geoopt.optim import RiemannianLineSearch as _GeooptRiemannianLineSearch
 from geoopt.optim import RiemannianSGD as _GeooptRiemannianSGD
 from geoopt.tensor import ManifoldParameter, ManifoldTensor
 
+from ..errors import InvalidArgument, InvalidArgumentType
 from ..core.errors import StepTooLarge
 from ._base import CoreQuotientManifold
 
@@ -64,7 +65,7 @@ def _start_buffers(optimizer: torch.optim.Optimizer, *, strict: bool) -> None:
                 if buffer is not None:
                     state["momentum_buffer"] = buffer
                 elif strict:
-                    raise ValueError(
+                    raise InvalidArgument(
                         "init_momentum_buffers: with dampening > 0 the first buffer is "
                         "(dampening / momentum)·rgrad f, so every parameter needs its gradient: call "
                         "it after the first backward(), before the first step(), or use "
@@ -105,8 +106,8 @@ def init_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
     0.0
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer (a geoopt.optim.RiemannianSGD), "
-                        f"got {type(optimizer).__name__}")
+        raise InvalidArgumentType(f"optimizer must be a torch.optim.Optimizer (a geoopt.optim.RiemannianSGD), "
+                                  f"got {type(optimizer).__name__}")
     _start_buffers(optimizer, strict=True)
 
 
@@ -151,8 +152,8 @@ class RiemannianSGD(_GeooptRiemannianSGD):
         """One step; ``closure`` (optional) re-evaluates the loss with gradients (it should call
         ``zero_grad()`` and ``backward()``) and its value is returned."""
         if closure is not None and not callable(closure):
-            raise TypeError(f"closure must be a callable that computes the loss (or None), got "
-                            f"{type(closure).__name__}")
+            raise InvalidArgumentType(f"closure must be a callable that computes the loss (or None), got "
+                                      f"{type(closure).__name__}")
         loss = None
         if closure is not None:
             with torch.enable_grad():   # step() may be called under no_grad; the closure needs autograd

@@ -223,7 +223,7 @@ class CoreQuotientManifold(Manifold):
     def log(self, point_a, point_b):
         """log_a(b), horizontal at ``point_a`` (core :func:`~quotient_manifolds.core.logmap.log_map`:
         closed form on the rescaling quotient with ε = 0, shooting otherwise); raises
-        :class:`~quotient_manifolds.core.errors.LogNotFound` when no geodesic is found."""
+        :class:`~quotient_manifolds.core.LogNotFound` when no geodesic is found."""
         return self._vec(log_map(self.geometry, self._t(point_a, "point_a"),
                                  self._t(point_b, "point_b")).vector)
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from pymanopt.tools import ndarraySequenceMixin, return_as_class_instance
 
+from ..errors import InvalidArgumentType
 from .._validation import all_finite, real_array_as_float64
 
 
@@ -116,8 +117,8 @@ class PairConverter:
                 or not isinstance(pair, Sequence)) or len(pair) != 2:
             got = (f"{len(pair)} items" if isinstance(pair, Sequence) and not isinstance(pair, str)
                    else type(pair).__name__)
-            raise TypeError(f"{name} must be a pair ({', '.join(self.parts)}) of arrays of shapes "
-                            f"{self.shapes[0]} and {self.shapes[1]}, got {got}")
+            raise InvalidArgumentType(f"{name} must be a pair ({', '.join(self.parts)}) of arrays of shapes "
+                                      f"{self.shapes[0]} and {self.shapes[1]}, got {got}")
         tensors = []
         for part, label, shape, rows in zip(pair, self.parts, self.shapes, self.rows):
             if _plain_float64(part, shape):
