@@ -52,7 +52,29 @@ def check_choice(value: str, valid: Tuple[str, ...], what: str) -> str:
 
 def as_metric(metric: "str | GLMetric") -> GLMetric:
     """The metric object of ``metric``: a :class:`~quotient_manifolds.core.metrics.GLMetric` as
-    given, or the one named by a string of :data:`METRICS` (any other raises a ValueError)."""
+    given, or the one named by a string of :data:`METRICS`.
+
+    Parameters
+    ----------
+    metric:
+        ``"mix"``, ``"inv"`` or a :class:`~quotient_manifolds.core.metrics.GLMetric`.
+
+    Returns
+    -------
+    GLMetric
+        ``metric`` itself if it is a metric object, else the metric of that name.
+
+    Raises
+    ------
+    ValueError
+        ``metric`` is a string not in :data:`METRICS`.
+
+    Examples
+    --------
+    >>> from quotient_manifolds.core import as_metric
+    >>> as_metric("inv").name
+    'inv'
+    """
     if isinstance(metric, GLMetric):
         return metric
     return METRIC_BY_NAME[check_choice(metric, METRICS, "metric")]
@@ -85,7 +107,35 @@ def group_action(G: Tensor, H: Tensor, A: Tensor) -> Tuple[Tensor, Tensor]:
     """The GL(h) action (G, H) ↦ (G A, H A⁻ᵀ) (docs/maths.md §1; the paper's (G A⁻¹, H Aᵀ)
     with A ↦ A⁻¹).
 
-    G Hᵀ is unchanged; tangent vectors transform by the same linear map."""
+    G Hᵀ is unchanged; tangent vectors transform by the same linear map.
+
+    Parameters
+    ----------
+    G, H:
+        Factors of shapes (..., n, h) and (..., m, h).
+    A:
+        An invertible (..., h, h) matrix.
+
+    Returns
+    -------
+    tuple of Tensor
+        (G A, H A⁻ᵀ).
+
+    Raises
+    ------
+    torch.linalg.LinAlgError
+        ``A`` is singular.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import group_action
+    >>> G, H = torch.randn(3, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    >>> A = torch.tensor([[2.0, 1.0], [0.0, 0.5]], dtype=torch.float64)
+    >>> GA, HA = group_action(G, H, A)
+    >>> torch.allclose(GA @ HA.T, G @ H.T)
+    True
+    """
     return G @ A, torch.linalg.solve(A, H.mT).mT
 
 
@@ -100,6 +150,36 @@ class GLFrame:
     of holding a float64 copy: the same numbers (promotion is exact), half the memory of the point
     for float32 weights (a quarter for bfloat16), one conversion per use. The sharpness engine
     frames the attention weights of large models this way.
+
+    Parameters
+    ----------
+    geometry:
+        The :class:`GLQuotientGeometry` the point belongs to (usually made by its ``frame``).
+    x:
+        The point [G; H], shape (..., n+m, h), G and H of full column rank.
+    check:
+        Validate the shape of ``x`` and that its Gram matrices are positive definite.
+    keep_dtype:
+        Store ``x`` in its own dtype (see above).
+
+    Raises
+    ------
+    ValueError
+        ``x`` has the wrong shape or a non-float dtype, or G or H is rank deficient (with
+        ``check=True``; relax with ``eps > 0`` for rank-deficient weights).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import GLQuotientGeometry
+    >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+    >>> x = geometry.random_point(dtype=torch.float64)
+    >>> frame = geometry.frame(x)
+    >>> u = frame.project(torch.randn_like(x))          # a horizontal vector
+    >>> torch.allclose(frame.project(u), u)
+    True
+    >>> bool(frame.norm(u) > 0)
+    True
     """
 
     def __init__(self, geometry: "GLQuotientGeometry", x: Tensor, *, check: bool = True,
@@ -744,6 +824,29 @@ class GLQuotientGeometry:
         commutant of rotary position encodings, :class:`~quotient_manifolds.core.groups.RotaryGroup`)
         or a group object. The metric, Γ, retractions, gradient and Hessian do not depend on it
         (the metric is GL(h)-invariant); the vertical space, the projection and ``dim`` do.
+
+    Raises
+    ------
+    ValueError
+        A size is not a positive integer, h > min(n, m), ``eps`` < 0, or ``metric``,
+        ``retraction`` or ``group`` is not one of the choices (the message lists them).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import GLQuotientGeometry
+    >>> geometry = GLQuotientGeometry(4, 3, 2, "mix")
+    >>> geometry.dim                                    # (n + m) h - h²
+    10
+    >>> x = geometry.random_point(dtype=torch.float64)
+    >>> u = geometry.random_horizontal(x)
+    >>> round(float(geometry.norm(x, u)), 6)
+    1.0
+    >>> A = torch.tensor([[2.0, 1.0], [0.0, 0.5]], dtype=torch.float64)
+    >>> y = geometry.act(x, A)                          # same point of the quotient
+    >>> G, H = geometry.split(x); Gy, Hy = geometry.split(y)
+    >>> torch.allclose(Gy @ Hy.mT, G @ H.mT)
+    True
     """
 
     def __init__(self, n: int, m: int, h: int, metric: "str | GLMetric" = "mix", *,
