@@ -57,7 +57,38 @@ def _check_representable(x: Tensor) -> None:
 
 
 class RescalingFrame:
-    """Geometry of the rescaling quotient at one point x = [u; v], computed once."""
+    """Geometry of the rescaling quotient at one point x = [u; v], computed once.
+
+    Every formula is the GL(1) quotient's (:class:`~quotient_manifolds.core.gl.GLFrame`), applied to
+    the d coordinates at once.
+
+    Parameters
+    ----------
+    geometry:
+        The :class:`RescalingGeometry` (usually made by its ``frame``).
+    x:
+        The point [u; v], shape (..., 2, d), every entry nonzero (unless ``eps`` > 0).
+    check:
+        Validate the shape, finiteness and nonzero entries of ``x``.
+
+    Raises
+    ------
+    ValueError
+        ``x`` has the wrong shape, a non-finite entry, or a zero entry with ``eps`` = 0.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import RescalingGeometry
+    >>> geometry = RescalingGeometry(2, "mix")
+    >>> x = torch.tensor([[1.0, 2.0], [1.0, 0.5]], dtype=torch.float64)
+    >>> frame = geometry.frame(x)
+    >>> u = frame.horizontal_lift(torch.tensor([0.1, -0.2], dtype=torch.float64))
+    >>> torch.allclose(frame.project(u), u)             # (b⊙u, b⊙v) is horizontal
+    True
+    >>> frame.horizontal_coefficient(u)
+    tensor([ 0.1000, -0.2000], dtype=torch.float64)
+    """
 
     def __init__(self, geometry: "RescalingGeometry", x: Tensor, *, check: bool = True):
         if check:
@@ -132,6 +163,39 @@ class RescalingGeometry:
     :class:`~quotient_manifolds.core.metrics.GLMetric`), ``retraction``
     (``"first_order"`` | ``"second_order"`` | ``"exact"``), ``eps`` (relaxation, u² + ε), and the
     ODE settings used by ``exact`` when ε > 0.
+
+    A point is x = [u; v] of shape (..., 2, d) with β = u⊙v; the group acts by (u, v) ↦ (a⊙u, v⊘a).
+
+    Parameters
+    ----------
+    d:
+        Number of coordinates.
+    metric:
+        ``"mix"`` (default), ``"inv"`` or a :class:`~quotient_manifolds.core.metrics.GLMetric`.
+    retraction:
+        ``"first_order"``, ``"second_order"`` (default) or ``"exact"`` (closed form when ε = 0).
+    eps:
+        Relaxation ε ≥ 0 (u² + ε in place of u²).
+    exact_steps:
+        RK4 steps of the exact retraction when ε > 0.
+
+    Raises
+    ------
+    ValueError
+        ``d`` is not a positive integer, ``eps`` < 0, or ``metric`` or ``retraction`` is not one of
+        the choices.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import RescalingGeometry
+    >>> geometry = RescalingGeometry(2, "inv", retraction="exact")
+    >>> x = torch.tensor([[1.0, 2.0], [1.0, 0.5]], dtype=torch.float64)
+    >>> geometry.beta(x)
+    tensor([1., 1.], dtype=torch.float64)
+    >>> a = torch.tensor([3.0, -1.0], dtype=torch.float64)
+    >>> torch.allclose(geometry.beta(geometry.act(x, a)), geometry.beta(x))   # same point
+    True
     """
 
     def __init__(self, d: int, metric: "str | GLMetric" = "mix", *, retraction: str = "second_order",
@@ -243,6 +307,38 @@ def beta_along_geodesic(beta0: Tensor, b: Tensor, metric: "str | GLMetric", t: f
     """β(t) = u(t)⊙v(t) along the horizontal geodesic with coefficient b (docs/maths.md §8.3).
 
     inv: β₀ ⊙ e^{2bt};  mix: β₀ ⊙ (1 + 2bt) (polynomial, so it extends past 1 + 2bt ≤ 0).
+
+    Parameters
+    ----------
+    beta0:
+        β at t = 0, shape (..., d).
+    b:
+        The horizontal coefficient, broadcastable against ``beta0``.
+    metric:
+        ``"inv"``, ``"mix"`` or a :class:`~quotient_manifolds.core.metrics.GLMetric`.
+    t:
+        Time along the geodesic.
+
+    Returns
+    -------
+    Tensor
+        β(t), the broadcast shape of ``beta0`` and ``b``.
+
+    Raises
+    ------
+    ValueError
+        ``metric`` is not one of the choices.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import beta_along_geodesic
+    >>> beta0 = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    >>> b = torch.tensor([0.5, -0.25], dtype=torch.float64)
+    >>> beta_along_geodesic(beta0, b, "mix")
+    tensor([2., 1.], dtype=torch.float64)
+    >>> torch.allclose(beta_along_geodesic(beta0, b, "inv"), beta0 * torch.exp(2 * b))
+    True
     """
     return beta0 * as_metric(metric).gl1_beta_scale(b, t)
 
@@ -253,6 +349,34 @@ def sharpness_mix_orthonormal(beta0: Tensor, beta_star: Tensor, rho: float) -> T
         S_mix(ρ) = max_{‖δ‖ ≤ ρ/√2} 4δᵀ(β₀ − β*) + 4‖δ‖² = 2√2 ρ ‖β₀ − β*‖₂ + 2ρ²,
 
     with β* = Xᵀy, δ = β₀⊙b and ‖ξ‖² = 2‖β₀⊙b‖² (the paper drops the √2; docs/maths.md §12.4).
+
+    Parameters
+    ----------
+    beta0:
+        β₀ = u⊙v of the network, shape (..., d).
+    beta_star:
+        The least-squares solution β* = Xᵀy, broadcastable against ``beta0``.
+    rho:
+        Radius of the geodesic ball.
+
+    Returns
+    -------
+    Tensor
+        S_mix(ρ), the batch shape of ``beta0``.
+
+    Raises
+    ------
+    RuntimeError
+        ``beta0`` and ``beta_star`` do not broadcast.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import sharpness_mix_orthonormal
+    >>> beta0 = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    >>> beta_star = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    >>> round(float(sharpness_mix_orthonormal(beta0, beta_star, rho=0.1)), 6)   # 2√2·0.1·1 + 0.02
+    0.302843
     """
     return 2 * math.sqrt(2) * rho * torch.linalg.vector_norm(beta0 - beta_star, dim=-1) + 2 * rho ** 2
 
@@ -264,6 +388,34 @@ def sharpness_inv_orthonormal_second_order(beta0: Tensor, beta_star: Tensor, rho
 
     a trust-region subproblem with a diagonal quadratic (:func:`diagonal_trust_region`). Works on
     1-D inputs.
+
+    Parameters
+    ----------
+    beta0:
+        β₀ = u⊙v of the network, shape (d,).
+    beta_star:
+        The least-squares solution β* = Xᵀy, shape (d,).
+    rho:
+        Radius of the geodesic ball.
+
+    Returns
+    -------
+    Tensor
+        The second-order sharpness, a 0-d tensor.
+
+    Raises
+    ------
+    RuntimeError
+        ``beta0`` and ``beta_star`` are not 1-D tensors of one length.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import sharpness_inv_orthonormal_second_order
+    >>> beta0 = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    >>> beta_star = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    >>> round(float(sharpness_inv_orthonormal_second_order(beta0, beta_star, rho=0.1)), 6)
+    0.322843
     """
     r = beta0 * (beta0 - beta_star)
     D = beta0 * (2 * beta0 - beta_star)
@@ -284,6 +436,32 @@ def diagonal_trust_region(g: Union[Tensor, np.ndarray], a: Union[Tensor, np.ndar
       other coordinates, the rest of the norm along the top one.
 
     numpy arrays are computed as float64 tensors and given back as numpy arrays.
+
+    Parameters
+    ----------
+    g, a:
+        The linear and diagonal quadratic coefficients, 1-D tensors or numpy arrays of one length.
+    radius:
+        The radius R of the ball.
+
+    Returns
+    -------
+    Tensor or numpy.ndarray
+        The maximiser x (the type of ``g``).
+
+    Raises
+    ------
+    RuntimeError
+        ``g`` and ``a`` have different lengths.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import diagonal_trust_region
+    >>> g = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    >>> a = torch.tensor([-1.0, -2.0], dtype=torch.float64)
+    >>> diagonal_trust_region(g, a, radius=1.0)         # interior maximiser -g / (2a)
+    tensor([0.5000, 0.2500], dtype=torch.float64)
     """
     if isinstance(g, np.ndarray):
         return diagonal_trust_region(torch.from_numpy(g), torch.from_numpy(np.asarray(a)), radius).numpy()

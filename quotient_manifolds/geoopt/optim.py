@@ -93,8 +93,8 @@ def init_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
     ValueError
         ``dampening > 0`` and a parameter has no gradient yet.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import geoopt, torch
     >>> from quotient_manifolds.geoopt import GLQuotient, init_momentum_buffers
     >>> M = GLQuotient(4, 3, 2)
@@ -129,8 +129,8 @@ class RiemannianSGD(_GeooptRiemannianSGD):
         parameters are Euclidean).
     lr, momentum, dampening, weight_decay, nesterov, stabilize : as ``geoopt.optim.RiemannianSGD``.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import geoopt, torch
     >>> from quotient_manifolds.geoopt import GLQuotient, RiemannianSGD
     >>> M = GLQuotient(6, 5, 3)
@@ -181,8 +181,8 @@ class RiemannianLineSearch(_GeooptRiemannianLineSearch):
     second-order retraction's velocity). Everything else, arguments included, is geoopt's; the
     closure returns a number (``loss.item()``), as scipy's searches need.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import geoopt, torch
     >>> from quotient_manifolds.geoopt import RescalingQuotient, RiemannianLineSearch
     >>> M = RescalingQuotient(1, metric="mix", retraction="exact")

@@ -32,8 +32,8 @@ def identify_linear_piece(x: np.ndarray, y: np.ndarray, window_length: int
     line (least residual; windows with a non-finite value are skipped), and that line's
     coefficients (slope first), as pymanopt's function of the same name returns them.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import numpy as np
     >>> x = np.linspace(-6, 0, 31)
     >>> y = np.concatenate([np.full(10, -np.inf), 3 * x[10:]])   # exact zeros, then slope 3
