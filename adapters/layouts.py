@@ -120,7 +120,51 @@ class Layout:
     that takes ``layout=`` (``sharpness``, ``sharpness_sweep``, ``distributed_sharpness``,
     ``GeodesicSAM``, ``riemannian_hessian``) and :meth:`verify` refuse it for a model with other
     parameters or other head counts (:meth:`check_model`), since its blocks would then not be
-    that model's symmetry group."""
+    that model's symmetry group.
+
+    Made by :func:`~quotient_manifolds.adapters.layout`; check it with :meth:`verify`.
+
+    Attributes
+    ----------
+    blocks:
+        The :class:`~quotient_manifolds.adapters.blocks.GLBlock` s (per-head G, H factors).
+    adaptive:
+        Names of the parameters (or their non-GL parts) treated elementwise.
+    gl_masks:
+        Per parameter, a boolean mask of its GL entries.
+    frozen:
+        Names of the frozen parameters, outside the ball.
+    unsupported:
+        Attention-like modules no family maps, with the reason.
+    param_shapes, head_structure, model_name:
+        The model the layout belongs to (see :meth:`check_model`).
+    notes:
+        What detection dropped or decided, in words.
+    verify_failed:
+        The blocks that failed the last :meth:`verify`.
+
+    Raises
+    ------
+    ValueError
+        From :meth:`check_model` (and every measure given ``layout=``): the layout belongs to a
+        model with other parameters or head counts.
+    SymmetryError
+        From :meth:`verify`: a block is not a symmetry of the model.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> lay = adapters.layout(model)
+    >>> lay.block_names
+    ['self_attn/qk', 'self_attn/vo']
+    >>> lay.block("self_attn/qk").group
+    GLGroup()
+    >>> lay.verify(model, torch.randn(3, 5, 4, dtype=torch.float64)).passed
+    True
+    """
 
     blocks: List[GLBlock]
     adaptive: List[str]
@@ -370,6 +414,50 @@ class Layout:
         The outcome is recorded: ``verify_failed`` lists the failing blocks (all blocks when only the
         joint check failed), and a layout that passed is not verified again by the geodesic entry points
         on this model in its current state (:func:`~quotient_manifolds.adapters.verify.record`).
+
+        Parameters
+        ----------
+        model:
+            The model the layout was built for; never modified.
+        example_inputs:
+            A tensor, a tuple/list of positional arguments or a dict of keyword arguments.
+        scales, cond, seed:
+            The scales of the random actions, their condition number (None: Gaussian) and seed.
+        rtol, atol:
+            The tolerance (defaults above).
+        per_block:
+            ``"auto"``, True or False (see above).
+        raise_on_failure:
+            Raise on a failing block (False: return the failing report).
+        output_fn:
+            The tensor to compare, from the model's output.
+        compute_dtype:
+            The dtype of the check (default: the model's; float32 for half precision).
+
+        Returns
+        -------
+        VerifyReport
+            The deviations per scale, per block, the tolerance and ``passed``.
+
+        Raises
+        ------
+        SymmetryError
+            A block is not a symmetry of the model (unless ``raise_on_failure=False``).
+        ValueError
+            The layout belongs to another model, the model's output has no tensor to compare (pass
+            ``output_fn``), or an option is out of range.
+        TypeError
+            An argument of the wrong kind.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds import adapters
+        >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+        ...                                          batch_first=True).double().eval()
+        >>> report = adapters.layout(model).verify(model, torch.randn(3, 5, 4, dtype=torch.float64))
+        >>> report.passed, report.failing, report.max_rel_dev < 1e-12
+        (True, [], True)
         """
         options = dict(scales=scales, cond=cond, rtol=rtol, atol=atol, seed=seed, per_block=per_block,
                        raise_on_failure=raise_on_failure, output_fn=output_fn, compute_dtype=compute_dtype)
