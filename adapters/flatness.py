@@ -146,8 +146,8 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
     TypeError, ValueError: an argument of the wrong kind, a layer that is no linear layer, a
         half-precision layer. FloatingPointError: a non-finite loss at the trained weights.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import torch
     >>> from quotient_manifolds import adapters
     >>> _ = torch.manual_seed(0)
