@@ -183,6 +183,37 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
       base step; an overflow skips the update (weights unchanged, :attr:`skipped` True) and
       ``second_step`` calls ``scaler.update()``, which lowers the scale. Not with FSDP2 (use
       bfloat16 there).
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not an ``nn.Module``, ``base_optimizer`` is neither an optimizer class nor an
+        instance over the model's parameters, or ``layout`` is not a Layout.
+    ValueError
+        An unknown ``geometry`` or ``retraction``, ``rho`` not a finite positive number, a layout
+        built for another model, a base optimizer setting that is NaN, infinite or negative; from
+        :meth:`first_step` / :meth:`second_step`, a non-finite gradient.
+    SymmetryError
+        A block of the layout fails verification (unless ``unsafe``).
+    RuntimeError
+        :meth:`step` without a closure.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double()
+    >>> x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64)
+    >>> opt = adapters.GeodesicSAM(model, torch.optim.SGD, rho=0.05, geometry="geodesic-mix", lr=0.1)
+    >>> loss_fn = torch.nn.MSELoss()
+    >>> loss_fn(model(x), y).backward()                 # gradient at w
+    >>> opt.first_step(zero_grad=True)                  # w ← w_adv
+    >>> loss_fn(model(x), y).backward()                 # gradient at w_adv
+    >>> opt.second_step(zero_grad=True)                 # w restored, SGD step with ∇L(w_adv)
+    >>> bool(loss_fn(model(x), y) < 2.05)
+    True
     """
 
     def __init__(self, model: nn.Module, base_optimizer: Union[Type[torch.optim.Optimizer],
