@@ -143,10 +143,6 @@ class RhoCalibration:
     rho, loss_rise, converged, evals:
         As described above.
 
-    Raises
-    ------
-    ValueError
-        Not raised by the result: :func:`calibrate_rho` validates its arguments.
 
     Examples
     --------

@@ -61,10 +61,6 @@ class CheckpointSharpness:
     results:
         Per geometry, the measurement (above).
 
-    Raises
-    ------
-    ValueError
-        Not raised by the result: :func:`checkpoint_sharpness` validates its arguments.
 
     Examples
     --------

@@ -87,11 +87,6 @@ class RelativeFlatness:
     value, per_batch, layer, shape, method, n_products, std_error, loss, num_data:
         Each described at its field below.
 
-    Raises
-    ------
-    ValueError
-        Not raised by the result: :func:`~quotient_manifolds.adapters.relative_flatness` validates
-        its arguments.
 
     Examples
     --------

@@ -54,14 +54,15 @@ class SharpnessResult:
 
     Attributes
     ----------
-    value, per_batch, init_losses, worst_losses, norms, rho, geometry, measure, n_iters, n_forward,
-    n_backward, time_s, options, retraction_gaps, gl_norm_shares, attention_norm_shares:
-        Each described at its field below.
+    value, per_batch, init_losses, worst_losses, norms:
+        The loss rise, overall and per batch, and its parts (each field is described below).
+    rho, geometry, measure, n_iters, options:
+        How it was measured.
+    n_forward, n_backward, time_s:
+        What it cost.
+    retraction_gaps, gl_norm_shares, attention_norm_shares:
+        Per batch, the checks and shares of the worst perturbation.
 
-    Raises
-    ------
-    ValueError
-        Not raised by the result: :func:`sharpness` validates its arguments.
 
     Examples
     --------
