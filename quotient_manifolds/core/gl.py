@@ -596,6 +596,38 @@ class GLFrame:
 
         All three are equivariant under the group action.
 
+        Parameters
+        ----------
+        u:
+            A tangent vector at x, the layout of x.
+        method:
+            ``"first_order"``, ``"second_order"`` or ``"exact"`` (default: the geometry's).
+        exact_steps:
+            RK4 steps of ``"exact"``.
+
+        Returns
+        -------
+        Tensor
+            The new point, the dtype of ``u``.
+
+        Raises
+        ------
+        ValueError
+            An unknown ``method``; :class:`~quotient_manifolds.StepTooLarge` when the new point
+            leaves the manifold (a factor loses rank).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import GLQuotientGeometry
+        >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+        >>> x = geometry.random_point(dtype=torch.float64)
+        >>> frame = geometry.frame(x)
+        >>> u = 0.1 * geometry.random_horizontal(x)
+        >>> exact = frame.retract(u, "exact")
+        >>> float((frame.retract(u, "second_order") - exact).norm()) < 1e-3   # O(‖u‖³) apart
+        True
+
         The second-order step is computed as [G(I − ½C_G) + u_G(I − ½D_G); H(…)] from the
         Christoffel coefficients (:meth:`GLMetric.christoffel_coefficients
         <quotient_manifolds.core.metrics.GLMetric.christoffel_coefficients>`). When u requires a
@@ -925,6 +957,32 @@ class GLQuotientGeometry:
         :math:`G A = Q_G U S^{1/2}` and :math:`H A^{-\top} = Q_H V S^{1/2}`, so G Hᵀ is unchanged and
         both Gram matrices equal S. Map optimizer buffers with :meth:`act` (same A); never call this
         inside ``projx``.
+
+        Parameters
+        ----------
+        x:
+            A point (..., n+m, h).
+
+        Returns
+        -------
+        tuple of Tensor
+            (x·A, A).
+
+        Raises
+        ------
+        ValueError
+            A group other than GL(h), or ``x`` not a floating tensor.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import GLQuotientGeometry
+        >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+        >>> x = geometry.random_point(dtype=torch.float64)
+        >>> balanced, A = geometry.balance(x)
+        >>> G, H = geometry.split(balanced)
+        >>> torch.allclose(G.T @ G, H.T @ H)
+        True
         """
         floating_tensor("x", x)
         if not self.group.is_full:
@@ -965,6 +1023,38 @@ class GLQuotientGeometry:
 
         Uses torchdiffeq's fixed-grid solvers (default RK4 with ``exact_steps`` steps), so it is
         batched, device-agnostic and differentiable. Computation is in float64.
+
+        Parameters
+        ----------
+        x, u:
+            The start point and a (horizontal) velocity, shape (..., n+m, h).
+        t:
+            The end time.
+        steps, method:
+            Override the geometry's ``exact_steps`` and torchdiffeq method.
+
+        Returns
+        -------
+        tuple of Tensor
+            (γ(t), γ̇(t)) in the dtype of ``x``.
+
+        Raises
+        ------
+        ValueError
+            ``x`` of the wrong shape or rank deficient;
+            :class:`~quotient_manifolds.core.errors.GeodesicLeftManifold` (a ValueError) when the
+            geodesic leaves the manifold before t.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import GLQuotientGeometry
+        >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+        >>> x = geometry.random_point(dtype=torch.float64)
+        >>> u = 0.1 * geometry.random_horizontal(x)
+        >>> y, v = geometry.integrate_geodesic(x, u)
+        >>> torch.allclose(geometry.norm(y, v), geometry.norm(x, u))   # constant speed
+        True
         """
         from torchdiffeq import odeint
 
