@@ -159,6 +159,33 @@ def test_public_name_is_documented(name: str):
                          "numpy style of the others (Parameters / Returns / Raises / Examples)")
 
 
+#: the methods a user calls on the public classes: documented like the functions (their example may
+#: be the class's, where it calls them)
+MAIN_METHODS = (
+    "quotient_manifolds.adapters.layouts.Layout.verify",
+    "quotient_manifolds.adapters.layouts.Layout.check_model",
+    "quotient_manifolds.adapters.layouts.Layout.act",
+    "quotient_manifolds.adapters.layouts.Layout.reparametrised",
+    "quotient_manifolds.adapters.layouts.Layout.random_actions",
+    "quotient_manifolds.adapters.monitor.SharpnessMonitor.measure",
+    "quotient_manifolds.adapters.sam.GeodesicSAM.first_step",
+    "quotient_manifolds.adapters.sam.GeodesicSAM.second_step",
+    "quotient_manifolds.adapters.sam.GeodesicSAM.step",
+    "quotient_manifolds.core.gl.GLQuotientGeometry.integrate_geodesic",
+    "quotient_manifolds.core.gl.GLQuotientGeometry.balance",
+    "quotient_manifolds.core.gl.GLFrame.retract",
+)
+
+
+@pytest.mark.parametrize("path", MAIN_METHODS)
+def test_main_method_is_documented(path: str):
+    owner_path, method_name = path.rsplit(".", 1)
+    owner = PUBLIC[owner_path]
+    missing = [section for section in _missing_sections(getattr(owner, method_name))
+               if not (section == "Examples" and f".{method_name}(" in (inspect.getdoc(owner) or ""))]
+    assert not missing, f"{path}'s docstring has no {', '.join(missing)} section"
+
+
 def test_the_check_sees_every_face():
     """The walk above finds the public names of every face, the lazily imported ones included."""
     names = {name.rsplit(".", 1)[-1] for name in PUBLIC}
