@@ -396,6 +396,7 @@ def merge_back(model: nn.Module) -> int:
     >>> type(model.base_model.model[0].lora_A["default"].weight).__name__
     'Parameter'
     """
+    check.module("model", model)
     restored = set()
     for module, view in list(_views(model)):
         value = module.weight.detach().clone(memory_format=torch.contiguous_format)

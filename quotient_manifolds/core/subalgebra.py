@@ -582,8 +582,8 @@ class SubalgebraGroup(SymmetryGroup):
     Raises
     ------
     ValueError
-        ``basis`` is not a (d, h, h) stack of square matrices, spans nothing, or its span is not
-        closed under the commutator (not a Lie algebra).
+        ``basis`` is not a (d, h, h) stack of square matrices, or its span is not closed under the
+        commutator (not a Lie algebra).
 
     Examples
     --------
