@@ -139,9 +139,8 @@ class Layout:
     param_shapes, head_structure, model_name:
         The model the layout belongs to (see :meth:`check_model`).
     notes:
-        What detection dropped or decided, in words.
-    verify_failed:
-        The blocks that failed the last :meth:`verify`.
+        What detection dropped or decided, in words (``verify_failed``, below: the blocks that
+        failed the last :meth:`verify`).
 
     Raises
     ------
