@@ -15,7 +15,7 @@ import importlib
 import inspect
 import io
 import re
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import pytest
 import torch
@@ -48,8 +48,8 @@ def _qualified(obj) -> str:
 
 def public_objects() -> Dict[str, object]:
     """Every public function and class of the faces' ``__all__``, once, by qualified name.
-    Constants (tuples of names, group objects, the version string) document themselves in the API
-    pages' text; exceptions say in one line what went wrong."""
+    Constants (tuples of names, group objects, the version string) are described in the API pages'
+    text; the exception classes are left to the library's error family, which documents them."""
     found: Dict[str, object] = {}
     for face in FACES:
         module = importlib.import_module(face)
