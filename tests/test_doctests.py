@@ -174,6 +174,9 @@ MAIN_METHODS = (
     "quotient_manifolds.core.gl.GLQuotientGeometry.integrate_geodesic",
     "quotient_manifolds.core.gl.GLQuotientGeometry.balance",
     "quotient_manifolds.core.gl.GLFrame.retract",
+    "quotient_manifolds.core.rescaling.RescalingGeometry.act",
+    "quotient_manifolds.core.rescaling.RescalingGeometry.beta",
+    "quotient_manifolds.core.rescaling.RescalingGeometry.exact_geodesic",
 )
 
 

@@ -233,14 +233,56 @@ class RescalingGeometry:
 
     def act(self, x: Tensor, a: Tensor) -> Tensor:
         """(u, v) ↦ (a⊙u, v/a); also maps tangent vectors. ``a`` must be finite with no zero entry
-        (an element of (R∖{0})^d)."""
+        (an element of (R∖{0})^d).
+
+        Parameters
+        ----------
+        x:
+            A point or tangent vector (..., 2, d).
+        a:
+            The group element, d finite nonzero entries.
+
+        Returns
+        -------
+        Tensor
+            (a⊙u, v/a).
+
+        Raises
+        ------
+        ValueError
+            ``a`` is not a tensor of finite nonzero numbers.
+
+        Examples
+        --------
+        See the class's example (``geometry.act(x, a)``).
+        """
         if not isinstance(a, torch.Tensor) or not bool(torch.isfinite(a).all()) or bool((a == 0).any()):
             raise ValueError(f"a must be a tensor of finite non-zero numbers (an element of (R∖{{0}})^d): "
                              f"its zeros or non-finite entries would give inf or nan points")
         return torch.stack((x[..., 0, :] * a, x[..., 1, :] / a), dim=-2)
 
     def beta(self, x: Tensor) -> Tensor:
-        """The invariant β = u⊙v."""
+        """The invariant β = u⊙v.
+
+        Parameters
+        ----------
+        x:
+            A point (..., 2, d).
+
+        Returns
+        -------
+        Tensor
+            β, shape (..., d).
+
+        Raises
+        ------
+        IndexError
+            ``x`` has fewer than two rows.
+
+        Examples
+        --------
+        See the class's example (``geometry.beta(x)``).
+        """
         return x[..., 0, :] * x[..., 1, :]
 
     def exact_geodesic(self, x: Tensor, u: Tensor, t: float = 1.0) -> Tensor:
@@ -248,6 +290,35 @@ class RescalingGeometry:
 
         inv: (u e^{tξ_u/u}, v e^{tξ_v/v}) for any ξ. mix: (u √(1+2bt), v √(1+2bt)) for horizontal
         ξ = (b⊙u, b⊙v); a non-horizontal ξ or 1 + 2bt ≤ 0 (the mix geodesic is incomplete) raise.
+
+        Parameters
+        ----------
+        x, u:
+            The start point and velocity, (..., 2, d).
+        t:
+            The time.
+
+        Returns
+        -------
+        Tensor
+            The point at time t.
+
+        Raises
+        ------
+        GeodesicLeftManifold
+            The mix geodesic ends before t (1 + 2bt ≤ 0).
+        ValueError
+            ``u`` is not horizontal (mix).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import RescalingGeometry
+        >>> geometry = RescalingGeometry(1, "mix")
+        >>> x = torch.tensor([[1.0], [2.0]], dtype=torch.float64)
+        >>> geometry.exact_geodesic(x, 0.5 * x)            # b = ½: scale √(1 + 2b) = √2
+        tensor([[1.4142],
+                [2.8284]], dtype=torch.float64)
         """
         bu, bv = u[..., 0, :] / x[..., 0, :], u[..., 1, :] / x[..., 1, :]
         return self.gl_metric.gl1_geodesic(x, bu, bv, t)
