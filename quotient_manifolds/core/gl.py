@@ -502,7 +502,27 @@ class GLFrame:
         return self._generator_of_grams(matmul(self.G.mT, uG), matmul(self.H.mT, uH))
 
     def project(self, u: Tensor) -> Tensor:
-        """Metric-orthogonal projection onto the horizontal space H_x (docs/maths.md §3.2)."""
+        """Metric-orthogonal projection onto the horizontal space H_x (docs/maths.md §3.2).
+
+        Parameters
+        ----------
+        u:
+            An ambient vector with the layout of x.
+
+        Returns
+        -------
+        Tensor
+            Its horizontal part, the dtype of ``u``.
+
+        Raises
+        ------
+        RuntimeError
+            ``u`` does not broadcast against x.
+
+        Examples
+        --------
+        See the class's example (``frame.project(u)``).
+        """
         uc = self._in(u)
         lam = self.vertical_generator(uc)
         if self._paired(uc):  # u + [G(−Λ); HΛᵀ] in one batched product
@@ -533,6 +553,34 @@ class GLFrame:
 
         inv: (∇_G P, ∇_H Q); mix: (∇_G Q⁻¹, ∇_H P⁻¹). For GL-invariant losses the result is already
         horizontal; the final projection makes non-invariant terms (weight decay) horizontal too.
+
+        Parameters
+        ----------
+        egrad:
+            The Euclidean gradient (∇_G, ∇_H), the layout of x.
+
+        Returns
+        -------
+        Tensor
+            The Riemannian gradient, horizontal, the dtype of ``egrad``.
+
+        Raises
+        ------
+        RuntimeError
+            ``egrad`` does not broadcast against x.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import GLQuotientGeometry
+        >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+        >>> x = geometry.random_point(dtype=torch.float64).requires_grad_()
+        >>> G, H = geometry.split(x)
+        >>> (G @ H.T).pow(2).sum().backward()               # a loss of G Hᵀ only
+        >>> frame = geometry.frame(x.detach())
+        >>> rgrad = frame.egrad2rgrad(x.grad)
+        >>> torch.allclose(frame.project(rgrad), rgrad)     # horizontal
+        True
         """
         gc = self._in(egrad)
         # projected in the compute dtype, then cast once: no rounded copy in between
@@ -942,7 +990,29 @@ class GLQuotientGeometry:
 
     # ------------------------------------------------------------------ group action
     def act(self, x: Tensor, A: Tensor) -> Tensor:
-        """(G, H) ↦ (G A, H A⁻ᵀ); also maps tangent vectors (the action is linear)."""
+        """(G, H) ↦ (G A, H A⁻ᵀ); also maps tangent vectors (the action is linear).
+
+        Parameters
+        ----------
+        x:
+            A point or tangent vector (..., n+m, h).
+        A:
+            An invertible (..., h, h) matrix (any element of GL(h), also for a smaller group).
+
+        Returns
+        -------
+        Tensor
+            [G A; H A⁻ᵀ].
+
+        Raises
+        ------
+        ValueError
+            ``A`` is not an (h, h) floating matrix or is singular.
+
+        Examples
+        --------
+        See the class's example (``geometry.act(x, A)``).
+        """
         group_element("A", A, self.h)
         try:
             return self.pack(*group_action(*self.split(x), A))
