@@ -103,13 +103,8 @@ class VerifyReport:
         Whether the blocks were checked one by one.
 
     ``passed`` (property) is the verdict, ``failing`` the failing blocks' names, ``max_rel_dev``
-    the largest deviation; ``str(report)`` prints them with the next step.
-
-    Raises
-    ------
-    SymmetryError
-        Not raised by the report: :meth:`Layout.verify` raises it with the failing report attached
-        (``err.report``).
+    the largest deviation; ``str(report)`` prints them with the next step. A failing report
+    reaches the caller of :meth:`Layout.verify` as ``err.report`` of the SymmetryError it raises.
 
     Examples
     --------
