@@ -453,8 +453,8 @@ def trace(op: PyTorchLinearOperator, *, method: str = "hutch++", num_matvecs: in
     Raises
     ------
     ValueError
-        ``num_matvecs`` < 1 (< 3 for hutch++), an unknown ``method`` or ``distribution``, or a
-        non-square operator.
+        ``num_matvecs`` < 1 (< 3 for hutch++), an unknown ``method``, or (from curvlinops) an
+        unknown ``distribution``.
 
     Examples
     --------
