@@ -101,7 +101,52 @@ def accept_layout(model: nn.Module, layout: Layout, example_inputs: Any, *, what
 
     This is what the geodesic entry points do with a layout they detect themselves (``layout=None``);
     call it to see the layout they use: ``print(adapters.accept_layout(model, adapters.layout(model),
-    inputs)[0])`` shows each block's group and how it was found (``GLBlock.group_source``)."""
+    inputs)[0])`` shows each block's group and how it was found (``GLBlock.group_source``).
+
+    Parameters
+    ----------
+    model:
+        The model; never modified.
+    layout:
+        The candidate :class:`~quotient_manifolds.adapters.Layout` (e.g. ``adapters.layout(model)``).
+    example_inputs:
+        Inputs the model is called with for the check (a tensor, tuple or mapping).
+    what, stacklevel:
+        The caller's name in messages and the warning's stack level.
+    derive:
+        Derive the group of a failing block from the model before removing it.
+    warn:
+        Warn about the blocks removed.
+    on_reference:
+        Called with the model's output at its own weights when the first check runs.
+
+    Returns
+    -------
+    tuple
+        ``(layout, report)``: the accepted :class:`~quotient_manifolds.adapters.Layout` and the
+        last :class:`~quotient_manifolds.adapters.VerifyReport` (None when nothing had to run).
+
+    Raises
+    ------
+    TypeError
+        ``layout`` is not a Layout.
+    ValueError
+        The output tensor of the model cannot be found for the check (verify it yourself with
+        ``output_fn=`` and pass that layout).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> x = torch.randn(3, 5, 4, dtype=torch.float64)
+    >>> accepted, report = adapters.accept_layout(model, adapters.layout(model), x)
+    >>> [block.name for block in accepted.blocks], report.passed
+    (['self_attn/qk', 'self_attn/vo'], True)
+    >>> accepted.blocks[0].group_source
+    'family torch-mha'
+    """
     if not isinstance(model, nn.Module):       # refused with the message of every entry point
         from . import validation as check
 

@@ -142,6 +142,27 @@ class RhoCalibration:
     else the log–log root estimate); ``loss_rise``: the measured worst-case loss rise at ``rho``
     (NaN if ``rho`` was estimated and not evaluated); ``evals``: every (ρ, loss rise) evaluated, in
     order; ``converged``: some evaluation within the tolerance factor of the target.
+
+    Attributes
+    ----------
+    geometry, target_loss_rise:
+        As passed to :func:`calibrate_rho`.
+    rho, loss_rise, converged, evals:
+        As described above.
+
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> cal = adapters.calibrate_rho(model, batches, geometry="geodesic-mix", target_loss_rise=0.05,
+    ...                              loss_fn=torch.nn.MSELoss(), n_iters=5)
+    >>> cal.converged, cal.rho, round(cal.loss_rise, 3), len(cal.evals)
+    (True, 0.05, 0.058, 1)
     """
 
     geometry: str

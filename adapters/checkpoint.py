@@ -50,7 +50,32 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
 class CheckpointSharpness:
     """Result of :func:`checkpoint_sharpness`: what was measured, and per geometry its sharpness
     (``results[geometry]``: ``sharpness``, ``rho``, ``initial_loss``, ``per_batch``, ``seconds``,
-    and ``calibration`` when ρ was calibrated)."""
+    and ``calibration`` when ρ was calibrated).
+
+    Attributes
+    ----------
+    checkpoint, task, data:
+        The checkpoint directory, ``"sequence-classification"`` or ``"causal-lm"``, the data file.
+    n_examples, batch_size, max_length, device, dtype:
+        What was measured, and where.
+    results:
+        Per geometry, the measurement (above).
+
+
+    Examples
+    --------
+    >>> from quotient_manifolds.adapters import CheckpointSharpness
+    >>> res = CheckpointSharpness("runs/ckpt", "sequence-classification", "val.jsonl", n_examples=2,
+    ...                           batch_size=2, max_length=128, device="cpu", dtype="float32",
+    ...                           results={"adaptive": {"rho": 0.1, "sharpness": 0.0123,
+    ...                                                 "initial_loss": 0.69, "seconds": 0.4}})
+    >>> print(res.table())                              # doctest: +NORMALIZE_WHITESPACE
+    runs/ckpt (sequence-classification, 2 examples of val.jsonl)
+    geometry               rho     sharpness  initial loss   seconds
+    adaptive               0.1        0.0123          0.69       0.4
+    >>> res.as_dict()["results"]["adaptive"]["sharpness"]
+    0.0123
+    """
 
     checkpoint: str
     task: str
@@ -289,17 +314,40 @@ def checkpoint_sharpness(checkpoint: str, data: str, *, geometries: Sequence[str
     sharpness_options: options of :func:`~quotient_manifolds.adapters.sharpness` (``n_iters``,
         ``progress`` …).
 
-    Returns a :class:`CheckpointSharpness` (``.as_dict()`` for JSON, ``.table()`` to print).
+    Returns
+    -------
+    CheckpointSharpness
+        What was measured and the results per geometry (``.as_dict()`` for JSON, ``.table()`` to
+        print).
 
     Raises
     ------
     CheckpointError: a directory without a model or tokenizer, a missing, empty or unreadable
         data file, an unknown column, label, task or dtype.
 
-    Example::
+    Examples
+    --------
+    A tiny BERT classifier and a word-level tokenizer saved from configs, measured on two rows:
 
-        res = checkpoint_sharpness("runs/checkpoint-500", "val.jsonl", target_loss_rise=0.1, n_iters=10)
-        print(res.table())
+    >>> import os, tempfile, tokenizers, torch, transformers
+    >>> from quotient_manifolds import adapters
+    >>> root = tempfile.mkdtemp()
+    >>> vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "a", "good", "bad", "film"])}
+    >>> tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    >>> tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    >>> _ = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+    ...                                          pad_token="[PAD]").save_pretrained(root)
+    >>> _ = torch.manual_seed(0)
+    >>> config = transformers.BertConfig(vocab_size=6, hidden_size=4, num_hidden_layers=1, num_attention_heads=2,
+    ...                                  intermediate_size=8, max_position_embeddings=8, num_labels=2)
+    >>> transformers.BertForSequenceClassification(config).double().save_pretrained(root)
+    >>> with open(os.path.join(root, "val.jsonl"), "w") as f:
+    ...     _ = f.write('{"text": "a good film", "label": 1}\n{"text": "a bad film", "label": 0}\n')
+    >>> res = adapters.checkpoint_sharpness(root, os.path.join(root, "val.jsonl"), rho=0.1, batches=1,
+    ...                                     batch_size=2, n_iters=3)
+    >>> res.task, res.n_examples, sorted(res.results)
+    ('sequence-classification', 2, ['adaptive', 'geodesic-inv'])
+    >>> import shutil; shutil.rmtree(root)
     """
     for name, value in (("batches", batches), ("batch_size", batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -147,6 +147,48 @@ def declare_block(model: nn.Module, *, q: Optional[str] = None, k: Optional[str]
     ``head_dim`` defaults to (output features of q or v) // ``num_heads`` (input features of ``o`` for
     VO); give it explicitly for packed projections.  ``name`` defaults to ``"<module>/<kind>"`` with
     ``module`` the deepest module containing all given paths.
+
+    Parameters
+    ----------
+    model:
+        The model whose parameters the paths name.
+    q, k, v, o:
+        Paths of the projections (q and k for a QK block, v and o for a VO block).
+    num_heads, head_dim, num_kv_heads:
+        The head structure (see above).
+    bias:
+        Append the q/k/v biases to G and H where the projections have them.
+    offsets:
+        Row (q/k/v) or column (o) offsets into packed projections, keyed by ``"q"``, ``"k"``,
+        ``"v"``, ``"o"``.
+    g, h, kind:
+        Raw :class:`~quotient_manifolds.adapters.blocks.FactorPiece` lists and the block's kind,
+        instead of paths.
+    name, module:
+        The block's name and the module it belongs to.
+    group:
+        The block's symmetry group (None: all of GL(head_dim)).
+
+    Returns
+    -------
+    GLBlock
+        The block; pass it to :func:`layout` as ``blocks=``.
+
+    Raises
+    ------
+    ValueError
+        A path names no module or parameter, a weight is not 2-D, the head structure does not
+        divide the projection, unknown ``offsets`` keys, or neither (q, k), (v, o) nor (g, h) is
+        given.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> model = torch.nn.ModuleDict({"q": torch.nn.Linear(4, 4), "k": torch.nn.Linear(4, 4)})
+    >>> block = adapters.declare_block(model, q="q", k="k", num_heads=2, name="attn/qk")
+    >>> block.kind, block.num_heads, block.head_dim, block.n, block.m   # G, H of (4 + 1) × 2
+    ('qk', 2, 2, 5, 5)
     """
     _, alias = canonical_names(model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

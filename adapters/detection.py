@@ -145,7 +145,38 @@ def _split_part(name: str, modules: Container[str]) -> Tuple[str, str]:
 def detect(model: nn.Module, *, families: Optional[Sequence[Family]] = None) -> Detection:
     """Detected GL blocks, unsupported attention-like modules (or parts ``"<module>/qk"``) and
     notes of ``model``, using ``families`` (default: the registry ``adapters.families.FAMILIES``).
-    Nothing is modified."""
+    Nothing is modified.
+
+    Parameters
+    ----------
+    model:
+        The model (any ``nn.Module``).
+    families:
+        The families to try, in order (default: the registry).
+
+    Returns
+    -------
+    Detection
+        ``blocks`` (the GL blocks found), ``unsupported`` (attention-like modules no family maps),
+        ``seen`` (each attention-like module with its family) and ``notes``.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not an ``nn.Module``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> found = adapters.detect(model)
+    >>> [block.name for block in found.blocks], found.unsupported
+    (['self_attn/qk', 'self_attn/vo'], [])
+    >>> found.seen
+    [('self_attn', 'MultiheadAttention', 'torch-mha')]
+    """
     if not isinstance(model, nn.Module):       # refused with the message of every entry point
         check.module("model", model)
     ctx, _ = _context(model)
@@ -237,6 +268,49 @@ def layout(model: nn.Module, *, blocks: Union[None, GLBlock, Sequence] = None, a
     ``layout.notes``) and frozen parameters stay out of the ball (e.g. the base weights of a LoRA
     model); a declared block touching them is an error. ``include_frozen=True`` treats frozen
     parameters as trainable (pass it to ``sharpness`` too).
+
+    Parameters
+    ----------
+    model:
+        The model (any ``nn.Module``).
+    blocks:
+        A :class:`~quotient_manifolds.adapters.blocks.GLBlock` or a list of them
+        (:func:`declare_block`).
+    allow_unsupported:
+        Treat the parameters of attention-like modules that cannot be mapped as adaptive instead
+        of raising.
+    detect_blocks:
+        Detect blocks (False: only the declared ones).
+    include_frozen:
+        Treat frozen parameters as trainable.
+
+    Returns
+    -------
+    Layout
+        The blocks, the adaptive and frozen parameters, and what could not be mapped. Check it
+        with :meth:`Layout.verify <quotient_manifolds.adapters.Layout.verify>` before trusting a
+        number computed on it.
+
+    Raises
+    ------
+    TypeError
+        ``blocks`` is not a GLBlock or a list of them.
+    ValueError
+        Attention-like modules cannot be mapped or no block is found (without
+        ``allow_unsupported``), declared blocks overlap or share a name, or a declared block
+        touches frozen parameters.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> lay = adapters.layout(model)
+    >>> lay
+    Layout(model='TransformerEncoderLayer', blocks=2, gl_scalars=76, adaptive=9, frozen=0, unsupported=0)
+    >>> [(block.name, block.num_heads, block.head_dim) for block in lay.blocks]
+    [('self_attn/qk', 2, 2), ('self_attn/vo', 2, 2)]
     """
 
     if not isinstance(model, nn.Module):       # refused with the message of every entry point

@@ -81,7 +81,25 @@ CHUNK_ENTRIES = 2 ** 22
 
 @dataclass(frozen=True)
 class RelativeFlatness:
-    """The relative flatness κ(W) of one layer (:func:`~quotient_manifolds.adapters.relative_flatness`)."""
+    """The relative flatness κ(W) of one layer (:func:`~quotient_manifolds.adapters.relative_flatness`).
+
+    Attributes
+    ----------
+    value, per_batch, layer, shape, method, n_products, std_error, loss, num_data:
+        Each described at its field below.
+
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+    >>> batches = [(torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,)))]
+    >>> res = adapters.relative_flatness(model, batches, layer="2")
+    >>> res.layer, res.shape, res.method, res.num_data, res.per_batch == [res.value]
+    ('2', (2, 4), 'exact', 8, True)
+    """
 
     #: κ(W) of the loss over all batches: Σ_b c_b ``per_batch[b]`` (c_b = |b|/N, or 1 for ``"sum"``)
     value: float
@@ -147,8 +165,8 @@ def relative_flatness(model: nn.Module, batches: Iterable[Union[Tuple[Any, Any],
     TypeError, ValueError: an argument of the wrong kind, a layer that is no linear layer, a
         half-precision layer. FloatingPointError: a non-finite loss at the trained weights.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import torch
     >>> from quotient_manifolds import adapters
     >>> _ = torch.manual_seed(0)

@@ -161,6 +161,34 @@ class RiemannianHessian(PyTorchLinearOperator):
     Eigenvalues: those of the Riemannian Hessian (``quotient_dim`` of them) and exact zeros on the
     vertical directions and fixed entries. Attributes: ``loss`` and ``gradient`` (Euclidean, per
     component) of f at w⁰, ``num_data``, ``names`` of the components, ``quotient_dim``.
+
+    Parameters
+    ----------
+    model, ball, write_back, params0, ...:
+        Set up by :func:`riemannian_hessian`, which validates what the user passes; do not build
+        it directly.
+
+    Raises
+    ------
+    FloatingPointError
+        The loss is not finite at the trained weights.
+    TypeError
+        A ball component of a kind the operator cannot act on.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> op = adapters.riemannian_hessian(model, batches, loss_fn=torch.nn.MSELoss())
+    >>> op.shape, op.quotient_dim, op.num_data          # 172 weights, 144 quotient coordinates
+    ((172, 172), 144, 3)
+    >>> v = torch.randn(172, dtype=torch.float64)
+    >>> torch.allclose(v @ (op @ (2 * v)), 2 * (v @ (op @ v)))   # a linear operator
+    True
     """
 
     SELF_ADJOINT = True
@@ -334,6 +362,32 @@ def riemannian_hessian(model: torch.nn.Module,
     :class:`RiemannianHessian` of shape (D, D); ``quotient_dim`` of its eigenvalues are the
     Riemannian Hessian's, the rest are exact zeros (vertical directions, fixed weights).
     Use :func:`trace`, :func:`top_eigenvalues`, or ``curvlinops.lanczos_approximate_spectrum(op, ncv)``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        An argument of the wrong kind or out of range, a layout built for another model, or an
+        unknown geometry.
+    NotImplementedError
+        A model sharded with FSDP2.
+    SymmetryError
+        A block of the layout fails verification (unless ``unsafe``).
+    FloatingPointError
+        The loss is not finite at the trained weights.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> op = adapters.riemannian_hessian(model, batches, loss_fn=torch.nn.MSELoss())
+    >>> round(op.loss, 4)                               # f at the trained weights
+    2.0517
+    >>> round(float(adapters.top_eigenvalues(op, 1)[0]), 3)
+    3.84
     """
     check.module("model", model)
     check.batches("batches", batches)
@@ -376,7 +430,44 @@ def trace(op: PyTorchLinearOperator, *, method: str = "hutch++", num_matvecs: in
     ``"hutchinson"`` (curvlinops.hutchinson_trace), or ``"exact"`` (Σ_j (A e_j)_j, D products in
     chunks of 64). The estimators fall back to ``"exact"`` when ``num_matvecs`` ≥ D (curvlinops
     refuses them there, and the exact trace costs no more). ``seed`` fixes the random probes
-    without touching the global generator (None: the global one)."""
+    without touching the global generator (None: the global one).
+
+    Parameters
+    ----------
+    op:
+        A square operator, e.g. a :class:`RiemannianHessian`.
+    method:
+        ``"hutch++"`` (default), ``"hutchinson"`` or ``"exact"``.
+    num_matvecs:
+        Products of the estimators.
+    distribution:
+        ``"rademacher"`` or ``"normal"`` probes.
+    seed:
+        Seed of the probes (None: the global generator).
+
+    Returns
+    -------
+    float
+        The trace (estimate).
+
+    Raises
+    ------
+    ValueError
+        ``num_matvecs`` < 1 (< 3 for hutch++), an unknown ``method``, or (from curvlinops) an
+        unknown ``distribution``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> op = adapters.riemannian_hessian(model, batches, loss_fn=torch.nn.MSELoss())
+    >>> round(adapters.trace(op, num_matvecs=9), 3)     # hutch++ with 9 products, seed 0
+    4.218
+    """
     import curvlinops
 
     choice("method", method, TRACE_METHODS)
@@ -404,7 +495,43 @@ def top_eigenvalues(op: PyTorchLinearOperator, k: int = 1, *, which: str = "LA",
     """The ``k`` largest (``which="LA"``; ``"SA"`` smallest, ``"LM"`` largest magnitude) eigenvalues
     of a symmetric operator by Lanczos (``scipy.sparse.linalg.eigsh`` on ``op.to_scipy()``;
     ``tol=0`` is machine precision), sorted in decreasing order, as a float64 tensor. For k ≥ D − 1
-    (eigsh needs k < D) the operator is materialised and diagonalised densely."""
+    (eigsh needs k < D) the operator is materialised and diagonalised densely.
+
+    Parameters
+    ----------
+    op:
+        A symmetric operator, e.g. a :class:`RiemannianHessian`.
+    k:
+        How many eigenvalues, 1 ≤ k ≤ D.
+    which:
+        ``"LA"`` (default), ``"SA"`` or ``"LM"``.
+    tol:
+        Relative accuracy of Lanczos (0: machine precision).
+    seed:
+        Seed of the start vector (None: scipy's default).
+
+    Returns
+    -------
+    Tensor
+        The ``k`` eigenvalues, decreasing, float64.
+
+    Raises
+    ------
+    ValueError
+        ``k`` outside [1, D] or an unknown ``which``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> op = adapters.riemannian_hessian(model, batches, loss_fn=torch.nn.MSELoss())
+    >>> adapters.top_eigenvalues(op, 2)                 # doctest: +ELLIPSIS
+    tensor([3.84..., 2.05...], dtype=torch.float64)
+    """
     from scipy.sparse.linalg import eigsh
 
     choice("which", which, ("LA", "SA", "LM"))

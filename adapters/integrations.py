@@ -71,13 +71,27 @@ class SharpnessCallback(transformers.TrainerCallback):
     ------
     TypeError / ValueError: no trainer, an unknown geometry or option, no moment to measure at.
 
-    Example::
+    Examples
+    --------
+    A tiny BERT from a config, trained two steps, measured after each:
 
-        trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val)
-        held = [trainer.data_collator([val[j] for j in range(i, i + 16)]) for i in range(0, 64, 16)]
-        trainer.add_callback(SharpnessCallback(trainer, held, every_n_steps=50,
-                                               target_loss_rise=0.1, n_iters=10))
-        trainer.train()      # TensorBoard/W&B/CSV get sharpness/geodesic-inv, sharpness/adaptive, ...
+    >>> import tempfile, torch, transformers
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> config = transformers.BertConfig(vocab_size=10, hidden_size=4, num_hidden_layers=1, num_attention_heads=2,
+    ...                                  intermediate_size=8, max_position_embeddings=8, num_labels=2)
+    >>> model = transformers.BertForSequenceClassification(config).double()
+    >>> rows = [{"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor(i % 2)} for i in range(4)]
+    >>> args = transformers.TrainingArguments(tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2,
+    ...                                       report_to=[], use_cpu=True, save_strategy="no")
+    >>> trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    >>> held = [trainer.data_collator(rows[:2])]
+    >>> trainer.add_callback(adapters.SharpnessCallback(trainer, held, every_n_steps=1, rho=0.1, n_iters=2))
+    >>> _ = trainer.train()                             # doctest: +ELLIPSIS
+    {...}
+    >>> [entry["sharpness/geodesic-inv/rho"] for entry in trainer.state.log_history
+    ...  if "sharpness/geodesic-inv" in entry]
+    [0.1, 0.1]
     """
 
     def __init__(self, trainer: "transformers.Trainer", batches: Iterable[Any], *,
@@ -169,11 +183,26 @@ class GeodesicSAMTrainer(transformers.Trainer):
         gradient before the ascent; use a larger ``per_device_train_batch_size``) or ``fp16=True``
         (use ``bf16=True``, or ``GeodesicSAM`` with a ``GradScaler`` in your own loop).
 
-    Example::
+    Examples
+    --------
+    A tiny BERT from a config, two SAM steps:
 
-        trainer = GeodesicSAMTrainer(model=model, args=TrainingArguments("out", learning_rate=1e-4),
-                                     train_dataset=train, sam_rho=0.05, sam_geometry="geodesic-mix")
-        trainer.train()
+    >>> import tempfile, torch, transformers
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> config = transformers.BertConfig(vocab_size=10, hidden_size=4, num_hidden_layers=1, num_attention_heads=2,
+    ...                                  intermediate_size=8, max_position_embeddings=8, num_labels=2)
+    >>> model = transformers.BertForSequenceClassification(config).double()
+    >>> rows = [{"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor(i % 2)} for i in range(4)]
+    >>> args = transformers.TrainingArguments(tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2,
+    ...                                       report_to=[], use_cpu=True, save_strategy="no")
+    >>> trainer = adapters.GeodesicSAMTrainer(model=model, args=args, train_dataset=rows, sam_rho=0.05,
+    ...                                       sam_geometry="geodesic-mix")
+    >>> trainer.train().global_step                     # doctest: +ELLIPSIS
+    {...}
+    2
+    >>> trainer.perturbed_loss.dtype                    # L(w_adv) of the last step
+    torch.float64
     """
 
     def __init__(self, *args: Any, sam_rho: float = 0.05, sam_geometry: str = "geodesic-mix",

@@ -121,7 +121,50 @@ class Layout:
     that takes ``layout=`` (``sharpness``, ``sharpness_sweep``, ``distributed_sharpness``,
     ``GeodesicSAM``, ``riemannian_hessian``) and :meth:`verify` refuse it for a model with other
     parameters or other head counts (:meth:`check_model`), since its blocks would then not be
-    that model's symmetry group."""
+    that model's symmetry group.
+
+    Made by :func:`~quotient_manifolds.adapters.layout`; check it with :meth:`verify`.
+
+    Attributes
+    ----------
+    blocks:
+        The :class:`~quotient_manifolds.adapters.blocks.GLBlock` s (per-head G, H factors).
+    adaptive:
+        Names of the parameters (or their non-GL parts) treated elementwise.
+    gl_masks:
+        Per parameter, a boolean mask of its GL entries.
+    frozen:
+        Names of the frozen parameters, outside the ball.
+    unsupported:
+        Attention-like modules no family maps, with the reason.
+    param_shapes, head_structure, model_name:
+        The model the layout belongs to (see :meth:`check_model`).
+    notes:
+        What detection dropped or decided, in words (``verify_failed``, below: the blocks that
+        failed the last :meth:`verify`).
+
+    Raises
+    ------
+    ValueError
+        From :meth:`check_model` (and every measure given ``layout=``): the layout belongs to a
+        model with other parameters or head counts.
+    SymmetryError
+        From :meth:`verify`: a block is not a symmetry of the model.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> lay = adapters.layout(model)
+    >>> lay.block_names
+    ['self_attn/qk', 'self_attn/vo']
+    >>> lay.block("self_attn/qk").group
+    GLGroup()
+    >>> lay.verify(model, torch.randn(3, 5, 4, dtype=torch.float64)).passed
+    True
+    """
 
     blocks: List[GLBlock]
     adaptive: List[str]
@@ -149,7 +192,35 @@ class Layout:
         4-head attention used on a 2-head one with the same weight shapes would act with a smaller
         group than the model's symmetry (its geodesic sharpness is then not invariant), and a layout
         of another architecture would fail on a missing parameter; both are refused here, naming
-        what differs.  ``what`` names the argument in the message."""
+        what differs.  ``what`` names the argument in the message.
+
+        Parameters
+        ----------
+        model:
+            The model to check the layout against.
+        what:
+            The argument's name in the message.
+
+        Raises
+        ------
+        ValueError
+            ``model`` has other parameters, shapes or head counts than the layout's model.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds import adapters
+        >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+        ...                                          batch_first=True).double().eval()
+        >>> lay = adapters.layout(model)
+        >>> lay.check_model(model)                      # the same model: nothing to say
+        >>> other = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=8, batch_first=True)
+        >>> try:
+        ...     lay.check_model(other)
+        ... except ValueError as err:
+        ...     print("refused:", str(err)[:40])
+        refused: ...
+        """
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         problems: List[str] = []
         if self.head_structure:
@@ -273,7 +344,37 @@ class Layout:
         """Apply per-block per-head GL actions ``A`` (``(heads, h, h)``, keyed by block name):
         ``(G, H) -> (G A, H A^{-T})``.  Blocks without an entry are left alone.  Computed in the
         promoted dtype of the parameters and ``A`` (pass float64 ``A`` for an accurate action on float32
-        weights); written back in the parameters' dtype.  Returns a new dict."""
+        weights); written back in the parameters' dtype.  Returns a new dict.
+
+        Parameters
+        ----------
+        params:
+            Parameter tensors by name (e.g. ``dict(model.named_parameters())``).
+        actions:
+            Per block name, a ``(heads, h, h)`` tensor of invertible matrices.
+
+        Returns
+        -------
+        dict
+            The acted parameters (the others as given).
+
+        Raises
+        ------
+        ValueError
+            An unknown block name, or a matrix of the wrong shape.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds import adapters
+        >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+        ...                                          batch_first=True).double().eval()
+        >>> lay = adapters.layout(model)
+        >>> params = {name: p.detach() for name, p in model.named_parameters()}
+        >>> acted = lay.act(params, lay.random_actions(params, scale=1.0))
+        >>> bool((acted["self_attn.in_proj_weight"] != params["self_attn.in_proj_weight"]).any())
+        True
+        """
         check.group_actions(self.blocks, actions)
         out = dict(params)
         for b in self.blocks:
@@ -287,7 +388,37 @@ class Layout:
         function, another representative of its point on the quotient. ``model`` is left alone; the
         copy is a ``copy.deepcopy`` with new parameter values, so buffers, hooks and train/eval
         flags come along. With :meth:`random_actions` this is the invariance check's
-        reparametrisation."""
+        reparametrisation.
+
+        Parameters
+        ----------
+        model:
+            The model the layout was built for; left alone.
+        actions:
+            Per block name, a ``(heads, h, h)`` tensor (as :meth:`act`).
+
+        Returns
+        -------
+        nn.Module
+            The reparametrised copy.
+
+        Raises
+        ------
+        ValueError
+            As :meth:`act`.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds import adapters
+        >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+        ...                                          batch_first=True).double().eval()
+        >>> lay = adapters.layout(model)
+        >>> x = torch.randn(2, 3, 4, dtype=torch.float64)
+        >>> copy = lay.reparametrised(model, lay.random_actions(scale=10.0))
+        >>> torch.allclose(copy(x), model(x))           # the same function
+        True
+        """
         params = {name: p.detach() for name, p in model.named_parameters()}
         new = self.act(params, actions)
         clone = copy.deepcopy(model)
@@ -306,7 +437,45 @@ class Layout:
         rotation-scaling per frequency pair (moduli spread over the same range) and such a matrix on
         the non-rotated block (see ``Group.random_element``).
         Sampled on the CPU with ``generator`` (reproducible), returned on the parameters' device.
-        ``scale`` must be a finite number > 0 (0 or nan would give singular or NaN "elements")."""
+        ``scale`` must be a finite number > 0 (0 or nan would give singular or NaN "elements").
+
+        Parameters
+        ----------
+        params:
+            The model's parameters by name (for their device), or None (CPU).
+        scale:
+            The factor of every element.
+        cond:
+            The condition number of the elements (None: Gaussian entries).
+        generator:
+            A CPU ``torch.Generator`` (None: the global one).
+        dtype:
+            The dtype of the elements.
+
+        Returns
+        -------
+        dict
+            Per block name, a ``(heads, h, h)`` tensor.
+
+        Raises
+        ------
+        ValueError
+            ``scale`` not finite and positive, ``cond`` < 1, a non-float ``dtype``, or ``params``
+            without a block's parameter.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds import adapters
+        >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+        ...                                          batch_first=True).double().eval()
+        >>> lay = adapters.layout(model)
+        >>> actions = lay.random_actions(scale=1.0, cond=10.0, generator=torch.Generator().manual_seed(0))
+        >>> {name: tuple(A.shape) for name, A in actions.items()}
+        {'self_attn/qk': (2, 2, 2), 'self_attn/vo': (2, 2, 2)}
+        >>> round(float(torch.linalg.cond(actions["self_attn/qk"][0])), 6)
+        10.0
+        """
         scale = check.positive_finite("scale", scale)
         cond = check.condition_number("cond", cond)
         floating_dtype("dtype", dtype)
@@ -371,6 +540,50 @@ class Layout:
         The outcome is recorded: ``verify_failed`` lists the failing blocks (all blocks when only the
         joint check failed), and a layout that passed is not verified again by the geodesic entry points
         on this model in its current state (:func:`~quotient_manifolds.adapters.verify.record`).
+
+        Parameters
+        ----------
+        model:
+            The model the layout was built for; never modified.
+        example_inputs:
+            A tensor, a tuple/list of positional arguments or a dict of keyword arguments.
+        scales, cond, seed:
+            The scales of the random actions, their condition number (None: Gaussian) and seed.
+        rtol, atol:
+            The tolerance (defaults above).
+        per_block:
+            ``"auto"``, True or False (see above).
+        raise_on_failure:
+            Raise on a failing block (False: return the failing report).
+        output_fn:
+            The tensor to compare, from the model's output.
+        compute_dtype:
+            The dtype of the check (default: the model's; float32 for half precision).
+
+        Returns
+        -------
+        VerifyReport
+            The deviations per scale, per block, the tolerance and ``passed``.
+
+        Raises
+        ------
+        SymmetryError
+            A block is not a symmetry of the model (unless ``raise_on_failure=False``).
+        ValueError
+            The layout belongs to another model, the model's output has no tensor to compare (pass
+            ``output_fn``), or an option is out of range.
+        TypeError
+            An argument of the wrong kind.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds import adapters
+        >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+        ...                                          batch_first=True).double().eval()
+        >>> report = adapters.layout(model).verify(model, torch.randn(3, 5, 4, dtype=torch.float64))
+        >>> report.passed, report.failing, report.max_rel_dev < 1e-12
+        (True, [], True)
         """
         options = dict(scales=scales, cond=cond, rtol=rtol, atol=atol, seed=seed, per_block=per_block,
                        raise_on_failure=raise_on_failure, output_fn=output_fn, compute_dtype=compute_dtype)

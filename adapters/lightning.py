@@ -45,11 +45,37 @@ class LightningSharpnessCallback(pl.Callback):
     rho, target_loss_rise: exactly one (as :class:`~quotient_manifolds.adapters.monitor.SharpnessMonitor`).
     sharpness_options: options of :func:`~quotient_manifolds.adapters.sharpness`.
 
-    Example::
+    Raises
+    ------
+    TypeError, ValueError
+        An unknown geometry or option, neither or both of ``rho`` and ``target_loss_rise``, no
+        moment to measure at, an empty set of batches.
 
-        callback = LightningSharpnessCallback(held, every_n_steps=50, target_loss_rise=0.1,
-                                              loss_fn=torch.nn.functional.cross_entropy, n_iters=10)
-        lightning.pytorch.Trainer(max_epochs=3, callbacks=[callback]).fit(module, loader)
+    Examples
+    --------
+    >>> import lightning.pytorch as pl, torch
+    >>> from quotient_manifolds import adapters
+    >>> class Module(pl.LightningModule):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.net = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                                     batch_first=True)
+    ...     def forward(self, x):
+    ...         return self.net(x)
+    ...     def training_step(self, batch, batch_idx):
+    ...         return torch.nn.functional.mse_loss(self(batch[0]), batch[1])
+    ...     def configure_optimizers(self):
+    ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+    >>> _ = torch.manual_seed(0)
+    >>> x, y = torch.randn(3, 5, 4), torch.randn(3, 5, 4)
+    >>> callback = adapters.LightningSharpnessCallback([(x, y)], every_n_steps=1, rho=0.1,
+    ...                                                loss_fn=torch.nn.functional.mse_loss, n_iters=2)
+    >>> trainer = pl.Trainer(max_steps=2, callbacks=[callback], accelerator="cpu", logger=False,
+    ...                      enable_checkpointing=False, enable_progress_bar=False,
+    ...                      enable_model_summary=False)
+    >>> trainer.fit(Module(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=3))
+    >>> [step for step, metrics in callback.monitor.history]
+    [1, 2]
     """
 
     def __init__(self, batches: Iterable[Any], *, geometries: Sequence[str] = DEFAULT_GEOMETRIES,

@@ -256,6 +256,31 @@ def lora_quotient_parameters(model: nn.Module, *, metric: str = "mix", retractio
     (the second group only if there are others, e.g. a classifier head in ``modules_to_save``): pass
     it to ``geoopt.optim.RiemannianAdam`` or :class:`InvariantRiemannianSGD`. ``weight_decay`` is 0 on
     the points because ‖B‖² + ‖A‖² is not invariant (module docstring).
+
+    Raises
+    ------
+    ValueError
+        A LoRA pair of rank below r with ``gram_eps`` = 0 (peft initialises B at zero: pass
+        ``gram_eps`` > 0 or give B full rank first), an unknown adapter name, an unknown ``metric``
+        or ``retraction``, or a model without trainable LoRA pairs.
+    TypeError
+        ``model`` is not an ``nn.Module``.
+
+    Examples
+    --------
+    >>> import peft, torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> base = torch.nn.Sequential(torch.nn.Linear(4, 4)).double()
+    >>> model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"]))
+    >>> groups = adapters.lora_quotient_parameters(model, gram_eps=1e-6)   # peft starts at B = 0
+    >>> [tuple(x.shape) for x in groups[0]["params"]]  # x = [B; Aᵀ], (4 + 4) × 2
+    [(8, 2)]
+    >>> opt = adapters.InvariantRiemannianSGD(groups, lr=0.1, momentum=0.9)
+    >>> model(torch.randn(3, 4, dtype=torch.float64)).pow(2).mean().backward()
+    >>> opt.step()
+    >>> adapters.merge_back(model)                      # plain parameters again
+    1
     """
     check.module("model", model)
     choice("metric", metric, METRICS)
@@ -343,7 +368,37 @@ def merge_back(model: nn.Module) -> int:
     """Undo :func:`lora_quotient_parameters`: every re-pointed ``lora_A``/``lora_B`` weight becomes a
     plain trainable ``nn.Parameter`` again, holding the current (trained) values as contiguous
     tensors; the hooks and points are removed. Returns the number of pairs restored (0 if none).
-    Optimizers built on the groups refer to the points and must be rebuilt."""
+    Optimizers built on the groups refer to the points and must be rebuilt.
+
+    Parameters
+    ----------
+    model:
+        A model passed to :func:`lora_quotient_parameters` (any other model: nothing to do).
+
+    Returns
+    -------
+    int
+        The number of LoRA pairs restored.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not an ``nn.Module``.
+
+    Examples
+    --------
+    >>> import peft, torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> base = torch.nn.Sequential(torch.nn.Linear(4, 4)).double()
+    >>> model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["0"]))
+    >>> groups = adapters.lora_quotient_parameters(model, gram_eps=1e-6)   # peft starts at B = 0
+    >>> adapters.merge_back(model), adapters.merge_back(model)
+    (1, 0)
+    >>> type(model.base_model.model[0].lora_A["default"].weight).__name__
+    'Parameter'
+    """
+    check.module("model", model)
     restored = set()
     for module, view in list(_views(model)):
         value = module.weight.detach().clone(memory_format=torch.contiguous_format)
@@ -371,4 +426,35 @@ class InvariantRiemannianSGD(RiemannianSGD):
     in ``torch.optim.SGD``, instead of geoopt's Euclidean ``grad.clone()``. With a GL-invariant
     metric the iterates are then exactly equivariant (module docstring). ``step(closure)`` works as
     in torch.
+
+    Parameters
+    ----------
+    params:
+        Parameters or parameter groups, e.g. those of :func:`lora_quotient_parameters`.
+    lr, momentum, dampening, weight_decay, nesterov, stabilize:
+        As ``geoopt.optim.RiemannianSGD``.
+
+    Raises
+    ------
+    ValueError
+        A negative ``lr``, ``momentum`` or ``weight_decay``, or ``nesterov`` without momentum.
+    TypeError
+        ``step`` is given a ``closure`` that is not callable.
+
+    Examples
+    --------
+    >>> import geoopt, torch
+    >>> from quotient_manifolds import GLQuotient, adapters
+    >>> M = GLQuotient(4, 4, 2)
+    >>> x = geoopt.ManifoldParameter(M.random(dtype=torch.float64), manifold=M)
+    >>> opt = adapters.InvariantRiemannianSGD([x], lr=0.05, momentum=0.9)
+    >>> def closure():
+    ...     opt.zero_grad()
+    ...     G, H = M.split(x)
+    ...     loss = (G @ H.T - torch.eye(4, dtype=torch.float64)).pow(2).sum()
+    ...     loss.backward()
+    ...     return loss
+    >>> first = opt.step(closure).item()
+    >>> opt.step(closure).item() < first
+    True
     """

@@ -41,6 +41,34 @@ def next_token_loss(outputs: Any, labels: Tensor) -> Tensor:
 
     with logits z = ``outputs`` or ``outputs.logits`` of shape (B, T, vocab) and ``labels`` y of
     shape (B, T) (usually ``input_ids``, with −100 on padding). Half-precision logits are upcast.
+
+    Parameters
+    ----------
+    outputs:
+        Logits (B, T, vocab), or a model output with ``.logits``.
+    labels:
+        Token ids (B, T), −100 where a position is not predicted.
+
+    Returns
+    -------
+    Tensor
+        The mean loss, a 0-d tensor.
+
+    Raises
+    ------
+    ValueError
+        The shapes of logits and labels do not match, or a label is outside the vocabulary.
+    TypeError
+        ``outputs`` is neither a tensor nor has ``.logits``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> logits = torch.zeros(1, 3, 5, dtype=torch.float64)      # uniform over 5 tokens
+    >>> labels = torch.tensor([[1, 2, -100]])
+    >>> round(float(adapters.next_token_loss(logits, labels)), 6)   # log 5, one predicted token
+    1.609438
     """
     logits = logits_of(outputs)
     if logits.ndim != 3 or labels.shape != logits.shape[:2]:

@@ -122,14 +122,24 @@ class SharpnessMonitor:
     TypeError / ValueError: an unknown geometry or option, neither or both of ``rho`` and
         ``target_loss_rise``, an empty set of batches.
 
-    Example::
+    Examples
+    --------
+    In a training loop, ``monitor.measure(model, step=step)`` every few hundred steps:
 
-        monitor = SharpnessMonitor(held_batches, geometries=["geodesic-inv", "adaptive"],
-                                   target_loss_rise=0.1, n_iters=10)
-        for step, batch in enumerate(loader):
-            ...                                   # the training step
-            if step % 100 == 0:
-                print(monitor.measure(model, step=step))   # {"sharpness/geodesic-inv": ..., ...}
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> held = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> monitor = adapters.SharpnessMonitor(held, geometries=["geodesic-inv", "adaptive"], rho=0.1,
+    ...                                     loss_fn=torch.nn.MSELoss(), n_iters=3)
+    >>> metrics = monitor.measure(model, step=0)
+    >>> sorted(name for name in metrics if not name.endswith("seconds"))   # doctest: +NORMALIZE_WHITESPACE
+    ['sharpness/adaptive', 'sharpness/adaptive/initial_loss', 'sharpness/adaptive/rho',
+     'sharpness/geodesic-inv', 'sharpness/geodesic-inv/initial_loss', 'sharpness/geodesic-inv/rho']
+    >>> round(metrics["sharpness/geodesic-inv"], 3), monitor.history[0][0]
+    (0.108, 0)
     """
 
     def __init__(self, batches: Iterable[Any], *, geometries: Sequence[str] = DEFAULT_GEOMETRIES,
@@ -175,7 +185,31 @@ class SharpnessMonitor:
         """Measure every geometry on the held batches (calibrating ρ first, the first time, when
         ``target_loss_rise`` was given); returns the metrics (module docstring) and appends them
         to :attr:`history` with ``step``. The model's mode, gradients and the random generators
-        are as they were afterwards (:func:`preserved_training_state`)."""
+        are as they were afterwards (:func:`preserved_training_state`).
+
+        Parameters
+        ----------
+        model:
+            The model in training (left as it was).
+        step:
+            The training step, recorded with the metrics.
+
+        Returns
+        -------
+        dict
+            ``{"sharpness/<geometry>": value, ".../rho", ".../initial_loss", ".../seconds"}``.
+
+        Raises
+        ------
+        TypeError
+            ``model`` is not an ``nn.Module``.
+        ValueError
+            As :func:`~quotient_manifolds.adapters.sharpness` on the held batches.
+
+        Examples
+        --------
+        See the class's example.
+        """
         check.module("model", model)
         metrics: Dict[str, float] = {}
         with preserved_training_state(model):

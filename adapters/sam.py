@@ -184,6 +184,37 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
       base step; an overflow skips the update (weights unchanged, :attr:`skipped` True) and
       ``second_step`` calls ``scaler.update()``, which lowers the scale. Not with FSDP2 (use
       bfloat16 there).
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not an ``nn.Module``, ``base_optimizer`` is neither an optimizer class nor an
+        instance over the model's parameters, or ``layout`` is not a Layout.
+    ValueError
+        An unknown ``geometry`` or ``retraction``, ``rho`` not a finite positive number, a layout
+        built for another model, a base optimizer setting that is NaN, infinite or negative; from
+        :meth:`first_step` / :meth:`second_step`, a non-finite gradient.
+    SymmetryError
+        A block of the layout fails verification (unless ``unsafe``).
+    RuntimeError
+        :meth:`step` without a closure.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double()
+    >>> x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64)
+    >>> opt = adapters.GeodesicSAM(model, torch.optim.SGD, rho=0.05, geometry="geodesic-mix", lr=0.1)
+    >>> loss_fn = torch.nn.MSELoss()
+    >>> loss_fn(model(x), y).backward()                 # gradient at w
+    >>> opt.first_step(zero_grad=True)                  # w ← w_adv
+    >>> loss_fn(model(x), y).backward()                 # gradient at w_adv
+    >>> opt.second_step(zero_grad=True)                 # w restored, SGD step with ∇L(w_adv)
+    >>> bool(loss_fn(model(x), y) < 2.05)
+    True
     """
 
     def __init__(self, model: nn.Module, base_optimizer: Union[Type[torch.optim.Optimizer],
@@ -324,7 +355,30 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
         ``scaler.scale(loss).backward()``). The gradients are unscaled first (``scaler.unscale_``),
         so ‖g‖ and the base step see the true gradient; non-finite ones are then the scaler's
         overflow signal, not an error: the update is skipped (the weights stay at w,
-        :attr:`skipped` is True) and :meth:`second_step` lowers the scale."""
+        :attr:`skipped` is True) and :meth:`second_step` lowers the scale.
+
+        Parameters
+        ----------
+        zero_grad:
+            Clear the gradients after the step (for the pass at w_adv).
+        scaler:
+            The ``torch.amp.GradScaler`` of a float16 loop, or None.
+
+        Raises
+        ------
+        ValueError
+            Non-finite gradients (without a scaler), a layout whose blocks fail verification on
+            the first batch, or a scaler with an FSDP2-sharded model.
+        RuntimeError
+            No gradient in ``.grad``, sparse gradients, parameters replaced since construction,
+            or ``first_step`` called twice without ``second_step``.
+        TypeError
+            ``scaler`` is not a ``torch.amp.GradScaler``.
+
+        Examples
+        --------
+        See the class's example (``opt.first_step(zero_grad=True)``).
+        """
         if self._saved is not None or self.skipped is None:
             raise UsageError("first_step() was called twice without second_step(): the weights "
                              "are at w_adv; call second_step() to restore them first")
@@ -418,7 +472,27 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
 
         ``scaler``: the GradScaler given to :meth:`first_step` (the default): the gradients are
         unscaled before the step; an overflow skips the base step (the weights stay at w,
-        :attr:`skipped` is True); ``scaler.update()`` is called in every case."""
+        :attr:`skipped` is True); ``scaler.update()`` is called in every case.
+
+        Parameters
+        ----------
+        zero_grad:
+            Clear the gradients after the step.
+        scaler:
+            The GradScaler given to :meth:`first_step`.
+
+        Raises
+        ------
+        ValueError
+            Non-finite gradients at w_adv (without a scaler; the weights are restored to w), or
+            another GradScaler than :meth:`first_step`'s.
+        RuntimeError
+            No :meth:`first_step` before it.
+
+        Examples
+        --------
+        See the class's example (``opt.second_step(zero_grad=True)``).
+        """
         if scaler is not None and self._scaler is not None and scaler is not self._scaler:
             raise InvalidArgument("second_step(scaler=...) got another GradScaler than first_step: pass "
                                   "the same one (or none: first_step's is used)")
@@ -461,7 +535,42 @@ class GeodesicSAM(ParallelAscent, torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Tensor:
         """One SAM update with ``closure()`` = forward + ``loss.backward()`` (gradients are zeroed
         before each call): the pass at w, :meth:`first_step`, the pass at w_adv,
-        :meth:`second_step`. Returns the loss at w."""
+        :meth:`second_step`. Returns the loss at w.
+
+        Parameters
+        ----------
+        closure:
+            Computes the loss and calls ``backward()``; evaluated at w and at w_adv.
+
+        Returns
+        -------
+        Tensor
+            The loss at w.
+
+        Raises
+        ------
+        RuntimeError
+            No closure.
+        ValueError
+            As :meth:`first_step` and :meth:`second_step`.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds import adapters
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+        ...                                          batch_first=True).double()
+        >>> x, y = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64)
+        >>> opt = adapters.GeodesicSAM(model, torch.optim.SGD, rho=0.05, lr=0.1)
+        >>> def closure():
+        ...     loss = torch.nn.functional.mse_loss(model(x), y)
+        ...     loss.backward()
+        ...     return loss
+        >>> first = opt.step(closure).item()
+        >>> opt.step(closure).item() < first
+        True
+        """
         if closure is None:
             raise UsageError("GeodesicSAM.step needs a closure that computes the loss and calls "
                              "backward() (it is evaluated at w and at w_adv); or call "

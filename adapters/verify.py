@@ -74,7 +74,41 @@ class BlockCheck:
 
 @dataclass
 class VerifyReport:
-    """Result of :meth:`Layout.verify`.  Deviations are ``max|y' - y| / max|y|`` of the model output."""
+    """Result of :meth:`Layout.verify`.  Deviations are ``max|y' - y| / max|y|`` of the model output.
+
+    Attributes
+    ----------
+    joint:
+        Per scale, the deviation with every block acted on at once.
+    joint_passed:
+        Whether every joint deviation is within the tolerance.
+    blocks:
+        Per block, a :class:`BlockCheck` (its largest deviation and verdict).
+    rtol, atol, dtype, cond, scales:
+        The tolerance, compute dtype, condition number and scales of the check.
+    output_scale:
+        max|y| of the output at the model's own weights.
+    per_block_checked:
+        Whether the blocks were checked one by one.
+
+    ``passed`` (property) is the verdict, ``failing`` the failing blocks' names, ``max_rel_dev``
+    the largest deviation; ``str(report)`` prints them with the next step. A failing report
+    reaches the caller of :meth:`Layout.verify` as ``err.report`` of the SymmetryError it raises.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> report = adapters.layout(model).verify(model, torch.randn(3, 5, 4, dtype=torch.float64))
+    >>> print(report)                                   # doctest: +ELLIPSIS
+    GL symmetry check PASSED: compute dtype float64, ...
+      all blocks at once: 0.01: ...
+      self_attn/qk  max rel dev ...  ok (with 1 other blocks)
+      self_attn/vo  max rel dev ...  ok (with 1 other blocks)
+    next: adapters.sharpness(model, batches, rho=..., layout=layout) uses these blocks as they are (no new check)
+    """
 
     joint: Dict[float, float]
     joint_passed: bool

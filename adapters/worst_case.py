@@ -54,11 +54,33 @@ class SharpnessResult:
     """Outcome of :func:`sharpness` (one per radius of :func:`sharpness_sweep`); the same fields
     for a model in one process and a sharded one, and the same on every rank of a sharded run.
 
-    Example::
+    Attributes
+    ----------
+    value, per_batch, init_losses, worst_losses, norms:
+        The loss rise, overall and per batch, and its parts (each field is described below).
+    rho, geometry, measure, n_iters, options:
+        How it was measured.
+    n_forward, n_backward, time_s:
+        What it cost.
+    retraction_gaps, gl_norm_shares, attention_norm_shares:
+        Per batch, the checks and shares of the worst perturbation.
 
-        res = adapters.sharpness(model, batches, geometry="geodesic-inv", rho=0.1)
-        print(res)                          # one line: value, batches, initial loss, passes, time
-        res.value, res.per_batch            # the loss rise, overall and per batch (nats for CE)
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> res = adapters.sharpness(model, batches, rho=0.1, loss_fn=torch.nn.MSELoss(), n_iters=5)
+    >>> print(res)                      # doctest: +ELLIPSIS
+    worst-case geodesic-mix sharpness (rho=0.1): 0.11... over 1 batch(es); initial loss 2.05..., ...
+    >>> res.per_batch == [res.value], res.norms     # the worst point lies on the sphere here
+    (True, [0.1])
+    >>> 0 < res.attention_norm_shares[0] < 1        # its share on the attention weights
+    True
     """
 
     #: the sharpness: the mean over batches of (worst − initial) loss, or of (mean − initial) loss

@@ -312,3 +312,9 @@ def test_low_rank_regression_converges(name):
     rel_w = float((W - w_star).norm() / w_star.norm())
     assert rel_loss < 1e-6 and rel_w < 1e-3, (
         f"{name}: relative loss {rel_loss:.1e}, |W - W*|/|W*| {rel_w:.1e} after {steps} steps")
+
+
+def test_merge_back_names_a_model_that_is_not_one():
+    """merge_back's documented TypeError (it raised an AttributeError from inside before)."""
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        merge_back("not a model")

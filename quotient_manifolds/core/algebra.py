@@ -75,6 +75,20 @@ class AlgebraDerivation:
       below ``closure_rtol``. A null space that is not closed is not the algebra of a group (too
       few inputs, or a threshold in a continuous spectrum).
     * ``rtol``: the threshold used; ``outputs``: N, the number of output numbers.
+
+    Attributes
+    ----------
+    basis, singular_values, gap, closure_residual, closed, rtol, outputs:
+        As listed above.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import derive_algebra
+    >>> G, H = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    >>> found = derive_algebra(lambda G, H: G @ H.T, G, H)     # scores: all of gl(2)
+    >>> tuple(found.basis.shape), found.closed, found.outputs
+    ((4, 2, 2), True, 9)
     """
 
     basis: Tensor
@@ -176,7 +190,45 @@ def derive_algebra(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: 
     alone resolves σ only down to ≈ 1e-8·σ_max). Cost: h² jvps of ``output_of`` plus O(N h⁴ + h⁶)
     dense linear algebra (see the benchmarks for timings).
 
-    Returns an :class:`AlgebraDerivation` (basis, singular values, gap, closure)."""
+    Parameters
+    ----------
+    output_of:
+        ``output_of(G, H)``, a tensor that depends on one head's factors.
+    G, H:
+        The factors at which to linearise, shapes (n, h) and (m, h); float64 recommended.
+    rtol, atol:
+        The null-space threshold (see above).
+    closure_rtol:
+        Tolerance of the commutator-closure check (``closed``).
+    chunk:
+        Directional derivatives computed per batch.
+    vectorize:
+        Batch the derivatives with ``torch.func.vmap``; False loops (for functions vmap cannot
+        trace).
+    jvp:
+        A replacement for ``torch.func.jvp`` (see :func:`directional_derivatives`).
+
+    Returns
+    -------
+    AlgebraDerivation
+        The basis of the derived algebra, the singular values, the gap and the closure check.
+
+    Raises
+    ------
+    ValueError
+        ``G`` or ``H`` is not a 2-D tensor with h columns, or ``output_of`` returns fewer than h²
+        numbers.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import derive_algebra
+    >>> G, H = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    >>> # the output keeps G Gᵀ too: only rotations survive, so(2) has dimension 1
+    >>> found = derive_algebra(lambda G, H: torch.cat([(G @ H.T).ravel(), (G @ G.T).ravel()]), G, H)
+    >>> found.basis.shape[0], found.closed
+    (1, True)
+    """
     G = G.detach()
     H = H.detach()
     if G.ndim != 2 or H.ndim != 2 or G.shape[-1] != H.shape[-1]:
@@ -267,7 +319,38 @@ def recognise_algebra(basis, h: int, *, atol: float = 1e-6) -> SymmetryGroup:
     dimension r with r + (h − r)² = d (the rotated coordinates are the first r), and the
     rotations of each rotary pair, SO(2)^{r/2} × SO(h − r), without or with the positive scalars
     (dimension r/2 + (h−r)(h−r−1)/2, + 1; normalised q and k under RoPE), as a
-    :class:`~quotient_manifolds.core.subalgebra.SubalgebraGroup` labelled so."""
+    :class:`~quotient_manifolds.core.subalgebra.SubalgebraGroup` labelled so.
+
+    Parameters
+    ----------
+    basis:
+        A (d, h, h) tensor or an :class:`AlgebraDerivation`.
+    h:
+        The head dimension.
+    atol:
+        Tolerance of the span comparison.
+
+    Returns
+    -------
+    SymmetryGroup
+        A closed-form group where one matches, else a
+        :class:`~quotient_manifolds.core.subalgebra.SubalgebraGroup` of the span.
+
+    Raises
+    ------
+    ValueError
+        ``basis`` is not a (d, h, h) stack, or (for a new subalgebra) its span is not closed under
+        the commutator.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import recognise_algebra
+    >>> recognise_algebra(torch.tensor([[[0.0, 1.0], [-1.0, 0.0]]], dtype=torch.float64), 2)
+    OrthogonalGroup()
+    >>> recognise_algebra(torch.eye(2, dtype=torch.float64)[None], 2)
+    ScalarGroup()
+    """
     if isinstance(basis, AlgebraDerivation):
         basis = basis.basis
     B = torch.as_tensor(basis).detach().to(device="cpu", dtype=torch.float64)
@@ -432,7 +515,22 @@ class GroupDerivation:
       beyond rounding: all of gl(h));
     * ``evaluations``: directional derivatives of ``output_of`` computed;
     * ``reason``: why an inconclusive derivation was not trusted (empty otherwise);
-    * ``algebra``: the :class:`AlgebraDerivation` when the null space was computed."""
+    * ``algebra``: the :class:`AlgebraDerivation` when the null space was computed.
+
+    Attributes
+    ----------
+    group, dim, gap, closed, method, evaluations, reason, algebra:
+        As listed above.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import derive_group
+    >>> G, H = torch.randn(4, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    >>> found = derive_group(lambda G, H: G @ H.T, G, H)
+    >>> found.group, found.dim, found.reason
+    (GLGroup(), 4, '')
+    """
 
     group: Optional[SymmetryGroup]
     dim: int
@@ -478,7 +576,45 @@ def derive_group(output_of: Callable[[Tensor, Tensor], Tensor], G: Tensor, H: Te
     Cost of the screened path: 4 + ``samples`` × (3h + 4) directional derivatives (the closed
     forms of :func:`candidate_groups` with dim 𝔤 > 0), plus one per component of the certificate
     (none for GL(h), 1 or 2 for the orthogonal groups, (h² − h)/2 for the rotary
-    commutant); no dense algebra. ``jvp``: as in :func:`directional_derivatives`."""
+    commutant); no dense algebra. ``jvp``: as in :func:`directional_derivatives`.
+
+    Parameters
+    ----------
+    output_of:
+        ``output_of(G, H)``, a tensor that depends on one head's factors.
+    G, H:
+        The factors at which to linearise, shapes (n, h) and (m, h); float64 recommended.
+    rtol:
+        Relative response below which a direction is in the null space.
+    min_gap:
+        The factor by which every direction outside the group must respond more than the largest
+        response inside it.
+    samples:
+        Random algebra elements per screened closed form.
+    chunk, vectorize, jvp:
+        As in :func:`derive_algebra`.
+    generator:
+        A ``torch.Generator`` for the random directions (None: the global one).
+
+    Returns
+    -------
+    GroupDerivation
+        The group found (or None with the reason), how it was found, its gap and cost.
+
+    Raises
+    ------
+    ValueError
+        As :func:`derive_algebra`, when the null space has to be computed.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import derive_group
+    >>> G, H = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    >>> found = derive_group(lambda G, H: torch.cat([(G @ H.T).ravel(), (G @ G.T).ravel()]), G, H)
+    >>> found.dim, found.group.contains(torch.tensor([[0.0, -1.0], [1.0, 0.0]], dtype=torch.float64))
+    (1, True)
+    """
     G, H = G.detach(), H.detach()
     h = G.shape[-1]
     gen = generator if generator is not None else torch.Generator().manual_seed(0)

@@ -46,7 +46,29 @@ Tensor = torch.Tensor
 
 def as_metric(metric: "str | GLMetric") -> GLMetric:
     """The metric object of ``metric``: a :class:`~quotient_manifolds.core.metrics.GLMetric` as
-    given, or the one named by a string of :data:`METRICS` (any other raises a ValueError)."""
+    given, or the one named by a string of :data:`METRICS`.
+
+    Parameters
+    ----------
+    metric:
+        ``"mix"``, ``"inv"`` or a :class:`~quotient_manifolds.core.metrics.GLMetric`.
+
+    Returns
+    -------
+    GLMetric
+        ``metric`` itself if it is a metric object, else the metric of that name.
+
+    Raises
+    ------
+    ValueError
+        ``metric`` is a string not in :data:`METRICS`.
+
+    Examples
+    --------
+    >>> from quotient_manifolds.core import as_metric
+    >>> as_metric("inv").name
+    'inv'
+    """
     if isinstance(metric, GLMetric):
         return metric
     return METRIC_BY_NAME[choice("metric", metric, METRICS)]
@@ -79,7 +101,35 @@ def group_action(G: Tensor, H: Tensor, A: Tensor) -> Tuple[Tensor, Tensor]:
     """The GL(h) action (G, H) ↦ (G A, H A⁻ᵀ) (docs/maths.md §1; the paper's (G A⁻¹, H Aᵀ)
     with A ↦ A⁻¹).
 
-    G Hᵀ is unchanged; tangent vectors transform by the same linear map."""
+    G Hᵀ is unchanged; tangent vectors transform by the same linear map.
+
+    Parameters
+    ----------
+    G, H:
+        Factors of shapes (..., n, h) and (..., m, h).
+    A:
+        An invertible (..., h, h) matrix.
+
+    Returns
+    -------
+    tuple of Tensor
+        (G A, H A⁻ᵀ).
+
+    Raises
+    ------
+    torch.linalg.LinAlgError
+        ``A`` is singular.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import group_action
+    >>> G, H = torch.randn(3, 2, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    >>> A = torch.tensor([[2.0, 1.0], [0.0, 0.5]], dtype=torch.float64)
+    >>> GA, HA = group_action(G, H, A)
+    >>> torch.allclose(GA @ HA.T, G @ H.T)
+    True
+    """
     return G @ A, torch.linalg.solve(A, H.mT).mT
 
 
@@ -94,6 +144,36 @@ class GLFrame:
     of holding a float64 copy: the same numbers (promotion is exact), half the memory of the point
     for float32 weights (a quarter for bfloat16), one conversion per use. The sharpness engine
     frames the attention weights of large models this way.
+
+    Parameters
+    ----------
+    geometry:
+        The :class:`GLQuotientGeometry` the point belongs to (usually made by its ``frame``).
+    x:
+        The point [G; H], shape (..., n+m, h), G and H of full column rank.
+    check:
+        Validate the shape of ``x`` and that its Gram matrices are positive definite.
+    keep_dtype:
+        Store ``x`` in its own dtype (see above).
+
+    Raises
+    ------
+    ValueError
+        ``x`` has the wrong shape or a non-float dtype, or G or H is rank deficient (with
+        ``check=True``; relax with ``eps > 0`` for rank-deficient weights).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import GLQuotientGeometry
+    >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+    >>> x = geometry.random_point(dtype=torch.float64)
+    >>> frame = geometry.frame(x)
+    >>> u = frame.project(torch.randn_like(x))          # a horizontal vector
+    >>> torch.allclose(frame.project(u), u)
+    True
+    >>> bool(frame.norm(u) > 0)
+    True
     """
 
     def __init__(self, geometry: "GLQuotientGeometry", x: Tensor, *, check: bool = True,
@@ -416,7 +496,27 @@ class GLFrame:
         return self._generator_of_grams(matmul(self.G.mT, uG), matmul(self.H.mT, uH))
 
     def project(self, u: Tensor) -> Tensor:
-        """Metric-orthogonal projection onto the horizontal space H_x (docs/maths.md §3.2)."""
+        """Metric-orthogonal projection onto the horizontal space H_x (docs/maths.md §3.2).
+
+        Parameters
+        ----------
+        u:
+            An ambient vector with the layout of x.
+
+        Returns
+        -------
+        Tensor
+            Its horizontal part, the dtype of ``u``.
+
+        Raises
+        ------
+        RuntimeError
+            ``u`` does not broadcast against x.
+
+        Examples
+        --------
+        See the class's example (``frame.project(u)``).
+        """
         uc = self._in(u)
         lam = self.vertical_generator(uc)
         if self._paired(uc):  # u + [G(−Λ); HΛᵀ] in one batched product
@@ -447,6 +547,34 @@ class GLFrame:
 
         inv: (∇_G P, ∇_H Q); mix: (∇_G Q⁻¹, ∇_H P⁻¹). For GL-invariant losses the result is already
         horizontal; the final projection makes non-invariant terms (weight decay) horizontal too.
+
+        Parameters
+        ----------
+        egrad:
+            The Euclidean gradient (∇_G, ∇_H), the layout of x.
+
+        Returns
+        -------
+        Tensor
+            The Riemannian gradient, horizontal, the dtype of ``egrad``.
+
+        Raises
+        ------
+        RuntimeError
+            ``egrad`` does not broadcast against x.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import GLQuotientGeometry
+        >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+        >>> x = geometry.random_point(dtype=torch.float64).requires_grad_()
+        >>> G, H = geometry.split(x)
+        >>> (G @ H.T).pow(2).sum().backward()               # a loss of G Hᵀ only
+        >>> frame = geometry.frame(x.detach())
+        >>> rgrad = frame.egrad2rgrad(x.grad)
+        >>> torch.allclose(frame.project(rgrad), rgrad)     # horizontal
+        True
         """
         gc = self._in(egrad)
         # projected in the compute dtype, then cast once: no rounded copy in between
@@ -509,6 +637,38 @@ class GLFrame:
           :func:`integrate_geodesic`; ``exact_steps`` overrides the geometry's number of RK4 steps).
 
         All three are equivariant under the group action.
+
+        Parameters
+        ----------
+        u:
+            A tangent vector at x, the layout of x.
+        method:
+            ``"first_order"``, ``"second_order"`` or ``"exact"`` (default: the geometry's).
+        exact_steps:
+            RK4 steps of ``"exact"``.
+
+        Returns
+        -------
+        Tensor
+            The new point, the dtype of ``u``.
+
+        Raises
+        ------
+        ValueError
+            An unknown ``method``; :class:`~quotient_manifolds.StepTooLarge` when the new point
+            leaves the manifold (a factor loses rank).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import GLQuotientGeometry
+        >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+        >>> x = geometry.random_point(dtype=torch.float64)
+        >>> frame = geometry.frame(x)
+        >>> u = 0.1 * geometry.random_horizontal(x)
+        >>> exact = frame.retract(u, "exact")
+        >>> float((frame.retract(u, "second_order") - exact).norm()) < 1e-3   # O(‖u‖³) apart
+        True
 
         The second-order step is computed as [G(I − ½C_G) + u_G(I − ½D_G); H(…)] from the
         Christoffel coefficients (:meth:`GLMetric.christoffel_coefficients
@@ -738,6 +898,29 @@ class GLQuotientGeometry:
         commutant of rotary position encodings, :class:`~quotient_manifolds.core.groups.RotaryGroup`)
         or a group object. The metric, Γ, retractions, gradient and Hessian do not depend on it
         (the metric is GL(h)-invariant); the vertical space, the projection and ``dim`` do.
+
+    Raises
+    ------
+    ValueError
+        A size is not a positive integer, h > min(n, m), ``eps`` < 0, or ``metric``,
+        ``retraction`` or ``group`` is not one of the choices (the message lists them).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import GLQuotientGeometry
+    >>> geometry = GLQuotientGeometry(4, 3, 2, "mix")
+    >>> geometry.dim                                    # (n + m) h - h²
+    10
+    >>> x = geometry.random_point(dtype=torch.float64)
+    >>> u = geometry.random_horizontal(x)
+    >>> round(float(geometry.norm(x, u)), 6)
+    1.0
+    >>> A = torch.tensor([[2.0, 1.0], [0.0, 0.5]], dtype=torch.float64)
+    >>> y = geometry.act(x, A)                          # same point of the quotient
+    >>> G, H = geometry.split(x); Gy, Hy = geometry.split(y)
+    >>> torch.allclose(Gy @ Hy.mT, G @ H.mT)
+    True
     """
 
     def __init__(self, n: int, m: int, h: int, metric: "str | GLMetric" = "mix", *,
@@ -801,7 +984,29 @@ class GLQuotientGeometry:
 
     # ------------------------------------------------------------------ group action
     def act(self, x: Tensor, A: Tensor) -> Tensor:
-        """(G, H) ↦ (G A, H A⁻ᵀ); also maps tangent vectors (the action is linear)."""
+        """(G, H) ↦ (G A, H A⁻ᵀ); also maps tangent vectors (the action is linear).
+
+        Parameters
+        ----------
+        x:
+            A point or tangent vector (..., n+m, h).
+        A:
+            An invertible (..., h, h) matrix (any element of GL(h), also for a smaller group).
+
+        Returns
+        -------
+        Tensor
+            [G A; H A⁻ᵀ].
+
+        Raises
+        ------
+        ValueError
+            ``A`` is not an (h, h) floating matrix or is singular.
+
+        Examples
+        --------
+        See the class's example (``geometry.act(x, A)``).
+        """
         group_element("A", A, self.h)
         try:
             return self.pack(*group_action(*self.split(x), A))
@@ -816,6 +1021,32 @@ class GLQuotientGeometry:
         :math:`G A = Q_G U S^{1/2}` and :math:`H A^{-\top} = Q_H V S^{1/2}`, so G Hᵀ is unchanged and
         both Gram matrices equal S. Map optimizer buffers with :meth:`act` (same A); never call this
         inside ``projx``.
+
+        Parameters
+        ----------
+        x:
+            A point (..., n+m, h).
+
+        Returns
+        -------
+        tuple of Tensor
+            (x·A, A).
+
+        Raises
+        ------
+        ValueError
+            A group other than GL(h), or ``x`` not a floating tensor.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import GLQuotientGeometry
+        >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+        >>> x = geometry.random_point(dtype=torch.float64)
+        >>> balanced, A = geometry.balance(x)
+        >>> G, H = geometry.split(balanced)
+        >>> torch.allclose(G.T @ G, H.T @ H)
+        True
         """
         floating_tensor("x", x)
         if not self.group.is_full:
@@ -856,6 +1087,38 @@ class GLQuotientGeometry:
 
         Uses torchdiffeq's fixed-grid solvers (default RK4 with ``exact_steps`` steps), so it is
         batched, device-agnostic and differentiable. Computation is in float64.
+
+        Parameters
+        ----------
+        x, u:
+            The start point and a (horizontal) velocity, shape (..., n+m, h).
+        t:
+            The end time.
+        steps, method:
+            Override the geometry's ``exact_steps`` and torchdiffeq method.
+
+        Returns
+        -------
+        tuple of Tensor
+            (γ(t), γ̇(t)) in the dtype of ``x``.
+
+        Raises
+        ------
+        ValueError
+            ``x`` of the wrong shape or rank deficient;
+            :class:`~quotient_manifolds.core.errors.GeodesicLeftManifold` (a ValueError) when the
+            geodesic leaves the manifold before t.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import GLQuotientGeometry
+        >>> geometry = GLQuotientGeometry(3, 3, 2, "mix")
+        >>> x = geometry.random_point(dtype=torch.float64)
+        >>> u = 0.1 * geometry.random_horizontal(x)
+        >>> y, v = geometry.integrate_geodesic(x, u)
+        >>> torch.allclose(geometry.norm(y, v), geometry.norm(x, u))   # constant speed
+        True
         """
         from torchdiffeq import odeint
 

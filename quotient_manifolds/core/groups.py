@@ -63,7 +63,31 @@ PAIRINGS = ("half", "interleaved")
 
 
 def sym(a: Tensor) -> Tensor:
-    """Symmetric part ½(A + Aᵀ) over the last two dimensions."""
+    """Symmetric part ½(A + Aᵀ) over the last two dimensions.
+
+    Parameters
+    ----------
+    a:
+        A tensor of shape (..., k, k).
+
+    Returns
+    -------
+    Tensor
+        ½(a + aᵀ), transposing the last two dimensions.
+
+    Raises
+    ------
+    RuntimeError
+        ``a`` is not square in its last two dimensions.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import sym
+    >>> sym(torch.tensor([[1.0, 2.0], [0.0, 3.0]], dtype=torch.float64))
+    tensor([[1., 1.],
+            [1., 3.]], dtype=torch.float64)
+    """
     return 0.5 * (a + a.mT)
 
 
@@ -166,7 +190,19 @@ class SymmetryGroup:
 
     Subclasses: :class:`GLGroup`, :class:`RotaryGroup` here, and the groups of
     :mod:`quotient_manifolds.core.subalgebra` (scalars, orthogonal, scaled orthogonal, trivial, and
-    the group of any Lie subalgebra given by a basis)."""
+    the group of any Lie subalgebra given by a basis).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import SymmetryGroup, as_group
+    >>> group = as_group("gl")
+    >>> isinstance(group, SymmetryGroup), group.dim(3)
+    (True, 9)
+    >>> A = group.random_element(3, dtype=torch.float64)
+    >>> group.contains(A)
+    True
+    """
 
     def dim(self, h: int) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -276,7 +312,19 @@ class _BlockDiagonalGroup(SymmetryGroup):
 
 @dataclass(frozen=True)
 class GLGroup(_BlockDiagonalGroup):
-    """The full general linear group GL(h): (G, H) ~ (G A, H A⁻ᵀ) for every invertible A."""
+    """The full general linear group GL(h): (G, H) ~ (G A, H A⁻ᵀ) for every invertible A.
+
+    The default group of every quotient (``group="gl"``); its instance is
+    :data:`~quotient_manifolds.core.FULL_GL`.
+
+    Examples
+    --------
+    >>> from quotient_manifolds.core import FULL_GL, GLGroup, GLQuotientGeometry
+    >>> GLGroup().dim(3), GLGroup().describe(3)
+    (9, 'GL(3)')
+    >>> GLQuotientGeometry(4, 4, 3, group=GLGroup()).dim == (4 + 4) * 3 - 9
+    True
+    """
 
     name = "gl"
 
@@ -313,6 +361,28 @@ class RotaryGroup(_BlockDiagonalGroup):
     Assumes pairwise distinct, nonzero rotation frequencies (true for RoPE's
     :math:`\theta_i = \mathrm{base}^{-2i/r}`);
     ``Layout.verify`` checks the symmetry on the real model.
+
+    Parameters
+    ----------
+    pairing:
+        ``"half"`` (default) or ``"interleaved"``.
+    rotary_dim:
+        Number of rotated coordinates, a positive even integer, or None for all of them.
+
+    Raises
+    ------
+    ValueError
+        ``pairing`` is not a known pairing or ``rotary_dim`` is not a positive even integer; and,
+        from :meth:`check`, when ``rotary_dim`` exceeds the head dimension h.
+
+    Examples
+    --------
+    >>> from quotient_manifolds.core import GLQuotientGeometry, RotaryGroup
+    >>> group = RotaryGroup(pairing="interleaved", rotary_dim=2)
+    >>> group.dim(4)                            # 2 for the rotated pair + (4 - 2)² for the rest
+    6
+    >>> GLQuotientGeometry(6, 6, 4, group=group).dim
+    42
     """
 
     pairing: str = "half"
@@ -375,7 +445,31 @@ FULL_GL = GLGroup()
 def as_group(group: Union[None, str, Group]) -> Group:
     """A group object from ``None``/``"gl"`` (full GL(h)), ``"rope"``/``"rotary"`` (rotary
     commutant, rotate_half pairing, all coordinates rotated) or a group instance (any
-    :class:`SymmetryGroup`: also the groups of :mod:`quotient_manifolds.core.subalgebra`)."""
+    :class:`SymmetryGroup`: also the groups of :mod:`quotient_manifolds.core.subalgebra`).
+
+    Parameters
+    ----------
+    group:
+        ``None``, ``"gl"``, ``"rope"``, ``"rotary"`` or a :class:`SymmetryGroup`.
+
+    Returns
+    -------
+    SymmetryGroup
+        The group object (``group`` itself when it is one).
+
+    Raises
+    ------
+    ValueError
+        ``group`` is a string that names no group.
+
+    Examples
+    --------
+    >>> from quotient_manifolds.core import as_group
+    >>> as_group("gl").describe(4)
+    'GL(4)'
+    >>> as_group("rope").dim(4)                 # one rotation-scaling a·I + b·J per pair
+    4
+    """
     if isinstance(group, SymmetryGroup):
         return group
     if group is None or group == "gl":

@@ -56,6 +56,16 @@ class LogResult:
     iterations : Gauss–Newton steps taken (0 for a closed form).
     converged : whether ``residual`` ≤ the tolerance.
     method : ``"closed form"`` or ``"shooting"``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import RescalingGeometry, log_map
+    >>> g = RescalingGeometry(2, "inv")
+    >>> x = torch.tensor([[1.0, 2.0], [1.0, 1.0]], dtype=torch.float64)
+    >>> result = log_map(g, x, 2 * x)                   # β scaled by 4 > 0: a closed form
+    >>> result.method, result.iterations, result.converged
+    ('closed form', 0, True)
     """
 
     vector: Tensor
@@ -97,8 +107,8 @@ def log_map(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: Te
     ValueError, TypeError
         Invalid points (shape, finiteness, rank) or options.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import torch
     >>> from quotient_manifolds.core import GLQuotientGeometry, log_map
     >>> g = GLQuotientGeometry(4, 3, 2, "mix")
@@ -151,10 +161,29 @@ def distance(geometry: "GLQuotientGeometry | RescalingGeometry", x: Tensor, y: T
     r"""dist(x, y) = ‖log_x(y)‖_x (:func:`log_map`), per batch element; ∞ where x and y lie in
     different components of the rescaling quotient (β of different signs).
 
-    Raises :class:`~quotient_manifolds.core.LogNotFound` where shooting finds no geodesic.
+    Parameters
+    ----------
+    geometry : a :class:`~quotient_manifolds.core.gl.GLQuotientGeometry` (group GL(h)) or a
+        :class:`~quotient_manifolds.core.rescaling.RescalingGeometry`.
+    x, y : points of the geometry, same shape (leading dimensions are batch dimensions).
+    tol, max_iter : as in :func:`log_map`.
 
-    Example
+    Returns
     -------
+    Tensor
+        The geodesic distance per batch element (∞ between components of the rescaling quotient).
+
+    Raises
+    ------
+    LogNotFound
+        Shooting finds no geodesic from x to the orbit of y.
+    NotImplementedError
+        A GL geometry whose group is not all of GL(h).
+    ValueError, TypeError
+        Invalid points (shape, finiteness, rank) or options.
+
+    Examples
+    --------
     >>> import torch
     >>> from quotient_manifolds.core import RescalingGeometry, distance
     >>> g = RescalingGeometry(2, "mix")

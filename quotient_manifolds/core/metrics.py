@@ -43,6 +43,30 @@ def mix_geodesic_scale(b: Tensor, t: float = 1.0) -> Tensor:
     (docs/maths.md §8.3): (u, v)(t) = (u√s, v√s), so β(t) = β₀⊙s.
 
     The geodesic exists while s > 0; β₀⊙s is a polynomial in t and continues past it.
+
+    Parameters
+    ----------
+    b:
+        The horizontal coefficient(s), any shape.
+    t:
+        Time along the geodesic.
+
+    Returns
+    -------
+    Tensor
+        1 + 2bt, the shape of ``b``.
+
+    Raises
+    ------
+    TypeError
+        ``b`` is not a tensor or number that can be scaled and shifted.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import mix_geodesic_scale
+    >>> mix_geodesic_scale(torch.tensor([0.5, -0.25], dtype=torch.float64), t=1.0)
+    tensor([2.0000, 0.5000], dtype=torch.float64)
     """
     return 1 + 2 * t * b
 
@@ -62,6 +86,16 @@ class GLMetric:
 
     ``name`` is the string users pass as ``metric=``; ``step_advice`` completes the advice of
     :class:`~quotient_manifolds.StepTooLarge` ("Reduce the optimiser's learning rate…").
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import GLQuotientGeometry, MixMetric
+    >>> geometry = GLQuotientGeometry(3, 3, 2, metric=MixMetric())   # same as metric="mix"
+    >>> frame = geometry.frame(geometry.random_point(dtype=torch.float64))
+    >>> M_G, M_H = geometry.gl_metric.weights(frame)                 # (Q, P) for mix
+    >>> torch.allclose(M_G, frame.Q) and torch.allclose(M_H, frame.P)
+    True
     """
 
     name: str = ""
@@ -161,6 +195,16 @@ class InvMetric(GLMetric):
                     + G P^{-1}\operatorname{sym}(v_G^\top u_G)
 
     GL(1) geodesic: (u e^{tξ_u/u}, v e^{tξ_v/v}) for any ξ, so β(t) = β₀ e^{2bt} for horizontal ξ.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import GLQuotientGeometry, InvMetric
+    >>> geometry = GLQuotientGeometry(3, 3, 2, metric=InvMetric())
+    >>> frame = geometry.frame(geometry.random_point(dtype=torch.float64))
+    >>> N_G, N_H = geometry.gl_metric.inverse_weights(frame)        # (P, Q) for inv
+    >>> torch.allclose(N_G, frame.P)
+    True
     """
 
     name = "inv"
@@ -243,6 +287,14 @@ class MixMetric(GLMetric):
 
     GL(1) geodesic: (u √s, v √s), s = 1 + 2bt (:func:`mix_geodesic_scale`), for horizontal
     ξ = (b⊙u, b⊙v); it ends where s reaches 0 (the mix metric is incomplete).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import MixMetric
+    >>> beta = MixMetric().gl1_beta_scale(torch.tensor([0.5], dtype=torch.float64), 1.0)
+    >>> beta                                            # s(1) = 1 + 2b
+    tensor([2.], dtype=torch.float64)
     """
 
     name = "mix"

@@ -56,7 +56,38 @@ def _check_representable(x: Tensor) -> None:
 
 
 class RescalingFrame:
-    """Geometry of the rescaling quotient at one point x = [u; v], computed once."""
+    """Geometry of the rescaling quotient at one point x = [u; v], computed once.
+
+    Every formula is the GL(1) quotient's (:class:`~quotient_manifolds.core.gl.GLFrame`), applied to
+    the d coordinates at once.
+
+    Parameters
+    ----------
+    geometry:
+        The :class:`RescalingGeometry` (usually made by its ``frame``).
+    x:
+        The point [u; v], shape (..., 2, d), every entry nonzero (unless ``eps`` > 0).
+    check:
+        Validate the shape, finiteness and nonzero entries of ``x``.
+
+    Raises
+    ------
+    ValueError
+        ``x`` has the wrong shape, a non-finite entry, or a zero entry with ``eps`` = 0.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import RescalingGeometry
+    >>> geometry = RescalingGeometry(2, "mix")
+    >>> x = torch.tensor([[1.0, 2.0], [1.0, 0.5]], dtype=torch.float64)
+    >>> frame = geometry.frame(x)
+    >>> u = frame.horizontal_lift(torch.tensor([0.1, -0.2], dtype=torch.float64))
+    >>> torch.allclose(frame.project(u), u)             # (b⊙u, b⊙v) is horizontal
+    True
+    >>> frame.horizontal_coefficient(u)
+    tensor([ 0.1000, -0.2000], dtype=torch.float64)
+    """
 
     def __init__(self, geometry: "RescalingGeometry", x: Tensor, *, check: bool = True):
         if check:
@@ -131,6 +162,39 @@ class RescalingGeometry:
     :class:`~quotient_manifolds.core.metrics.GLMetric`), ``retraction``
     (``"first_order"`` | ``"second_order"`` | ``"exact"``), ``eps`` (relaxation, u² + ε), and the
     ODE settings used by ``exact`` when ε > 0.
+
+    A point is x = [u; v] of shape (..., 2, d) with β = u⊙v; the group acts by (u, v) ↦ (a⊙u, v⊘a).
+
+    Parameters
+    ----------
+    d:
+        Number of coordinates.
+    metric:
+        ``"mix"`` (default), ``"inv"`` or a :class:`~quotient_manifolds.core.metrics.GLMetric`.
+    retraction:
+        ``"first_order"``, ``"second_order"`` (default) or ``"exact"`` (closed form when ε = 0).
+    eps:
+        Relaxation ε ≥ 0 (u² + ε in place of u²).
+    exact_steps:
+        RK4 steps of the exact retraction when ε > 0.
+
+    Raises
+    ------
+    ValueError
+        ``d`` is not a positive integer, ``eps`` < 0, or ``metric`` or ``retraction`` is not one of
+        the choices.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import RescalingGeometry
+    >>> geometry = RescalingGeometry(2, "inv", retraction="exact")
+    >>> x = torch.tensor([[1.0, 2.0], [1.0, 0.5]], dtype=torch.float64)
+    >>> geometry.beta(x)
+    tensor([1., 1.], dtype=torch.float64)
+    >>> a = torch.tensor([3.0, -1.0], dtype=torch.float64)
+    >>> torch.allclose(geometry.beta(geometry.act(x, a)), geometry.beta(x))   # same point
+    True
     """
 
     def __init__(self, d: int, metric: "str | GLMetric" = "mix", *, retraction: str = "second_order",
@@ -168,14 +232,56 @@ class RescalingGeometry:
 
     def act(self, x: Tensor, a: Tensor) -> Tensor:
         """(u, v) ↦ (a⊙u, v/a); also maps tangent vectors. ``a`` must be finite with no zero entry
-        (an element of (R∖{0})^d)."""
+        (an element of (R∖{0})^d).
+
+        Parameters
+        ----------
+        x:
+            A point or tangent vector (..., 2, d).
+        a:
+            The group element, d finite nonzero entries.
+
+        Returns
+        -------
+        Tensor
+            (a⊙u, v/a).
+
+        Raises
+        ------
+        ValueError
+            ``a`` is not a tensor of finite nonzero numbers.
+
+        Examples
+        --------
+        See the class's example (``geometry.act(x, a)``).
+        """
         if not isinstance(a, torch.Tensor) or not bool(torch.isfinite(a).all()) or bool((a == 0).any()):
             raise InvalidArgument(f"a must be a tensor of finite non-zero numbers (an element of (R∖{{0}})^d): "
                                   f"its zeros or non-finite entries would give inf or nan points")
         return torch.stack((x[..., 0, :] * a, x[..., 1, :] / a), dim=-2)
 
     def beta(self, x: Tensor) -> Tensor:
-        """The invariant β = u⊙v."""
+        """The invariant β = u⊙v.
+
+        Parameters
+        ----------
+        x:
+            A point (..., 2, d).
+
+        Returns
+        -------
+        Tensor
+            β, shape (..., d).
+
+        Raises
+        ------
+        IndexError
+            ``x`` has fewer than two rows.
+
+        Examples
+        --------
+        See the class's example (``geometry.beta(x)``).
+        """
         return x[..., 0, :] * x[..., 1, :]
 
     def exact_geodesic(self, x: Tensor, u: Tensor, t: float = 1.0) -> Tensor:
@@ -183,6 +289,35 @@ class RescalingGeometry:
 
         inv: (u e^{tξ_u/u}, v e^{tξ_v/v}) for any ξ. mix: (u √(1+2bt), v √(1+2bt)) for horizontal
         ξ = (b⊙u, b⊙v); a non-horizontal ξ or 1 + 2bt ≤ 0 (the mix geodesic is incomplete) raise.
+
+        Parameters
+        ----------
+        x, u:
+            The start point and velocity, (..., 2, d).
+        t:
+            The time.
+
+        Returns
+        -------
+        Tensor
+            The point at time t.
+
+        Raises
+        ------
+        GeodesicLeftManifold
+            The mix geodesic ends before t (1 + 2bt ≤ 0).
+        ValueError
+            ``u`` is not horizontal (mix).
+
+        Examples
+        --------
+        >>> import torch
+        >>> from quotient_manifolds.core import RescalingGeometry
+        >>> geometry = RescalingGeometry(1, "mix")
+        >>> x = torch.tensor([[1.0], [2.0]], dtype=torch.float64)
+        >>> geometry.exact_geodesic(x, 0.5 * x)            # b = ½: scale √(1 + 2b) = √2
+        tensor([[1.4142],
+                [2.8284]], dtype=torch.float64)
         """
         bu, bv = u[..., 0, :] / x[..., 0, :], u[..., 1, :] / x[..., 1, :]
         return self.gl_metric.gl1_geodesic(x, bu, bv, t)

@@ -305,7 +305,14 @@ class _ClosedForm(SymmetryGroup):
 @dataclass(frozen=True)
 class TrivialGroup(_ClosedForm):
     """The trivial group {I}: no symmetry; the vertical space is zero and the quotient is the whole
-    total space, of dimension (n + m)h. Its vertical solver returns Λ = 0."""
+    total space, of dimension (n + m)h. Its vertical solver returns Λ = 0.
+
+    Examples
+    --------
+    >>> from quotient_manifolds.core import GLQuotientGeometry, TrivialGroup
+    >>> GLQuotientGeometry(3, 3, 2, group=TrivialGroup()).dim      # (n + m) h
+    12
+    """
 
     name = "trivial"
 
@@ -351,7 +358,18 @@ class _ScalarSolver:
 @dataclass(frozen=True)
 class ScalarGroup(_ClosedForm):
     """The positive scalars R₊·I: (G, H) ~ (sG, H/s), s > 0. 𝔤 = R·I, dimension 1.
-    Π_𝔤(X) = tr(X)/h·I; the normal equations are one number per head: λ = tr C / ⟨I, L(I)⟩."""
+    Π_𝔤(X) = tr(X)/h·I; the normal equations are one number per head: λ = tr C / ⟨I, L(I)⟩.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import GLQuotientGeometry, ScalarGroup
+    >>> ScalarGroup().project_algebra(torch.tensor([[1.0, 5.0], [0.0, 3.0]], dtype=torch.float64))
+    tensor([[2., 0.],
+            [0., 2.]], dtype=torch.float64)
+    >>> GLQuotientGeometry(3, 3, 2, group=ScalarGroup()).dim       # (n + m) h - 1
+    11
+    """
 
     name = "scalar"
 
@@ -408,7 +426,19 @@ class OrthogonalGroup(_ClosedForm):
     matrices), dimension h(h−1)/2; Π_𝔤(X) = ½(X − Xᵀ). Vertical solver: the closed form
     :class:`SkewPencilSolver` for the mix metric with ε = 0; otherwise
     :class:`ConjugateGradientSolver` (to a relative residual of 1e-13), which hands over to the dense
-    normal equations (:func:`so_normal_matrix`, Cholesky) where it does not converge."""
+    normal equations (:func:`so_normal_matrix`, Cholesky) where it does not converge.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import OrthogonalGroup
+    >>> group = OrthogonalGroup()
+    >>> group.dim(3), group.describe(3)
+    (3, 'SO(3)')
+    >>> Q = group.random_element(3, dtype=torch.float64)
+    >>> torch.allclose(Q.T @ Q, torch.eye(3, dtype=torch.float64)), group.contains(Q)
+    (True, True)
+    """
 
     name = "orthogonal"
 
@@ -451,7 +481,18 @@ class ScaledOrthogonalGroup(_ClosedForm):
     """Rotation-scalings R₊·SO(h): (G, H) ~ (sGQ, HQ/s). 𝔤 = so(h) ⊕ R·I, dimension
     h(h−1)/2 + 1; Π_𝔤(X) = ½(X − Xᵀ) + tr(X)/h·I. Vertical solver: as for
     :class:`OrthogonalGroup`, with the scalar direction eliminated by a Schur complement in the
-    closed form."""
+    closed form.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import ScaledOrthogonalGroup
+    >>> group = ScaledOrthogonalGroup()
+    >>> group.dim(3), group.describe(3)
+    (4, 'R+ SO(3)')
+    >>> group.contains(2.0 * torch.eye(3, dtype=torch.float64))
+    True
+    """
 
     name = "scaled_orthogonal"
 
@@ -524,6 +565,38 @@ class SubalgebraGroup(SymmetryGroup):
     solver is :class:`NormalEquationsSolver` (dense d×d Cholesky per head); with ``dense_max_dim``
     set, algebras of larger dimension use :class:`ConjugateGradientSolver` first (cheaper at
     well-conditioned points, falling back to the dense solve where it does not converge).
+
+    Parameters
+    ----------
+    basis:
+        A (d, h, h) tensor (or nested sequence) of matrices spanning 𝔤.
+    label:
+        The name ``describe`` gives the group.
+    rank_rtol:
+        Relative singular-value threshold below which a direction of ``basis`` is dropped.
+    closure_rtol:
+        Relative tolerance of the commutator-closure check.
+    dense_max_dim:
+        Algebras of larger dimension try conjugate gradients before the dense solve; None: always
+        dense.
+
+    Raises
+    ------
+    ValueError
+        ``basis`` is not a (d, h, h) stack of square matrices, or its span is not closed under the
+        commutator (not a Lie algebra).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds.core import GLQuotientGeometry, SubalgebraGroup
+    >>> diagonal = torch.stack([torch.diag(torch.tensor(e, dtype=torch.float64))
+    ...                         for e in ([1.0, 0.0], [0.0, 1.0])])
+    >>> group = SubalgebraGroup(diagonal, label="diagonal")
+    >>> group.dim(2)
+    2
+    >>> GLQuotientGeometry(3, 3, 2, group=group).dim
+    10
     """
 
     name = "subalgebra"

@@ -47,6 +47,27 @@ class GLQuotient(CoreQuotientManifold):
     space at the new point, ``projx`` the identity; ``logmap`` solves for the geodesic from x to
     the orbit of y by shooting along that integrated geodesic and ``dist`` is its length (group
     GL(h) only; :func:`~quotient_manifolds.core.logmap.log_map`).
+
+    Raises
+    ------
+    ValueError
+        A size is not a positive integer, h > min(n, m), ``eps`` < 0, or ``metric``,
+        ``retraction`` or ``group`` is not one of the choices; a point of the wrong shape or with
+        a rank-deficient factor, where one is checked.
+
+    Examples
+    --------
+    >>> import geoopt, torch
+    >>> from quotient_manifolds import GLQuotient
+    >>> M = GLQuotient(4, 3, 2, metric="mix")
+    >>> x = M.random(dtype=torch.float64)
+    >>> u = M.proju(x, torch.randn_like(x))             # horizontal projection
+    >>> torch.allclose(M.proju(x, u), u)
+    True
+    >>> G, H = M.split(M.retr(x, 0.1 * u))              # second-order retraction
+    >>> tuple(G.shape), tuple(H.shape)
+    ((4, 2), (3, 2))
+    >>> W = geoopt.ManifoldParameter(x, manifold=M)     # train it with a Riemannian optimizer
     """
 
     name = "GLQuotient"

@@ -94,8 +94,8 @@ def init_momentum_buffers(optimizer: torch.optim.Optimizer) -> None:
     ValueError
         ``dampening > 0`` and a parameter has no gradient yet.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import geoopt, torch
     >>> from quotient_manifolds.geoopt import GLQuotient, init_momentum_buffers
     >>> M = GLQuotient(4, 3, 2)
@@ -130,8 +130,17 @@ class RiemannianSGD(_GeooptRiemannianSGD):
         parameters are Euclidean).
     lr, momentum, dampening, weight_decay, nesterov, stabilize : as ``geoopt.optim.RiemannianSGD``.
 
-    Example
-    -------
+    Raises
+    ------
+    ValueError
+        A negative ``lr``, ``momentum`` or ``weight_decay``, or ``nesterov`` without momentum
+        (geoopt's checks); a point that leaves the manifold raises
+        :class:`~quotient_manifolds.StepTooLarge` from :meth:`step`.
+    TypeError
+        ``step`` is given a ``closure`` that is not callable.
+
+    Examples
+    --------
     >>> import geoopt, torch
     >>> from quotient_manifolds.geoopt import GLQuotient, RiemannianSGD
     >>> M = GLQuotient(6, 5, 3)
@@ -143,8 +152,8 @@ class RiemannianSGD(_GeooptRiemannianSGD):
     ...     loss = (G @ H.T).pow(2).sum()
     ...     loss.backward()
     ...     return loss
-    >>> first = float(opt.step(closure))
-    >>> float(opt.step(closure)) < first
+    >>> first = opt.step(closure).item()
+    >>> opt.step(closure).item() < first
     True
     """
 
@@ -182,8 +191,23 @@ class RiemannianLineSearch(_GeooptRiemannianLineSearch):
     second-order retraction's velocity). Everything else, arguments included, is geoopt's; the
     closure returns a number (``loss.item()``), as scipy's searches need.
 
-    Example
-    -------
+    Parameters
+    ----------
+    params : parameters or parameter groups (``geoopt.ManifoldParameter`` s on a manifold).
+    line_search_method, line_search_params, cg_method, cg_kwargs, compute_derphi,
+    transport_grad, transport_search_direction, fallback_stepsize, stabilize : as
+        ``geoopt.optim.RiemannianLineSearch`` (``"armijo"`` or ``"wolfe"`` search, steepest descent
+        or a conjugate-gradient direction).
+
+    Raises
+    ------
+    ValueError
+        An unknown ``line_search_method`` or ``cg_method`` (geoopt's checks).
+    StepTooLarge
+        A forced step (``force_step=True``) that leaves the manifold.
+
+    Examples
+    --------
     >>> import geoopt, torch
     >>> from quotient_manifolds.geoopt import RescalingQuotient, RiemannianLineSearch
     >>> M = RescalingQuotient(1, metric="mix", retraction="exact")

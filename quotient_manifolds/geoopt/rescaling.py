@@ -37,6 +37,27 @@ class RescalingQuotient(CoreQuotientManifold):
     and 1 + 2b > 0), ``transp`` the projection at the new point, ``projx`` the identity,
     ``logmap``/``dist`` in closed form for ε = 0 (b = ½ log(β₁/β₀) for inv, (β₁/β₀ − 1)/2 for mix;
     dist = ∞ between points whose β differ in sign).
+
+    A point is one tensor ``x = [u; v]`` of shape (..., 2, d), β = u⊙v.
+
+    Raises
+    ------
+    ValueError
+        ``d`` is not a positive integer, ``eps`` < 0, or ``metric`` or ``retraction`` is not one of
+        the choices; a point with a zero entry (with ``eps`` = 0) or the wrong shape, where one is
+        checked.
+
+    Examples
+    --------
+    >>> import geoopt, torch
+    >>> from quotient_manifolds.geoopt import RescalingQuotient
+    >>> M = RescalingQuotient(2, metric="inv", retraction="exact")
+    >>> x = torch.tensor([[1.0, 2.0], [1.0, 0.5]], dtype=torch.float64)
+    >>> u = M.proju(x, torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64))
+    >>> y = M.retr(x, u)
+    >>> torch.allclose(M.dist(x, y), M.norm(x, u))      # the exact geodesic: length ‖u‖
+    True
+    >>> p = geoopt.ManifoldParameter(x.clone(), manifold=M)   # for geoopt's optimizers
     """
 
     name = "RescalingQuotient"

@@ -53,26 +53,105 @@ class _PairArithmetic(ndarraySequenceMixin):
 
 
 class GLPoint(collections.namedtuple("GLPoint", ("G", "H"))):
-    """A point (G, H) of the GL(h) quotient (any representative)."""
+    """A point (G, H) of the GL(h) quotient (any representative).
+
+    Parameters
+    ----------
+    G, H : numpy arrays of shapes (n, h) and (m, h), of full column rank.
+
+    Raises
+    ------
+    TypeError
+        Not two parts (a namedtuple of G and H); the manifold checks shapes and rank where it
+        uses the point.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from quotient_manifolds.pymanopt import GLPoint, GLQuotient
+    >>> M = GLQuotient(3, 3, 2)
+    >>> x = GLPoint(np.eye(3, 2), np.eye(3, 2))        # G = H = [I; 0]
+    >>> u = M.projection(x, (np.ones((3, 2)), np.zeros((3, 2))))
+    >>> type(u).__name__, u.G.shape
+    ('GLTangentVector', (3, 2))
+    """
 
     __slots__ = ()
 
 
 class GLTangentVector(_PairArithmetic, collections.namedtuple("_GLTangent", ("G", "H"))):
-    """A horizontal tangent vector (ξ_G, ξ_H), with arithmetic."""
+    """A horizontal tangent vector (ξ_G, ξ_H), with arithmetic.
+
+    Sums, differences, negation and products with scalars act on both parts, as pymanopt's
+    optimizers need.
+
+    Parameters
+    ----------
+    G, H : numpy arrays of the point's shapes (n, h) and (m, h).
+
+    Raises
+    ------
+    TypeError
+        Not two parts, or arithmetic with something that is neither a scalar nor a pair.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from quotient_manifolds.pymanopt import GLTangentVector
+    >>> u = GLTangentVector(np.ones((3, 2)), np.zeros((3, 2)))
+    >>> v = 2 * u - u / 2
+    >>> type(v).__name__, float(v.G[0, 0]), float(v.H[0, 0])
+    ('GLTangentVector', 1.5, 0.0)
+    """
 
     __slots__ = ()
 
 
 class RescalingPoint(collections.namedtuple("RescalingPoint", ("u", "v"))):
-    """A point (u, v) of the rescaling quotient (any representative)."""
+    """A point (u, v) of the rescaling quotient (any representative).
+
+    Parameters
+    ----------
+    u, v : 1-D numpy arrays of d nonzero entries; β = u⊙v.
+
+    Raises
+    ------
+    TypeError
+        Not two parts (a namedtuple of u and v); the manifold checks them where it uses the point.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from quotient_manifolds.pymanopt import RescalingPoint
+    >>> x = RescalingPoint(np.array([1.0, 2.0]), np.array([3.0, 0.5]))
+    >>> (x.u * x.v).tolist()                            # β
+    [3.0, 1.0]
+    """
 
     __slots__ = ()
 
 
 class RescalingTangentVector(_PairArithmetic,
                              collections.namedtuple("_RescalingTangent", ("u", "v"))):
-    """A horizontal tangent vector (ξ_u, ξ_v), with arithmetic."""
+    """A horizontal tangent vector (ξ_u, ξ_v), with arithmetic.
+
+    Parameters
+    ----------
+    u, v : 1-D numpy arrays of d entries.
+
+    Raises
+    ------
+    TypeError
+        Not two parts, or arithmetic with something that is neither a scalar nor a pair.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from quotient_manifolds.pymanopt import RescalingTangentVector
+    >>> u = RescalingTangentVector(np.array([1.0, 2.0]), np.array([0.0, 1.0]))
+    >>> (u + u).u.tolist(), (-u).v.tolist()
+    ([2.0, 4.0], [-0.0, -1.0])
+    """
 
     __slots__ = ()
 

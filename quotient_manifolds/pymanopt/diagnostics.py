@@ -32,8 +32,8 @@ def identify_linear_piece(x: np.ndarray, y: np.ndarray, window_length: int
     line (least residual; windows with a non-finite value are skipped), and that line's
     coefficients (slope first), as pymanopt's function of the same name returns them.
 
-    Example
-    -------
+    Examples
+    --------
     >>> import numpy as np
     >>> x = np.linspace(-6, 0, 31)
     >>> y = np.concatenate([np.full(10, -np.inf), 3 * x[10:]])   # exact zeros, then slope 3
@@ -58,7 +58,24 @@ def identify_linear_piece(x: np.ndarray, y: np.ndarray, window_length: int
 def patched_diagnostics() -> Iterator[None]:
     """Use :func:`identify_linear_piece` in ``pymanopt.tools.diagnostics`` inside the block (the
     original is restored after it, also on an exception); log10 of exact zeros is not warned
-    about."""
+    about.
+
+    Returns
+    -------
+    context manager
+        Use it in a ``with`` statement; it yields nothing.
+
+    Examples
+    --------
+    >>> import pymanopt.tools.diagnostics as diagnostics
+    >>> from quotient_manifolds.pymanopt import patched_diagnostics
+    >>> original = diagnostics.identify_linear_piece
+    >>> with patched_diagnostics():
+    ...     diagnostics.identify_linear_piece is original
+    False
+    >>> diagnostics.identify_linear_piece is original
+    True
+    """
     import pymanopt.tools.diagnostics as diagnostics
 
     original = diagnostics.identify_linear_piece

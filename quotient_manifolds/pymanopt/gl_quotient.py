@@ -31,6 +31,40 @@ class GLQuotient(CoreQuotientManifold):
     ``exp`` is the exact (numerically integrated) geodesic, ``transport`` the projection at the
     target point; ``log`` shoots along that geodesic to the orbit of the second point and
     ``dist`` is its length (group GL(h) only; :func:`~quotient_manifolds.core.logmap.log_map`).
+
+    Points are :class:`GLPoint` (G, H) and tangent vectors :class:`GLTangentVector` (ξ_G, ξ_H) of
+    numpy arrays.
+
+    Parameters
+    ----------
+    n, m, h : shapes of G (n×h) and H (m×h), h ≤ min(n, m).
+    metric : ``"mix"`` (default), ``"inv"`` or a :class:`~quotient_manifolds.core.metrics.GLMetric`.
+    retraction : ``"second_order"`` (default), ``"first_order"`` or ``"exact"``.
+    eps : Gram relaxation ε ≥ 0.
+    exact_steps : RK4 steps of the integrated geodesic.
+    group : ``"gl"`` (default), ``"rope"`` or a group object.
+
+    Raises
+    ------
+    ValueError
+        A size is not a positive integer, h > min(n, m), ``eps`` < 0, or ``metric``,
+        ``retraction`` or ``group`` is not one of the choices; a point of the wrong shape or with
+        a rank-deficient factor.
+
+    Examples
+    --------
+    >>> import pymanopt
+    >>> from quotient_manifolds.pymanopt import GLQuotient
+    >>> M = GLQuotient(4, 3, 2)
+    >>> M.dim                                           # (4 + 3)·2 − 2²
+    10
+    >>> x = M.random_point()
+    >>> u = M.random_tangent_vector(x)                  # unit norm, horizontal
+    >>> round(float(M.norm(x, u)), 6)
+    1.0
+    >>> y = M.retraction(x, 0.1 * u)
+    >>> type(y).__name__, y.G.shape, y.H.shape
+    ('GLPoint', (4, 2), (3, 2))
     """
 
     _point_cls = GLPoint

@@ -33,6 +33,36 @@ class RescalingQuotient(CoreQuotientManifold):
     ``exp`` is the closed-form geodesic of docs/maths.md §8.3 (ε = 0; the mix one
     needs 1 + 2b > 0 and raises StepTooLarge otherwise); ``log`` and ``dist`` are in closed form
     for ε = 0 (:func:`~quotient_manifolds.core.logmap.log_map`).
+
+    Points are :class:`RescalingPoint` (u, v) and tangent vectors :class:`RescalingTangentVector`
+    (ξ_u, ξ_v) of 1-D numpy arrays.
+
+    Parameters
+    ----------
+    d : number of coordinates.
+    metric : ``"mix"`` (default), ``"inv"`` or a :class:`~quotient_manifolds.core.metrics.GLMetric`.
+    retraction : ``"second_order"`` (default), ``"first_order"`` or ``"exact"``.
+    eps : relaxation ε ≥ 0 (u² + ε in place of u²).
+    exact_steps : RK4 steps of the exact retraction when ε > 0.
+    signs : d entries ±1 or None (see above).
+
+    Raises
+    ------
+    ValueError
+        ``d`` is not a positive integer, ``eps`` < 0, ``metric`` or ``retraction`` is not one of
+        the choices, or ``signs`` is not d entries ±1; a point with a zero entry (ε = 0).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from quotient_manifolds.pymanopt import RescalingPoint, RescalingQuotient
+    >>> M = RescalingQuotient(2, metric="inv")
+    >>> x = RescalingPoint(np.array([1.0, 2.0]), np.array([1.0, 0.5]))
+    >>> u = M.projection(x, (np.array([1.0, 0.0]), np.array([0.0, 1.0])))
+    >>> type(u).__name__, round(float(M.norm(x, u)), 6)
+    ('RescalingTangentVector', 1.581139)
+    >>> M.random_point().u.shape
+    (2,)
     """
 
     _point_cls = RescalingPoint
