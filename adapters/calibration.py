@@ -215,13 +215,33 @@ def calibrate_rho(model: torch.nn.Module, batches: Iterable[Any], *, geometry: G
         ``geometry``, ``measure`` and ``rho``
         (:class:`~quotient_manifolds.adapters.options.PerGeometryKwargs`), used in every run.
 
-    Returns a :class:`RhoCalibration` (``rho``, ``loss_rise`` at it, every evaluation).
+    Returns
+    -------
+    RhoCalibration
+        ``rho``, the ``loss_rise`` at it, ``converged`` and every evaluation of the search.
 
-    Example::
+    Raises
+    ------
+    InvalidArgument, InvalidArgumentType
+        A bad target, tolerance, budget or sharpness option (``geometry=``, ``measure=`` and
+        ``rho=`` are this function's to set).
+    SymmetryError, UnsupportedModel, SharpnessOutOfMemoryError
+        As for :func:`~quotient_manifolds.adapters.sharpness`.
 
-        cal = adapters.calibrate_rho(model, batches, geometry="geodesic-mix",
-                                     target_loss_rise=0.1, n_iters=10)
-        res = adapters.sharpness(model, batches, geometry="geodesic-mix", rho=cal.rho, n_iters=10)
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> cal = adapters.calibrate_rho(model, batches, geometry="geodesic-inv", target_loss_rise=0.1,
+    ...                              n_iters=5, loss_fn=torch.nn.MSELoss())
+    >>> cal.converged, 0.08 <= cal.loss_rise <= 0.125
+    (True, True)
+    >>> result = adapters.sharpness(model, batches, geometry="geodesic-inv", rho=cal.rho, n_iters=5,
+    ...                             loss_fn=torch.nn.MSELoss())
     """
     check.module("model", model)
     check.batches("batches", batches)

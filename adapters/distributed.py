@@ -45,6 +45,52 @@ def distributed_sharpness(model: torch.nn.Module, batches: Iterable[Any], *, rho
     ``n_iters``, ``loss_fn``, ``layout`` …,
     :class:`~quotient_manifolds.adapters.options.SharpnessKwargs`); ``progress`` shows this rank's
     share, and batch ``i`` is measured with seed ``seed + i``.
+
+    Parameters
+    ----------
+    model:
+        The whole model on every rank (not sharded: for an FSDP2 model call
+        :func:`~quotient_manifolds.adapters.sharpness` on every rank).
+    batches:
+        The same list of batches on every rank; rank r measures batches r, r + world, ….
+    rho:
+        The radius, as for :func:`~quotient_manifolds.adapters.sharpness`.
+    process_group:
+        The ranks to spread over (default: the default group).
+    options:
+        The options of :func:`~quotient_manifolds.adapters.sharpness`.
+
+    Returns
+    -------
+    SharpnessResult
+        The same on every rank: the mean over all batches, ``per_batch`` in batch order.
+
+    Raises
+    ------
+    InvalidArgument, InvalidArgumentType
+        A bad argument or option (refused on every rank before any collective), a sharded model,
+        or no batches.
+    UsageError
+        No initialised ``torch.distributed`` process group.
+
+    Examples
+    --------
+    One process here (a group of one rank); under ``torchrun`` every rank runs the same lines:
+
+    >>> import tempfile, torch, torch.distributed as dist
+    >>> from quotient_manifolds import adapters
+    >>> store = dist.FileStore(tempfile.mkstemp()[1], 1)
+    >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))
+    ...            for _ in range(2)]
+    >>> result = adapters.distributed_sharpness(model, batches, geometry="geodesic-inv", rho=0.1,
+    ...                                         n_iters=3, loss_fn=torch.nn.MSELoss())
+    >>> len(result.per_batch), result.options["world_size"] if "world_size" in result.options else 1
+    (2, 1)
+    >>> dist.destroy_process_group()
     """
     import torch.distributed as dist
 

@@ -171,6 +171,38 @@ def sharpness(model: torch.nn.Module, batches: Iterable[Union[Tuple[Any, Any], M
 
     For sharpness as a function of rho use :func:`sharpness_sweep`: it warm-starts each radius
     from the worst point of the previous one, so a larger ball never returns a smaller maximum.
+
+    Returns
+    -------
+    SharpnessResult
+        ``value`` (the mean over the batches of max L(w ⊕ ξ) − L(w), or of the average rise for
+        ``measure="average"``), with the per-batch values, losses, norms and the options used.
+
+    Raises
+    ------
+    InvalidArgument, InvalidArgumentType
+        A bad ``rho``, option, batch or loss (``ValueError`` / ``TypeError`` subclasses), before any
+        work; an input the model's first layer cannot take, naming the batch.
+    SymmetryError
+        A geodesic geometry on a model whose detected layout does not verify (its blocks' group
+        would change the function); ``allow_unsupported=True`` measures the verified blocks only.
+    UnsupportedModel
+        A geodesic geometry on a model with no GL block.
+    SharpnessOutOfMemoryError
+        The run does not fit the device; the message says what would.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> result = adapters.sharpness(model, batches, geometry="geodesic-inv", rho=0.1, n_iters=5,
+    ...                             loss_fn=torch.nn.MSELoss())
+    >>> round(result.value, 3), len(result.per_batch)
+    (0.108, 1)
     """
     rho = as_rho(rho)
     return run_sharpness(model, batches, [rho], SharpnessOptions.from_keywords(options), stacklevel=3)[0]
@@ -184,7 +216,43 @@ def sharpness_sweep(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequen
     The ball's frames are built once; on every batch the Auto-PGD run at ρ_k starts from the worst
     perturbation found at ρ_{k−1} (inside the larger ball), so the values never decrease along the
     sweep, which independent single-start runs do not guarantee. Costs one Auto-PGD run per
-    radius and batch, like separate calls, minus the repeated set-up."""
+    radius and batch, like separate calls, minus the repeated set-up.
+
+    Parameters
+    ----------
+    model, batches:
+        As for :func:`sharpness`.
+    rhos:
+        The radii, finite, > 0 and increasing.
+    options:
+        The options of :func:`sharpness` (:class:`~quotient_manifolds.adapters.options.SharpnessKwargs`);
+        ``measure`` must be ``"worst"``.
+
+    Returns
+    -------
+    list of SharpnessResult
+        One result per radius, in the order of ``rhos``; the values never decrease.
+
+    Raises
+    ------
+    InvalidArgument, InvalidArgumentType
+        Radii that are not increasing positive numbers, or a bad option, batch or loss.
+    SymmetryError, UnsupportedModel, SharpnessOutOfMemoryError
+        As for :func:`sharpness`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from quotient_manifolds import adapters
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0,
+    ...                                          batch_first=True).double().eval()
+    >>> batches = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64))]
+    >>> results = adapters.sharpness_sweep(model, batches, [0.05, 0.1], geometry="geodesic-inv",
+    ...                                    n_iters=5, loss_fn=torch.nn.MSELoss())
+    >>> [round(r.value, 3) for r in results]
+    [0.053, 0.108]
+    """
     args = SharpnessOptions.from_keywords(options)
     if isinstance(rhos, (str, bytes)) or not isinstance(rhos, Iterable) or getattr(rhos, "ndim", 1) != 1:
         raise InvalidArgumentType(f"rhos must be a sequence of radii, got {rhos!r} ({type(rhos).__name__})")

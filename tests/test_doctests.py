@@ -32,14 +32,6 @@ FACES = (
 #: the output of an example is compared up to whitespace, and ``...`` stands for any text
 OPTIONFLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
-#: the sharpness entry points: their options and docstrings are being rewritten together (one typed
-#: signature per entry point, issue 53 part 1); their examples come with that work
-ENTRY_POINTS_PENDING = {
-    "quotient_manifolds.adapters.worst_case.sharpness",
-    "quotient_manifolds.adapters.worst_case.sharpness_sweep",
-    "quotient_manifolds.adapters.calibration.calibrate_rho",
-    "quotient_manifolds.adapters.distributed.distributed_sharpness",
-}
 
 
 def _qualified(obj) -> str:
@@ -144,15 +136,7 @@ def _missing_sections(obj) -> List[str]:
 PUBLIC = public_objects()
 
 
-def _case(name: str):
-    if name in ENTRY_POINTS_PENDING:
-        return pytest.param(name, marks=pytest.mark.xfail(
-            strict=False, reason="the entry points' docstrings are rewritten with their typed "
-                                 "options (issue 53, part 1)"))
-    return name
-
-
-@pytest.mark.parametrize("name", [_case(name) for name in PUBLIC])
+@pytest.mark.parametrize("name", list(PUBLIC))
 def test_public_name_is_documented(name: str):
     missing = _missing_sections(PUBLIC[name])
     assert not missing, (f"{name}'s docstring has no {', '.join(missing)} section: write it in the "
@@ -197,7 +181,7 @@ def test_the_check_sees_every_face():
     names = {name.rsplit(".", 1)[-1] for name in PUBLIC}
     assert {"GLQuotient", "RescalingQuotient", "RiemannianSGD", "GLPoint", "GLQuotientGeometry",
             "Layout", "GeodesicSAM", "SharpnessMonitor", "relative_flatness"} <= names
-    assert len(DOCTESTS) >= len(PUBLIC) - len(ENTRY_POINTS_PENDING)
+    assert len(DOCTESTS) >= len(PUBLIC)
 
 
 def test_a_name_without_sections_is_caught():
