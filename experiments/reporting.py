@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .provenance import commits_of, provenance_label
+from .runner import atomic_write_bytes
 from .stats import TauResult, paired_delta_tau, tau_ci_weighted, tau_with_ci
 
 
@@ -153,13 +155,21 @@ def fmt_rho(r: float) -> str:
     return "—" if r == 0 else f"{r:g}"
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, imported when a figure is drawn: matplotlib
+    takes about a second to import, and the command line must start fast."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title: str,
                relative_to: Optional[Dict[str, float]] = None) -> None:
     """τ against ρ per measure; with ``relative_to`` (each measure's main ρ, e.g. the calibrated
     one) against ρ / ρ_main, so measures whose ρ have different scales share one axis."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # with pyplot: lazy
 
     fig, ax = plt.subplots(figsize=(4.6, 3.0))
     for m, rows in sweep.items():
@@ -174,7 +184,6 @@ def fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title:
         if np.isfinite(lo).all():
             ax.fill_between(rs, lo, hi, alpha=0.15)
     ax.set_xscale("log")
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(NullFormatter())
@@ -187,8 +196,7 @@ def fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title:
 
 def finish_figure(fig, ax, path: str, *, title: str, xlabel: str, ylabel: str) -> None:
     """Labels, legend and small fonts of the report figures; save and close."""
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=9)
@@ -223,13 +231,11 @@ def finish_span(records) -> Optional[float]:
 
 def write_summary(out_dir: str, lines: List[str], summary: Dict[str, Any]) -> None:
     """DIR/summary.md (``lines``) and DIR/summary.json (``summary``), each written atomically."""
-    from .runner import atomic_write_bytes
     atomic_write_bytes(os.path.join(out_dir, "summary.md"), ("\n".join(lines) + "\n").encode())
     _write_summary_json(out_dir, summary)
 
 
 def _write_summary_json(out_dir: str, summary: Dict[str, Any]) -> None:
-    from .runner import atomic_write_bytes
     atomic_write_bytes(os.path.join(out_dir, "summary.json"),
                        (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n").encode())
 
@@ -240,9 +246,6 @@ def stamp_provenance(out_dir: str, records: Sequence[Dict[str, Any]],
     ``records``, :func:`~quotient_manifolds.experiments.provenance.provenance_label`) and put it
     into ``summary`` and DIR/summary.json as ``provenance`` (``label`` and ``commits``: records per
     commit)."""
-    from .provenance import commits_of, provenance_label
-    from .runner import atomic_write_bytes
-
     label = provenance_label(records)
     summary["provenance"] = dict(label=label, commits=commits_of(records))
     path = os.path.join(out_dir, "summary.md")
