@@ -75,7 +75,6 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 # the measures are part of the study's interface: diagonal_summary reads them from this module
 from .diagonal_sharpness import ALG1, FAMILY, MAIN, MEASURES, OWN, measure_all, train_loss  # noqa: F401
@@ -83,7 +82,7 @@ from .options import (defaults_of, int_list, positive_float, positive_int, seed_
                       value_range)
 from .population import apply_sharp_overrides, log_line, run_population_study
 from .diagonal_summary import diagonal_report
-from .runner import ExperimentError, check_parent_alive, keys_hash, load_checkpoint, save_checkpoint
+from .runner import ExperimentError, check_parent_alive, keys_hash, load_checkpoint, progress_bar, save_checkpoint
 
 NAME = "diagonal"
 PAPER_KEY = "diagonal"
@@ -101,6 +100,7 @@ def defaults(quick: bool) -> Dict[str, Any]:
         measures=list(MEASURES), solver="pga", mix_literal="exact", restarts=8, pga_iters=600,
         eigen_starts=3, apgd_iters=100, alg1_iters=20, models=50)
     if quick:
+        c["quick"] = True  # a smoke test: every output says so (reporting.SMOKE_TEST)
         c.update(draws=[0], alpha_range=[0.1, 0.3], phase_epochs_range=[2.0, 10.0],
                  restarts=3, pga_iters=60, apgd_iters=10, rho_sweep=[10.0], models=6)
     return c
@@ -211,8 +211,8 @@ def train(config: Dict[str, Any], hp: Dict[str, Any], X, y, beta_star, progress:
     restarts = 0
     bar = None
     if progress:
-        bar = tqdm(total=config["max_steps"], desc="train", unit="step", leave=False,
-                   dynamic_ncols=True, mininterval=0.5)
+        bar = progress_bar(total=config["max_steps"], desc="train", unit="step", leave=False,
+                           mininterval=0.5)
     while True:
         rng = np.random.default_rng([hp["seed"], 4, restarts])
         lr = factor * base

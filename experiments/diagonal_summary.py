@@ -14,8 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .reporting import (PAIRED_N_BOOT, PAIRED_SEED, PAPER, closing_sections, fig_sweep, finish_figure,
-                        finish_span, fmt_rho, measures_of, metric_ranges, paired_section, rhos_of, value_of,
-                        write_summary)
+                        finish_span, fmt_rho, measures_of, metric_ranges, paired_section, pyplot, rhos_of,
+                        value_of, write_summary)
 from .runner import display_path
 from .stats import (TauResult, dummies, kendall_tau_b, paired_delta_tau, partial_tau_with_ci, r_squared,
                     tau_ci_weighted, tau_with_ci, within_partial_tau_with_ci, within_tau_with_ci)
@@ -504,16 +504,14 @@ def _rng_fmt(vals) -> str:
 
 def _plain_log_ticks(ax) -> None:
     """Log axes with unlabelled minor ticks and small labels (no overlapping 2×10⁻³ labels)."""
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import NullFormatter  # lazily, as pyplot (reporting.pyplot)
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_minor_formatter(NullFormatter())
     ax.tick_params(which="both", labelsize=7)
 
 
 def _fig_diagonal_scatter(path, records, panels, taus, title) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     draws = sorted({r["hparams"]["data_seed"] for r in records})
     colours = plt.get_cmap("tab10")
@@ -548,9 +546,7 @@ def _fig_diagonal_scatter(path, records, panels, taus, title) -> None:
 
 
 def _fig_diagonal_knobs(path, records, title) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     hp = [r["hparams"] for r in records]
     a = np.array([h["alpha"] for h in hp])

@@ -35,6 +35,7 @@ def defaults(quick: bool) -> Dict[str, Any]:
         head_weight_decay=0.01, peft_reg=1e-2, metric="mix", eps=1e-3, sgd_momentum=0.9,
         timing_steps=30, target_fraction=0.95)
     if quick:
+        c["quick"] = True  # a smoke test: every output says so (reporting.SMOKE_TEST)
         c.update(synthetic=True, train_size=192, val_size=64, test_size=96, max_length=16,
                  layers=2, ranks=[2, 4], seeds=[0, 1], steps=24, eval_steps=[8, 16, 24],
                  head_lr=3e-3, timing_steps=4,

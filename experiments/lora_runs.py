@@ -14,13 +14,12 @@ import geoopt
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from quotient_manifolds import adapters
 
 from . import text_model
 from .lora_plan import ARMS, STEPS_TO_LEVELS, steps_to
-from .runner import ExperimentError, check_parent_alive
+from .runner import ExperimentError, check_parent_alive, progress_bar
 from .stats import error_and_loss
 from .training import schedule_factor, train_steps
 
@@ -166,8 +165,8 @@ def train_run(c: Dict[str, Any], spec: Dict[str, Any], data: Dict[str, Any],
     diverged = False
     bar = None
     if progress:
-        bar = tqdm(total=c["steps"], desc=f"{spec['arm']} r={spec['rank']}", unit="step",
-                   leave=False, dynamic_ncols=True)
+        bar = progress_bar(total=c["steps"], desc=f"{spec['arm']} r={spec['rank']}", unit="step",
+                           leave=False)
     started = time.perf_counter()
     eval_s = 0.0
 

@@ -14,9 +14,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .measures import FLATNESS, is_exact, main_measure_of
+from .measures import ABLATIONS, AT_WEIGHTS, FAMILY_MEASURE, FLATNESS, MAIN, MEASURES, is_exact, main_measure_of
 from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, measures_of,
-                        median_at, median_range_at, metric_ranges, paired_section, rhos_of, tau_for,
+                        median_at, median_range_at, metric_ranges, paired_section, pyplot, rhos_of, tau_for,
                         value_of, write_summary)
 from .population_knobs import default_knobs, r2_section, within_section
 from .runner import display_path
@@ -38,7 +38,6 @@ def population_kwargs(study: str, config: Dict[str, Any], target: str,
                       synthetic: Optional[bool] = None) -> Dict[str, Any]:
     """The arguments of :func:`population_report` for a text or vision population, from its
     configuration alone (so a run and ``report DIR`` write the same summary)."""
-    from .measures import ABLATIONS, AT_WEIGHTS, FLATNESS, MAIN, MEASURES
     mod = STUDY[study].load()
     rho = {m: config["rho"][MEASURES[m]["family"]] for m in MEASURES}
     rho.update({m: 0.0 for m in AT_WEIGHTS})
@@ -387,8 +386,6 @@ def _population_section(records, used, exclude: Dict[int, str], config: Dict[str
 
 def _calibration_section(cal: Dict[str, Any], used, default_rho, summary) -> List[str]:
     """ρ* per family, the pilot's roots and the population's median at ρ* vs the band."""
-    from .measures import FAMILY_MEASURE
-
     lo, hi = cal.get("band", [1.0, 10.0])
     lines = ["## ρ calibration (experiments/calibrate.py)", "",
              f"Target: median sharpness {cal.get('target')} nats over the population (band "
@@ -480,9 +477,7 @@ def _retraction_section(used, exact: Sequence[str], default_rho, target: str, n_
 def _fig_scatter(path: str, records, panels: Sequence[Tuple[str, float]], target: str,
                  taus: Dict[Tuple[str, float], TauResult], title: str, logx: bool = False,
                  logy: bool = False) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     n = len(panels)
     fig, axes = plt.subplots(1, n, figsize=(3.1 * n, 2.9), squeeze=False)

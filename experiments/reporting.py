@@ -29,6 +29,30 @@ PAPER: Dict[str, Dict[str, Any]] = {
     "text": {"label": "MNLI (BERT)", "adaptive": 0.06, "geodesic-inv": 0.28,
              "geodesic-mix": 0.38},
 }
+#: what every --quick run says, first, in its summary.md and on the console
+SMOKE_TEST = ("--quick: a smoke test of the study's steps on a tiny configuration; its numbers mean "
+              "nothing (run without --quick for results)")
+
+
+def is_smoke_test(config: Dict[str, Any]) -> bool:
+    """Whether ``config`` is a --quick configuration (each study's ``defaults(quick=True)`` marks
+    it ``quick``)."""
+    return bool(config.get("quick"))
+
+
+def smoke_test_banner(config: Dict[str, Any]) -> List[str]:
+    """The first lines of a --quick configuration's summary.md (:data:`SMOKE_TEST`); none
+    otherwise."""
+    return [f"> **{SMOKE_TEST}**", ""] if is_smoke_test(config) else []
+
+
+def rho_label(calibration: Optional[Dict[str, Any]]) -> str:
+    """How a population's main ρ was chosen, for its headings: "calibrated ρ" when its calibration
+    (calibration.json) calibrated a family, else "configured ρ" (the configuration's values: the
+    study's defaults or --rho-*, used as they are)."""
+    return "calibrated ρ" if calibration and calibration.get("calibrated") else "configured ρ"
+
+
 TARGET_LABEL = {"gap": "generalisation gap (test err − train err)",
                 "gap_own": "gap on own training subset (test err − own train err)",
                 "test_error": "test error", "test_loss": "test loss"}
@@ -264,16 +288,22 @@ def closing_sections(notes: Sequence[str], config: Dict[str, Any]) -> List[str]:
 
 
 def print_table(summary: Dict[str, Any], log=print) -> None:
-    """The main table of a summary (τ-b, CI, τ-a and the paper's τ per measure) on ``log``."""
+    """The main table of a summary (τ-b, CI, τ-a and the paper's τ per measure) on ``log``; a
+    --quick run's (``summary["smoke_test"]``) says it is a smoke test first and has no paper
+    column. The ρ column says how ρ was chosen (``summary["rho_label"]``: :func:`rho_label`)."""
     main = summary.get("main", {})
+    smoke = summary.get("smoke_test", False)
+    if smoke:
+        log(SMOKE_TEST)
     if not main:
         return
-    log(f"{'measure':26s} {'rho':>8s}  tau-b [95% CI]          tau-a   paper")
+    rho = summary.get("rho_label", "rho").replace("ρ", "rho")
+    log(f"{'measure':26s} {rho:>16s}  tau-b [95% CI]          tau-a" + ("" if smoke else "   paper"))
     for m, d in main.items():
         if not math.isfinite(d["tau_b"]):
-            log(f"{m:26s} {d['rho']:8.4g}  n/a")
+            log(f"{m:26s} {d['rho']:16.4g}  n/a")
             continue
-        ci = (f"[{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]" if math.isfinite(d["ci_low"])
-              else "")
-        paper = "" if d.get("paper") is None else f"{d['paper']:+.2f}"
-        log(f"{m:26s} {d['rho']:8.4g}  {d['tau_b']:+.2f} {ci:17s} {d['tau_a']:+.2f}   {paper}")
+        ci = (f"[{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]"
+              if math.isfinite(d["ci_low"]) and math.isfinite(d["ci_high"]) else f"[{TauResult.NO_CI}]")
+        paper = "" if smoke or d.get("paper") is None else f"   {d['paper']:+.2f}"
+        log(f"{m:26s} {d['rho']:16.4g}  {d['tau_b']:+.2f} {ci:17s} {d['tau_a']:+.2f}{paper}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import ctypes
 import datetime as _dt
 import errno
 import hashlib
@@ -39,9 +40,15 @@ import json
 import math
 import multiprocessing as mp
 import os
+import signal
+import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
 
 from .provenance import provenance, reproducible_training, weights_hash
 
@@ -66,14 +73,10 @@ def canonical_json(obj: Any) -> str:
 
 
 def _json_default(obj):
-    try:
-        import numpy as np
-        if isinstance(obj, np.generic):
-            return obj.item()
-        if isinstance(obj, np.ndarray):
-            return obj.tolist()
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
@@ -225,7 +228,7 @@ class OutputDir:
         self._unlock()
 
     def _lock(self) -> None:
-        import fcntl
+        import fcntl  # POSIX only: imported where the lock is taken
         fh = open(self.file(".lock"), "a+")
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -356,9 +359,19 @@ def fault_message(err: OSError) -> str:
     return f"{display_path(path) if isinstance(path, str) else path}: {what}" + (f"; {fix}" if fix else "")
 
 
+def progress_bar(**kwargs):
+    """A tqdm progress bar (``tqdm.auto.tqdm(dynamic_ncols=True, **kwargs)``), the studies' one.
+    tqdm comes with the [experiments] extra: imported when a bar is drawn, so the command line
+    starts without it."""
+    from tqdm.auto import tqdm
+    return tqdm(**{"dynamic_ncols": True, **kwargs})
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 def save_checkpoint(path: str, tensors: Dict[str, Any], metadata: Dict[str, Any]) -> None:
     """Atomically write a safetensors state dict with JSON-encoded metadata."""
+    # safetensors comes with the [experiments] extra: imported when a checkpoint is written, so the
+    # command line (e.g. `quotient-manifolds sharpness`) starts without it
     from safetensors.torch import save
 
     blob = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
@@ -371,7 +384,7 @@ def load_checkpoint(path: str, expect_hash: Optional[str] = None):
     """``(state_dict, metadata)`` or ``None`` if missing, unreadable or for another training hash."""
     if not os.path.exists(path):
         return None
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazily: see save_checkpoint
 
     try:
         with safe_open(path, framework="pt") as fh:
@@ -433,7 +446,6 @@ def restore_exact(model, tensors: Dict[str, Any]) -> bool:
 def study_device(config: Dict[str, Any]):
     """The torch device a population trains and measures on: ``config["device"]`` (set by
     ``--device``; absent = CPU, so that CPU configurations keep their hash)."""
-    import torch
     return torch.device(config.get("device", "cpu"))
 
 
@@ -452,7 +464,6 @@ def _init_worker(threads: int, parent_pid: int) -> None:
     global _PARENT_PID
     _PARENT_PID = parent_pid
     _exit_with_parent()
-    import torch
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
@@ -476,11 +487,6 @@ def _exit_with_parent() -> None:
     holding its pipe is gone). Two layers: on Linux the kernel sends SIGKILL at the parent's death
     (``prctl(PR_SET_PDEATHSIG)``); everywhere, a daemon thread polls ``os.getppid()``, which
     changes when the parent dies (the worker is re-parented)."""
-    import ctypes
-    import signal
-    import sys
-    import threading
-
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):   # a missing libc symbol only removes this layer
             PR_SET_PDEATHSIG = 1
@@ -548,9 +554,7 @@ def run_population(outdir: OutputDir, job: Callable, model_ids: Iterable[int], j
 
     bar = None
     if progress and pending:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(pending), desc=desc, unit="model", position=0,
-                   leave=True, dynamic_ncols=True)
+        bar = progress_bar(total=len(pending), desc=desc, unit="model", position=0, leave=True)
     try:
         if workers <= 1 or len(pending) <= 1:
             for i in pending:

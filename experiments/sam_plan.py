@@ -36,6 +36,7 @@ def defaults(quick: bool) -> Dict[str, Any]:
                              tasks=dict(vit=vit, minilm=minilm),
                              timing=dict(updates=5, warmup=1, rounds=2))
     if quick:
+        c["quick"] = True  # a smoke test: every output says so (reporting.SMOKE_TEST)
         vit.update(data="synthetic", train_size=256, val_size=128, test_size=128,
                    arch=dict(width=16, depth=1, heads=2, patch=7, mlp_ratio=2.0),
                    batch_size=32, steps=8, evals=2, lr=3e-3)

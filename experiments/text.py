@@ -199,6 +199,7 @@ def defaults(quick: bool, synthetic: bool, protocol: str = "small",
     if synthetic:
         c.update(lr_range=[1e-3, 3e-3], layers=2, max_length=16)
     if quick:
+        c["quick"] = True  # a smoke test: every output says so (reporting.SMOKE_TEST)
         c.update(train_size=192, test_size=96, layers=1 if not synthetic else 2, max_length=32,
                  epochs_range=[1, 1], batch_choices=[16, 32], subset_range=[96, 192],
                  sharp_points=16, sharp_batch=8, n_iters=3, rho_sweep=[2.0], models=4)
@@ -233,6 +234,7 @@ def paper_defaults(quick: bool, synthetic: bool, population: str = "seeds") -> D
         else:
             c.update(lr_range=[2e-3, 5e-3])
     if quick:
+        c["quick"] = True  # a smoke test: every output says so (reporting.SMOKE_TEST)
         c.update(train_size=192, test_size=96, sharp_points=16, sharp_batch=8, n_iters=3,
                  rho_sweep=[2.0], models=4, measures=list(M.DEFAULT_MEASURES))
         if not synthetic:  # the 22.6M-weight model even at 1 layer: fewer measures, loose target

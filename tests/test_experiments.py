@@ -223,9 +223,9 @@ def test_cli_rejects_unknown_study_and_options(capsys):
 
 
 def test_cli_refuses_abbreviations_through_the_study_parser(capsys):
-    """No parser takes an abbreviation (`demo --iter 3` is not `--iters 3`); an unknown option is
-    reported by the study's own parser (its usage line, not the top level's) with the nearest
-    option it has."""
+    """No parser takes an abbreviation (`demo --n-iter 3` is not `--n-iters 3`); an unknown option
+    is reported by the study's own parser (its usage line, not the top level's) with the nearest
+    option it has (never a deprecated spelling: `--iter` is pointed to `--n-iters`)."""
     import argparse
 
     from quotient_manifolds.experiments.cli import build_parser
@@ -235,7 +235,8 @@ def test_cli_refuses_abbreviations_through_the_study_parser(capsys):
     assert not parser.allow_abbrev and not demo_parser().allow_abbrev
     assert all(not p.allow_abbrev for p in sub.choices.values()), \
         [n for n, p in sub.choices.items() if p.allow_abbrev]
-    for argv, said in ((["demo", "--iter", "3"], "--iters"), (["diagonal", "--quic"], "--quick"),
+    for argv, said in ((["demo", "--iter", "3"], "--n-iters"), (["demo", "--n-iter", "3"], "--n-iters"),
+                       (["diagonal", "--quic"], "--quick"),
                        (["text", "--rho-in", "0.1"], "--rho-inv")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
@@ -250,11 +251,29 @@ def test_demo_quick_is_an_option_of_the_demo():
     the quick defaults; an option given on the command line wins over them."""
     from quotient_manifolds.experiments import demo
     from quotient_manifolds.experiments.cli import build_parser
-    args = demo.resolved(build_parser().parse_args(["demo", "--quick", "--iters", "4"]))
-    assert args.quick and args.layers == demo.QUICK["layers"] and args.iters == 4
+    args = demo.resolved(build_parser().parse_args(["demo", "--quick", "--n-iters", "4"]))
+    assert args.quick and args.layers == demo.QUICK["layers"] and args.n_iters == 4
     assert args.scales == list(demo.QUICK["scales"]) and args.lr == demo.DEFAULTS["lr"]
     full = demo.resolved(build_parser().parse_args(["demo"]))
-    assert (full.layers, full.points, full.scales) == (3, 32, [1e-2, 1e2])
+    assert (full.layers, full.sharp_points, full.scales) == (3, 32, [1e-2, 1e2])
+
+
+def test_demo_takes_the_studies_spellings_and_its_old_ones_with_a_warning(capsys):
+    """The demo's options are spelt as the studies' (`--n-iters`, `--sharp-points`); its old
+    spellings `--iters` / `--points` still set the same values, say on stderr which spelling to
+    use, and are not in --help."""
+    from quotient_manifolds.experiments import demo
+    from quotient_manifolds.experiments.cli import build_parser
+    new = demo.resolved(build_parser().parse_args(["demo", "--n-iters", "4", "--sharp-points", "8"]))
+    assert capsys.readouterr().err == ""
+    old = demo.resolved(build_parser().parse_args(["demo", "--iters", "4", "--points", "8"]))
+    assert (old.n_iters, old.sharp_points) == (new.n_iters, new.sharp_points) == (4, 8)
+    err = capsys.readouterr().err
+    assert "--iters is deprecated" in err and "use --n-iters" in err
+    assert "--points is deprecated" in err and "use --sharp-points" in err
+    page = demo.build_parser().format_help()
+    assert "--n-iters" in page and "--sharp-points" in page
+    assert "--iters" not in page.replace("--n-iters", "") and "--points" not in page.replace("--sharp-points", "")
 
 
 def test_cli_refuses_a_file_for_a_directory_before_any_work(tmp_path, capsys, monkeypatch):
