@@ -24,7 +24,7 @@ from .data import check_data_dir, prepare_fashion_mnist, prepare_mr, prepare_rt
 from .options import FROM_CONFIG, common_arguments, positive_float, positive_int, shown
 from .population import log_line
 from .report import report_from_results, same_models, same_models_lines
-from .reporting import print_table
+from .reporting import SMOKE_TEST, print_table
 from .runner import ExperimentError, fault_message
 from .studies import STUDY
 
@@ -365,6 +365,8 @@ def cmd_report(args) -> int:
     summary = report_from_results(args.path, args.out, n_boot=args.n_boot, config_hash=args.config_hash,
                                   target=args.target, extra=args.extra, log=log_line,
                                   allow_mixed_commits=args.allow_mixed_commits)
+    if summary.get("smoke_test"):
+        log_line(SMOKE_TEST)
     print_table(summary, log_line)
     out = args.out or (args.path if os.path.isdir(args.path) else os.path.dirname(args.path))
     log_line(f"summary: {os.path.join(out, 'summary.md')}")
@@ -430,6 +432,17 @@ def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: Sequ
     study.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
 
 
+def _run_study(args: argparse.Namespace) -> int:
+    """Run the study ``args.command``; a --quick run says, first and last, that it is a smoke test
+    whose numbers mean nothing."""
+    if args.quick:
+        log_line(SMOKE_TEST)
+    status = STUDY[args.command].run(args, log_line)
+    if args.quick:
+        log_line(SMOKE_TEST)
+    return status
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``quotient-manifolds`` command (also ``python -m quotient_manifolds.experiments``)."""
     _single_threaded_blas()
@@ -439,7 +452,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _refuse_unknown(parser, args.command, unknown)
     try:
         if args.command in STUDY:
-            return STUDY[args.command].run(args, log_line)
+            return _run_study(args)
         return COMMANDS[args.command](args)
     except ExperimentError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

@@ -41,6 +41,9 @@ DEFAULTS = dict(layers=3, train=800, epochs=1, lr=1e-4, batch=32, sharp_points=3
 #: numbers say nothing about MiniLM)
 QUICK = dict(layers=1, train=64, batch=16, sharp_points=16, n_iters=2, scales=(1e2,),
              accuracy_sentences=100)
+#: what a --quick demo says first and last
+QUICK_NOTE = ("--quick: a smoke test of the demo's steps (one layer, few sentences); its numbers "
+              "mean nothing about MiniLM (run without --quick for them)")
 #: the demo's old option spellings, deprecated (they still work, with a warning): the studies'
 #: spellings are the options' names
 DEPRECATED = {"--points": "--sharp-points", "--iters": "--n-iters"}
@@ -274,8 +277,7 @@ def run(args: argparse.Namespace) -> dict:
     args = resolved(args)
     check_data_dir(args.data_dir)            # before minutes of loading and fine-tuning
     if args.quick:
-        print("--quick: a smoke test of the steps (one layer, few sentences); its numbers say "
-              "nothing about MiniLM", flush=True)
+        print(QUICK_NOTE, flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -304,6 +306,8 @@ def run(args: argparse.Namespace) -> dict:
     base = measure(model, batches, layout, rhos, args)
     ratios = invariance_check(model, batches, layout, rhos, base, args, started)
     print(f"done in {time.perf_counter() - started:.0f} s")
+    if args.quick:  # said last as well: the numbers above are not MiniLM's
+        print(QUICK_NOTE, flush=True)
     return {"train_acc": train_acc, "test_acc": test_acc, "sharpness": base, "ratios": ratios}
 
 

@@ -49,7 +49,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
                                "r2": {}}
     if len(used) < 3:
         lines.append("Fewer than 3 models: no correlations yet.")
-        write_summary(out_dir, lines, summary)
+        write_summary(out_dir, lines, summary, config)
         return summary
     d = _DiagonalColumns(used, main, own, rho, n_boot)
     headline, partial_rows = _diagonal_headline(d, summary)
@@ -83,7 +83,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
                           f"{len(draws)} draws)")
     _fig_diagonal_knobs(os.path.join(out_dir, "fig_knobs.png"), used,
                         "diagonal: what sets the test loss")
-    write_summary(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary, config)
     return summary
 
 

@@ -27,7 +27,7 @@ from quotient_manifolds.adapters.worst_case import sharpness
 
 from .options import float_list, sharpness_arguments
 from .population import apply_sharp_overrides, default_out, log_line, set_threads
-from .reporting import finish_figure, pyplot
+from .reporting import finish_figure, pyplot, smoke_test_banner
 from .runner import ExperimentError, OutputDir, atomic_write_bytes, display_path, fmt_seconds, run_population
 from .studies import STUDY
 
@@ -163,8 +163,10 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
                       max(r["values"][g] / base[g] for r in rows)) for g in GEOMETRIES} if rows else {}
         lines += ["", "Ratio range: " + "; ".join(f"{g} [{lo:.3f}, {hi:.3f}]"
                                                   for g, (lo, hi) in spread.items()), ""]
+        banner = smoke_test_banner(pconf)          # a --quick run says so under the title
+        lines[1:1] = banner
         atomic_write_bytes(od.file("summary.md"), ("\n".join(lines) + "\n").encode())
-    for line in lines[5:]:
+    for line in lines[5 + len(banner):]:
         log(line)
     log(f"invariance done in {fmt_seconds(time.perf_counter() - started)}; summary: "
         f"{os.path.join(out, 'summary.md')}")

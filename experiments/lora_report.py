@@ -193,7 +193,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
     _figure(os.path.join(out_dir, "fig_lora_accuracy.png"), config, records,
             f"LoRA optimizers{tag}")
     summary = dict(study=NAME, config_hash=config_hash, synthetic=syn, **summ)
-    write_summary(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary, config)
     return summary
 
 

@@ -375,7 +375,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
                      title=f"τ-b vs matched loss rise ({len(used)} ViTs"
                            + (", SYNTHETIC" if synthetic else "") + ")")
         lines += ["![τ vs loss-rise level](fig_matched.png)", ""]
-    write_summary(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary, config)
     return summary
 
 

@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .measures import ABLATIONS, AT_WEIGHTS, FAMILY_MEASURE, FLATNESS, MAIN, MEASURES, is_exact, main_measure_of
-from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, measures_of,
-                        median_at, median_range_at, metric_ranges, paired_section, pyplot, rhos_of, tau_for,
-                        value_of, write_summary)
+from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho,
+                        is_smoke_test, measures_of, median_at, median_range_at, metric_ranges, paired_section,
+                        pyplot, rho_label, rhos_of, tau_for, value_of, write_summary)
 from .population_knobs import default_knobs, r2_section, within_section
 from .runner import display_path
 from .stats import TauResult, partial_tau_with_ci, tau_with_ci
@@ -110,19 +110,25 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     flatness, also among the ``curvature`` measures at the trained weights), the curvature
     measures, the ρ calibration and the population median at the calibrated ρ, the second-order vs exact retraction on the same points,
     the ρ sweep, the ablations, other targets, R² of each knob (:func:`knob_r2`) for the gap and
-    for every measure, the population and the excluded models."""
+    for every measure, the population and the excluded models. The main ρ is named as it was
+    chosen (``rho_label`` in the summary: calibrated, or configured); a --quick configuration's
+    summary says first that it is a smoke test (``smoke_test``) and sets nothing beside the
+    paper's Table 1."""
     exclude = exclude or {}
     used = [r for r in records if r["model_id"] not in exclude]
+    smoke = is_smoke_test(config)
     lines = _population_header(out_dir, study, config_hash, records, used, target, synthetic,
                                exclude, wall_s, n_boot, source, second_passes)
     summary: Dict[str, Any] = {"study": study, "config_hash": config_hash, "n_models": len(used),
-                               "target": target, "synthetic": synthetic, "main": {},
+                               "target": target, "synthetic": synthetic,
+                               **({"smoke_test": True} if smoke else {}),
+                               "rho_label": rho_label(calibration), "main": {},
                                "sweep": {}, "ablations": {}, "other_targets": {},
                                "excluded": {str(k): v for k, v in sorted(exclude.items())},
                                **({"second_passes": list(second_passes)} if second_passes else {})}
     if len(used) < 2:
         lines.append("Fewer than 2 models: no correlations yet.")
-        write_summary(out_dir, lines, summary)
+        write_summary(out_dir, lines, summary, config)
         return summary
     present = measures_of(used)
     main = [m for m in main if m in present]
@@ -135,10 +141,13 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
          if control and all(control in r["metrics"] for r in used) and len(used) >= 3 else None)
     taus = _PopulationTaus(used, target, default_rho, n_boot, y, z)
     tag = " [SYNTHETIC]" if synthetic else ""
-    lines += _main_section(taus, main + extra_main, PAPER.get(study, {}), control, summary)
+    # a smoke test's numbers are not set beside the paper's
+    lines += _main_section(taus, main + extra_main, {} if smoke else PAPER.get(study, {}), control,
+                           summary)
     flat = [m for m in flatness if m in present]
     lines += paired_section(np.asarray(y, float), _paired_views(used, main + extra_main + flat,
-                                                                default_rho), summary)
+                                                                default_rho, summary["rho_label"]),
+                            summary)
     if curvature:
         lines += _curvature_section(taus, curvature, control, summary)
     if calibration:
@@ -148,7 +157,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     lines += _sweep_section(taus, main, summary, os.path.join(out_dir, "fig_rho_sweep.png"),
                             f"{study}: τ vs ρ{tag}")
     if abl:
-        lines += _ablation_section(taus, abl, summary)
+        lines += _ablation_section(taus, abl, summary, summary["rho_label"])
         _fig_scatter(os.path.join(out_dir, "fig_ablations.png"), used,
                      [(m, default_rho[m]) for m in abl], target, taus.taus,
                      f"{study}: ablations{tag}", logx, logy)
@@ -163,7 +172,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     lines += _population_section(records, used, exclude, config)
     lines += closing_sections(notes, config)
     _population_figures(out_dir, study, taus, main + extra_main, curvature, tag, logx, logy)
-    write_summary(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary, config)
     return summary
 
 
@@ -213,8 +222,11 @@ def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[st
     with each measure's median value over the models at its ρ: measures compare like for like
     only at similar loss rises."""
     used, rho = taus.used, taus.default_rho
-    lines = [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
-             f"| measure | ρ | points | median value (nats) | τ-b [95% CI] | τ-a "
+    heading = (f"paper Table 1 row: {paper['label']}" if paper else
+               "not compared with the paper: a smoke test" if summary.get("smoke_test") else
+               "paper Table 1 row: —")
+    lines = [f"## Main measures ({heading})", "",
+             f"| measure | {summary.get('rho_label', 'ρ')} | points | median value (nats) | τ-b [95% CI] | τ-a "
              f"| partial τ given {control or '—'} | paper τ |",
              "|---|---|---|---|---|---|---|---|"]
     for m in measures:
@@ -230,10 +242,13 @@ def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[st
     return lines + [""]
 
 
-def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float]
+def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float],
+                  label: str = "calibrated ρ"
                   ) -> List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]]:
-    """The views of :func:`paired_section` for a population: the calibrated ρ (all models, and
-    within stopping epochs where training stops at a threshold) and ρ × 0.1, ρ × 10."""
+    """The views of :func:`paired_section` for a population: the main ρ, named ``label``
+    (:func:`~quotient_manifolds.experiments.reporting.rho_label`: calibrated or configured), on
+    all models and within stopping epochs where training stops at a threshold; and ρ × 0.1,
+    ρ × 10."""
     def at(factor: float) -> Dict[str, np.ndarray]:  # the measures with values at factor × ρ
         cols = {m: np.array([value_of(r, m, default_rho[m] * factor) for r in used])
                 for m in measures if factor == 1.0 or default_rho[m] > 0}  # no ρ: one view
@@ -241,12 +256,12 @@ def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float]
 
     plain = "models resampled with replacement"
     views: List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]] = [
-        ("calibrated ρ", plain, {}, at(1.0))]
+        (label, plain, {}, at(1.0))]
     stop = [r["metrics"].get("epochs_used") for r in used]
     if all(isinstance(v, (int, float)) for v in stop) and 1 < len(set(stop)) < len(used) / 2:
         # training stops at a train-error threshold, so the epochs used track sharpness: compare
         # only models that stopped at the same epoch
-        views.append(("calibrated ρ, within stopping epoch", "pairs of models that stopped at "
+        views.append((f"{label}, within stopping epoch", "pairs of models that stopped at "
                       "the same epoch; models resampled within each stopping epoch",
                       {"strata": stop, "within": True}, at(1.0)))
     for factor in (0.1, 10.0):  # the sweep's radii, where measured
@@ -308,10 +323,10 @@ def _sweep_section(taus: _PopulationTaus, main: Sequence[str], summary: Dict[str
     return lines
 
 
-def _ablation_section(taus: _PopulationTaus, abl: Sequence[str], summary: Dict[str, Any]
-                      ) -> List[str]:
+def _ablation_section(taus: _PopulationTaus, abl: Sequence[str], summary: Dict[str, Any],
+                      label: str) -> List[str]:
     used, rho = taus.used, taus.default_rho
-    lines = ["## Ablations at the calibrated ρ (docs/maths.md §11.8, paper App. G)", "",
+    lines = [f"## Ablations at the {label} (docs/maths.md §11.8, paper App. G)", "",
              "| measure | ρ | points | τ-b [95% CI] | τ-a | full measure τ-b |",
              "|---|---|---|---|---|---|"]
     for m in abl:

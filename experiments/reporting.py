@@ -213,7 +213,7 @@ def fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title:
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.axhline(0, color="k", lw=0.5)
     finish_figure(fig, ax, path, title=title,
-                  xlabel=("ρ / the measure's main (calibrated) ρ" if relative_to else
+                  xlabel=("ρ / the measure's main ρ" if relative_to else
                           "ρ (mix ρ has units; not comparable across measures)"),
                   ylabel="Kendall τ-b")
 
@@ -253,8 +253,14 @@ def finish_span(records) -> Optional[float]:
     return max(f for f, _ in fin) - min(f - t for f, t in fin) if fin else None
 
 
-def write_summary(out_dir: str, lines: List[str], summary: Dict[str, Any]) -> None:
-    """DIR/summary.md (``lines``) and DIR/summary.json (``summary``), each written atomically."""
+def write_summary(out_dir: str, lines: List[str], summary: Dict[str, Any],
+                  config: Optional[Dict[str, Any]] = None) -> None:
+    """DIR/summary.md (``lines``) and DIR/summary.json (``summary``), each written atomically.
+    When ``config`` is a --quick configuration, summary.md says so under its title
+    (:func:`smoke_test_banner`) and ``summary["smoke_test"]`` is set."""
+    if config is not None and is_smoke_test(config):
+        summary["smoke_test"] = True
+        lines = lines[:1] + [""] + smoke_test_banner(config) + lines[1:]
     atomic_write_bytes(os.path.join(out_dir, "summary.md"), ("\n".join(lines) + "\n").encode())
     _write_summary_json(out_dir, summary)
 
@@ -289,12 +295,10 @@ def closing_sections(notes: Sequence[str], config: Dict[str, Any]) -> List[str]:
 
 def print_table(summary: Dict[str, Any], log=print) -> None:
     """The main table of a summary (τ-b, CI, τ-a and the paper's τ per measure) on ``log``; a
-    --quick run's (``summary["smoke_test"]``) says it is a smoke test first and has no paper
-    column. The ρ column says how ρ was chosen (``summary["rho_label"]``: :func:`rho_label`)."""
+    --quick run's (``summary["smoke_test"]``) has no paper column. The ρ column says how ρ was
+    chosen (``summary["rho_label"]``: :func:`rho_label`)."""
     main = summary.get("main", {})
     smoke = summary.get("smoke_test", False)
-    if smoke:
-        log(SMOKE_TEST)
     if not main:
         return
     rho = summary.get("rho_label", "rho").replace("ρ", "rho")

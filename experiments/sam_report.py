@@ -167,7 +167,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
     _fig_curves(os.path.join(out_dir, "fig_curves.png"), s, config, syn)
     summary = dict(study=NAME, config_hash=config_hash, config=config, **s,
                    verdicts={task: verdict(task, ts) for task, ts in s["tasks"].items()})
-    write_summary(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary, config)
     return summary
 
 
