@@ -16,7 +16,7 @@ Protocol (defaults; ``quotient-manifolds lora --help`` for the overrides)
   2,000 training sentences, ``val_size`` 400 validation sentences (the last 400 of the shuffled
   2,400-sentence train part; used only to pick the learning rates) and ``test_size`` 800 test
   sentences; max 64 tokens.
-* model: the real all-MiniLM-L6-v2 (all 6 layers, :func:`quotient_manifolds.experiments.text.build_model`: masked
+* model: the real all-MiniLM-L6-v2 (all 6 layers, :func:`quotient_manifolds.experiments.text_model.build_model`: masked
   mean pooling + linear head, the pooling the model was trained with), frozen; peft LoRA on
   ``query`` and ``value`` of every layer, rank r ∈ {4, 16}, ``lora_alpha = 2 r`` (s = 2), no
   LoRA dropout, peft's initialisation (A Kaiming-uniform, B = 0); the head is peft's

@@ -33,7 +33,7 @@ def _text_config(c: Dict[str, Any], task: str) -> Dict[str, Any]:
 
 
 def load_data(c: Dict[str, Any], task: str, data_dir: Optional[str]) -> Dict[str, Any]:
-    """Tokenised fixed splits (:func:`quotient_manifolds.experiments.text.load_data`, cached per process) with the
+    """Tokenised fixed splits (:func:`quotient_manifolds.experiments.text_model.load_data`, cached per process) with the
     last ``val_size`` sentences of the shuffled train part split off as validation."""
     d = dict(text_model.load_data(_text_config(c, task), data_dir))
     tr = d["train"]

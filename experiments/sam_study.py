@@ -27,8 +27,8 @@ Tasks (``defaults``):
   the vision study's AdamW recipe (lr 1e-3, cosine, warm-up 5 %) is known to converge on these
   images, and SAM for ViTs is usually run on AdamW (Chen et al. 2022). No augmentation.
 * ``minilm``: all-MiniLM-L6-v2 (real weights, all 6 layers, mean-pool head,
-  :func:`quotient_manifolds.experiments.text.build_model`) fine-tuned on Rotten Tomatoes snippets
-  (:func:`quotient_manifolds.experiments.text.load_data`: one fixed class-balanced seeded split; the last
+  :func:`quotient_manifolds.experiments.text_model.build_model`) fine-tuned on Rotten Tomatoes snippets
+  (:func:`quotient_manifolds.experiments.text_model.load_data`: one fixed class-balanced seeded split; the last
   ``val_size`` sentences of the train part are the validation split). AdamW (the fine-tuning
   default), linear warm-up 10 % and decay to 0; token / position embeddings frozen as in the text
   study's small protocol (half of the 22.6M weights: freezing them halves AdamW's state and the
