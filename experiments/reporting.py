@@ -302,7 +302,7 @@ def print_table(summary: Dict[str, Any], log=print) -> None:
     if not main:
         return
     rho = summary.get("rho_label", "rho").replace("ρ", "rho")
-    log(f"{'measure':26s} {rho:>16s}  tau-b [95% CI]          tau-a" + ("" if smoke else "   paper"))
+    log(f"{'measure':26s} {rho:>16s}  {'tau-b [95% CI]':30s} tau-a" + ("" if smoke else "   paper"))
     for m, d in main.items():
         if not math.isfinite(d["tau_b"]):
             log(f"{m:26s} {d['rho']:16.4g}  n/a")
@@ -310,4 +310,4 @@ def print_table(summary: Dict[str, Any], log=print) -> None:
         ci = (f"[{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]"
               if math.isfinite(d["ci_low"]) and math.isfinite(d["ci_high"]) else f"[{TauResult.NO_CI}]")
         paper = "" if smoke or d.get("paper") is None else f"   {d['paper']:+.2f}"
-        log(f"{m:26s} {d['rho']:16.4g}  {d['tau_b']:+.2f} {ci:17s} {d['tau_a']:+.2f}{paper}")
+        log(f"{m:26s} {d['rho']:16.4g}  {d['tau_b']:+.2f} {ci:24s} {d['tau_a']:+.2f}{paper}")
