@@ -141,7 +141,6 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
          if control and all(control in r["metrics"] for r in used) and len(used) >= 3 else None)
     taus = _PopulationTaus(used, target, default_rho, n_boot, y, z)
     tag = " [SYNTHETIC]" if synthetic else ""
-    # a smoke test's numbers are not set beside the paper's
     lines += _main_section(taus, main + extra_main, {} if smoke else PAPER.get(study, {}), control,
                            summary)
     flat = [m for m in flatness if m in present]
@@ -222,21 +221,21 @@ def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[st
     with each measure's median value over the models at its ρ: measures compare like for like
     only at similar loss rises."""
     used, rho = taus.used, taus.default_rho
-    heading = (f"paper Table 1 row: {paper['label']}" if paper else
-               "not compared with the paper: a smoke test" if summary.get("smoke_test") else
-               "paper Table 1 row: —")
+    smoke = summary.get("smoke_test", False)       # no paper column beside a smoke test's numbers
+    heading = ("not compared with the paper: a smoke test" if smoke else
+               f"paper Table 1 row: {paper.get('label', '—')}")
     lines = [f"## Main measures ({heading})", "",
              f"| measure | {summary.get('rho_label', 'ρ')} | points | median value (nats) | τ-b [95% CI] | τ-a "
-             f"| partial τ given {control or '—'} | paper τ |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| partial τ given {control or '—'} |" + ("" if smoke else " paper τ |"),
+             "|---|---|---|---|---|---|---|" + ("" if smoke else "---|")]
     for m in measures:
         t, pt = taus.row(m)
         ref = paper.get(m)
         median = median_at(used, m, rho[m])
         lines.append(f"| {m} | {fmt_rho(rho[m])} | {_points(used, m, rho[m])} | "
                      f"{f'{median:.3g}' if math.isfinite(median) else '—'} | "
-                     f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
-                     f"{'' if ref is None else f'{ref:+.2f}'} |")
+                     f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} |"
+                     + ("" if smoke else f" {'' if ref is None else f'{ref:+.2f}'} |"))
         summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref, "median_value": median,
                               **({"partial": pt.as_dict()} if pt else {})}
     return lines + [""]
