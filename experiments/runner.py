@@ -360,9 +360,8 @@ def fault_message(err: OSError) -> str:
 
 
 def progress_bar(**kwargs):
-    """A tqdm progress bar (``tqdm.auto.tqdm(dynamic_ncols=True, **kwargs)``), the studies' one.
-    tqdm comes with the [experiments] extra: imported when a bar is drawn, so the command line
-    starts without it."""
+    """The studies' progress bar, ``tqdm.auto.tqdm(dynamic_ncols=True, **kwargs)``. tqdm comes with
+    the [experiments] extra: imported when a bar is drawn, so the command line starts without it."""
     from tqdm.auto import tqdm
     return tqdm(**{"dynamic_ncols": True, **kwargs})
 
@@ -370,9 +369,7 @@ def progress_bar(**kwargs):
 # ------------------------------------------------------------------------------------ checkpoints
 def save_checkpoint(path: str, tensors: Dict[str, Any], metadata: Dict[str, Any]) -> None:
     """Atomically write a safetensors state dict with JSON-encoded metadata."""
-    # safetensors comes with the [experiments] extra: imported when a checkpoint is written, so the
-    # command line (e.g. `quotient-manifolds sharpness`) starts without it
-    from safetensors.torch import save
+    from safetensors.torch import save  # the [experiments] extra: lazily, see progress_bar
 
     blob = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                 metadata={"qm": canonical_json(metadata)})
