@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .reporting import (PAIRED_N_BOOT, PAIRED_SEED, PAPER, closing_sections, fig_sweep, finish_figure,
+from .reporting import (PAIRED_N_BOOT, PAIRED_SEED, PAPER, closing_sections, fig_sweep, finish_figure, fmt_signed,
                         finish_span, fmt_rho, measures_of, metric_ranges, paired_section, pyplot, rhos_of,
                         value_of, write_summary)
 from .runner import display_path
@@ -251,11 +251,11 @@ def _paper_posed_section(d: _DiagonalColumns, alg1: Sequence[str], summary: Dict
         for name, ms in solvers:
             for m in ms:
                 row[m] = kendall_tau_b(d.xs(m, d.rho[m])[k], d.y[k])
-                cells.append(_num(row[m]))
+                cells.append(fmt_signed(row[m]))
             if name in pairs:
                 a, b = pairs[name]
                 row[f"delta_{name}"] = row[a] - row[b]
-                cells.append(_num(row[f"delta_{name}"]))
+                cells.append(fmt_signed(row[f"delta_{name}"]))
         per_draw[str(s)] = row
         lines.append(f"| {s} | {int(k.sum())} | " + " | ".join(cells) + " |")
     # the paper's diagonal values come from restarted PGA (docs/maths.md §8.6): the exact columns
@@ -404,7 +404,7 @@ def _diagonal_per_draw_section(d: _DiagonalColumns, summary: Dict[str, Any]) -> 
         for m in d.measures:
             e = summary["per_draw"][str(s)][m]
             t = TauResult(e["tau_b"], e["tau_a"], e["ci_low"], e["ci_high"], e["n"])
-            cells.append(f"{t.fmt()}; {_num(e['partial_alpha'])} / {_num(e['partial_step'])}")
+            cells.append(f"{t.fmt()}; {fmt_signed(e['partial_alpha'])} / {fmt_signed(e['partial_step'])}")
         lines.append(f"| {s} | {int(k.sum())} | {d.y[k].min():.3g} … {d.y[k].max():.3g} | "
                      + " | ".join(cells) + " |")
     return lines + [""]
@@ -491,10 +491,6 @@ def _knob_columns(records) -> Dict[str, Any]:
                                        for h, i in zip(hp, info)]),
             "batch size (categorical)": dummies([h["batch_size"] for h in hp]),
             "log large-step epochs": np.log([h["phase_epochs"] for h in hp])}
-
-
-def _num(v: float) -> str:
-    return f"{v:+.2f}" if math.isfinite(v) else "n/a"
 
 
 def _rng_fmt(vals) -> str:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .measures import ABLATIONS, AT_WEIGHTS, FAMILY_MEASURE, FLATNESS, MAIN, MEASURES, is_exact, main_measure_of
-from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho,
+from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, fmt_signed,
                         is_smoke_test, measures_of, median_at, median_range_at, metric_ranges, paired_section,
                         pyplot, rho_label, rhos_of, tau_for, value_of, write_summary)
 from .population_knobs import default_knobs, r2_section, within_section
@@ -234,7 +234,7 @@ def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[st
         median = median_at(used, m, rho[m])
         lines.append(f"| {m} | {fmt_rho(rho[m])} | {_points(used, m, rho[m])} | "
                      f"{f'{median:.3g}' if math.isfinite(median) else '—'} | "
-                     f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} |"
+                     f"{t.fmt()} | {fmt_signed(t.tau_a)} | {pt.fmt() if pt else '—'} |"
                      + ("" if smoke else f" {'' if ref is None else f'{ref:+.2f}'} |"))
         summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref, "median_value": median,
                               **({"partial": pt.as_dict()} if pt else {})}
@@ -288,7 +288,7 @@ def _curvature_section(taus: _PopulationTaus, curvature: Sequence[str], control:
         t, pt = taus.row(m)
         vals = np.array([value_of(r, m, 0.0) for r in taus.used])
         med = _nanmedian(vals)
-        lines.append(f"| {m} | {med:.4g} | {t.fmt()} | {t.tau_a:+.2f} | "
+        lines.append(f"| {m} | {med:.4g} | {t.fmt()} | {fmt_signed(t.tau_a)} | "
                      f"{pt.fmt() if pt else '—'} |")
         summary["curvature"][m] = {"median": med, **t.as_dict(),
                                    **({"partial": pt.as_dict()} if pt else {})}
@@ -333,7 +333,7 @@ def _ablation_section(taus: _PopulationTaus, abl: Sequence[str], summary: Dict[s
         full = main_measure_of(m)
         ft = taus.taus.get((full, rho.get(full, float("nan"))))
         lines.append(f"| {m} | {fmt_rho(rho[m])} | "
-                     f"{_points(used, m, rho[m])} | {t.fmt()} | {t.tau_a:+.2f} | "
+                     f"{_points(used, m, rho[m])} | {t.fmt()} | {fmt_signed(t.tau_a)} | "
                      f"{ft.fmt() if ft else ''} |")
         summary["ablations"][m] = {"rho": rho[m], **t.as_dict()}
     return lines + [""]
@@ -474,7 +474,7 @@ def _retraction_section(used, exact: Sequence[str], default_rho, target: str, n_
                   "τ(S_exact, S_second) |", "|---|---|---|---|---|---|---|"]
         for m, second, nb, t_e, t_2, ratio, rank, failed, n in rows:
             lines.append(f"| {m} | {nb or '—'} | {failed} of {n} | {t_e.fmt()} | {t_2.fmt()} | "
-                         f"{_nanmedian(ratio):.3g} | {rank.tau_b:+.2f} |")
+                         f"{_nanmedian(ratio):.3g} | {fmt_signed(rank.tau_b)} |")
         lines.append("")
     if gaps:
         lines += ["At the worst second-order perturbation of the main measures (every batch), the "

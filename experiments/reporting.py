@@ -174,6 +174,11 @@ def paired_section(y: np.ndarray,
     return lines
 
 
+def fmt_signed(v: float) -> str:
+    """A τ (or Δτ) in a table cell: "+0.12", or "n/a" where it is undefined (never "+nan")."""
+    return f"{v:+.2f}" if math.isfinite(v) else "n/a"
+
+
 def fmt_rho(r: float) -> str:
     """ρ in a table cell; "—" for 0, the radius of a curvature measure (which has none)."""
     return "—" if r == 0 else f"{r:g}"
@@ -310,4 +315,4 @@ def print_table(summary: Dict[str, Any], log=print) -> None:
         ci = (f"[{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]"
               if math.isfinite(d["ci_low"]) and math.isfinite(d["ci_high"]) else f"[{TauResult.NO_CI}]")
         paper = "" if smoke or d.get("paper") is None else f"   {d['paper']:+.2f}"
-        log(f"{m:26s} {d['rho']:16.4g}  {d['tau_b']:+.2f} {ci:24s} {d['tau_a']:+.2f}{paper}")
+        log(f"{m:26s} {d['rho']:16.4g}  {d['tau_b']:+.2f} {ci:24s} {fmt_signed(d['tau_a'])}{paper}")
