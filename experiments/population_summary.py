@@ -122,7 +122,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     summary: Dict[str, Any] = {"study": study, "config_hash": config_hash, "n_models": len(used),
                                "target": target, "synthetic": synthetic,
                                **({"smoke_test": True} if smoke else {}),
-                               "rho_label": rho_label(calibration), "main": {},
+                               "rho_label": rho_label(config, calibration), "main": {},
                                "sweep": {}, "ablations": {}, "other_targets": {},
                                "excluded": {str(k): v for k, v in sorted(exclude.items())},
                                **({"second_passes": list(second_passes)} if second_passes else {})}

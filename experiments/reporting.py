@@ -46,11 +46,17 @@ def smoke_test_banner(config: Dict[str, Any]) -> List[str]:
     return [f"> **{SMOKE_TEST}**", ""] if is_smoke_test(config) else []
 
 
-def rho_label(calibration: Optional[Dict[str, Any]]) -> str:
+def rho_label(config: Dict[str, Any], calibration: Optional[Dict[str, Any]]) -> str:
     """How a population's main ρ was chosen, for its headings: "calibrated ρ" when its calibration
-    (calibration.json) calibrated a family, else "configured ρ" (the configuration's values: the
-    study's defaults or --rho-*, used as they are)."""
-    return "calibrated ρ" if calibration and calibration.get("calibrated") else "configured ρ"
+    (calibration.json) calibrated a family, or when its protocol calibrates (``config`` has a
+    ``calibration`` entry) and every family was given with --rho-* instead (a calibration's result
+    passed on, as the random text population takes the seeds population's); else "configured ρ"
+    (the study's defaults, used as they are: e.g. the small text protocol and every --quick run
+    that calibrates nothing)."""
+    if calibration and calibration.get("calibrated"):
+        return "calibrated ρ"
+    cal = config.get("calibration")
+    return "calibrated ρ" if cal is not None and not cal.get("families") else "configured ρ"
 
 
 TARGET_LABEL = {"gap": "generalisation gap (test err − train err)",

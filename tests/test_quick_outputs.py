@@ -34,8 +34,12 @@ def test_every_quick_configuration_is_marked_and_no_full_one_is():
 
 
 def test_rho_is_named_as_it_was_chosen():
-    assert rho_label(None) == "configured ρ" and rho_label({"calibrated": []}) == "configured ρ"
-    assert rho_label({"calibrated": ["mix"]}) == "calibrated ρ"
+    small, paper = text.defaults(False, False), text.defaults(False, False, "paper")
+    assert rho_label(small, None) == "configured ρ"                   # no calibration at all
+    assert rho_label(paper, {"calibrated": ["mix"]}) == "calibrated ρ"  # calibrated on its pilot
+    assert rho_label(paper, None) == "configured ρ"                     # its calibration not run
+    fixed = dict(paper, calibration=dict(paper["calibration"], families=[]))
+    assert rho_label(fixed, None) == "calibrated ρ"                     # all given: another's result
 
 
 def _records(n: int):
