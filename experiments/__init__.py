@@ -12,6 +12,7 @@ bit-reproducible training),
 :mod:`quotient_manifolds.experiments.training` (the training loop of every study),
 :mod:`quotient_manifolds.experiments.reporting` (what the studies' summaries share),
 :mod:`quotient_manifolds.experiments.data` (data through pip/apt),
+:mod:`quotient_manifolds.experiments.text_model` (the MiniLM model, its data and training),
 :mod:`quotient_manifolds.experiments.vit` (the small ViT).
 
 This package imports nothing heavy at import time; each study loads what it needs.

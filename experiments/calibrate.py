@@ -37,13 +37,15 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from quotient_manifolds.adapters.calibration import find_rho, interpolate_at
 
-from .runner import ExperimentError, atomic_write_bytes, load_current
+from .measures import FAMILY_MEASURE, batch_len, first_points, on_study_device, run_plan
+from .runner import ExperimentError, atomic_write_bytes, check_parent_alive, fmt_seconds, load_current, run_population
 
 CALIBRATION = "calibration.json"
 PILOT_RESULTS = "calibration.jsonl"
@@ -66,11 +68,6 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
               progress: bool, *, load_data, get_model, sharpness_batches) -> Dict[str, Any]:
     """One pilot model (run in a worker): train or reuse it, then :func:`find_rho` per family on
     the first ``calibration.points`` sharpness points."""
-    import time
-
-    from .measures import FAMILY_MEASURE, batch_len, first_points, on_study_device, run_plan
-    from .runner import check_parent_alive
-
     started = time.perf_counter()
     cal = config["calibration"]
     data = load_data(config, data_dir)
@@ -152,8 +149,6 @@ def calibrate(mod, config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optio
               ) -> Optional[Dict[str, Any]]:
     """Run (or reuse) the calibration of ``config`` in the output directory ``od`` and return
     calibration.json's content; None when no family is calibrated."""
-    from .runner import fmt_seconds
-
     fams = families_to_calibrate(config)
     if not fams:
         return None
@@ -189,10 +184,6 @@ def run_pilot(od, job, pilot: Sequence[int], config: Dict[str, Any], ckpt_dir: s
     records crash-safe in ``DIR/calibration.jsonl``, so a killed calibration resumes), combine
     them with ``combine_records(records)`` and write the result, with its wall time, to
     ``DIR/calibration.json``; returns it."""
-    import time
-
-    from .runner import run_population
-
     started = time.perf_counter()
     records, failed = run_population(
         od, job, pilot, (config, ckpt_dir, data_dir, progress and workers <= 1),

@@ -3,15 +3,29 @@ r"""Command line: ``quotient-manifolds <study> [options]`` (``--help`` on each s
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
+import json
 import os
 import re
 import sys
 import textwrap
 from typing import Any, Optional, Sequence
 
-from .options import FROM_CONFIG, common_arguments, positive_float, positive_int
+from threadpoolctl import threadpool_limits
+
+from quotient_manifolds.adapters.ball import GEOMETRIES
+from quotient_manifolds.adapters.checkpoint import DTYPES, TASKS, checkpoint_sharpness
+from quotient_manifolds.adapters.monitor import DEFAULT_GEOMETRIES
+from quotient_manifolds.adapters.options import SharpnessOptions
+from quotient_manifolds.errors import CheckpointError
+
+from . import demo
+from .data import check_data_dir, prepare_fashion_mnist, prepare_mr, prepare_rt
+from .options import FROM_CONFIG, common_arguments, positive_float, positive_int, shown
 from .population import log_line
+from .report import report_from_results, same_models, same_models_lines
+from .reporting import SMOKE_TEST, print_table
 from .runner import ExperimentError, fault_message
 from .studies import STUDY
 
@@ -165,7 +179,6 @@ def _configured(config: dict, dest: str):
 def _shown(value) -> str:
     """A default as the help shows it: a long list of measures by its length (their names are in
     docs/studies.md), an empty list as "none"."""
-    from .options import shown
     if isinstance(value, (list, tuple)) and len(value) > 4 and isinstance(value[0], str):
         return f"{len(value)} measures"
     return "none" if isinstance(value, (list, tuple)) and not value else shown(value)
@@ -275,11 +288,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_sharpness(sub) -> None:
     """``sharpness CHECKPOINT_DIR``: a saved Hugging Face model measured on a local data file (the
     work is adapters.checkpoint.checkpoint_sharpness)."""
-    from quotient_manifolds.adapters.ball import GEOMETRIES
-    from quotient_manifolds.adapters.checkpoint import DTYPES, TASKS
-    from quotient_manifolds.adapters.monitor import DEFAULT_GEOMETRIES
-    from quotient_manifolds.adapters.options import SharpnessOptions
-
     p = sub.add_parser(
         "sharpness", formatter_class=_Formatter, usage="%(prog)s CHECKPOINT_DIR --data FILE [options]",
         help="a saved Hugging Face checkpoint's sharpness on a data file",
@@ -316,12 +324,7 @@ def _add_sharpness(sub) -> None:
 
 
 def _add_demo(sub) -> None:
-    """The embedded demo (experiments/demo.py: MiniLM on MR, sharpness + invariance), where its
-    dependencies are installed."""
-    try:
-        from . import demo
-    except ImportError:
-        return
+    """The embedded demo (experiments/demo.py: MiniLM on MR, sharpness + invariance)."""
     p = sub.add_parser("demo", formatter_class=_Formatter,
                        help="a few minutes: MiniLM on MR, sharpness and invariance",
                        description=summary(demo.__doc__, "demo", config_defaults=False))
@@ -330,7 +333,6 @@ def _add_demo(sub) -> None:
 
 # ------------------------------------------------------------------------------------ commands
 def cmd_prepare(args) -> int:
-    from .data import check_data_dir, prepare_fashion_mnist, prepare_mr, prepare_rt
     check_data_dir(args.data_dir)
     both = not (args.mr or args.rt or args.fashion_mnist)
     if args.mr or both:
@@ -352,13 +354,10 @@ def check_results_path(path: str) -> None:
 
 
 def cmd_report(args) -> int:
-    from .report import report_from_results
-    from .reporting import print_table
     check_results_path(args.path)
     for extra in args.extra:
         check_results_path(extra)
     if args.same_models is not None:
-        from .report import same_models, same_models_lines
         check_results_path(args.same_models)
         for line in same_models_lines(args.path, args.same_models,
                                       same_models(args.path, args.same_models)):
@@ -367,6 +366,8 @@ def cmd_report(args) -> int:
     summary = report_from_results(args.path, args.out, n_boot=args.n_boot, config_hash=args.config_hash,
                                   target=args.target, extra=args.extra, log=log_line,
                                   allow_mixed_commits=args.allow_mixed_commits)
+    if summary.get("smoke_test"):
+        log_line(SMOKE_TEST)
     print_table(summary, log_line)
     out = args.out or (args.path if os.path.isdir(args.path) else os.path.dirname(args.path))
     log_line(f"summary: {os.path.join(out, 'summary.md')}")
@@ -374,17 +375,11 @@ def cmd_report(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from . import demo
     demo.run(args)
     return 0
 
 
 def cmd_sharpness(args) -> int:
-    import json
-
-    from quotient_manifolds.adapters.checkpoint import checkpoint_sharpness
-    from quotient_manifolds.errors import CheckpointError
-    from quotient_manifolds.adapters.monitor import DEFAULT_GEOMETRIES
     try:
         result = checkpoint_sharpness(
             args.checkpoint, args.data, geometries=args.geometry or DEFAULT_GEOMETRIES,
@@ -422,25 +417,31 @@ def _single_threaded_blas() -> None:
         return
     for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:     # the [experiments] extra installs it; without it BLAS keeps its default
-        return
     threadpool_limits(limits=1, user_api="blas")
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: Sequence[str]) -> None:
     """Exit 2 through ``command``'s parser: the options it does not know, and the nearest it does
-    (an abbreviation such as ``demo --iter`` is refused: ``--iters`` is named instead)."""
-    import difflib
-
+    (an abbreviation such as ``demo --n-iter`` is refused: ``--n-iters`` is named instead; a hidden
+    option, e.g. a deprecated spelling, is never suggested)."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     study = sub.choices[command]
-    known = [o for a in study._actions for o in a.option_strings]
+    known = [o for a in study._actions if a.help is not argparse.SUPPRESS for o in a.option_strings]
     guesses = [m for word in unknown if word.startswith("-")
                for m in difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.6)]
     hint = f" (did you mean {', '.join(dict.fromkeys(guesses))}?)" if guesses else ""
     study.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
+def _run_study(args: argparse.Namespace) -> int:
+    """Run the study ``args.command``; a --quick run says, first and last, that it is a smoke test
+    whose numbers mean nothing."""
+    if args.quick:
+        log_line(SMOKE_TEST)
+    status = STUDY[args.command].run(args, log_line)
+    if args.quick:
+        log_line(SMOKE_TEST)
+    return status
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -452,7 +453,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _refuse_unknown(parser, args.command, unknown)
     try:
         if args.command in STUDY:
-            return STUDY[args.command].run(args, log_line)
+            return _run_study(args)
         return COMMANDS[args.command](args)
     except ExperimentError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)

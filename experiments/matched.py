@@ -86,12 +86,18 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
+import torch
+
+from quotient_manifolds.adapters.calibration import find_rho
 
 from . import vision as V
-from .calibrate import CALIBRATION, PILOT_RESULTS, check_rho_unchanged
+from .calibrate import CALIBRATION, PILOT_RESULTS, check_rho_unchanged, combine_roots, load, run_pilot
+from .measures import MEASURES, batch_len, on_study_device, run_plan
 from .options import defaults_of, float_list, positive_int
 from .population import device_name, log_line, run_population_study
-from .runner import ExperimentError
+from .reporting import PAIRED_N_BOOT, PAIRED_SEED, TARGET_LABEL, finish_figure, paired_section, pyplot, write_summary
+from .runner import ExperimentError, check_parent_alive, display_path, fmt_seconds
+from .stats import paired_delta_tau, tau_ci_weighted
 
 NAME = "matched"
 #: the baseline, our adaptive, and the geodesic measures along the exact geodesic with the
@@ -115,6 +121,7 @@ def defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
         rho_start_level=3.0, pilot_models=6, tolerance=1.25, max_evals=6, target="gap_own",
         models=48)
     if quick:
+        c["quick"] = True  # a smoke test: every output says so (reporting.SMOKE_TEST)
         c.update(points=32, batch=32, n_iters=2, pilot_models=2, max_evals=2, models=3,
                  levels=[0.1, 3.0])
     return c
@@ -129,7 +136,6 @@ def _start(config: Dict[str, Any], measure: str, level: float) -> float:
     ``rho_start`` has one (``mix-exact``: along the exact geodesic the mix ball needs a larger ρ
     than the second-order step's), else its family's, scaled by √(level / rho_start_level)
     (S ∝ ρ² near a minimum)."""
-    from .measures import MEASURES
     starts = config["rho_start"]
     start = starts.get(measure, starts[MEASURES[measure]["family"]])
     return float(start) * math.sqrt(level / float(config["rho_start_level"]))
@@ -137,7 +143,6 @@ def _start(config: Dict[str, Any], measure: str, level: float) -> float:
 
 def _model_and_batches(model_id: int, config: Dict[str, Any], ckpt_dir: str,
                        data_dir: Optional[str], progress: bool):
-    from .measures import on_study_device
     pop = config["population"]
     data = V.load_data(pop, data_dir)
     model, hp, info = V.get_model(model_id, pop, data, ckpt_dir, progress)
@@ -151,11 +156,6 @@ def pilot_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Op
               progress: bool) -> Dict[str, Any]:
     """One pilot model (run in a worker): train or reuse it, then :func:`find_rho` for every
     measure and level on the study's points."""
-    from quotient_manifolds.adapters.calibration import find_rho
-
-    from .measures import batch_len, run_plan
-    from .runner import check_parent_alive
-
     started = time.perf_counter()
     _, model, hp, info, batches = _model_and_batches(model_id, config, ckpt_dir, data_dir,
                                                      progress)
@@ -188,8 +188,6 @@ def combine(records: Sequence[Dict[str, Any]], config: Dict[str, Any], config_ha
             ) -> Dict[str, Any]:
     """calibration.json from the pilot records: ρ* per measure and level
     (:func:`quotient_manifolds.experiments.calibrate.combine_roots`)."""
-    from .calibrate import combine_roots
-
     out: Dict[str, Any] = dict(
         config_hash=config_hash, levels=list(config["levels"]),
         pilot_models=[r["model_id"] for r in records], points=config["points"],
@@ -212,9 +210,6 @@ def calibrate(config: Dict[str, Any], od, ckpt_dir: str, *, data_dir: Optional[s
               workers: int, threads: Optional[int], progress: bool, log=print) -> Dict[str, Any]:
     """Run (or reuse) the pilot calibration in the output directory ``od``; returns
     calibration.json's content and records ρ* in config.json as ``rho_used``."""
-    from .calibrate import load, run_pilot
-    from .runner import fmt_seconds
-
     found = load(od.file(CALIBRATION))
     if found is not None and found.get("config_hash") == od.hash:
         log(f"calibration: reusing {od.file(CALIBRATION)}")
@@ -247,11 +242,6 @@ def job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_dir: Optional
         progress: bool) -> Dict[str, Any]:
     """One model (run in a worker): train or reuse, evaluate, then every measure at its ρ* of
     every level (``config["rho"]``, from :func:`resolved`)."""
-    import torch
-
-    from .measures import run_plan
-    from .runner import check_parent_alive
-
     started = time.perf_counter()
     data, model, hp, info, batches = _model_and_batches(model_id, config, ckpt_dir, data_dir,
                                                         progress)
@@ -346,9 +336,6 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
            source: Optional[str] = None, **_: Any) -> Dict[str, Any]:
     """summary.md, summary.json and fig_matched.png from the records alone (module docstring);
     the same whether written by the run or by ``quotient-manifolds report DIR``."""
-    from .reporting import TARGET_LABEL, paired_section, write_summary
-    from .runner import display_path
-
     source = source or os.path.join(out_dir, "results.jsonl")
     excluded = exclusions(records)
     used = [r for r in records if r["model_id"] not in excluded]
@@ -388,7 +375,7 @@ def report(out_dir: str, config: Dict[str, Any], config_hash: str,
                      title=f"τ-b vs matched loss rise ({len(used)} ViTs"
                            + (", SYNTHETIC" if synthetic else "") + ")")
         lines += ["![τ vs loss-rise level](fig_matched.png)", ""]
-    write_summary(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary, config)
     return summary
 
 
@@ -397,9 +384,6 @@ def _level_changes(used: Sequence[Dict[str, Any]], y: np.ndarray, levels: Sequen
     """Per measure, how its τ changes from each level to the next: Δτ = τ-b(at the higher
     level) − τ-b(at the lower), both on the same resampled models (the paired section's
     resamples and seed; into ``summary["level_changes"]``)."""
-    from .reporting import PAIRED_N_BOOT, PAIRED_SEED
-    from .stats import paired_delta_tau
-
     if len(levels) < 2 or len(used) < 3:
         return []
     steps = list(zip(levels[:-1], levels[1:]))
@@ -427,9 +411,6 @@ def _calibration_table(config: Dict[str, Any], used: Sequence[Dict[str, Any]], y
     """Per level and measure: ρ*, the achieved loss rise, the exact-geodesic failures, the
     attention share, the second-order gap and τ with the failures ranked sharpest (also into
     ``summary["matched"]``)."""
-    from .reporting import PAIRED_N_BOOT, PAIRED_SEED
-    from .stats import tau_ci_weighted
-
     lines = ["## Calibration, achieved loss rise, exact-geodesic failures, attention share", "",
              "ρ*: the calibrated radius; loss rise: the population's sharpness values at ρ* "
              "(median [min, max], nats); failures: models whose exact geodesic left GL(h) inside "
@@ -471,11 +452,8 @@ def _fig_matched(path: str, summary: Dict[str, Any], levels: Sequence[float],
     """Left: τ-b of each measure against the loss-rise level, with its 95 % bootstrap CI. Right:
     Δτ of each measure against the paper's baseline (the first reference of the paired section),
     with the paired CI. Measures side by side around each level; the paired section's resamples."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
-    from .reporting import finish_figure
 
     paired = summary.get("paired", {})
     views = paired.get("views", {})

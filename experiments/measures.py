@@ -51,6 +51,16 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
+from quotient_manifolds import adapters
+from quotient_manifolds.adapters import relative_flatness
+from quotient_manifolds.adapters.evaluation import to_device
+from quotient_manifolds.adapters.worst_case import sharpness
+from quotient_manifolds.core.metrics import GeodesicLeftManifold
+
+from .runner import check_parent_alive, progress_bar, study_device
+
 MEASURES: Dict[str, Dict[str, Any]] = {
     "adaptive": dict(geometry="adaptive", retraction="second_order", use_metric_norm=True,
                      family="adaptive"),
@@ -203,9 +213,6 @@ def batch_len(batch: Any) -> int:
 
 def on_study_device(batches: Sequence[Any], config: Dict[str, Any]) -> List[Any]:
     """The sharpness batches moved to the study's device once (not at every measure)."""
-    from quotient_manifolds.adapters.evaluation import to_device
-
-    from .runner import study_device
     device = study_device(config)
     return [to_device(b, device) for b in batches]
 
@@ -227,18 +234,13 @@ def run_plan(model, batches, pairs: Sequence[Tuple[str, float]], *, n_iters: int
     of the worst perturbation's squared metric norm in the GL blocks (``gl_norm_shares``) and on the
     attention weights, in every geometry (``attention_norm_shares``) are kept;
     the library's warning about the gap is recorded in ``warnings`` instead of printed."""
-    from quotient_manifolds import adapters
-    from quotient_manifolds.adapters.worst_case import sharpness
-    from quotient_manifolds.core.metrics import GeodesicLeftManifold
-
     layout = adapters.layout(model)
     batches = list(batches)
     out: List[Dict[str, Any]] = []
     it = list(enumerate(pairs))
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(it, desc=desc, unit="measure", leave=False, dynamic_ncols=True)
+        bar = progress_bar(iterable=it, desc=desc, unit="measure", leave=False)
         it = bar
     for k, (name, rho) in it:
         if check is not None:
@@ -289,8 +291,7 @@ def run_curvature(model, batches, names: Sequence[str], *, trace_matvecs: int = 
     """The curvature measures ``names`` (module docstring) on ``batches``; one dict per name, in
     the shape of :func:`run_plan`'s entries (``rho`` = 0: no radius). One operator per geometry,
     shared by its trace and λ_max."""
-    import torch
-
+    # the Hessian needs curvlinops (an optional install): imported when a curvature is measured
     from quotient_manifolds.adapters import hessian as H
 
     batches = list(batches)
@@ -304,7 +305,7 @@ def run_curvature(model, batches, names: Sequence[str], *, trace_matvecs: int = 
             check()
         started = time.perf_counter()
         if geometry == "euclidean":
-            import curvlinops
+            import curvlinops  # optional: see above
             model.eval()
             params = [p for p in model.parameters() if p.requires_grad]
             op = curvlinops.HessianLinearOperator(model, torch.nn.CrossEntropyLoss(), params,
@@ -339,8 +340,6 @@ def run_flatness(model, batches, *, check=None) -> List[Dict[str, Any]]:
     """Relative flatness of the model's output layer (module docstring) on ``batches``: one entry
     in the shape of :func:`run_plan`'s (``rho`` = 0: no radius), ``value`` NaN with the message in
     ``error`` when the loss is not finite."""
-    from quotient_manifolds.adapters import relative_flatness
-
     if check is not None:
         check()
     batches = list(batches)
@@ -363,10 +362,6 @@ def population_job(model_id: int, config: Dict[str, Any], ckpt_dir: str, data_di
     """The per-model work of the text and vision populations: load the data, train (or reuse the
     checkpoint), evaluate, then every (measure, ρ) of the plan on the fixed sharpness batches and
     the curvature measures and relative flatness (:func:`points_of` says how many points each uses)."""
-    import torch
-
-    from .runner import check_parent_alive
-
     started = time.perf_counter()
     data = load_data(config, data_dir)
     model, hp, info = get_model(model_id, config, data, ckpt_dir, progress)

@@ -13,6 +13,7 @@ import math
 from typing import List
 
 from .calibrate import calibration_defaults
+from .measures import parse_floats, parse_measures
 from .studies import STUDY
 
 #: options whose default None means "the study's configuration decides" (written to config.json)
@@ -45,7 +46,6 @@ def positive_float(text: str) -> float:
 
 def float_list(text: str) -> List[float]:
     """argparse type: comma-separated numbers ("0.1,1,10")."""
-    from .measures import parse_floats
     try:
         return list(parse_floats(text, "list"))
     except ValueError as err:
@@ -92,7 +92,6 @@ def seed_list(text: str) -> List[int]:
 
 def measure_list(text: str) -> List[str]:
     """argparse type: comma-separated measure names (:data:`~quotient_manifolds.experiments.measures.MEASURES`)."""
-    from .measures import parse_measures
     try:
         return list(parse_measures(text))
     except ValueError as err:

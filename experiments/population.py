@@ -18,11 +18,15 @@ from functools import partial
 from types import ModuleType
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
+import torch
+
 from . import calibrate
 from .population_summary import population_kwargs, population_report
 from .reporting import print_table, stamp_provenance
 from .measures import CURVATURE, curvature_unavailable, population_job
-from .runner import ExperimentError, OutputDir, cores, fmt_seconds, restore_exact, run_population, trained_model
+from .checkpoints import restore_exact, trained_model
+from .runner import ExperimentError, OutputDir, cores, fmt_seconds, run_population
+from .stats import generalization_gap
 
 
 def default_out(study: str, args: argparse.Namespace) -> str:
@@ -68,7 +72,6 @@ def log_line(msg: str) -> None:
 def set_threads(workers: int, threads: Optional[int] = None) -> int:
     """Set torch's threads of this process to ``threads``, else the cores shared out over
     ``workers`` processes (at least 1); returns the number set."""
-    import torch
     threads = threads or max(1, cores() // max(1, workers))
     torch.set_num_threads(threads)
     return threads
@@ -137,7 +140,6 @@ def device_name(name: Optional[str]) -> Optional[str]:
     """``--device`` checked: None for the CPU, else the device's canonical name."""
     if name is None:
         return None
-    import torch
     try:
         device = torch.device(name)
     except RuntimeError as err:
@@ -265,7 +267,7 @@ def population_member(mod: ModuleType, model_id: int, config: Dict[str, Any], ck
     """Model ``model_id`` of the population ``mod`` (text or vision): its hyperparameters
     ``mod.hparams(config, model_id)``, then the model restored from its checkpoint (named by
     ``mod.train_hash``) or ``build(hp)``, ``train(model, hp)`` and checkpointed
-    (:func:`~quotient_manifolds.experiments.runner.trained_model`; by default every tensor is
+    (:func:`~quotient_manifolds.experiments.checkpoints.trained_model`; by default every tensor is
     stored and restored). Returns ``(model, hp, info)``."""
     hp = mod.hparams(config, model_id)
     model, info = trained_model(
@@ -281,8 +283,6 @@ def population_metrics(train: Tuple[float, float], own: Tuple[float, float], tes
     split (or pool), on the model's own training subset and on the test split; ``gap`` and
     ``gap_own``: test error − train error on the split and on the own subset
     (:func:`~quotient_manifolds.experiments.stats.generalization_gap`)."""
-    from .stats import generalization_gap
-
     (tr_err, tr_loss), (own_err, own_loss), (te_err, te_loss) = train, own, test
     return dict(train_error=tr_err, train_loss=tr_loss, test_error=te_err, test_loss=te_loss,
                 own_train_error=own_err, own_train_loss=own_loss,

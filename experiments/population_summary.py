@@ -14,12 +14,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .measures import FLATNESS, is_exact, main_measure_of
-from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, measures_of,
-                        median_at, median_range_at, metric_ranges, paired_section, rhos_of, tau_for,
-                        value_of, write_summary)
+from .measures import ABLATIONS, AT_WEIGHTS, FAMILY_MEASURE, FLATNESS, MAIN, MEASURES, is_exact, main_measure_of
+from .reporting import (PAPER, TARGET_LABEL, closing_sections, fig_sweep, finish_span, fmt_rho, fmt_signed,
+                        is_smoke_test, measures_of, median_at, median_range_at, metric_ranges, paired_section,
+                        pyplot, rho_label, rhos_of, tau_for, value_of, write_summary)
+from .population_knobs import default_knobs, r2_section, within_section
 from .runner import display_path
-from .stats import TauResult, dummies, partial_tau_with_ci, r_squared, tau_with_ci, within_tau_with_ci
+from .stats import TauResult, partial_tau_with_ci, tau_with_ci
 from .studies import STUDY
 
 
@@ -37,7 +38,6 @@ def population_kwargs(study: str, config: Dict[str, Any], target: str,
                       synthetic: Optional[bool] = None) -> Dict[str, Any]:
     """The arguments of :func:`population_report` for a text or vision population, from its
     configuration alone (so a run and ``report DIR`` write the same summary)."""
-    from .measures import ABLATIONS, AT_WEIGHTS, FLATNESS, MAIN, MEASURES
     mod = STUDY[study].load()
     rho = {m: config["rho"][MEASURES[m]["family"]] for m in MEASURES}
     rho.update({m: 0.0 for m in AT_WEIGHTS})
@@ -110,19 +110,25 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     flatness, also among the ``curvature`` measures at the trained weights), the curvature
     measures, the ρ calibration and the population median at the calibrated ρ, the second-order vs exact retraction on the same points,
     the ρ sweep, the ablations, other targets, R² of each knob (:func:`knob_r2`) for the gap and
-    for every measure, the population and the excluded models."""
+    for every measure, the population and the excluded models. The main ρ is named as it was
+    chosen (``rho_label`` in the summary: calibrated, or configured); a --quick configuration's
+    summary says first that it is a smoke test (``smoke_test``) and sets nothing beside the
+    paper's Table 1."""
     exclude = exclude or {}
     used = [r for r in records if r["model_id"] not in exclude]
+    smoke = is_smoke_test(config)
     lines = _population_header(out_dir, study, config_hash, records, used, target, synthetic,
                                exclude, wall_s, n_boot, source, second_passes)
     summary: Dict[str, Any] = {"study": study, "config_hash": config_hash, "n_models": len(used),
-                               "target": target, "synthetic": synthetic, "main": {},
+                               "target": target, "synthetic": synthetic,
+                               **({"smoke_test": True} if smoke else {}),
+                               "rho_label": rho_label(config, calibration), "main": {},
                                "sweep": {}, "ablations": {}, "other_targets": {},
                                "excluded": {str(k): v for k, v in sorted(exclude.items())},
                                **({"second_passes": list(second_passes)} if second_passes else {})}
     if len(used) < 2:
         lines.append("Fewer than 2 models: no correlations yet.")
-        write_summary(out_dir, lines, summary)
+        write_summary(out_dir, lines, summary, config)
         return summary
     present = measures_of(used)
     main = [m for m in main if m in present]
@@ -135,10 +141,12 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
          if control and all(control in r["metrics"] for r in used) and len(used) >= 3 else None)
     taus = _PopulationTaus(used, target, default_rho, n_boot, y, z)
     tag = " [SYNTHETIC]" if synthetic else ""
-    lines += _main_section(taus, main + extra_main, PAPER.get(study, {}), control, summary)
+    lines += _main_section(taus, main + extra_main, {} if smoke else PAPER.get(study, {}), control,
+                           summary)
     flat = [m for m in flatness if m in present]
     lines += paired_section(np.asarray(y, float), _paired_views(used, main + extra_main + flat,
-                                                                default_rho), summary)
+                                                                default_rho, summary["rho_label"]),
+                            summary)
     if curvature:
         lines += _curvature_section(taus, curvature, control, summary)
     if calibration:
@@ -148,7 +156,7 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
     lines += _sweep_section(taus, main, summary, os.path.join(out_dir, "fig_rho_sweep.png"),
                             f"{study}: τ vs ρ{tag}")
     if abl:
-        lines += _ablation_section(taus, abl, summary)
+        lines += _ablation_section(taus, abl, summary, summary["rho_label"])
         _fig_scatter(os.path.join(out_dir, "fig_ablations.png"), used,
                      [(m, default_rho[m]) for m in abl], target, taus.taus,
                      f"{study}: ablations{tag}", logx, logy)
@@ -157,13 +165,13 @@ def population_report(out_dir: str, study: str, config: Dict[str, Any], config_h
         lines += _other_targets_section(taus, others, main + extra_main + curvature, summary)
     if z is not None:
         lines += _partial_section(taus, control, main + extra_main + abl + curvature, summary)
-    lines += _within_section(taus, knobs if knobs is not None else default_knobs(used),
+    lines += within_section(taus, knobs if knobs is not None else default_knobs(used),
                              main + extra_main + curvature, summary)
-    lines += _r2_section(used, target, main + extra_main + curvature, default_rho, knobs, summary)
+    lines += r2_section(used, target, main + extra_main + curvature, default_rho, knobs, summary)
     lines += _population_section(records, used, exclude, config)
     lines += closing_sections(notes, config)
     _population_figures(out_dir, study, taus, main + extra_main, curvature, tag, logx, logy)
-    write_summary(out_dir, lines, summary)
+    write_summary(out_dir, lines, summary, config)
     return summary
 
 
@@ -213,27 +221,33 @@ def _main_section(taus: _PopulationTaus, measures: Sequence[str], paper: Dict[st
     with each measure's median value over the models at its ρ: measures compare like for like
     only at similar loss rises."""
     used, rho = taus.used, taus.default_rho
-    lines = [f"## Main measures (paper Table 1 row: {paper.get('label', '—')})", "",
-             f"| measure | ρ | points | median value (nats) | τ-b [95% CI] | τ-a "
-             f"| partial τ given {control or '—'} | paper τ |",
-             "|---|---|---|---|---|---|---|---|"]
+    smoke = summary.get("smoke_test", False)       # no paper column beside a smoke test's numbers
+    heading = ("not compared with the paper: a smoke test" if smoke else
+               f"paper Table 1 row: {paper.get('label', '—')}")
+    lines = [f"## Main measures ({heading})", "",
+             f"| measure | {summary.get('rho_label', 'ρ')} | points | median value (nats) | τ-b [95% CI] | τ-a "
+             f"| partial τ given {control or '—'} |" + ("" if smoke else " paper τ |"),
+             "|---|---|---|---|---|---|---|" + ("" if smoke else "---|")]
     for m in measures:
         t, pt = taus.row(m)
         ref = paper.get(m)
         median = median_at(used, m, rho[m])
         lines.append(f"| {m} | {fmt_rho(rho[m])} | {_points(used, m, rho[m])} | "
                      f"{f'{median:.3g}' if math.isfinite(median) else '—'} | "
-                     f"{t.fmt()} | {t.tau_a:+.2f} | {pt.fmt() if pt else '—'} | "
-                     f"{'' if ref is None else f'{ref:+.2f}'} |")
+                     f"{t.fmt()} | {fmt_signed(t.tau_a)} | {pt.fmt() if pt else '—'} |"
+                     + ("" if smoke else f" {'' if ref is None else f'{ref:+.2f}'} |"))
         summary["main"][m] = {"rho": rho[m], **t.as_dict(), "paper": ref, "median_value": median,
                               **({"partial": pt.as_dict()} if pt else {})}
     return lines + [""]
 
 
-def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float]
+def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float],
+                  label: str = "calibrated ρ"
                   ) -> List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]]:
-    """The views of :func:`paired_section` for a population: the calibrated ρ (all models, and
-    within stopping epochs where training stops at a threshold) and ρ × 0.1, ρ × 10."""
+    """The views of :func:`paired_section` for a population: the main ρ, named ``label``
+    (:func:`~quotient_manifolds.experiments.reporting.rho_label`: calibrated or configured), on
+    all models and within stopping epochs where training stops at a threshold; and ρ × 0.1,
+    ρ × 10."""
     def at(factor: float) -> Dict[str, np.ndarray]:  # the measures with values at factor × ρ
         cols = {m: np.array([value_of(r, m, default_rho[m] * factor) for r in used])
                 for m in measures if factor == 1.0 or default_rho[m] > 0}  # no ρ: one view
@@ -241,12 +255,12 @@ def _paired_views(used, measures: Sequence[str], default_rho: Dict[str, float]
 
     plain = "models resampled with replacement"
     views: List[Tuple[str, str, Dict[str, Any], Dict[str, np.ndarray]]] = [
-        ("calibrated ρ", plain, {}, at(1.0))]
+        (label, plain, {}, at(1.0))]
     stop = [r["metrics"].get("epochs_used") for r in used]
     if all(isinstance(v, (int, float)) for v in stop) and 1 < len(set(stop)) < len(used) / 2:
         # training stops at a train-error threshold, so the epochs used track sharpness: compare
         # only models that stopped at the same epoch
-        views.append(("calibrated ρ, within stopping epoch", "pairs of models that stopped at "
+        views.append((f"{label}, within stopping epoch", "pairs of models that stopped at "
                       "the same epoch; models resampled within each stopping epoch",
                       {"strata": stop, "within": True}, at(1.0)))
     for factor in (0.1, 10.0):  # the sweep's radii, where measured
@@ -274,7 +288,7 @@ def _curvature_section(taus: _PopulationTaus, curvature: Sequence[str], control:
         t, pt = taus.row(m)
         vals = np.array([value_of(r, m, 0.0) for r in taus.used])
         med = _nanmedian(vals)
-        lines.append(f"| {m} | {med:.4g} | {t.fmt()} | {t.tau_a:+.2f} | "
+        lines.append(f"| {m} | {med:.4g} | {t.fmt()} | {fmt_signed(t.tau_a)} | "
                      f"{pt.fmt() if pt else '—'} |")
         summary["curvature"][m] = {"median": med, **t.as_dict(),
                                    **({"partial": pt.as_dict()} if pt else {})}
@@ -308,10 +322,10 @@ def _sweep_section(taus: _PopulationTaus, main: Sequence[str], summary: Dict[str
     return lines
 
 
-def _ablation_section(taus: _PopulationTaus, abl: Sequence[str], summary: Dict[str, Any]
-                      ) -> List[str]:
+def _ablation_section(taus: _PopulationTaus, abl: Sequence[str], summary: Dict[str, Any],
+                      label: str) -> List[str]:
     used, rho = taus.used, taus.default_rho
-    lines = ["## Ablations at the calibrated ρ (docs/maths.md §11.8, paper App. G)", "",
+    lines = [f"## Ablations at the {label} (docs/maths.md §11.8, paper App. G)", "",
              "| measure | ρ | points | τ-b [95% CI] | τ-a | full measure τ-b |",
              "|---|---|---|---|---|---|"]
     for m in abl:
@@ -319,7 +333,7 @@ def _ablation_section(taus: _PopulationTaus, abl: Sequence[str], summary: Dict[s
         full = main_measure_of(m)
         ft = taus.taus.get((full, rho.get(full, float("nan"))))
         lines.append(f"| {m} | {fmt_rho(rho[m])} | "
-                     f"{_points(used, m, rho[m])} | {t.fmt()} | {t.tau_a:+.2f} | "
+                     f"{_points(used, m, rho[m])} | {t.fmt()} | {fmt_signed(t.tau_a)} | "
                      f"{ft.fmt() if ft else ''} |")
         summary["ablations"][m] = {"rho": rho[m], **t.as_dict()}
     return lines + [""]
@@ -364,54 +378,6 @@ def _partial_section(taus: _PopulationTaus, control: str, measures: Sequence[str
     return lines
 
 
-def _within_section(taus: _PopulationTaus, knobs: Sequence[Tuple[str, str, str]],
-                    measures: Sequence[str], summary: Dict[str, Any]) -> List[str]:
-    """τ within the levels of each categorical knob with few levels (pairs of models that share
-    the knob's value only)."""
-    used = taus.used
-    strata = [(label, key) for label, key, how in knobs if how == "categorical"
-              and all(key in r["hparams"] for r in used)
-              and 1 < len({repr(r["hparams"][key]) for r in used}) < len(used) / 2]
-    if not strata:
-        return []
-    summary["within"] = {}
-    lines = ["## τ within the levels of each categorical knob (τ-b [95% CI])", "",
-             "Only pairs of models that share the knob's value (e.g. the same label "
-             "smoothing) are compared (`within_tau_with_ci`, bootstrap within levels): a knob "
-             "that moves sharpness and the gap together cannot make these τ's.", "",
-             "| measure | " + " | ".join(f"within {lab}" for lab, _ in strata) + " |",
-             "|---|" + "---|" * len(strata)]
-    for m in measures:
-        x = [value_of(r, m, taus.default_rho[m]) for r in used]
-        cells = []
-        for lab, key in strata:
-            w = within_tau_with_ci(x, taus.y, [repr(r["hparams"][key]) for r in used],
-                                   n_boot=taus.n_boot)
-            summary["within"].setdefault(m, {})[lab] = w.as_dict()
-            cells.append(w.fmt())
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return lines + [""]
-
-
-def _r2_section(used, target: str, measures: Sequence[str], default_rho: Dict[str, float],
-                knobs: Optional[Sequence[Tuple[str, str, str]]], summary: Dict[str, Any]
-                ) -> List[str]:
-    r2 = knob_r2(used, target, [(m, default_rho[m]) for m in measures], knobs)
-    if not r2["columns"]:
-        return []
-    summary["r2"] = r2
-    heads = [target] + [f"{'log ' if r2['log'].get(m) else ''}{m}" for m in measures]
-    lines = ["## R² of each hyperparameter (least squares on one knob; last row: all knobs)",
-             "", f"How much of the {target} and of each measure each knob explains "
-             "(measures: log of the value where all values are positive; categorical knobs "
-             "as dummies).", "",
-             "| knob | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
-    for k in list(r2["columns"]) + ["all knobs"]:
-        lines.append(f"| {k} | " + " | ".join(_r2fmt(r2["values"][col].get(k))
-                                               for col in [target] + list(measures)) + " |")
-    return lines + [""]
-
-
 def _population_section(records, used, exclude: Dict[int, str], config: Dict[str, Any]
                         ) -> List[str]:
     """The metrics' ranges, time per model, the train-error target and the excluded models."""
@@ -434,8 +400,6 @@ def _population_section(records, used, exclude: Dict[int, str], config: Dict[str
 
 def _calibration_section(cal: Dict[str, Any], used, default_rho, summary) -> List[str]:
     """ρ* per family, the pilot's roots and the population's median at ρ* vs the band."""
-    from .measures import FAMILY_MEASURE
-
     lo, hi = cal.get("band", [1.0, 10.0])
     lines = ["## ρ calibration (experiments/calibrate.py)", "",
              f"Target: median sharpness {cal.get('target')} nats over the population (band "
@@ -510,7 +474,7 @@ def _retraction_section(used, exact: Sequence[str], default_rho, target: str, n_
                   "τ(S_exact, S_second) |", "|---|---|---|---|---|---|---|"]
         for m, second, nb, t_e, t_2, ratio, rank, failed, n in rows:
             lines.append(f"| {m} | {nb or '—'} | {failed} of {n} | {t_e.fmt()} | {t_2.fmt()} | "
-                         f"{_nanmedian(ratio):.3g} | {rank.tau_b:+.2f} |")
+                         f"{_nanmedian(ratio):.3g} | {fmt_signed(rank.tau_b)} |")
         lines.append("")
     if gaps:
         lines += ["At the worst second-order perturbation of the main measures (every batch), the "
@@ -527,9 +491,7 @@ def _retraction_section(used, exact: Sequence[str], default_rho, target: str, n_
 def _fig_scatter(path: str, records, panels: Sequence[Tuple[str, float]], target: str,
                  taus: Dict[Tuple[str, float], TauResult], title: str, logx: bool = False,
                  logy: bool = False) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     n = len(panels)
     fig, axes = plt.subplots(1, n, figsize=(3.1 * n, 2.9), squeeze=False)
@@ -563,10 +525,6 @@ def _points(records, measure: str, rho: float) -> str:
     return "/".join("?" if v is None else str(v) for v in found) or "—"
 
 
-def _r2fmt(v: Optional[float]) -> str:
-    return "—" if v is None or not math.isfinite(v) else f"{v:.2f}"
-
-
 def value_on(record: Dict[str, Any], measure: str, rho: float, n_batches: int) -> float:
     """The sharpness of ``measure`` at ``rho`` restricted to its first ``n_batches`` batches (the
     mean of its per-batch values), e.g. to compare with a measure taken on fewer points."""
@@ -583,54 +541,3 @@ def _nanmedian(v) -> float:
     return float(np.median(v)) if v.size else float("nan")
 
 
-def _knob_transform(values: Sequence[Any], how: str):
-    if how == "log":
-        return np.log(np.asarray(values, float))
-    if how == "categorical":
-        return dummies(values)
-    return np.asarray(values, float)
-
-
-def default_knobs(records) -> List[Tuple[str, str, str]]:
-    """Knobs of records without a declared list: every hyperparameter except the seed that varies;
-    booleans and ≤ 3 distinct values categorical, positive values spanning ≥ 10× logarithmic."""
-    out = []
-    for key in sorted({k for r in records for k in r.get("hparams", {})} - {"seed"}):
-        vals = [r["hparams"].get(key) for r in records]
-        if any(v is None or isinstance(v, (str, list, dict)) for v in vals) or len(set(vals)) < 2:
-            continue
-        if any(isinstance(v, bool) for v in vals) or len(set(vals)) <= 3:
-            out.append((f"{key} (categorical)", key, "categorical"))
-        elif min(vals) > 0 and max(vals) >= 10 * min(vals):
-            out.append((f"log {key}", key, "log"))
-        else:
-            out.append((key, key, "linear"))
-    return out
-
-
-def knob_r2(records, target: str, measures: Sequence[Tuple[str, float]],
-            knobs: Optional[Sequence[Tuple[str, str, str]]] = None) -> Dict[str, Any]:
-    """R² (:func:`r_squared`) of the target and of each measure on each knob alone and on all
-    knobs together. ``knobs``: (label, hparams key, "log" | "linear" | "categorical"); default
-    :func:`default_knobs`. Knobs constant over the records are skipped. A measure is taken as its
-    log when all its values are positive."""
-    knobs = [k for k in (knobs if knobs is not None else default_knobs(records))
-             if len({repr(r["hparams"].get(k[1])) for r in records}) > 1
-             and all(k[1] in r["hparams"] for r in records)]
-    cols = {label: _knob_transform([r["hparams"][key] for r in records], how)
-            for label, key, how in knobs}
-    out: Dict[str, Any] = {"columns": list(cols), "values": {}, "log": {}}
-    ys = {target: np.array([float(r["metrics"].get(target, np.nan)) for r in records])}
-    for m, rho in measures:
-        v = np.array([value_of(r, m, rho) for r in records])
-        out["log"][m] = bool(np.isfinite(v).all() and (v > 0).all())
-        ys[m] = np.log(v) if out["log"][m] else v
-    for name, yv in ys.items():
-        ok = np.isfinite(yv)
-        row: Dict[str, float] = {}
-        if ok.sum() >= 3 and cols:
-            for label, c in cols.items():
-                row[label] = r_squared(yv[ok], np.asarray(c)[ok])
-            row["all knobs"] = r_squared(yv[ok], *[np.asarray(c)[ok] for c in cols.values()])
-        out["values"][name] = row
-    return out

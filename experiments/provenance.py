@@ -32,7 +32,12 @@ import hashlib
 import os
 import platform
 import subprocess
+from importlib import metadata
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+import quotient_manifolds
 
 __all__ = ["weights_hash", "provenance", "git_commit", "commits_of", "provenance_label",
            "reproducible_training", "TRAINING_THREADS", "UNRECORDED"]
@@ -63,8 +68,6 @@ def weights_hash(state: Mapping[str, Any]) -> str:
     TypeError
         if ``state`` is not a mapping or a value is not a tensor.
     """
-    import torch
-
     if not isinstance(state, Mapping):
         raise TypeError(f"weights_hash takes a state dict (name -> tensor), got a "
                         f"{type(state).__name__}; pass e.g. model.state_dict()")
@@ -104,7 +107,6 @@ def git_commit(path: Optional[str] = None) -> Tuple[Optional[str], Optional[bool
 
 def _version(package: str) -> Optional[str]:
     """The installed version of ``package`` without importing it (None if not installed)."""
-    from importlib import metadata
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -117,10 +119,6 @@ def provenance() -> Dict[str, Any]:
     ``commit`` and ``dirty`` (:func:`git_commit`; None outside a git checkout), ``torch``,
     ``transformers``, ``numpy`` (None where not installed), ``python`` and ``cpu`` (the
     instruction set torch's CPU kernels use: results can differ in the last bits between two)."""
-    import torch
-
-    import quotient_manifolds
-
     commit, dirty = git_commit()
     cpu = None
     try:
@@ -202,8 +200,6 @@ def reproducible_training(threads: int = TRAINING_THREADS) -> Iterator[Dict[str,
     ValueError
         if ``threads`` is not a positive integer.
     """
-    import torch
-
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
     # cuBLAS is deterministic only with a fixed workspace (read when CUDA starts)

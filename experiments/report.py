@@ -12,8 +12,13 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from . import calibrate
 from .diagonal_summary import diagonal_report
 from .population_summary import population_kwargs, population_report
+from .provenance import commits_of
+from .reporting import stamp_provenance
+from .runner import ExperimentError, ResultStore
+from .stats import kendall_tau_b
 from .studies import STUDY
 
 
@@ -23,8 +28,6 @@ def read_records(path: str) -> List[Dict[str, Any]]:
     that is not the last raises :class:`~quotient_manifolds.experiments.runner.ExperimentError` (a report must not
     silently lose a model); a partial last line (a study still writing, or killed mid-write) is
     left out with a note on stderr and repaired by the next run of the study."""
-    from .runner import ResultStore
-
     records, tail = ResultStore(path).scan()
     if tail is not None:
         print(f"note: {path}: the last line is partial or corrupt and is left out of this report "
@@ -33,7 +36,6 @@ def read_records(path: str) -> List[Dict[str, Any]]:
 
 
 def _results_file(path: str) -> str:
-    from .runner import ExperimentError
     src = os.path.join(path, "results.jsonl") if os.path.isdir(path) else path
     if not os.path.exists(src):
         raise ExperimentError(f"no results.jsonl at {path}")
@@ -44,7 +46,6 @@ def _records_of_one_config(src: str, config_hash: Optional[str] = None
                            ) -> Tuple[str, List[Dict[str, Any]], List[str]]:
     """(chosen hash, its records sorted by model id, all hashes present) of a results.jsonl; the
     chosen configuration is ``config_hash``, else that of the last line."""
-    from .runner import ExperimentError
     records = read_records(src)
     if not records:
         raise ExperimentError(f"{src} holds no valid result lines")
@@ -84,7 +85,6 @@ def merge_second_pass(records: List[Dict[str, Any]], config: Dict[str, Any], ext
     it is not the same model and the merge stops); a (measure, ρ) the first pass already holds is
     kept from the first pass. Returns new records and the configuration with the union of both
     passes' measures; models of the first pass missing from the second simply lack its values."""
-    from .runner import ExperimentError
     _, extra, _ = _records_of_one_config(extra_src)
     by_id = {r["model_id"]: r for r in extra}
     if extra[0].get("study") != records[0].get("study"):
@@ -118,9 +118,6 @@ def check_one_commit(records: Sequence[Dict[str, Any]], where: str, *,
     :class:`~quotient_manifolds.experiments.runner.ExperimentError` when they were written by more
     than one version of the code (records without a commit count as one more) and
     ``allow_mixed`` is False: one statistic would pool numbers of two codes unseen."""
-    from .provenance import commits_of
-    from .runner import ExperimentError
-
     commits = commits_of(records)
     if len(commits) > 1 and not allow_mixed:
         shown = ", ".join(f"{c[:12] + ('+dirty' if c.endswith('+dirty') else '') if len(c) >= 40 else c}"
@@ -143,8 +140,6 @@ def report_from_results(path: str, out_dir: Optional[str] = None, *, n_boot: int
     several), and summary.md / summary.json end with their provenance
     (:func:`~quotient_manifolds.experiments.reporting.stamp_provenance`). The rest:
     :func:`_summary_of`."""
-    from .reporting import stamp_provenance
-
     src = _results_file(path)
     chosen, records, hashes = _records_of_one_config(src, config_hash)
     pooled = list(records)
@@ -169,7 +164,6 @@ def _summary_of(src: str, chosen: str, records: List[Dict[str, Any]], hashes: Li
     the directory holds one for the same configuration, ``calibration.json``; the target is
     ``target``, else the one of the directory's summary.json, else the study's default. ``extra``:
     results of second passes over the same models (:func:`merge_second_pass`)."""
-    from .runner import ExperimentError
     study = records[0].get("study")
     kind = STUDY[study].report if study in STUDY else None
     src_dir = os.path.dirname(os.path.abspath(src))
@@ -194,7 +188,6 @@ def _summary_of(src: str, chosen: str, records: List[Dict[str, Any]], hashes: Li
                                   "populations; the diagonal study has none")
         return diagonal_report(out_dir, records[0]["study_config"], chosen, records,
                                exclude=STUDY[study].load().exclusions(records), n_boot=n_boot, source=src)
-    from . import calibrate
     mod = STUDY[study].load()
     if target is None:
         try:
@@ -238,9 +231,6 @@ def same_models(path: str, other: str) -> Dict[str, Any]:
     ExperimentError
         if the two files share no model id.
     """
-    from .runner import ExperimentError
-    from .stats import kendall_tau_b
-
     a = {r["model_id"]: r for r in _records_of_one_config(_results_file(path))[1]}
     b = {r["model_id"]: r for r in _records_of_one_config(_results_file(other))[1]}
     ids = sorted(set(a) & set(b))

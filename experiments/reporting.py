@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .provenance import commits_of, provenance_label
+from .runner import atomic_write_bytes
 from .stats import TauResult, paired_delta_tau, tau_ci_weighted, tau_with_ci
 
 
@@ -27,6 +29,36 @@ PAPER: Dict[str, Dict[str, Any]] = {
     "text": {"label": "MNLI (BERT)", "adaptive": 0.06, "geodesic-inv": 0.28,
              "geodesic-mix": 0.38},
 }
+#: what every --quick run says, first, in its summary.md and on the console
+SMOKE_TEST = ("--quick: a smoke test of the study's steps on a tiny configuration; its numbers mean "
+              "nothing (run without --quick for results)")
+
+
+def is_smoke_test(config: Dict[str, Any]) -> bool:
+    """Whether ``config`` is a --quick configuration (each study's ``defaults(quick=True)`` marks
+    it ``quick``)."""
+    return bool(config.get("quick"))
+
+
+def smoke_test_banner(config: Dict[str, Any]) -> List[str]:
+    """The first lines of a --quick configuration's summary.md (:data:`SMOKE_TEST`); none
+    otherwise."""
+    return [f"> **{SMOKE_TEST}**", ""] if is_smoke_test(config) else []
+
+
+def rho_label(config: Dict[str, Any], calibration: Optional[Dict[str, Any]]) -> str:
+    """How a population's main ρ was chosen, for its headings: "calibrated ρ" when its calibration
+    (calibration.json) calibrated a family, or when its protocol calibrates (``config`` has a
+    ``calibration`` entry) and every family was given with --rho-* instead (a calibration's result
+    passed on, as the random text population takes the seeds population's); else "configured ρ"
+    (the study's defaults, used as they are: e.g. the small text protocol and every --quick run
+    that calibrates nothing)."""
+    if calibration and calibration.get("calibrated"):
+        return "calibrated ρ"
+    cal = config.get("calibration")
+    return "calibrated ρ" if cal is not None and not cal.get("families") else "configured ρ"
+
+
 TARGET_LABEL = {"gap": "generalisation gap (test err − train err)",
                 "gap_own": "gap on own training subset (test err − own train err)",
                 "test_error": "test error", "test_loss": "test loss"}
@@ -148,18 +180,31 @@ def paired_section(y: np.ndarray,
     return lines
 
 
+def fmt_signed(v: float) -> str:
+    """A τ (or Δτ) in a table cell: "+0.12", or "n/a" where it is undefined (never "+nan")."""
+    return f"{v:+.2f}" if math.isfinite(v) else "n/a"
+
+
 def fmt_rho(r: float) -> str:
     """ρ in a table cell; "—" for 0, the radius of a curvature measure (which has none)."""
     return "—" if r == 0 else f"{r:g}"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, imported when a figure is drawn: matplotlib
+    takes about a second to import, and the command line must start fast."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
 
 
 def fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title: str,
                relative_to: Optional[Dict[str, float]] = None) -> None:
     """τ against ρ per measure; with ``relative_to`` (each measure's main ρ, e.g. the calibrated
     one) against ρ / ρ_main, so measures whose ρ have different scales share one axis."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # with pyplot: lazy
 
     fig, ax = plt.subplots(figsize=(4.6, 3.0))
     for m, rows in sweep.items():
@@ -174,21 +219,19 @@ def fig_sweep(path: str, sweep: Dict[str, List[Tuple[float, TauResult]]], title:
         if np.isfinite(lo).all():
             ax.fill_between(rs, lo, hi, alpha=0.15)
     ax.set_xscale("log")
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
     ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.axhline(0, color="k", lw=0.5)
     finish_figure(fig, ax, path, title=title,
-                  xlabel=("ρ / the measure's main (calibrated) ρ" if relative_to else
+                  xlabel=("ρ / the measure's main ρ" if relative_to else
                           "ρ (mix ρ has units; not comparable across measures)"),
                   ylabel="Kendall τ-b")
 
 
 def finish_figure(fig, ax, path: str, *, title: str, xlabel: str, ylabel: str) -> None:
     """Labels, legend and small fonts of the report figures; save and close."""
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
     ax.set_title(title, fontsize=9)
@@ -221,15 +264,19 @@ def finish_span(records) -> Optional[float]:
     return max(f for f, _ in fin) - min(f - t for f, t in fin) if fin else None
 
 
-def write_summary(out_dir: str, lines: List[str], summary: Dict[str, Any]) -> None:
-    """DIR/summary.md (``lines``) and DIR/summary.json (``summary``), each written atomically."""
-    from .runner import atomic_write_bytes
+def write_summary(out_dir: str, lines: List[str], summary: Dict[str, Any],
+                  config: Optional[Dict[str, Any]] = None) -> None:
+    """DIR/summary.md (``lines``) and DIR/summary.json (``summary``), each written atomically.
+    When ``config`` is a --quick configuration, summary.md says so under its title
+    (:func:`smoke_test_banner`) and ``summary["smoke_test"]`` is set."""
+    if config is not None and is_smoke_test(config):
+        summary["smoke_test"] = True
+        lines = lines[:1] + [""] + smoke_test_banner(config) + lines[1:]
     atomic_write_bytes(os.path.join(out_dir, "summary.md"), ("\n".join(lines) + "\n").encode())
     _write_summary_json(out_dir, summary)
 
 
 def _write_summary_json(out_dir: str, summary: Dict[str, Any]) -> None:
-    from .runner import atomic_write_bytes
     atomic_write_bytes(os.path.join(out_dir, "summary.json"),
                        (json.dumps(summary, indent=1, sort_keys=True, default=str) + "\n").encode())
 
@@ -240,9 +287,6 @@ def stamp_provenance(out_dir: str, records: Sequence[Dict[str, Any]],
     ``records``, :func:`~quotient_manifolds.experiments.provenance.provenance_label`) and put it
     into ``summary`` and DIR/summary.json as ``provenance`` (``label`` and ``commits``: records per
     commit)."""
-    from .provenance import commits_of, provenance_label
-    from .runner import atomic_write_bytes
-
     label = provenance_label(records)
     summary["provenance"] = dict(label=label, commits=commits_of(records))
     path = os.path.join(out_dir, "summary.md")
@@ -261,16 +305,20 @@ def closing_sections(notes: Sequence[str], config: Dict[str, Any]) -> List[str]:
 
 
 def print_table(summary: Dict[str, Any], log=print) -> None:
-    """The main table of a summary (τ-b, CI, τ-a and the paper's τ per measure) on ``log``."""
+    """The main table of a summary (τ-b, CI, τ-a and the paper's τ per measure) on ``log``; a
+    --quick run's (``summary["smoke_test"]``) has no paper column. The ρ column says how ρ was
+    chosen (``summary["rho_label"]``: :func:`rho_label`)."""
     main = summary.get("main", {})
+    smoke = summary.get("smoke_test", False)
     if not main:
         return
-    log(f"{'measure':26s} {'rho':>8s}  tau-b [95% CI]          tau-a   paper")
+    rho = summary.get("rho_label", "rho").replace("ρ", "rho")
+    log(f"{'measure':26s} {rho:>16s}  {'tau-b [95% CI]':30s} tau-a" + ("" if smoke else "   paper"))
     for m, d in main.items():
         if not math.isfinite(d["tau_b"]):
-            log(f"{m:26s} {d['rho']:8.4g}  n/a")
+            log(f"{m:26s} {d['rho']:16.4g}  n/a")
             continue
-        ci = (f"[{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]" if math.isfinite(d["ci_low"])
-              else "")
-        paper = "" if d.get("paper") is None else f"{d['paper']:+.2f}"
-        log(f"{m:26s} {d['rho']:8.4g}  {d['tau_b']:+.2f} {ci:17s} {d['tau_a']:+.2f}   {paper}")
+        ci = (f"[{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]"
+              if math.isfinite(d["ci_low"]) and math.isfinite(d["ci_high"]) else f"[{TauResult.NO_CI}]")
+        paper = "" if smoke or d.get("paper") is None else f"   {d['paper']:+.2f}"
+        log(f"{m:26s} {d['rho']:16.4g}  {d['tau_b']:+.2f} {ci:24s} {fmt_signed(d['tau_a'])}{paper}")

@@ -18,16 +18,23 @@ the sharpness values. The exact retraction costs ~15 s per batch of 128 images o
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
+import torch
 
+from quotient_manifolds import adapters
+from quotient_manifolds.core import GLQuotientGeometry
+
+from . import text
 from .options import positive_float, positive_int
 from .population import default_out, log_line, run_population_study, transformer_config, \
     transformer_report_kwargs
-from .runner import ExperimentError
+from .reporting import pyplot, value_of
+from .runner import ExperimentError, atomic_write_bytes
 from .studies import STUDY
 
 STEPS = [float(t) for t in np.logspace(-4, 0, 9)]
@@ -37,7 +44,6 @@ RETRACTION_MEASURES = ("geodesic-inv", "inv-no-gamma", "inv-exact",
 
 def block_sources(model, label: str) -> List[Tuple[str, Any, Dict[str, Any]]]:
     """[(label/block-name, block, params)] for every GL block of ``model``."""
-    from quotient_manifolds import adapters
     lay = adapters.layout(model)
     params = {n: p.detach() for n, p in model.named_parameters()}
     return [(f"{label}: {b.name}", b, params) for b in lay.blocks]
@@ -48,10 +54,6 @@ def retraction_errors(x0, n: int, metric: str, steps=STEPS, seed: int = 0, ref_s
     """Relative errors of the first/second-order and exact (32-step) retractions against a
     ``ref_steps`` RK4 geodesic, for one block x0 = [G; H] of shape (heads, n+m, h) (G has n rows)
     and one random horizontal direction of Frobenius norm ‖x0‖ per head."""
-    import torch
-
-    from quotient_manifolds.core import GLQuotientGeometry
-
     x0 = x0.to(torch.float64)
     heads, nm, h = x0.shape
     geom = GLQuotientGeometry(n, nm - n, h, metric)
@@ -96,9 +98,7 @@ def part_a(sources, log=print, steps=STEPS) -> Dict[str, Any]:
 
 
 def _figure_a(path: str, results: Dict[str, Any], title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(7.6, 3.0), sharey=True)
     colors = {"first_order": "#d62728", "second_order": "#1f77b4", "exact": "#2ca02c"}
@@ -124,7 +124,6 @@ def _figure_a(path: str, results: Dict[str, Any], title: str) -> None:
 
 def value_differences(records) -> List[str]:
     """Notes: median/max over models of |S(retraction) − S(exact)| / S(exact)."""
-    from .reporting import value_of
     notes = []
     for metric in ("inv", "mix"):
         exact = f"{metric}-exact"
@@ -161,11 +160,6 @@ def add_arguments(p) -> None:
 def run(args, log: Callable[[str], None] = log_line) -> int:
     """``quotient-manifolds retraction``: part A (error vs step on model 0's attention blocks) and
     part B (the population's sharpness with each retraction), and the report."""
-    import json
-
-    from . import text
-    from .runner import atomic_write_bytes
-
     mod = STUDY[args.population].load()
     args.measures = list(RETRACTION_MEASURES)
     args.rho_sweep = []

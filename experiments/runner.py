@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import ctypes
 import datetime as _dt
 import errno
 import hashlib
@@ -39,14 +40,19 @@ import json
 import math
 import multiprocessing as mp
 import os
+import signal
+import sys
+import threading
 import time
 import traceback
-import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
 
 from quotient_manifolds.errors import QuotientManifoldsError
 
-from .provenance import provenance, reproducible_training, weights_hash
+from .provenance import provenance
 
 RESULTS = "results.jsonl"
 ERRORS = "errors.jsonl"
@@ -70,14 +76,10 @@ def canonical_json(obj: Any) -> str:
 
 
 def _json_default(obj):
-    try:
-        import numpy as np
-        if isinstance(obj, np.generic):
-            return obj.item()
-        if isinstance(obj, np.ndarray):
-            return obj.tolist()
-    except ImportError:  # pragma: no cover
-        pass
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
     if isinstance(obj, (set, frozenset)):
         return sorted(obj)
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
@@ -229,7 +231,7 @@ class OutputDir:
         self._unlock()
 
     def _lock(self) -> None:
-        import fcntl
+        import fcntl  # POSIX only: imported where the lock is taken
         fh = open(self.file(".lock"), "a+")
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -360,36 +362,11 @@ def fault_message(err: OSError) -> str:
     return f"{display_path(path) if isinstance(path, str) else path}: {what}" + (f"; {fix}" if fix else "")
 
 
-# ------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(path: str, tensors: Dict[str, Any], metadata: Dict[str, Any]) -> None:
-    """Atomically write a safetensors state dict with JSON-encoded metadata."""
-    from safetensors.torch import save
-
-    blob = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                metadata={"qm": canonical_json(metadata)})
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_write_bytes(path, blob)
-
-
-def load_checkpoint(path: str, expect_hash: Optional[str] = None):
-    """``(state_dict, metadata)`` or ``None`` if missing, unreadable or for another training hash."""
-    if not os.path.exists(path):
-        return None
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="pt") as fh:
-            meta = json.loads((fh.metadata() or {}).get("qm", "{}"))
-            if expect_hash is not None and meta.get("train_hash") != expect_hash:
-                return None
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    # a damaged checkpoint (truncated or overwritten: safetensors' header or data, the JSON of its
-    # metadata, the file itself) is trained again, and says so
-    except (SafetensorError, ValueError, OSError) as err:
-        warnings.warn(f"{display_path(path)}: the checkpoint cannot be read ({type(err).__name__}: "
-                      f"{err}); the model is trained again", RuntimeWarning, stacklevel=2)
-        return None
-    return tensors, meta
+def progress_bar(**kwargs):
+    """The studies' progress bar, ``tqdm.auto.tqdm(dynamic_ncols=True, **kwargs)``. tqdm comes with
+    the [experiments] extra: imported when a bar is drawn, so the command line starts without it."""
+    from tqdm.auto import tqdm
+    return tqdm(**{"dynamic_ncols": True, **kwargs})
 
 
 def display_path(path: str) -> str:
@@ -399,49 +376,9 @@ def display_path(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def trained_model(study: str, model_id: int, train_hash: str, ckpt_dir: str, *,
-                  build: Callable[[], Any], train: Callable[[Any], Dict[str, Any]],
-                  restore: Callable[[Any, Dict[str, Any]], bool],
-                  stored_state: Callable[[Any], Dict[str, Any]], hp: Dict[str, Any]):
-    """Model ``model_id`` of a population: restored from its checkpoint when one with the same
-    training hash exists and ``restore(model, tensors)`` accepts it, else built, trained under
-    :func:`~quotient_manifolds.experiments.provenance.reproducible_training` (fixed threads,
-    deterministic algorithms: the same weights bit for bit on a rerun) and checkpointed
-    (``stored_state(model)``). Returns ``(model, info)``; ``info["weights_sha256"]`` is the
-    :func:`~quotient_manifolds.experiments.provenance.weights_hash` of ``stored_state(model)``."""
-    path = os.path.join(ckpt_dir, f"{study}-{model_id:04d}-{train_hash[:12]}.safetensors")
-    model = build()
-    loaded = load_checkpoint(path, train_hash)
-    if loaded is not None and restore(model, loaded[0]):
-        model.eval()
-        return model, dict(checkpoint=display_path(path), reused=True,
-                           train=loaded[1].get("train", {}), train_time_s=0.0,
-                           weights_sha256=weights_hash(stored_state(model)))
-    started = time.perf_counter()
-    with reproducible_training() as how:
-        info = dict(train(model), reproducible=how)
-    elapsed = time.perf_counter() - started
-    state = stored_state(model)
-    save_checkpoint(path, state, {"train_hash": train_hash, "hp": hp, "train": info,
-                                  "study": study, "model_id": model_id})
-    return model, dict(checkpoint=display_path(path), reused=False, train=info,
-                       train_time_s=elapsed, weights_sha256=weights_hash(state))
-
-
-def restore_exact(model, tensors: Dict[str, Any]) -> bool:
-    """``restore`` of :func:`trained_model` for a checkpoint of every tensor of the model: loads
-    ``tensors`` strictly; False (retrain) when they do not fit the model."""
-    try:
-        model.load_state_dict(tensors, strict=True)
-        return True
-    except RuntimeError:
-        return False
-
-
 def study_device(config: Dict[str, Any]):
     """The torch device a population trains and measures on: ``config["device"]`` (set by
     ``--device``; absent = CPU, so that CPU configurations keep their hash)."""
-    import torch
     return torch.device(config.get("device", "cpu"))
 
 
@@ -460,7 +397,6 @@ def _init_worker(threads: int, parent_pid: int) -> None:
     global _PARENT_PID
     _PARENT_PID = parent_pid
     _exit_with_parent()
-    import torch
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
@@ -484,11 +420,6 @@ def _exit_with_parent() -> None:
     holding its pipe is gone). Two layers: on Linux the kernel sends SIGKILL at the parent's death
     (``prctl(PR_SET_PDEATHSIG)``); everywhere, a daemon thread polls ``os.getppid()``, which
     changes when the parent dies (the worker is re-parented)."""
-    import ctypes
-    import signal
-    import sys
-    import threading
-
     if sys.platform.startswith("linux"):
         # no libc (OSError) or no prctl in it (AttributeError) only removes this layer
         with contextlib.suppress(OSError, AttributeError):
@@ -557,9 +488,7 @@ def run_population(outdir: OutputDir, job: Callable, model_ids: Iterable[int], j
 
     bar = None
     if progress and pending:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(pending), desc=desc, unit="model", position=0,
-                   leave=True, dynamic_ncols=True)
+        bar = progress_bar(total=len(pending), desc=desc, unit="model", position=0, leave=True)
     try:
         if workers <= 1 or len(pending) <= 1:
             for i in pending:

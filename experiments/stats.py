@@ -136,18 +136,22 @@ def _percentile_ci(stats: np.ndarray, n_boot: int, level: float) -> tuple:
 class _Estimate:
     """``as_dict`` and ``fmt`` of the result dataclasses; ``_point`` names the estimate's field."""
     _point = ""
-    _bare_without_ci = False  # fmt: the estimate alone, without "[nan, nan]", when there is no CI
+    _bare_without_ci = False  # fmt: the estimate alone when there is no CI (else it says why)
+    #: what fmt says in place of a CI that is undefined: fewer than 3 models, or too few resamples
+    #: with a defined estimate (e.g. the ties of a handful of models)
+    NO_CI = "CI n/a: too few models"
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def fmt(self) -> str:
-        """"+0.12 [+0.01, +0.20]" (the estimate and its CI); "n/a" if the estimate is undefined."""
+        """"+0.12 [+0.01, +0.20]" (the estimate and its CI); "n/a" if the estimate is undefined;
+        "+0.12 [CI n/a: too few models]" if only the CI is (never "[nan, nan]")."""
         value, low, high = getattr(self, self._point), self.ci_low, self.ci_high
         if not math.isfinite(value):
             return "n/a"
-        if self._bare_without_ci and not math.isfinite(low):
-            return f"{value:+.2f}"
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return f"{value:+.2f}" if self._bare_without_ci else f"{value:+.2f} [{self.NO_CI}]"
         return f"{value:+.2f} [{low:+.2f}, {high:+.2f}]"
 
 

@@ -59,13 +59,20 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from . import measures as M
+from .calibrate import calibration_defaults
+from .data import find_fashion_mnist, load_fashion_mnist, nested_split, synthetic_images
 from .options import calibration_arguments, default_text, population_arguments, positive_int
 from .population import log_line, population_jobs, population_member, population_metrics, \
     run_transformer_population, transformer_config
-from .runner import ExperimentError, cores, fmt_seconds, keys_hash, restore_exact, study_device, trained_model
+from .checkpoints import restore_exact, trained_model
+from .runner import ExperimentError, cores, fmt_seconds, keys_hash, study_device
+from .stats import error_and_loss
 from .training import TrainingLoop, train_epochs
+from .vit import ViT, ViTConfig
 
 NAME = "vision"
 PAPER_KEY = "vision"
@@ -108,6 +115,7 @@ def defaults(quick: bool, synthetic: bool, protocol: str = "scratch") -> Dict[st
     if synthetic:
         c.update(pool_size=4000, test_size=1000, subset_range=[1000, 4000])
     if quick:
+        c["quick"] = True  # a smoke test: every output says so (reporting.SMOKE_TEST)
         c.update(pool_size=400, test_size=200, arch=dict(width=32, depth=2, heads=2, patch=7,
                                                          mlp_ratio=2.0),
                  epochs_range=[1, 2], subset_range=[200, 400], batch_choices=[64, 128],
@@ -120,8 +128,6 @@ def finetune_defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
     """Configuration of the fine-tune protocol (module docstring). ``rho`` holds the starting
     points of the calibration (and the values used where no calibration runs, e.g. by the
     invariance study); ``calibration.families`` lists the families calibrated."""
-    from .calibrate import calibration_defaults
-
     c: Dict[str, Any] = dict(
         protocol="finetune", data="synthetic" if synthetic else "fashion-mnist", split_seed=0,
         seed=0, pool_size=20000, test_size=10000,
@@ -143,6 +149,7 @@ def finetune_defaults(quick: bool, synthetic: bool) -> Dict[str, Any]:
         c.update(pool_size=4000, test_size=1000, subset_range=[1024, 3072])
         c["pretrain"].update(size=4000)
     if quick:
+        c["quick"] = True  # a smoke test: every output says so (reporting.SMOKE_TEST)
         c.update(pool_size=400, test_size=200, arch=dict(width=32, depth=2, heads=2, patch=7,
                                                          mlp_ratio=2.0),
                  epochs_range=[1, 2], subset_range=[200, 400], batch_choices=[64],
@@ -189,9 +196,6 @@ def load_data(config: Dict[str, Any], data_dir: Optional[str]) -> Dict[str, Any]
                 pre, data_dir, str(device)))
     if key in _CACHE:
         return _CACHE[key]
-    import torch
-
-    from .data import load_fashion_mnist, nested_split, synthetic_images
 
     if config["data"] == "synthetic":
         xtr, ytr = synthetic_images(config["pool_size"], seed=config["split_seed"])
@@ -223,9 +227,6 @@ def load_data(config: Dict[str, Any], data_dir: Optional[str]) -> Dict[str, Any]
 
 
 def build_model(config: Dict[str, Any], seed: int, classes: int = 10):
-    import torch
-
-    from .vit import ViT, ViTConfig
     torch.manual_seed(seed)  # initialised on the CPU: the same weights on every device
     return ViT(ViTConfig(**config["arch"], classes=classes)).to(study_device(config))
 
@@ -236,7 +237,6 @@ AUGMENTATIONS = ("none", "flip", "flip+shift")
 def augment(x, gen, shift: bool = True):
     """Random ±2 px translation (zero padding; ``shift``) and horizontal flip, per image. The
     draws come from the CPU generator ``gen`` (the same augmentation on every device)."""
-    import torch
     B, dev = x.shape[0], x.device
     if not shift:
         out = x.clone()
@@ -259,9 +259,6 @@ def fit(model, x, y, hp: Dict[str, Any], warmup: float, progress: bool = False) 
     """AdamW (weight decay on matrices except embeddings), cosine schedule with ``warmup``,
     grad-norm clip 1, ``hp["epochs"]`` passes over (x, y) in batches of ``hp["batch_size"]``,
     optional augmentation and label smoothing; the data order comes from ``hp["seed"]``."""
-    import torch
-    import torch.nn.functional as F
-
     n = x.shape[0]
     gen = torch.Generator().manual_seed(hp["seed"])
     torch.manual_seed(hp["seed"])
@@ -292,14 +289,12 @@ def train(model, config, data, hp, progress: bool = False) -> Dict[str, Any]:
 
 
 def predict(model, x, batch: int = 1000):
-    import torch
     model.eval()
     with torch.no_grad():
         return torch.cat([model(x[s:s + batch]).double() for s in range(0, x.shape[0], batch)])
 
 
 def _err_loss(logits, y):
-    from .stats import error_and_loss
     return error_and_loss(logits.cpu().numpy(), y.cpu().numpy())
 
 
@@ -331,8 +326,6 @@ def pretrained(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = Fal
     """(state dict, info) of the one pretrained ViT of the fine-tune protocol: loaded from
     ``ckpt_dir`` when its checkpoint (same pretraining hash) exists, else trained on the coarse
     task of the pretraining set and checkpointed. ``info`` holds its coarse-task errors."""
-    import torch
-
     h = pretrain_hash(config)
     # per checkpoint directory: a run elsewhere must find (and record) its own checkpoint there
     key = (h, os.path.abspath(ckpt_dir))
@@ -368,8 +361,6 @@ def pretrained(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = Fal
 def finetune_start(config: Dict[str, Any], data, ckpt_dir: str, progress: bool = False):
     """The common starting point of every fine-tune: the pretrained trunk with a fresh 10-way head
     initialised from ``pretrain.seed + 1`` (identical for all models)."""
-    import torch
-
     state, info = pretrained(config, data, ckpt_dir, progress)
     model = build_model(config, int(config["pretrain"]["seed"]) + 1, classes=10)
     if config["pretrain"]["labels"] == "fine":  # same task: every weight, head included
@@ -492,8 +483,6 @@ def pretrain(config: Dict[str, Any], ckpt: str, threads: int, data_dir: Optional
     with every core, or trained at the fixed threads of
     :func:`~quotient_manifolds.experiments.provenance.reproducible_training` (bit-reproducible);
     ``threads`` are restored after it."""
-    import torch
-
     data = load_data(config, data_dir)
     torch.set_num_threads(max(threads, cores()))  # nothing else runs while pretraining
     try:
@@ -508,7 +497,6 @@ def pretrain(config: Dict[str, Any], ckpt: str, threads: int, data_dir: Optional
 
 def require_data(config: Dict[str, Any], data_dir: Optional[str]) -> None:
     """Fail early, with the command that prepares it, when Fashion-MNIST is missing."""
-    from .data import find_fashion_mnist
     find_fashion_mnist(data_dir)
 
 

@@ -18,6 +18,7 @@ import pytest
 from scipy.optimize import minimize
 
 from quotient_manifolds.experiments import diagonal as D
+from quotient_manifolds.experiments import diagonal_sharpness as DS
 from quotient_manifolds.experiments.stats import kendall_tau_b
 
 RHO = 0.1
@@ -62,8 +63,8 @@ def _reference_max(beta0, X, y, phi, dphi, radius):
 
 def _study_value(measure, u, v, X, y, rho=RHO, factor=None):
     """The study's own solver (experiments/diagonal.py: objective + restarted PGA)."""
-    f, dim, fac, lower = D.objective(measure, u, v, X, y)
-    return D.pga(f, dim, [rho * (fac if factor is None else factor)], restarts=4, iters=400,
+    f, dim, fac, lower = DS.objective(measure, u, v, X, y)
+    return DS.pga(f, dim, [rho * (fac if factor is None else factor)], restarts=4, iters=400,
                  seed=0, lower=lower, eigen_starts=D.defaults(False)["eigen_starts"])[0]
 
 
@@ -113,7 +114,7 @@ def test_the_paper_mix_is_the_data_constant_and_alg1_is_one_run_from_zero():
                             ("adaptive-alg1", RHO), ("geodesic-inv-alg1", RHO),
                             ("geodesic-mix-alg1", RHO)}  # Alg. 1 at the main ρ only
         for m in ("adaptive", "geodesic-inv", "geodesic-mix"):
-            one_run = D.sharpness_apgd(m, u, v, X, y, RHO, 20, restarts=1)
+            one_run = DS.sharpness_apgd(m, u, v, X, y, RHO, 20, restarts=1)
             assert got[(f"{m}-alg1", RHO)] == one_run
             exact = const if m == "geodesic-mix" else _study_value(m, u, v, X, y)
             assert 0 < one_run <= exact * (1 + 1e-9)
@@ -136,11 +137,11 @@ def test_curvature_starts_are_the_top_eigenvectors_and_only_add_starts():
     def f(Z):
         return 0.5 * np.einsum("bi,ij,bj->b", Z, A, Z) + Z @ b, Z @ A + b
 
-    V = D.top_curvature_directions(f, dim, 3)
+    V = DS.top_curvature_directions(f, dim, 3)
     for j in range(3):
         assert abs(abs(V[j] @ Q[:, j]) - 1) < 1e-8, j
     r = 0.1
-    plain = D.pga(f, dim, [r], restarts=3, iters=200, seed=5)[0]
-    with_starts = D.pga(f, dim, [r], restarts=3, iters=200, seed=5, eigen_starts=3)[0]
+    plain = DS.pga(f, dim, [r], restarts=3, iters=200, seed=5)[0]
+    with_starts = DS.pga(f, dim, [r], restarts=3, iters=200, seed=5, eigen_starts=3)[0]
     exact = 0.5 * eig[0] * r * r + r * 1e-4  # at z = r·q₀ (the linear term picks the sign)
     assert with_starts >= plain and with_starts == pytest.approx(exact, rel=1e-9)

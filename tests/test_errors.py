@@ -160,7 +160,7 @@ def test_an_out_of_memory_error_is_explained_once():
 
 
 def test_a_damaged_checkpoint_is_trained_again_and_says_which_file(tmp_path):
-    from quotient_manifolds.experiments.runner import load_checkpoint, save_checkpoint
+    from quotient_manifolds.experiments.checkpoints import load_checkpoint, save_checkpoint
 
     path = tmp_path / "model_3.safetensors"
     save_checkpoint(str(path), {"w": torch.ones(2)}, {"train_hash": "h"})

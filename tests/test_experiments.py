@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
+from quotient_manifolds.experiments import diagonal_sharpness as DS
 from quotient_manifolds.experiments import stats
 from quotient_manifolds.experiments.cli import main
 from quotient_manifolds.experiments.runner import ExperimentError, OutputDir, ResultStore
@@ -223,9 +224,9 @@ def test_cli_rejects_unknown_study_and_options(capsys):
 
 
 def test_cli_refuses_abbreviations_through_the_study_parser(capsys):
-    """No parser takes an abbreviation (`demo --iter 3` is not `--iters 3`); an unknown option is
-    reported by the study's own parser (its usage line, not the top level's) with the nearest
-    option it has."""
+    """No parser takes an abbreviation (`demo --n-iter 3` is not `--n-iters 3`); an unknown option
+    is reported by the study's own parser (its usage line, not the top level's) with the nearest
+    option it has (never a deprecated spelling: `--iter` is pointed to `--n-iters`)."""
     import argparse
 
     from quotient_manifolds.experiments.cli import build_parser
@@ -235,7 +236,8 @@ def test_cli_refuses_abbreviations_through_the_study_parser(capsys):
     assert not parser.allow_abbrev and not demo_parser().allow_abbrev
     assert all(not p.allow_abbrev for p in sub.choices.values()), \
         [n for n, p in sub.choices.items() if p.allow_abbrev]
-    for argv, said in ((["demo", "--iter", "3"], "--iters"), (["diagonal", "--quic"], "--quick"),
+    for argv, said in ((["demo", "--iter", "3"], "--n-iters"), (["demo", "--n-iter", "3"], "--n-iters"),
+                       (["diagonal", "--quic"], "--quick"),
                        (["text", "--rho-in", "0.1"], "--rho-inv")):
         with pytest.raises(SystemExit) as exc:
             main(argv)
@@ -250,11 +252,29 @@ def test_demo_quick_is_an_option_of_the_demo():
     the quick defaults; an option given on the command line wins over them."""
     from quotient_manifolds.experiments import demo
     from quotient_manifolds.experiments.cli import build_parser
-    args = demo.resolved(build_parser().parse_args(["demo", "--quick", "--iters", "4"]))
-    assert args.quick and args.layers == demo.QUICK["layers"] and args.iters == 4
+    args = demo.resolved(build_parser().parse_args(["demo", "--quick", "--n-iters", "4"]))
+    assert args.quick and args.layers == demo.QUICK["layers"] and args.n_iters == 4
     assert args.scales == list(demo.QUICK["scales"]) and args.lr == demo.DEFAULTS["lr"]
     full = demo.resolved(build_parser().parse_args(["demo"]))
-    assert (full.layers, full.points, full.scales) == (3, 32, [1e-2, 1e2])
+    assert (full.layers, full.sharp_points, full.scales) == (3, 32, [1e-2, 1e2])
+
+
+def test_demo_takes_the_studies_spellings_and_its_old_ones_with_a_warning(capsys):
+    """The demo's options are spelt as the studies' (`--n-iters`, `--sharp-points`); its old
+    spellings `--iters` / `--points` still set the same values, say on stderr which spelling to
+    use, and are not in --help."""
+    from quotient_manifolds.experiments import demo
+    from quotient_manifolds.experiments.cli import build_parser
+    new = demo.resolved(build_parser().parse_args(["demo", "--n-iters", "4", "--sharp-points", "8"]))
+    assert capsys.readouterr().err == ""
+    old = demo.resolved(build_parser().parse_args(["demo", "--iters", "4", "--points", "8"]))
+    assert (old.n_iters, old.sharp_points) == (new.n_iters, new.sharp_points) == (4, 8)
+    err = capsys.readouterr().err
+    assert "--iters is deprecated" in err and "use --n-iters" in err
+    assert "--points is deprecated" in err and "use --sharp-points" in err
+    page = demo.build_parser().format_help()
+    assert "--n-iters" in page and "--sharp-points" in page
+    assert "--iters" not in page.replace("--n-iters", "") and "--points" not in page.replace("--sharp-points", "")
 
 
 def test_cli_refuses_a_file_for_a_directory_before_any_work(tmp_path, capsys, monkeypatch):
@@ -593,16 +613,16 @@ def test_diagonal_apgd_and_pga_agree_for_every_measure():
     for rho in (0.05, 0.5):
         got = {}
         for m in D.MAIN + D.OWN:  # the *-alg1 measures are apgd runs of the MAIN objectives
-            f, dim, fac, lo = D.objective(m, u, v, X, y)
-            pga = D.pga(f, dim, [rho * fac], restarts=4, iters=300, seed=0, lower=lo)[0]
-            apgd = D.sharpness_apgd(m, u, v, X, y, rho, 60, restarts=4, seed=0)
+            f, dim, fac, lo = DS.objective(m, u, v, X, y)
+            pga = DS.pga(f, dim, [rho * fac], restarts=4, iters=300, seed=0, lower=lo)[0]
+            apgd = DS.sharpness_apgd(m, u, v, X, y, rho, 60, restarts=4, seed=0)
             assert math.isfinite(apgd) and apgd > 0, (m, rho, apgd)
             assert apgd == pytest.approx(pga, rel=0.03), (m, rho, pga, apgd)
             got[m] = apgd
         if rho == 0.5:  # the box 1 + 2b ≥ 1e-3 binds: the literal mix goes past it
             assert got["geodesic-mix"] > 1.05 * got["geodesic-mix-manifold"]
         # the literal mix is a trust-region problem: its exact solution bounds both solvers
-        exact = D.mix_literal_exact(u, v, X, y, [rho])[0]
+        exact = DS.mix_literal_exact(u, v, X, y, [rho])[0]
         assert exact >= got["geodesic-mix"] - 1e-12 and got["geodesic-mix"] == pytest.approx(
             exact, rel=1e-3)
     # the old failure mode: the exact mix geodesic refuses 1 + 2b ≤ 0 ...
@@ -639,23 +659,23 @@ def test_diagonal_mix_matches_closed_form():
     rho = 0.1
     exact = float(sharpness_mix_orthonormal(torch.from_numpy(uq * vq), torch.from_numpy(beta_star),
                                             rho))
-    f, dim, fac, lo = D.objective("geodesic-mix", uq, vq, X, yq)
-    assert D.pga(f, dim, [rho * fac], restarts=4, iters=400, seed=0)[0] == pytest.approx(exact,
+    f, dim, fac, lo = DS.objective("geodesic-mix", uq, vq, X, yq)
+    assert DS.pga(f, dim, [rho * fac], restarts=4, iters=400, seed=0)[0] == pytest.approx(exact,
                                                                                           rel=1e-6)
     # the manifold-restricted version coincides while 1 + 2b > 0 never binds (|β₀| ≫ ρ) ...
-    f2, _, _, lo2 = D.objective("geodesic-mix-manifold", uq, vq, X, yq)
-    assert D.pga(f2, dim, [rho * fac], restarts=4, iters=400, seed=0, lower=lo2)[0] == \
+    f2, _, _, lo2 = DS.objective("geodesic-mix-manifold", uq, vq, X, yq)
+    assert DS.pga(f2, dim, [rho * fac], restarts=4, iters=400, seed=0, lower=lo2)[0] == \
         pytest.approx(exact, rel=1e-6)
     # ... and so does the library's solver, for both; the trust-region solution is exact
     for m in ("geodesic-mix-manifold", "geodesic-mix"):
-        assert D.sharpness_apgd(m, uq, vq, X, yq, rho, 50) == pytest.approx(exact, rel=1e-4)
-    assert D.mix_literal_exact(uq, vq, X, yq, [rho])[0] == pytest.approx(exact, rel=1e-10)
+        assert DS.sharpness_apgd(m, uq, vq, X, yq, rho, 50) == pytest.approx(exact, rel=1e-4)
+    assert DS.mix_literal_exact(uq, vq, X, yq, [rho])[0] == pytest.approx(exact, rel=1e-10)
 
 
 def test_ball_box_projection_is_the_exact_projection():
     from scipy.optimize import minimize
 
-    from quotient_manifolds.experiments.diagonal import _project_ball_box
+    from quotient_manifolds.experiments.diagonal_sharpness import _project_ball_box
     rng = np.random.default_rng(4)
     for _ in range(5):
         z = rng.standard_normal((1, 6)) * 2
@@ -1030,7 +1050,7 @@ def test_find_rho_and_the_median_property_of_the_calibration():
 
 def test_measure_plan_points_and_knob_r2():
     from quotient_manifolds.experiments import measures as M
-    from quotient_manifolds.experiments.population_summary import default_knobs, knob_r2
+    from quotient_manifolds.experiments.population_knobs import default_knobs, knob_r2
     from quotient_manifolds.experiments.stats import r_squared
 
     config = dict(sharp_points=2048, rho=dict(adaptive=1.0, inv=0.5, mix=0.1),

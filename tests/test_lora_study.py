@@ -15,6 +15,7 @@ pytest.importorskip("peft")
 pytest.importorskip("geoopt")
 
 from quotient_manifolds.experiments import lora as L  # noqa: E402
+from quotient_manifolds.experiments import lora_runs as LR  # noqa: E402
 from quotient_manifolds.experiments.cli import main  # noqa: E402
 
 
@@ -128,10 +129,10 @@ def test_arms_are_built_as_documented():
     from quotient_manifolds import adapters
     c = L.defaults(quick=True)
     for arm in L.ARMS:
-        model = L.build_model(c, "rt", 2, seed=0)
+        model = LR.build_model(c, "rt", 2, seed=0)
         head_ids = {id(p) for n, p in model.named_parameters()
-                    if p.requires_grad and not L._is_lora(n)}
-        lora_opt, head_opt = L.make_optimizers(model, arm, 1e-3, c)
+                    if p.requires_grad and not LR._is_lora(n)}
+        lora_opt, head_opt = LR.make_optimizers(model, arm, 1e-3, c)
         assert isinstance(head_opt, torch.optim.AdamW)
         assert {id(p) for g in head_opt.param_groups for p in g["params"]} == head_ids
         assert head_opt.param_groups[0]["lr"] == c["head_lr"]

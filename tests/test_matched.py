@@ -14,7 +14,7 @@ from quotient_manifolds.experiments import matched as MT
 from quotient_manifolds.experiments.cli import main
 from quotient_manifolds.experiments.provenance import weights_hash
 from quotient_manifolds.experiments.report import report_from_results
-from quotient_manifolds.experiments.runner import load_checkpoint
+from quotient_manifolds.experiments.checkpoints import load_checkpoint
 
 # the pipeline is the study's; the RK4 steps of the exact geodesic are cut (32 and 8 -> 2: the
 # fixture below) so that the exact measures take a fraction of a second on the tiny model

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from quotient_manifolds.experiments import sam_study as S
+from quotient_manifolds.experiments import sam_training as ST
 from quotient_manifolds.experiments.cli import main
 
 
@@ -80,7 +81,7 @@ def test_plan_selection_and_seed_phase():
 def _tiny_vit_task():
     config = S.defaults(True)
     cfg = config["tasks"]["vit"]
-    return S.get_task("vit", cfg, None), cfg
+    return ST.get_task("vit", cfg, None), cfg
 
 
 @pytest.mark.parametrize("method", ["base", "sam", "asam"])
@@ -94,8 +95,8 @@ def test_one_update_matches_a_hand_written_reference(method):
     batch = next(task.batches(3))
     batch = (batch[0].double(), batch[1])
     rho = 0.3
-    opt, sam = S.make_optimizer(model, cfg, method, rho)
-    S.Updater(task, model, opt, sam)(batch)
+    opt, sam = ST.make_optimizer(model, cfg, method, rho)
+    ST.Updater(task, model, opt, sam)(batch)
 
     params = [p for p in ref.parameters() if p.requires_grad]
     loss = task.loss(ref, batch)
@@ -118,7 +119,7 @@ def test_one_update_matches_a_hand_written_reference(method):
     for p, g in zip(params, grads):
         p.grad = g.clone()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
-    ref_opt, _ = S.make_optimizer(ref, cfg, "base", 0.0)
+    ref_opt, _ = ST.make_optimizer(ref, cfg, "base", 0.0)
     ref_opt.step()
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), n
@@ -127,8 +128,8 @@ def test_one_update_matches_a_hand_written_reference(method):
     assert moved > 1e-4  # the update did something
     if method != "base":  # and the comparison is sharp enough to see ρ
         other = task.build(3).double().train()
-        opt, sam = S.make_optimizer(other, cfg, method, 2 * rho)
-        S.Updater(task, other, opt, sam)(batch)
+        opt, sam = ST.make_optimizer(other, cfg, method, 2 * rho)
+        ST.Updater(task, other, opt, sam)(batch)
         assert not all(torch.allclose(a, b, rtol=1e-9, atol=1e-12)
                        for a, b in zip(other.parameters(), ref.parameters()))
 
@@ -138,12 +139,12 @@ def test_sam_passes_share_the_dropout_mask():
     draw the same mask; the base arm's loss is the plain training loss."""
     config = S.defaults(True)
     cfg = config["tasks"]["minilm"]
-    task = S.get_task("minilm", cfg, None)
+    task = ST.get_task("minilm", cfg, None)
     torch.manual_seed(0)
     model = task.build(5).train()
     assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
-    opt, sam = S.make_optimizer(model, cfg, "geodesic-inv", 1e-7)
-    upd = S.Updater(task, model, opt, sam)
+    opt, sam = ST.make_optimizer(model, cfg, "geodesic-inv", 1e-7)
+    upd = ST.Updater(task, model, opt, sam)
     batch = next(task.batches(5))
     for _ in range(3):
         loss = upd(batch)
