@@ -13,8 +13,8 @@ from quotient_manifolds.experiments import vision as V
 from quotient_manifolds.experiments.cli import main
 from quotient_manifolds.experiments.provenance import (
     UNRECORDED, commits_of, provenance, provenance_label, reproducible_training, weights_hash)
-from quotient_manifolds.experiments.runner import (
-    OutputDir, ResultStore, _line_digest, load_checkpoint, run_population, trained_model)
+from quotient_manifolds.experiments.checkpoints import load_checkpoint, trained_model
+from quotient_manifolds.experiments.runner import OutputDir, ResultStore, _line_digest, run_population
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
