@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ from .validation import TokenInputs, scalar_loss
 
 __all__ = ["map_tensors", "device_of", "split_inputs", "split_batch", "ModelClosure",
            "as_compute", "to_device", "class_targets_check", "all_finite", "loss_of", "detach_inputs",
-           "capture_module_inputs", "weighted_batches", "batch_size_of", "inputs_explained"]
+           "capture_module_inputs", "weighted_batches", "batch_size_of", "raise_explained"]
 
 
 def map_tensors(fn: Callable[[Tensor], Tensor], obj: Any) -> Any:
@@ -172,21 +172,18 @@ def _batch_parts(batch: Any, index: int, loss_fn: Optional[Callable], normalise:
     return inputs, targets, False
 
 
-@contextlib.contextmanager
-def inputs_explained(model: nn.Module, index: Optional[int]):
-    """Runs its block (forward passes of ``model`` on batch ``index``, or on a batch when
-    ``None``) and turns an error raised inside the model's first layer because the batch's input
-    does not fit it (:func:`input_mismatch`: integer or float16 inputs to a float32 layer, a wrong
-    feature dimension: torch's ``mat1 and mat2 ...``) into a ``TypeError`` / ``ValueError`` naming
-    the batch, the input's dtype and shape and what the layer expects, chained to the original;
-    any other error passes unchanged."""
-    try:
-        yield
-    except RuntimeError as err:
-        explained = input_mismatch(err, model, index)
-        if explained is None:
-            raise
-        raise explained from err
+def raise_explained(err: RuntimeError, model: nn.Module, index: Optional[int]) -> NoReturn:
+    """Raises ``err``, raised by forward passes of ``model`` on batch ``index`` (or on a batch when
+    ``None``), as the error :func:`input_mismatch` makes of it when the batch's input does not fit
+    the model's first layer (integer or float16 inputs to a float32 layer, a wrong feature
+    dimension: torch's ``mat1 and mat2 ...``): an :class:`~quotient_manifolds.errors.InvalidArgumentType`
+    / :class:`~quotient_manifolds.errors.InvalidArgument` naming the batch, the input's dtype and
+    shape and what the layer expects, chained to ``err``; any other error unchanged. Called in the
+    ``except`` of the passes only (the model is not followed into this module on a normal run)."""
+    explained = input_mismatch(err, model, index)
+    if explained is None:
+        raise err
+    raise explained from err
 
 
 def input_mismatch(err: BaseException, model: nn.Module, index: Optional[int]) -> Optional[Exception]:
@@ -212,7 +209,7 @@ def input_mismatch(err: BaseException, model: nn.Module, index: Optional[int]) -
     about = f"{where}: the model's first layer {names[id(layer)] or 'model'!r} ({layer}) cannot take its input"
     if isinstance(layer, nn.Embedding):
         if received.is_floating_point() or received.is_complex():
-            return TypeError(f"{about}: it takes integer token ids, and its input is a {received.dtype} "
+            return InvalidArgumentType(f"{about}: it takes integer token ids, and its input is a {received.dtype} "
                              f"tensor of shape {tuple(received.shape)}. Pass the ids as integers "
                              f"(e.g. inputs.long())")
         return None
@@ -222,7 +219,7 @@ def input_mismatch(err: BaseException, model: nn.Module, index: Optional[int]) -
         integer = not (received.is_floating_point() or received.is_complex())
         cast = "inputs.float()" if integer and weight.dtype == torch.float32 else f"inputs.to({weight.dtype})"
         other = "" if integer else ", or the model the inputs' (model.to(...))"
-        return TypeError(f"{about}: its weights are {weight.dtype} and its input is {'an integer' if integer else 'a'} "
+        return InvalidArgumentType(f"{about}: its weights are {weight.dtype} and its input is {'an integer' if integer else 'a'} "
                          f"{received.dtype} tensor of shape {tuple(received.shape)}. Give the batch's "
                          f"inputs the model's dtype ({cast}){other}")
     if isinstance(layer, nn.modules.conv._ConvNd):
@@ -232,7 +229,7 @@ def input_mismatch(err: BaseException, model: nn.Module, index: Optional[int]) -
     else:
         return None
     if received.ndim >= -size_dim and received.shape[size_dim] != expected:
-        return ValueError(f"{about}: it takes inputs whose {axis} dimension is {expected}, and its input "
+        return InvalidArgument(f"{about}: it takes inputs whose {axis} dimension is {expected}, and its input "
                           f"is a {received.dtype} tensor of shape {tuple(received.shape)}. Check the "
                           f"batch's inputs (their feature size, and the order (inputs, targets) of "
                           f"each batch)")

@@ -33,7 +33,7 @@ from quotient_manifolds.errors import InvalidArgument
 from .accept import accept_layout, refuse_failed_blocks
 from .ball import geometry_of
 from .detection import resolve_layout
-from .evaluation import all_finite, as_compute, class_targets_check, inputs_explained, split_batch
+from .evaluation import all_finite, as_compute, class_targets_check, raise_explained, split_batch
 from .losses import HALF_DTYPES
 from .streaming import LazyWeight
 from .validation import TokenInputs
@@ -239,8 +239,10 @@ def prepare_run(model: nn.Module, batches: Iterable[Any], options: Any, tokens: 
         # a geodesic number never comes from an unverified block (module docstring)
         inputs, targets, own_loss = split_batch(tokens, first, 0, options.loss_fn, options.normalize_logits)
         check_targets = None if options.loss_fn is not None or own_loss else class_targets_check(targets, 0)
-        with inputs_explained(model, 0):   # the run's first forward: inputs the model cannot take
+        try:
             layout = accept(gate, inputs, check_targets, stacklevel)
+        except RuntimeError as err:   # the run's first forward: inputs the model cannot take
+            raise_explained(err, model, 0)
     if geodesic and not layout.blocks:
         warnings.warn(f"the layout has no GL block (unsupported attention modules: "
                       f"{[u[0] for u in layout.unsupported] or 'none'}); every weight is treated "

@@ -27,7 +27,7 @@ from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 
 from . import validation as check
 from .components import ProductBall
-from .evaluation import inputs_explained, split_batch, to_device
+from .evaluation import raise_explained, split_batch, to_device
 from .gate import Prepared
 from .losses import default_loss
 from .memory import explained_out_of_memory
@@ -329,7 +329,7 @@ def _run_batches(ball: ProductBall, closure: Any, prepared: Prepared, tokens: ch
             previous = None
             for runs_at, rho in zip(runs, rhos):
                 started_at = time.perf_counter()
-                with inputs_explained(placement.model, index):   # inputs the model cannot take
+                try:
                     if options.measure == "worst":
                         previous, run = _worst_case_run(ball, closure, rho, options, previous, prepared,
                                                         check_gap, on_iteration)
@@ -338,6 +338,8 @@ def _run_batches(ball: ProductBall, closure: Any, prepared: Prepared, tokens: ch
                                            generator=generator, on_iteration=on_iteration)
                         run = dict(init=res.init_loss, worst=res.mean_loss, norm=rho,
                                    fwd=1 + options.n_samples, bwd=0, gap=None)
+                except RuntimeError as err:   # inputs the model cannot take, named
+                    raise_explained(err, placement.model, index)
                 run["time"] = time.perf_counter() - started_at
                 runs_at.append(run)
         if not runs[0]:
