@@ -15,7 +15,7 @@ from quotient_manifolds.core.gl import RETRACTIONS
 from . import validation as check
 from .ball import GEOMETRY_TABLE, Geometry, geometry_of
 from .elementwise import ADAPTIVE_DIRECTIONS
-from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS
+from .solver import MOMENTUM_FORMS, STEP_NORMALISATIONS, check_solver_dtype
 
 __all__ = ["MEASURES", "SharpnessOptions", "SHARPNESS_OPTION_NAMES", "OPTION_DOCS", "document_options",
            "sharpness_options", "as_rho"]
@@ -55,6 +55,8 @@ class SharpnessOptions:
     include_frozen: bool = False
     check_retraction: bool = True
     retraction_tolerance: float = 0.1
+    keep_worst_gradient: Optional[bool] = None
+    solver_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         geometry_of(self.geometry)
@@ -76,6 +78,9 @@ class SharpnessOptions:
                      "unsafe", "progress", "include_frozen", "check_retraction"):
             flag(name, getattr(self, name))
         check.optional_layout("layout", self.layout)
+        if self.keep_worst_gradient is not None:
+            flag("keep_worst_gradient", self.keep_worst_gradient)
+        check_solver_dtype(self.solver_dtype)
         check.plain_numbers(self, ints=("n_iters", "n_samples", "seed", "num_threads"),
                             floats=("step_size_mult", "gram_eps", "retraction_tolerance"))
         if self.include_frozen and self.layout is not None and getattr(self.layout, "frozen", None):
@@ -196,6 +201,20 @@ OPTION_DOCS: Dict[str, str] = {
         'two integrations of 1 and 2 steps).'),
     'retraction_tolerance': (
         'relative gap beyond which ``check_retraction`` warns (default 0.1).'),
+    'keep_worst_gradient': (
+        "keep the gradient at Auto-PGD's worst point, which saves a forward and backward at each\n"
+        'restart from it, for one more vector of the ball (4 bytes per weight, 2 with\n'
+        '``solver_dtype=torch.bfloat16``). ``None`` (default): kept where the device still holds it\n'
+        'after the first forward and backward (with 5 % of its memory to spare); ``False``: never\n'
+        '(the least memory); ``True``: always.'),
+    'solver_dtype': (
+        "``None`` (default): the solver's vectors in float32 (14 bytes per perturbed weight beyond\n"
+        'the model and one forward and backward). ``torch.bfloat16``: the compact solver, which keeps\n'
+        'the iterate, the worst point, the gradient and the last step of every weight outside the GL\n'
+        'blocks in bfloat16 (8 bytes per weight, 10 with the worst point\'s gradient): each step is\n'
+        'formed in float32 and rounded once, the GL blocks keep float32 (the value stays invariant\n'
+        'under the symmetries); it moves the value far less than its spread over batches (see the\n'
+        "benchmarks' Memory section)."),
 }
 
 

@@ -189,7 +189,7 @@ def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence
     tokens = check.TokenInputs(model)
     # the placement (module placement): whether the model is sharded decides where tensors live
     placement: Placement = ShardedPlacement(model, what) if is_sharded(model) else LocalPlacement(model)
-    with explained_out_of_memory(model, what), placement.session():
+    with explained_out_of_memory(model, what, options.solver_dtype), placement.session():
         prepared = placement.prepare(batches, options, tokens, stacklevel + 1)
         started = time.perf_counter()
         with bounded_threads(prepared.num_threads):
@@ -260,7 +260,8 @@ def _worst_case_run(ball: ProductBall, closure: Any, rho: float, options: Sharpn
     before): its result and its record."""
     res = auto_pgd(ball, closure, rho, n_iters=options.n_iters, momentum=options.momentum,
                    step_normalisation=options.step_normalisation, step_size_mult=options.step_size_mult,
-                   on_iteration=on_iteration,
+                   on_iteration=on_iteration, keep_worst_gradient=options.keep_worst_gradient,
+                   solver_dtype=options.solver_dtype,
                    start=None if previous is None else (previous.xi, previous.init_loss))
     check.ascent_found(res, rho, stacklevel=5)  # as if sharpness() warned
     share = ball.quotient_share(res.xi)

@@ -1,0 +1,96 @@
+"""The compact solver (``solver_dtype=torch.bfloat16``): invariance, its value against the float32
+solver, the bytes it holds, and the options that replace the solver's module globals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quotient_manifolds.adapters.worst_case import sharpness
+from conftest import reparametrised_copy
+from test_sharpness import batches_for, tiny_bert
+
+pytest.importorskip("transformers")
+
+COMPACT = torch.bfloat16
+#: A relative bound on |compact − float32| / float32 of a sharpness value. The compact solver
+#: rounds each entry of the elementwise iterates twice per step (the combination, the radial
+#: scaling: at most 2⁻⁸ relative in all), and the value is the loss at a point it evaluated, so
+#: at a perturbation ξ rounded to ξ + δ, |δ| ≤ 2⁻⁸|ξ| entrywise, the loss rise ⟨∇, ξ⟩ moves by
+#: at most 2⁻⁸ ⟨|∇|, |ξ|⟩, which for an ascent iterate (∇ and ξ mostly of one sign) is about
+#: 2⁻⁸ ≈ 3.9e-3 of the rise; the trajectories part further over a run's steps, for which the
+#: bound leaves a factor 2.5: 1e-2.
+VALUE_BOUND = 1e-2
+
+
+def _value(model, batches, geometry, solver_dtype=None, **kw):
+    return sharpness(model, batches, geometry=geometry, rho=0.05, n_iters=6,
+                     solver_dtype=solver_dtype, **kw).value
+
+
+@pytest.mark.parametrize("geometry", ["geodesic-inv", "geodesic-mix"])
+def test_compact_solver_is_invariant_under_the_symmetries(geometry):
+    """The GL blocks keep float32/float64 iterates in the compact solver: its value on a model
+    reparametrised by the group's action (extreme scales and a random one) is the same to 1e-6
+    relative, as the float32 solver's."""
+    model = tiny_bert(torch.float64)
+    batches = batches_for("bert", model, torch.float64)
+    base = _value(model, batches, geometry, COMPACT)
+    assert base > 0
+    ratios = [_value(reparametrised_copy(model, scale=a, cond=None), batches, geometry, COMPACT) / base
+              for a in (1e-2, 1.0, 1e2)]
+    assert max(abs(r - 1) for r in ratios) < 1e-6, ratios
+
+
+@pytest.mark.parametrize("geometry", ["adaptive", "geodesic-inv", "geodesic-mix"])
+def test_compact_solver_value_is_within_its_rounding_of_the_float32_solver(geometry):
+    """float64 model (the losses carry no rounding of their own): the compact value is within
+    :data:`VALUE_BOUND` of the float32 solver's, and differs from it (the vectors are rounded)."""
+    model = tiny_bert(torch.float64)
+    batches = batches_for("bert", model, torch.float64)
+    full, compact = _value(model, batches, geometry), _value(model, batches, geometry, COMPACT)
+    assert full > 0 and abs(compact - full) <= VALUE_BOUND * full, (full, compact)
+    assert compact != full
+
+
+@pytest.mark.parametrize("solver_dtype, per_weight", [(None, 14), (COMPACT, 8)])
+def test_the_solver_holds_its_bytes_per_weight(monkeypatch, solver_dtype, per_weight):
+    """Beyond the model, a run without the worst point's gradient holds ξ, the worst point and the
+    gradient (float32, or bfloat16 in the compact solver) and the step in bfloat16: 14 bytes per
+    weight, 8 compact, and transients of one weight, or one piece of a pass, at a time (the
+    pieces made smaller than this model, as a real model's are). One float32 vector more than
+    that (4 bytes per weight) exceeds the slack."""
+    from quotient_manifolds.adapters import elementwise
+    from test_sharpness_engine import _LiveBytes
+
+    monkeypatch.setattr(elementwise, "CHUNK", 2 ** 14)
+    monkeypatch.setattr(elementwise, "REDUCTION_BLOCK", 2 ** 14)
+    torch.manual_seed(0)
+    width, depth = 128, 12
+    layers = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 3))
+    x, y = torch.randn(2, width), torch.tensor([0, 2])
+    n = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    tracker = _LiveBytes()
+    with tracker.mode:
+        sharpness(model, [(x, y)], geometry="adaptive", rho=0.05, n_iters=2,
+                  keep_worst_gradient=False, solver_dtype=solver_dtype)
+    slack = 6 * largest * 4 + 64 * 1024  # float32 transients of the largest weight, activations
+    assert slack < 4 * n and tracker.peak <= per_weight * n + slack, (tracker.peak / n, slack / n)
+
+
+def test_keep_worst_gradient_is_an_option_and_the_options_are_checked():
+    """``keep_worst_gradient`` decides the restarts' passes (kept: none recomputed), and both new
+    options refuse what they do not take, naming themselves."""
+    model = tiny_bert()
+    batches = batches_for("bert", model)
+    kept = sharpness(model, batches, geometry="adaptive", rho=0.05, n_iters=20,
+                     keep_worst_gradient=True)
+    lean = sharpness(model, batches, geometry="adaptive", rho=0.05, n_iters=20,
+                     keep_worst_gradient=False)
+    assert kept.value == lean.value and lean.n_forward > kept.n_forward
+    with pytest.raises(ValueError, match="solver_dtype must be None .* or torch.bfloat16"):
+        sharpness(model, batches, geometry="adaptive", rho=0.05, solver_dtype=torch.float16)
+    with pytest.raises((TypeError, ValueError), match="keep_worst_gradient"):
+        sharpness(model, batches, geometry="adaptive", rho=0.05, keep_worst_gradient="yes")
