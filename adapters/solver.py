@@ -382,7 +382,6 @@ def average_case(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], r
     rho = check.radius(rho)
     n_samples = check.positive_integer("n_samples", n_samples)
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
-    check_solver_dtype(solver_dtype)
     optional_generator("generator", generator)
     check.ball_and_closure(ball, closure)
     closure = check.scalar_closure(closure)
