@@ -94,3 +94,17 @@ def test_keep_worst_gradient_is_an_option_and_the_options_are_checked():
         sharpness(model, batches, geometry="adaptive", rho=0.05, solver_dtype=torch.float16)
     with pytest.raises((TypeError, ValueError), match="keep_worst_gradient"):
         sharpness(model, batches, geometry="adaptive", rho=0.05, keep_worst_gradient="yes")
+
+
+def test_the_out_of_memory_advice_gives_the_compact_solvers_arithmetic():
+    """weights + 8 bytes × trainable parameters, against the device's memory where known: a 7B
+    bfloat16 decoder fits an 80 GB card (71 GB), a 13B does not; no advice for a compact run."""
+    from quotient_manifolds.adapters.memory import _compact_advice
+
+    n7 = 7_070_000_000
+    advice = _compact_advice(None, 2 * n7, n7, 80 * 10 ** 9)
+    assert "solver_dtype=torch.bfloat16" in advice and f"8 × {n7:,}" in advice
+    assert "65.8 GiB before activations, within the device's 74.5 GiB" in advice
+    n13 = 13_000_000_000
+    assert "more than the device's 74.5 GiB" in _compact_advice(None, 2 * n13, n13, 80 * 10 ** 9)
+    assert _compact_advice(torch.bfloat16, 2 * n7, n7, 80 * 10 ** 9) == ""
