@@ -12,7 +12,10 @@ out-of-memory row prints the library's error (its first 300 characters).
     python benchmarks/bench_gpu_memory.py [--rows qwen2-7b:adaptive:default qwen2-7b:geodesic-inv:default
         qwen2-7b:adaptive:compact:80 llama2-13b-shape:adaptive:compact] [--iters 4] [--json FILE]
 
-A row is ``MODEL:GEOMETRY:SOLVER[:LIMIT_GIB]`` (models: ``bench_sharpness.DECODER_SHAPES``).
+A row is ``MODEL:GEOMETRY:SOLVER[:LIMIT_GIB]`` (models: ``bench_sharpness.DECODER_SHAPES``, or any
+other model ``bench_sharpness.build`` knows). ``--device cpu`` runs the rows' logic on the CPU
+(a smoke test of the script, e.g. ``--rows bert-base:adaptive:compact --batch 2 --seq 8``; no
+peaks there).
 """
 
 from __future__ import annotations
@@ -41,22 +44,28 @@ def measure(row: str, args, queue) -> None:
 
     model_name, geometry, solver, *limit = row.split(":")
     out = {"row": row}
+    cuda = args.device == "cuda"
     try:
-        if limit:
+        if limit and cuda:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(float(limit[0]) * 1e9 / total, 1.0))
             out["limit_gb"] = float(limit[0])
-        model = build(model_name, "cuda")
-        inputs, targets = batch(model, args.batch, args.seq, "cuda")
+        model = build(model_name, args.device)
+        inputs, targets = batch(model, args.batch, args.seq, args.device)
         n = sum(p.numel() for p in model.parameters())
         out["params"] = n
         stamps = []
 
         def stamp(*_):
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             stamps.append(time.perf_counter())
 
-        torch.cuda.reset_peak_memory_stats()
+        def peak_bytes():
+            return torch.cuda.max_memory_allocated() if cuda else 0
+
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         stamp()
         for _ in range(3):
             loss = torch.nn.functional.cross_entropy(model(**inputs).logits.float(), targets)
@@ -64,10 +73,11 @@ def measure(row: str, args, queue) -> None:
             model.zero_grad(set_to_none=True)
             stamp()
         out["fwd_bwd_s"] = min(b - a for a, b in zip(stamps, stamps[1:]))
-        out["fwd_bwd_peak_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        out["fwd_bwd_peak_gib"] = peak_bytes() / 2 ** 30
         del loss
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         stamps.clear()
         engine = sys.modules["quotient_manifolds.adapters.worst_case"]
         solver_run = engine.auto_pgd
@@ -82,7 +92,7 @@ def measure(row: str, args, queue) -> None:
                                  n_iters=args.iters, check_retraction=False,
                                  solver_dtype=torch.bfloat16 if solver == "compact" else None)
         times = [b - a for a, b in zip(stamps, stamps[1:])][1:-1]  # first (set-up) and last (fwd only) out
-        peak = torch.cuda.max_memory_allocated()
+        peak = peak_bytes()
         out.update(value=res.value, iter_s=min(times) if times else None, peak_gib=peak / 2 ** 30,
                    bytes_per_param_total=peak / n,
                    bytes_per_param_beyond=(peak - out["fwd_bwd_peak_gib"] * 2 ** 30) / n,
@@ -100,6 +110,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args(argv)
     ctx = mp.get_context("spawn")
     results = []
