@@ -296,6 +296,8 @@ def _result(rho: float, runs: List[Dict[str, Any]], options: SharpnessOptions, s
             f"model; use retraction='exact' or a smaller rho", UserWarning, stacklevel=stacklevel)
     recorded = {k: v for k, v in options.as_dict().items() if k not in ("layout", "loss_fn", "progress")}
     recorded["compute_dtype"] = "float32 (upcast from half precision)" if upcast else "model"
+    if options.solver_dtype is not None:  # a record stays plain data (JSON)
+        recorded["solver_dtype"] = str(options.solver_dtype)
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch), per_batch=per_batch,
         init_losses=[r["init"] for r in runs], worst_losses=[r["worst"] for r in runs],

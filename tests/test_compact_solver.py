@@ -51,6 +51,8 @@ def test_compact_solver_value_is_within_its_rounding_of_the_float32_solver(geome
     full, compact = _value(model, batches, geometry), _value(model, batches, geometry, COMPACT)
     assert full > 0 and abs(compact - full) <= VALUE_BOUND * full, (full, compact)
     assert compact != full
+    record = sharpness(model, batches, geometry=geometry, rho=0.05, n_iters=1, solver_dtype=COMPACT)
+    assert record.options["solver_dtype"] == "torch.bfloat16"   # plain data, as every option
 
 
 @pytest.mark.parametrize("solver_dtype, per_weight", [(None, 14), (COMPACT, 8)])
