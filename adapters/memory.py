@@ -9,6 +9,8 @@ and backward (:func:`room_for_two_more`, read by
 :func:`~quotient_manifolds.adapters.solver.auto_pgd`); and for the GL(h) attention blocks
 their heads, points and exact last step. The weights themselves are never copied: the model
 reads each perturbed weight when it needs it (:mod:`~quotient_manifolds.adapters.streaming`).
+The compact solver (``solver_dtype=torch.bfloat16``) keeps the elementwise weights' four vectors
+in bfloat16 (:data:`COMPACT_BYTES_PER_PARAMETER`).
 """
 
 from __future__ import annotations
