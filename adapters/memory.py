@@ -21,8 +21,9 @@ from typing import Dict, Optional, Union
 import torch
 from torch import nn
 
-__all__ = ["BYTES_PER_PARAMETER", "COMPACT_BYTES_PER_PARAMETER", "HEADROOM", "DeviceMemory", "SharpnessOutOfMemoryError",
-           "device_memory", "explained_out_of_memory", "room_for_two_more"]
+__all__ = ["BYTES_PER_PARAMETER", "COMPACT_BYTES_PER_PARAMETER", "HEADROOM", "DeviceMemory",
+           "SharpnessOutOfMemoryError", "device_memory", "explained_out_of_memory",
+           "room_for_two_more"]
 
 #: bytes per perturbed float32 weight held by the solver: ξ, the worst point and the gradient in
 #: float32, the last step ξ − ξ⁻ in bfloat16

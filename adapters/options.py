@@ -212,7 +212,7 @@ OPTION_DOCS: Dict[str, str] = {
         'the model and one forward and backward). ``torch.bfloat16``: the compact solver, which keeps\n'
         'the iterate, the worst point, the gradient and the last step of every weight outside the GL\n'
         'blocks in bfloat16 (8 bytes per weight, 10 with the worst point\'s gradient): each step is\n'
-        'formed in float32 and rounded once, the GL blocks keep float32 (the value stays invariant\n'
+        'formed in float32 and rounded once, the GL blocks keep theirs unrounded (the value stays invariant\n'
         'under the symmetries); it moves the value far less than its spread over batches (see the\n'
         "benchmarks' Memory section)."),
 }
