@@ -212,7 +212,9 @@ class QuotientComponent:
         time): the backward recomputes it, one component at a time, and differentiates that. The
         second-order retraction needs none: its backward is closed-form and keeps only ξ and
         h×h matrices (:func:`~quotient_manifolds.core.gl.second_order_retraction_vjp`). ``into``
-        is not used: the gradient of a quotient component is formed by :meth:`gradient`."""
+        (the solver's buffer for the gradient, which :meth:`gradient` forms after the backward,
+        and :meth:`combine` then overwrites) holds the closed-form point meanwhile: no tensor of
+        the block's size more through the forward and backward."""
         if self.closed_form_gradient:
             carried, self._next = self._next, None
             grams = (carried[2] if carried is not None and carried[0] is xi
@@ -220,7 +222,12 @@ class QuotientComponent:
             with torch.no_grad(), bounded_threads(self.threads):
                 point, grams = second_order_step(self.frame, xi, grams)
             self._forward = (xi, xi._version, grams) if need_grad else None
-            leaf = point.to(self.dtype).requires_grad_(need_grad)
+            if into is not None and into.shape == point.shape and into.dtype == self.dtype:
+                leaf = into.copy_(point).detach()  # a tensor of its own over the buffer's memory
+            else:
+                leaf = point.to(self.dtype)
+            del point
+            leaf.requires_grad_(need_grad)
             return [leaf], leaf
         leaf = xi.detach().requires_grad_(need_grad)
         if self.recompute and need_grad and self.retraction == "exact":
