@@ -1,5 +1,6 @@
-"""The compact solver (``solver_dtype=torch.bfloat16``): invariance, its value against the float32
-solver, the bytes it holds, and the options that replace the solver's module globals."""
+"""What the solver holds: the compact solver (``solver_dtype=torch.bfloat16``: invariance, its value
+against the float32 solver, its bytes), a GL block's point in the gradient buffer, the options that
+replace the solver's module globals and the out-of-memory advice."""
 
 from __future__ import annotations
 
@@ -110,3 +111,27 @@ def test_the_out_of_memory_advice_gives_the_compact_solvers_arithmetic():
     n13 = 13_000_000_000
     assert "more than the device's 74.5 GiB" in _compact_advice(None, 2 * n13, n13, 80 * 10 ** 9)
     assert _compact_advice(torch.bfloat16, 2 * n7, n7, 80 * 10 ** 9) == ""
+
+
+def test_a_gl_blocks_point_lives_in_the_solvers_gradient_buffer():
+    """Through the forward and backward the closed-form point of a GL block is held in the buffer
+    the solver hands for the gradient (free until the gradient is formed), not in a tensor of its
+    own: the same values as without the buffer, in its memory; the same gradient from it."""
+    from quotient_manifolds.adapters.components import QuotientComponent
+    from quotient_manifolds.core import GLQuotientGeometry
+
+    gen = torch.Generator().manual_seed(4)
+    x0 = torch.randn(3, 12, 3, dtype=torch.float64, generator=gen)
+    frame = GLQuotientGeometry(6, 6, 3, "inv").frame(x0, keep_dtype=True)
+    comp = QuotientComponent("gl", frame, x0, retraction="second_order")
+    xi = comp.project(0.2 * torch.randn(x0.shape, dtype=torch.float64, generator=gen))
+    weights = torch.randn(x0.shape, dtype=torch.float64, generator=gen)
+    results = []
+    for into in (None, comp.solver_vector()):
+        (leaf,), point = comp.leaf_point(xi, True, into)
+        if into is not None:
+            assert leaf.untyped_storage().data_ptr() == into.untyped_storage().data_ptr()
+        grads = list(torch.autograd.grad(torch.sin(point * weights).sum(), [leaf]))
+        results.append((point.detach().clone(), *comp.gradient(grads, xi)))
+    for plain, held in zip(*results):
+        assert torch.equal(plain, held)
