@@ -3,8 +3,8 @@
 Each row in a fresh process on the CUDA device: the decoder shape (bfloat16, from config, built on
 the device), a bfloat16 forward+backward of 32 × 32 tokens timed, then ``sharpness`` with the
 default or the compact solver (``solver_dtype=torch.bfloat16``), optionally under
-``torch.cuda.set_per_process_memory_fraction`` so that the allocator refuses past ``--limit-gib``
-(an 80 GB card simulated honestly). Prints, per row, seconds per Auto-PGD iteration against the
+``torch.cuda.set_per_process_memory_fraction`` so that the allocator refuses past the row's limit
+in GiB (an 80 GB card, 80 GiB, simulated honestly). Prints, per row, seconds per Auto-PGD iteration against the
 bf16 forward+backward, the peak GiB (``torch.cuda.max_memory_allocated``, weights included) and
 bytes per parameter in total (weights included) and beyond the forward+backward's peak; an
 out-of-memory row prints the library's error (its first 300 characters).
@@ -24,6 +24,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue as queue_module
 import sys
 import time
 
@@ -48,8 +49,9 @@ def measure(row: str, args, queue) -> None:
     try:
         if limit and cuda:
             total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(float(limit[0]) * 1e9 / total, 1.0))
-            out["limit_gb"] = float(limit[0])
+            # an "80 GB" A100 or H100 has 80 GiB
+            torch.cuda.set_per_process_memory_fraction(min(float(limit[0]) * 2 ** 30 / total, 1.0))
+            out["limit_gib"] = float(limit[0])
         model = build(model_name, args.device)
         inputs, targets = batch(model, args.batch, args.seq, args.device)
         n = sum(p.numel() for p in model.parameters())
@@ -118,7 +120,14 @@ def main(argv=None):
         queue = ctx.Queue()
         proc = ctx.Process(target=measure, args=(row, args, queue))
         proc.start()
-        got = queue.get()
+        got = None
+        while got is None:  # a child that died without reporting (killed, crashed) is a row too
+            alive = proc.is_alive()
+            try:
+                got = queue.get(timeout=5)
+            except queue_module.Empty:
+                if not alive:
+                    got = {"row": row, "error": f"the process died (exit code {proc.exitcode})"}
         proc.join()
         results.append(got)
         if "error" in got:
