@@ -51,6 +51,8 @@ class BallComponent(Protocol):
       the backward pass, and its grads are None);
     * ``step_buffer(compact)``: a zero vector like u for the last step d (``compact``: in the
       narrowest dtype the component's coordinates allow);
+    * ``solver_vector(dtype)``: a zero vector for an iterate, the worst point or a gradient, in
+      ``dtype`` (a compact solver's) where the component's coordinates allow it, else like u;
     * ``combine(out, u, d, g, a, c, b) -> ‖out‖²``: out ← a·u + c·d + b·g (``d`` None: 0; out may
       be the buffer g was written into, never u or d);
     * ``finish_step_(out, f, u, d)``: out ← f·out, then d ← out − u (in d's dtype).
@@ -88,6 +90,8 @@ class BallComponent(Protocol):
     def gradient(self, grads: List[Optional[Tensor]], u: Tensor) -> Tuple[Any, Tensor, Tensor]: ...
 
     def step_buffer(self, compact: bool) -> Tensor: ...
+
+    def solver_vector(self, dtype: Optional[torch.dtype] = None) -> Tensor: ...
 
     def combine(self, out: Tensor, u: Tensor, d: Optional[Tensor], g: Any, a: Tensor, c: Tensor,
                 b: Tensor) -> Tensor: ...
@@ -209,7 +213,9 @@ class QuotientComponent:
         time): the backward recomputes it, one component at a time, and differentiates that. The
         second-order retraction needs none: its backward is closed-form and keeps only ξ and
         h×h matrices (:func:`~quotient_manifolds.core.gl.second_order_retraction_vjp`). ``into``
-        is not used: the gradient of a quotient component is formed by :meth:`gradient`."""
+        (the solver's buffer for the gradient, which :meth:`gradient` forms after the backward,
+        and :meth:`combine` then overwrites) holds the closed-form point meanwhile: no tensor of
+        the block's size more through the forward and backward."""
         if self.closed_form_gradient:
             carried, self._next = self._next, None
             grams = (carried[2] if carried is not None and carried[0] is xi
@@ -217,7 +223,12 @@ class QuotientComponent:
             with torch.no_grad(), bounded_threads(self.threads):
                 point, grams = second_order_step(self.frame, xi, grams)
             self._forward = (xi, xi._version, grams) if need_grad else None
-            leaf = point.to(self.dtype).requires_grad_(need_grad)
+            if into is not None and into.shape == point.shape and into.dtype == self.dtype:
+                leaf = into.copy_(point).detach()  # a tensor of its own over the buffer's memory
+            else:
+                leaf = point.to(self.dtype)
+            del point
+            leaf.requires_grad_(need_grad)
             return [leaf], leaf
         leaf = xi.detach().requires_grad_(need_grad)
         if self.recompute and need_grad and self.retraction == "exact":
@@ -280,6 +291,11 @@ class QuotientComponent:
         arbitrarily (it is not invariant under the group's action)."""
         return self.zeros()
 
+    def solver_vector(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """A zero iterate in the iterates' own dtype whatever ``dtype`` (a compact solver's)
+        asks: as for the step (:meth:`step_buffer`), rounding would add a vertical part."""
+        return self.zeros()
+
 
 class ProductBall:
     """The product of components with one combined norm ‖ξ‖² = Σ_c ‖ξ_c‖² (docs/maths.md §6.3)."""
@@ -291,6 +307,12 @@ class ProductBall:
 
     def zeros(self) -> Tangent:
         return [c.zeros() for c in self.components]
+
+    def solver_vectors(self, dtype: Optional[torch.dtype] = None) -> Tangent:
+        """A zero vector of the solver's (an iterate, the worst point, a gradient): each
+        component's in ``dtype`` where its coordinates allow (the elementwise ones), in its own
+        dtype otherwise (the quotient ones); ``None``: :meth:`zeros`."""
+        return [c.solver_vector(dtype) for c in self.components]
 
     def inner(self, u: Tangent, v: Tangent) -> Tensor:
         return sum(c.inner(a, b) for c, a, b in zip(self.components, u, v))

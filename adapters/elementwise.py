@@ -38,6 +38,8 @@ REDUCTION_BLOCK = 2 ** 18
 #: component is kept compact, per iterate dtype: bfloat16 for float32 (2 bytes per weight instead
 #: of 4); any other dtype (float64) keeps its own.
 COMPACT_STEP_DTYPES: Dict[torch.dtype, torch.dtype] = {torch.float32: torch.bfloat16}
+#: dtypes of two bytes, which the passes over a solver's vectors read in float32
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 #: One-dimensional tensors of at most this many elements (biases, norm scales) get their streaming
 #: points formed together, in one autograd node per evaluation, before the model reads them: per
 #: tensor, the host work of a recipe and a node of its own costs more than holding the values.
@@ -51,9 +53,13 @@ def add_dot_(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
     block by block (:data:`REDUCTION_BLOCK`) in a fixed order: on the CPU one BLAS dot per block,
     on an accelerator one batched product per call for all whole blocks (few launches)."""
     n, block = a.numel(), REDUCTION_BLOCK
-    if a.device.type == "cpu":
+    # a compact (bfloat16) solver vector is read in float32, one block at a time: its products
+    # then carry float32's precision, and no float32 copy of the whole vector is formed
+    wide = torch.float32 if a.dtype in HALF_DTYPES or b.dtype in HALF_DTYPES else None
+    if a.device.type == "cpu" or wide is not None:
         for s in range(0, n, block):
-            out += torch.dot(a[s:s + block], b[s:s + block])
+            x, y = a[s:s + block], b[s:s + block]
+            out += torch.dot(x, y) if wide is None else torch.dot(x.to(wide), y.to(wide))
         return out
     whole = n - n % block
     if whole:
@@ -94,7 +100,7 @@ class _StreamedSmall(torch.autograd.Function):
         ctx.comp, ctx.point, ctx.indices = comp, point, indices
         ctx.rs = [r.detach() for r in rs]
         ws = [comp.tensors[i] for i in indices]
-        if not comp.second_order and all(w.dtype == comp.dtype for w in ws):
+        if not comp.second_order and all(t.dtype == comp.dtype for t in (*ws, *rs)):
             return tuple(torch._foreach_addcmul(ws, ws, list(rs)))  # one call for all of them
         return tuple(comp.moved(w, r) for w, r in zip(ws, rs))
 
@@ -141,11 +147,12 @@ class StreamedPoint:
     def __init__(self, comp: "ElementwiseComponent", leaves: List[Tensor], need_grad: bool,
                  into: Optional[Tensor] = None):
         self.comp, self.leaves = comp, leaves
-        if into is not None and (into.shape != (comp.numel,) or into.dtype != comp.dtype):
-            raise InvalidArgument(f"the gradient buffer must be a flat {comp.dtype} vector of "
+        dtype = leaves[0].dtype if leaves else comp.dtype  # the solver's vectors' (compact or not)
+        if into is not None and (into.shape != (comp.numel,) or into.dtype != dtype):
+            raise InvalidArgument(f"the gradient buffer must be a flat {dtype} vector of "
                                   f"{comp.numel} elements, got {tuple(into.shape)} {into.dtype}")
         self.gradient = None if not need_grad else (
-            into if into is not None else torch.empty(comp.numel, dtype=comp.dtype, device=comp.device))
+            into if into is not None else torch.empty(comp.numel, dtype=dtype, device=comp.device))
         self.written = [False] * len(leaves)
 
     def weights(self) -> Dict[str, "LazyWeight"]:
@@ -330,6 +337,13 @@ class ElementwiseComponent:
     def zeros(self) -> Tensor:
         return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
 
+    def solver_vector(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """A zero vector for one of the solver's iterates (ξ, the worst point, a gradient) in r =
+        ξ/w, in ``dtype`` (a compact solver's bfloat16: r's relative rounding is ξ's, whatever the
+        scale of each weight; the points and passes still compute in :attr:`dtype`), or the
+        iterates' dtype."""
+        return torch.zeros(self.numel, dtype=dtype or self.dtype, device=self.device)
+
     def inner(self, u: Tensor, v: Tensor) -> Tensor:
         out = self._zero()
         for w, fixed, a, b in self._over(u, v):
@@ -383,6 +397,7 @@ class ElementwiseComponent:
         """w(1 + r), or with ``second_order`` w(1 + r + r²/2), in the component's dtype (the point
         at ξ = w r; ``out`` receives it)."""
         if self.second_order:
+            r = r.to(self.dtype)  # a compact solver's r: the point is formed in the compute dtype
             return torch.addcmul(r, r, r, value=0.5, out=out).add_(1.0).mul_(w)
         if w.dtype != self.dtype:  # half-precision weights: the point is formed in float32, in place
             base = w.to(self.dtype) if out is None else out.copy_(w)
@@ -552,10 +567,13 @@ class ElementwiseComponent:
                 a: Tensor, c: Tensor, b: Tensor) -> Tensor:
         sq = self._zero()
         for o, x, g, *step in self._flat_over(out, r, h, *(() if d is None else (d,))):
-            torch.mul(g, b, out=o)  # first: ``out`` may be the gradient's own buffer
-            o.addcmul_(x, a)
+            # a compact vector's piece is combined in the compute dtype and rounded once
+            y = torch.mul(g, b, out=o) if o.dtype == self.dtype else g.to(self.dtype).mul_(b)
+            y.addcmul_(x, a)  # after g: ``out`` may be the gradient's own buffer
             if step:
-                o.addcmul_(step[0], c)
+                y.addcmul_(step[0], c)
+            if y is not o:
+                o.copy_(y)
             add_dot_(sq, o, o)
         return sq
 

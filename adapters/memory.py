@@ -9,6 +9,8 @@ and backward (:func:`room_for_two_more`, read by
 :func:`~quotient_manifolds.adapters.solver.auto_pgd`); and for the GL(h) attention blocks
 their heads, points and exact last step. The weights themselves are never copied: the model
 reads each perturbed weight when it needs it (:mod:`~quotient_manifolds.adapters.streaming`).
+The compact solver (``solver_dtype=torch.bfloat16``) keeps the elementwise weights' four vectors
+in bfloat16 (:data:`COMPACT_BYTES_PER_PARAMETER`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from torch import nn
 
 from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType, SharpnessOutOfMemoryError
 
-__all__ = ["BYTES_PER_PARAMETER", "HEADROOM", "DeviceMemory",
+__all__ = ["BYTES_PER_PARAMETER", "COMPACT_BYTES_PER_PARAMETER", "HEADROOM", "DeviceMemory",
            "device_memory", "explained_out_of_memory", "room_for_two_more"]
 
 #: bytes per perturbed float32 weight held by the solver: ξ, the worst point and the gradient in
 #: float32, the last step ξ − ξ⁻ in bfloat16
 BYTES_PER_PARAMETER = 14
+#: the same for the compact solver (``solver_dtype=torch.bfloat16``): the four vectors in bfloat16
+COMPACT_BYTES_PER_PARAMETER = 8
 #: the share of a device's memory that :func:`room_for_two_more` leaves free: room for what a
 #: reading cannot see (the allocator's fragmentation, other processes on the device)
 HEADROOM = 0.05
@@ -122,13 +126,15 @@ def _gib(n: float) -> str:
 
 
 class explained_out_of_memory:  # noqa: N801 - a context manager named like torch.no_grad
-    """``with explained_out_of_memory(model, what):`` turns an allocator's out-of-memory error
-    inside the block into a :class:`SharpnessOutOfMemoryError` that gives the run's needs (bytes
-    per parameter × trainable parameters, beside the model's own size and the device's free
-    memory) and what to do; the allocator's trace is dropped (its first line is quoted)."""
+    """``with explained_out_of_memory(model, what, solver_dtype):`` turns an allocator's
+    out-of-memory error inside the block into a :class:`SharpnessOutOfMemoryError` that gives the
+    run's needs (bytes per parameter × trainable parameters, beside the model's own size and the
+    device's free memory) and what to do, the compact solver first where the run did not use it
+    (``solver_dtype`` None), with what it would hold; the allocator's trace is dropped (its first
+    line is quoted)."""
 
-    def __init__(self, model: nn.Module, what: str):
-        self.model, self.what = model, what
+    def __init__(self, model: nn.Module, what: str, solver_dtype: Optional[torch.dtype] = None):
+        self.model, self.what, self.solver_dtype = model, what, solver_dtype
 
     def __enter__(self) -> None:
         return None
@@ -141,7 +147,7 @@ class explained_out_of_memory:  # noqa: N801 - a context manager named like torc
         trainable = sum(p.numel() for p in params if p.requires_grad)
         weights = sum(p.numel() * p.element_size() for p in params)
         device = params[0].device if params else torch.device("cpu")
-        free = ""
+        free, total = "", None
         if device.type == "cuda":
             torch.cuda.empty_cache()
             free_bytes, total = torch.cuda.mem_get_info(device)
@@ -152,9 +158,24 @@ class explained_out_of_memory:  # noqa: N801 - a context manager named like torc
             f"({_gib(weights)}) and the activations of one forward+backward of a batch (float32), "
             f"it holds about {BYTES_PER_PARAMETER} bytes per trainable parameter × {trainable:,} = "
             f"{_gib(BYTES_PER_PARAMETER * trainable)}{free}, and 4 bytes more where it keeps the "
-            f"worst point's gradient (quotient_manifolds.adapters.solver.KEEP_WORST_GRADIENT = "
-            f"False never keeps it). Use a smaller batch (fewer or shorter "
-            f"sequences), keep weights out of the ball (requires_grad=False on those to hold "
-            f"fixed), or shard the model over several devices with FSDP2 "
+            f"worst point's gradient (keep_worst_gradient=False never keeps it). "
+            f"{_compact_advice(self.solver_dtype, weights, trainable, total)}Or use a smaller "
+            f"batch (fewer or shorter sequences), keep weights out of the ball (requires_grad=False "
+            f"on those to hold fixed), or shard the model over several devices with FSDP2 "
             f"(torch.distributed.fsdp.fully_shard; sharpness then holds 1/world of this per "
             f"device). The model is unchanged.") from None
+
+
+def _compact_advice(solver_dtype: Optional[torch.dtype], weights: int, trainable: int,
+                    total: Optional[int]) -> str:
+    """The sentence of the out-of-memory error on the compact solver, with its arithmetic (and
+    whether weights and solver then fit the device's ``total`` bytes, where known); nothing where
+    the run already used it."""
+    if solver_dtype is not None:
+        return ""
+    need = weights + COMPACT_BYTES_PER_PARAMETER * trainable
+    fits = ("" if total is None else
+            f", {'within' if need < total else 'more than'} the device's {_gib(total)}")
+    return (f"The compact solver (solver_dtype=torch.bfloat16) holds "
+            f"{COMPACT_BYTES_PER_PARAMETER} bytes per parameter instead: weights {_gib(weights)} + "
+            f"{COMPACT_BYTES_PER_PARAMETER} × {trainable:,} = {_gib(need)} before activations{fits}. ")

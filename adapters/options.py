@@ -24,7 +24,7 @@ from quotient_manifolds.errors import InvalidArgument, InvalidArgumentType
 from . import validation as check
 from .ball import GEOMETRY_TABLE, Geometry, geometry_of
 from .elementwise import ADAPTIVE_DIRECTIONS
-from .solver import MOMENTUM_FORMS, STEP_NORMALIZATIONS
+from .solver import MOMENTUM_FORMS, STEP_NORMALIZATIONS, check_solver_dtype
 
 __all__ = ["MEASURES", "SharpnessOptions", "SharpnessKwargs", "PerGeometryKwargs",
            "GeometryName", "RetractionName", "MeasureName", "MomentumForm", "StepNormalization",
@@ -89,6 +89,8 @@ class SharpnessOptions:
     include_frozen: bool = False
     check_retraction: bool = True
     retraction_tolerance: float = 0.1
+    keep_worst_gradient: Optional[bool] = None
+    solver_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         geometry_of(self.geometry)
@@ -110,6 +112,9 @@ class SharpnessOptions:
                      "unsafe", "progress", "include_frozen", "check_retraction"):
             flag(name, getattr(self, name))
         check.optional_layout("layout", self.layout)
+        if self.keep_worst_gradient is not None:
+            flag("keep_worst_gradient", self.keep_worst_gradient)
+        check_solver_dtype(self.solver_dtype)
         check.plain_numbers(self, ints=("n_iters", "n_samples", "seed", "num_threads"),
                             floats=("step_size_mult", "gram_eps", "retraction_tolerance"))
         if self.include_frozen and self.layout is not None and getattr(self.layout, "frozen", None):
@@ -141,21 +146,22 @@ SHARPNESS_OPTION_NAMES: Tuple[str, ...] = tuple(f.name for f in fields(Sharpness
 def renamed_options(options: Mapping[str, Any], *, stacklevel: int = 2) -> Dict[str, Any]:
     """``options`` (keywords of :func:`sharpness`) with each former spelling of :data:`RENAMED_OPTIONS`
     replaced by the name now, with a ``DeprecationWarning`` issued ``stacklevel`` frames up from the
-    caller (2: the caller's caller); an unknown name is refused (``TypeError`` naming it)."""
+    caller (2: the caller's caller); an unknown name is refused (:class:`~quotient_manifolds.errors.InvalidArgumentType` naming it)."""
     out = dict(options)
     for old, new in RENAMED_OPTIONS.items():
         if old in out:
             if new in out:
-                raise InvalidArgumentType(f"{old}= and {new}= are one option ({old} is its former spelling): "
-                                f"pass only {new}=")
+                raise InvalidArgumentType(f"{old}= and {new}= are one option ({old} is its former "
+                                          f"spelling): pass only {new}=")
             warnings.warn(f"the option {old}= is now spelt {new}= (one spelling, as torch's); the "
                           f"former spelling is accepted until the next release", DeprecationWarning,
                           stacklevel=stacklevel + 1)
             out[new] = out.pop(old)
     unknown = [k for k in out if k not in SHARPNESS_OPTION_NAMES]
     if unknown:
-        raise InvalidArgumentType(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the options are "
-                        f"those of adapters.sharpness (rho, {', '.join(SHARPNESS_OPTION_NAMES)})")
+        raise InvalidArgumentType(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}: the "
+                                  f"options are those of adapters.sharpness (rho, "
+                                  f"{', '.join(SHARPNESS_OPTION_NAMES)})")
     return out
 
 
@@ -193,6 +199,8 @@ class PerGeometryKwargs(TypedDict, total=False):
     include_frozen: bool
     check_retraction: bool
     retraction_tolerance: float
+    keep_worst_gradient: Optional[bool]
+    solver_dtype: Optional[torch.dtype]
 
 
 class SharpnessKwargs(PerGeometryKwargs, total=False):
@@ -303,6 +311,20 @@ OPTION_DOCS: Dict[str, str] = {
         'two integrations of 1 and 2 steps).'),
     'retraction_tolerance': (
         'relative gap beyond which ``check_retraction`` warns (default 0.1).'),
+    'keep_worst_gradient': (
+        "keep the gradient at Auto-PGD's worst point, which saves a forward and backward at each\n"
+        'restart from it, for one more vector of the ball (4 bytes per weight, 2 with\n'
+        '``solver_dtype=torch.bfloat16``). ``None`` (default): kept where the device still holds it\n'
+        'after the first forward and backward (with 5 % of its memory to spare); ``False``: never\n'
+        '(the least memory); ``True``: always.'),
+    'solver_dtype': (
+        "``None`` (default): the solver's vectors in float32 (14 bytes per perturbed weight beyond\n"
+        'the model and one forward and backward). ``torch.bfloat16``: the compact solver, which keeps\n'
+        'the iterate, the worst point, the gradient and the last step of every weight outside the GL\n'
+        'blocks in bfloat16 (8 bytes per weight, 10 with the worst point\'s gradient): each step is\n'
+        'formed in float32 and rounded once, the GL blocks keep theirs unrounded (the value stays invariant\n'
+        'under the symmetries); it moves the value far less than its spread over batches (see the\n'
+        "benchmarks' Memory section)."),
 }
 
 

@@ -272,6 +272,9 @@ class ShardedQuotients(_OverRanks):
     def step_buffer(self, compact: bool) -> Tensor:
         return self.zeros()  # exact, as every quotient component's (QuotientComponent.step_buffer)
 
+    def solver_vector(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        return self.zeros()  # in the iterates' dtype, as QuotientComponent.solver_vector
+
     def combine(self, out: Tensor, u: Tensor, d: Optional[Tensor], g: List[Tensor], a: Tensor,
                 c: Tensor, b: Tensor) -> Tensor:
         ds = self._views(d) if d is not None else [None] * len(self.components)

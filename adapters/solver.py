@@ -24,12 +24,10 @@ from .memory import device_memory, room_for_two_more
 Tensor = torch.Tensor
 
 MOMENTUM_FORMS = ("apgd", "andriushchenko", "none")
-#: The default of :func:`auto_pgd`'s ``keep_worst_gradient`` (and so of every sharpness run):
-#: ``None`` keeps the worst point's gradient where, after the first forward and backward, the
-#: device's memory still holds two more vectors of the ball's size beside that pass's peak
-#: (:func:`~quotient_manifolds.adapters.memory.room_for_two_more`); ``False`` never (the least
-#: memory: 14 bytes per float32 weight), ``True`` always.
-KEEP_WORST_GRADIENT: Optional[bool] = None
+#: The dtypes of the solver's vectors that :func:`auto_pgd`'s ``solver_dtype`` takes: ``None``
+#: (the iterates' own, float32 for a float32 or half-precision model) or ``torch.bfloat16`` (the
+#: compact solver: the elementwise weights' iterate, worst point, gradient and step in bfloat16)
+SOLVER_DTYPES: Tuple[Optional[torch.dtype], ...] = (None, torch.bfloat16)
 STEP_NORMALIZATIONS = ("metric", "none")
 #: The default of :func:`auto_pgd`'s ``compact_step`` (and so of every sharpness run): the last
 #: step of the elementwise components is stored in bfloat16 for float32 iterates
@@ -146,7 +144,8 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
              on_iteration: Optional[Callable[[int, float], None]] = None,
              start: Optional[Tuple[Tangent, float]] = None,
              keep_worst_gradient: Optional[bool] = None,
-             compact_step: Optional[bool] = None) -> APGDResult:
+             compact_step: Optional[bool] = None,
+             solver_dtype: Optional[torch.dtype] = None) -> APGDResult:
     r"""Maximise ``closure(ball.points(ξ))`` over horizontal ξ with ‖ξ‖ ≤ ρ (docs/maths.md §7.1, §7.3).
 
     Iterations k = 0..N−1 each cost exactly one forward and one backward: the pass at ξ_k gives both
@@ -188,12 +187,23 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     size). ``keep_worst_gradient`` keeps the gradient at an older worst point as one more vector,
     which saves a forward and backward at each restart from it (3 to 6 restarts in 20 iterations
     on MiniLM); without it the restart recomputes the gradient there (same values, one more pass
-    of each). Default (``None``): :data:`KEEP_WORST_GRADIENT`, which by default decides after
-    the first forward and backward, with ξ, its gradient and d allocated: it keeps the gradient
-    while the device's memory (CUDA; the CPU's on Linux) still holds the two vectors to come (the
-    worst point and its gradient) beside that pass's peak and 5 % of the device to spare
+    of each). Default (``None``): decided after the first forward and backward, with ξ, its
+    gradient and d allocated: the gradient is kept while the device's memory (CUDA; the CPU's on
+    Linux) still holds the two vectors to come (the worst point and its gradient) beside that
+    pass's peak and 5 % of the device to spare
     (:func:`~quotient_manifolds.adapters.memory.room_for_two_more`), the same on every rank of a
-    sharded ball (:meth:`ProductBall.on_every_rank`).
+    sharded ball (:meth:`ProductBall.on_every_rank`); ``False`` never keeps it (the least memory),
+    ``True`` always.
+
+    ``solver_dtype=torch.bfloat16`` is the compact solver (:data:`SOLVER_DTYPES`): the
+    elementwise components keep ξ, the worst point, the gradient (and the kept gradient) in
+    bfloat16 in their coordinates r = ξ/w (2 bytes each instead of 4: 8 bytes per float32 weight
+    instead of 14, 10 with the worst point's gradient). Each step is still formed in float32, a
+    piece at a time, and rounded once; the points are formed in the compute dtype, so only ξ's
+    own entries are rounded, by at most 2⁻⁹ relative: at ‖ξ‖ = ρ a change of the loss of order
+    2⁻⁹ of the loss's rise along ξ, and the value returned is the loss at a point actually
+    evaluated. The quotient components keep float32 iterates (rounding would add a vertical
+    part), so the value stays invariant under the model's symmetries.
     """
     rho = check.radius(rho)
     n_iters = check.positive_integer("n_iters", n_iters)
@@ -208,6 +218,7 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
     choice("momentum", momentum, MOMENTUM_FORMS)
     choice("step_normalization", step_normalization, STEP_NORMALIZATIONS)
     check.optional_callable("on_iteration", on_iteration, "on_iteration(k, loss)")
+    check_solver_dtype(solver_dtype)
     for name, value in (("keep_worst_gradient", keep_worst_gradient), ("compact_step", compact_step)):
         if value is not None:
             flag(name, value)
@@ -227,14 +238,12 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
         for buf in pool:
             if all(buf is not h for h in held):
                 return buf
-        pool.append(ball.zeros())
+        pool.append(ball.solver_vectors(solver_dtype))
         return pool[-1]
 
     xi = free()
     compact_step = COMPACT_STEP if compact_step is None else compact_step
     last_step = [comp.step_buffer(compact_step) for comp in comps]
-    if keep_worst_gradient is None:
-        keep_worst_gradient = KEEP_WORST_GRADIENT  # None: decided after the first evaluation
     eta = 2 * rho * step_size_mult
     if start is None:
         xi_sq = torch.zeros((), dtype=torch.float64, device=xi[0].device)
@@ -306,9 +315,19 @@ def auto_pgd(ball: ProductBall, closure: Callable[[List[Tensor]], Tensor], rho: 
             n_updates += 1
         if on_iteration is not None:
             on_iteration(k, loss)
+    del pool, xi, grad, grad_worst, last_step  # only the worst point is returned
     xi_worst = [comp.from_coords_(u) for comp, u in zip(comps, xi_worst)]
     return APGDResult(loss0, worst, xi_worst, float(ball.norm(xi_worst)), n_fwd, n_bwd, history,
                       steps)
+
+
+def check_solver_dtype(solver_dtype: Optional[torch.dtype], name: str = "solver_dtype"
+                       ) -> Optional[torch.dtype]:
+    """``solver_dtype`` if it is one of :data:`SOLVER_DTYPES`, else an InvalidArgument naming them."""
+    if not any(solver_dtype is d for d in SOLVER_DTYPES):
+        raise InvalidArgument(f"{name} must be None (the solver's vectors in the iterates' dtype) or "
+                              f"torch.bfloat16 (the compact solver), got {solver_dtype!r}")
+    return solver_dtype
 
 
 def _points_at(ball: ProductBall, xi: Tangent) -> list:

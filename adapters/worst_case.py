@@ -284,7 +284,7 @@ def run_sharpness(model: torch.nn.Module, batches: Iterable[Any], rhos: Sequence
     tokens = check.TokenInputs(model)
     # the placement (module placement): whether the model is sharded decides where tensors live
     placement: Placement = ShardedPlacement(model, what) if is_sharded(model) else LocalPlacement(model)
-    with explained_out_of_memory(model, what), placement.session():
+    with explained_out_of_memory(model, what, options.solver_dtype), placement.session():
         prepared = placement.prepare(batches, options, tokens, stacklevel + 1)
         started = time.perf_counter()
         with bounded_threads(prepared.num_threads):
@@ -358,7 +358,8 @@ def _worst_case_run(ball: ProductBall, closure: Any, rho: float, options: Sharpn
     before): its result and its record."""
     res = auto_pgd(ball, closure, rho, n_iters=options.n_iters, momentum=options.momentum,
                    step_normalization=options.step_normalization, step_size_mult=options.step_size_mult,
-                   on_iteration=on_iteration,
+                   on_iteration=on_iteration, keep_worst_gradient=options.keep_worst_gradient,
+                   solver_dtype=options.solver_dtype,
                    start=None if previous is None else (previous.xi, previous.init_loss))
     check.ascent_found(res, rho, stacklevel=5)  # as if sharpness() warned
     share = ball.quotient_share(res.xi)
@@ -393,6 +394,8 @@ def _result(rho: float, runs: List[Dict[str, Any]], options: SharpnessOptions, s
             f"model; use retraction='exact' or a smaller rho", UserWarning, stacklevel=stacklevel)
     recorded = {k: v for k, v in options.as_dict().items() if k not in ("layout", "loss_fn", "progress")}
     recorded["compute_dtype"] = "float32 (upcast from half precision)" if upcast else "model"
+    if options.solver_dtype is not None:  # a record stays plain data (JSON)
+        recorded["solver_dtype"] = str(options.solver_dtype)
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch), per_batch=per_batch,
         init_losses=[r["init"] for r in runs], worst_losses=[r["worst"] for r in runs],

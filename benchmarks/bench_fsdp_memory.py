@@ -37,9 +37,6 @@ def _rank(rank, world, port, args, queue):
     from torch.distributed.fsdp import fully_shard
 
     from quotient_manifolds import adapters
-    from quotient_manifolds.adapters import solver
-
-    solver.KEEP_WORST_GRADIENT = False
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -77,7 +74,8 @@ def _rank(rank, world, port, args, queue):
         tracker = LiveTensorBytes()
         with tracker.mode:
             adapters.sharpness(model, [batch], geometry=geometry, rho=0.05, n_iters=args.iters,
-                               layout=layout, loss_fn=adapters.next_token_loss, check_retraction=False)
+                               layout=layout, loss_fn=adapters.next_token_loss, check_retraction=False,
+                               keep_worst_gradient=False)
         peaks[geometry] = tracker.peak
     queue.put((rank, n, peaks))
     dist.barrier()

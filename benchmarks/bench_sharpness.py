@@ -59,6 +59,11 @@ DECODER_SHAPES = {
                        num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    # Llama-2-13B's proportions (40 layers, 40 heads of 128 without grouping, untied) in a Qwen2
+    # decoder: 12.85 B parameters with the classification head
+    "llama2-13b-shape": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                             num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                             tie_word_embeddings=False),
 }
 #: half-precision models are measured in float32 (at their rounded weights), so their row also
 #: times a float32 forward+backward: the baseline of what the measurement itself adds

@@ -3,7 +3,11 @@
 # the others' time: the CUDA tests, the sharpness rows of BERT-base and the Qwen2-0.5B shape (32 x
 # 128 tokens), the launch and sync counts of one iteration, the geometry core on BERT-base's heads
 # (the inv frame's eigendecomposition among them), geodesic SAM on BERT-base, and the 7B decoder
-# shape (32 x 32 tokens).
+# shape (32 x 32 tokens), and the memory rows (bench_gpu_memory.py: the Qwen2-7B shape with the
+# default solver on the whole device and the compact one under an 80 GB limit, the 13B shape with
+# the compact one; each row: seconds per iteration against the bf16 forward+backward, peak GiB,
+# bytes per parameter). The memory rows have not run on a GPU yet: run them first,
+# GPU_ROWS_STAGES=memory (at most 540 s).
 #
 #   bash benchmarks/gpu_rows.sh [OUT_DIR]        (default: gpu-rows/; logs and JSON land there)
 #   GPU_ROWS_STAGES="geometry sam" bash benchmarks/gpu_rows.sh OUT_DIR     (only those stages)
@@ -25,7 +29,7 @@ out=${1:-gpu-rows}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
-stages=" ${GPU_ROWS_STAGES:-tests sharpness launches geometry sam decoders} "
+stages=" ${GPU_ROWS_STAGES:-tests sharpness launches geometry sam decoders memory} "
 stage() {  # stage NAME SECONDS COMMAND...: the command's output to the screen and $out/NAME.log
     local name=$1 seconds=$2
     shift 2
@@ -46,3 +50,4 @@ stage sam 150 python3 benchmarks/bench_sam.py --device cuda --models bert-base -
 stage decoders 240 python3 benchmarks/bench_sharpness.py --device cuda --models qwen2-7b \
     --batch 32 --seq 32 --iters 4 --rounds 1 --threads 4 --methods adaptive geodesic-inv \
     --json "$out/decoders.json"
+stage memory 540 python3 benchmarks/bench_gpu_memory.py --iters 4 --json "$out/memory.json"
