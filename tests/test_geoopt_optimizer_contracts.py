@@ -190,7 +190,12 @@ def test_adapters_sgd_is_the_library_sgd():
     """One implementation: the adapters' optimizer is the library's (its buffer initialiser is
     quotient_manifolds.geoopt.init_momentum_buffers, served from there only)."""
     assert issubclass(adapters.InvariantRiemannianSGD, RiemannianSGD)
-    assert "step" not in vars(adapters.InvariantRiemannianSGD)
+    # torch.optim.Optimizer wraps a class's step on its first instance (hooks, profiling), setting
+    # the wrapper on that class: what the class runs is still the library's step
+    own = [name for name, value in vars(adapters.InvariantRiemannianSGD).items()
+           if callable(value) and getattr(value, "__qualname__", "").split(".")[0] == "InvariantRiemannianSGD"]
+    assert own == []
+    assert adapters.InvariantRiemannianSGD.step.__qualname__ == "RiemannianSGD.step"
     from quotient_manifolds.adapters import lora_training
     assert not hasattr(lora_training, "init_momentum_buffers")
 
