@@ -137,7 +137,7 @@ def test_sharded_run_without_a_layout_equals_the_one_call_value(world, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2])   # uneven shards (3 ranks) are the float test's: this one is about dtypes
 def test_half_precision_shards_are_measured_in_float32_as_the_unsharded_model(world, tmp_path):
     procs = launch(world, tmp_path, "test_fsdp_one_run", "measure_sharded", WHAT="half")
     half = measure_half(build().to(torch.bfloat16))   # evaluated in float32 at the bfloat16 weights
