@@ -39,8 +39,9 @@ def batches():
     return [{"input_ids": ids, "labels": ids}]
 
 
-def measure(model):
-    """Every value the test compares, from the public entry points, with no layout=."""
+def measure(model, compact: bool = True):
+    """Every value the test compares, from the public entry points, with no layout= (and the
+    compact solver's value when ``compact``)."""
     from quotient_manifolds import adapters
 
     out = {}
@@ -56,6 +57,8 @@ def measure(model):
     out["sweep"] = [r.value for r in sweep]
     out["exact"] = adapters.sharpness(model, batches(), geometry="geodesic-inv", rho=0.05, retraction="exact",
                                       **OPTIONS).value
+    if not compact:
+        return out
     # the compact solver on both placements (geodesic-inv: its elementwise and its GL blocks)
     out["compact"] = adapters.sharpness(model, batches(), geometry="geodesic-inv", rho=RHO["geodesic-inv"],
                                         solver_dtype=torch.bfloat16, **OPTIONS).value
@@ -96,7 +99,8 @@ def measure_sharded():
     if what == "float":
         model = shard(build())
         before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
-        out = measure(model)
+        # the compact solver on 2 ranks (3 ranks' uneven shards are the float32 solver's question)
+        out = measure(model, compact=torch.distributed.get_world_size() == 2)
         out["unchanged"] = unchanged(model, before)
         return out
     halves = {"bf16": shard(build().to(torch.bfloat16)),
@@ -131,8 +135,11 @@ def test_sharded_run_without_a_layout_equals_the_one_call_value(world, tmp_path)
     assert got["exact"] == pytest.approx(local["exact"], rel=1e-10)   # the exact geodesic on the owners
     # the compact solver's bfloat16 roundings are not bit-identical across placements (measured:
     # 1.7e-4 relative on adaptive); they agree within its bound against the float32 solver
-    assert got["compact"] == pytest.approx(local["compact"], rel=1e-2)
-    assert got["compact"] != got["geodesic-inv"]["value"]
+    if world == 2:
+        assert got["compact"] == pytest.approx(local["compact"], rel=1e-2)
+        assert got["compact"] != got["geodesic-inv"]["value"]
+    else:
+        assert "compact" not in got
     assert local["sweep"][0] <= local["sweep"][1]
 
 
